@@ -1,0 +1,635 @@
+//! The fabric layer: the verbs model behind one API.
+//!
+//! The objects and calls map one-to-one onto libibverbs/librdmacm:
+//!
+//! | here | verbs |
+//! |---|---|
+//! | [`Fabric::open`] | `rdma_create_id` + `rdma_resolve_addr`/`rdma_bind_addr` → `ibv_context` |
+//! | [`Fabric::alloc_pd`] | `ibv_alloc_pd` |
+//! | [`ProtectionDomain::register`] | `ibv_reg_mr` |
+//! | [`Fabric::create_cq`] | `ibv_create_comp_channel` + `ibv_create_cq` |
+//! | [`CompletionQueue::poll`] / [`CompletionQueue::arm`] / [`CompletionQueue::fd`] | `ibv_poll_cq` / `ibv_req_notify_cq` / channel fd |
+//! | [`Fabric::create_qp`] + [`QueuePair::connect`] | `rdma_create_qp` + `rdma_connect` (active side) |
+//! | [`Fabric::listen`] / [`Listener::poll_request`] | `rdma_listen` / `RDMA_CM_EVENT_CONNECT_REQUEST` |
+//! | [`ConnectRequest::into_queue_pair`] + [`QueuePair::accept`] | `rdma_create_qp` + `rdma_accept` (passive side) |
+//! | [`QueuePair::post_send`] / [`QueuePair::post_recv`] | `ibv_post_send` / `ibv_post_recv` |
+//! | [`QueuePair::disconnect`] | `rdma_disconnect` |
+//!
+//! Providers: `tcp` (this crate, [`tcp`]) carries the same semantics over a
+//! TCP stream; `verbs` (a later provider) drives a real RDMA NIC. Callers never
+//! name a provider: the URL scheme picks it.
+//!
+//! # Semantics every provider keeps
+//! - Reliable connected: work requests on one queue pair execute in order;
+//!   an RDMA WRITE posted before a SEND is visible in the peer's memory
+//!   before the peer sees the SEND's receive completion.
+//! - A signaled send-queue work request completes when the peer has
+//!   acknowledged it; the local buffers may be reused after that.
+//! - One-sided operations (RDMA WRITE, RDMA READ) are served by the peer's
+//!   provider without involving the peer application's code.
+//! - Any protection violation (unknown rkey, out of bounds, missing access
+//!   right, no posted receive) moves the queue pair to [`QpState::Error`]:
+//!   the faulting work request completes with its error status and every
+//!   other outstanding work request completes with [`WcStatus::WrFlushError`],
+//!   signaled or not. Work requests posted to a queue pair in error are
+//!   flushed the same way.
+
+pub mod memory;
+pub mod tcp;
+mod url;
+
+use std::fmt;
+use std::os::fd::RawFd;
+use std::time::Duration;
+
+pub use memory::AlignedBuf;
+pub use url::{FabricUrl, ProviderKind};
+
+/// Access rights of a memory region (`IBV_ACCESS_*`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Access(u32);
+
+impl Access {
+    /// No rights beyond local read (always granted).
+    pub const NONE: Access = Access(0);
+    /// The local provider may write into the region (receives, RDMA READ targets).
+    pub const LOCAL_WRITE: Access = Access(1);
+    /// A peer may RDMA WRITE into the region. Requires `LOCAL_WRITE`, as in verbs.
+    pub const REMOTE_WRITE: Access = Access(2);
+    /// A peer may RDMA READ from the region.
+    pub const REMOTE_READ: Access = Access(4);
+
+    /// Whether every right in `other` is granted.
+    pub fn contains(self, other: Access) -> bool {
+        self.0 & other.0 == other.0
+    }
+    /// The raw bits.
+    pub fn bits(self) -> u32 {
+        self.0
+    }
+}
+
+impl std::ops::BitOr for Access {
+    type Output = Access;
+    fn bitor(self, rhs: Access) -> Access {
+        Access(self.0 | rhs.0)
+    }
+}
+
+impl fmt::Debug for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut names = Vec::new();
+        if self.contains(Access::LOCAL_WRITE) {
+            names.push("LOCAL_WRITE");
+        }
+        if self.contains(Access::REMOTE_WRITE) {
+            names.push("REMOTE_WRITE");
+        }
+        if self.contains(Access::REMOTE_READ) {
+            names.push("REMOTE_READ");
+        }
+        write!(f, "Access({})", if names.is_empty() { "NONE".to_owned() } else { names.join("|") })
+    }
+}
+
+/// Local key of a memory region: names it in local scatter-gather entries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Lkey(pub u32);
+
+/// Remote key of a memory region: a peer names it in RDMA READ/WRITE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Rkey(pub u32);
+
+/// The caller's identifier for a work request, returned in its completion.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WrId(pub u64);
+
+/// Identifies a queue pair in completions (`ibv_wc.qp_num`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct QpNum(pub u32);
+
+/// A scatter-gather entry: a range of registered local memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sge {
+    pub addr: u64,
+    pub length: u32,
+    pub lkey: Lkey,
+}
+
+/// What a send-queue work request does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SendOp {
+    /// Two-sided: consumes one receive posted by the peer.
+    Send,
+    /// One-sided: places the local SGEs at `remote_addr` in the peer's region `rkey`.
+    RdmaWrite { remote_addr: u64, rkey: Rkey },
+    /// One-sided: fetches from the peer's `remote_addr` into the local SGEs.
+    RdmaRead { remote_addr: u64, rkey: Rkey },
+}
+
+/// A send-queue work request (`ibv_send_wr`).
+#[derive(Clone, Copy, Debug)]
+pub struct SendWr<'a> {
+    pub wr_id: WrId,
+    pub op: SendOp,
+    pub sges: &'a [Sge],
+    /// Generate a completion on success. Errors always complete.
+    pub signaled: bool,
+    /// Copy the payload at post time (`IBV_SEND_INLINE`); SGE lkeys are then
+    /// not checked and the buffers may be reused as soon as `post_send` returns.
+    pub inline: bool,
+}
+
+/// A receive work request (`ibv_recv_wr`).
+#[derive(Clone, Copy, Debug)]
+pub struct RecvWr<'a> {
+    pub wr_id: WrId,
+    pub sges: &'a [Sge],
+}
+
+/// Which kind of work request a completion belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WcOpcode {
+    Send,
+    RdmaWrite,
+    RdmaRead,
+    Recv,
+}
+
+/// Completion status (`ibv_wc_status`, the subset a storage protocol meets).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WcStatus {
+    Success,
+    /// An incoming message was longer than the posted receive, or an RDMA
+    /// READ response longer than its local SGEs (`IBV_WC_LOC_LEN_ERR`).
+    LocalLengthError,
+    /// A local SGE named an unknown lkey, lay outside its region or lacked
+    /// `LOCAL_WRITE` where the provider writes (`IBV_WC_LOC_PROT_ERR`).
+    LocalProtectionError,
+    /// Flushed because the queue pair is in the error state (`IBV_WC_WR_FLUSH_ERR`).
+    WrFlushError,
+    /// The peer refused the rkey, range or access right (`IBV_WC_REM_ACCESS_ERR`).
+    RemoteAccessError,
+    /// The peer found the request malformed (`IBV_WC_REM_INV_REQ_ERR`).
+    RemoteInvalidRequest,
+    /// The peer had no receive posted (`IBV_WC_RNR_RETRY_EXC_ERR`).
+    RnrRetryExceeded,
+    /// The connection to the peer was lost (`IBV_WC_RETRY_EXC_ERR`).
+    TransportError,
+    /// Anything else (`IBV_WC_GENERAL_ERR`).
+    GeneralError,
+}
+
+/// A work completion (`ibv_wc`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Completion {
+    pub wr_id: WrId,
+    pub qp_num: QpNum,
+    pub opcode: WcOpcode,
+    pub status: WcStatus,
+    /// Bytes received, for `Recv` and `RdmaRead`; otherwise unspecified.
+    pub byte_len: u32,
+}
+
+impl Completion {
+    /// An empty completion, for initialising arrays handed to [`CompletionQueue::poll`].
+    pub const EMPTY: Completion = Completion {
+        wr_id: WrId(0),
+        qp_num: QpNum(0),
+        opcode: WcOpcode::Send,
+        status: WcStatus::Success,
+        byte_len: 0,
+    };
+}
+
+/// Queue pair sizing (`ibv_qp_cap`). The provider may round up; read back
+/// the granted values with [`QueuePair::caps`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpCaps {
+    pub max_send_wr: u32,
+    pub max_recv_wr: u32,
+    pub max_send_sge: u32,
+    pub max_recv_sge: u32,
+    pub max_inline_data: u32,
+}
+
+impl Default for QpCaps {
+    fn default() -> Self {
+        QpCaps { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 4, max_recv_sge: 4, max_inline_data: 256 }
+    }
+}
+
+/// Queue pair state, reduced to what users act on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QpState {
+    /// Created, not yet connected (RESET/INIT/RTR).
+    Init,
+    /// Connected; work requests execute (RTS).
+    Ready,
+    /// Failed or disconnected; work requests are flushed (ERR).
+    Error,
+}
+
+/// The one error type of the fabric layer: a small matchable kind plus context.
+#[derive(Debug, thiserror::Error)]
+#[error("{kind}: {context}")]
+pub struct FabricError {
+    pub kind: FabricErrorKind,
+    pub context: String,
+    #[source]
+    pub source: Option<std::io::Error>,
+}
+
+/// What went wrong, for callers that branch on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FabricErrorKind {
+    /// The URL is not `tcp://host:port` or `rdma://host:port`.
+    InvalidUrl,
+    /// The provider for this URL is not available on this machine.
+    ProviderUnavailable,
+    /// An argument breaks the verbs rules (too many SGEs, inline too large...).
+    InvalidArgument,
+    /// The send or receive queue is full.
+    QueueFull,
+    /// Connecting failed: refused, unreachable or rejected by the peer.
+    ConnectFailed,
+    /// An operation did not finish in time.
+    Timeout,
+    /// The operation needs a queue pair in a different state.
+    InvalidState,
+    /// An operating-system call failed.
+    Io,
+}
+
+impl fmt::Display for FabricErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FabricErrorKind::InvalidUrl => "invalid fabric URL",
+            FabricErrorKind::ProviderUnavailable => "fabric provider unavailable",
+            FabricErrorKind::InvalidArgument => "invalid argument",
+            FabricErrorKind::QueueFull => "work queue full",
+            FabricErrorKind::ConnectFailed => "connection failed",
+            FabricErrorKind::Timeout => "timed out",
+            FabricErrorKind::InvalidState => "invalid queue pair state",
+            FabricErrorKind::Io => "I/O error",
+        })
+    }
+}
+
+impl FabricError {
+    /// An error without an OS source.
+    pub fn new(kind: FabricErrorKind, context: impl Into<String>) -> Self {
+        FabricError { kind, context: context.into(), source: None }
+    }
+    /// An error caused by an OS call.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        let kind = if source.kind() == std::io::ErrorKind::TimedOut {
+            FabricErrorKind::Timeout
+        } else {
+            FabricErrorKind::Io
+        };
+        FabricError { kind, context: context.into(), source: Some(source) }
+    }
+}
+
+/// Result of fabric calls.
+pub type Result<T> = std::result::Result<T, FabricError>;
+
+/// An opened provider and device for one URL (an `ibv_context` plus the
+/// address it was resolved from).
+pub struct Fabric {
+    inner: FabricImpl,
+}
+
+enum FabricImpl {
+    Tcp(tcp::TcpFabric),
+}
+
+/// A protection domain: memory regions and queue pairs of one domain can
+/// only reach each other.
+pub struct ProtectionDomain {
+    inner: PdImpl,
+}
+
+enum PdImpl {
+    Tcp(tcp::TcpPd),
+}
+
+/// A registered memory region. Dropping it deregisters: its keys become
+/// invalid and the provider never touches its memory again.
+pub struct MemoryRegion {
+    inner: MrImpl,
+}
+
+enum MrImpl {
+    Tcp(tcp::TcpMr),
+}
+
+/// A completion queue with a completion channel.
+pub struct CompletionQueue {
+    inner: CqImpl,
+}
+
+enum CqImpl {
+    Tcp(tcp::TcpCq),
+}
+
+/// A reliable-connected queue pair.
+pub struct QueuePair {
+    inner: QpImpl,
+}
+
+enum QpImpl {
+    Tcp(tcp::TcpQp),
+}
+
+/// A passive endpoint that yields connection requests.
+pub struct Listener {
+    inner: ListenerImpl,
+}
+
+enum ListenerImpl {
+    Tcp(tcp::TcpListener),
+}
+
+/// A peer's request to connect, not yet accepted.
+pub struct ConnectRequest {
+    inner: ConnectRequestImpl,
+}
+
+enum ConnectRequestImpl {
+    Tcp(tcp::TcpConnectRequest),
+}
+
+impl Fabric {
+    /// Opens the provider named by the URL's scheme, for that address.
+    pub fn open(url: &FabricUrl) -> Result<Fabric> {
+        match url.provider {
+            ProviderKind::Tcp => Ok(Fabric { inner: FabricImpl::Tcp(tcp::TcpFabric::open(url)?) }),
+            ProviderKind::Rdma => Err(FabricError::new(
+                FabricErrorKind::ProviderUnavailable,
+                format!("{url}: this build has no verbs provider; use tcp://"),
+            )),
+        }
+    }
+
+    /// The URL this fabric was opened for.
+    pub fn url(&self) -> &FabricUrl {
+        match &self.inner {
+            FabricImpl::Tcp(f) => f.url(),
+        }
+    }
+
+    /// Allocates a protection domain.
+    pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
+        match &self.inner {
+            FabricImpl::Tcp(f) => Ok(ProtectionDomain { inner: PdImpl::Tcp(f.alloc_pd()?) }),
+        }
+    }
+
+    /// Creates a completion queue able to hold `capacity` completions.
+    pub fn create_cq(&self, capacity: u32) -> Result<CompletionQueue> {
+        match &self.inner {
+            FabricImpl::Tcp(f) => Ok(CompletionQueue { inner: CqImpl::Tcp(f.create_cq(capacity)?) }),
+        }
+    }
+
+    /// Creates an active-side queue pair for this fabric's URL. Post receives,
+    /// then call [`QueuePair::connect`].
+    pub fn create_qp(&self, pd: &ProtectionDomain, cq: &CompletionQueue, caps: QpCaps) -> Result<QueuePair> {
+        match (&self.inner, &pd.inner, &cq.inner) {
+            (FabricImpl::Tcp(f), PdImpl::Tcp(pd), CqImpl::Tcp(cq)) => {
+                Ok(QueuePair { inner: QpImpl::Tcp(f.create_qp(pd, cq, caps)?) })
+            }
+        }
+    }
+
+    /// Listens on this fabric's URL.
+    pub fn listen(&self) -> Result<Listener> {
+        match &self.inner {
+            FabricImpl::Tcp(f) => Ok(Listener { inner: ListenerImpl::Tcp(f.listen()?) }),
+        }
+    }
+}
+
+impl ProtectionDomain {
+    /// Registers caller-owned memory.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must be valid for reads and writes and stay
+    /// allocated until the returned region is dropped. Peers may write into
+    /// it at any time the access rights allow, so the caller must not hold
+    /// Rust references into it across such windows; treat it as device memory.
+    pub unsafe fn register(&self, addr: *mut u8, len: usize, access: Access) -> Result<MemoryRegion> {
+        match &self.inner {
+            // SAFETY: the caller's contract is forwarded unchanged.
+            PdImpl::Tcp(pd) => Ok(MemoryRegion { inner: MrImpl::Tcp(unsafe { pd.register(addr, len, access)? }) }),
+        }
+    }
+}
+
+impl MemoryRegion {
+    /// Key for local scatter-gather entries.
+    pub fn lkey(&self) -> Lkey {
+        match &self.inner {
+            MrImpl::Tcp(mr) => mr.lkey(),
+        }
+    }
+    /// Key a peer uses to reach this region.
+    pub fn rkey(&self) -> Rkey {
+        match &self.inner {
+            MrImpl::Tcp(mr) => mr.rkey(),
+        }
+    }
+    /// Start address of the region.
+    pub fn addr(&self) -> u64 {
+        match &self.inner {
+            MrImpl::Tcp(mr) => mr.addr(),
+        }
+    }
+    /// Length of the region in bytes.
+    pub fn len(&self) -> usize {
+        match &self.inner {
+            MrImpl::Tcp(mr) => mr.len(),
+        }
+    }
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Rights granted at registration.
+    pub fn access(&self) -> Access {
+        match &self.inner {
+            MrImpl::Tcp(mr) => mr.access(),
+        }
+    }
+    /// An SGE covering `[offset, offset + length)` of this region.
+    pub fn sge(&self, offset: usize, length: u32) -> Sge {
+        Sge { addr: self.addr() + offset as u64, length, lkey: self.lkey() }
+    }
+}
+
+impl CompletionQueue {
+    /// Polls up to `out.len()` completions; returns how many were written.
+    /// For providers without their own progress engine (tcp) this call also
+    /// drives the queue pairs attached to this CQ.
+    pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
+        match &self.inner {
+            CqImpl::Tcp(cq) => cq.poll(out),
+        }
+    }
+    /// A file descriptor that becomes readable when the CQ, after [`arm`],
+    /// may have new completions. Put it in the caller's epoll set.
+    ///
+    /// [`arm`]: CompletionQueue::arm
+    pub fn fd(&self) -> RawFd {
+        match &self.inner {
+            CqImpl::Tcp(cq) => cq.fd(),
+        }
+    }
+    /// Requests a notification on the fd for the next completion. Poll once
+    /// more after arming to close the race, as with `ibv_req_notify_cq`.
+    pub fn arm(&self) -> Result<()> {
+        match &self.inner {
+            CqImpl::Tcp(cq) => cq.arm(),
+        }
+    }
+    /// Consumes the notification after the fd was readable.
+    pub fn ack_event(&self) -> Result<()> {
+        match &self.inner {
+            CqImpl::Tcp(cq) => cq.ack_event(),
+        }
+    }
+    /// Blocks until the CQ may have completions or `timeout` passes.
+    /// Returns `false` on timeout. Arms, waits on the fd and acknowledges.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<bool> {
+        self.arm()?;
+        let mut pfd = libc::pollfd { fd: self.fd(), events: libc::POLLIN, revents: 0 };
+        let ms = timeout.map(|t| t.as_millis().min(i32::MAX as u128) as i32).unwrap_or(-1);
+        // SAFETY: `pfd` is a valid pollfd for the duration of the call.
+        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if rc < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                return Ok(false);
+            }
+            return Err(FabricError::io("poll on completion channel", err));
+        }
+        if rc == 0 {
+            return Ok(false);
+        }
+        self.ack_event()?;
+        Ok(true)
+    }
+}
+
+impl QueuePair {
+    /// The number completions of this queue pair carry.
+    pub fn qp_num(&self) -> QpNum {
+        match &self.inner {
+            QpImpl::Tcp(qp) => qp.qp_num(),
+        }
+    }
+    /// Current state.
+    pub fn state(&self) -> QpState {
+        match &self.inner {
+            QpImpl::Tcp(qp) => qp.state(),
+        }
+    }
+    /// Sizes granted at creation.
+    pub fn caps(&self) -> QpCaps {
+        match &self.inner {
+            QpImpl::Tcp(qp) => qp.caps(),
+        }
+    }
+    /// The peer's address, for logs.
+    pub fn peer(&self) -> String {
+        match &self.inner {
+            QpImpl::Tcp(qp) => qp.peer(),
+        }
+    }
+    /// Active side: connects to the fabric's URL, sending `private_data`;
+    /// returns the peer's reply private data. Receives must be posted first.
+    pub fn connect(&self, private_data: &[u8], timeout: Duration) -> Result<Vec<u8>> {
+        match &self.inner {
+            QpImpl::Tcp(qp) => qp.connect(private_data, timeout),
+        }
+    }
+    /// Passive side: completes a connection made by
+    /// [`ConnectRequest::into_queue_pair`]. Receives must be posted first.
+    pub fn accept(&self, private_data: &[u8]) -> Result<()> {
+        match &self.inner {
+            QpImpl::Tcp(qp) => qp.accept(private_data),
+        }
+    }
+    /// Posts a chain of send-queue work requests, executed in order.
+    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
+        match &self.inner {
+            QpImpl::Tcp(qp) => qp.post_send(wrs),
+        }
+    }
+    /// Posts receives.
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        match &self.inner {
+            QpImpl::Tcp(qp) => qp.post_recv(wrs),
+        }
+    }
+    /// Moves the queue pair to the error state and tells the peer. Every
+    /// outstanding work request completes with [`WcStatus::WrFlushError`].
+    pub fn disconnect(&self) {
+        match &self.inner {
+            QpImpl::Tcp(qp) => qp.disconnect(),
+        }
+    }
+}
+
+impl Listener {
+    /// Readable when [`poll_request`](Listener::poll_request) may make progress.
+    pub fn fd(&self) -> RawFd {
+        match &self.inner {
+            ListenerImpl::Tcp(l) => l.fd(),
+        }
+    }
+    /// The address actually bound (port 0 resolved), as a URL.
+    pub fn local_url(&self) -> FabricUrl {
+        match &self.inner {
+            ListenerImpl::Tcp(l) => l.local_url(),
+        }
+    }
+    /// Returns the next complete connection request, if any, without blocking.
+    pub fn poll_request(&self) -> Result<Option<ConnectRequest>> {
+        match &self.inner {
+            ListenerImpl::Tcp(l) => Ok(l.poll_request()?.map(|r| ConnectRequest { inner: ConnectRequestImpl::Tcp(r) })),
+        }
+    }
+}
+
+impl ConnectRequest {
+    /// The private data the peer sent with its request.
+    pub fn private_data(&self) -> &[u8] {
+        match &self.inner {
+            ConnectRequestImpl::Tcp(r) => r.private_data(),
+        }
+    }
+    /// The peer's address, for logs.
+    pub fn peer(&self) -> String {
+        match &self.inner {
+            ConnectRequestImpl::Tcp(r) => r.peer(),
+        }
+    }
+    /// Creates the passive-side queue pair. Post receives, then call
+    /// [`QueuePair::accept`].
+    pub fn into_queue_pair(self, pd: &ProtectionDomain, cq: &CompletionQueue, caps: QpCaps) -> Result<QueuePair> {
+        match (self.inner, &pd.inner, &cq.inner) {
+            (ConnectRequestImpl::Tcp(r), PdImpl::Tcp(pd), CqImpl::Tcp(cq)) => {
+                Ok(QueuePair { inner: QpImpl::Tcp(r.into_queue_pair(pd, cq, caps)?) })
+            }
+        }
+    }
+    /// Refuses the request, sending `private_data` as the reason.
+    pub fn reject(self, private_data: &[u8]) {
+        match self.inner {
+            ConnectRequestImpl::Tcp(r) => r.reject(private_data),
+        }
+    }
+}

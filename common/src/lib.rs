@@ -1,0 +1,9 @@
+//! Shared pieces of rdmablk: the wire protocol (v1), units and identifiers,
+//! and the fabric layer that carries capsules and one-sided RDMA operations.
+//!
+//! Everything the target and the initiator exchange is defined here, so the
+//! two ends cannot drift apart.
+
+pub mod fabric;
+pub mod protocol;
+pub mod size;

@@ -1,0 +1,695 @@
+//! Wire protocol v1: fixed-size little-endian capsules.
+//!
+//! Every message is a SEND carrying either a 64-byte [`CommandCapsule`]
+//! (initiator → target), optionally followed by inline data, or a 32-byte
+//! [`ResponseCapsule`] (target → initiator), optionally followed by a small
+//! fixed reply structure ([`ConnectReply`], [`VolumeInfo`]). Bulk data never
+//! rides in a SEND except for small inline writes: the command names the
+//! initiator's buffer with a [`DataDescriptor`] and the target moves the data
+//! with RDMA WRITE (for READ) or RDMA READ (for WRITE).
+//!
+//! Decoding is two steps: `decode` checks the length and reads the fields,
+//! `validate` checks the structural rules that need no target state (known
+//! opcode, reserved bytes zero, flags legal for the opcode). Semantic checks
+//! that need the volume (range, alignment, read-only) belong to the target.
+//!
+//! The layout is documented byte by byte in `docs/PROTOCOL.md`.
+
+use std::fmt;
+
+/// The protocol version this build speaks. Checked at CONNECT.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Size of a command capsule on the wire, without inline data.
+pub const COMMAND_CAPSULE_SIZE: usize = 64;
+/// Size of a response capsule on the wire, without reply data.
+pub const RESPONSE_CAPSULE_SIZE: usize = 32;
+/// Largest reply structure that may follow a response capsule.
+pub const MAX_RESPONSE_DATA: usize = 224;
+/// A receive buffer on the initiator must hold this many bytes.
+pub const RESPONSE_SLOT_SIZE: usize = RESPONSE_CAPSULE_SIZE + MAX_RESPONSE_DATA;
+/// Longest host identifier carried by CONNECT (inline, UTF-8).
+pub const MAX_HOST_ID_LEN: usize = 223;
+/// Longest volume or target name (UTF-8, NUL padded on the wire).
+pub const MAX_NAME_LEN: usize = 64;
+/// Inline data a CONNECT may carry before negotiation (the host id).
+pub const CONNECT_INLINE_MAX: usize = MAX_HOST_ID_LEN;
+
+const _: () = assert!(RESPONSE_SLOT_SIZE == 256);
+
+/// Identifies a command within a queue pair; echoed in its response.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct CommandId(pub u16);
+
+/// Identifies an opened volume within a session (returned by OPEN).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct VolumeId(pub u32);
+
+/// A logical block address, in units of the volume's block size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Lba(pub u64);
+
+/// A number of logical blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct BlockCount(pub u32);
+
+impl fmt::Display for VolumeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Why a capsule could not be decoded or failed structural validation.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("capsule truncated: {got} bytes, need {need}")]
+    Truncated { got: usize, need: usize },
+    #[error("unknown opcode {0:#04x}")]
+    UnknownOpcode(u8),
+    #[error("flags {flags:#04x} not valid for {opcode:?}")]
+    BadFlags { opcode: Opcode, flags: u8 },
+    #[error("reserved field at byte {offset} is not zero")]
+    ReservedNotZero { offset: usize },
+    #[error("inline length {inline_len} disagrees with {actual} bytes received")]
+    InlineLength { inline_len: u32, actual: usize },
+    #[error("{field} is not valid UTF-8 or too long")]
+    BadString { field: &'static str },
+    #[error("unknown status code {0}")]
+    UnknownStatus(u16),
+    #[error("field {field} has an invalid value")]
+    InvalidField { field: &'static str },
+}
+
+macro_rules! wire_enum {
+    ($(#[$m:meta])* $name:ident : $repr:ty { $($(#[$vm:meta])* $variant:ident = $value:expr),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[repr($repr)]
+        pub enum $name { $($(#[$vm])* $variant = $value),+ }
+        impl $name {
+            /// Every value of this enum, in wire order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+            /// The enum value for a wire value, if it is one.
+            pub fn from_wire(v: $repr) -> Option<Self> {
+                match v { $($value => Some($name::$variant),)+ _ => None }
+            }
+            /// The wire value.
+            pub fn to_wire(self) -> $repr { self as $repr }
+        }
+    };
+}
+
+wire_enum! {
+    /// Command opcodes. Admin commands are below 0x10, I/O commands from 0x10.
+    Opcode: u8 {
+        /// First command on a queue pair: version and limits negotiation.
+        Connect = 0x01,
+        /// Writes a [`VolumeInfo`] array into the descriptor; result = total count.
+        ListVolumes = 0x02,
+        /// Opens the volume named in the inline data; reply data = [`VolumeInfo`].
+        OpenVolume = 0x03,
+        /// Closes an opened volume.
+        CloseVolume = 0x04,
+        /// No-op that proves the target is alive.
+        KeepAlive = 0x05,
+        /// Target reads the disk and RDMA-WRITEs into the descriptor.
+        Read = 0x10,
+        /// Target RDMA-READs the descriptor (or takes inline data) and writes the disk.
+        Write = 0x11,
+        /// Makes every completed write durable.
+        Flush = 0x12,
+        /// Deallocates a block range; its contents become unspecified.
+        Discard = 0x13,
+        /// Sets a block range to zeroes.
+        WriteZeroes = 0x14,
+    }
+}
+
+impl Opcode {
+    /// Whether this opcode addresses a volume's blocks.
+    pub fn is_io(self) -> bool {
+        (self as u8) >= 0x10
+    }
+    /// Whether this command may carry a data descriptor.
+    pub fn uses_descriptor(self) -> bool {
+        matches!(self, Opcode::ListVolumes | Opcode::Read | Opcode::Write)
+    }
+    /// Whether this command may carry inline data after the capsule.
+    pub fn allows_inline(self) -> bool {
+        matches!(self, Opcode::Connect | Opcode::OpenVolume | Opcode::Write)
+    }
+}
+
+wire_enum! {
+    /// Response status. Every failure has its own code so that a caller can
+    /// tell exactly what was wrong. `detail` in the response adds context
+    /// (an errno for `IoError`, the supported version for `VersionMismatch`).
+    Status: u16 {
+        Success = 0,
+        /// The opcode is not known to this target.
+        InvalidOpcode = 1,
+        /// A field has a value the protocol does not allow (reserved bits, flags).
+        InvalidField = 2,
+        /// CONNECT asked for a protocol version the target does not speak.
+        VersionMismatch = 3,
+        /// A command other than CONNECT arrived before CONNECT.
+        NotConnected = 4,
+        /// CONNECT arrived on a queue pair that is already connected.
+        AlreadyConnected = 5,
+        /// No volume with that name (OPEN) or id (other commands) exists.
+        UnknownVolume = 6,
+        /// The volume id is valid but this session has not opened it.
+        VolumeNotOpen = 7,
+        /// The block range lies (partly) outside the volume, or overflows.
+        OutOfRange = 8,
+        /// A data length is not a multiple of the volume's block size.
+        Misaligned = 9,
+        /// The transfer exceeds the negotiated max I/O size or inline size.
+        TooLarge = 10,
+        /// The volume (or this session's grant) is read-only.
+        ReadOnly = 11,
+        /// The backing device failed; detail carries the errno.
+        IoError = 12,
+        /// The RDMA READ or WRITE to the initiator's buffer failed.
+        TransferError = 13,
+        /// The backend cannot perform this command.
+        NotSupported = 14,
+        /// A zero-length transfer where data is required.
+        ZeroLength = 15,
+        /// The descriptor length disagrees with block_count × block_size.
+        LengthMismatch = 16,
+        /// More commands outstanding than the negotiated queue depth.
+        QueueFull = 17,
+        /// The target is shutting down and takes no new commands.
+        ShuttingDown = 18,
+        /// The host is not allowed to do this.
+        AccessDenied = 19,
+        /// An internal error in the target; see its log.
+        InternalError = 20,
+        /// The volume is open and cannot be removed or reopened this way.
+        Busy = 21,
+    }
+}
+
+impl Status {
+    /// A short human-readable description, used in error messages.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Status::Success => "success",
+            Status::InvalidOpcode => "invalid opcode",
+            Status::InvalidField => "invalid field in command",
+            Status::VersionMismatch => "protocol version mismatch",
+            Status::NotConnected => "queue pair is not connected (CONNECT first)",
+            Status::AlreadyConnected => "queue pair is already connected",
+            Status::UnknownVolume => "unknown volume",
+            Status::VolumeNotOpen => "volume is not open in this session",
+            Status::OutOfRange => "block range is outside the volume",
+            Status::Misaligned => "length is not a multiple of the block size",
+            Status::TooLarge => "transfer is larger than the negotiated maximum",
+            Status::ReadOnly => "volume is read-only",
+            Status::IoError => "I/O error on the backing device",
+            Status::TransferError => "RDMA transfer to or from the initiator buffer failed",
+            Status::NotSupported => "command not supported by this volume's backend",
+            Status::ZeroLength => "zero-length transfer",
+            Status::LengthMismatch => "data length does not match the block count",
+            Status::QueueFull => "queue depth exceeded",
+            Status::ShuttingDown => "target is shutting down",
+            Status::AccessDenied => "access denied",
+            Status::InternalError => "internal target error",
+            Status::Busy => "volume is busy",
+        }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.describe())
+    }
+}
+
+/// Command flag: the write must be durable before the response (Force Unit Access).
+pub const FLAG_FUA: u8 = 0x01;
+/// Command flag: the write's data follows the capsule inline (no descriptor).
+pub const FLAG_INLINE_DATA: u8 = 0x02;
+const KNOWN_FLAGS: u8 = FLAG_FUA | FLAG_INLINE_DATA;
+
+/// Names a buffer in the initiator's registered memory (a keyed SGL).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct DataDescriptor {
+    /// Address of the buffer in the initiator's address space.
+    pub remote_addr: u64,
+    /// Length of the buffer in bytes.
+    pub length: u32,
+    /// Remote key of the memory region that holds the buffer.
+    pub rkey: u32,
+}
+
+/// The 64-byte command capsule.
+///
+/// | bytes | field |
+/// |---|---|
+/// | 0 | opcode |
+/// | 1 | flags |
+/// | 2..4 | command id |
+/// | 4..8 | volume id |
+/// | 8..16 | starting block |
+/// | 16..20 | block count |
+/// | 20..24 | inline data length |
+/// | 24..40 | data descriptor {addr u64, length u32, rkey u32} |
+/// | 40..42 | CONNECT: protocol version |
+/// | 42..44 | reserved |
+/// | 44..48 | CONNECT: requested queue depth |
+/// | 48..52 | CONNECT: requested max I/O size |
+/// | 52..64 | reserved |
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CommandCapsule {
+    pub opcode: Opcode,
+    pub flags: u8,
+    pub command_id: CommandId,
+    pub volume_id: VolumeId,
+    pub start_block: Lba,
+    pub block_count: BlockCount,
+    pub inline_len: u32,
+    pub descriptor: DataDescriptor,
+    /// CONNECT only: the protocol version the initiator speaks.
+    pub version: u16,
+    /// CONNECT only: requested queue depth.
+    pub queue_depth: u32,
+    /// CONNECT only: requested max I/O size in bytes.
+    pub max_io_size: u32,
+}
+
+impl CommandCapsule {
+    /// A capsule with every field zero except the opcode and command id.
+    pub fn new(opcode: Opcode, command_id: CommandId) -> Self {
+        CommandCapsule {
+            opcode,
+            flags: 0,
+            command_id,
+            volume_id: VolumeId(0),
+            start_block: Lba(0),
+            block_count: BlockCount(0),
+            inline_len: 0,
+            descriptor: DataDescriptor::default(),
+            version: 0,
+            queue_depth: 0,
+            max_io_size: 0,
+        }
+    }
+
+    /// Whether the FUA flag is set.
+    pub fn fua(&self) -> bool {
+        self.flags & FLAG_FUA != 0
+    }
+
+    /// Whether the data is inline.
+    pub fn has_inline_data(&self) -> bool {
+        self.flags & FLAG_INLINE_DATA != 0
+    }
+
+    /// Writes the capsule into the first 64 bytes of `out`.
+    pub fn encode(&self, out: &mut [u8; COMMAND_CAPSULE_SIZE]) {
+        out.fill(0);
+        out[0] = self.opcode.to_wire();
+        out[1] = self.flags;
+        put_u16(out, 2, self.command_id.0);
+        put_u32(out, 4, self.volume_id.0);
+        put_u64(out, 8, self.start_block.0);
+        put_u32(out, 16, self.block_count.0);
+        put_u32(out, 20, self.inline_len);
+        put_u64(out, 24, self.descriptor.remote_addr);
+        put_u32(out, 32, self.descriptor.length);
+        put_u32(out, 36, self.descriptor.rkey);
+        put_u16(out, 40, self.version);
+        put_u32(out, 44, self.queue_depth);
+        put_u32(out, 48, self.max_io_size);
+    }
+
+    /// Encodes into a fresh array.
+    pub fn to_bytes(&self) -> [u8; COMMAND_CAPSULE_SIZE] {
+        let mut out = [0u8; COMMAND_CAPSULE_SIZE];
+        self.encode(&mut out);
+        out
+    }
+
+    /// Reads a capsule from the start of a received message and validates it.
+    /// `message` is the whole SEND payload: capsule plus inline data.
+    pub fn decode(message: &[u8]) -> Result<Self, DecodeError> {
+        if message.len() < COMMAND_CAPSULE_SIZE {
+            return Err(DecodeError::Truncated { got: message.len(), need: COMMAND_CAPSULE_SIZE });
+        }
+        let b = &message[..COMMAND_CAPSULE_SIZE];
+        let opcode = Opcode::from_wire(b[0]).ok_or(DecodeError::UnknownOpcode(b[0]))?;
+        let capsule = CommandCapsule {
+            opcode,
+            flags: b[1],
+            command_id: CommandId(get_u16(b, 2)),
+            volume_id: VolumeId(get_u32(b, 4)),
+            start_block: Lba(get_u64(b, 8)),
+            block_count: BlockCount(get_u32(b, 16)),
+            inline_len: get_u32(b, 20),
+            descriptor: DataDescriptor {
+                remote_addr: get_u64(b, 24),
+                length: get_u32(b, 32),
+                rkey: get_u32(b, 36),
+            },
+            version: get_u16(b, 40),
+            queue_depth: get_u32(b, 44),
+            max_io_size: get_u32(b, 48),
+        };
+        if let Some(offset) = b[42..44].iter().chain(&b[52..64]).position(|&x| x != 0) {
+            let offset = if offset < 2 { 42 + offset } else { 52 + offset - 2 };
+            return Err(DecodeError::ReservedNotZero { offset });
+        }
+        let actual = message.len() - COMMAND_CAPSULE_SIZE;
+        if capsule.inline_len as usize != actual {
+            return Err(DecodeError::InlineLength { inline_len: capsule.inline_len, actual });
+        }
+        capsule.validate()?;
+        Ok(capsule)
+    }
+
+    /// Structural checks that need no target state.
+    pub fn validate(&self) -> Result<(), DecodeError> {
+        let op = self.opcode;
+        let bad_flags = DecodeError::BadFlags { opcode: op, flags: self.flags };
+        if self.flags & !KNOWN_FLAGS != 0 {
+            return Err(bad_flags);
+        }
+        if self.fua() && op != Opcode::Write {
+            return Err(bad_flags);
+        }
+        if self.has_inline_data() && op != Opcode::Write {
+            return Err(bad_flags);
+        }
+        if self.inline_len != 0 && !op.allows_inline() {
+            return Err(DecodeError::InvalidField { field: "inline_len" });
+        }
+        if op == Opcode::Write && self.has_inline_data() != (self.inline_len != 0) {
+            return Err(DecodeError::InvalidField { field: "inline_len" });
+        }
+        if !op.uses_descriptor() || self.has_inline_data() {
+            let d = self.descriptor;
+            if d != DataDescriptor::default() {
+                return Err(DecodeError::InvalidField { field: "descriptor" });
+            }
+        }
+        if op != Opcode::Connect && (self.version != 0 || self.queue_depth != 0 || self.max_io_size != 0) {
+            return Err(DecodeError::InvalidField { field: "connect fields" });
+        }
+        if !op.is_io() && op != Opcode::CloseVolume && self.volume_id != VolumeId(0) {
+            return Err(DecodeError::InvalidField { field: "volume_id" });
+        }
+        if !op.is_io() && (self.start_block != Lba(0) || self.block_count != BlockCount(0)) {
+            return Err(DecodeError::InvalidField { field: "block range" });
+        }
+        if op == Opcode::Flush && (self.start_block != Lba(0) || self.block_count != BlockCount(0)) {
+            return Err(DecodeError::InvalidField { field: "block range" });
+        }
+        if op == Opcode::Connect && self.inline_len as usize > MAX_HOST_ID_LEN {
+            return Err(DecodeError::BadString { field: "host id" });
+        }
+        if op == Opcode::OpenVolume && (self.inline_len == 0 || self.inline_len as usize > MAX_NAME_LEN) {
+            return Err(DecodeError::BadString { field: "volume name" });
+        }
+        Ok(())
+    }
+}
+
+/// The 32-byte response capsule.
+///
+/// | bytes | field |
+/// |---|---|
+/// | 0..2 | command id |
+/// | 2..4 | status |
+/// | 4..8 | status detail (errno for IoError, version for VersionMismatch) |
+/// | 8..16 | result (command specific) |
+/// | 16..20 | reply data length that follows the capsule |
+/// | 20..32 | reserved |
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ResponseCapsule {
+    pub command_id: CommandId,
+    pub status: Status,
+    pub detail: u32,
+    pub result: u64,
+    pub data_len: u32,
+}
+
+impl ResponseCapsule {
+    /// A success response with no result.
+    pub fn success(command_id: CommandId) -> Self {
+        ResponseCapsule { command_id, status: Status::Success, detail: 0, result: 0, data_len: 0 }
+    }
+
+    /// A failure response.
+    pub fn failure(command_id: CommandId, status: Status, detail: u32) -> Self {
+        ResponseCapsule { command_id, status, detail, result: 0, data_len: 0 }
+    }
+
+    /// Writes the capsule into `out`.
+    pub fn encode(&self, out: &mut [u8; RESPONSE_CAPSULE_SIZE]) {
+        out.fill(0);
+        put_u16(out, 0, self.command_id.0);
+        put_u16(out, 2, self.status.to_wire());
+        put_u32(out, 4, self.detail);
+        put_u64(out, 8, self.result);
+        put_u32(out, 16, self.data_len);
+    }
+
+    /// Encodes into a fresh array.
+    pub fn to_bytes(&self) -> [u8; RESPONSE_CAPSULE_SIZE] {
+        let mut out = [0u8; RESPONSE_CAPSULE_SIZE];
+        self.encode(&mut out);
+        out
+    }
+
+    /// Reads a response from a received message (capsule plus reply data).
+    pub fn decode(message: &[u8]) -> Result<Self, DecodeError> {
+        if message.len() < RESPONSE_CAPSULE_SIZE {
+            return Err(DecodeError::Truncated { got: message.len(), need: RESPONSE_CAPSULE_SIZE });
+        }
+        let b = &message[..RESPONSE_CAPSULE_SIZE];
+        let raw_status = get_u16(b, 2);
+        let r = ResponseCapsule {
+            command_id: CommandId(get_u16(b, 0)),
+            status: Status::from_wire(raw_status).ok_or(DecodeError::UnknownStatus(raw_status))?,
+            detail: get_u32(b, 4),
+            result: get_u64(b, 8),
+            data_len: get_u32(b, 16),
+        };
+        if let Some(p) = b[20..32].iter().position(|&x| x != 0) {
+            return Err(DecodeError::ReservedNotZero { offset: 20 + p });
+        }
+        let actual = message.len() - RESPONSE_CAPSULE_SIZE;
+        if r.data_len as usize != actual {
+            return Err(DecodeError::InlineLength { inline_len: r.data_len, actual });
+        }
+        r.validate()?;
+        Ok(r)
+    }
+
+    /// Structural checks.
+    pub fn validate(&self) -> Result<(), DecodeError> {
+        if self.data_len as usize > MAX_RESPONSE_DATA {
+            return Err(DecodeError::InvalidField { field: "data_len" });
+        }
+        Ok(())
+    }
+}
+
+/// Reply data of a successful CONNECT (80 bytes).
+///
+/// | bytes | field |
+/// |---|---|
+/// | 0..2 | protocol version |
+/// | 2..4 | reserved |
+/// | 4..8 | negotiated queue depth |
+/// | 8..12 | negotiated max I/O size |
+/// | 12..16 | inline data size (max inline write payload) |
+/// | 16..80 | target name, UTF-8, NUL padded |
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConnectReply {
+    pub version: u16,
+    pub queue_depth: u32,
+    pub max_io_size: u32,
+    pub inline_data_size: u32,
+    pub target_name: String,
+}
+
+/// Size of [`ConnectReply`] on the wire.
+pub const CONNECT_REPLY_SIZE: usize = 80;
+
+impl ConnectReply {
+    /// Encodes; fails if the name is longer than [`MAX_NAME_LEN`].
+    pub fn to_bytes(&self) -> Result<[u8; CONNECT_REPLY_SIZE], DecodeError> {
+        let mut out = [0u8; CONNECT_REPLY_SIZE];
+        put_u16(&mut out, 0, self.version);
+        put_u32(&mut out, 4, self.queue_depth);
+        put_u32(&mut out, 8, self.max_io_size);
+        put_u32(&mut out, 12, self.inline_data_size);
+        put_name(&mut out[16..80], &self.target_name, "target name")?;
+        Ok(out)
+    }
+
+    /// Decodes and validates.
+    pub fn decode(b: &[u8]) -> Result<Self, DecodeError> {
+        if b.len() != CONNECT_REPLY_SIZE {
+            return Err(DecodeError::Truncated { got: b.len(), need: CONNECT_REPLY_SIZE });
+        }
+        if b[2..4] != [0, 0] {
+            return Err(DecodeError::ReservedNotZero { offset: 2 });
+        }
+        let r = ConnectReply {
+            version: get_u16(b, 0),
+            queue_depth: get_u32(b, 4),
+            max_io_size: get_u32(b, 8),
+            inline_data_size: get_u32(b, 12),
+            target_name: get_name(&b[16..80], "target name")?,
+        };
+        r.validate()?;
+        Ok(r)
+    }
+
+    /// A reply must grant at least one command slot and a non-zero I/O size.
+    pub fn validate(&self) -> Result<(), DecodeError> {
+        if self.queue_depth == 0 || self.queue_depth > u16::MAX as u32 {
+            return Err(DecodeError::InvalidField { field: "queue_depth" });
+        }
+        if self.max_io_size == 0 {
+            return Err(DecodeError::InvalidField { field: "max_io_size" });
+        }
+        Ok(())
+    }
+}
+
+/// Flag in [`VolumeInfo::flags`]: the volume rejects writes.
+pub const VOLUME_FLAG_READ_ONLY: u32 = 0x1;
+/// Flag in [`VolumeInfo::flags`]: DISCARD is supported.
+pub const VOLUME_FLAG_DISCARD: u32 = 0x2;
+/// Flag in [`VolumeInfo::flags`]: WRITE_ZEROES is supported.
+pub const VOLUME_FLAG_WRITE_ZEROES: u32 = 0x4;
+const KNOWN_VOLUME_FLAGS: u32 = VOLUME_FLAG_READ_ONLY | VOLUME_FLAG_DISCARD | VOLUME_FLAG_WRITE_ZEROES;
+
+/// Describes a volume: reply data of OPEN, and the entries LIST writes (96 bytes).
+///
+/// | bytes | field |
+/// |---|---|
+/// | 0..4 | volume id |
+/// | 4..8 | logical block size in bytes |
+/// | 8..16 | size in bytes |
+/// | 16..20 | flags (bit 0 read-only, bit 1 discard, bit 2 write-zeroes) |
+/// | 20..32 | reserved |
+/// | 32..96 | name, UTF-8, NUL padded |
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeInfo {
+    pub volume_id: VolumeId,
+    pub block_size: u32,
+    pub size_bytes: u64,
+    pub flags: u32,
+    pub name: String,
+}
+
+/// Size of [`VolumeInfo`] on the wire.
+pub const VOLUME_INFO_SIZE: usize = 96;
+
+impl VolumeInfo {
+    /// Whether the volume is read-only.
+    pub fn read_only(&self) -> bool {
+        self.flags & VOLUME_FLAG_READ_ONLY != 0
+    }
+
+    /// Encodes; fails if the name is too long.
+    pub fn to_bytes(&self) -> Result<[u8; VOLUME_INFO_SIZE], DecodeError> {
+        let mut out = [0u8; VOLUME_INFO_SIZE];
+        put_u32(&mut out, 0, self.volume_id.0);
+        put_u32(&mut out, 4, self.block_size);
+        put_u64(&mut out, 8, self.size_bytes);
+        put_u32(&mut out, 16, self.flags);
+        put_name(&mut out[32..96], &self.name, "volume name")?;
+        Ok(out)
+    }
+
+    /// Decodes and validates.
+    pub fn decode(b: &[u8]) -> Result<Self, DecodeError> {
+        if b.len() != VOLUME_INFO_SIZE {
+            return Err(DecodeError::Truncated { got: b.len(), need: VOLUME_INFO_SIZE });
+        }
+        if let Some(p) = b[20..32].iter().position(|&x| x != 0) {
+            return Err(DecodeError::ReservedNotZero { offset: 20 + p });
+        }
+        let v = VolumeInfo {
+            volume_id: VolumeId(get_u32(b, 0)),
+            block_size: get_u32(b, 4),
+            size_bytes: get_u64(b, 8),
+            flags: get_u32(b, 16),
+            name: get_name(&b[32..96], "volume name")?,
+        };
+        v.validate()?;
+        Ok(v)
+    }
+
+    /// Block size is a power of two of at least 512; size is whole blocks.
+    pub fn validate(&self) -> Result<(), DecodeError> {
+        if self.block_size < 512 || !self.block_size.is_power_of_two() {
+            return Err(DecodeError::InvalidField { field: "block_size" });
+        }
+        if self.size_bytes % self.block_size as u64 != 0 {
+            return Err(DecodeError::InvalidField { field: "size_bytes" });
+        }
+        if self.flags & !KNOWN_VOLUME_FLAGS != 0 {
+            return Err(DecodeError::InvalidField { field: "flags" });
+        }
+        Ok(())
+    }
+}
+
+/// Checks a name for the wire: non-empty, at most [`MAX_NAME_LEN`] bytes, no NUL.
+pub fn validate_name(name: &str) -> Result<(), DecodeError> {
+    if name.is_empty() || name.len() > MAX_NAME_LEN || name.contains('\0') {
+        return Err(DecodeError::BadString { field: "name" });
+    }
+    Ok(())
+}
+
+fn put_name(out: &mut [u8], name: &str, field: &'static str) -> Result<(), DecodeError> {
+    if name.len() > out.len() || name.contains('\0') {
+        return Err(DecodeError::BadString { field });
+    }
+    out[..name.len()].copy_from_slice(name.as_bytes());
+    Ok(())
+}
+
+fn get_name(b: &[u8], field: &'static str) -> Result<String, DecodeError> {
+    let end = b.iter().position(|&x| x == 0).unwrap_or(b.len());
+    if b[end..].iter().any(|&x| x != 0) {
+        return Err(DecodeError::BadString { field });
+    }
+    std::str::from_utf8(&b[..end]).map(str::to_owned).map_err(|_| DecodeError::BadString { field })
+}
+
+/// Decodes a UTF-8 string carried as inline data (host id, volume name).
+pub fn decode_inline_str<'a>(b: &'a [u8], max: usize, field: &'static str) -> Result<&'a str, DecodeError> {
+    if b.len() > max || b.contains(&0) {
+        return Err(DecodeError::BadString { field });
+    }
+    std::str::from_utf8(b).map_err(|_| DecodeError::BadString { field })
+}
+
+fn put_u16(b: &mut [u8], at: usize, v: u16) {
+    b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+}
+fn put_u32(b: &mut [u8], at: usize, v: u32) {
+    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+fn put_u64(b: &mut [u8], at: usize, v: u64) {
+    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+fn get_u16(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+fn get_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+fn get_u64(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}

@@ -1,0 +1,1 @@
+//! rdmablk initiator library.

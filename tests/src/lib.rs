@@ -1,0 +1,1 @@
+//! Helpers for system tests that start the real binaries.
