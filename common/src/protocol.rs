@@ -693,3 +693,146 @@ fn get_u32(b: &[u8], at: usize) -> u32 {
 fn get_u64(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
+
+// Compile-time layout checks: the last field of each structure ends exactly
+// at its fixed size, so a layout edit that forgets the size fails to build.
+const _: () = assert!(52 + 12 == COMMAND_CAPSULE_SIZE, "command capsule: 52 bytes of fields + 12 reserved");
+const _: () = assert!(20 + 12 == RESPONSE_CAPSULE_SIZE, "response capsule: 20 bytes of fields + 12 reserved");
+const _: () = assert!(16 + MAX_NAME_LEN == CONNECT_REPLY_SIZE, "connect reply: 16 bytes + name");
+const _: () = assert!(32 + MAX_NAME_LEN == VOLUME_INFO_SIZE, "volume info: 32 bytes + name");
+const _: () = assert!(CONNECT_REPLY_SIZE <= MAX_RESPONSE_DATA && VOLUME_INFO_SIZE <= MAX_RESPONSE_DATA);
+const _: () = assert!(COMMAND_CAPSULE_SIZE + CONNECT_INLINE_MAX <= 64 + 4096);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn opcode() -> impl Strategy<Value = Opcode> {
+        proptest::sample::select(Opcode::ALL)
+    }
+
+    fn status() -> impl Strategy<Value = Status> {
+        proptest::sample::select(Status::ALL)
+    }
+
+    /// Capsules that obey the structural rules for their opcode.
+    fn valid_capsule() -> impl Strategy<Value = (CommandCapsule, Vec<u8>)> {
+        (opcode(), any::<u16>(), any::<u32>(), any::<u64>(), any::<u32>(), any::<(u64, u32, u32)>(), any::<bool>(), any::<bool>(), 1usize..64)
+            .prop_map(|(op, cid, vol, lba, count, (addr, len, rkey), fua, inline, ilen)| {
+                let mut c = CommandCapsule::new(op, CommandId(cid));
+                let mut data = Vec::new();
+                if op.is_io() || op == Opcode::CloseVolume {
+                    c.volume_id = VolumeId(vol);
+                }
+                if op.is_io() && op != Opcode::Flush {
+                    c.start_block = Lba(lba);
+                    c.block_count = BlockCount(count);
+                }
+                match op {
+                    Opcode::Connect => {
+                        c.version = PROTOCOL_VERSION;
+                        c.queue_depth = count;
+                        c.max_io_size = len;
+                        data = b"host-a".to_vec();
+                    }
+                    Opcode::OpenVolume => data = vec![b'v'; ilen],
+                    Opcode::Write if inline => {
+                        c.flags |= FLAG_INLINE_DATA;
+                        data = vec![7u8; ilen];
+                    }
+                    _ => {}
+                }
+                if op == Opcode::Write && fua {
+                    c.flags |= FLAG_FUA;
+                }
+                if op.uses_descriptor() && !c.has_inline_data() {
+                    c.descriptor = DataDescriptor { remote_addr: addr, length: len, rkey };
+                }
+                c.inline_len = data.len() as u32;
+                (c, data)
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn command_round_trips((capsule, inline) in valid_capsule()) {
+            let mut msg = capsule.to_bytes().to_vec();
+            msg.extend_from_slice(&inline);
+            let decoded = CommandCapsule::decode(&msg).unwrap();
+            prop_assert_eq!(decoded, capsule);
+        }
+
+        #[test]
+        fn command_decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = CommandCapsule::decode(&bytes);
+        }
+
+        #[test]
+        fn response_round_trips(cid in any::<u16>(), st in status(), detail in any::<u32>(), result in any::<u64>(), data_len in 0usize..=MAX_RESPONSE_DATA) {
+            let r = ResponseCapsule { command_id: CommandId(cid), status: st, detail, result, data_len: data_len as u32 };
+            let mut msg = r.to_bytes().to_vec();
+            msg.resize(RESPONSE_CAPSULE_SIZE + data_len, 0xaa);
+            prop_assert_eq!(ResponseCapsule::decode(&msg).unwrap(), r);
+        }
+
+        #[test]
+        fn response_decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = ResponseCapsule::decode(&bytes);
+        }
+
+        #[test]
+        fn volume_info_round_trips(id in any::<u32>(), shift in 9u32..=16, blocks in 0u64..(1 << 40), ro in any::<bool>(), name in "[a-z0-9_-]{1,64}") {
+            let v = VolumeInfo { volume_id: VolumeId(id), block_size: 1 << shift, size_bytes: blocks << shift, flags: if ro { VOLUME_FLAG_READ_ONLY } else { 0 }, name };
+            let bytes = v.to_bytes().unwrap();
+            prop_assert_eq!(VolumeInfo::decode(&bytes).unwrap(), v);
+        }
+
+        #[test]
+        fn connect_reply_round_trips(qd in 1u32..=65535, max_io in 1u32.., inline in any::<u32>(), name in "[a-zA-Z0-9.:-]{0,64}") {
+            let r = ConnectReply { version: PROTOCOL_VERSION, queue_depth: qd, max_io_size: max_io, inline_data_size: inline, target_name: name };
+            prop_assert_eq!(ConnectReply::decode(&r.to_bytes().unwrap()).unwrap(), r);
+        }
+
+        #[test]
+        fn flipping_a_reserved_byte_is_rejected((capsule, inline) in valid_capsule(), pos in prop_oneof![42usize..44, 52usize..64], v in 1u8..) {
+            let mut msg = capsule.to_bytes().to_vec();
+            msg.extend_from_slice(&inline);
+            msg[pos] = v;
+            prop_assert_eq!(CommandCapsule::decode(&msg), Err(DecodeError::ReservedNotZero { offset: pos }));
+        }
+    }
+
+    #[test]
+    fn opcode_and_status_values_are_distinct_and_stable() {
+        let mut seen = std::collections::HashSet::new();
+        for s in Status::ALL {
+            assert!(seen.insert(s.to_wire()), "duplicate status {s:?}");
+            assert_eq!(Status::from_wire(s.to_wire()), Some(*s));
+        }
+        assert_eq!(Status::Success.to_wire(), 0);
+        assert_eq!(Status::OutOfRange.to_wire(), 8);
+        assert_eq!(Opcode::Read.to_wire(), 0x10);
+        assert_eq!(Opcode::from_wire(0x7f), None);
+    }
+
+    #[test]
+    fn structural_violations_are_named() {
+        let mut c = CommandCapsule::new(Opcode::Read, CommandId(1));
+        c.flags = FLAG_FUA;
+        assert!(matches!(c.validate(), Err(DecodeError::BadFlags { .. })));
+        let mut c = CommandCapsule::new(Opcode::Flush, CommandId(1));
+        c.descriptor.length = 4096;
+        assert_eq!(c.validate(), Err(DecodeError::InvalidField { field: "descriptor" }));
+        let mut msg = CommandCapsule::new(Opcode::KeepAlive, CommandId(1)).to_bytes().to_vec();
+        msg[0] = 0x99;
+        assert_eq!(CommandCapsule::decode(&msg), Err(DecodeError::UnknownOpcode(0x99)));
+        assert!(matches!(CommandCapsule::decode(&msg[..10]), Err(DecodeError::Truncated { .. })));
+        let mut w = CommandCapsule::new(Opcode::Write, CommandId(2));
+        w.flags = FLAG_INLINE_DATA;
+        w.inline_len = 8;
+        let mut msg = w.to_bytes().to_vec();
+        msg.extend_from_slice(&[1, 2, 3]);
+        assert_eq!(CommandCapsule::decode(&msg), Err(DecodeError::InlineLength { inline_len: 8, actual: 3 }));
+    }
+}
