@@ -1,0 +1,593 @@
+//! What a received command asks for, decided without side effects.
+//!
+//! [`plan`] takes the received message (capsule plus inline data), the
+//! exported volumes, the target's limits and the session's state, and
+//! returns either a [`Plan`] for the reactor to carry out or the [`Error`]
+//! whose kind becomes the response status. Nothing here touches a disk or
+//! the fabric, so every status can be tested directly.
+
+use rdmablk_common::protocol::{
+    decode_inline_str, BlockCount, CommandCapsule, CommandId, ConnectReply, DataDescriptor, Lba, Opcode,
+    VolumeId, VolumeInfo, COMMAND_CAPSULE_SIZE, MAX_HOST_ID_LEN, MAX_NAME_LEN, PROTOCOL_VERSION,
+    VOLUME_INFO_SIZE,
+};
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// Granularity of the negotiated max I/O size.
+pub const IO_SIZE_UNIT: u32 = 4096;
+
+/// What the session code needs to know about a volume.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeMeta {
+    pub id: VolumeId,
+    pub name: String,
+    pub block_size: u32,
+    /// Size in bytes.
+    pub size: u64,
+    pub read_only: bool,
+    pub discard: bool,
+    pub write_zeroes: bool,
+    /// What OPEN replies and LIST writes.
+    pub info: VolumeInfo,
+}
+
+impl VolumeMeta {
+    /// From an opened volume.
+    pub fn of(v: &crate::backend::Volume) -> VolumeMeta {
+        VolumeMeta {
+            id: v.id,
+            name: v.name.clone(),
+            block_size: v.block_size,
+            size: v.size,
+            read_only: v.read_only,
+            discard: v.supports_discard(),
+            write_zeroes: v.supports_write_zeroes(),
+            info: v.info(),
+        }
+    }
+}
+
+/// The target's limits, from the configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub target_name: String,
+    /// Maximum queue depth per queue pair.
+    pub queue_depth: u32,
+    /// Maximum I/O size (a multiple of 4096).
+    pub max_io_size: u32,
+    /// Maximum inline write payload.
+    pub inline_data_size: u32,
+    /// Pool chunk size: bounds what LIST_VOLUMES writes.
+    pub chunk_size: u32,
+}
+
+/// What CONNECT settled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Negotiated {
+    pub queue_depth: u32,
+    pub max_io_size: u32,
+}
+
+/// A session's state as far as validation is concerned.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SessionState {
+    /// Set by a successful CONNECT.
+    pub connected: Option<Negotiated>,
+    /// Host id from CONNECT.
+    pub host_id: Option<String>,
+    /// `open[i]`: volume index `i` is open in this session.
+    pub open: Vec<bool>,
+    /// Commands of this session received and not yet answered (not counting this one).
+    pub outstanding: u32,
+    /// The target is shutting down.
+    pub shutting_down: bool,
+}
+
+impl SessionState {
+    /// A fresh, unconnected session for `volumes` volumes.
+    pub fn new(volumes: usize) -> Self {
+        SessionState { open: vec![false; volumes], ..Default::default() }
+    }
+}
+
+/// Where a WRITE's data comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteSource {
+    /// RDMA READ from the initiator's buffer.
+    Descriptor(DataDescriptor),
+    /// Inline after the capsule in the receive buffer.
+    Inline,
+}
+
+/// A validated block command.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoPlan {
+    /// Read `len` bytes at byte `offset` of volume `volume` into the descriptor.
+    Read { volume: usize, offset: u64, len: u32, dest: DataDescriptor },
+    /// Write `len` bytes at byte `offset`.
+    Write { volume: usize, offset: u64, len: u32, source: WriteSource, fua: bool },
+    /// fdatasync.
+    Flush { volume: usize },
+    /// Punch a hole over `[offset, offset + len)`.
+    Discard { volume: usize, offset: u64, len: u64 },
+    /// Zero `[offset, offset + len)`.
+    WriteZeroes { volume: usize, offset: u64, len: u64 },
+}
+
+/// What a command asks the reactor to do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Plan {
+    /// Mark the session connected and send the reply.
+    Connect { negotiated: Negotiated, host_id: String, reply: ConnectReply },
+    /// Write `entries` [`VolumeInfo`]s into `dest`; result = `total`.
+    ListVolumes { dest: DataDescriptor, entries: u32, total: u32 },
+    /// Mark volume index `volume` open; reply its info; result = its id.
+    Open { volume: usize },
+    /// Mark volume index `volume` closed.
+    Close { volume: usize },
+    /// Answer success.
+    KeepAlive,
+    /// A block command.
+    Io(IoPlan),
+}
+
+/// The command id of a message, even one that does not decode.
+pub fn command_id_of(msg: &[u8]) -> CommandId {
+    if msg.len() >= 4 {
+        CommandId(u16::from_le_bytes([msg[2], msg[3]]))
+    } else {
+        CommandId(0)
+    }
+}
+
+fn volume_by_id(volumes: &[VolumeMeta], id: VolumeId) -> Result<usize> {
+    let idx = (id.0 as usize).wrapping_sub(1);
+    match volumes.get(idx) {
+        Some(v) if v.id == id => Ok(idx),
+        _ => match volumes.iter().position(|v| v.id == id) {
+            Some(i) => Ok(i),
+            None => Err(Error::new(ErrorKind::UnknownVolume, format!("no volume with id {id}"))),
+        },
+    }
+}
+
+/// Negotiated max I/O size: the smaller of both, whole 4 KiB units, at least one unit.
+pub fn negotiate_max_io(requested: u32, limit: u32) -> u32 {
+    (requested.min(limit) / IO_SIZE_UNIT * IO_SIZE_UNIT).max(IO_SIZE_UNIT)
+}
+
+/// Decides what `msg` (capsule plus inline data) asks for.
+pub fn plan(msg: &[u8], volumes: &[VolumeMeta], limits: &Limits, state: &SessionState) -> (CommandId, Result<Plan>) {
+    let cid = command_id_of(msg);
+    (cid, plan_inner(msg, volumes, limits, state))
+}
+
+fn plan_inner(msg: &[u8], volumes: &[VolumeMeta], limits: &Limits, state: &SessionState) -> Result<Plan> {
+    let cap = CommandCapsule::decode(msg)?;
+    let inline = &msg[COMMAND_CAPSULE_SIZE..];
+    if state.shutting_down {
+        return Err(Error::new(ErrorKind::ShuttingDown, "target is shutting down"));
+    }
+    let Some(neg) = state.connected else {
+        if cap.opcode == Opcode::Connect {
+            return connect(&cap, inline, limits);
+        }
+        return Err(Error::new(ErrorKind::NotConnected, format!("{:?} before CONNECT", cap.opcode)));
+    };
+    if state.outstanding >= neg.queue_depth {
+        return Err(Error::new(
+            ErrorKind::QueueFull,
+            format!("{} commands outstanding, negotiated queue depth {}", state.outstanding + 1, neg.queue_depth),
+        ));
+    }
+    match cap.opcode {
+        Opcode::Connect => Err(Error::new(ErrorKind::AlreadyConnected, "second CONNECT on a connected queue pair")),
+        Opcode::ListVolumes => {
+            let total = volumes.len() as u32;
+            let fit = (cap.descriptor.length as usize / VOLUME_INFO_SIZE).min(limits.chunk_size as usize / VOLUME_INFO_SIZE);
+            Ok(Plan::ListVolumes { dest: cap.descriptor, entries: (fit as u32).min(total), total })
+        }
+        Opcode::OpenVolume => {
+            let name = decode_inline_str(inline, MAX_NAME_LEN, "volume name")?;
+            match volumes.iter().position(|v| v.name == name) {
+                Some(i) => Ok(Plan::Open { volume: i }),
+                None => Err(Error::new(ErrorKind::UnknownVolume, format!("no volume named {name:?}"))),
+            }
+        }
+        Opcode::CloseVolume => {
+            let i = volume_by_id(volumes, cap.volume_id)?;
+            if !state.open.get(i).copied().unwrap_or(false) {
+                return Err(Error::new(ErrorKind::VolumeNotOpen, format!("volume {} is not open", cap.volume_id)));
+            }
+            Ok(Plan::Close { volume: i })
+        }
+        Opcode::KeepAlive => Ok(Plan::KeepAlive),
+        Opcode::Read | Opcode::Write | Opcode::Flush | Opcode::Discard | Opcode::WriteZeroes => {
+            io(&cap, inline, volumes, limits, state, neg).map(Plan::Io)
+        }
+    }
+}
+
+fn connect(cap: &CommandCapsule, inline: &[u8], limits: &Limits) -> Result<Plan> {
+    let host_id = decode_inline_str(inline, MAX_HOST_ID_LEN, "host id")?;
+    if cap.version != PROTOCOL_VERSION {
+        return Err(Error::new(
+            ErrorKind::VersionMismatch,
+            format!(
+                "host {host_id:?} speaks protocol version {}, this target speaks version {PROTOCOL_VERSION}",
+                cap.version
+            ),
+        ));
+    }
+    let negotiated = Negotiated {
+        queue_depth: cap.queue_depth.min(limits.queue_depth).max(1),
+        max_io_size: negotiate_max_io(cap.max_io_size, limits.max_io_size),
+    };
+    let reply = ConnectReply {
+        version: PROTOCOL_VERSION,
+        queue_depth: negotiated.queue_depth,
+        max_io_size: negotiated.max_io_size,
+        inline_data_size: limits.inline_data_size,
+        target_name: limits.target_name.clone(),
+    };
+    Ok(Plan::Connect { negotiated, host_id: host_id.to_owned(), reply })
+}
+
+fn io(
+    cap: &CommandCapsule,
+    inline: &[u8],
+    volumes: &[VolumeMeta],
+    limits: &Limits,
+    state: &SessionState,
+    neg: Negotiated,
+) -> Result<IoPlan> {
+    let op = cap.opcode;
+    let volume = volume_by_id(volumes, cap.volume_id)?;
+    let v = &volumes[volume];
+    if !state.open.get(volume).copied().unwrap_or(false) {
+        return Err(Error::new(ErrorKind::VolumeNotOpen, format!("volume {} ({}) is not open", v.id, v.name)));
+    }
+    let writes = matches!(op, Opcode::Write | Opcode::Discard | Opcode::WriteZeroes);
+    if writes && v.read_only {
+        return Err(Error::new(ErrorKind::ReadOnly, format!("{op:?} to read-only volume {}", v.name)));
+    }
+    if (op == Opcode::Discard && !v.discard) || (op == Opcode::WriteZeroes && !v.write_zeroes) {
+        return Err(Error::new(ErrorKind::NotSupported, format!("{op:?} is not supported by volume {}", v.name)));
+    }
+    if op == Opcode::Flush {
+        return Ok(IoPlan::Flush { volume });
+    }
+    let BlockCount(count) = cap.block_count;
+    if count == 0 {
+        return Err(Error::new(ErrorKind::ZeroLength, format!("{op:?} of zero blocks")));
+    }
+    let bs = v.block_size as u64;
+    let bytes = count as u64 * bs;
+    if matches!(op, Opcode::Read | Opcode::Write) {
+        let (len, max, what) = if cap.has_inline_data() {
+            (inline.len() as u64, limits.inline_data_size as u64, "inline data")
+        } else {
+            (cap.descriptor.length as u64, neg.max_io_size as u64, "descriptor length")
+        };
+        if len % bs != 0 {
+            return Err(Error::new(ErrorKind::Misaligned, format!("{what} {len} is not a multiple of block size {bs}")));
+        }
+        if len != bytes {
+            return Err(Error::new(
+                ErrorKind::LengthMismatch,
+                format!("{what} {len} but {count} blocks of {bs} bytes is {bytes}"),
+            ));
+        }
+        if len > max {
+            return Err(Error::new(ErrorKind::TooLarge, format!("{what} {len} exceeds the maximum {max}")));
+        }
+    }
+    let Lba(start) = cap.start_block;
+    let end = start.checked_add(count as u64);
+    let blocks = v.size / bs;
+    if end.is_none_or(|e| e > blocks) {
+        return Err(Error::new(
+            ErrorKind::OutOfRange,
+            format!("blocks {start} + {count} outside volume {} of {blocks} blocks", v.name),
+        ));
+    }
+    // start < blocks here, so this cannot overflow: blocks * bs == size.
+    let offset = start * bs;
+    Ok(match op {
+        Opcode::Read => IoPlan::Read { volume, offset, len: bytes as u32, dest: cap.descriptor },
+        Opcode::Write => {
+            let source = if cap.has_inline_data() { WriteSource::Inline } else { WriteSource::Descriptor(cap.descriptor) };
+            IoPlan::Write { volume, offset, len: bytes as u32, source, fua: cap.fua() }
+        }
+        Opcode::Discard => IoPlan::Discard { volume, offset, len: bytes },
+        Opcode::WriteZeroes => IoPlan::WriteZeroes { volume, offset, len: bytes },
+        _ => unreachable!("checked above"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdmablk_common::protocol::{Status, FLAG_FUA, FLAG_INLINE_DATA, VOLUME_FLAG_READ_ONLY};
+
+    fn meta(id: u32, name: &str, bs: u32, size: u64, ro: bool, discard: bool) -> VolumeMeta {
+        VolumeMeta {
+            id: VolumeId(id),
+            name: name.into(),
+            block_size: bs,
+            size,
+            read_only: ro,
+            discard,
+            write_zeroes: discard,
+            info: VolumeInfo {
+                volume_id: VolumeId(id),
+                block_size: bs,
+                size_bytes: size,
+                flags: if ro { VOLUME_FLAG_READ_ONLY } else { 0 },
+                name: name.into(),
+            },
+        }
+    }
+
+    fn vols() -> Vec<VolumeMeta> {
+        vec![
+            meta(1, "rw", 4096, 1 << 20, false, true),
+            meta(2, "ro", 512, 1 << 20, true, true),
+            meta(3, "blk", 4096, 1 << 20, false, false),
+        ]
+    }
+
+    fn limits() -> Limits {
+        Limits { target_name: "t".into(), queue_depth: 32, max_io_size: 65536, inline_data_size: 8192, chunk_size: 65536 }
+    }
+
+    fn connected() -> SessionState {
+        SessionState {
+            connected: Some(Negotiated { queue_depth: 8, max_io_size: 65536 }),
+            host_id: Some("h".into()),
+            open: vec![true, true, true],
+            outstanding: 0,
+            shutting_down: false,
+        }
+    }
+
+    fn msg(c: &CommandCapsule, inline: &[u8]) -> Vec<u8> {
+        let mut m = c.to_bytes().to_vec();
+        m.extend_from_slice(inline);
+        m
+    }
+
+    fn status(m: &[u8], st: &SessionState) -> Status {
+        match plan(m, &vols(), &limits(), st).1 {
+            Ok(p) => panic!("expected an error, got {p:?}"),
+            Err(e) => e.wire_status().0,
+        }
+    }
+
+    fn ok(m: &[u8], st: &SessionState) -> Plan {
+        plan(m, &vols(), &limits(), st).1.unwrap()
+    }
+
+    fn io_cmd(op: Opcode, vol: u32, start: u64, count: u32, len: u32) -> CommandCapsule {
+        let mut c = CommandCapsule::new(op, CommandId(7));
+        c.volume_id = VolumeId(vol);
+        c.start_block = Lba(start);
+        c.block_count = BlockCount(count);
+        if op.uses_descriptor() {
+            c.descriptor = DataDescriptor { remote_addr: 0x1000, length: len, rkey: 5 };
+        }
+        c
+    }
+
+    fn connect_cmd(version: u16, qd: u32, max_io: u32) -> CommandCapsule {
+        let mut c = CommandCapsule::new(Opcode::Connect, CommandId(1));
+        c.version = version;
+        c.queue_depth = qd;
+        c.max_io_size = max_io;
+        c.inline_len = 4;
+        c
+    }
+
+    #[test]
+    fn connect_negotiates() {
+        let st = SessionState::new(3);
+        let (cid, p) = plan(&msg(&connect_cmd(PROTOCOL_VERSION, 1000, 1 << 20), b"host"), &vols(), &limits(), &st);
+        assert_eq!(cid, CommandId(1));
+        let Plan::Connect { negotiated, host_id, reply } = p.unwrap() else { panic!() };
+        assert_eq!(negotiated, Negotiated { queue_depth: 32, max_io_size: 65536 });
+        assert_eq!(host_id, "host");
+        assert_eq!(reply.inline_data_size, 8192);
+        assert_eq!(reply.target_name, "t");
+        let Plan::Connect { negotiated, .. } = ok(&msg(&connect_cmd(PROTOCOL_VERSION, 0, 5000), b"host"), &st) else {
+            panic!()
+        };
+        assert_eq!(negotiated, Negotiated { queue_depth: 1, max_io_size: 4096 });
+        let Plan::Connect { negotiated, .. } = ok(&msg(&connect_cmd(PROTOCOL_VERSION, 4, 12288 + 100), b"host"), &st) else {
+            panic!()
+        };
+        assert_eq!(negotiated, Negotiated { queue_depth: 4, max_io_size: 12288 });
+    }
+
+    #[test]
+    fn status_version_mismatch() {
+        let m = msg(&connect_cmd(PROTOCOL_VERSION + 1, 4, 4096), b"host");
+        let e = plan(&m, &vols(), &limits(), &SessionState::new(3)).1.unwrap_err();
+        assert_eq!(e.wire_status(), (Status::VersionMismatch, PROTOCOL_VERSION as u32));
+        assert!(e.to_string().contains("host"), "{e}");
+    }
+
+    #[test]
+    fn status_not_connected() {
+        let m = msg(&CommandCapsule::new(Opcode::KeepAlive, CommandId(2)), b"");
+        assert_eq!(status(&m, &SessionState::new(3)), Status::NotConnected);
+        let m = msg(&io_cmd(Opcode::Read, 1, 0, 1, 4096), b"");
+        assert_eq!(status(&m, &SessionState::new(3)), Status::NotConnected);
+    }
+
+    #[test]
+    fn status_already_connected() {
+        let m = msg(&connect_cmd(PROTOCOL_VERSION, 4, 4096), b"host");
+        assert_eq!(status(&m, &connected()), Status::AlreadyConnected);
+    }
+
+    #[test]
+    fn status_invalid_opcode_and_field() {
+        let mut m = msg(&CommandCapsule::new(Opcode::KeepAlive, CommandId(9)), b"");
+        m[0] = 0x7e;
+        let (cid, r) = plan(&m, &vols(), &limits(), &connected());
+        assert_eq!(cid, CommandId(9));
+        assert_eq!(r.unwrap_err().wire_status().0, Status::InvalidOpcode);
+        let mut m = msg(&CommandCapsule::new(Opcode::KeepAlive, CommandId(9)), b"");
+        m[60] = 1;
+        assert_eq!(status(&m, &connected()), Status::InvalidField);
+        // Truncated.
+        assert_eq!(status(&m[..10], &connected()), Status::InvalidField);
+        // Host id not UTF-8.
+        let m = msg(&connect_cmd(PROTOCOL_VERSION, 4, 4096), &[0xff, 0xfe, 0, 1]);
+        assert_eq!(status(&m, &SessionState::new(3)), Status::InvalidField);
+    }
+
+    #[test]
+    fn status_unknown_volume() {
+        let mut c = CommandCapsule::new(Opcode::OpenVolume, CommandId(3));
+        c.inline_len = 4;
+        assert_eq!(status(&msg(&c, b"nope"), &connected()), Status::UnknownVolume);
+        assert_eq!(status(&msg(&io_cmd(Opcode::Read, 9, 0, 1, 4096), b""), &connected()), Status::UnknownVolume);
+        assert_eq!(status(&msg(&io_cmd(Opcode::Read, 0, 0, 1, 4096), b""), &connected()), Status::UnknownVolume);
+        let mut c = CommandCapsule::new(Opcode::CloseVolume, CommandId(3));
+        c.volume_id = VolumeId(4);
+        assert_eq!(status(&msg(&c, b""), &connected()), Status::UnknownVolume);
+    }
+
+    #[test]
+    fn open_close_list_keepalive() {
+        let mut c = CommandCapsule::new(Opcode::OpenVolume, CommandId(3));
+        c.inline_len = 2;
+        assert_eq!(ok(&msg(&c, b"ro"), &connected()), Plan::Open { volume: 1 });
+        let mut c = CommandCapsule::new(Opcode::CloseVolume, CommandId(3));
+        c.volume_id = VolumeId(3);
+        assert_eq!(ok(&msg(&c, b""), &connected()), Plan::Close { volume: 2 });
+        let mut st = connected();
+        st.open[2] = false;
+        assert_eq!(status(&msg(&c, b""), &st), Status::VolumeNotOpen);
+        let mut c = CommandCapsule::new(Opcode::ListVolumes, CommandId(3));
+        c.descriptor = DataDescriptor { remote_addr: 1, length: 2 * 96 + 50, rkey: 1 };
+        let Plan::ListVolumes { entries, total, .. } = ok(&msg(&c, b""), &connected()) else { panic!() };
+        assert_eq!((entries, total), (2, 3));
+        c.descriptor = DataDescriptor::default();
+        let Plan::ListVolumes { entries, total, .. } = ok(&msg(&c, b""), &connected()) else { panic!() };
+        assert_eq!((entries, total), (0, 3));
+        assert_eq!(ok(&msg(&CommandCapsule::new(Opcode::KeepAlive, CommandId(1)), b""), &connected()), Plan::KeepAlive);
+    }
+
+    #[test]
+    fn status_volume_not_open() {
+        let mut st = connected();
+        st.open[0] = false;
+        assert_eq!(status(&msg(&io_cmd(Opcode::Read, 1, 0, 1, 4096), b""), &st), Status::VolumeNotOpen);
+        assert_eq!(status(&msg(&io_cmd(Opcode::Flush, 1, 0, 0, 0), b""), &st), Status::VolumeNotOpen);
+    }
+
+    #[test]
+    fn status_read_only() {
+        for op in [Opcode::Write, Opcode::Discard, Opcode::WriteZeroes] {
+            let len = if op == Opcode::Write { 512 } else { 0 };
+            assert_eq!(status(&msg(&io_cmd(op, 2, 0, 1, len), b""), &connected()), Status::ReadOnly, "{op:?}");
+        }
+        // Reads and flushes of a read-only volume are fine.
+        assert!(matches!(ok(&msg(&io_cmd(Opcode::Read, 2, 0, 1, 512), b""), &connected()), Plan::Io(IoPlan::Read { .. })));
+        assert_eq!(ok(&msg(&io_cmd(Opcode::Flush, 2, 0, 0, 0), b""), &connected()), Plan::Io(IoPlan::Flush { volume: 1 }));
+    }
+
+    #[test]
+    fn status_not_supported() {
+        assert_eq!(status(&msg(&io_cmd(Opcode::Discard, 3, 0, 1, 0), b""), &connected()), Status::NotSupported);
+        assert_eq!(status(&msg(&io_cmd(Opcode::WriteZeroes, 3, 0, 1, 0), b""), &connected()), Status::NotSupported);
+    }
+
+    #[test]
+    fn status_zero_length() {
+        for op in [Opcode::Read, Opcode::Write, Opcode::Discard, Opcode::WriteZeroes] {
+            assert_eq!(status(&msg(&io_cmd(op, 1, 0, 0, 0), b""), &connected()), Status::ZeroLength, "{op:?}");
+        }
+    }
+
+    #[test]
+    fn status_misaligned() {
+        assert_eq!(status(&msg(&io_cmd(Opcode::Read, 1, 0, 1, 4000), b""), &connected()), Status::Misaligned);
+        let mut c = io_cmd(Opcode::Write, 1, 0, 1, 0);
+        c.descriptor = DataDescriptor::default();
+        c.flags = FLAG_INLINE_DATA;
+        c.inline_len = 100;
+        assert_eq!(status(&msg(&c, &[0; 100]), &connected()), Status::Misaligned);
+    }
+
+    #[test]
+    fn status_length_mismatch() {
+        assert_eq!(status(&msg(&io_cmd(Opcode::Read, 1, 0, 2, 4096), b""), &connected()), Status::LengthMismatch);
+        assert_eq!(status(&msg(&io_cmd(Opcode::Write, 1, 0, 1, 8192), b""), &connected()), Status::LengthMismatch);
+        // WRITE with neither descriptor nor inline data.
+        let mut c = io_cmd(Opcode::Write, 1, 0, 1, 0);
+        c.descriptor = DataDescriptor::default();
+        assert_eq!(status(&msg(&c, b""), &connected()), Status::LengthMismatch);
+    }
+
+    #[test]
+    fn status_too_large() {
+        // Negotiated 64 KiB.
+        assert_eq!(status(&msg(&io_cmd(Opcode::Read, 1, 0, 32, 131072), b""), &connected()), Status::TooLarge);
+        assert!(plan(&msg(&io_cmd(Opcode::Read, 1, 0, 16, 65536), b""), &vols(), &limits(), &connected()).1.is_ok());
+        // Inline beyond inline_data_size (8 KiB).
+        let mut c = io_cmd(Opcode::Write, 1, 0, 3, 0);
+        c.descriptor = DataDescriptor::default();
+        c.flags = FLAG_INLINE_DATA;
+        c.inline_len = 12288;
+        assert_eq!(status(&msg(&c, &[0; 12288]), &connected()), Status::TooLarge);
+    }
+
+    #[test]
+    fn status_out_of_range() {
+        // 1 MiB / 4096 = 256 blocks.
+        assert_eq!(status(&msg(&io_cmd(Opcode::Read, 1, 256, 1, 4096), b""), &connected()), Status::OutOfRange);
+        assert_eq!(status(&msg(&io_cmd(Opcode::Read, 1, 255, 2, 8192), b""), &connected()), Status::OutOfRange);
+        assert_eq!(status(&msg(&io_cmd(Opcode::Read, 1, u64::MAX, 1, 4096), b""), &connected()), Status::OutOfRange);
+        assert_eq!(status(&msg(&io_cmd(Opcode::Discard, 1, u64::MAX - 1, 4, 0), b""), &connected()), Status::OutOfRange);
+        assert_eq!(
+            ok(&msg(&io_cmd(Opcode::Read, 1, 255, 1, 4096), b""), &connected()),
+            Plan::Io(IoPlan::Read { volume: 0, offset: 255 * 4096, len: 4096, dest: DataDescriptor { remote_addr: 0x1000, length: 4096, rkey: 5 } })
+        );
+    }
+
+    #[test]
+    fn status_queue_full_and_shutting_down() {
+        let mut st = connected();
+        st.outstanding = 8;
+        assert_eq!(status(&msg(&CommandCapsule::new(Opcode::KeepAlive, CommandId(1)), b""), &st), Status::QueueFull);
+        let mut st = connected();
+        st.shutting_down = true;
+        assert_eq!(status(&msg(&CommandCapsule::new(Opcode::KeepAlive, CommandId(1)), b""), &st), Status::ShuttingDown);
+    }
+
+    #[test]
+    fn write_plans() {
+        let mut c = io_cmd(Opcode::Write, 1, 2, 2, 8192);
+        c.flags = FLAG_FUA;
+        let Plan::Io(IoPlan::Write { volume, offset, len, source, fua }) = ok(&msg(&c, b""), &connected()) else { panic!() };
+        assert_eq!((volume, offset, len, fua), (0, 8192, 8192, true));
+        assert!(matches!(source, WriteSource::Descriptor(_)));
+        let mut c = io_cmd(Opcode::Write, 2, 0, 1, 0);
+        c.descriptor = DataDescriptor::default();
+        c.flags = FLAG_INLINE_DATA;
+        c.inline_len = 512;
+        let mut st = connected();
+        assert_eq!(status(&msg(&c, &[1; 512]), &st), Status::ReadOnly);
+        c.volume_id = VolumeId(1);
+        c.inline_len = 4096;
+        st.outstanding = 7;
+        let Plan::Io(IoPlan::Write { source, len, .. }) = ok(&msg(&c, &[1; 4096]), &st) else { panic!() };
+        assert_eq!((source, len), (WriteSource::Inline, 4096));
+        let p = ok(&msg(&io_cmd(Opcode::WriteZeroes, 1, 10, 6, 0), b""), &connected());
+        assert_eq!(p, Plan::Io(IoPlan::WriteZeroes { volume: 0, offset: 40960, len: 24576 }));
+    }
+}

@@ -1,0 +1,643 @@
+//! The TOML configuration: parsing, defaults and validation.
+//!
+//! Every error names the file, the key (`target.max_io_size`,
+//! `volume[1].size`) and the reason. Unknown keys are refused
+//! (`deny_unknown_fields`); toml's own message for them already names the key
+//! and shows the line, and is kept as it is.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rdmablk_common::fabric::FabricUrl;
+use rdmablk_common::protocol::MAX_NAME_LEN;
+use rdmablk_common::size::ByteSize;
+use serde::de::{self, Deserializer, Visitor};
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+
+/// Default target name sent in the CONNECT reply.
+pub const DEFAULT_TARGET_NAME: &str = "rdmablk";
+/// Default maximum queue depth per queue pair.
+pub const DEFAULT_QUEUE_DEPTH: u32 = 128;
+/// Largest queue depth the configuration may set.
+pub const MAX_QUEUE_DEPTH: u32 = 4096;
+/// Default maximum I/O size.
+pub const DEFAULT_MAX_IO_SIZE: u32 = 1 << 20;
+/// Default maximum inline write payload.
+pub const DEFAULT_INLINE_DATA_SIZE: u32 = 4096;
+/// Default buffer pool per reactor.
+pub const DEFAULT_BUFFER_POOL: u64 = 64 << 20;
+/// Default pool chunk size.
+pub const DEFAULT_CHUNK_SIZE: u32 = 128 << 10;
+/// Largest chunk size.
+pub const MAX_CHUNK_SIZE: u32 = 16 << 20;
+/// io_uring accepts at most this many fixed buffers, so a pool has at most this many chunks.
+pub const MAX_POOL_CHUNKS: u64 = 16384;
+/// Largest maximum I/O size.
+pub const MAX_MAX_IO_SIZE: u32 = 1 << 30;
+/// Default shutdown timeout.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default block size of regular-file volumes.
+pub const DEFAULT_FILE_BLOCK_SIZE: u32 = 4096;
+/// Alignment of every pool buffer and the unit of max_io_size and chunk_size.
+pub const PAGE: u32 = 4096;
+
+/// The validated configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Where it came from (a file path), for messages.
+    pub source: String,
+    pub target: TargetConfig,
+    pub volumes: Vec<VolumeConfig>,
+}
+
+/// `[target]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TargetConfig {
+    /// Target name sent in the CONNECT reply.
+    pub name: String,
+    /// Fabric URLs to listen on (port 0 picks a free port).
+    pub listen: Vec<FabricUrl>,
+    /// Number of reactor threads.
+    pub reactors: usize,
+    /// Maximum queue depth negotiated per queue pair.
+    pub queue_depth: u32,
+    /// Maximum I/O size negotiated per queue pair (multiple of 4096).
+    pub max_io_size: u32,
+    /// Maximum inline write payload.
+    pub inline_data_size: u32,
+    /// Buffer pool size per reactor (a multiple of `chunk_size`).
+    pub buffer_pool: u64,
+    /// Pool buffer size.
+    pub chunk_size: u32,
+    /// How long in-flight commands may take to finish at shutdown.
+    pub shutdown_timeout: Duration,
+    /// Use an io_uring submission-queue polling thread per reactor.
+    pub sqpoll: bool,
+    /// Pin reactor `i` to online CPU `i mod n`.
+    pub pin_reactors: bool,
+}
+
+/// The kind of a volume's backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// A regular file or a block device, accessed with O_DIRECT through io_uring.
+    File,
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BackendKind::File => "file",
+        })
+    }
+}
+
+/// `[[volume]]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeConfig {
+    /// Position in the file, for messages (`volume[N]`).
+    pub index: usize,
+    pub name: String,
+    pub backend: BackendKind,
+    pub path: PathBuf,
+    /// Size in bytes, if given.
+    pub size: Option<u64>,
+    /// Block size, if given.
+    pub block_size: Option<u32>,
+    pub read_only: bool,
+}
+
+impl VolumeConfig {
+    /// `volume[N].key`, for messages.
+    pub fn key(&self, key: &str) -> String {
+        format!("volume[{}].{key}", self.index)
+    }
+}
+
+impl Config {
+    /// Reads and validates a configuration file.
+    pub fn load(path: &Path) -> Result<Config> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::config(format!("{}: cannot read configuration: {e}", path.display())))?;
+        Config::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates configuration text; `source` names it in messages.
+    pub fn parse(text: &str, source: &str) -> Result<Config> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| Error::config(toml_error(source, text, &e)))?;
+        raw.validate(source)
+    }
+}
+
+/// toml's message on one line, with the position: `file: line L, column C: message`.
+fn toml_error(source: &str, text: &str, e: &toml::de::Error) -> String {
+    let msg = e.message().trim_end().replace('\n', " ");
+    match e.span() {
+        Some(span) => {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let line_start = before.rfind('\n').map_or(0, |p| p + 1);
+            let col = before.len() - line_start + 1;
+            let text_line = text[line_start..].lines().next().unwrap_or("").trim();
+            format!("{source}: line {line}, column {col} (`{text_line}`): {msg}")
+        }
+        None => format!("{source}: {msg}"),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Raw (as written) structures.
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    target: RawTarget,
+    #[serde(default)]
+    volume: Vec<RawVolume>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTarget {
+    name: Option<String>,
+    listen: Vec<String>,
+    reactors: Option<i64>,
+    queue_depth: Option<i64>,
+    max_io_size: Option<RawSize>,
+    inline_data_size: Option<RawSize>,
+    buffer_pool: Option<RawSize>,
+    chunk_size: Option<RawSize>,
+    shutdown_timeout: Option<RawDuration>,
+    #[serde(default)]
+    sqpoll: bool,
+    #[serde(default)]
+    pin_reactors: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawVolume {
+    name: String,
+    backend: BackendKind,
+    path: PathBuf,
+    size: Option<RawSize>,
+    block_size: Option<RawSize>,
+    #[serde(default)]
+    read_only: bool,
+}
+
+/// A size as written: an integer or a string with a suffix. Parsed during
+/// validation so that errors can name the key.
+enum RawSize {
+    Int(i64),
+    Str(String),
+}
+
+impl<'de> Deserialize<'de> for RawSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = RawSize;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a size: an integer number of bytes or a string such as \"4KiB\"")
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> std::result::Result<RawSize, E> {
+                Ok(RawSize::Int(v))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> std::result::Result<RawSize, E> {
+                Ok(RawSize::Int(i64::try_from(v).unwrap_or(i64::MAX)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> std::result::Result<RawSize, E> {
+                Ok(RawSize::Str(v.to_owned()))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A duration as written: an integer number of seconds or a string such as "10s".
+enum RawDuration {
+    Int(i64),
+    Str(String),
+}
+
+impl<'de> Deserialize<'de> for RawDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = RawDuration;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a duration: an integer number of seconds or a string such as \"10s\" or \"500ms\"")
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> std::result::Result<RawDuration, E> {
+                Ok(RawDuration::Int(v))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> std::result::Result<RawDuration, E> {
+                Ok(RawDuration::Int(i64::try_from(v).unwrap_or(i64::MAX)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> std::result::Result<RawDuration, E> {
+                Ok(RawDuration::Str(v.to_owned()))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Parses `N`, `Nms`, `Ns`, `Nm`, `Nh`.
+pub fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
+    let t = s.trim();
+    let end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    if end == 0 {
+        return Err(format!("invalid duration {s:?}: expected a number"));
+    }
+    let n: u64 = t[..end].parse().map_err(|_| format!("invalid duration {s:?}: number too large"))?;
+    let d = match t[end..].trim() {
+        "" | "s" => Duration::from_secs(n),
+        "ms" => Duration::from_millis(n),
+        "m" | "min" => Duration::from_secs(n.saturating_mul(60)),
+        "h" => Duration::from_secs(n.saturating_mul(3600)),
+        _ => return Err(format!("invalid duration {s:?}: unknown unit (use ms, s, m or h)")),
+    };
+    Ok(d)
+}
+
+struct Ctx<'a> {
+    source: &'a str,
+}
+
+impl Ctx<'_> {
+    fn err(&self, key: &str, reason: impl fmt::Display) -> Error {
+        Error::config(format!("{}: {key}: {reason}", self.source))
+    }
+
+    fn size(&self, key: &str, raw: Option<RawSize>, default: u64) -> Result<u64> {
+        match raw {
+            None => Ok(default),
+            Some(RawSize::Int(v)) if v < 0 => Err(self.err(key, format!("must not be negative (got {v})"))),
+            Some(RawSize::Int(v)) => Ok(v as u64),
+            Some(RawSize::Str(s)) => ByteSize::parse(&s).map(|b| b.0).map_err(|e| self.err(key, e)),
+        }
+    }
+
+    fn size_u32(&self, key: &str, raw: Option<RawSize>, default: u32) -> Result<u32> {
+        let v = self.size(key, raw, default as u64)?;
+        u32::try_from(v).map_err(|_| self.err(key, format!("{} is too large (at most 4GiB - 1)", ByteSize(v))))
+    }
+
+    fn name(&self, key: &str, name: &str) -> Result<()> {
+        if name.is_empty() {
+            return Err(self.err(key, "must not be empty"));
+        }
+        if name.len() > MAX_NAME_LEN {
+            return Err(self.err(key, format!("{name:?} is {} bytes long, at most {MAX_NAME_LEN} allowed", name.len())));
+        }
+        if name.contains('\0') {
+            return Err(self.err(key, "must not contain NUL"));
+        }
+        Ok(())
+    }
+}
+
+impl RawConfig {
+    fn validate(self, source: &str) -> Result<Config> {
+        let cx = Ctx { source };
+        let t = self.target;
+
+        let name = t.name.unwrap_or_else(|| DEFAULT_TARGET_NAME.to_owned());
+        cx.name("target.name", &name)?;
+
+        if t.listen.is_empty() {
+            return Err(cx.err("target.listen", "at least one URL is required, e.g. \"tcp://127.0.0.1:7420\""));
+        }
+        let mut listen = Vec::with_capacity(t.listen.len());
+        for (i, s) in t.listen.iter().enumerate() {
+            let url = FabricUrl::parse(s).map_err(|e| cx.err(&format!("target.listen[{i}]"), e.context))?;
+            if listen.contains(&url) {
+                return Err(cx.err(&format!("target.listen[{i}]"), format!("{url} is listed twice")));
+            }
+            listen.push(url);
+        }
+
+        let reactors = match t.reactors {
+            None => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            Some(n) if (1..=1024).contains(&n) => n as usize,
+            Some(n) => return Err(cx.err("target.reactors", format!("must be in 1..=1024 (got {n})"))),
+        };
+
+        let queue_depth = match t.queue_depth {
+            None => DEFAULT_QUEUE_DEPTH,
+            Some(n) if (1..=MAX_QUEUE_DEPTH as i64).contains(&n) => n as u32,
+            Some(n) => return Err(cx.err("target.queue_depth", format!("must be in 1..={MAX_QUEUE_DEPTH} (got {n})"))),
+        };
+
+        let chunk_size = cx.size_u32("target.chunk_size", t.chunk_size, DEFAULT_CHUNK_SIZE)?;
+        if chunk_size == 0 || chunk_size % PAGE != 0 || chunk_size > MAX_CHUNK_SIZE {
+            return Err(cx.err(
+                "target.chunk_size",
+                format!("must be a non-zero multiple of 4096 of at most {} (got {chunk_size})", ByteSize(MAX_CHUNK_SIZE as u64)),
+            ));
+        }
+
+        let max_io_size = cx.size_u32("target.max_io_size", t.max_io_size, DEFAULT_MAX_IO_SIZE)?;
+        if max_io_size == 0 || max_io_size % PAGE != 0 {
+            return Err(cx.err("target.max_io_size", format!("must be a non-zero multiple of 4096 (got {max_io_size})")));
+        }
+        if max_io_size < chunk_size {
+            return Err(cx.err(
+                "target.max_io_size",
+                format!("{} is smaller than target.chunk_size {}", ByteSize(max_io_size as u64), ByteSize(chunk_size as u64)),
+            ));
+        }
+        if max_io_size > MAX_MAX_IO_SIZE {
+            return Err(cx.err("target.max_io_size", format!("must be at most {}", ByteSize(MAX_MAX_IO_SIZE as u64))));
+        }
+
+        let inline_data_size = cx.size_u32("target.inline_data_size", t.inline_data_size, DEFAULT_INLINE_DATA_SIZE)?;
+        if inline_data_size > chunk_size {
+            return Err(cx.err(
+                "target.inline_data_size",
+                format!("{} is larger than target.chunk_size {}", ByteSize(inline_data_size as u64), ByteSize(chunk_size as u64)),
+            ));
+        }
+        if inline_data_size > 64 << 10 {
+            return Err(cx.err("target.inline_data_size", format!("must be at most 64KiB (got {})", ByteSize(inline_data_size as u64))));
+        }
+
+        let buffer_pool = cx.size("target.buffer_pool", t.buffer_pool, DEFAULT_BUFFER_POOL)?;
+        if buffer_pool == 0 || buffer_pool % chunk_size as u64 != 0 {
+            return Err(cx.err(
+                "target.buffer_pool",
+                format!("must be a non-zero multiple of target.chunk_size {} (got {})", ByteSize(chunk_size as u64), ByteSize(buffer_pool)),
+            ));
+        }
+        let chunks = buffer_pool / chunk_size as u64;
+        if chunks > MAX_POOL_CHUNKS {
+            return Err(cx.err(
+                "target.buffer_pool",
+                format!("{} makes {chunks} chunks of {}; io_uring allows at most {MAX_POOL_CHUNKS}", ByteSize(buffer_pool), ByteSize(chunk_size as u64)),
+            ));
+        }
+
+        let shutdown_timeout = match t.shutdown_timeout {
+            None => DEFAULT_SHUTDOWN_TIMEOUT,
+            Some(RawDuration::Int(n)) if n >= 0 => Duration::from_secs(n as u64),
+            Some(RawDuration::Int(n)) => return Err(cx.err("target.shutdown_timeout", format!("must not be negative (got {n})"))),
+            Some(RawDuration::Str(s)) => parse_duration(&s).map_err(|e| cx.err("target.shutdown_timeout", e))?,
+        };
+
+        let target = TargetConfig {
+            name,
+            listen,
+            reactors,
+            queue_depth,
+            max_io_size,
+            inline_data_size,
+            buffer_pool,
+            chunk_size,
+            shutdown_timeout,
+            sqpoll: t.sqpoll,
+            pin_reactors: t.pin_reactors,
+        };
+
+        if self.volume.is_empty() {
+            return Err(cx.err("volume", "no [[volume]] is defined"));
+        }
+        let mut names = HashSet::new();
+        let mut paths = HashSet::new();
+        let mut volumes = Vec::with_capacity(self.volume.len());
+        for (index, v) in self.volume.into_iter().enumerate() {
+            let key = |k: &str| format!("volume[{index}].{k}");
+            cx.name(&key("name"), &v.name)?;
+            if !names.insert(v.name.clone()) {
+                return Err(cx.err(&key("name"), format!("{:?} is used by an earlier volume", v.name)));
+            }
+            if v.path.as_os_str().is_empty() {
+                return Err(cx.err(&key("path"), "must not be empty"));
+            }
+            if !paths.insert(v.path.clone()) {
+                return Err(cx.err(&key("path"), format!("{} is used by an earlier volume", v.path.display())));
+            }
+            let block_size = match v.block_size {
+                None => None,
+                Some(raw) => {
+                    let bs = cx.size(&key("block_size"), Some(raw), 0)?;
+                    if !(512..=65536).contains(&bs) || !bs.is_power_of_two() {
+                        return Err(cx.err(&key("block_size"), format!("must be a power of two in 512..=65536 (got {bs})")));
+                    }
+                    Some(bs as u32)
+                }
+            };
+            let size = match v.size {
+                None => None,
+                Some(raw) => {
+                    let s = cx.size(&key("size"), Some(raw), 0)?;
+                    if s == 0 {
+                        return Err(cx.err(&key("size"), "must not be zero"));
+                    }
+                    if let Some(bs) = block_size {
+                        if s % bs as u64 != 0 {
+                            return Err(cx.err(&key("size"), format!("{s} is not a multiple of block_size {bs}")));
+                        }
+                    }
+                    Some(s)
+                }
+            };
+            volumes.push(VolumeConfig {
+                index,
+                name: v.name,
+                backend: v.backend,
+                path: v.path,
+                size,
+                block_size,
+                read_only: v.read_only,
+            });
+        }
+
+        Ok(Config { source: source.to_owned(), target, volumes })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[target]
+name = "t1"
+listen = ["tcp://127.0.0.1:7420", "tcp://[::1]:0"]
+reactors = 2
+queue_depth = 64
+max_io_size = "1MiB"
+inline_data_size = "4KiB"
+buffer_pool = "8MiB"
+chunk_size = "128KiB"
+shutdown_timeout = "2s"
+
+[[volume]]
+name = "vol0"
+backend = "file"
+path = "/tmp/vol0.img"
+size = "1GiB"
+block_size = 4096
+
+[[volume]]
+name = "vol1"
+backend = "file"
+path = "/dev/loop0"
+read_only = true
+"#;
+
+    fn err(text: &str) -> String {
+        Config::parse(text, "test.toml").unwrap_err().to_string()
+    }
+
+    fn with_target(extra: &str) -> String {
+        format!(
+            "[target]\nlisten = [\"tcp://127.0.0.1:0\"]\n{extra}\n[[volume]]\nname = \"v\"\nbackend = \"file\"\npath = \"/tmp/x\"\nsize = 4096\n"
+        )
+    }
+
+    #[test]
+    fn parses_everything() {
+        let c = Config::parse(GOOD, "test.toml").unwrap();
+        assert_eq!(c.target.name, "t1");
+        assert_eq!(c.target.listen.len(), 2);
+        assert_eq!(c.target.listen[1].host, "::1");
+        assert_eq!(c.target.reactors, 2);
+        assert_eq!(c.target.queue_depth, 64);
+        assert_eq!(c.target.max_io_size, 1 << 20);
+        assert_eq!(c.target.inline_data_size, 4096);
+        assert_eq!(c.target.buffer_pool, 8 << 20);
+        assert_eq!(c.target.chunk_size, 128 << 10);
+        assert_eq!(c.target.shutdown_timeout, Duration::from_secs(2));
+        assert_eq!(c.volumes.len(), 2);
+        assert_eq!(c.volumes[0].size, Some(1 << 30));
+        assert_eq!(c.volumes[0].block_size, Some(4096));
+        assert!(!c.volumes[0].read_only);
+        assert_eq!(c.volumes[1].size, None);
+        assert!(c.volumes[1].read_only);
+        assert_eq!(c.volumes[1].key("size"), "volume[1].size");
+    }
+
+    #[test]
+    fn defaults() {
+        let c = Config::parse(&with_target(""), "d.toml").unwrap();
+        assert_eq!(c.target.name, DEFAULT_TARGET_NAME);
+        assert_eq!(c.target.queue_depth, DEFAULT_QUEUE_DEPTH);
+        assert_eq!(c.target.max_io_size, DEFAULT_MAX_IO_SIZE);
+        assert_eq!(c.target.inline_data_size, DEFAULT_INLINE_DATA_SIZE);
+        assert_eq!(c.target.buffer_pool, DEFAULT_BUFFER_POOL);
+        assert_eq!(c.target.chunk_size, DEFAULT_CHUNK_SIZE);
+        assert_eq!(c.target.shutdown_timeout, DEFAULT_SHUTDOWN_TIMEOUT);
+        assert!(c.target.reactors >= 1);
+        assert!(!c.target.sqpoll);
+        assert_eq!(c.volumes[0].size, Some(4096));
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let e = err(&with_target("queue_dept = 4"));
+        assert!(e.starts_with("test.toml: line 3, column 1 (`queue_dept = 4`): unknown field `queue_dept`"), "{e}");
+        assert!(!e.contains('\n'), "one line: {e}");
+        let e = err(&format!("{}mystery = 1\n", with_target("")));
+        assert!(e.contains("mystery"), "{e}");
+        let e = err("[target]\nlisten=[\"tcp://h:1\"]\n[extra]\n");
+        assert!(e.contains("extra"), "{e}");
+    }
+
+    #[test]
+    fn bad_sizes_are_named() {
+        let e = err(&with_target("max_io_size = \"12q\""));
+        assert!(e.contains("test.toml: target.max_io_size: invalid size \"12q\""), "{e}");
+        let e = err(&with_target("max_io_size = 5000"));
+        assert!(e.contains("target.max_io_size: must be a non-zero multiple of 4096"), "{e}");
+        let e = err(&with_target("max_io_size = \"64KiB\""));
+        assert!(e.contains("target.max_io_size") && e.contains("smaller than target.chunk_size"), "{e}");
+        let e = err(&with_target("chunk_size = 1000"));
+        assert!(e.contains("target.chunk_size"), "{e}");
+        let e = err(&with_target("buffer_pool = \"100KiB\""));
+        assert!(e.contains("target.buffer_pool"), "{e}");
+        let e = err(&with_target("buffer_pool = \"4GiB\"\nchunk_size = \"4KiB\"\nmax_io_size = \"4KiB\""));
+        assert!(e.contains("target.buffer_pool") && e.contains("16384"), "{e}");
+        let e = err(&with_target("inline_data_size = \"256KiB\""));
+        assert!(e.contains("target.inline_data_size"), "{e}");
+        let e = err(&with_target("queue_depth = 0"));
+        assert!(e.contains("target.queue_depth: must be in 1..=4096"), "{e}");
+        let e = err(&with_target("reactors = 0"));
+        assert!(e.contains("target.reactors"), "{e}");
+        let e = err(&with_target("shutdown_timeout = \"10 parsecs\""));
+        assert!(e.contains("target.shutdown_timeout"), "{e}");
+        let e = err(&with_target("max_io_size = -4096"));
+        assert!(e.contains("target.max_io_size: must not be negative"), "{e}");
+        let e = err(&with_target("max_io_size = true"));
+        assert!(e.contains("test.toml") && e.contains("max_io_size"), "{e}");
+    }
+
+    #[test]
+    fn volume_errors_are_named() {
+        let vol = |body: &str| format!("[target]\nlisten=[\"tcp://h:1\"]\n[[volume]]\nname=\"a\"\nbackend=\"file\"\npath=\"/a\"\n[[volume]]\n{body}\n");
+        let e = err(&vol("name=\"b\"\nbackend=\"file\"\npath=\"/b\"\nsize=\"1000\"\nblock_size=512"));
+        assert!(e.contains("volume[1].size: 1000 is not a multiple of block_size 512"), "{e}");
+        let e = err(&vol("name=\"b\"\nbackend=\"file\"\npath=\"/b\"\nblock_size=1000"));
+        assert!(e.contains("volume[1].block_size: must be a power of two in 512..=65536"), "{e}");
+        let e = err(&vol("name=\"b\"\nbackend=\"file\"\npath=\"/b\"\nblock_size=\"128KiB\""));
+        assert!(e.contains("volume[1].block_size"), "{e}");
+        let e = err(&vol("name=\"a\"\nbackend=\"file\"\npath=\"/b\""));
+        assert!(e.contains("volume[1].name: \"a\" is used by an earlier volume"), "{e}");
+        let e = err(&vol("name=\"b\"\nbackend=\"file\"\npath=\"/a\""));
+        assert!(e.contains("volume[1].path"), "{e}");
+        let e = err(&vol("name=\"\"\nbackend=\"file\"\npath=\"/b\""));
+        assert!(e.contains("volume[1].name: must not be empty"), "{e}");
+        let long = "x".repeat(65);
+        let e = err(&vol(&format!("name=\"{long}\"\nbackend=\"file\"\npath=\"/b\"")));
+        assert!(e.contains("volume[1].name") && e.contains("at most 64"), "{e}");
+        let e = err(&vol("name=\"b\"\nbackend=\"memory\"\npath=\"/b\""));
+        assert!(e.contains("memory") && e.contains("file"), "{e}");
+        let e = err(&vol("name=\"b\"\nbackend=\"file\"\npath=\"/b\"\nsize=0"));
+        assert!(e.contains("volume[1].size: must not be zero"), "{e}");
+        let e = err(&vol("name=\"b\"\nbackend=\"file\"\npath=\"/b\"\nsize=\"1x\""));
+        assert!(e.contains("volume[1].size: invalid size"), "{e}");
+    }
+
+    #[test]
+    fn listen_errors() {
+        let e = err("[target]\nlisten=[]\n[[volume]]\nname=\"a\"\nbackend=\"file\"\npath=\"/a\"\n");
+        assert!(e.contains("target.listen: at least one URL"), "{e}");
+        let e = err("[target]\nlisten=[\"tcp://h:1\", \"udp://h:1\"]\n[[volume]]\nname=\"a\"\nbackend=\"file\"\npath=\"/a\"\n");
+        assert!(e.contains("target.listen[1]") && e.contains("unknown scheme"), "{e}");
+        let e = err("[target]\nlisten=[\"tcp://h:1\", \"tcp://h:1\"]\n[[volume]]\nname=\"a\"\nbackend=\"file\"\npath=\"/a\"\n");
+        assert!(e.contains("target.listen[1]") && e.contains("twice"), "{e}");
+        let e = err("[target]\nlisten=[\"tcp://h:1\"]\n");
+        assert!(e.contains("volume: no [[volume]]"), "{e}");
+        let e = err("[target]\nname=\"\"\nlisten=[\"tcp://h:1\"]\n");
+        assert!(e.contains("target.name"), "{e}");
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("10s").unwrap(), Duration::from_secs(10));
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("7").unwrap(), Duration::from_secs(7));
+        assert!(parse_duration("s").is_err());
+        assert!(parse_duration("5 fortnights").is_err());
+        let c = Config::parse(&with_target("shutdown_timeout = 3"), "x").unwrap();
+        assert_eq!(c.target.shutdown_timeout, Duration::from_secs(3));
+    }
+}
+
+#[cfg(test)]
+mod example_tests {
+    #[test]
+    fn the_example_config_is_valid() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/rdmablk-target.example.toml");
+        let c = super::Config::load(std::path::Path::new(path)).unwrap();
+        assert_eq!(c.volumes[0].size, Some(1 << 30));
+        assert_eq!(c.target.chunk_size, 128 << 10);
+    }
+}

@@ -1,0 +1,229 @@
+//! The one error type of the target: a small matchable [`ErrorKind`] plus
+//! context, and the one function that turns it into a wire [`Status`].
+
+use std::borrow::Cow;
+use std::fmt;
+
+use rdmablk_common::fabric::FabricError;
+use rdmablk_common::protocol::{DecodeError, Status, PROTOCOL_VERSION};
+
+/// What went wrong. Daemon-level kinds come first; the rest are the reasons
+/// a command is refused or fails, one per wire status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// The configuration file is unreadable or invalid.
+    Config,
+    /// A backing file or device cannot be opened or disagrees with the configuration.
+    Volume,
+    /// io_uring could not be set up (missing opcodes, registration refused...).
+    Uring,
+    /// A fabric call failed.
+    Fabric,
+    /// Another operating-system call failed (threads, epoll, eventfd, signals).
+    Os,
+    /// Unknown opcode in a command capsule.
+    InvalidOpcode,
+    /// A command field has a value the protocol does not allow.
+    InvalidField,
+    /// CONNECT asked for a protocol version this target does not speak.
+    VersionMismatch,
+    /// A command other than CONNECT before CONNECT.
+    NotConnected,
+    /// A second CONNECT on a connected queue pair.
+    AlreadyConnected,
+    /// No volume with that name or id.
+    UnknownVolume,
+    /// The volume exists but this session has not opened it.
+    VolumeNotOpen,
+    /// The block range lies (partly) outside the volume or overflows.
+    OutOfRange,
+    /// A data length is not a multiple of the block size.
+    Misaligned,
+    /// The transfer exceeds the negotiated maximum (or the inline maximum).
+    TooLarge,
+    /// The volume is read-only.
+    ReadOnly,
+    /// The backing device failed with this errno.
+    DeviceIo(i32),
+    /// An RDMA READ or WRITE to or from the initiator's buffer failed.
+    Transfer,
+    /// The volume's backend cannot perform this command.
+    NotSupported,
+    /// A zero block count where data is required.
+    ZeroLength,
+    /// The data length disagrees with block_count × block_size.
+    LengthMismatch,
+    /// More commands outstanding than the negotiated queue depth.
+    QueueFull,
+    /// The target is shutting down.
+    ShuttingDown,
+    /// A bug or broken invariant in the target.
+    Internal,
+}
+
+/// The error type of this crate.
+#[derive(Debug)]
+pub struct Error {
+    kind: ErrorKind,
+    context: Cow<'static, str>,
+    source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+}
+
+/// Result type of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// An error of `kind` with a human-readable context.
+    pub fn new(kind: ErrorKind, context: impl Into<Cow<'static, str>>) -> Self {
+        Error { kind, context: context.into(), source: None }
+    }
+
+    /// An error caused by another error.
+    pub fn with_source(
+        kind: ErrorKind,
+        context: impl Into<Cow<'static, str>>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Error { kind, context: context.into(), source: Some(Box::new(source)) }
+    }
+
+    /// An error caused by an OS call.
+    pub fn os(context: impl Into<Cow<'static, str>>, source: std::io::Error) -> Self {
+        Self::with_source(ErrorKind::Os, context, source)
+    }
+
+    /// A configuration error; `context` names the file, the key and the reason.
+    pub fn config(context: impl Into<Cow<'static, str>>) -> Self {
+        Self::new(ErrorKind::Config, context)
+    }
+
+    /// A failed fabric call.
+    pub fn fabric(context: impl Into<Cow<'static, str>>, source: FabricError) -> Self {
+        Self::with_source(ErrorKind::Fabric, context, source)
+    }
+
+    /// What went wrong.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// The context message, without the source.
+    pub fn context(&self) -> &str {
+        &self.context
+    }
+
+    /// The status and detail a response carries for this error. This is the
+    /// only place where target errors become wire statuses.
+    pub fn wire_status(&self) -> (Status, u32) {
+        match self.kind {
+            ErrorKind::InvalidOpcode => (Status::InvalidOpcode, 0),
+            ErrorKind::InvalidField => (Status::InvalidField, 0),
+            ErrorKind::VersionMismatch => (Status::VersionMismatch, PROTOCOL_VERSION as u32),
+            ErrorKind::NotConnected => (Status::NotConnected, 0),
+            ErrorKind::AlreadyConnected => (Status::AlreadyConnected, 0),
+            ErrorKind::UnknownVolume => (Status::UnknownVolume, 0),
+            ErrorKind::VolumeNotOpen => (Status::VolumeNotOpen, 0),
+            ErrorKind::OutOfRange => (Status::OutOfRange, 0),
+            ErrorKind::Misaligned => (Status::Misaligned, 0),
+            ErrorKind::TooLarge => (Status::TooLarge, 0),
+            ErrorKind::ReadOnly => (Status::ReadOnly, 0),
+            ErrorKind::DeviceIo(errno) => (Status::IoError, errno.max(0) as u32),
+            ErrorKind::Transfer => (Status::TransferError, 0),
+            ErrorKind::NotSupported => (Status::NotSupported, 0),
+            ErrorKind::ZeroLength => (Status::ZeroLength, 0),
+            ErrorKind::LengthMismatch => (Status::LengthMismatch, 0),
+            ErrorKind::QueueFull => (Status::QueueFull, 0),
+            ErrorKind::ShuttingDown => (Status::ShuttingDown, 0),
+            ErrorKind::Config
+            | ErrorKind::Volume
+            | ErrorKind::Uring
+            | ErrorKind::Fabric
+            | ErrorKind::Os
+            | ErrorKind::Internal => (Status::InternalError, 0),
+        }
+    }
+
+    /// Process exit code for the binary: 2 for configuration problems
+    /// (including volumes that disagree with it), 1 for everything else.
+    pub fn exit_code(&self) -> i32 {
+        match self.kind {
+            ErrorKind::Config | ErrorKind::Volume => 2,
+            _ => 1,
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.context)?;
+        if let Some(source) = &self.source {
+            write!(f, ": {source}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+impl From<DecodeError> for Error {
+    fn from(e: DecodeError) -> Self {
+        let kind = match e {
+            DecodeError::UnknownOpcode(_) => ErrorKind::InvalidOpcode,
+            _ => ErrorKind::InvalidField,
+        };
+        Error::new(kind, e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_command_kind_has_its_own_status() {
+        let kinds = [
+            ErrorKind::InvalidOpcode,
+            ErrorKind::InvalidField,
+            ErrorKind::VersionMismatch,
+            ErrorKind::NotConnected,
+            ErrorKind::AlreadyConnected,
+            ErrorKind::UnknownVolume,
+            ErrorKind::VolumeNotOpen,
+            ErrorKind::OutOfRange,
+            ErrorKind::Misaligned,
+            ErrorKind::TooLarge,
+            ErrorKind::ReadOnly,
+            ErrorKind::DeviceIo(5),
+            ErrorKind::Transfer,
+            ErrorKind::NotSupported,
+            ErrorKind::ZeroLength,
+            ErrorKind::LengthMismatch,
+            ErrorKind::QueueFull,
+            ErrorKind::ShuttingDown,
+            ErrorKind::Internal,
+        ];
+        let mut seen = std::collections::HashSet::new();
+        for k in kinds {
+            let (status, _) = Error::new(k, "x").wire_status();
+            assert!(seen.insert(status), "{k:?} shares {status:?}");
+            assert_ne!(status, Status::Success);
+        }
+    }
+
+    #[test]
+    fn details() {
+        assert_eq!(Error::new(ErrorKind::DeviceIo(libc::EIO), "").wire_status(), (Status::IoError, libc::EIO as u32));
+        assert_eq!(
+            Error::new(ErrorKind::VersionMismatch, "").wire_status(),
+            (Status::VersionMismatch, PROTOCOL_VERSION as u32)
+        );
+        let e: Error = DecodeError::UnknownOpcode(0x7f).into();
+        assert_eq!(e.wire_status().0, Status::InvalidOpcode);
+        let e: Error = DecodeError::ReservedNotZero { offset: 42 }.into();
+        assert_eq!(e.wire_status().0, Status::InvalidField);
+    }
+}

@@ -1,0 +1,364 @@
+//! Registered memory: the per-reactor chunk pool and the per-queue-pair slot
+//! buffers (receive capsules, responses).
+//!
+//! The pool is one [`AlignedBuf`] (4096-aligned) cut into `chunk_size`
+//! chunks. It is registered once with io_uring as fixed buffers (one iovec
+//! per chunk, `buf_index` = chunk index) and once per fabric protection
+//! domain as one memory region with `LOCAL_WRITE` only: the target never
+//! exposes its memory, RDMA READ sinks need only local write.
+//!
+//! Ownership of every chunk and slot is tracked: a chunk is free, held by
+//! the CPU, lent to the kernel (an io_uring op) or lent to the fabric (a
+//! posted work request). Safe byte access is only granted while the CPU
+//! holds it, which is what makes the raw-pointer sharing with the kernel
+//! and the provider sound as long as lending is paired with completions.
+
+use std::sync::Arc;
+
+use rdmablk_common::fabric::{Access, AlignedBuf, FabricError, MemoryRegion, ProtectionDomain, Sge};
+
+/// Alignment of pool and slot memory (O_DIRECT needs block alignment).
+pub const ALIGN: usize = 4096;
+
+/// Index of a pool chunk; also its io_uring fixed-buffer index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ChunkId(pub u16);
+
+/// The memory behind a pool. Shared (through `Arc`) by the pool, the
+/// io_uring engine and the fabric registrations so that it outlives all of them.
+#[derive(Debug)]
+pub struct PoolMemory {
+    buf: AlignedBuf,
+    chunk_size: usize,
+    chunks: usize,
+}
+
+impl PoolMemory {
+    /// Address of a chunk.
+    pub fn chunk_ptr(&self, c: ChunkId) -> *mut u8 {
+        assert!((c.0 as usize) < self.chunks, "chunk {} out of range", c.0);
+        // SAFETY: the offset is within the allocation (checked above).
+        unsafe { self.buf.as_ptr().add(c.0 as usize * self.chunk_size) }
+    }
+
+    /// One iovec per chunk, for `io_uring_register_buffers`.
+    pub fn iovecs(&self) -> Vec<libc::iovec> {
+        (0..self.chunks)
+            .map(|i| libc::iovec { iov_base: self.chunk_ptr(ChunkId(i as u16)).cast(), iov_len: self.chunk_size })
+            .collect()
+    }
+
+    /// Chunk size in bytes.
+    pub fn chunk_size(&self) -> usize {
+        self.chunk_size
+    }
+
+    /// Number of chunks.
+    pub fn chunks(&self) -> usize {
+        self.chunks
+    }
+
+    /// Total bytes.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ChunkState {
+    Free,
+    Cpu,
+    Kernel,
+    Fabric,
+}
+
+/// A reactor's buffer pool: free list of chunk indices (O(1), no allocation
+/// per I/O) plus the ownership state of each chunk.
+#[derive(Debug)]
+pub struct Pool {
+    mem: Arc<PoolMemory>,
+    free: Vec<u16>,
+    state: Vec<ChunkState>,
+}
+
+impl Pool {
+    /// Allocates `size` bytes (a multiple of `chunk_size`, at most 65536 chunks).
+    pub fn new(size: usize, chunk_size: usize) -> Pool {
+        assert!(chunk_size > 0 && chunk_size % ALIGN == 0, "chunk size must be a multiple of {ALIGN}");
+        assert!(size >= chunk_size && size % chunk_size == 0, "pool size must be a multiple of the chunk size");
+        let chunks = size / chunk_size;
+        assert!(chunks <= u16::MAX as usize + 1, "too many chunks");
+        let mem = Arc::new(PoolMemory { buf: AlignedBuf::new(size, ALIGN), chunk_size, chunks });
+        // Hand out low indices first (pop from the end).
+        let free = (0..chunks as u32).rev().map(|i| i as u16).collect();
+        Pool { mem, free, state: vec![ChunkState::Free; chunks] }
+    }
+
+    /// The shared memory, for io_uring and fabric registration.
+    pub fn memory(&self) -> &Arc<PoolMemory> {
+        &self.mem
+    }
+
+    /// Chunk size in bytes.
+    pub fn chunk_size(&self) -> usize {
+        self.mem.chunk_size
+    }
+
+    /// Number of chunks.
+    pub fn capacity(&self) -> usize {
+        self.mem.chunks
+    }
+
+    /// Number of free chunks.
+    pub fn free_count(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Takes a free chunk; the CPU holds it.
+    pub fn alloc(&mut self) -> Option<ChunkId> {
+        let i = self.free.pop()?;
+        debug_assert_eq!(self.state[i as usize], ChunkState::Free);
+        self.state[i as usize] = ChunkState::Cpu;
+        Some(ChunkId(i))
+    }
+
+    /// Returns a chunk the CPU holds to the free list.
+    pub fn release(&mut self, c: ChunkId) {
+        self.transition(c, ChunkState::Cpu, ChunkState::Free);
+        self.free.push(c.0);
+    }
+
+    /// Whether the CPU holds the chunk (it is neither free nor lent).
+    pub fn is_held(&self, c: ChunkId) -> bool {
+        self.state[c.0 as usize] == ChunkState::Cpu
+    }
+
+    /// Whether the chunk is lent to the fabric.
+    pub fn is_lent_to_fabric(&self, c: ChunkId) -> bool {
+        self.state[c.0 as usize] == ChunkState::Fabric
+    }
+
+    /// The chunk's bytes. Panics unless the CPU holds it.
+    pub fn bytes(&self, c: ChunkId) -> &[u8] {
+        assert_eq!(self.state[c.0 as usize], ChunkState::Cpu, "chunk {} not held by the CPU", c.0);
+        // SAFETY: the chunk lies within the live allocation and is neither lent
+        // to the kernel nor to the fabric, so nothing else accesses it.
+        unsafe { std::slice::from_raw_parts(self.mem.chunk_ptr(c), self.mem.chunk_size) }
+    }
+
+    /// The chunk's bytes, mutably. Panics unless the CPU holds it.
+    pub fn bytes_mut(&mut self, c: ChunkId) -> &mut [u8] {
+        assert_eq!(self.state[c.0 as usize], ChunkState::Cpu, "chunk {} not held by the CPU", c.0);
+        // SAFETY: as in `bytes`; `&mut self` rules out another Rust reference.
+        unsafe { std::slice::from_raw_parts_mut(self.mem.chunk_ptr(c), self.mem.chunk_size) }
+    }
+
+    /// Marks a chunk as in use by a posted work request until
+    /// [`return_from_fabric`](Pool::return_from_fabric).
+    pub fn lend_to_fabric(&mut self, c: ChunkId) {
+        self.transition(c, ChunkState::Cpu, ChunkState::Fabric);
+    }
+
+    /// The work request that used the chunk has completed.
+    pub fn return_from_fabric(&mut self, c: ChunkId) {
+        self.transition(c, ChunkState::Fabric, ChunkState::Cpu);
+    }
+
+    pub(crate) fn lend_to_kernel(&mut self, c: ChunkId) {
+        self.transition(c, ChunkState::Cpu, ChunkState::Kernel);
+    }
+
+    pub(crate) fn return_from_kernel(&mut self, c: ChunkId) {
+        self.transition(c, ChunkState::Kernel, ChunkState::Cpu);
+    }
+
+    fn transition(&mut self, c: ChunkId, from: ChunkState, to: ChunkState) {
+        let s = &mut self.state[c.0 as usize];
+        assert_eq!(*s, from, "chunk {}: expected {from:?}, is {s:?}", c.0);
+        *s = to;
+    }
+
+    /// Registers the whole pool with a protection domain as one region.
+    pub fn register(&self, pd: &ProtectionDomain) -> Result<PoolRegion, FabricError> {
+        // SAFETY: the memory stays allocated while the region lives because the
+        // region holds an `Arc` to it (and drops the region first). Only
+        // LOCAL_WRITE is granted, so the provider writes only into chunks we
+        // lend to it for RDMA READ, which the CPU does not touch meanwhile.
+        let mr = unsafe { pd.register(self.mem.buf.as_ptr(), self.mem.buf.len(), Access::LOCAL_WRITE)? };
+        Ok(PoolRegion { mr, _mem: Arc::clone(&self.mem) })
+    }
+}
+
+/// The pool registered with one protection domain.
+pub struct PoolRegion {
+    // Field order matters: the region is deregistered before the memory is freed.
+    mr: MemoryRegion,
+    _mem: Arc<PoolMemory>,
+}
+
+impl PoolRegion {
+    /// An SGE covering `[off, off + len)` of chunk `c`.
+    pub fn sge(&self, c: ChunkId, off: u32, len: u32) -> Sge {
+        let chunk_size = self._mem.chunk_size;
+        assert!(off as usize + len as usize <= chunk_size);
+        self.mr.sge(c.0 as usize * chunk_size + off as usize, len)
+    }
+
+    /// The memory region.
+    pub fn mr(&self) -> &MemoryRegion {
+        &self.mr
+    }
+}
+
+/// A buffer of equal slots registered with a protection domain: the receive
+/// slots or the response slots of one queue pair.
+pub struct SlotBuf {
+    // Field order matters: deregister before freeing.
+    mr: Option<MemoryRegion>,
+    buf: AlignedBuf,
+    slot_size: usize,
+    lent: Vec<bool>,
+}
+
+impl SlotBuf {
+    /// Allocates `slots` zeroed slots of `slot_size` bytes (not yet registered).
+    pub fn new(slots: usize, slot_size: usize) -> SlotBuf {
+        assert!(slots > 0 && slot_size > 0);
+        SlotBuf { mr: None, buf: AlignedBuf::new(slots * slot_size, ALIGN), slot_size, lent: vec![false; slots] }
+    }
+
+    /// Registers the whole buffer as one region.
+    pub fn register(&mut self, pd: &ProtectionDomain, access: Access) -> Result<(), FabricError> {
+        assert!(self.mr.is_none(), "already registered");
+        // SAFETY: the buffer is owned by `self` and outlives the region, which
+        // is dropped first (field order). Peers get no remote rights; the
+        // provider touches only slots lent to it, which the CPU then does not access.
+        self.mr = Some(unsafe { pd.register(self.buf.as_ptr(), self.buf.len(), access)? });
+        Ok(())
+    }
+
+    /// Number of slots.
+    pub fn slots(&self) -> usize {
+        self.lent.len()
+    }
+
+    /// Size of one slot.
+    pub fn slot_size(&self) -> usize {
+        self.slot_size
+    }
+
+    /// Lends slot `i` to the provider for a work request and returns the SGE
+    /// for its first `len` bytes. Panics if not registered or already lent.
+    pub fn lend(&mut self, i: usize, len: u32) -> Sge {
+        assert!(len as usize <= self.slot_size);
+        assert!(!self.lent[i], "slot {i} already lent");
+        let mr = self.mr.as_ref().expect("slot buffer not registered");
+        self.lent[i] = true;
+        mr.sge(i * self.slot_size, len)
+    }
+
+    /// The work request that used slot `i` completed (or was flushed).
+    pub fn reclaim(&mut self, i: usize) {
+        assert!(self.lent[i], "slot {i} not lent");
+        self.lent[i] = false;
+    }
+
+    /// Whether slot `i` is lent.
+    pub fn is_lent(&self, i: usize) -> bool {
+        self.lent[i]
+    }
+
+    /// Slot `i`'s bytes. Panics while it is lent.
+    pub fn slot(&self, i: usize) -> &[u8] {
+        assert!(!self.lent[i], "slot {i} is lent to the provider");
+        // SAFETY: the slot lies within the live buffer and the provider does
+        // not access it (not lent).
+        unsafe { std::slice::from_raw_parts(self.buf.as_ptr().add(i * self.slot_size), self.slot_size) }
+    }
+
+    /// Slot `i`'s bytes, mutably. Panics while it is lent.
+    pub fn slot_mut(&mut self, i: usize) -> &mut [u8] {
+        assert!(!self.lent[i], "slot {i} is lent to the provider");
+        // SAFETY: as in `slot`; `&mut self` rules out other Rust references.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.as_ptr().add(i * self.slot_size), self.slot_size) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_accounting() {
+        let mut p = Pool::new(16 * 4096, 4096);
+        assert_eq!(p.capacity(), 16);
+        assert_eq!(p.free_count(), 16);
+        let a = p.alloc().unwrap();
+        assert_eq!(a, ChunkId(0));
+        let mut held = vec![a];
+        while let Some(c) = p.alloc() {
+            held.push(c);
+        }
+        assert_eq!(held.len(), 16);
+        assert_eq!(p.free_count(), 0);
+        let mut sorted = held.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 16, "no chunk handed out twice");
+        p.bytes_mut(held[3]).fill(0xab);
+        assert!(p.bytes(held[3]).iter().all(|&b| b == 0xab));
+        p.lend_to_fabric(held[3]);
+        assert!(p.is_lent_to_fabric(held[3]));
+        p.return_from_fabric(held[3]);
+        for c in held {
+            p.release(c);
+        }
+        assert_eq!(p.free_count(), 16);
+    }
+
+    #[test]
+    fn chunks_are_aligned_and_disjoint() {
+        let p = Pool::new(8 * 8192, 8192);
+        let iov = p.memory().iovecs();
+        assert_eq!(iov.len(), 8);
+        for (i, v) in iov.iter().enumerate() {
+            assert_eq!(v.iov_base as usize % ALIGN, 0);
+            assert_eq!(v.iov_len, 8192);
+            if i > 0 {
+                assert_eq!(v.iov_base as usize - iov[i - 1].iov_base as usize, 8192);
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "not held by the CPU")]
+    fn no_access_while_lent() {
+        let mut p = Pool::new(4096, 4096);
+        let c = p.alloc().unwrap();
+        p.lend_to_fabric(c);
+        let _ = p.bytes(c);
+    }
+
+    #[test]
+    #[should_panic(expected = "expected Cpu")]
+    fn double_release_panics() {
+        let mut p = Pool::new(4096, 4096);
+        let c = p.alloc().unwrap();
+        p.release(c);
+        p.release(c);
+    }
+
+    #[test]
+    fn slot_buffer_slots() {
+        let mut s = SlotBuf::new(4, 256);
+        s.slot_mut(2)[..3].copy_from_slice(b"abc");
+        assert_eq!(&s.slot(2)[..3], b"abc");
+        assert_eq!(s.slots(), 4);
+        assert!(!s.is_lent(2));
+    }
+}

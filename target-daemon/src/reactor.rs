@@ -1,0 +1,1424 @@
+//! Reactor threads: each owns an io_uring, a buffer pool, one completion
+//! queue per fabric, its queue pairs and a slab of in-flight commands.
+//!
+//! A command's slab index is encoded into the io_uring `user_data` and into
+//! the fabric `wr_id` (with the session slot and its generation), so every
+//! completion finds its command in O(1).
+//!
+//! One loop turn: poll the fabric CQs in batches, reap io_uring completions,
+//! hand free chunks to waiting commands, take control messages, submit the
+//! io_uring batch once. When nothing happened: arm the CQs, poll once more,
+//! then block in `epoll_wait` on the CQ fds, the ring's eventfd and the
+//! control eventfd.
+
+use std::collections::VecDeque;
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rdmablk_common::fabric::{
+    Access, Completion, CompletionQueue, ConnectRequest, Fabric, ProtectionDomain, QpCaps, QpNum, QpState,
+    QueuePair, RecvWr, SendOp, SendWr, Sge, WcStatus, WrId, Rkey,
+};
+use rdmablk_common::protocol::{
+    CommandId, DataDescriptor, ResponseCapsule, Status, COMMAND_CAPSULE_SIZE, CONNECT_INLINE_MAX, MAX_NAME_LEN,
+    RESPONSE_CAPSULE_SIZE, RESPONSE_SLOT_SIZE, VOLUME_INFO_SIZE,
+};
+
+use crate::backend::Volume;
+use crate::command::{self, IoPlan, Limits, Plan, SessionState, VolumeMeta, WriteSource};
+use crate::config::TargetConfig;
+use crate::error::{Error, ErrorKind, Result};
+use crate::pool::{ChunkId, Pool, PoolRegion, SlotBuf};
+use crate::sys::{self, Epoll, EventFd};
+use crate::uring::{Uring, UringOptions, PUNCH_HOLE, ZERO_RANGE};
+
+/// Most pool chunks one command may have in flight at once.
+pub const CHUNK_WINDOW: u32 = 8;
+/// Most queue pairs one reactor serves (bounds its completion queue).
+pub const MAX_QPS_PER_REACTOR: u32 = 64;
+/// How long a failed queue pair may take to flush its work requests
+/// before it is destroyed regardless.
+pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+const CQ_BATCH: usize = 64;
+const CQ_ROUNDS: usize = 4;
+const NONE16: u16 = u16::MAX;
+
+// wr_id layout: kind:4 | session generation:12 | session slot:16 | a:16 | b:16
+const K_RECV: u64 = 1; // a = receive slot
+const K_SEND: u64 = 2; // a = response slot, b = command
+const K_RDMA: u64 = 3; // a = command, b = chunk
+const K_SEND_NOSLOT: u64 = 4; // inline QUEUE_FULL response without a slot
+
+fn wr_id(kind: u64, gen: u16, sess: u16, a: u16, b: u16) -> WrId {
+    WrId(kind << 60 | ((gen as u64) & 0xfff) << 48 | (sess as u64) << 32 | (a as u64) << 16 | b as u64)
+}
+
+fn split_wr_id(w: WrId) -> (u64, u16, u16, u16, u16) {
+    let v = w.0;
+    (v >> 60, ((v >> 48) & 0xfff) as u16, (v >> 32) as u16, (v >> 16) as u16, v as u16)
+}
+
+// io_uring user_data layout: kind:4 | command:16 | chunk:16
+const U_READ: u64 = 1;
+const U_WRITE: u64 = 2;
+const U_FSYNC: u64 = 3;
+const U_FALLOC: u64 = 4;
+
+fn ud(kind: u64, cmd: u16, chunk: u16) -> u64 {
+    kind << 60 | (cmd as u64) << 16 | chunk as u64
+}
+
+fn split_ud(u: u64) -> (u64, u16, u16) {
+    (u >> 60, (u >> 16) as u16, u as u16)
+}
+
+const TOKEN_URING: u64 = 1 << 40;
+const TOKEN_CTRL: u64 = (1 << 40) + 1;
+
+/// Messages from the control thread.
+pub(crate) enum Control {
+    /// A connection request to accept on fabric `fabric`.
+    Connect { req: ConnectRequest, fabric: usize },
+    /// Finish in-flight commands (until `deadline`), disconnect everything, exit.
+    Shutdown { deadline: Instant },
+}
+
+/// What a reactor thread is started with.
+pub(crate) struct ReactorSpec {
+    pub id: usize,
+    pub cfg: TargetConfig,
+    pub volumes: Arc<Vec<Volume>>,
+    pub fabrics: Vec<Arc<Fabric>>,
+    pub cpu: Option<usize>,
+    /// Notified when the reactor thread exits.
+    pub exited: Arc<EventFd>,
+}
+
+/// The control thread's handle on a reactor.
+pub(crate) struct ReactorHandle {
+    pub id: usize,
+    pub tx: mpsc::Sender<Control>,
+    pub wake: Arc<EventFd>,
+    pub thread: Option<JoinHandle<Result<()>>>,
+}
+
+impl ReactorHandle {
+    /// Sends a message and wakes the reactor. Returns the message back if
+    /// the reactor is gone.
+    pub fn send(&self, msg: Control) -> std::result::Result<(), Control> {
+        self.tx.send(msg).map_err(|e| e.0)?;
+        self.wake.notify();
+        Ok(())
+    }
+
+    /// Waits for the thread; a panic becomes an internal error.
+    pub fn join(&mut self) -> Result<()> {
+        match self.thread.take() {
+            None => Ok(()),
+            Some(t) => t
+                .join()
+                .unwrap_or_else(|_| Err(Error::new(ErrorKind::Internal, format!("reactor {} panicked", self.id)))),
+        }
+    }
+}
+
+/// Starts a reactor thread and waits until it is initialised.
+pub(crate) fn spawn(spec: ReactorSpec) -> Result<ReactorHandle> {
+    let id = spec.id;
+    let (tx, rx) = mpsc::channel();
+    let wake = Arc::new(EventFd::new().map_err(|e| Error::os("eventfd", e))?);
+    let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<()>>(1);
+    let wake2 = Arc::clone(&wake);
+    let thread = std::thread::Builder::new()
+        .name(format!("rdmablk-r{id}"))
+        .spawn(move || {
+            let exited = Arc::clone(&spec.exited);
+            let _notify = NotifyOnDrop(exited);
+            let reactor = match Reactor::new(spec, rx, wake2) {
+                Ok(r) => r,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return Ok(());
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            reactor.run()
+        })
+        .map_err(|e| Error::os("cannot spawn reactor thread", e))?;
+    let mut handle = ReactorHandle { id, tx, wake, thread: Some(thread) };
+    match ready_rx.recv() {
+        Ok(Ok(())) => Ok(handle),
+        Ok(Err(e)) => {
+            let _ = handle.join();
+            Err(e)
+        }
+        Err(_) => Err(handle.join().err().unwrap_or_else(|| Error::new(ErrorKind::Internal, "reactor failed to start"))),
+    }
+}
+
+struct NotifyOnDrop(Arc<EventFd>);
+
+impl Drop for NotifyOnDrop {
+    fn drop(&mut self) {
+        self.0.notify();
+    }
+}
+
+/// Per-fabric resources of a reactor. Field order is drop order: the pool
+/// region before the protection domain.
+struct FabricCtx {
+    pool_mr: PoolRegion,
+    cq: CompletionQueue,
+    pd: ProtectionDomain,
+    _fabric: Arc<Fabric>,
+    /// Completion queue entries reserved by live queue pairs.
+    cq_reserved: u32,
+}
+
+/// A queue pair and its registered buffers. Field order is drop order: the
+/// queue pair is destroyed before its buffers are deregistered.
+struct QpRes {
+    qp: QueuePair,
+    recv: SlotBuf,
+    resp: SlotBuf,
+}
+
+struct Session {
+    res: Option<QpRes>,
+    fabric: usize,
+    peer: String,
+    qp_num: QpNum,
+    state: SessionState,
+    free_resp: Vec<u16>,
+    sq_used: u32,
+    sq_cap: u32,
+    max_inline: u32,
+    recv_posted: u32,
+    noslot_sends: u32,
+    /// Receive slots (= configured queue depth).
+    slots: u32,
+    cq_reserved: u32,
+    closing: Option<String>,
+    close_deadline: Option<Instant>,
+}
+
+impl Session {
+    fn host(&self) -> &str {
+        self.state.host_id.as_deref().unwrap_or("-")
+    }
+}
+
+struct SessionSlot {
+    gen: u16,
+    s: Option<Session>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CmdKind {
+    /// Answered right away (admin commands and validation failures).
+    Immediate,
+    List,
+    Read,
+    Write,
+    WriteInline,
+    Flush,
+    Fallocate { mode: i32 },
+}
+
+struct Cmd {
+    sess: u16,
+    cid: CommandId,
+    kind: CmdKind,
+    file: u32,
+    offset: u64,
+    len: u32,
+    falloc_len: u64,
+    remote: DataDescriptor,
+    fua: bool,
+    /// Bytes handed to chunks so far.
+    next: u32,
+    /// Bytes finished (READ: read from disk; WRITE: written to disk).
+    done: u32,
+    /// Chunks or operations in flight (io_uring or fabric).
+    inflight: u32,
+    error: Option<ErrorKind>,
+    /// Receive slot still holding inline data.
+    held_recv: Option<u16>,
+    in_waitq: bool,
+    responded: bool,
+    send_inflight: bool,
+    result: u64,
+    list_entries: u32,
+}
+
+#[derive(Clone, Copy, Default)]
+struct ChunkUse {
+    cmd: u16,
+    off: u32,
+    len: u32,
+}
+
+struct Reactor {
+    // Field order is drop order: queue pairs, then fabric resources, then the
+    // ring (which waits for in-flight operations), then the pool.
+    sessions: Vec<SessionSlot>,
+    free_sessions: Vec<u16>,
+    fabrics: Vec<FabricCtx>,
+    uring: Uring,
+    pool: Pool,
+    id: usize,
+    volumes: Arc<Vec<Volume>>,
+    metas: Vec<VolumeMeta>,
+    limits: Limits,
+    queue_depth: u32,
+    recv_slot_size: usize,
+    cq_capacity: u32,
+    cmds: Vec<Option<Cmd>>,
+    free_cmds: Vec<u16>,
+    waitq: VecDeque<u16>,
+    chunk_use: Vec<ChunkUse>,
+    rx: mpsc::Receiver<Control>,
+    wake: Arc<EventFd>,
+    epoll: Epoll,
+    shutdown: Option<Instant>,
+    wcs: Vec<Completion>,
+    tokens: Vec<u64>,
+    uring_done: Vec<(u64, i32)>,
+}
+
+/// Receive slot size: a capsule plus the largest inline payload any command may carry.
+pub fn recv_slot_size(inline_data_size: u32) -> usize {
+    let inline = (inline_data_size as usize).max(CONNECT_INLINE_MAX).max(MAX_NAME_LEN);
+    (COMMAND_CAPSULE_SIZE + inline).div_ceil(64) * 64
+}
+
+/// Send queue depth requested per queue pair: responses, inline QUEUE_FULL
+/// answers, and RDMA operations of every chunk that may be in flight.
+pub fn send_queue_depth(queue_depth: u32, pool_chunks: u32) -> u32 {
+    2 * queue_depth + pool_chunks.min(queue_depth * CHUNK_WINDOW)
+}
+
+impl Reactor {
+    fn new(spec: ReactorSpec, rx: mpsc::Receiver<Control>, wake: Arc<EventFd>) -> Result<Reactor> {
+        let cfg = &spec.cfg;
+        if let Some(cpu) = spec.cpu {
+            match sys::pin_current_thread(cpu) {
+                Ok(()) => tracing::debug!("reactor {} pinned to CPU {cpu}", spec.id),
+                Err(e) => tracing::warn!("reactor {}: cannot pin to CPU {cpu}: {e}", spec.id),
+            }
+        }
+        let pool = Pool::new(cfg.buffer_pool as usize, cfg.chunk_size as usize);
+        let chunks = pool.capacity() as u32;
+        let fds: Vec<_> = spec.volumes.iter().map(|v| v.uring_fd()).collect();
+        let entries = (chunks + 64).next_power_of_two().clamp(64, 4096);
+        let uring = Uring::new(
+            &fds,
+            &pool,
+            UringOptions { entries, sqpoll_idle_ms: cfg.sqpoll.then_some(100) },
+        )?;
+        if !uring.features().fallocate {
+            tracing::warn!("io_uring has no FALLOCATE: DISCARD and WRITE_ZEROES will fail with NOT_SUPPORTED");
+        }
+        let cq_capacity = (chunks + 3 * cfg.queue_depth * MAX_QPS_PER_REACTOR).min(1 << 20);
+        let epoll = Epoll::new().map_err(|e| Error::os("epoll_create", e))?;
+        let mut fabrics = Vec::with_capacity(spec.fabrics.len());
+        for (i, f) in spec.fabrics.iter().enumerate() {
+            let url = f.url().to_string();
+            let pd = f.alloc_pd().map_err(|e| Error::fabric(format!("{url}: cannot allocate a protection domain"), e))?;
+            let cq = f.create_cq(cq_capacity).map_err(|e| Error::fabric(format!("{url}: cannot create a completion queue"), e))?;
+            let pool_mr = pool.register(&pd).map_err(|e| Error::fabric(format!("{url}: cannot register the buffer pool"), e))?;
+            epoll.add(cq.fd(), i as u64).map_err(|e| Error::os("epoll_ctl", e))?;
+            fabrics.push(FabricCtx { pool_mr, cq, pd, _fabric: Arc::clone(f), cq_reserved: 0 });
+        }
+        epoll.add(uring.eventfd(), TOKEN_URING).map_err(|e| Error::os("epoll_ctl", e))?;
+        epoll.add(wake.fd(), TOKEN_CTRL).map_err(|e| Error::os("epoll_ctl", e))?;
+        let metas: Vec<VolumeMeta> = spec.volumes.iter().map(VolumeMeta::of).collect();
+        let limits = Limits {
+            target_name: cfg.name.clone(),
+            queue_depth: cfg.queue_depth,
+            max_io_size: cfg.max_io_size,
+            inline_data_size: cfg.inline_data_size,
+            chunk_size: cfg.chunk_size,
+        };
+        tracing::debug!(
+            "reactor {} ready: {} chunks of {} bytes, ring of {entries}, CQ of {cq_capacity}",
+            spec.id,
+            chunks,
+            cfg.chunk_size
+        );
+        Ok(Reactor {
+            sessions: Vec::new(),
+            free_sessions: Vec::new(),
+            fabrics,
+            chunk_use: vec![ChunkUse::default(); pool.capacity()],
+            uring,
+            pool,
+            id: spec.id,
+            volumes: spec.volumes,
+            metas,
+            limits,
+            queue_depth: cfg.queue_depth,
+            recv_slot_size: recv_slot_size(cfg.inline_data_size),
+            cq_capacity,
+            cmds: Vec::new(),
+            free_cmds: Vec::new(),
+            waitq: VecDeque::new(),
+            rx,
+            wake,
+            epoll,
+            shutdown: None,
+            wcs: vec![Completion::EMPTY; CQ_BATCH],
+            tokens: Vec::with_capacity(32),
+            uring_done: Vec::with_capacity(256),
+        })
+    }
+
+    fn run(mut self) -> Result<()> {
+        loop {
+            let mut work = self.poll_fabrics()?;
+            work += self.reap_uring();
+            self.pump_waitq();
+            work += self.control();
+            self.check_deadlines();
+            self.uring.submit()?;
+            if self.finished() {
+                tracing::debug!("reactor {} done", self.id);
+                return Ok(());
+            }
+            if work == 0 {
+                self.idle_wait()?;
+            }
+        }
+    }
+
+    fn finished(&self) -> bool {
+        self.shutdown.is_some() && self.sessions.iter().all(|s| s.s.is_none()) && self.uring.inflight() == 0
+    }
+
+    fn idle_wait(&mut self) -> Result<()> {
+        for f in &self.fabrics {
+            f.cq.arm().map_err(|e| Error::fabric("cannot arm completion queue", e))?;
+        }
+        if self.poll_fabrics()? > 0 {
+            return Ok(());
+        }
+        let timeout = self.next_deadline().map(|d| d.saturating_duration_since(Instant::now()));
+        let mut tokens = std::mem::take(&mut self.tokens);
+        let r = self.epoll.wait(&mut tokens, timeout);
+        for &t in &tokens {
+            if (t as usize) < self.fabrics.len() {
+                self.fabrics[t as usize].cq.ack_event().map_err(|e| Error::fabric("cannot acknowledge CQ event", e))?;
+            }
+        }
+        self.tokens = tokens;
+        r.map_err(|e| Error::os("epoll_wait", e))
+    }
+
+    /// The earliest moment `check_deadlines` has something to do.
+    fn next_deadline(&self) -> Option<Instant> {
+        let mut d = None;
+        let mut min = |t: Instant| d = Some(d.map_or(t, |x: Instant| x.min(t)));
+        for s in self.sessions.iter().filter_map(|slot| slot.s.as_ref()) {
+            if s.closing.is_none() {
+                if let Some(sd) = self.shutdown {
+                    min(sd);
+                }
+            } else if s.res.is_some() && (s.sq_used > 0 || s.recv_posted > 0) {
+                if let Some(cd) = s.close_deadline {
+                    min(cd);
+                }
+            }
+        }
+        d
+    }
+
+    // ---------------------------------------------------------------- control
+
+    fn control(&mut self) -> usize {
+        self.wake.drain();
+        let mut n = 0;
+        while let Ok(msg) = self.rx.try_recv() {
+            n += 1;
+            match msg {
+                Control::Connect { req, fabric } => self.add_session(req, fabric),
+                Control::Shutdown { deadline } => {
+                    if self.shutdown.is_none() {
+                        tracing::debug!("reactor {}: shutting down", self.id);
+                        self.shutdown = Some(deadline);
+                        for slot in &mut self.sessions {
+                            if let Some(s) = &mut slot.s {
+                                s.state.shutting_down = true;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        n
+    }
+
+    fn check_deadlines(&mut self) {
+        let now = Instant::now();
+        if let Some(deadline) = self.shutdown {
+            let idle = self.sessions.iter().all(|s| s.s.as_ref().is_none_or(|s| s.state.outstanding == 0));
+            if idle || now >= deadline {
+                if !idle {
+                    tracing::warn!("shutdown timeout reached with commands in flight; disconnecting");
+                }
+                for si in 0..self.sessions.len() {
+                    if self.sessions[si].s.as_ref().is_some_and(|s| s.closing.is_none()) {
+                        self.fail_session(si as u16, "target shutting down".into());
+                    }
+                }
+            }
+        }
+        for si in 0..self.sessions.len() {
+            let Some(s) = &self.sessions[si].s else { continue };
+            if s.res.is_none() || s.close_deadline.is_none_or(|d| now < d) {
+                continue;
+            }
+            if s.sq_used == 0 && s.recv_posted == 0 {
+                continue;
+            }
+            tracing::warn!(
+                "session {}: {} sends and {} receives not flushed {:?} after disconnect; destroying the queue pair",
+                s.peer,
+                s.sq_used,
+                s.recv_posted,
+                FLUSH_TIMEOUT
+            );
+            self.force_teardown(si as u16);
+        }
+    }
+
+    /// Destroys a queue pair whose work requests did not all flush. Chunks
+    /// lent to it come back; commands still waiting for io_uring stay until done.
+    fn force_teardown(&mut self, si: u16) {
+        for c in 0..self.pool.capacity() {
+            let chunk = ChunkId(c as u16);
+            if !self.pool.is_lent_to_fabric(chunk) {
+                continue;
+            }
+            let ci = self.chunk_use[c].cmd;
+            if self.cmds.get(ci as usize).and_then(|c| c.as_ref()).is_some_and(|cmd| cmd.sess == si) {
+                self.pool.return_from_fabric(chunk);
+                self.pool.release(chunk);
+                if let Some(cmd) = self.cmds[ci as usize].as_mut() {
+                    cmd.inflight -= 1;
+                }
+            }
+        }
+        let s = self.sessions[si as usize].s.as_mut().expect("live session");
+        s.res = None;
+        s.sq_used = 0;
+        s.recv_posted = 0;
+        s.noslot_sends = 0;
+        for ci in 0..self.cmds.len() {
+            if let Some(cmd) = self.cmds[ci].as_mut() {
+                if cmd.sess == si {
+                    cmd.send_inflight = false;
+                }
+            }
+        }
+        self.free_session_cmds(si);
+        self.maybe_free_session(si);
+    }
+
+    fn add_session(&mut self, req: ConnectRequest, fi: usize) {
+        let peer = req.peer();
+        if self.shutdown.is_some() {
+            req.reject(b"target shutting down");
+            return;
+        }
+        let qd = self.queue_depth;
+        let chunks = self.pool.capacity() as u32;
+        let reserve = 3 * qd;
+        if self.fabrics[fi].cq_reserved + reserve > self.cq_capacity.saturating_sub(chunks) {
+            tracing::warn!("reactor {}: refusing connection from {peer}: too many queue pairs", self.id);
+            req.reject(b"target busy: too many connections");
+            return;
+        }
+        if self.free_sessions.is_empty() && self.sessions.len() >= u16::MAX as usize {
+            req.reject(b"target busy");
+            return;
+        }
+        let sq_cap = send_queue_depth(qd, chunks);
+        let caps = QpCaps { max_send_wr: sq_cap, max_recv_wr: qd, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 256 };
+        let f = &self.fabrics[fi];
+        let qp = match req.into_queue_pair(&f.pd, &f.cq, caps) {
+            Ok(qp) => qp,
+            Err(e) => {
+                tracing::warn!("cannot create a queue pair for {peer}: {e}");
+                return;
+            }
+        };
+        let got = qp.caps();
+        if got.max_send_wr < sq_cap || got.max_recv_wr < qd {
+            tracing::warn!("queue pair for {peer} got {got:?}, need {caps:?}; dropping the connection");
+            return;
+        }
+        let mut res = QpRes {
+            qp,
+            recv: SlotBuf::new(qd as usize, self.recv_slot_size),
+            resp: SlotBuf::new(qd as usize, RESPONSE_SLOT_SIZE),
+        };
+        if let Err(e) = res.recv.register(&f.pd, Access::LOCAL_WRITE).and_then(|()| res.resp.register(&f.pd, Access::NONE)) {
+            tracing::warn!("cannot register buffers for {peer}: {e}");
+            return;
+        }
+        let si = match self.free_sessions.pop() {
+            Some(si) => si,
+            None => {
+                self.sessions.push(SessionSlot { gen: 0, s: None });
+                (self.sessions.len() - 1) as u16
+            }
+        };
+        let gen = self.sessions[si as usize].gen;
+        let slot_size = self.recv_slot_size as u32;
+        let sges: Vec<Sge> = (0..qd as usize).map(|i| res.recv.lend(i, slot_size)).collect();
+        let wrs: Vec<RecvWr<'_>> =
+            sges.iter().enumerate().map(|(i, sge)| RecvWr { wr_id: wr_id(K_RECV, gen, si, i as u16, 0), sges: std::slice::from_ref(sge) }).collect();
+        let posted = res.qp.post_recv(&wrs);
+        drop(wrs);
+        let discard = |this: &mut Reactor| {
+            this.sessions[si as usize].gen = this.sessions[si as usize].gen.wrapping_add(1);
+            this.free_sessions.push(si);
+        };
+        if let Err(e) = posted {
+            tracing::warn!("cannot post receives for {peer}: {e}");
+            discard(self);
+            return;
+        }
+        if let Err(e) = res.qp.accept(&[]) {
+            tracing::warn!("cannot accept connection from {peer}: {e}");
+            discard(self);
+            return;
+        }
+        self.fabrics[fi].cq_reserved += reserve;
+        let session = Session {
+            qp_num: res.qp.qp_num(),
+            max_inline: got.max_inline_data,
+            res: Some(res),
+            fabric: fi,
+            peer: peer.clone(),
+            state: SessionState {
+                shutting_down: self.shutdown.is_some(),
+                ..SessionState::new(self.volumes.len())
+            },
+            free_resp: (0..qd as u16).rev().collect(),
+            sq_used: 0,
+            sq_cap,
+            recv_posted: qd,
+            noslot_sends: 0,
+            slots: qd,
+            cq_reserved: reserve,
+            closing: None,
+            close_deadline: None,
+        };
+        self.sessions[si as usize].s = Some(session);
+        tracing::debug!("reactor {}: accepted connection from {peer}", self.id);
+    }
+
+    // ---------------------------------------------------------------- fabric completions
+
+    fn poll_fabrics(&mut self) -> Result<usize> {
+        let mut total = 0;
+        for fi in 0..self.fabrics.len() {
+            for _ in 0..CQ_ROUNDS {
+                let n = self.fabrics[fi].cq.poll(&mut self.wcs).map_err(|e| Error::fabric("completion queue poll failed", e))?;
+                for i in 0..n {
+                    let wc = self.wcs[i];
+                    self.on_completion(wc);
+                }
+                total += n;
+                if n < self.wcs.len() {
+                    break;
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    fn session(&mut self, si: u16) -> &mut Session {
+        self.sessions[si as usize].s.as_mut().expect("live session")
+    }
+
+    fn on_completion(&mut self, wc: Completion) {
+        let (kind, gen, si, a, b) = split_wr_id(wc.wr_id);
+        let live = self.sessions.get(si as usize).is_some_and(|slot| {
+            slot.gen & 0xfff == gen && slot.s.as_ref().is_some_and(|s| s.res.is_some() && s.qp_num == wc.qp_num)
+        });
+        if !live {
+            tracing::trace!("stale completion {wc:?}");
+            return;
+        }
+        match kind {
+            K_RECV => self.on_recv(si, a, wc),
+            K_SEND => self.on_send(si, a, b, wc),
+            K_RDMA => self.on_rdma(si, a, ChunkId(b), wc),
+            K_SEND_NOSLOT => {
+                let s = self.session(si);
+                s.sq_used -= 1;
+                s.noslot_sends -= 1;
+                if wc.status != WcStatus::Success {
+                    self.fail_session(si, completion_reason("response SEND", wc.status));
+                }
+            }
+            _ => tracing::error!("completion with unknown wr_id {:#x}", wc.wr_id.0),
+        }
+        self.maybe_free_session(si);
+    }
+
+    fn on_recv(&mut self, si: u16, slot: u16, wc: Completion) {
+        let s = self.sessions[si as usize].s.as_mut().expect("live session");
+        s.recv_posted -= 1;
+        let res = s.res.as_mut().expect("live queue pair");
+        res.recv.reclaim(slot as usize);
+        if wc.status != WcStatus::Success {
+            let reason = if wc.status == WcStatus::WrFlushError {
+                "disconnected".to_owned()
+            } else {
+                completion_reason("receive", wc.status)
+            };
+            self.fail_session(si, reason);
+            return;
+        }
+        if s.closing.is_some() {
+            return;
+        }
+        if s.state.outstanding >= s.slots {
+            // The initiator ignores the queue depth: answer without a slot.
+            let cid = command::command_id_of(&res.recv.slot(slot as usize)[..(wc.byte_len as usize).min(4)]);
+            self.repost_recv(si, slot);
+            self.send_queue_full(si, cid);
+            return;
+        }
+        let len = (wc.byte_len as usize).min(res.recv.slot_size());
+        let msg = &res.recv.slot(slot as usize)[..len];
+        let (cid, plan) = command::plan(msg, &self.metas, &self.limits, &s.state);
+        let plan = match plan {
+            Ok(p) => p,
+            Err(e) if e.kind() == ErrorKind::QueueFull => {
+                self.repost_recv(si, slot);
+                self.send_queue_full(si, cid);
+                return;
+            }
+            Err(e) => {
+                let s = self.session(si);
+                match e.kind() {
+                    ErrorKind::VersionMismatch => tracing::warn!("peer {}: {e}", s.peer),
+                    _ => tracing::debug!("peer {} host {}: command {} refused: {e}", s.peer, s.host(), cid.0),
+                }
+                self.repost_recv(si, slot);
+                if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate) {
+                    self.cmd(ci).error = Some(e.kind());
+                    self.respond(ci, &[], None);
+                }
+                return;
+            }
+        };
+        match plan {
+            Plan::Connect { negotiated, host_id, reply } => {
+                let s = self.session(si);
+                tracing::info!(
+                    "session connected: host={host_id} peer={} queue_depth={} max_io_size={}",
+                    s.peer,
+                    negotiated.queue_depth,
+                    negotiated.max_io_size
+                );
+                s.state.connected = Some(negotiated);
+                s.state.host_id = Some(host_id);
+                self.repost_recv(si, slot);
+                let data = reply.to_bytes();
+                if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate) {
+                    match data {
+                        Ok(d) => self.respond(ci, &d, None),
+                        Err(e) => {
+                            tracing::error!("cannot encode CONNECT reply: {e}");
+                            self.cmd(ci).error = Some(ErrorKind::Internal);
+                            self.respond(ci, &[], None);
+                        }
+                    }
+                }
+            }
+            Plan::Open { volume } => {
+                self.session(si).state.open[volume] = true;
+                self.repost_recv(si, slot);
+                let info = self.metas[volume].info.to_bytes();
+                let id = self.metas[volume].id.0 as u64;
+                if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate) {
+                    match info {
+                        Ok(d) => {
+                            self.cmd(ci).result = id;
+                            self.respond(ci, &d, None)
+                        }
+                        Err(e) => {
+                            tracing::error!("cannot encode volume info: {e}");
+                            self.cmd(ci).error = Some(ErrorKind::Internal);
+                            self.respond(ci, &[], None);
+                        }
+                    }
+                }
+            }
+            Plan::Close { volume } => {
+                self.session(si).state.open[volume] = false;
+                self.repost_recv(si, slot);
+                if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate) {
+                    self.respond(ci, &[], None);
+                }
+            }
+            Plan::KeepAlive => {
+                self.repost_recv(si, slot);
+                if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate) {
+                    self.respond(ci, &[], None);
+                }
+            }
+            Plan::ListVolumes { dest, entries, total } => {
+                self.repost_recv(si, slot);
+                let kind = if entries == 0 { CmdKind::Immediate } else { CmdKind::List };
+                if let Some(ci) = self.new_cmd(si, cid, kind) {
+                    let cmd = self.cmd(ci);
+                    cmd.result = total as u64;
+                    cmd.remote = dest;
+                    cmd.list_entries = entries;
+                    if entries == 0 {
+                        self.respond(ci, &[], None);
+                    } else {
+                        self.pump(ci);
+                    }
+                }
+            }
+            Plan::Io(io) => self.start_io(si, slot, cid, io),
+        }
+    }
+
+    fn start_io(&mut self, si: u16, slot: u16, cid: CommandId, io: IoPlan) {
+        let (kind, file, offset, len, falloc_len, remote, fua, inline) = match io {
+            IoPlan::Read { volume, offset, len, dest } => (CmdKind::Read, volume, offset, len, 0, dest, false, false),
+            IoPlan::Write { volume, offset, len, source, fua } => match source {
+                WriteSource::Descriptor(d) => (CmdKind::Write, volume, offset, len, 0, d, fua, false),
+                WriteSource::Inline => (CmdKind::WriteInline, volume, offset, len, 0, DataDescriptor::default(), fua, true),
+            },
+            IoPlan::Flush { volume } => (CmdKind::Flush, volume, 0, 0, 0, DataDescriptor::default(), false, false),
+            IoPlan::Discard { volume, offset, len } => {
+                (CmdKind::Fallocate { mode: PUNCH_HOLE }, volume, offset, 0, len, DataDescriptor::default(), false, false)
+            }
+            IoPlan::WriteZeroes { volume, offset, len } => {
+                (CmdKind::Fallocate { mode: ZERO_RANGE }, volume, offset, 0, len, DataDescriptor::default(), false, false)
+            }
+        };
+        if !inline {
+            self.repost_recv(si, slot);
+        }
+        let Some(ci) = self.new_cmd(si, cid, kind) else {
+            if inline {
+                self.repost_recv(si, slot);
+            }
+            return;
+        };
+        let cmd = self.cmd(ci);
+        cmd.file = file as u32;
+        cmd.offset = offset;
+        cmd.len = len;
+        cmd.falloc_len = falloc_len;
+        cmd.remote = remote;
+        cmd.fua = fua;
+        if inline {
+            cmd.held_recv = Some(slot);
+        }
+        match kind {
+            CmdKind::Flush => {
+                self.cmd(ci).inflight += 1;
+                self.uring.fsync(file as u32, ud(U_FSYNC, ci, NONE16));
+            }
+            CmdKind::Fallocate { mode } => {
+                self.cmd(ci).inflight += 1;
+                self.uring.fallocate(file as u32, mode, offset, falloc_len, ud(U_FALLOC, ci, NONE16));
+            }
+            _ => self.pump(ci),
+        }
+    }
+
+    fn repost_recv(&mut self, si: u16, slot: u16) {
+        let gen = self.sessions[si as usize].gen;
+        let size = self.recv_slot_size as u32;
+        let s = self.session(si);
+        if s.closing.is_some() {
+            return;
+        }
+        let res = s.res.as_mut().expect("live queue pair");
+        let sge = res.recv.lend(slot as usize, size);
+        let wr = RecvWr { wr_id: wr_id(K_RECV, gen, si, slot, 0), sges: &[sge] };
+        // A failed post may still have posted part of the list (as in verbs),
+        // so the slot stays lent and counted; FLUSH_TIMEOUT covers the rest.
+        let posted = res.qp.post_recv(&[wr]);
+        s.recv_posted += 1;
+        if let Err(e) = posted {
+            self.fail_session(si, format!("cannot post a receive: {e}"));
+        }
+    }
+
+    /// QUEUE_FULL for a command that got no slot: inline SEND from the stack.
+    fn send_queue_full(&mut self, si: u16, cid: CommandId) {
+        let gen = self.sessions[si as usize].gen;
+        let s = self.session(si);
+        if s.closing.is_some() {
+            return;
+        }
+        if s.noslot_sends >= s.slots || s.max_inline < RESPONSE_CAPSULE_SIZE as u32 || s.sq_used >= s.sq_cap {
+            self.fail_session(si, "protocol violation: initiator exceeds the queue depth".into());
+            return;
+        }
+        let (status, detail) = Error::new(ErrorKind::QueueFull, "").wire_status();
+        let bytes = ResponseCapsule::failure(cid, status, detail).to_bytes();
+        let sge = Sge { addr: bytes.as_ptr() as u64, length: bytes.len() as u32, lkey: rdmablk_common::fabric::Lkey(0) };
+        let wr = SendWr {
+            wr_id: wr_id(K_SEND_NOSLOT, gen, si, NONE16, NONE16),
+            op: SendOp::Send,
+            sges: &[sge],
+            signaled: true,
+            inline: true,
+        };
+        let res = s.res.as_ref().expect("live queue pair");
+        let posted = res.qp.post_send(&[wr]);
+        s.sq_used += 1;
+        s.noslot_sends += 1;
+        if let Err(e) = posted {
+            self.fail_session(si, format!("cannot post a response: {e}"));
+        }
+    }
+
+    fn on_send(&mut self, si: u16, slot: u16, ci: u16, wc: Completion) {
+        let s = self.session(si);
+        s.sq_used -= 1;
+        let res = s.res.as_mut().expect("live queue pair");
+        res.resp.reclaim(slot as usize);
+        s.free_resp.push(slot);
+        if let Some(cmd) = self.cmds.get_mut(ci as usize).and_then(|c| c.as_mut()).filter(|c| c.sess == si) {
+            cmd.send_inflight = false;
+        }
+        if wc.status != WcStatus::Success {
+            self.fail_session(si, completion_reason("response SEND", wc.status));
+        }
+        self.maybe_free_cmd(ci);
+    }
+
+    fn on_rdma(&mut self, si: u16, ci: u16, c: ChunkId, wc: Completion) {
+        self.session(si).sq_used -= 1;
+        let valid = (c.0 as usize) < self.pool.capacity()
+            && self.pool.is_lent_to_fabric(c)
+            && self.chunk_use[c.0 as usize].cmd == ci
+            && self.cmds.get(ci as usize).and_then(|x| x.as_ref()).is_some_and(|cmd| cmd.sess == si);
+        if !valid {
+            tracing::error!("RDMA completion for a chunk not lent: {wc:?}");
+            return;
+        }
+        self.pool.return_from_fabric(c);
+        let use_ = self.chunk_use[c.0 as usize];
+        let cmd = self.cmd(ci);
+        cmd.inflight -= 1;
+        let kind = cmd.kind;
+        let ok = wc.status == WcStatus::Success && (kind != CmdKind::Write || wc.byte_len == use_.len);
+        if !ok {
+            self.pool.release(c);
+            let what = if kind == CmdKind::Write { "RDMA READ" } else { "RDMA WRITE" };
+            let usable = wc.status != WcStatus::WrFlushError
+                && self.session(si).res.as_ref().is_some_and(|r| r.qp.state() == QpState::Ready);
+            if usable {
+                tracing::warn!("command {}: {what} failed ({:?}, {} bytes); queue pair still usable", self.cmd(ci).cid.0, wc.status, wc.byte_len);
+                self.cmd(ci).error.get_or_insert(ErrorKind::Transfer);
+                self.progress(ci);
+            } else {
+                self.fail_session(si, completion_reason(what, wc.status));
+                self.maybe_free_cmd(ci);
+            }
+            return;
+        }
+        let closing = self.session(si).closing.is_some();
+        let cmd = self.cmd(ci);
+        if kind == CmdKind::Write && !closing && cmd.error.is_none() {
+            cmd.inflight += 1;
+            let (file, offset, fua) = (cmd.file, cmd.offset + use_.off as u64, cmd.fua);
+            self.uring.write_fixed(&mut self.pool, file, c, 0, use_.len, offset, fua, ud(U_WRITE, ci, c.0));
+            return;
+        }
+        self.pool.release(c);
+        self.progress(ci);
+    }
+
+    // ---------------------------------------------------------------- io_uring completions
+
+    fn reap_uring(&mut self) -> usize {
+        self.uring.clear_eventfd();
+        let mut done = std::mem::take(&mut self.uring_done);
+        let n = self.uring.reap(&mut self.pool, |u, r| done.push((u, r)));
+        for &(u, r) in &done {
+            self.on_uring(u, r);
+        }
+        done.clear();
+        self.uring_done = done;
+        n
+    }
+
+    fn on_uring(&mut self, user_data: u64, res: i32) {
+        let (kind, ci, c) = split_ud(user_data);
+        let Some(cmd) = self.cmds.get_mut(ci as usize).and_then(|x| x.as_mut()) else {
+            tracing::error!("io_uring completion for a free command slot {ci}");
+            return;
+        };
+        cmd.inflight -= 1;
+        let si = cmd.sess;
+        let closing = self.sessions[si as usize].s.as_ref().is_none_or(|s| s.closing.is_some() || s.res.is_none());
+        if res < 0 {
+            let errno = -res;
+            let err = if kind == U_FALLOC && errno == libc::EOPNOTSUPP { ErrorKind::NotSupported } else { ErrorKind::DeviceIo(errno) };
+            let what = match kind {
+                U_READ => "read",
+                U_WRITE => "write",
+                U_FSYNC => "fdatasync",
+                _ => "fallocate",
+            };
+            let vol = &self.volumes[cmd.file as usize].name;
+            if err == ErrorKind::NotSupported {
+                tracing::debug!("volume {vol}: {what} not supported");
+            } else {
+                tracing::warn!("volume {vol}: {what} failed: {}", std::io::Error::from_raw_os_error(errno));
+            }
+            cmd.error.get_or_insert(err);
+            if kind == U_READ || kind == U_WRITE {
+                self.pool.release(ChunkId(c));
+            }
+            self.progress(ci);
+            return;
+        }
+        match kind {
+            U_READ => {
+                let chunk = ChunkId(c);
+                if closing || cmd.error.is_some() {
+                    self.pool.release(chunk);
+                    self.progress(ci);
+                    return;
+                }
+                let use_ = self.chunk_use[c as usize];
+                cmd.done += use_.len;
+                if cmd.done == cmd.len {
+                    // The last chunk: its RDMA WRITE and the response in one chain.
+                    self.respond(ci, &[], Some(chunk));
+                } else {
+                    self.post_rdma(si, ci, chunk, false);
+                }
+                self.progress(ci);
+            }
+            U_WRITE => {
+                self.pool.release(ChunkId(c));
+                cmd.done += self.chunk_use[c as usize].len;
+                self.progress(ci);
+            }
+            _ => self.progress(ci),
+        }
+    }
+
+    // ---------------------------------------------------------------- commands
+
+    fn cmd(&mut self, ci: u16) -> &mut Cmd {
+        self.cmds[ci as usize].as_mut().expect("live command")
+    }
+
+    fn new_cmd(&mut self, si: u16, cid: CommandId, kind: CmdKind) -> Option<u16> {
+        let ci = match self.free_cmds.pop() {
+            Some(ci) => ci,
+            None if self.cmds.len() < NONE16 as usize => {
+                self.cmds.push(None);
+                (self.cmds.len() - 1) as u16
+            }
+            None => {
+                tracing::warn!("reactor {}: command slab full", self.id);
+                self.send_queue_full(si, cid);
+                return None;
+            }
+        };
+        self.cmds[ci as usize] = Some(Cmd {
+            sess: si,
+            cid,
+            kind,
+            file: 0,
+            offset: 0,
+            len: 0,
+            falloc_len: 0,
+            remote: DataDescriptor::default(),
+            fua: false,
+            next: 0,
+            done: 0,
+            inflight: 0,
+            error: None,
+            held_recv: None,
+            in_waitq: false,
+            responded: false,
+            send_inflight: false,
+            result: 0,
+            list_entries: 0,
+        });
+        self.session(si).state.outstanding += 1;
+        Some(ci)
+    }
+
+    fn session_closing(&self, si: u16) -> bool {
+        self.sessions[si as usize].s.as_ref().is_none_or(|s| s.closing.is_some() || s.res.is_none())
+    }
+
+    fn wants_chunk(&self, ci: u16) -> bool {
+        let Some(cmd) = self.cmds.get(ci as usize).and_then(|c| c.as_ref()) else { return false };
+        if cmd.error.is_some() || cmd.responded || self.session_closing(cmd.sess) {
+            return false;
+        }
+        match cmd.kind {
+            CmdKind::Read | CmdKind::Write => cmd.next < cmd.len && cmd.inflight < CHUNK_WINDOW,
+            CmdKind::WriteInline | CmdKind::List => cmd.next == 0,
+            _ => false,
+        }
+    }
+
+    /// Issues chunks for a command while it wants them and the pool has
+    /// them; otherwise queues it (FIFO) for the next free chunk.
+    fn pump(&mut self, ci: u16) {
+        while self.wants_chunk(ci) {
+            let first_in_line = self.waitq.is_empty() || self.waitq.front() == Some(&ci);
+            if !first_in_line || self.pool.free_count() == 0 {
+                let cmd = self.cmd(ci);
+                if !cmd.in_waitq {
+                    cmd.in_waitq = true;
+                    self.waitq.push_back(ci);
+                }
+                return;
+            }
+            if self.waitq.front() == Some(&ci) {
+                self.waitq.pop_front();
+                self.cmd(ci).in_waitq = false;
+            }
+            let c = self.pool.alloc().expect("free chunk");
+            self.issue(ci, c);
+        }
+    }
+
+    fn pump_waitq(&mut self) {
+        while self.pool.free_count() > 0 {
+            let Some(ci) = self.waitq.pop_front() else { break };
+            let Some(cmd) = self.cmds.get_mut(ci as usize).and_then(|c| c.as_mut()) else { continue };
+            cmd.in_waitq = false;
+            if !self.wants_chunk(ci) {
+                continue;
+            }
+            let c = self.pool.alloc().expect("free chunk");
+            self.issue(ci, c);
+            if self.cmds[ci as usize].is_some() && self.wants_chunk(ci) {
+                self.cmd(ci).in_waitq = true;
+                self.waitq.push_back(ci);
+            }
+        }
+    }
+
+    fn issue(&mut self, ci: u16, c: ChunkId) {
+        let chunk_size = self.pool.chunk_size() as u32;
+        let cmd = self.cmd(ci);
+        let si = cmd.sess;
+        match cmd.kind {
+            CmdKind::Read | CmdKind::Write => {
+                let off = cmd.next;
+                let len = chunk_size.min(cmd.len - off);
+                cmd.next += len;
+                let (kind, file, offset) = (cmd.kind, cmd.file, cmd.offset + off as u64);
+                self.chunk_use[c.0 as usize] = ChunkUse { cmd: ci, off, len };
+                if kind == CmdKind::Read {
+                    self.cmd(ci).inflight += 1;
+                    self.uring.read_fixed(&mut self.pool, file, c, 0, len, offset, ud(U_READ, ci, c.0));
+                } else {
+                    // Counted in flight once posted.
+                    self.post_rdma(si, ci, c, true);
+                }
+            }
+            CmdKind::WriteInline => {
+                let len = cmd.len;
+                let slot = cmd.held_recv.take().expect("inline data held");
+                cmd.next = len;
+                cmd.inflight += 1;
+                let (file, offset, fua) = (cmd.file, cmd.offset, cmd.fua);
+                // wants_chunk() made sure the session is live.
+                let res = self.sessions[si as usize].s.as_ref().and_then(|s| s.res.as_ref()).expect("live queue pair");
+                let src = &res.recv.slot(slot as usize)[COMMAND_CAPSULE_SIZE..COMMAND_CAPSULE_SIZE + len as usize];
+                self.pool.bytes_mut(c)[..len as usize].copy_from_slice(src);
+                self.repost_recv(si, slot);
+                self.chunk_use[c.0 as usize] = ChunkUse { cmd: ci, off: 0, len };
+                self.uring.write_fixed(&mut self.pool, file, c, 0, len, offset, fua, ud(U_WRITE, ci, c.0));
+            }
+            CmdKind::List => {
+                let entries = cmd.list_entries as usize;
+                cmd.next = 1;
+                let buf = self.pool.bytes_mut(c);
+                for (i, m) in self.metas.iter().take(entries).enumerate() {
+                    match m.info.to_bytes() {
+                        Ok(b) => buf[i * VOLUME_INFO_SIZE..(i + 1) * VOLUME_INFO_SIZE].copy_from_slice(&b),
+                        Err(e) => tracing::error!("cannot encode volume info: {e}"),
+                    }
+                }
+                self.chunk_use[c.0 as usize] = ChunkUse { cmd: ci, off: 0, len: (entries * VOLUME_INFO_SIZE) as u32 };
+                self.respond(ci, &[], Some(c));
+            }
+            _ => {
+                self.pool.release(c);
+            }
+        }
+    }
+
+    /// Posts one RDMA op for a chunk: RDMA READ into it (WRITE command) or
+    /// RDMA WRITE from it (READ command).
+    fn post_rdma(&mut self, si: u16, ci: u16, c: ChunkId, read: bool) {
+        let gen = self.sessions[si as usize].gen;
+        let use_ = self.chunk_use[c.0 as usize];
+        let remote = self.cmd(ci).remote;
+        let s = self.sessions[si as usize].s.as_mut().expect("live session");
+        if s.sq_used >= s.sq_cap {
+            self.pool.release(c);
+            self.fail_session(si, "send queue overflow (internal error)".into());
+            return;
+        }
+        let sge = self.fabrics[s.fabric].pool_mr.sge(c, 0, use_.len);
+        let addr = remote.remote_addr.wrapping_add(use_.off as u64);
+        let op = if read {
+            SendOp::RdmaRead { remote_addr: addr, rkey: Rkey(remote.rkey) }
+        } else {
+            SendOp::RdmaWrite { remote_addr: addr, rkey: Rkey(remote.rkey) }
+        };
+        let wr = SendWr { wr_id: wr_id(K_RDMA, gen, si, ci, c.0), op, sges: &[sge], signaled: true, inline: false };
+        self.pool.lend_to_fabric(c);
+        let res = s.res.as_ref().expect("live queue pair");
+        // On failure the work request may or may not be posted: keep the
+        // chunk lent and counted; the flush (or FLUSH_TIMEOUT) returns it.
+        let posted = res.qp.post_send(&[wr]);
+        s.sq_used += 1;
+        if let Some(cmd) = self.cmds[ci as usize].as_mut() {
+            cmd.inflight += 1;
+        }
+        if let Err(e) = posted {
+            self.fail_session(si, format!("cannot post RDMA {}: {e}", if read { "READ" } else { "WRITE" }));
+        }
+    }
+
+    /// Decides what a command does next after one of its operations finished.
+    fn progress(&mut self, ci: u16) {
+        let Some(cmd) = self.cmds.get(ci as usize).and_then(|c| c.as_ref()) else { return };
+        let si = cmd.sess;
+        if cmd.responded || self.session_closing(si) {
+            self.maybe_free_cmd(ci);
+            return;
+        }
+        if cmd.error.is_some() {
+            if cmd.inflight == 0 {
+                if cmd.in_waitq {
+                    self.waitq.retain(|&x| x != ci);
+                    self.cmd(ci).in_waitq = false;
+                }
+                if let Some(slot) = self.cmd(ci).held_recv.take() {
+                    self.repost_recv(si, slot);
+                }
+                self.respond(ci, &[], None);
+            }
+            return;
+        }
+        match cmd.kind {
+            CmdKind::Write | CmdKind::WriteInline if cmd.done == cmd.len && cmd.inflight == 0 => self.respond(ci, &[], None),
+            CmdKind::Flush | CmdKind::Fallocate { .. } if cmd.inflight == 0 => self.respond(ci, &[], None),
+            _ => self.pump(ci),
+        }
+    }
+
+    /// Posts the response (after an optional RDMA WRITE of `chain` in the same post).
+    fn respond(&mut self, ci: u16, data: &[u8], chain: Option<ChunkId>) {
+        let gen;
+        let si;
+        let (status, detail, result, remote, cid) = {
+            let cmd = self.cmds[ci as usize].as_ref().expect("live command");
+            si = cmd.sess;
+            gen = self.sessions[si as usize].gen;
+            let (status, detail) = match cmd.error {
+                Some(k) => Error::new(k, "").wire_status(),
+                None => (Status::Success, 0),
+            };
+            (status, detail, cmd.result, cmd.remote, cmd.cid)
+        };
+        if self.session_closing(si) {
+            if let Some(c) = chain {
+                self.pool.release(c);
+            }
+            self.cmd(ci).responded = true;
+            self.maybe_free_cmd(ci);
+            return;
+        }
+        let data = if status == Status::Success { data } else { &[][..] };
+        let rc = ResponseCapsule {
+            command_id: cid,
+            status,
+            detail,
+            result: if status == Status::Success { result } else { 0 },
+            data_len: data.len() as u32,
+        };
+        let s = self.sessions[si as usize].s.as_mut().expect("live session");
+        let need = 1 + chain.is_some() as u32;
+        let Some(slot) = s.free_resp.pop() else {
+            if let Some(c) = chain {
+                self.pool.release(c);
+            }
+            self.fail_session(si, "no free response slot (internal error)".into());
+            return;
+        };
+        if s.sq_used + need > s.sq_cap {
+            s.free_resp.push(slot);
+            if let Some(c) = chain {
+                self.pool.release(c);
+            }
+            self.fail_session(si, "send queue overflow (internal error)".into());
+            return;
+        }
+        let res = s.res.as_mut().expect("live queue pair");
+        let total = RESPONSE_CAPSULE_SIZE + data.len();
+        {
+            let buf = res.resp.slot_mut(slot as usize);
+            let head: &mut [u8; RESPONSE_CAPSULE_SIZE] = (&mut buf[..RESPONSE_CAPSULE_SIZE]).try_into().expect("32 bytes");
+            rc.encode(head);
+            buf[RESPONSE_CAPSULE_SIZE..total].copy_from_slice(data);
+        }
+        let resp_sge = res.resp.lend(slot as usize, total as u32);
+        let send = SendWr {
+            wr_id: wr_id(K_SEND, gen, si, slot, ci),
+            op: SendOp::Send,
+            sges: std::slice::from_ref(&resp_sge),
+            signaled: true,
+            inline: total as u32 <= s.max_inline,
+        };
+        let posted = match chain {
+            None => res.qp.post_send(&[send]),
+            Some(c) => {
+                let use_ = self.chunk_use[c.0 as usize];
+                let sge = self.fabrics[s.fabric].pool_mr.sge(c, 0, use_.len);
+                self.pool.lend_to_fabric(c);
+                let write = SendWr {
+                    wr_id: wr_id(K_RDMA, gen, si, ci, c.0),
+                    op: SendOp::RdmaWrite {
+                        remote_addr: remote.remote_addr.wrapping_add(use_.off as u64),
+                        rkey: Rkey(remote.rkey),
+                    },
+                    sges: std::slice::from_ref(&sge),
+                    signaled: true,
+                    inline: false,
+                };
+                res.qp.post_send(&[write, send])
+            }
+        };
+        // On failure part of the chain may be posted (as in verbs): account
+        // for all of it; the flush (or FLUSH_TIMEOUT) settles the rest.
+        s.sq_used += need;
+        let cmd = self.cmds[ci as usize].as_mut().expect("live command");
+        cmd.responded = true;
+        cmd.send_inflight = true;
+        if chain.is_some() {
+            cmd.inflight += 1;
+        }
+        if let Err(e) = posted {
+            self.fail_session(si, format!("cannot post a response: {e}"));
+        }
+    }
+
+    fn maybe_free_cmd(&mut self, ci: u16) {
+        let Some(cmd) = self.cmds.get(ci as usize).and_then(|c| c.as_ref()) else { return };
+        let si = cmd.sess;
+        let closing = self.session_closing(si);
+        if cmd.inflight > 0 || cmd.send_inflight || !(cmd.responded || closing) {
+            return;
+        }
+        if cmd.in_waitq {
+            self.waitq.retain(|&x| x != ci);
+        }
+        self.cmds[ci as usize] = None;
+        self.free_cmds.push(ci);
+        if let Some(s) = self.sessions[si as usize].s.as_mut() {
+            s.state.outstanding -= 1;
+        }
+        self.maybe_free_session(si);
+    }
+
+    fn free_session_cmds(&mut self, si: u16) {
+        for ci in 0..self.cmds.len() {
+            if self.cmds[ci].as_ref().is_some_and(|c| c.sess == si) {
+                self.maybe_free_cmd(ci as u16);
+            }
+        }
+    }
+
+    /// Stops using a queue pair: disconnects it, and frees it once every
+    /// work request has flushed and its commands' io_uring ops completed.
+    fn fail_session(&mut self, si: u16, reason: String) {
+        let Some(s) = self.sessions[si as usize].s.as_mut() else { return };
+        if s.closing.is_some() {
+            return;
+        }
+        tracing::info!("session closed: host={} peer={} reason={reason}", s.host(), s.peer);
+        s.closing = Some(reason);
+        s.close_deadline = Some(Instant::now() + FLUSH_TIMEOUT);
+        if let Some(res) = &s.res {
+            res.qp.disconnect();
+        }
+        self.free_session_cmds(si);
+        self.maybe_free_session(si);
+    }
+
+    fn maybe_free_session(&mut self, si: u16) {
+        let slot = &mut self.sessions[si as usize];
+        let Some(s) = slot.s.as_ref() else { return };
+        if s.closing.is_none() || s.state.outstanding > 0 || s.sq_used > 0 || s.recv_posted > 0 {
+            return;
+        }
+        let s = slot.s.take().expect("live session");
+        slot.gen = slot.gen.wrapping_add(1);
+        self.fabrics[s.fabric].cq_reserved -= s.cq_reserved;
+        self.free_sessions.push(si);
+        tracing::debug!("session {} freed", s.peer);
+        drop(s);
+    }
+}
+
+fn completion_reason(what: &str, status: WcStatus) -> String {
+    let why = match status {
+        WcStatus::Success => "success",
+        WcStatus::LocalLengthError => "local length error (message larger than the receive buffer?)",
+        WcStatus::LocalProtectionError => "local protection error",
+        WcStatus::WrFlushError => "flushed",
+        WcStatus::RemoteAccessError => "remote access error (bad rkey, range or rights)",
+        WcStatus::RemoteInvalidRequest => "remote invalid request",
+        WcStatus::RnrRetryExceeded => "receiver not ready (initiator posted no receive)",
+        WcStatus::TransportError => "transport error (connection lost)",
+        WcStatus::GeneralError => "general error",
+    };
+    format!("{what} failed: {why}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_roundtrip() {
+        let w = wr_id(K_RDMA, 0xabc, 0xfffe, 0x1234, 0xffff);
+        assert_eq!(split_wr_id(w), (K_RDMA, 0xabc, 0xfffe, 0x1234, 0xffff));
+        let w = wr_id(K_RECV, 0x1abc, 1, 2, 3);
+        assert_eq!(split_wr_id(w), (K_RECV, 0xabc, 1, 2, 3), "generation keeps 12 bits");
+        assert_eq!(split_ud(ud(U_FALLOC, 0xfffe, NONE16)), (U_FALLOC, 0xfffe, NONE16));
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(recv_slot_size(4096), 64 + 4096);
+        assert_eq!(recv_slot_size(0), 64 + 256, "room for a CONNECT host id");
+        assert_eq!(send_queue_depth(128, 512), 256 + 512);
+        assert_eq!(send_queue_depth(4, 512), 8 + 32);
+    }
+}

@@ -1,0 +1,570 @@
+//! The io_uring engine: completion based, no futures (in the style of
+//! cloud-hypervisor's and Firecracker's async I/O).
+//!
+//! One ring per reactor. The volume descriptors are registered as fixed
+//! files and the whole buffer pool as fixed buffers (one iovec per chunk,
+//! `buf_index` = chunk index). The ring is created disabled, probed (ReadFixed,
+//! WriteFixed and Fsync are required; Fallocate is optional), restricted to
+//! exactly the opcodes it uses with fixed files only, and then enabled. An
+//! eventfd is registered so that the reactor can block on it in epoll.
+//!
+//! Callers push operations tagged with a `u64`, call [`Uring::submit`] once
+//! per loop turn and [`Uring::reap`] completions. The engine keeps its own
+//! table of in-flight operations: it owns the chunk while the kernel uses it,
+//! resubmits the remainder of short transfers, and reports each operation
+//! exactly once.
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+use io_uring::{opcode, register::Restriction, squeue, types, IoUring, Probe};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::pool::{ChunkId, Pool, PoolMemory};
+use crate::sys::EventFd;
+
+/// `fallocate` mode for DISCARD.
+pub const PUNCH_HOLE: i32 = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+/// `fallocate` mode for WRITE_ZEROES.
+pub const ZERO_RANGE: i32 = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
+
+/// Ring options.
+#[derive(Clone, Copy, Debug)]
+pub struct UringOptions {
+    /// Submission queue entries (rounded up to a power of two by the kernel).
+    pub entries: u32,
+    /// Use a kernel submission polling thread with this idle time in ms.
+    pub sqpoll_idle_ms: Option<u32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OpKind {
+    Read,
+    Write { dsync: bool },
+    Fsync,
+    Fallocate { mode: i32 },
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Op {
+    user_data: u64,
+    kind: OpKind,
+    file: u32,
+    chunk: Option<ChunkId>,
+    buf_off: u32,
+    len: u64,
+    offset: u64,
+    done: u64,
+}
+
+/// What the kernel supports, from the probe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UringFeatures {
+    pub fallocate: bool,
+}
+
+/// One io_uring instance with fixed files and fixed buffers.
+pub struct Uring {
+    // Field order matters: the ring is closed (after `Drop` waited for every
+    // in-flight op) before the pool memory can be freed.
+    ring: IoUring,
+    eventfd: EventFd,
+    ops: Vec<Option<Op>>,
+    free_ops: Vec<u32>,
+    inflight: usize,
+    backlog: VecDeque<squeue::Entry>,
+    cqes: Vec<(u64, i32)>,
+    pending_fail: Vec<(u32, i32)>,
+    nfiles: u32,
+    features: UringFeatures,
+    mem: Arc<PoolMemory>,
+}
+
+fn uring_err(what: &str, e: io::Error) -> Error {
+    let hint = match e.raw_os_error() {
+        Some(libc::ENOMEM) => " (registered buffers count against RLIMIT_MEMLOCK; raise it, e.g. LimitMEMLOCK=infinity)",
+        Some(libc::EPERM) => " (io_uring may be disabled: check kernel.io_uring_disabled)",
+        Some(libc::ENOSYS) => " (this kernel has no io_uring)",
+        _ => "",
+    };
+    Error::with_source(ErrorKind::Uring, format!("io_uring: {what}{hint}"), e)
+}
+
+impl Uring {
+    /// Creates, probes, registers, restricts and enables a ring.
+    pub fn new(files: &[RawFd], pool: &Pool, opts: UringOptions) -> Result<Uring> {
+        let mut builder = IoUring::builder();
+        builder.setup_r_disabled();
+        builder.setup_cqsize(opts.entries.saturating_mul(4).max(64));
+        if let Some(idle) = opts.sqpoll_idle_ms {
+            builder.setup_sqpoll(idle);
+        }
+        let ring = builder.build(opts.entries).map_err(|e| uring_err("cannot create ring", e))?;
+        let submitter = ring.submitter();
+
+        let mut probe = Probe::new();
+        submitter.register_probe(&mut probe).map_err(|e| uring_err("probe failed", e))?;
+        let required = [
+            (opcode::ReadFixed::CODE, "READ_FIXED"),
+            (opcode::WriteFixed::CODE, "WRITE_FIXED"),
+            (opcode::Fsync::CODE, "FSYNC"),
+        ];
+        let missing: Vec<&str> = required.iter().filter(|(c, _)| !probe.is_supported(*c)).map(|(_, n)| *n).collect();
+        if !missing.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Uring,
+                format!("io_uring: this kernel lacks required opcodes {}; a kernel >= 5.6 is needed", missing.join(", ")),
+            ));
+        }
+        let features = UringFeatures { fallocate: probe.is_supported(opcode::Fallocate::CODE) };
+
+        if !files.is_empty() {
+            submitter.register_files(files).map_err(|e| uring_err("cannot register files", e))?;
+        }
+        let mem = Arc::clone(pool.memory());
+        let iovecs = mem.iovecs();
+        // SAFETY: every iovec lies within the pool memory, which this `Uring`
+        // keeps alive through `mem` until the ring is closed after all ops
+        // completed (see `Drop`).
+        unsafe { submitter.register_buffers(&iovecs) }.map_err(|e| uring_err("cannot register the buffer pool", e))?;
+        let eventfd = EventFd::new().map_err(|e| uring_err("cannot create eventfd", e))?;
+        submitter.register_eventfd(eventfd.fd()).map_err(|e| uring_err("cannot register eventfd", e))?;
+
+        let mut restrictions = vec![
+            Restriction::sqe_op(opcode::ReadFixed::CODE),
+            Restriction::sqe_op(opcode::WriteFixed::CODE),
+            Restriction::sqe_op(opcode::Fsync::CODE),
+            Restriction::sqe_flags_required(squeue::Flags::FIXED_FILE.bits()),
+        ];
+        if features.fallocate {
+            restrictions.push(Restriction::sqe_op(opcode::Fallocate::CODE));
+        }
+        submitter.register_restrictions(&mut restrictions).map_err(|e| uring_err("cannot register restrictions", e))?;
+        submitter.register_enable_rings().map_err(|e| uring_err("cannot enable ring", e))?;
+
+        Ok(Uring {
+            ring,
+            eventfd,
+            ops: Vec::new(),
+            free_ops: Vec::new(),
+            inflight: 0,
+            backlog: VecDeque::new(),
+            cqes: Vec::with_capacity(64),
+            pending_fail: Vec::new(),
+            nfiles: files.len() as u32,
+            features,
+            mem,
+        })
+    }
+
+    /// What the kernel supports.
+    pub fn features(&self) -> UringFeatures {
+        self.features
+    }
+
+    /// The registered eventfd; readable when completions were posted.
+    pub fn eventfd(&self) -> RawFd {
+        self.eventfd.fd()
+    }
+
+    /// Clears the eventfd. Call before reaping so no wake-up is lost.
+    pub fn clear_eventfd(&self) {
+        self.eventfd.drain();
+    }
+
+    /// Operations pushed and not yet reaped.
+    pub fn inflight(&self) -> usize {
+        self.inflight
+    }
+
+    /// Reads `len` bytes at `offset` of fixed file `file` into chunk `chunk`
+    /// at `buf_off`. The chunk is lent to the kernel until the completion is reaped.
+    #[allow(clippy::too_many_arguments)]
+    pub fn read_fixed(&mut self, pool: &mut Pool, file: u32, chunk: ChunkId, buf_off: u32, len: u32, offset: u64, user_data: u64) {
+        self.rw(pool, OpKind::Read, file, chunk, buf_off, len, offset, user_data)
+    }
+
+    /// Writes `len` bytes from chunk `chunk` at `buf_off` to `offset` of fixed
+    /// file `file`, with RWF_DSYNC if `dsync`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_fixed(
+        &mut self,
+        pool: &mut Pool,
+        file: u32,
+        chunk: ChunkId,
+        buf_off: u32,
+        len: u32,
+        offset: u64,
+        dsync: bool,
+        user_data: u64,
+    ) {
+        self.rw(pool, OpKind::Write { dsync }, file, chunk, buf_off, len, offset, user_data)
+    }
+
+    /// fdatasync of fixed file `file`.
+    pub fn fsync(&mut self, file: u32, user_data: u64) {
+        assert!(file < self.nfiles, "fixed file {file} not registered");
+        let op = Op { user_data, kind: OpKind::Fsync, file, chunk: None, buf_off: 0, len: 0, offset: 0, done: 0 };
+        self.start(op);
+    }
+
+    /// fallocate of fixed file `file` with `mode` ([`PUNCH_HOLE`], [`ZERO_RANGE`]).
+    /// Completes with `-EOPNOTSUPP` if the kernel has no Fallocate opcode.
+    pub fn fallocate(&mut self, file: u32, mode: i32, offset: u64, len: u64, user_data: u64) {
+        assert!(file < self.nfiles, "fixed file {file} not registered");
+        let op = Op { user_data, kind: OpKind::Fallocate { mode }, file, chunk: None, buf_off: 0, len, offset, done: 0 };
+        self.start(op);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rw(&mut self, pool: &mut Pool, kind: OpKind, file: u32, chunk: ChunkId, buf_off: u32, len: u32, offset: u64, user_data: u64) {
+        assert!(Arc::ptr_eq(pool.memory(), &self.mem), "pool not registered with this ring");
+        assert!(file < self.nfiles, "fixed file {file} not registered");
+        assert!(len > 0 && buf_off as usize + len as usize <= self.mem.chunk_size(), "transfer outside the chunk");
+        pool.lend_to_kernel(chunk);
+        let op = Op { user_data, kind, file, chunk: Some(chunk), buf_off, len: len as u64, offset, done: 0 };
+        self.start(op);
+    }
+
+    fn start(&mut self, op: Op) {
+        if matches!(op.kind, OpKind::Fallocate { .. }) && !self.features.fallocate {
+            // Report through the completion path like any other failure.
+            let idx = self.insert(op);
+            self.inflight += 1;
+            self.pending_fail.push((idx, -libc::EOPNOTSUPP));
+            return;
+        }
+        let idx = self.insert(op);
+        self.inflight += 1;
+        self.push_entry(idx);
+    }
+
+    fn insert(&mut self, op: Op) -> u32 {
+        match self.free_ops.pop() {
+            Some(i) => {
+                self.ops[i as usize] = Some(op);
+                i
+            }
+            None => {
+                self.ops.push(Some(op));
+                (self.ops.len() - 1) as u32
+            }
+        }
+    }
+
+    fn entry(&self, idx: u32) -> squeue::Entry {
+        let op = self.ops[idx as usize].expect("live op");
+        let fd = types::Fixed(op.file);
+        let rest = op.len - op.done;
+        let entry = match op.kind {
+            OpKind::Read | OpKind::Write { .. } => {
+                let chunk = op.chunk.expect("rw op has a chunk");
+                // SAFETY: buf_off + len lies within the chunk (checked in `rw`),
+                // and `done < len`, so the pointer stays inside the chunk.
+                let ptr = unsafe { self.mem.chunk_ptr(chunk).add(op.buf_off as usize + op.done as usize) };
+                if op.kind == OpKind::Read {
+                    opcode::ReadFixed::new(fd, ptr, rest as u32, chunk.0).offset(op.offset + op.done).build()
+                } else {
+                    let flags = if op.kind == (OpKind::Write { dsync: true }) { libc::RWF_DSYNC } else { 0 };
+                    opcode::WriteFixed::new(fd, ptr, rest as u32, chunk.0).offset(op.offset + op.done).rw_flags(flags).build()
+                }
+            }
+            OpKind::Fsync => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build(),
+            OpKind::Fallocate { mode } => opcode::Fallocate::new(fd, op.len).offset(op.offset).mode(mode).build(),
+        };
+        entry.user_data(idx as u64)
+    }
+
+    fn push_entry(&mut self, idx: u32) {
+        let entry = self.entry(idx);
+        if !self.backlog.is_empty() {
+            self.backlog.push_back(entry);
+            return;
+        }
+        // SAFETY: the buffer the entry points to (if any) is a chunk of the
+        // registered pool memory kept alive by `self.mem`, lent to the kernel
+        // until the op's final completion is reaped; fixed files stay
+        // registered for the ring's lifetime.
+        if unsafe { self.ring.submission().push(&entry) }.is_err() {
+            let _ = self.ring.submit();
+            // SAFETY: as above.
+            if unsafe { self.ring.submission().push(&entry) }.is_err() {
+                self.backlog.push_back(entry);
+            }
+        }
+    }
+
+    /// Submits everything pushed since the last call. Returns how many
+    /// entries the kernel consumed.
+    pub fn submit(&mut self) -> Result<usize> {
+        while let Some(entry) = self.backlog.front() {
+            // SAFETY: see `push_entry`; backlog entries were built the same way.
+            if unsafe { self.ring.submission().push(entry) }.is_err() {
+                break;
+            }
+            self.backlog.pop_front();
+        }
+        match self.ring.submit() {
+            Ok(n) => Ok(n),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN | libc::EINTR)) => Ok(0),
+            Err(e) => Err(uring_err("submit failed", e)),
+        }
+    }
+
+    /// Reaps completions: calls `f(user_data, result)` once per finished
+    /// operation, where `result` is the total bytes transferred (reads and
+    /// writes) or 0, or a negative errno. Short transfers are resubmitted and
+    /// not reported; a read that hits end of file reports `-EIO`.
+    /// Returns how many operations were reported.
+    pub fn reap(&mut self, pool: &mut Pool, mut f: impl FnMut(u64, i32)) -> usize {
+        let mut reported = 0;
+        for (idx, res) in std::mem::take(&mut self.pending_fail) {
+            reported += 1;
+            let op = self.finish(idx, pool);
+            f(op.user_data, res);
+        }
+        loop {
+            self.cqes.clear();
+            self.cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
+            if self.cqes.is_empty() {
+                break;
+            }
+            for i in 0..self.cqes.len() {
+                let (idx, res) = self.cqes[i];
+                let idx = idx as u32;
+                let op = self.ops[idx as usize].as_mut().expect("completion for a live op");
+                let is_rw = matches!(op.kind, OpKind::Read | OpKind::Write { .. });
+                let result = if res < 0 {
+                    res
+                } else if is_rw {
+                    op.done += res as u64;
+                    if op.done < op.len {
+                        if res == 0 {
+                            -libc::EIO
+                        } else {
+                            self.push_entry(idx);
+                            continue;
+                        }
+                    } else {
+                        op.done as i32
+                    }
+                } else {
+                    res
+                };
+                let op = self.finish(idx, pool);
+                reported += 1;
+                f(op.user_data, result);
+            }
+        }
+        reported
+    }
+
+    fn finish(&mut self, idx: u32, pool: &mut Pool) -> Op {
+        let op = self.ops[idx as usize].take().expect("live op");
+        self.free_ops.push(idx);
+        self.inflight -= 1;
+        if let Some(c) = op.chunk {
+            pool.return_from_kernel(c);
+        }
+        op
+    }
+
+    /// Blocks until every in-flight operation completed, discarding results
+    /// (chunks stay marked as lent: only for teardown).
+    fn wait_idle(&mut self) {
+        let mut stuck_rounds = 0;
+        while self.inflight > 0 {
+            while let Some(entry) = self.backlog.pop_front() {
+                // SAFETY: see `push_entry`.
+                if unsafe { self.ring.submission().push(&entry) }.is_err() {
+                    self.backlog.push_front(entry);
+                    break;
+                }
+            }
+            let pending: Vec<_> = std::mem::take(&mut self.pending_fail);
+            for (idx, _) in pending {
+                self.ops[idx as usize] = None;
+                self.inflight -= 1;
+            }
+            if self.inflight == 0 {
+                break;
+            }
+            if let Err(e) = self.ring.submit_and_wait(1) {
+                if e.raw_os_error() != Some(libc::EINTR) {
+                    stuck_rounds += 1;
+                    if stuck_rounds > 1000 {
+                        // Leaking is the only safe option left: the kernel may still
+                        // write into the pool, so the memory must never be freed.
+                        tracing::error!("io_uring teardown failed ({e}); leaking the ring and its buffers");
+                        std::mem::forget(Arc::clone(&self.mem));
+                        return;
+                    }
+                }
+            }
+            let cqes: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+            for (idx, res) in cqes {
+                let Some(op) = self.ops[idx as usize].as_mut() else { continue };
+                let is_rw = matches!(op.kind, OpKind::Read | OpKind::Write { .. });
+                if res > 0 && is_rw && op.done + (res as u64) < op.len {
+                    op.done += res as u64;
+                    let idx = idx as u32;
+                    self.push_entry(idx);
+                    continue;
+                }
+                self.ops[idx as usize] = None;
+                self.inflight -= 1;
+            }
+        }
+    }
+}
+
+impl Drop for Uring {
+    fn drop(&mut self) {
+        self.wait_idle();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+
+    fn odirect_file(len: u64) -> (tempfile::TempPath, std::fs::File) {
+        let tmp = tempfile::NamedTempFile::new_in("/tmp").unwrap();
+        let path = tmp.into_temp_path();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+            .unwrap();
+        f.set_len(len).unwrap();
+        (path, f)
+    }
+
+    fn opts() -> UringOptions {
+        UringOptions { entries: 16, sqpoll_idle_ms: None }
+    }
+
+    fn wait_all(ring: &mut Uring, pool: &mut Pool, want: usize) -> Vec<(u64, i32)> {
+        let mut got = Vec::new();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while got.len() < want {
+            ring.submit().unwrap();
+            ring.reap(pool, |u, r| got.push((u, r)));
+            assert!(std::time::Instant::now() < deadline, "timed out waiting for completions");
+            std::thread::yield_now();
+        }
+        got.sort();
+        got
+    }
+
+    #[test]
+    fn fixed_read_write_roundtrip_odirect() {
+        let (path, file) = odirect_file(1 << 20);
+        let mut pool = Pool::new(4 * 65536, 65536);
+        let mut ring = Uring::new(&[file.as_raw_fd()], &pool, opts()).unwrap();
+
+        let a = pool.alloc().unwrap();
+        let b = pool.alloc().unwrap();
+        for (i, x) in pool.bytes_mut(a).iter_mut().enumerate() {
+            *x = (i % 251) as u8;
+        }
+        ring.write_fixed(&mut pool, 0, a, 0, 65536, 8192, false, 1);
+        assert!(!pool.is_held(a), "lent to the kernel while in flight");
+        let got = wait_all(&mut ring, &mut pool, 1);
+        assert_eq!(got, vec![(1, 65536)]);
+        assert!(pool.is_held(a));
+        ring.write_fixed(&mut pool, 0, a, 4096, 4096, 262144, true, 2);
+        assert_eq!(wait_all(&mut ring, &mut pool, 1), vec![(2, 4096)]);
+
+        ring.read_fixed(&mut pool, 0, b, 0, 65536, 8192, 3);
+        let got = wait_all(&mut ring, &mut pool, 1);
+        assert_eq!(got, vec![(3, 65536)]);
+        assert_eq!(pool.bytes(a), pool.bytes(b));
+
+        // What the file holds, read without O_DIRECT.
+        let plain = std::fs::File::open(&path).unwrap();
+        let mut buf = vec![0u8; 4096];
+        plain.read_exact_at(&mut buf, 262144).unwrap();
+        assert_eq!(&buf[..], &pool.bytes(a)[4096..8192]);
+
+        // Reading past the end of the file reports EIO (short read with no progress).
+        ring.read_fixed(&mut pool, 0, b, 0, 4096, 1 << 20, 4);
+        let got = wait_all(&mut ring, &mut pool, 1);
+        assert_eq!(got, vec![(4, -libc::EIO)]);
+
+        assert_eq!(ring.inflight(), 0);
+        pool.release(a);
+        pool.release(b);
+    }
+
+    #[test]
+    fn fsync_and_punch_hole() {
+        let (path, file) = odirect_file(1 << 20);
+        let mut pool = Pool::new(65536, 65536);
+        let mut ring = Uring::new(&[file.as_raw_fd()], &pool, opts()).unwrap();
+        let c = pool.alloc().unwrap();
+        pool.bytes_mut(c).fill(0x5a);
+        ring.write_fixed(&mut pool, 0, c, 0, 65536, 0, false, 1);
+        wait_all(&mut ring, &mut pool, 1);
+        ring.write_fixed(&mut pool, 0, c, 0, 65536, 65536, false, 2);
+        wait_all(&mut ring, &mut pool, 1);
+        ring.fsync(0, 3);
+        assert_eq!(wait_all(&mut ring, &mut pool, 1), vec![(3, 0)]);
+        let blocks_before = std::fs::metadata(&path).unwrap().blocks();
+        assert!(blocks_before >= 256, "{blocks_before}");
+
+        assert!(ring.features().fallocate);
+        ring.fallocate(0, PUNCH_HOLE, 0, 65536, 4);
+        ring.fallocate(0, ZERO_RANGE, 65536, 4096, 5);
+        assert_eq!(wait_all(&mut ring, &mut pool, 2), vec![(4, 0), (5, 0)]);
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(meta.len(), 1 << 20, "KEEP_SIZE");
+        assert!(meta.blocks() < blocks_before, "{} !< {blocks_before}", meta.blocks());
+        let plain = std::fs::File::open(&path).unwrap();
+        let mut buf = vec![0xffu8; 65536 + 8192];
+        plain.read_exact_at(&mut buf, 0).unwrap();
+        assert!(buf[..65536 + 4096].iter().all(|&b| b == 0));
+        assert!(buf[65536 + 4096..].iter().all(|&b| b == 0x5a));
+        pool.release(c);
+    }
+
+    #[test]
+    fn many_ops_beyond_sq_size() {
+        let (_path, file) = odirect_file(4 << 20);
+        let mut pool = Pool::new(64 * 4096, 4096);
+        let mut ring = Uring::new(&[file.as_raw_fd()], &pool, UringOptions { entries: 4, sqpoll_idle_ms: None }).unwrap();
+        let chunks: Vec<_> = std::iter::from_fn(|| pool.alloc()).collect();
+        for (i, &c) in chunks.iter().enumerate() {
+            pool.bytes_mut(c).fill(i as u8);
+            ring.write_fixed(&mut pool, 0, c, 0, 4096, i as u64 * 4096, false, i as u64);
+        }
+        let got = wait_all(&mut ring, &mut pool, chunks.len());
+        assert!(got.iter().all(|&(_, r)| r == 4096));
+        for (i, &c) in chunks.iter().enumerate() {
+            ring.read_fixed(&mut pool, 0, c, 0, 4096, (63 - i) as u64 * 4096, i as u64);
+        }
+        wait_all(&mut ring, &mut pool, chunks.len());
+        for (i, &c) in chunks.iter().enumerate() {
+            assert!(pool.bytes(c).iter().all(|&b| b == (63 - i) as u8));
+        }
+    }
+
+    #[test]
+    fn restricted_to_fixed_files() {
+        // The ring refuses an op on a non-fixed descriptor: restrictions are in force.
+        let (_path, file) = odirect_file(1 << 20);
+        let pool = Pool::new(4096, 4096);
+        let mut ring = Uring::new(&[file.as_raw_fd()], &pool, opts()).unwrap();
+        let entry = opcode::Fsync::new(types::Fd(file.as_raw_fd())).build().user_data(99);
+        // SAFETY: Fsync references no memory.
+        unsafe { ring.ring.submission().push(&entry) }.unwrap();
+        let _ = ring.ring.submit_and_wait(1);
+        let res: Vec<_> = ring.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+        assert_eq!(res, vec![(99, -libc::EACCES)]);
+    }
+}
