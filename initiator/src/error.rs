@@ -1,0 +1,301 @@
+//! The one error type of the initiator: a small matchable [`ErrorKind`] plus
+//! the context a message needs to name the problem.
+
+use std::fmt;
+use std::time::Duration;
+
+use rdmablk_common::fabric::FabricError;
+use rdmablk_common::protocol::{Opcode, Status, PROTOCOL_VERSION};
+
+/// Result of initiator calls.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What a request was doing, for error messages ("write of 4096 bytes ...").
+pub fn op_name(op: Opcode) -> &'static str {
+    match op {
+        Opcode::Connect => "connect",
+        Opcode::ListVolumes => "list-volumes",
+        Opcode::OpenVolume => "open",
+        Opcode::CloseVolume => "close",
+        Opcode::KeepAlive => "keep-alive",
+        Opcode::Read => "read",
+        Opcode::Write => "write",
+        Opcode::Flush => "flush",
+        Opcode::Discard => "discard",
+        Opcode::WriteZeroes => "write-zeroes",
+    }
+}
+
+/// Everything that can go wrong in the initiator.
+///
+/// Match on [`Error::kind`] for control flow; the variants carry the context
+/// the `Display` message is built from.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The target answered a command with a failure status.
+    #[error("{}", target_message(*.op, *.status, *.detail, .volume.as_deref(), *.offset, *.length))]
+    Target {
+        op: Opcode,
+        status: Status,
+        /// Status detail from the response (errno for `IoError`).
+        detail: u32,
+        volume: Option<String>,
+        offset: Option<u64>,
+        length: Option<u64>,
+    },
+    /// Offset or length is not a multiple of the block size. Checked before
+    /// anything is sent.
+    #[error("{} of {length} bytes at offset {offset} is not aligned to the volume's {block_size}-byte block size", op_name(*.op))]
+    Misaligned { op: Opcode, offset: u64, length: u64, block_size: u32 },
+    /// The byte range lies (partly) beyond the end of the device. Checked before
+    /// anything is sent.
+    #[error("{} of {length} bytes at offset {offset} is beyond the end of the {size}-byte volume", op_name(*.op))]
+    OutOfRange { op: Opcode, offset: u64, length: u64, size: u64 },
+    /// A write-type request to a device that is read-only.
+    #[error("{} on read-only volume {volume:?} refused", op_name(*.op))]
+    ReadOnly { op: Opcode, volume: String },
+    /// No volume with that name exists on the target.
+    #[error("the target has no volume named {name:?}")]
+    UnknownVolume { name: String },
+    /// A command got no response within its deadline. The connection was closed
+    /// (the target may still have been working on the command, so its buffers
+    /// could not be reused safely otherwise).
+    #[error("{what} timed out after {}", fmt_duration(*.after))]
+    Timeout { what: String, after: Duration },
+    /// The connection is gone: lost, closed by the peer, or closed by this
+    /// initiator after an earlier failure.
+    #[error("connection to the target is closed: {reason}")]
+    Disconnected { reason: String },
+    /// The target speaks a different protocol version.
+    #[error("target speaks protocol v{target}, this initiator speaks v{ours}")]
+    VersionMismatch { target: u32, ours: u16 },
+    /// The target sent something this initiator cannot make sense of. The
+    /// connection is closed.
+    #[error("protocol error: {detail}")]
+    Protocol { detail: String },
+    /// The fabric layer failed (connect refused, unreachable, bad URL...).
+    #[error("{}", fabric_message(.context, .source))]
+    Fabric {
+        context: String,
+        #[source]
+        source: FabricError,
+    },
+    /// The caller passed something invalid (buffer range, name too long...).
+    #[error("{detail}")]
+    InvalidArgument { detail: String },
+    /// A local I/O call failed (file devices, CLI input and output).
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The small, copyable classification of an [`Error`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    Target,
+    Misaligned,
+    OutOfRange,
+    ReadOnly,
+    UnknownVolume,
+    Timeout,
+    Disconnected,
+    VersionMismatch,
+    Protocol,
+    Fabric,
+    InvalidArgument,
+    Io,
+}
+
+impl Error {
+    /// The kind, for matching.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Target { .. } => ErrorKind::Target,
+            Error::Misaligned { .. } => ErrorKind::Misaligned,
+            Error::OutOfRange { .. } => ErrorKind::OutOfRange,
+            Error::ReadOnly { .. } => ErrorKind::ReadOnly,
+            Error::UnknownVolume { .. } => ErrorKind::UnknownVolume,
+            Error::Timeout { .. } => ErrorKind::Timeout,
+            Error::Disconnected { .. } => ErrorKind::Disconnected,
+            Error::VersionMismatch { .. } => ErrorKind::VersionMismatch,
+            Error::Protocol { .. } => ErrorKind::Protocol,
+            Error::Fabric { .. } => ErrorKind::Fabric,
+            Error::InvalidArgument { .. } => ErrorKind::InvalidArgument,
+            Error::Io { .. } => ErrorKind::Io,
+        }
+    }
+
+    /// The protocol status of this error: for [`Error::Target`] the one the
+    /// target sent; for problems the initiator detects before sending
+    /// (misaligned, out of range, read-only, unknown volume, version
+    /// mismatch) the status the target answers them with. `None` for
+    /// everything else (connection, timeouts, local I/O...).
+    pub fn status(&self) -> Option<Status> {
+        match self {
+            Error::Target { status, .. } => Some(*status),
+            Error::Misaligned { .. } => Some(Status::Misaligned),
+            Error::OutOfRange { .. } => Some(Status::OutOfRange),
+            Error::ReadOnly { .. } => Some(Status::ReadOnly),
+            Error::UnknownVolume { .. } => Some(Status::UnknownVolume),
+            Error::VersionMismatch { .. } => Some(Status::VersionMismatch),
+            _ => None,
+        }
+    }
+
+    /// The message and every source, joined on one line (`a: b: c`), without
+    /// repeating a source that the message already contains.
+    pub fn one_line(&self) -> String {
+        let mut out = self.to_string();
+        let mut source = std::error::Error::source(self);
+        while let Some(s) = source {
+            let text = s.to_string();
+            if !out.contains(&text) {
+                out.push_str(": ");
+                out.push_str(&text);
+            }
+            source = s.source();
+        }
+        out.replace('\n', " ")
+    }
+
+    pub(crate) fn invalid(detail: impl Into<String>) -> Self {
+        Error::InvalidArgument { detail: detail.into() }
+    }
+
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io { context: context.into(), source }
+    }
+
+    pub(crate) fn fabric(context: impl Into<String>, source: FabricError) -> Self {
+        Error::Fabric { context: context.into(), source }
+    }
+
+    pub(crate) fn protocol(detail: impl Into<String>) -> Self {
+        Error::Protocol { detail: detail.into() }
+    }
+
+    pub(crate) fn version_mismatch(target: u32) -> Self {
+        Error::VersionMismatch { target, ours: PROTOCOL_VERSION }
+    }
+}
+
+fn target_message(
+    op: Opcode,
+    status: Status,
+    detail: u32,
+    volume: Option<&str>,
+    offset: Option<u64>,
+    length: Option<u64>,
+) -> String {
+    let mut s = String::from(op_name(op));
+    match (length, offset) {
+        (Some(len), Some(off)) => s.push_str(&format!(" of {len} bytes at offset {off}")),
+        (None, Some(off)) => s.push_str(&format!(" at offset {off}")),
+        (Some(len), None) => s.push_str(&format!(" of {len} bytes")),
+        (None, None) => {}
+    }
+    if let Some(v) = volume {
+        s.push_str(&format!(" on volume {v:?}"));
+    }
+    s.push_str(&format!(" failed: target reported {} ({status:?})", status.describe()));
+    match status {
+        Status::IoError if detail != 0 => {
+            s.push_str(&format!(", errno {detail} ({})", std::io::Error::from_raw_os_error(detail as i32)))
+        }
+        Status::Success => {}
+        _ if detail != 0 => s.push_str(&format!(", detail {detail}")),
+        _ => {}
+    }
+    s
+}
+
+fn fabric_message(context: &str, source: &FabricError) -> String {
+    if source.context.contains(context) {
+        source.to_string()
+    } else {
+        format!("{context}: {source}")
+    }
+}
+
+/// `30s`, `1.5s`, `250ms`.
+pub(crate) fn fmt_duration(d: Duration) -> String {
+    if d.subsec_nanos() == 0 {
+        format!("{}s", d.as_secs())
+    } else if d < Duration::from_secs(1) {
+        format!("{}ms", d.as_millis())
+    } else {
+        format!("{:.3}s", d.as_secs_f64())
+    }
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdmablk_common::fabric::FabricErrorKind;
+
+    #[test]
+    fn misaligned_message_names_everything() {
+        let e = Error::Misaligned { op: Opcode::Write, offset: 12289, length: 1048576, block_size: 4096 };
+        assert_eq!(
+            e.to_string(),
+            "write of 1048576 bytes at offset 12289 is not aligned to the volume's 4096-byte block size"
+        );
+        assert_eq!(e.kind(), ErrorKind::Misaligned);
+        assert_eq!(e.status(), Some(Status::Misaligned));
+        let e = Error::Disconnected { reason: "x".into() };
+        assert_eq!(e.status(), None);
+    }
+
+    #[test]
+    fn target_message_includes_status_and_errno() {
+        let e = Error::Target {
+            op: Opcode::Read,
+            status: Status::IoError,
+            detail: 5,
+            volume: Some("vol0".into()),
+            offset: Some(8192),
+            length: Some(4096),
+        };
+        let m = e.to_string();
+        assert!(
+            m.starts_with("read of 4096 bytes at offset 8192 on volume \"vol0\" failed: target reported I/O error"),
+            "{m}"
+        );
+        assert!(m.contains("errno 5"), "{m}");
+        assert_eq!(e.status(), Some(Status::IoError));
+    }
+
+    #[test]
+    fn version_mismatch_names_both_versions() {
+        let e = Error::version_mismatch(7);
+        assert_eq!(e.to_string(), "target speaks protocol v7, this initiator speaks v1");
+    }
+
+    #[test]
+    fn one_line_joins_sources() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let f = FabricError { kind: FabricErrorKind::ConnectFailed, context: "tcp://x:1".into(), source: Some(io) };
+        let e = Error::fabric("connecting to tcp://x:1", f);
+        let line = e.one_line();
+        assert!(line.contains("connecting to tcp://x:1"), "{line}");
+        assert!(line.contains("connection failed"), "{line}");
+        assert!(line.contains("refused"), "{line}");
+        assert!(!line.contains('\n'));
+    }
+
+    #[test]
+    fn durations_print_compactly() {
+        assert_eq!(fmt_duration(Duration::from_secs(30)), "30s");
+        assert_eq!(fmt_duration(Duration::from_millis(250)), "250ms");
+        assert_eq!(fmt_duration(Duration::from_millis(1500)), "1.500s");
+    }
+}

@@ -1,0 +1,87 @@
+//! The real `rdmablk` binary: exit codes, one-line errors, stdin and stdout.
+
+mod support;
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+use support::{pattern, FakeConfig, FakeTarget, FakeVolume};
+
+fn rdmablk(args: &[&str], stdin: Option<&[u8]>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rdmablk"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .env_remove("RDMABLK_LOG")
+        .spawn()
+        .expect("spawn rdmablk");
+    let mut input = child.stdin.take().unwrap();
+    if let Some(data) = stdin {
+        input.write_all(data).unwrap();
+    }
+    drop(input);
+    child.wait_with_output().unwrap()
+}
+
+fn one_error_line(out: &Output) -> String {
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(err.lines().count(), 1, "expected one line on stderr, got {err:?}");
+    assert!(err.starts_with("rdmablk: error: "), "{err:?}");
+    err
+}
+
+#[test]
+fn stdin_to_volume_to_stdout() {
+    let target = FakeTarget::start(FakeConfig::default(), vec![FakeVolume::new("vol0", 4 << 20, 4096)]);
+    let url = target.url.as_str();
+    let data = pattern(3 << 20, 11);
+    let out = rdmablk(&["--target", url, "write", "vol0", "--offset", "8k"], Some(&data));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.stdout.is_empty() && out.stderr.is_empty());
+    assert_eq!(target.volume_data(0)[8192..8192 + data.len()], data[..]);
+    let out = rdmablk(&["--target", url, "read", "vol0", "--offset", "8192", "--length", "3MiB"], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.stdout == data);
+    let out = rdmablk(&["--target", url, "flush", "vol0"], None);
+    assert!(out.status.success());
+}
+
+#[test]
+fn errors_are_one_line_and_exit_non_zero() {
+    let target = FakeTarget::start(FakeConfig::default(), vec![FakeVolume::new("vol0", 1 << 20, 4096)]);
+    let url = target.url.as_str();
+    let before = target.volume_data(0);
+
+    let out = rdmablk(&["--target", url, "write", "vol0", "--offset", "12289"], Some(&[7u8; 4096]));
+    assert_eq!(out.status.code(), Some(1));
+    let err = one_error_line(&out);
+    assert!(err.contains("12289") && err.contains("4096-byte block size"), "{err}");
+    assert_eq!(target.volume_data(0), before);
+
+    let out = rdmablk(&["--target", url, "read", "nosuchvol", "--offset", "0", "--length", "4k"], None);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(one_error_line(&out).contains("nosuchvol"));
+
+    let out = rdmablk(&["--target", url, "read", "vol0", "--offset", "0", "--length", "2MiB"], None);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(one_error_line(&out).contains("beyond the end"));
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let dead = format!("tcp://127.0.0.1:{port}");
+    let out = rdmablk(&["--target", &dead, "--timeout", "2s", "list"], None);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(one_error_line(&out).contains(&dead));
+
+    let out = rdmablk(&["--target", url, "read", "vol0", "--offset", "1q", "--length", "4k"], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(one_error_line(&out).contains("1q"));
+
+    let out = rdmablk(&["--help"], None);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Usage: rdmablk"));
+
+    let out = rdmablk(&["list"], None);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(one_error_line(&out).contains("--target"));
+}
