@@ -1,0 +1,128 @@
+//! Completion queues: a completion ring, the epoll set over the sockets of
+//! the attached queue pairs, and the eventfd used as completion channel.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use super::qp::{self, QpShared};
+use super::sys;
+use crate::fabric::{Completion, FabricError, Result};
+
+/// Epoll token of the completion eventfd (queue pairs use their qp_num).
+const EVENTFD_TOKEN: u64 = u64::MAX;
+
+/// Most socket events handled per poll call; the rest stay ready (epoll is
+/// level-triggered) and are handled by the next call.
+const EVENTS_PER_POLL: usize = 64;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// State shared by a CQ and the queue pairs attached to it.
+pub(crate) struct CqShared {
+    epfd: OwnedFd,
+    evfd: OwnedFd,
+    queue: Mutex<VecDeque<Completion>>,
+    armed: AtomicBool,
+    qps: Mutex<HashMap<u32, Weak<QpShared>>>,
+}
+
+impl CqShared {
+    /// Queues a completion; if the CQ is armed, fires the channel.
+    pub(crate) fn push(&self, c: Completion) {
+        lock(&self.queue).push_back(c);
+        if self.armed.swap(false, Ordering::AcqRel) {
+            sys::eventfd_signal(self.evfd.as_raw_fd());
+        }
+    }
+
+    pub(crate) fn epfd(&self) -> RawFd {
+        self.epfd.as_raw_fd()
+    }
+
+    /// Makes the queue pair reachable from epoll events with token `qp_num`.
+    pub(crate) fn attach(&self, qp_num: u32, qp: Weak<QpShared>) {
+        lock(&self.qps).insert(qp_num, qp);
+    }
+
+    pub(crate) fn detach(&self, qp_num: u32) {
+        lock(&self.qps).remove(&qp_num);
+    }
+}
+
+/// A completion queue of the tcp provider.
+pub struct TcpCq {
+    shared: Arc<CqShared>,
+}
+
+impl TcpCq {
+    pub(crate) fn new(capacity: u32) -> Result<TcpCq> {
+        let epfd = sys::epoll_create().map_err(|e| FabricError::io("epoll_create1 for a completion queue", e))?;
+        let evfd = sys::eventfd().map_err(|e| FabricError::io("eventfd for a completion queue", e))?;
+        sys::epoll_add_in(epfd.as_raw_fd(), evfd.as_raw_fd(), EVENTFD_TOKEN)
+            .map_err(|e| FabricError::io("adding the completion eventfd to epoll", e))?;
+        Ok(TcpCq {
+            shared: Arc::new(CqShared {
+                epfd,
+                evfd,
+                queue: Mutex::new(VecDeque::with_capacity(capacity.clamp(1, 1 << 16) as usize)),
+                armed: AtomicBool::new(false),
+                qps: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<CqShared> {
+        &self.shared
+    }
+
+    /// Drives every attached queue pair whose socket is ready, then returns
+    /// up to `out.len()` completions.
+    pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
+        let sh = &*self.shared;
+        let mut events = [sys::EMPTY_EVENT; EVENTS_PER_POLL];
+        let n = sys::epoll_wait(sh.epfd(), &mut events, 0)
+            .map_err(|e| FabricError::io("epoll_wait on a completion queue", e))?;
+        for ev in &events[..n] {
+            // Copy out of the (packed) struct before use.
+            let (token, flags) = (ev.u64, ev.events);
+            if token == EVENTFD_TOKEN {
+                continue;
+            }
+            let qp = lock(&sh.qps).get(&(token as u32)).and_then(Weak::upgrade);
+            if let Some(qp) = qp {
+                qp::progress(&qp, flags);
+            }
+        }
+        let mut queue = lock(&sh.queue);
+        let k = out.len().min(queue.len());
+        for (slot, c) in out.iter_mut().zip(queue.drain(..k)) {
+            *slot = c;
+        }
+        Ok(k)
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.shared.epfd()
+    }
+
+    /// Arms the channel for the next completion; fires it at once if
+    /// completions are already queued.
+    pub fn arm(&self) -> Result<()> {
+        let sh = &*self.shared;
+        sh.armed.store(true, Ordering::Release);
+        let pending = !lock(&sh.queue).is_empty();
+        if pending && sh.armed.swap(false, Ordering::AcqRel) {
+            sys::eventfd_signal(sh.evfd.as_raw_fd());
+        }
+        Ok(())
+    }
+
+    pub fn ack_event(&self) -> Result<()> {
+        sys::counter_drain(self.shared.evfd.as_raw_fd());
+        Ok(())
+    }
+}

@@ -1,0 +1,176 @@
+//! The `tcp` provider: verbs semantics over a TCP stream, as a software
+//! RDMA NIC.
+//!
+//! # Progress model: manual
+//!
+//! There is no provider thread. As with libfabric's `FI_PROGRESS_MANUAL`,
+//! the thread that calls [`TcpCq::poll`] drives every queue pair attached to
+//! that completion queue: it reads incoming frames, places RDMA WRITE
+//! payloads into registered memory, serves RDMA READ requests from
+//! registered memory, consumes SENDs into posted receives, processes
+//! acknowledgements, sends standalone ACKs and flushes send backlogs. The
+//! remote application's code is never involved in a one-sided operation
+//! beyond calling `poll` on its CQ, which it does anyway to see its own
+//! completions.
+//!
+//! `post_send` writes its frame to the nonblocking socket at once; whatever
+//! the socket does not take is copied into a per-QP backlog and sent by later
+//! polls (the socket is then in the CQ's epoll set for `EPOLLOUT`). The
+//! caller's buffers are therefore free once `post_send` returns, which is
+//! stricter than verbs requires.
+//!
+//! # Completion channel
+//!
+//! [`TcpCq::fd`] is an epoll fd covering the sockets of all attached queue
+//! pairs (readable input; `EPOLLOUT` only while a backlog exists) plus an
+//! eventfd. Socket readiness makes it readable whether or not the CQ is
+//! armed: the data must be processed by a `poll` anyway, and that poll
+//! consumes it, so an idle CQ is not readable and a reactor blocking on it
+//! never spins. The eventfd covers completions generated without socket
+//! activity (flushes inside `post_send`/`post_recv` on an errored queue
+//! pair, `disconnect`): after [`TcpCq::arm`] the next completion pushed to
+//! the CQ signals it, and `arm` signals it at once if completions are already
+//! queued. [`TcpCq::ack_event`] drains it.
+//!
+//! # Reliability and acknowledgements
+//!
+//! Every WR-bearing frame (SEND, WRITE, READ_REQ) carries a sequence number;
+//! every frame carries the cumulative ack, the highest peer sequence number
+//! fully processed (WRITE placed, SEND placed into a receive, READ_REQ
+//! answered). Frames of signaled work requests set `ACK_REQUESTED`; a
+//! progress round that processed such a frame ends with a standalone ACK
+//! unless an outgoing frame already carried the current ack. A SEND or RDMA
+//! WRITE completes when acknowledged; an RDMA READ when its READ_RESP has
+//! been placed. Completions of one send queue are generated in posting order.
+//! Slot accounting follows verbs: an unsignaled work request keeps its slot
+//! until a later signaled one completes; a receive frees its slot when it
+//! completes. Slots are released when the completion is queued on the CQ.
+//!
+//! # Protection
+//!
+//! Incoming WRITE and READ_REQ frames are checked against the queue pair's
+//! own protection domain (rkey known, access right granted, range covered,
+//! overflow-safe) before a byte is placed; payloads are received with `readv`
+//! straight into the registered memory together with the next header, and
+//! READ responses are sent with `sendmsg` straight from it. Local SGEs are
+//! checked (lkey, bounds, `LOCAL_WRITE` where written) at post time and again
+//! at placement. Every region is pinned around each syscall that touches it,
+//! so deregistration waits for a placement in progress and the provider never
+//! touches a region after its [`TcpMr`] is dropped (see the `mr` module).
+//!
+//! A violation moves the queue pair to the error state: the faulting work
+//! request completes with its specific status, every other outstanding one
+//! (signaled or not, both queues) is flushed, and the peer is told with a
+//! TERMINATE frame naming the error and the offending sequence number, so
+//! its faulting work request completes with the matching remote status
+//! (REMOTE_ACCESS, REMOTE_INVALID_REQUEST, RNR_RETRY_EXCEEDED; a bad lkey in
+//! the responder's receive gives the sender `GeneralError`, the nearest to
+//! verbs' `REM_OP_ERR`). Malformed frames are answered the same way; the
+//! decoder never panics and nothing is ever allocated at a size the peer
+//! chose. EOF or a reset moves the queue pair to error with
+//! `TransportError` for the first outstanding send and flushes the rest. In
+//! the error state the socket is drained to EOF and then leaves the epoll set.
+//!
+//! # Locking
+//!
+//! A queue pair's state is behind one mutex shared by the [`TcpQp`] handle
+//! and the CQ's progress routine (as mlx5's per-QP lock); used from one
+//! thread it is never contended. Region lookups on the data path take no
+//! lock (an `ArcSwap` snapshot). The CQ's completion ring and its table of
+//! attached queue pairs have their own short mutexes; the lock order is
+//! queue pair → completion ring.
+//!
+//! # Deviations from verbs worth knowing
+//! - Inline SGEs are read from their addresses without any lkey check, as
+//!   verbs does; the facade's safe `post_send` trusts the caller there.
+//! - The CQ never overflows: `capacity` is a preallocation hint.
+//! - A failed `connect` leaves the queue pair in the error state with its
+//!   receives flushed.
+//!
+//! The wire format is documented in the `wire` module.
+
+mod cq;
+mod listener;
+mod mr;
+mod qp;
+mod sys;
+mod wire;
+
+#[cfg(test)]
+mod tests;
+
+pub use cq::TcpCq;
+pub use listener::{TcpConnectRequest, TcpListener};
+pub use mr::{TcpMr, TcpPd};
+pub use qp::TcpQp;
+
+use super::{FabricError, FabricErrorKind, FabricUrl, QpCaps, Result};
+
+/// Most work requests per queue.
+pub(crate) const MAX_WR: u32 = 16 * 1024;
+/// Most SGEs per work request.
+pub(crate) const MAX_SGE: usize = 32;
+/// Largest inline payload.
+pub(crate) const MAX_INLINE: u32 = 4096;
+
+/// Checks requested queue sizes against the provider's limits and rounds
+/// zeros up to one.
+pub(crate) fn grant_caps(c: QpCaps) -> Result<QpCaps> {
+    let too_big = |what: &str, v: u32, max: u32| {
+        Err(FabricError::new(FabricErrorKind::InvalidArgument, format!("{what} = {v} exceeds the tcp provider's {max}")))
+    };
+    if c.max_send_wr > MAX_WR {
+        return too_big("max_send_wr", c.max_send_wr, MAX_WR);
+    }
+    if c.max_recv_wr > MAX_WR {
+        return too_big("max_recv_wr", c.max_recv_wr, MAX_WR);
+    }
+    if c.max_send_sge as usize > MAX_SGE {
+        return too_big("max_send_sge", c.max_send_sge, MAX_SGE as u32);
+    }
+    if c.max_recv_sge as usize > MAX_SGE {
+        return too_big("max_recv_sge", c.max_recv_sge, MAX_SGE as u32);
+    }
+    if c.max_inline_data > MAX_INLINE {
+        return too_big("max_inline_data", c.max_inline_data, MAX_INLINE);
+    }
+    Ok(QpCaps {
+        max_send_wr: c.max_send_wr.max(1),
+        max_recv_wr: c.max_recv_wr.max(1),
+        max_send_sge: c.max_send_sge.max(1),
+        max_recv_sge: c.max_recv_sge.max(1),
+        max_inline_data: c.max_inline_data,
+    })
+}
+
+/// The tcp provider opened for one URL.
+pub struct TcpFabric {
+    url: FabricUrl,
+}
+
+impl TcpFabric {
+    pub fn open(url: &FabricUrl) -> Result<Self> {
+        Ok(TcpFabric { url: url.clone() })
+    }
+
+    pub fn url(&self) -> &FabricUrl {
+        &self.url
+    }
+
+    pub fn alloc_pd(&self) -> Result<TcpPd> {
+        Ok(TcpPd::new())
+    }
+
+    pub fn create_cq(&self, capacity: u32) -> Result<TcpCq> {
+        TcpCq::new(capacity)
+    }
+
+    /// An active-side queue pair that will connect to this fabric's URL.
+    pub fn create_qp(&self, pd: &TcpPd, cq: &TcpCq, caps: QpCaps) -> Result<TcpQp> {
+        TcpQp::new(pd, cq, caps, Some(self.url.clone()), None)
+    }
+
+    pub fn listen(&self) -> Result<TcpListener> {
+        TcpListener::bind(&self.url, listener::HANDSHAKE_TIMEOUT)
+    }
+}

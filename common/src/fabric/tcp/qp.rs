@@ -1,0 +1,1313 @@
+//! Queue pairs: work queues, the frame engine and the progress routine.
+//!
+//! All mutable state of a queue pair sits in one [`QpInner`] behind a mutex
+//! shared by the [`TcpQp`] handle (post, connect, accept, disconnect) and the
+//! completion queue's progress routine. The target and the initiator use a
+//! queue pair and its CQ from one thread, so the lock is uncontended; it
+//! plays the role of mlx5's per-QP spinlock.
+
+use std::collections::VecDeque;
+use std::io::{self, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::cq::{CqShared, TcpCq};
+use super::mr::{PdShared, Pins, RegionTable, TcpPd};
+use super::sys::{self, EMPTY_IOV};
+use super::wire::{
+    self, seq_le, seq_next, FrameType, Header, FLAG_ACK_REQUESTED, HDR_LEN, HELLO_MAX, MAX_PAYLOAD, MAX_PRIVATE_DATA,
+};
+use super::{grant_caps, MAX_SGE};
+use crate::fabric::{
+    Access, Completion, FabricError, FabricErrorKind, FabricUrl, QpCaps, QpNum, QpState, RecvWr, Result, SendOp,
+    SendWr, Sge, WcOpcode, WcStatus, WrId,
+};
+
+static NEXT_QP_NUM: AtomicU32 = AtomicU32::new(1);
+
+/// Most receive syscalls one progress round spends on one queue pair; a
+/// busier socket stays readable and is served by the next round.
+const RX_BUDGET: usize = 256;
+/// Scratch size for discarding input in the error state.
+const DRAIN_CHUNK: usize = 4096;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn err(kind: FabricErrorKind, context: impl Into<String>) -> FabricError {
+    FabricError::new(kind, context)
+}
+
+fn is_would_block(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::WouldBlock
+}
+
+// ---------------------------------------------------------------- queues --
+
+/// A send-queue slot.
+struct SqEntry {
+    wr_id: WrId,
+    opcode: WcOpcode,
+    seq: u32,
+    signaled: bool,
+    /// Acknowledged (SEND, WRITE) or response placed (READ).
+    done: bool,
+    /// Set when the work request itself failed locally.
+    fault: Option<WcStatus>,
+    /// Total length (READ: bytes requested).
+    len: u32,
+    /// READ: the local destination, re-checked at placement. Capacity is
+    /// reserved at creation, so posting never allocates.
+    sges: Vec<Sge>,
+}
+
+/// The send queue: a ring of `max_send_wr` slots addressed by absolute
+/// indices. `[head, cursor)` are finished unsignaled work requests whose
+/// slots stay occupied until a later signaled one completes (as in verbs);
+/// `[cursor, tail)` are outstanding.
+struct SendQueue {
+    slots: Vec<SqEntry>,
+    head: u64,
+    cursor: u64,
+    tail: u64,
+}
+
+impl SendQueue {
+    fn new(cap: u32, max_sge: u32) -> SendQueue {
+        let slots = (0..cap)
+            .map(|_| SqEntry {
+                wr_id: WrId(0),
+                opcode: WcOpcode::Send,
+                seq: 0,
+                signaled: false,
+                done: false,
+                fault: None,
+                len: 0,
+                sges: Vec::with_capacity(max_sge as usize),
+            })
+            .collect();
+        SendQueue { slots, head: 0, cursor: 0, tail: 0 }
+    }
+    fn is_full(&self) -> bool {
+        self.tail - self.head >= self.slots.len() as u64
+    }
+    fn idx(&self, abs: u64) -> usize {
+        (abs % self.slots.len() as u64) as usize
+    }
+    fn get(&self, abs: u64) -> &SqEntry {
+        &self.slots[self.idx(abs)]
+    }
+    fn get_mut(&mut self, abs: u64) -> &mut SqEntry {
+        let i = self.idx(abs);
+        &mut self.slots[i]
+    }
+    /// Claims the next slot (the caller checked `is_full`).
+    fn push(&mut self) -> (u64, &mut SqEntry) {
+        let abs = self.tail;
+        self.tail += 1;
+        (abs, self.get_mut(abs))
+    }
+}
+
+/// A receive-queue slot.
+struct RqEntry {
+    wr_id: WrId,
+    sges: Vec<Sge>,
+}
+
+/// The receive queue: a FIFO ring of `max_recv_wr` slots.
+struct RecvQueue {
+    slots: Vec<RqEntry>,
+    head: u64,
+    tail: u64,
+}
+
+impl RecvQueue {
+    fn new(cap: u32, max_sge: u32) -> RecvQueue {
+        let slots = (0..cap).map(|_| RqEntry { wr_id: WrId(0), sges: Vec::with_capacity(max_sge as usize) }).collect();
+        RecvQueue { slots, head: 0, tail: 0 }
+    }
+    fn is_empty(&self) -> bool {
+        self.head == self.tail
+    }
+    fn is_full(&self) -> bool {
+        self.tail - self.head >= self.slots.len() as u64
+    }
+    fn slot(&self, abs: u64) -> &RqEntry {
+        &self.slots[(abs % self.slots.len() as u64) as usize]
+    }
+    fn front(&self) -> &RqEntry {
+        self.slot(self.head)
+    }
+    fn push(&mut self, wr: &RecvWr<'_>) {
+        let i = (self.tail % self.slots.len() as u64) as usize;
+        let e = &mut self.slots[i];
+        e.wr_id = wr.wr_id;
+        e.sges.clear();
+        e.sges.extend_from_slice(wr.sges);
+        self.tail += 1;
+    }
+}
+
+// --------------------------------------------------------------- backlog --
+
+/// Bytes accepted by `post_send` (or generated by the responder) that the
+/// socket did not take yet. Flushed by later progress rounds on EPOLLOUT.
+#[derive(Default)]
+struct Backlog {
+    buf: Vec<u8>,
+    off: usize,
+}
+
+impl Backlog {
+    fn is_empty(&self) -> bool {
+        self.off == self.buf.len()
+    }
+
+    fn clear(&mut self) {
+        self.buf.clear();
+        self.off = 0;
+    }
+
+    /// Copies the iovecs, minus their first `skip` bytes, to the end.
+    ///
+    /// # Safety
+    /// Every iovec must describe memory valid for reads (pinned registered
+    /// memory, the caller's inline buffer, or a local buffer).
+    unsafe fn append(&mut self, iov: &[libc::iovec], mut skip: usize) {
+        for v in iov {
+            if skip >= v.iov_len {
+                skip -= v.iov_len;
+                continue;
+            }
+            let n = v.iov_len - skip;
+            let old = self.buf.len();
+            self.buf.reserve(n);
+            // SAFETY: the caller guarantees `v` is readable; `reserve` made
+            // room for `n` more bytes after `old`, and the ranges cannot
+            // overlap (the backlog is never registered or handed out). Raw
+            // copies rather than slices: registered memory may be written by
+            // its owner concurrently, like DMA.
+            unsafe {
+                std::ptr::copy_nonoverlapping((v.iov_base as *const u8).add(skip), self.buf.as_mut_ptr().add(old), n);
+                self.buf.set_len(old + n);
+            }
+            skip = 0;
+        }
+    }
+
+    /// Sends as much as the socket takes. Ok even if bytes remain.
+    fn flush(&mut self, fd: RawFd) -> io::Result<()> {
+        while !self.is_empty() {
+            let rest = &self.buf[self.off..];
+            let v = [sys::iov(rest.as_ptr() as usize as u64, rest.len())];
+            // SAFETY: `v` describes the live, initialised tail of `buf`.
+            match unsafe { sys::sendv(fd, &v) } {
+                Ok(n) => self.off += n,
+                Err(e) if is_would_block(&e) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        if self.is_empty() {
+            self.clear();
+            if self.buf.capacity() > 8 << 20 {
+                self.buf.shrink_to(1 << 20);
+            }
+        } else if self.off >= (1 << 20) && self.off * 2 >= self.buf.len() {
+            self.buf.drain(..self.off);
+            self.off = 0;
+        }
+        Ok(())
+    }
+}
+
+// ------------------------------------------------------------ rx engine --
+
+/// The frame whose payload is being received.
+#[derive(Clone, Copy, Debug)]
+enum Job {
+    None,
+    /// RDMA WRITE into the region `rkey` at `addr`.
+    Write { seq: u32, rkey: u32, addr: u64, len: u32, done: u32, ack_req: bool },
+    /// SEND into the oldest posted receive.
+    Send { seq: u32, len: u32, done: u32, ack_req: bool },
+    /// READ_RESP into the SGEs of send-queue entry `abs`.
+    ReadResp { abs: u64, len: u32, done: u32 },
+}
+
+impl Job {
+    fn len_done(&self) -> (u32, u32) {
+        match *self {
+            Job::None => (0, 0),
+            Job::Write { len, done, .. } | Job::Send { len, done, .. } | Job::ReadResp { len, done, .. } => (len, done),
+        }
+    }
+    fn advance(&mut self, n: u32) {
+        match self {
+            Job::None => {}
+            Job::Write { done, .. } | Job::Send { done, .. } | Job::ReadResp { done, .. } => *done += n,
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Go,
+    Stop,
+}
+
+/// Why a queue pair enters the error state.
+#[derive(Clone, Copy, Debug)]
+enum Failure {
+    /// Detected here: tell the peer with TERMINATE(code, seq). `seq` names
+    /// the peer's offending request, 0 if none is at fault.
+    Fault { code: u32, seq: u32 },
+    /// The peer sent TERMINATE.
+    Terminated { code: u32, seq: u32 },
+    /// The peer sent DISCONNECT.
+    Disconnected,
+    /// The stream broke: EOF, reset or another socket error.
+    Transport,
+    /// The application called `disconnect`.
+    User,
+}
+
+/// Builds iovecs scattering `want` bytes over `sges`, starting `skip` bytes
+/// in, checking each touched SGE (lkey, access, bounds) and pinning its
+/// region. `None` on any violation.
+fn scatter<'t>(
+    table: &'t RegionTable,
+    sges: &[Sge],
+    mut skip: u64,
+    mut want: u64,
+    need: Access,
+    pins: &mut Pins<'t>,
+    iov: &mut [libc::iovec],
+) -> Option<usize> {
+    let mut n = 0;
+    for sge in sges {
+        if want == 0 {
+            break;
+        }
+        let l = sge.length as u64;
+        if skip >= l {
+            skip -= l;
+            continue;
+        }
+        let take = (l - skip).min(want);
+        let r = table.local(sge.lkey.0, sge.addr, l, need)?;
+        if n == iov.len() || !pins.pin(r) {
+            return None;
+        }
+        iov[n] = sys::iov(sge.addr + skip, take as usize);
+        n += 1;
+        want -= take;
+        skip = 0;
+    }
+    (want == 0).then_some(n)
+}
+
+// ------------------------------------------------------------- the QP --
+
+/// Immutable parts of a queue pair plus its locked state.
+pub(crate) struct QpShared {
+    qp_num: u32,
+    caps: QpCaps,
+    pd: Arc<PdShared>,
+    cq: Arc<CqShared>,
+    /// Active side: where `connect` goes.
+    url: Option<FabricUrl>,
+    inner: Mutex<QpInner>,
+}
+
+impl QpShared {
+    fn lock(&self) -> MutexGuard<'_, QpInner> {
+        lock(&self.inner)
+    }
+    fn complete(&self, wr_id: WrId, opcode: WcOpcode, status: WcStatus, byte_len: u32) {
+        self.cq.push(Completion { wr_id, qp_num: QpNum(self.qp_num), opcode, status, byte_len });
+    }
+}
+
+pub(crate) struct QpInner {
+    state: QpState,
+    passive: bool,
+    sock: Option<TcpStream>,
+    fd: RawFd,
+    peer: String,
+    /// In the CQ's table and epoll set.
+    attached: bool,
+    /// Events currently registered with the CQ's epoll (0: not registered).
+    interest: u32,
+    rx_open: bool,
+    tx_open: bool,
+
+    sq: SendQueue,
+    rq: RecvQueue,
+    /// Send-queue indices of READs awaiting their response, oldest first.
+    pending_reads: VecDeque<u64>,
+    /// Seq of the last WR-bearing frame sent (0: none yet).
+    last_sent_seq: u32,
+    /// Highest of our seqs the peer acknowledged.
+    peer_acked: u32,
+
+    /// Next peer seq expected.
+    rx_expected: u32,
+    /// Highest peer seq fully processed (what we acknowledge).
+    rx_processed: u32,
+    /// The ack value carried by our last outgoing frame.
+    last_ack_sent: u32,
+    /// A frame with ACK_REQUESTED was processed this round.
+    ack_needed: bool,
+    hdr_buf: [u8; HDR_LEN],
+    hdr_got: usize,
+    job: Job,
+
+    backlog: Backlog,
+}
+
+/// A reliable-connected queue pair of the tcp provider.
+pub struct TcpQp {
+    shared: Arc<QpShared>,
+}
+
+impl TcpQp {
+    pub(crate) fn new(
+        pd: &TcpPd,
+        cq: &TcpCq,
+        caps: QpCaps,
+        url: Option<FabricUrl>,
+        stream: Option<(TcpStream, String)>,
+    ) -> Result<TcpQp> {
+        let caps = grant_caps(caps)?;
+        let passive = stream.is_some();
+        let (sock, peer) = match stream {
+            Some((s, p)) => (Some(s), p),
+            None => (None, url.as_ref().map(|u| u.host_port()).unwrap_or_default()),
+        };
+        let fd = sock.as_ref().map_or(-1, |s| s.as_raw_fd());
+        let mut pending_reads = VecDeque::new();
+        pending_reads.reserve(caps.max_send_wr as usize);
+        let inner = QpInner {
+            state: QpState::Init,
+            passive,
+            sock,
+            fd,
+            peer,
+            attached: false,
+            interest: 0,
+            rx_open: true,
+            tx_open: true,
+            sq: SendQueue::new(caps.max_send_wr, caps.max_send_sge),
+            rq: RecvQueue::new(caps.max_recv_wr, caps.max_recv_sge),
+            pending_reads,
+            last_sent_seq: 0,
+            peer_acked: 0,
+            rx_expected: 1,
+            rx_processed: 0,
+            last_ack_sent: 0,
+            ack_needed: false,
+            hdr_buf: [0; HDR_LEN],
+            hdr_got: 0,
+            job: Job::None,
+            backlog: Backlog::default(),
+        };
+        let qp_num = loop {
+            let n = NEXT_QP_NUM.fetch_add(1, Ordering::Relaxed);
+            if n != 0 {
+                break n;
+            }
+        };
+        Ok(TcpQp {
+            shared: Arc::new(QpShared {
+                qp_num,
+                caps,
+                pd: pd.shared().clone(),
+                cq: cq.shared().clone(),
+                url,
+                inner: Mutex::new(inner),
+            }),
+        })
+    }
+
+    pub fn qp_num(&self) -> QpNum {
+        QpNum(self.shared.qp_num)
+    }
+
+    pub fn state(&self) -> QpState {
+        self.shared.lock().state
+    }
+
+    pub fn caps(&self) -> QpCaps {
+        self.shared.caps
+    }
+
+    pub fn peer(&self) -> String {
+        self.shared.lock().peer.clone()
+    }
+
+    /// Active side: TCP connect, HELLO, wait for HELLO_REPLY. Blocks up to
+    /// `timeout` (holding the QP lock, so other calls on this QP wait).
+    pub fn connect(&self, private_data: &[u8], timeout: Duration) -> Result<Vec<u8>> {
+        let sh = &*self.shared;
+        if private_data.len() > MAX_PRIVATE_DATA {
+            return Err(err(FabricErrorKind::InvalidArgument, format!("private data over {MAX_PRIVATE_DATA} bytes")));
+        }
+        let mut g = sh.lock();
+        let q = &mut *g;
+        let url = match &sh.url {
+            Some(u) if q.state == QpState::Init && !q.passive && q.sock.is_none() => u,
+            _ => return Err(err(FabricErrorKind::InvalidState, "connect needs an unconnected active-side queue pair")),
+        };
+        match handshake(url, private_data, &sh.caps, timeout) {
+            Ok((stream, peer_addr, reply)) => {
+                q.fd = stream.as_raw_fd();
+                q.sock = Some(stream);
+                q.peer = peer_addr.to_string();
+                q.state = QpState::Ready;
+                sh.cq.attach(sh.qp_num, Arc::downgrade(&self.shared));
+                q.attached = true;
+                q.update_interest(sh);
+                Ok(reply)
+            }
+            Err(e) => {
+                // Like a failed rdma_connect: the QP is unusable; its
+                // receives are flushed.
+                q.fail(sh, Failure::Transport);
+                Err(e)
+            }
+        }
+    }
+
+    /// Passive side: sends HELLO_REPLY(accept) and starts the data phase.
+    pub fn accept(&self, private_data: &[u8]) -> Result<()> {
+        let sh = &*self.shared;
+        if private_data.len() > MAX_PRIVATE_DATA {
+            return Err(err(FabricErrorKind::InvalidArgument, format!("private data over {MAX_PRIVATE_DATA} bytes")));
+        }
+        let mut g = sh.lock();
+        let q = &mut *g;
+        if q.state != QpState::Init || !q.passive || q.sock.is_none() {
+            return Err(err(FabricErrorKind::InvalidState, "accept needs a queue pair made from a connect request"));
+        }
+        let reply = wire::encode_hello(FrameType::HelloReply, wire::STATUS_ACCEPT, &sh.caps, private_data);
+        let bytes = reply.as_bytes();
+        q.state = QpState::Ready;
+        sh.cq.attach(sh.qp_num, Arc::downgrade(&self.shared));
+        q.attached = true;
+        let v = [sys::iov(bytes.as_ptr() as usize as u64, bytes.len())];
+        // SAFETY: `v` describes the live reply buffer.
+        let ok = unsafe { q.tx_iov(&v) };
+        if !ok {
+            q.fail(sh, Failure::Transport);
+            q.update_interest(sh);
+            return Err(err(FabricErrorKind::ConnectFailed, format!("{}: connection lost while accepting", q.peer)));
+        }
+        q.update_interest(sh);
+        Ok(())
+    }
+
+    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
+        let sh = &*self.shared;
+        let mut g = sh.lock();
+        let q = &mut *g;
+        if q.state == QpState::Init {
+            return Err(err(FabricErrorKind::InvalidState, "post_send on a queue pair that is not connected"));
+        }
+        let mut res = Ok(());
+        for wr in wrs {
+            let total = match validate_send(&sh.caps, wr) {
+                Ok(t) => t,
+                Err(e) => {
+                    res = Err(e);
+                    break;
+                }
+            };
+            if q.state == QpState::Error {
+                sh.complete(wr.wr_id, opcode_of(&wr.op), WcStatus::WrFlushError, 0);
+                continue;
+            }
+            if q.sq.is_full() {
+                res = Err(err(
+                    FabricErrorKind::QueueFull,
+                    format!("send queue full ({} work requests outstanding)", sh.caps.max_send_wr),
+                ));
+                break;
+            }
+            q.post_one(sh, wr, total);
+        }
+        q.update_interest(sh);
+        res
+    }
+
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        let sh = &*self.shared;
+        let mut g = sh.lock();
+        let q = &mut *g;
+        for wr in wrs {
+            if wr.sges.len() > sh.caps.max_recv_sge as usize {
+                return Err(err(
+                    FabricErrorKind::InvalidArgument,
+                    format!("{} SGEs in a receive, max_recv_sge is {}", wr.sges.len(), sh.caps.max_recv_sge),
+                ));
+            }
+            if q.state == QpState::Error {
+                sh.complete(wr.wr_id, WcOpcode::Recv, WcStatus::WrFlushError, 0);
+                continue;
+            }
+            if q.rq.is_full() {
+                return Err(err(
+                    FabricErrorKind::QueueFull,
+                    format!("receive queue full ({} receives posted)", sh.caps.max_recv_wr),
+                ));
+            }
+            q.rq.push(wr);
+        }
+        Ok(())
+    }
+
+    pub fn disconnect(&self) {
+        let sh = &*self.shared;
+        let mut g = sh.lock();
+        g.fail(sh, Failure::User);
+    }
+}
+
+impl Drop for TcpQp {
+    fn drop(&mut self) {
+        let sh = &*self.shared;
+        {
+            let mut q = sh.lock();
+            if q.interest != 0 {
+                sys::epoll_del(sh.cq.epfd(), q.fd);
+                q.interest = 0;
+            }
+            q.attached = false;
+            q.sock = None;
+            q.fd = -1;
+        }
+        sh.cq.detach(sh.qp_num);
+    }
+}
+
+fn opcode_of(op: &SendOp) -> WcOpcode {
+    match op {
+        SendOp::Send => WcOpcode::Send,
+        SendOp::RdmaWrite { .. } => WcOpcode::RdmaWrite,
+        SendOp::RdmaRead { .. } => WcOpcode::RdmaRead,
+    }
+}
+
+/// The verbs argument rules; returns the total length.
+fn validate_send(caps: &QpCaps, wr: &SendWr<'_>) -> Result<u32> {
+    let invalid = |why: String| Err(err(FabricErrorKind::InvalidArgument, why));
+    if wr.sges.len() > caps.max_send_sge as usize {
+        return invalid(format!("{} SGEs in a send, max_send_sge is {}", wr.sges.len(), caps.max_send_sge));
+    }
+    let total: u64 = wr.sges.iter().map(|s| s.length as u64).sum();
+    if total > MAX_PAYLOAD as u64 {
+        return invalid(format!("work request of {total} bytes exceeds {MAX_PAYLOAD}"));
+    }
+    if wr.inline {
+        if matches!(wr.op, SendOp::RdmaRead { .. }) {
+            return invalid("inline RDMA READ".to_owned());
+        }
+        if total > caps.max_inline_data as u64 {
+            return invalid(format!("{total} inline bytes, max_inline_data is {}", caps.max_inline_data));
+        }
+        if wr.sges.iter().any(|s| s.length > 0 && s.addr == 0) {
+            return invalid("inline SGE at address 0".to_owned());
+        }
+    }
+    Ok(total as u32)
+}
+
+/// Active-side handshake: returns the nonblocking stream, the peer address
+/// and the reply's private data.
+fn handshake(
+    url: &FabricUrl,
+    private_data: &[u8],
+    caps: &QpCaps,
+    timeout: Duration,
+) -> Result<(TcpStream, SocketAddr, Vec<u8>)> {
+    let deadline = Instant::now() + timeout;
+    let timed_out = || err(FabricErrorKind::Timeout, format!("connecting to {url}: no answer within {timeout:?}"));
+    let remaining = || deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()).ok_or_else(timed_out);
+    let failed = |what: &str, e: io::Error| {
+        if matches!(e.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) {
+            FabricError { kind: FabricErrorKind::Timeout, context: format!("{what} {url}"), source: Some(e) }
+        } else {
+            FabricError { kind: FabricErrorKind::ConnectFailed, context: format!("{what} {url}"), source: Some(e) }
+        }
+    };
+    let addrs = url.host_port().to_socket_addrs().map_err(|e| failed("resolving", e))?;
+    let mut last = None;
+    let mut stream = None;
+    for a in addrs {
+        match TcpStream::connect_timeout(&a, remaining()?) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    let stream = match (stream, last) {
+        (Some(s), _) => s,
+        (None, Some(e)) => return Err(failed("connecting to", e)),
+        (None, None) => return Err(err(FabricErrorKind::ConnectFailed, format!("{url}: no address"))),
+    };
+    let peer = stream.peer_addr().map_err(|e| failed("connecting to", e))?;
+    stream.set_nodelay(true).map_err(|e| failed("TCP_NODELAY for", e))?;
+    let hello = wire::encode_hello(FrameType::Hello, wire::STATUS_ACCEPT, caps, private_data);
+    stream.set_write_timeout(Some(remaining()?)).map_err(|e| failed("configuring", e))?;
+    (&stream).write_all(hello.as_bytes()).map_err(|e| failed("sending hello to", e))?;
+
+    let read_exact = |buf: &mut [u8]| -> Result<()> {
+        let mut got = 0;
+        while got < buf.len() {
+            stream.set_read_timeout(Some(remaining()?)).map_err(|e| failed("configuring", e))?;
+            match io::Read::read(&mut &stream, &mut buf[got..]) {
+                Ok(0) => {
+                    return Err(err(FabricErrorKind::ConnectFailed, format!("{url}: peer closed during the handshake")))
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(failed("awaiting the reply of", e)),
+            }
+        }
+        Ok(())
+    };
+    let mut raw = [0u8; HDR_LEN];
+    read_exact(&mut raw)?;
+    let h = Header::decode(&raw)
+        .map_err(|e| err(FabricErrorKind::ConnectFailed, format!("{url}: malformed reply header: {e}")))?;
+    if h.ty != FrameType::HelloReply {
+        return Err(err(FabricErrorKind::ConnectFailed, format!("{url}: expected a hello reply, got {:?}", h.ty)));
+    }
+    let mut body = [0u8; HELLO_MAX];
+    let body = &mut body[..h.length as usize]; // decode bounds a hello at HELLO_MAX
+    read_exact(body)?;
+    let reply = wire::decode_hello_body(body)
+        .map_err(|e| err(FabricErrorKind::ConnectFailed, format!("{url}: malformed reply: {e}")))?;
+    if reply.status == wire::STATUS_REJECT {
+        return Err(err(
+            FabricErrorKind::ConnectFailed,
+            format!("{url}: rejected by peer: {}", String::from_utf8_lossy(reply.private)),
+        ));
+    }
+    let configure = || -> io::Result<()> {
+        stream.set_read_timeout(None)?;
+        stream.set_write_timeout(None)?;
+        stream.set_nonblocking(true)
+    };
+    configure().map_err(|e| failed("configuring", e))?;
+    let private = reply.private.to_vec();
+    Ok((stream, peer, private))
+}
+
+/// One progress round for a queue pair whose socket epoll reported ready:
+/// flush the backlog, receive and process frames, acknowledge.
+pub(crate) fn progress(sh: &QpShared, _events: u32) {
+    let mut g = sh.lock();
+    let q = &mut *g;
+    if q.sock.is_none() || !q.attached {
+        return;
+    }
+    if q.tx_open && !q.backlog.is_empty() && q.backlog.flush(q.fd).is_err() {
+        q.tx_broken(sh);
+    }
+    if q.rx_open {
+        q.rx_pump(sh);
+    }
+    if q.state == QpState::Ready && q.ack_needed && q.last_ack_sent != q.rx_processed {
+        let mut h = Header::new(FrameType::Ack);
+        if !q.tx_ctrl(&mut h) {
+            q.tx_broken(sh);
+        }
+    }
+    q.ack_needed = false;
+    q.maybe_shutdown_wr();
+    q.update_interest(sh);
+}
+
+impl QpInner {
+    // ------------------------------------------------------------ tx --
+
+    /// Sends iovecs in order after any backlog; what the socket does not take
+    /// is copied into the backlog. False if the socket failed.
+    ///
+    /// # Safety
+    /// Every iovec must describe memory valid for reads during the call.
+    unsafe fn tx_iov(&mut self, iov: &[libc::iovec]) -> bool {
+        if !self.tx_open || self.fd < 0 {
+            return false;
+        }
+        if !self.backlog.is_empty() && self.backlog.flush(self.fd).is_err() {
+            return false;
+        }
+        let sent = if self.backlog.is_empty() {
+            // SAFETY: forwarded from the caller.
+            match unsafe { sys::sendv(self.fd, iov) } {
+                Ok(n) => n,
+                Err(e) if is_would_block(&e) => 0,
+                Err(_) => return false,
+            }
+        } else {
+            0
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { self.backlog.append(iov, sent) };
+        true
+    }
+
+    /// Sends a header-only frame (ACK, TERMINATE, DISCONNECT, READ_REQ).
+    fn tx_ctrl(&mut self, hdr: &mut Header) -> bool {
+        // SAFETY: no payload iovecs.
+        unsafe { self.tx_frame(hdr, &[]) }
+    }
+
+    /// Sends a frame: `hdr` (its ack field filled in here) plus payload.
+    ///
+    /// # Safety
+    /// Every payload iovec must describe memory valid for reads during the
+    /// call: a pinned region, or a buffer the caller vouches for (inline).
+    unsafe fn tx_frame(&mut self, hdr: &mut Header, payload: &[libc::iovec]) -> bool {
+        hdr.ack = self.rx_processed;
+        self.last_ack_sent = self.rx_processed;
+        let raw = hdr.encode();
+        let mut iov = [EMPTY_IOV; MAX_SGE + 1];
+        iov[0] = sys::iov(raw.as_ptr() as usize as u64, HDR_LEN);
+        let n = payload.len().min(MAX_SGE);
+        iov[1..=n].copy_from_slice(&payload[..n]);
+        // SAFETY: `raw` lives on this stack frame; the payload iovecs are
+        // readable per this function's contract.
+        unsafe { self.tx_iov(&iov[..=n]) }
+    }
+
+    /// The socket failed while sending.
+    fn tx_broken(&mut self, sh: &QpShared) {
+        if self.state == QpState::Error {
+            self.tx_open = false;
+            self.backlog.clear();
+        } else {
+            self.fail(sh, Failure::Transport);
+        }
+    }
+
+    /// In the error state, sends FIN once the last frame (TERMINATE or
+    /// DISCONNECT) has left.
+    fn maybe_shutdown_wr(&mut self) {
+        if self.state == QpState::Error && self.tx_open && self.backlog.is_empty() {
+            if let Some(s) = &self.sock {
+                let _ = s.shutdown(Shutdown::Write);
+            }
+            self.tx_open = false;
+        }
+    }
+
+    /// Registers the socket with the CQ's epoll for what is needed now:
+    /// input while the stream is open, output while a backlog exists.
+    fn update_interest(&mut self, sh: &QpShared) {
+        if !self.attached || self.fd < 0 {
+            return;
+        }
+        let mut want = 0u32;
+        if self.rx_open {
+            want |= libc::EPOLLIN as u32;
+        }
+        if self.tx_open && !self.backlog.is_empty() {
+            want |= libc::EPOLLOUT as u32;
+        }
+        if want == self.interest {
+            return;
+        }
+        let op = if self.interest == 0 {
+            libc::EPOLL_CTL_ADD
+        } else if want == 0 {
+            libc::EPOLL_CTL_DEL
+        } else {
+            libc::EPOLL_CTL_MOD
+        };
+        match sys::epoll_ctl(sh.cq.epfd(), op, self.fd, want, sh.qp_num as u64) {
+            Ok(()) => self.interest = want,
+            Err(e) => tracing::warn!(qp = sh.qp_num, error = %e, "epoll_ctl on a queue pair socket failed"),
+        }
+    }
+
+    fn post_one(&mut self, sh: &QpShared, wr: &SendWr<'_>, total: u32) {
+        let table = sh.pd.table.load();
+        let mut pins = Pins::new();
+        let mut iov = [EMPTY_IOV; MAX_SGE];
+        let mut n = 0;
+        let mut fault = false;
+        let is_read = matches!(wr.op, SendOp::RdmaRead { .. });
+        for sge in wr.sges {
+            if sge.length == 0 {
+                continue;
+            }
+            let len = sge.length as u64;
+            if is_read {
+                // The destination is written at placement (checked again then).
+                if table.local(sge.lkey.0, sge.addr, len, Access::LOCAL_WRITE).is_none() {
+                    fault = true;
+                    break;
+                }
+            } else {
+                if !wr.inline {
+                    match table.local(sge.lkey.0, sge.addr, len, Access::NONE) {
+                        Some(r) if pins.pin(r) => {}
+                        _ => {
+                            fault = true;
+                            break;
+                        }
+                    }
+                }
+                iov[n] = sys::iov(sge.addr, sge.length as usize);
+                n += 1;
+            }
+        }
+        let seq = if fault {
+            0
+        } else {
+            self.last_sent_seq = seq_next(self.last_sent_seq);
+            self.last_sent_seq
+        };
+        let (abs, e) = self.sq.push();
+        e.wr_id = wr.wr_id;
+        e.opcode = opcode_of(&wr.op);
+        e.seq = seq;
+        e.signaled = wr.signaled;
+        e.done = false;
+        e.fault = fault.then_some(WcStatus::LocalProtectionError);
+        e.len = total;
+        e.sges.clear();
+        if is_read {
+            e.sges.extend_from_slice(wr.sges);
+        }
+        if fault {
+            drop(pins);
+            self.fail(sh, Failure::Fault { code: wire::TERM_PEER_ERROR, seq: 0 });
+            return;
+        }
+        let flags = if wr.signaled { FLAG_ACK_REQUESTED } else { 0 };
+        let mut h = match wr.op {
+            SendOp::Send => Header { flags, seq, length: total, ..Header::new(FrameType::Send) },
+            SendOp::RdmaWrite { remote_addr, rkey } => {
+                Header { flags, seq, length: total, remote_addr, rkey: rkey.0, ..Header::new(FrameType::Write) }
+            }
+            SendOp::RdmaRead { remote_addr, rkey } => {
+                self.pending_reads.push_back(abs);
+                Header { seq, aux: total, remote_addr, rkey: rkey.0, ..Header::new(FrameType::ReadReq) }
+            }
+        };
+        // SAFETY: non-inline payload SGEs were checked against their regions
+        // (lkey, bounds) and are pinned until `pins` drops; inline SGEs are
+        // read from the caller's addresses as verbs does (IBV_SEND_INLINE).
+        let ok = unsafe { self.tx_frame(&mut h, &iov[..n]) };
+        drop(pins);
+        if !ok {
+            self.fail(sh, Failure::Transport);
+        }
+    }
+
+    /// Completes finished send-queue entries in order.
+    fn advance_sq(&mut self, sh: &QpShared) {
+        let acked = self.peer_acked;
+        while self.sq.cursor < self.sq.tail {
+            let abs = self.sq.cursor;
+            let e = self.sq.get_mut(abs);
+            let done =
+                e.done || (e.opcode != WcOpcode::RdmaRead && e.fault.is_none() && e.seq != 0 && seq_le(e.seq, acked));
+            if !done {
+                break;
+            }
+            e.done = true;
+            let (signaled, wr_id, opcode, len) = (e.signaled, e.wr_id, e.opcode, e.len);
+            self.sq.cursor += 1;
+            if signaled {
+                let byte_len = if opcode == WcOpcode::RdmaRead { len } else { 0 };
+                sh.complete(wr_id, opcode, WcStatus::Success, byte_len);
+                // This completion retires the unsignaled entries before it.
+                self.sq.head = self.sq.cursor;
+            }
+        }
+    }
+
+    /// Moves to the error state: completes the faulting work request with its
+    /// status, flushes every other outstanding one, tells the peer.
+    fn fail(&mut self, sh: &QpShared, why: Failure) {
+        if self.state == QpState::Error {
+            return;
+        }
+        let connected = self.state == QpState::Ready && self.sock.is_some();
+        self.state = QpState::Error;
+        tracing::debug!(qp = sh.qp_num, peer = %self.peer, ?why, "queue pair enters the error state");
+        let named = match why {
+            Failure::Terminated { code, seq } if seq != 0 => Some((seq, wire::remote_status(code))),
+            _ => None,
+        };
+        let mut first = matches!(why, Failure::Transport) && connected;
+        let mut abs = self.sq.cursor;
+        while abs < self.sq.tail {
+            let e = self.sq.get(abs);
+            let status = match (e.fault, named) {
+                (Some(f), _) => f,
+                (None, Some((seq, st))) if seq == e.seq => st,
+                _ if first => WcStatus::TransportError,
+                _ => WcStatus::WrFlushError,
+            };
+            first = false;
+            sh.complete(e.wr_id, e.opcode, status, 0);
+            abs += 1;
+        }
+        self.sq.head = self.sq.tail;
+        self.sq.cursor = self.sq.tail;
+        self.pending_reads.clear();
+        while !self.rq.is_empty() {
+            sh.complete(self.rq.front().wr_id, WcOpcode::Recv, WcStatus::WrFlushError, 0);
+            self.rq.head += 1;
+        }
+        self.job = Job::None;
+        self.ack_needed = false;
+        if connected {
+            match why {
+                Failure::Fault { code, seq } => {
+                    let mut h = Header { seq, aux: code, ..Header::new(FrameType::Terminate) };
+                    if !self.tx_ctrl(&mut h) {
+                        self.tx_open = false;
+                        self.backlog.clear();
+                    }
+                }
+                Failure::User => {
+                    let mut h = Header::new(FrameType::Disconnect);
+                    if !self.tx_ctrl(&mut h) {
+                        self.tx_open = false;
+                        self.backlog.clear();
+                    }
+                }
+                // The peer is gone or in error already: what we still had
+                // queued for it is moot.
+                Failure::Terminated { .. } | Failure::Disconnected => self.backlog.clear(),
+                Failure::Transport => {
+                    self.backlog.clear();
+                    self.rx_open = false;
+                    self.tx_open = false;
+                }
+            }
+            self.maybe_shutdown_wr();
+        }
+        self.update_interest(sh);
+    }
+
+    // ------------------------------------------------------------ rx --
+
+    /// Receives and processes frames until the socket is drained or the
+    /// budget is spent.
+    fn rx_pump(&mut self, sh: &QpShared) {
+        for _ in 0..RX_BUDGET {
+            if !self.rx_open {
+                return;
+            }
+            if self.state != QpState::Ready {
+                self.rx_drain();
+                return;
+            }
+            let step = if matches!(self.job, Job::None) {
+                if self.hdr_got == HDR_LEN {
+                    self.hdr_got = 0;
+                    let raw = self.hdr_buf;
+                    self.on_header(sh, &raw);
+                    Step::Go
+                } else {
+                    self.rx_header(sh)
+                }
+            } else {
+                self.rx_payload(sh)
+            };
+            if step == Step::Stop {
+                return;
+            }
+        }
+        // Budget spent. A complete header already read must not wait for
+        // more input that may never come (the socket may be empty now):
+        // handling a header costs no receive syscall.
+        if self.rx_open && self.state == QpState::Ready && matches!(self.job, Job::None) && self.hdr_got == HDR_LEN {
+            self.hdr_got = 0;
+            let raw = self.hdr_buf;
+            self.on_header(sh, &raw);
+        }
+    }
+
+    /// Error state: read and discard until EOF, so the peer never blocks on
+    /// us and its final frames are not lost to a reset.
+    fn rx_drain(&mut self) {
+        let mut scratch = [0u8; DRAIN_CHUNK];
+        for _ in 0..RX_BUDGET {
+            match sys::read(self.fd, &mut scratch) {
+                Ok(0) => {
+                    self.rx_open = false;
+                    return;
+                }
+                Ok(_) => {}
+                Err(e) if is_would_block(&e) => return,
+                Err(_) => {
+                    self.rx_open = false;
+                    return;
+                }
+            }
+        }
+    }
+
+    fn rx_closed(&mut self, sh: &QpShared) {
+        if self.state == QpState::Ready {
+            self.fail(sh, Failure::Transport);
+        }
+        self.rx_open = false;
+    }
+
+    fn rx_header(&mut self, sh: &QpShared) -> Step {
+        let got = self.hdr_got;
+        match sys::read(self.fd, &mut self.hdr_buf[got..]) {
+            Ok(0) => {
+                self.rx_closed(sh);
+                Step::Stop
+            }
+            Ok(n) => {
+                self.hdr_got += n;
+                Step::Go
+            }
+            Err(e) if is_would_block(&e) => Step::Stop,
+            Err(_) => {
+                self.rx_closed(sh);
+                Step::Stop
+            }
+        }
+    }
+
+    /// Receives payload straight into its destination, together with the
+    /// next header: `readv([destination..., header])`.
+    fn rx_payload(&mut self, sh: &QpShared) -> Step {
+        let table = sh.pd.table.load();
+        let mut pins = Pins::new();
+        let mut iov = [EMPTY_IOV; MAX_SGE + 1];
+        let (len, done) = self.job.len_done();
+        let want = (len - done) as u64;
+        let built = match self.job {
+            Job::None => return Step::Go,
+            Job::Write { rkey, addr, .. } => {
+                // addr + len was bounds-checked against the region at the
+                // header, so this cannot overflow.
+                let cur = addr + done as u64;
+                match table.remote(rkey, cur, want, Access::REMOTE_WRITE) {
+                    Some(r) if pins.pin(r) => {
+                        iov[0] = sys::iov(cur, want as usize);
+                        Some(1)
+                    }
+                    _ => None,
+                }
+            }
+            Job::Send { .. } => {
+                scatter(&table, &self.rq.front().sges, done as u64, want, Access::LOCAL_WRITE, &mut pins, &mut iov[..MAX_SGE])
+            }
+            Job::ReadResp { abs, .. } => {
+                scatter(&table, &self.sq.get(abs).sges, done as u64, want, Access::LOCAL_WRITE, &mut pins, &mut iov[..MAX_SGE])
+            }
+        };
+        let Some(k) = built else {
+            drop(pins);
+            self.placement_fault(sh);
+            return Step::Stop;
+        };
+        // hdr_got is 0 while a payload is pending: the header slot is whole.
+        iov[k] = sys::iov(self.hdr_buf.as_mut_ptr() as usize as u64, HDR_LEN);
+        // SAFETY: iov[..k] lie in regions that are pinned (valid, registered
+        // with LOCAL_WRITE/REMOTE_WRITE and covering the range, checked just
+        // above) until `pins` drops after the call; iov[k] is this QP's header
+        // buffer, which no reference aliases during the call.
+        let r = unsafe { sys::readv(self.fd, &iov[..=k]) };
+        drop(pins);
+        match r {
+            Ok(0) => {
+                self.rx_closed(sh);
+                Step::Stop
+            }
+            Ok(n) => {
+                let p = (n as u64).min(want) as u32;
+                self.job.advance(p);
+                self.hdr_got = n - p as usize;
+                if p as u64 == want {
+                    self.finish_job(sh);
+                }
+                Step::Go
+            }
+            Err(e) if is_would_block(&e) => Step::Stop,
+            Err(_) => {
+                self.rx_closed(sh);
+                Step::Stop
+            }
+        }
+    }
+
+    /// A destination became invalid (deregistered, or never valid).
+    fn placement_fault(&mut self, sh: &QpShared) {
+        match self.job {
+            Job::None => {}
+            Job::Write { seq, .. } => self.fail(sh, Failure::Fault { code: wire::TERM_REMOTE_ACCESS, seq }),
+            Job::Send { seq, .. } => {
+                self.complete_recv(sh, WcStatus::LocalProtectionError, 0);
+                self.fail(sh, Failure::Fault { code: wire::TERM_REMOTE_OPERATION, seq });
+            }
+            Job::ReadResp { abs, .. } => {
+                self.sq.get_mut(abs).fault = Some(WcStatus::LocalProtectionError);
+                self.fail(sh, Failure::Fault { code: wire::TERM_PEER_ERROR, seq: 0 });
+            }
+        }
+    }
+
+    fn finish_job(&mut self, sh: &QpShared) {
+        match std::mem::replace(&mut self.job, Job::None) {
+            Job::None => {}
+            Job::Write { seq, ack_req, .. } => self.processed(seq, ack_req),
+            Job::Send { seq, len, ack_req, .. } => {
+                self.complete_recv(sh, WcStatus::Success, len);
+                self.processed(seq, ack_req);
+            }
+            Job::ReadResp { abs, .. } => {
+                self.sq.get_mut(abs).done = true;
+                self.pending_reads.pop_front();
+                self.advance_sq(sh);
+            }
+        }
+    }
+
+    /// Pops the oldest receive with a completion.
+    fn complete_recv(&mut self, sh: &QpShared, status: WcStatus, byte_len: u32) {
+        if !self.rq.is_empty() {
+            sh.complete(self.rq.front().wr_id, WcOpcode::Recv, status, byte_len);
+            self.rq.head += 1;
+        }
+    }
+
+    /// The peer's request `seq` is fully processed.
+    fn processed(&mut self, seq: u32, ack_req: bool) {
+        self.rx_processed = seq;
+        self.ack_needed |= ack_req;
+    }
+
+    fn protocol_error(&mut self, sh: &QpShared, seq: u32, what: String) {
+        tracing::warn!(qp = sh.qp_num, peer = %self.peer, "protocol error from peer: {what}");
+        self.fail(sh, Failure::Fault { code: wire::TERM_INVALID_REQUEST, seq });
+    }
+
+    fn on_header(&mut self, sh: &QpShared, raw: &[u8; HDR_LEN]) {
+        let h = match Header::decode(raw) {
+            Ok(h) => h,
+            Err(e) => return self.protocol_error(sh, 0, e.to_string()),
+        };
+        let wr_seq = if h.ty.carries_wr() { h.seq } else { 0 };
+        if h.ty.carries_wr() && h.seq != self.rx_expected {
+            let due = self.rx_expected;
+            return self.protocol_error(sh, wr_seq, format!("seq {} where {due} was due", h.seq));
+        }
+        if !(seq_le(self.peer_acked, h.ack) && seq_le(h.ack, self.last_sent_seq)) {
+            let (lo, hi) = (self.peer_acked, self.last_sent_seq);
+            return self.protocol_error(sh, wr_seq, format!("ack {} outside [{lo}, {hi}]", h.ack));
+        }
+        self.peer_acked = h.ack;
+        self.advance_sq(sh);
+        if h.ty.carries_wr() {
+            self.rx_expected = seq_next(h.seq);
+        }
+        let ack_req = h.flags & FLAG_ACK_REQUESTED != 0;
+        match h.ty {
+            FrameType::Hello | FrameType::HelloReply => {
+                self.protocol_error(sh, 0, format!("{:?} after the handshake", h.ty))
+            }
+            FrameType::Ack => {}
+            FrameType::Terminate => self.fail(sh, Failure::Terminated { code: h.aux, seq: h.seq }),
+            FrameType::Disconnect => self.fail(sh, Failure::Disconnected),
+            FrameType::Write => {
+                let table = sh.pd.table.load();
+                if h.length > 0 && table.remote(h.rkey, h.remote_addr, h.length as u64, Access::REMOTE_WRITE).is_none() {
+                    return self.fail(sh, Failure::Fault { code: wire::TERM_REMOTE_ACCESS, seq: h.seq });
+                }
+                if h.length == 0 {
+                    return self.processed(h.seq, ack_req);
+                }
+                self.job =
+                    Job::Write { seq: h.seq, rkey: h.rkey, addr: h.remote_addr, len: h.length, done: 0, ack_req };
+            }
+            FrameType::Send => {
+                if self.rq.is_empty() {
+                    return self.fail(sh, Failure::Fault { code: wire::TERM_RNR, seq: h.seq });
+                }
+                let room: u64 = self.rq.front().sges.iter().map(|s| s.length as u64).sum();
+                if h.length as u64 > room {
+                    self.complete_recv(sh, WcStatus::LocalLengthError, 0);
+                    return self.fail(sh, Failure::Fault { code: wire::TERM_INVALID_REQUEST, seq: h.seq });
+                }
+                if h.length == 0 {
+                    self.complete_recv(sh, WcStatus::Success, 0);
+                    return self.processed(h.seq, ack_req);
+                }
+                self.job = Job::Send { seq: h.seq, len: h.length, done: 0, ack_req };
+            }
+            FrameType::ReadReq => self.serve_read(sh, &h),
+            FrameType::ReadResp => {
+                let Some(&abs) = self.pending_reads.front() else {
+                    return self.protocol_error(sh, 0, "READ_RESP without an outstanding READ".to_owned());
+                };
+                let e = self.sq.get(abs);
+                if e.seq != h.aux {
+                    let expected = e.seq;
+                    return self.protocol_error(sh, 0, format!("READ_RESP for seq {} where {expected} was due", h.aux));
+                }
+                if h.length != e.len {
+                    tracing::warn!(qp = sh.qp_num, "READ_RESP of {} bytes for a {}-byte READ", h.length, e.len);
+                    self.sq.get_mut(abs).fault = Some(WcStatus::LocalLengthError);
+                    return self.fail(sh, Failure::Fault { code: wire::TERM_INVALID_REQUEST, seq: 0 });
+                }
+                self.job = Job::ReadResp { abs, len: h.length, done: 0 };
+                if h.length == 0 {
+                    self.finish_job(sh);
+                }
+            }
+        }
+    }
+
+    /// Responder side of RDMA READ: check, then send READ_RESP with the
+    /// payload taken straight from the registered region.
+    fn serve_read(&mut self, sh: &QpShared, h: &Header) {
+        let table = sh.pd.table.load();
+        let mut pins = Pins::new();
+        let len = h.aux; // decode bounds it at MAX_PAYLOAD
+        let mut iov = [EMPTY_IOV; 1];
+        let mut n = 0;
+        if len > 0 {
+            match table.remote(h.rkey, h.remote_addr, len as u64, Access::REMOTE_READ) {
+                Some(r) if pins.pin(r) => {
+                    iov[0] = sys::iov(h.remote_addr, len as usize);
+                    n = 1;
+                }
+                _ => {
+                    drop(pins);
+                    return self.fail(sh, Failure::Fault { code: wire::TERM_REMOTE_ACCESS, seq: h.seq });
+                }
+            }
+        }
+        self.processed(h.seq, false);
+        let mut resp = Header { length: len, aux: h.seq, ..Header::new(FrameType::ReadResp) };
+        // SAFETY: the range was checked against the region (REMOTE_READ,
+        // bounds) and the region stays pinned until `pins` drops.
+        let ok = unsafe { self.tx_frame(&mut resp, &iov[..n]) };
+        drop(pins);
+        if !ok {
+            self.fail(sh, Failure::Transport);
+        }
+    }
+}
