@@ -49,6 +49,12 @@ pub struct VolumeId(pub u32);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct Lba(pub u64);
 
+/// Identifies a session (a host's set of queue pairs sharing opened
+/// volumes). Chosen by the target at random, so it cannot be guessed; 0
+/// means "none".
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct SessionId(pub u64);
+
 /// A number of logical blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct BlockCount(pub u32);
@@ -188,6 +194,8 @@ wire_enum! {
         InternalError = 20,
         /// The volume is open and cannot be removed or reopened this way.
         Busy = 21,
+        /// CONNECT names a session that does not exist or belongs to another host.
+        UnknownSession = 22,
     }
 }
 
@@ -217,6 +225,7 @@ impl Status {
             Status::AccessDenied => "access denied",
             Status::InternalError => "internal target error",
             Status::Busy => "volume is busy",
+            Status::UnknownSession => "unknown session (or it belongs to another host)",
         }
     }
 }
@@ -260,7 +269,8 @@ pub struct DataDescriptor {
 /// | 42..44 | reserved |
 /// | 44..48 | CONNECT: requested queue depth |
 /// | 48..52 | CONNECT: requested max I/O size |
-/// | 52..64 | reserved |
+/// | 52..60 | CONNECT: session id to join (0 = create a new session) |
+/// | 60..64 | reserved |
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CommandCapsule {
     pub opcode: Opcode,
@@ -277,6 +287,9 @@ pub struct CommandCapsule {
     pub queue_depth: u32,
     /// CONNECT only: requested max I/O size in bytes.
     pub max_io_size: u32,
+    /// CONNECT only: the session an additional queue pair joins; 0 creates
+    /// a new session. The value comes from an earlier [`ConnectReply`].
+    pub session_id: SessionId,
 }
 
 impl CommandCapsule {
@@ -294,6 +307,7 @@ impl CommandCapsule {
             version: 0,
             queue_depth: 0,
             max_io_size: 0,
+            session_id: SessionId(0),
         }
     }
 
@@ -323,6 +337,7 @@ impl CommandCapsule {
         put_u16(out, 40, self.version);
         put_u32(out, 44, self.queue_depth);
         put_u32(out, 48, self.max_io_size);
+        put_u64(out, 52, self.session_id.0);
     }
 
     /// Encodes into a fresh array.
@@ -356,9 +371,10 @@ impl CommandCapsule {
             version: get_u16(b, 40),
             queue_depth: get_u32(b, 44),
             max_io_size: get_u32(b, 48),
+            session_id: SessionId(get_u64(b, 52)),
         };
-        if let Some(offset) = b[42..44].iter().chain(&b[52..64]).position(|&x| x != 0) {
-            let offset = if offset < 2 { 42 + offset } else { 52 + offset - 2 };
+        if let Some(offset) = b[42..44].iter().chain(&b[60..64]).position(|&x| x != 0) {
+            let offset = if offset < 2 { 42 + offset } else { 60 + offset - 2 };
             return Err(DecodeError::ReservedNotZero { offset });
         }
         let actual = message.len() - COMMAND_CAPSULE_SIZE;
@@ -394,7 +410,9 @@ impl CommandCapsule {
                 return Err(DecodeError::InvalidField { field: "descriptor" });
             }
         }
-        if op != Opcode::Connect && (self.version != 0 || self.queue_depth != 0 || self.max_io_size != 0) {
+        if op != Opcode::Connect
+            && (self.version != 0 || self.queue_depth != 0 || self.max_io_size != 0 || self.session_id != SessionId(0))
+        {
             return Err(DecodeError::InvalidField { field: "connect fields" });
         }
         if !op.is_io() && op != Opcode::CloseVolume && self.volume_id != VolumeId(0) {
@@ -497,7 +515,7 @@ impl ResponseCapsule {
     }
 }
 
-/// Reply data of a successful CONNECT (80 bytes).
+/// Reply data of a successful CONNECT (96 bytes).
 ///
 /// | bytes | field |
 /// |---|---|
@@ -507,6 +525,9 @@ impl ResponseCapsule {
 /// | 8..12 | negotiated max I/O size |
 /// | 12..16 | inline data size (max inline write payload) |
 /// | 16..80 | target name, UTF-8, NUL padded |
+/// | 80..88 | session id (new, or the one joined) |
+/// | 88..90 | queue index of this queue pair within the session (0 = first) |
+/// | 90..96 | reserved |
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ConnectReply {
     pub version: u16,
@@ -514,10 +535,12 @@ pub struct ConnectReply {
     pub max_io_size: u32,
     pub inline_data_size: u32,
     pub target_name: String,
+    pub session_id: SessionId,
+    pub queue_index: u16,
 }
 
 /// Size of [`ConnectReply`] on the wire.
-pub const CONNECT_REPLY_SIZE: usize = 80;
+pub const CONNECT_REPLY_SIZE: usize = 96;
 
 impl ConnectReply {
     /// Encodes; fails if the name is longer than [`MAX_NAME_LEN`].
@@ -528,6 +551,8 @@ impl ConnectReply {
         put_u32(&mut out, 8, self.max_io_size);
         put_u32(&mut out, 12, self.inline_data_size);
         put_name(&mut out[16..80], &self.target_name, "target name")?;
+        put_u64(&mut out, 80, self.session_id.0);
+        put_u16(&mut out, 88, self.queue_index);
         Ok(out)
     }
 
@@ -539,12 +564,17 @@ impl ConnectReply {
         if b[2..4] != [0, 0] {
             return Err(DecodeError::ReservedNotZero { offset: 2 });
         }
+        if let Some(p) = b[90..96].iter().position(|&x| x != 0) {
+            return Err(DecodeError::ReservedNotZero { offset: 90 + p });
+        }
         let r = ConnectReply {
             version: get_u16(b, 0),
             queue_depth: get_u32(b, 4),
             max_io_size: get_u32(b, 8),
             inline_data_size: get_u32(b, 12),
             target_name: get_name(&b[16..80], "target name")?,
+            session_id: SessionId(get_u64(b, 80)),
+            queue_index: get_u16(b, 88),
         };
         r.validate()?;
         Ok(r)
@@ -557,6 +587,9 @@ impl ConnectReply {
         }
         if self.max_io_size == 0 {
             return Err(DecodeError::InvalidField { field: "max_io_size" });
+        }
+        if self.session_id == SessionId(0) {
+            return Err(DecodeError::InvalidField { field: "session_id" });
         }
         Ok(())
     }
@@ -696,9 +729,9 @@ fn get_u64(b: &[u8], at: usize) -> u64 {
 
 // Compile-time layout checks: the last field of each structure ends exactly
 // at its fixed size, so a layout edit that forgets the size fails to build.
-const _: () = assert!(52 + 12 == COMMAND_CAPSULE_SIZE, "command capsule: 52 bytes of fields + 12 reserved");
+const _: () = assert!(60 + 4 == COMMAND_CAPSULE_SIZE, "command capsule: 60 bytes of fields + 4 reserved");
 const _: () = assert!(20 + 12 == RESPONSE_CAPSULE_SIZE, "response capsule: 20 bytes of fields + 12 reserved");
-const _: () = assert!(16 + MAX_NAME_LEN == CONNECT_REPLY_SIZE, "connect reply: 16 bytes + name");
+const _: () = assert!(16 + MAX_NAME_LEN + 10 + 6 == CONNECT_REPLY_SIZE, "connect reply: 16 bytes + name + 10 + 6 reserved");
 const _: () = assert!(32 + MAX_NAME_LEN == VOLUME_INFO_SIZE, "volume info: 32 bytes + name");
 const _: () = assert!(CONNECT_REPLY_SIZE <= MAX_RESPONSE_DATA && VOLUME_INFO_SIZE <= MAX_RESPONSE_DATA);
 const _: () = assert!(COMMAND_CAPSULE_SIZE + CONNECT_INLINE_MAX <= 64 + 4096);
@@ -734,6 +767,7 @@ mod tests {
                         c.version = PROTOCOL_VERSION;
                         c.queue_depth = count;
                         c.max_io_size = len;
+                        c.session_id = SessionId(lba);
                         data = b"host-a".to_vec();
                     }
                     Opcode::OpenVolume => data = vec![b'v'; ilen],
@@ -789,13 +823,13 @@ mod tests {
         }
 
         #[test]
-        fn connect_reply_round_trips(qd in 1u32..=65535, max_io in 1u32.., inline in any::<u32>(), name in "[a-zA-Z0-9.:-]{0,64}") {
-            let r = ConnectReply { version: PROTOCOL_VERSION, queue_depth: qd, max_io_size: max_io, inline_data_size: inline, target_name: name };
+        fn connect_reply_round_trips(qd in 1u32..=65535, max_io in 1u32.., inline in any::<u32>(), name in "[a-zA-Z0-9.:-]{0,64}", sid in 1u64.., qi in any::<u16>()) {
+            let r = ConnectReply { version: PROTOCOL_VERSION, queue_depth: qd, max_io_size: max_io, inline_data_size: inline, target_name: name, session_id: SessionId(sid), queue_index: qi };
             prop_assert_eq!(ConnectReply::decode(&r.to_bytes().unwrap()).unwrap(), r);
         }
 
         #[test]
-        fn flipping_a_reserved_byte_is_rejected((capsule, inline) in valid_capsule(), pos in prop_oneof![42usize..44, 52usize..64], v in 1u8..) {
+        fn flipping_a_reserved_byte_is_rejected((capsule, inline) in valid_capsule(), pos in prop_oneof![42usize..44, 60usize..64], v in 1u8..) {
             let mut msg = capsule.to_bytes().to_vec();
             msg.extend_from_slice(&inline);
             msg[pos] = v;

@@ -8,7 +8,7 @@
 
 use rdmablk_common::protocol::{
     decode_inline_str, BlockCount, CommandCapsule, CommandId, ConnectReply, DataDescriptor, Lba, Opcode,
-    VolumeId, VolumeInfo, COMMAND_CAPSULE_SIZE, MAX_HOST_ID_LEN, MAX_NAME_LEN, PROTOCOL_VERSION,
+    SessionId, VolumeId, VolumeInfo, COMMAND_CAPSULE_SIZE, MAX_HOST_ID_LEN, MAX_NAME_LEN, PROTOCOL_VERSION,
     VOLUME_INFO_SIZE,
 };
 
@@ -209,6 +209,16 @@ fn plan_inner(msg: &[u8], volumes: &[VolumeMeta], limits: &Limits, state: &Sessi
     }
 }
 
+/// A fresh, unguessable, non-zero session id.
+fn new_session_id() -> SessionId {
+    loop {
+        let id: u64 = rand::random();
+        if id != 0 {
+            return SessionId(id);
+        }
+    }
+}
+
 fn connect(cap: &CommandCapsule, inline: &[u8], limits: &Limits) -> Result<Plan> {
     let host_id = decode_inline_str(inline, MAX_HOST_ID_LEN, "host id")?;
     if cap.version != PROTOCOL_VERSION {
@@ -218,6 +228,13 @@ fn connect(cap: &CommandCapsule, inline: &[u8], limits: &Limits) -> Result<Plan>
                 "host {host_id:?} speaks protocol version {}, this target speaks version {PROTOCOL_VERSION}",
                 cap.version
             ),
+        ));
+    }
+    if cap.session_id != SessionId(0) {
+        // Joining an existing session with another queue pair is not served yet.
+        return Err(Error::new(
+            ErrorKind::UnknownSession,
+            format!("host {host_id:?} asked to join session {:#x}, which does not exist", cap.session_id.0),
         ));
     }
     let negotiated = Negotiated {
@@ -230,6 +247,8 @@ fn connect(cap: &CommandCapsule, inline: &[u8], limits: &Limits) -> Result<Plan>
         max_io_size: negotiated.max_io_size,
         inline_data_size: limits.inline_data_size,
         target_name: limits.target_name.clone(),
+        session_id: new_session_id(),
+        queue_index: 0,
     };
     Ok(Plan::Connect { negotiated, host_id: host_id.to_owned(), reply })
 }

@@ -57,6 +57,8 @@ pub enum ErrorKind {
     QueueFull,
     /// The target is shutting down.
     ShuttingDown,
+    /// CONNECT names a session that does not exist or is another host's.
+    UnknownSession,
     /// A bug or broken invariant in the target.
     Internal,
 }
@@ -134,6 +136,7 @@ impl Error {
             ErrorKind::LengthMismatch => (Status::LengthMismatch, 0),
             ErrorKind::QueueFull => (Status::QueueFull, 0),
             ErrorKind::ShuttingDown => (Status::ShuttingDown, 0),
+            ErrorKind::UnknownSession => (Status::UnknownSession, 0),
             ErrorKind::Config
             | ErrorKind::Volume
             | ErrorKind::Uring
@@ -204,6 +207,7 @@ mod tests {
             ErrorKind::LengthMismatch,
             ErrorKind::QueueFull,
             ErrorKind::ShuttingDown,
+            ErrorKind::UnknownSession,
             ErrorKind::Internal,
         ];
         let mut seen = std::collections::HashSet::new();

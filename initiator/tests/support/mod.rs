@@ -381,6 +381,8 @@ impl<'a> FakeConn<'a> {
                     max_io_size: c.max_io_size.min(self.config.max_io),
                     inline_data_size: self.config.inline,
                     target_name: self.config.name.clone(),
+                    session_id: rdmablk_common::protocol::SessionId(0x5e55),
+                    queue_index: 0,
                 };
                 self.max_io = reply.max_io_size;
                 let bytes = reply.to_bytes().unwrap();
