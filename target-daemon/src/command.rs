@@ -1,10 +1,12 @@
 //! What a received command asks for, decided without side effects.
 //!
 //! [`plan`] takes the received message (capsule plus inline data), the
-//! exported volumes, the target's limits and the session's state, and
-//! returns either a [`Plan`] for the reactor to carry out or the [`Error`]
-//! whose kind becomes the response status. Nothing here touches a disk or
-//! the fabric, so every status can be tested directly.
+//! exported volumes, the target's limits, the queue pair's state and the
+//! session's opened set, and returns either a [`Plan`] for the reactor to
+//! carry out or the [`Error`] whose kind becomes the response status.
+//! Nothing here touches a disk, the fabric or shared state, so every status
+//! can be tested directly. (Joining a session needs the session registry:
+//! the plan names the session and the reactor looks it up.)
 
 use rdmablk_common::protocol::{
     decode_inline_str, BlockCount, CommandCapsule, CommandId, ConnectReply, DataDescriptor, Lba, Opcode,
@@ -13,6 +15,7 @@ use rdmablk_common::protocol::{
 };
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::session::OpenSet;
 
 /// Granularity of the negotiated max I/O size.
 pub const IO_SIZE_UNIT: u32 = 4096;
@@ -48,6 +51,57 @@ impl VolumeMeta {
     }
 }
 
+/// The served volumes in list order, found by id in O(1).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct VolumeTable {
+    metas: Vec<VolumeMeta>,
+    /// `by_id[id]` = index + 1, 0 for none.
+    by_id: Vec<u32>,
+}
+
+impl VolumeTable {
+    /// A table of `metas` (ids must be distinct and non-zero).
+    pub fn new(metas: Vec<VolumeMeta>) -> VolumeTable {
+        let max = metas.iter().map(|m| m.id.0 as usize).max().unwrap_or(0);
+        let mut by_id = vec![0u32; max + 1];
+        for (i, m) in metas.iter().enumerate() {
+            assert!(m.id.0 != 0 && by_id[m.id.0 as usize] == 0, "volume ids must be distinct and non-zero");
+            by_id[m.id.0 as usize] = i as u32 + 1;
+        }
+        VolumeTable { metas, by_id }
+    }
+
+    /// Index of volume `id`.
+    #[inline]
+    pub fn index_of(&self, id: VolumeId) -> Option<usize> {
+        match self.by_id.get(id.0 as usize) {
+            Some(&i) if i > 0 => Some(i as usize - 1),
+            _ => None,
+        }
+    }
+
+    /// The volume at `index`.
+    #[inline]
+    pub fn get(&self, index: usize) -> &VolumeMeta {
+        &self.metas[index]
+    }
+
+    /// Every volume, in list order.
+    pub fn metas(&self) -> &[VolumeMeta] {
+        &self.metas
+    }
+
+    /// Number of volumes.
+    pub fn len(&self) -> usize {
+        self.metas.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.metas.is_empty()
+    }
+}
+
 /// The target's limits, from the configuration.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Limits {
@@ -69,25 +123,24 @@ pub struct Negotiated {
     pub max_io_size: u32,
 }
 
-/// A session's state as far as validation is concerned.
+/// A queue pair's state as far as validation is concerned. (What its
+/// session has opened is shared by all its queue pairs: an [`OpenSet`].)
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SessionState {
     /// Set by a successful CONNECT.
     pub connected: Option<Negotiated>,
     /// Host id from CONNECT.
     pub host_id: Option<String>,
-    /// `open[i]`: volume index `i` is open in this session.
-    pub open: Vec<bool>,
-    /// Commands of this session received and not yet answered (not counting this one).
+    /// Commands of this queue pair received and not yet answered (not counting this one).
     pub outstanding: u32,
     /// The target is shutting down.
     pub shutting_down: bool,
 }
 
 impl SessionState {
-    /// A fresh, unconnected session for `volumes` volumes.
-    pub fn new(volumes: usize) -> Self {
-        SessionState { open: vec![false; volumes], ..Default::default() }
+    /// A fresh, unconnected queue pair.
+    pub fn new() -> Self {
+        SessionState::default()
     }
 }
 
@@ -118,8 +171,10 @@ pub enum IoPlan {
 /// What a command asks the reactor to do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Plan {
-    /// Mark the session connected and send the reply.
-    Connect { negotiated: Negotiated, host_id: String, reply: ConnectReply },
+    /// Create a session (`join` is `None`) or join one, mark the queue pair
+    /// connected and send the reply; the reactor fills in the reply's
+    /// session id and queue index.
+    Connect { negotiated: Negotiated, host_id: String, join: Option<SessionId>, reply: ConnectReply },
     /// Write `entries` [`VolumeInfo`]s into `dest`; result = `total`.
     ListVolumes { dest: DataDescriptor, entries: u32, total: u32 },
     /// Mark volume index `volume` open; reply its info; result = its id.
@@ -141,15 +196,15 @@ pub fn command_id_of(msg: &[u8]) -> CommandId {
     }
 }
 
-fn volume_by_id(volumes: &[VolumeMeta], id: VolumeId) -> Result<usize> {
-    let idx = (id.0 as usize).wrapping_sub(1);
-    match volumes.get(idx) {
-        Some(v) if v.id == id => Ok(idx),
-        _ => match volumes.iter().position(|v| v.id == id) {
-            Some(i) => Ok(i),
-            None => Err(Error::new(ErrorKind::UnknownVolume, format!("no volume with id {id}"))),
-        },
-    }
+/// Opcode and volume id of an I/O command that decodes, for counting
+/// refused commands against their volume.
+pub fn io_target(msg: &[u8]) -> Option<(Opcode, VolumeId)> {
+    let cap = CommandCapsule::decode(msg).ok()?;
+    cap.opcode.is_io().then_some((cap.opcode, cap.volume_id))
+}
+
+fn volume_by_id(volumes: &VolumeTable, id: VolumeId) -> Result<usize> {
+    volumes.index_of(id).ok_or_else(|| Error::new(ErrorKind::UnknownVolume, format!("no volume with id {id}")))
 }
 
 /// Negotiated max I/O size: the smaller of both, whole 4 KiB units, at least one unit.
@@ -157,13 +212,20 @@ pub fn negotiate_max_io(requested: u32, limit: u32) -> u32 {
     (requested.min(limit) / IO_SIZE_UNIT * IO_SIZE_UNIT).max(IO_SIZE_UNIT)
 }
 
-/// Decides what `msg` (capsule plus inline data) asks for.
-pub fn plan(msg: &[u8], volumes: &[VolumeMeta], limits: &Limits, state: &SessionState) -> (CommandId, Result<Plan>) {
+/// Decides what `msg` (capsule plus inline data) asks for; `open` is what
+/// the queue pair's session has opened.
+pub fn plan(
+    msg: &[u8],
+    volumes: &VolumeTable,
+    limits: &Limits,
+    state: &SessionState,
+    open: &OpenSet,
+) -> (CommandId, Result<Plan>) {
     let cid = command_id_of(msg);
-    (cid, plan_inner(msg, volumes, limits, state))
+    (cid, plan_inner(msg, volumes, limits, state, open))
 }
 
-fn plan_inner(msg: &[u8], volumes: &[VolumeMeta], limits: &Limits, state: &SessionState) -> Result<Plan> {
+fn plan_inner(msg: &[u8], volumes: &VolumeTable, limits: &Limits, state: &SessionState, open: &OpenSet) -> Result<Plan> {
     let cap = CommandCapsule::decode(msg)?;
     let inline = &msg[COMMAND_CAPSULE_SIZE..];
     if state.shutting_down {
@@ -190,31 +252,21 @@ fn plan_inner(msg: &[u8], volumes: &[VolumeMeta], limits: &Limits, state: &Sessi
         }
         Opcode::OpenVolume => {
             let name = decode_inline_str(inline, MAX_NAME_LEN, "volume name")?;
-            match volumes.iter().position(|v| v.name == name) {
+            match volumes.metas().iter().position(|v| v.name == name) {
                 Some(i) => Ok(Plan::Open { volume: i }),
                 None => Err(Error::new(ErrorKind::UnknownVolume, format!("no volume named {name:?}"))),
             }
         }
         Opcode::CloseVolume => {
             let i = volume_by_id(volumes, cap.volume_id)?;
-            if !state.open.get(i).copied().unwrap_or(false) {
+            if !open.contains(cap.volume_id) {
                 return Err(Error::new(ErrorKind::VolumeNotOpen, format!("volume {} is not open", cap.volume_id)));
             }
             Ok(Plan::Close { volume: i })
         }
         Opcode::KeepAlive => Ok(Plan::KeepAlive),
         Opcode::Read | Opcode::Write | Opcode::Flush | Opcode::Discard | Opcode::WriteZeroes => {
-            io(&cap, inline, volumes, limits, state, neg).map(Plan::Io)
-        }
-    }
-}
-
-/// A fresh, unguessable, non-zero session id.
-fn new_session_id() -> SessionId {
-    loop {
-        let id: u64 = rand::random();
-        if id != 0 {
-            return SessionId(id);
+            io(&cap, inline, volumes, limits, open, neg).map(Plan::Io)
         }
     }
 }
@@ -230,13 +282,7 @@ fn connect(cap: &CommandCapsule, inline: &[u8], limits: &Limits) -> Result<Plan>
             ),
         ));
     }
-    if cap.session_id != SessionId(0) {
-        // Joining an existing session with another queue pair is not served yet.
-        return Err(Error::new(
-            ErrorKind::UnknownSession,
-            format!("host {host_id:?} asked to join session {:#x}, which does not exist", cap.session_id.0),
-        ));
-    }
+    let join = (cap.session_id != SessionId(0)).then_some(cap.session_id);
     let negotiated = Negotiated {
         queue_depth: cap.queue_depth.min(limits.queue_depth).max(1),
         max_io_size: negotiate_max_io(cap.max_io_size, limits.max_io_size),
@@ -247,24 +293,25 @@ fn connect(cap: &CommandCapsule, inline: &[u8], limits: &Limits) -> Result<Plan>
         max_io_size: negotiated.max_io_size,
         inline_data_size: limits.inline_data_size,
         target_name: limits.target_name.clone(),
-        session_id: new_session_id(),
+        // Filled in by the reactor once the registry created or joined the session.
+        session_id: SessionId(0),
         queue_index: 0,
     };
-    Ok(Plan::Connect { negotiated, host_id: host_id.to_owned(), reply })
+    Ok(Plan::Connect { negotiated, host_id: host_id.to_owned(), join, reply })
 }
 
 fn io(
     cap: &CommandCapsule,
     inline: &[u8],
-    volumes: &[VolumeMeta],
+    volumes: &VolumeTable,
     limits: &Limits,
-    state: &SessionState,
+    open: &OpenSet,
     neg: Negotiated,
 ) -> Result<IoPlan> {
     let op = cap.opcode;
     let volume = volume_by_id(volumes, cap.volume_id)?;
-    let v = &volumes[volume];
-    if !state.open.get(volume).copied().unwrap_or(false) {
+    let v = volumes.get(volume);
+    if !open.contains(cap.volume_id) {
         return Err(Error::new(ErrorKind::VolumeNotOpen, format!("volume {} ({}) is not open", v.id, v.name)));
     }
     let writes = matches!(op, Opcode::Write | Opcode::Discard | Opcode::WriteZeroes);
@@ -349,12 +396,16 @@ mod tests {
         }
     }
 
-    fn vols() -> Vec<VolumeMeta> {
-        vec![
+    fn vols() -> VolumeTable {
+        VolumeTable::new(vec![
             meta(1, "rw", 4096, 1 << 20, false, true),
             meta(2, "ro", 512, 1 << 20, true, true),
             meta(3, "blk", 4096, 1 << 20, false, false),
-        ]
+        ])
+    }
+
+    fn all_open() -> OpenSet {
+        OpenSet::default().with(VolumeId(1)).with(VolumeId(2)).with(VolumeId(3))
     }
 
     fn limits() -> Limits {
@@ -365,7 +416,6 @@ mod tests {
         SessionState {
             connected: Some(Negotiated { queue_depth: 8, max_io_size: 65536 }),
             host_id: Some("h".into()),
-            open: vec![true, true, true],
             outstanding: 0,
             shutting_down: false,
         }
@@ -377,15 +427,19 @@ mod tests {
         m
     }
 
-    fn status(m: &[u8], st: &SessionState) -> Status {
-        match plan(m, &vols(), &limits(), st).1 {
+    fn status_with(m: &[u8], st: &SessionState, open: &OpenSet) -> Status {
+        match plan(m, &vols(), &limits(), st, open).1 {
             Ok(p) => panic!("expected an error, got {p:?}"),
             Err(e) => e.wire_status().0,
         }
     }
 
+    fn status(m: &[u8], st: &SessionState) -> Status {
+        status_with(m, st, &all_open())
+    }
+
     fn ok(m: &[u8], st: &SessionState) -> Plan {
-        plan(m, &vols(), &limits(), st).1.unwrap()
+        plan(m, &vols(), &limits(), st, &all_open()).1.unwrap()
     }
 
     fn io_cmd(op: Opcode, vol: u32, start: u64, count: u32, len: u32) -> CommandCapsule {
@@ -410,12 +464,13 @@ mod tests {
 
     #[test]
     fn connect_negotiates() {
-        let st = SessionState::new(3);
-        let (cid, p) = plan(&msg(&connect_cmd(PROTOCOL_VERSION, 1000, 1 << 20), b"host"), &vols(), &limits(), &st);
+        let st = SessionState::new();
+        let (cid, p) = plan(&msg(&connect_cmd(PROTOCOL_VERSION, 1000, 1 << 20), b"host"), &vols(), &limits(), &st, &OpenSet::default());
         assert_eq!(cid, CommandId(1));
-        let Plan::Connect { negotiated, host_id, reply } = p.unwrap() else { panic!() };
+        let Plan::Connect { negotiated, host_id, join, reply } = p.unwrap() else { panic!() };
         assert_eq!(negotiated, Negotiated { queue_depth: 32, max_io_size: 65536 });
         assert_eq!(host_id, "host");
+        assert_eq!(join, None, "session id 0 creates a session");
         assert_eq!(reply.inline_data_size, 8192);
         assert_eq!(reply.target_name, "t");
         let Plan::Connect { negotiated, .. } = ok(&msg(&connect_cmd(PROTOCOL_VERSION, 0, 5000), b"host"), &st) else {
@@ -429,9 +484,36 @@ mod tests {
     }
 
     #[test]
+    fn connect_with_a_session_id_asks_to_join() {
+        let mut c = connect_cmd(PROTOCOL_VERSION, 4, 4096);
+        c.session_id = SessionId(0x1234);
+        let Plan::Connect { join, .. } = ok(&msg(&c, b"host"), &SessionState::new()) else { panic!() };
+        assert_eq!(join, Some(SessionId(0x1234)));
+    }
+
+    #[test]
+    fn volume_table_by_id() {
+        let t = VolumeTable::new(vec![meta(7, "a", 512, 4096, false, false), meta(2, "b", 512, 4096, false, false)]);
+        assert_eq!(t.index_of(VolumeId(7)), Some(0));
+        assert_eq!(t.index_of(VolumeId(2)), Some(1));
+        assert_eq!(t.index_of(VolumeId(1)), None);
+        assert_eq!(t.index_of(VolumeId(0)), None);
+        assert_eq!(t.index_of(VolumeId(1000)), None);
+        // Ids need not be positions: a reload removes and adds volumes.
+        let mut c = CommandCapsule::new(Opcode::OpenVolume, CommandId(3));
+        c.inline_len = 1;
+        let p = plan(&msg(&c, b"b"), &t, &limits(), &connected(), &OpenSet::default()).1.unwrap();
+        assert_eq!(p, Plan::Open { volume: 1 });
+        let m = msg(&io_cmd(Opcode::Read, 7, 0, 8, 4096), b"");
+        let p = plan(&m, &t, &limits(), &connected(), &OpenSet::default().with(VolumeId(7))).1.unwrap();
+        assert!(matches!(p, Plan::Io(IoPlan::Read { volume: 0, .. })));
+        assert_eq!(io_target(&m), Some((Opcode::Read, VolumeId(7))));
+    }
+
+    #[test]
     fn status_version_mismatch() {
         let m = msg(&connect_cmd(PROTOCOL_VERSION + 1, 4, 4096), b"host");
-        let e = plan(&m, &vols(), &limits(), &SessionState::new(3)).1.unwrap_err();
+        let e = plan(&m, &vols(), &limits(), &SessionState::new(), &OpenSet::default()).1.unwrap_err();
         assert_eq!(e.wire_status(), (Status::VersionMismatch, PROTOCOL_VERSION as u32));
         assert!(e.to_string().contains("host"), "{e}");
     }
@@ -439,9 +521,9 @@ mod tests {
     #[test]
     fn status_not_connected() {
         let m = msg(&CommandCapsule::new(Opcode::KeepAlive, CommandId(2)), b"");
-        assert_eq!(status(&m, &SessionState::new(3)), Status::NotConnected);
+        assert_eq!(status(&m, &SessionState::new()), Status::NotConnected);
         let m = msg(&io_cmd(Opcode::Read, 1, 0, 1, 4096), b"");
-        assert_eq!(status(&m, &SessionState::new(3)), Status::NotConnected);
+        assert_eq!(status(&m, &SessionState::new()), Status::NotConnected);
     }
 
     #[test]
@@ -454,7 +536,7 @@ mod tests {
     fn status_invalid_opcode_and_field() {
         let mut m = msg(&CommandCapsule::new(Opcode::KeepAlive, CommandId(9)), b"");
         m[0] = 0x7e;
-        let (cid, r) = plan(&m, &vols(), &limits(), &connected());
+        let (cid, r) = plan(&m, &vols(), &limits(), &connected(), &all_open());
         assert_eq!(cid, CommandId(9));
         assert_eq!(r.unwrap_err().wire_status().0, Status::InvalidOpcode);
         let mut m = msg(&CommandCapsule::new(Opcode::KeepAlive, CommandId(9)), b"");
@@ -464,7 +546,7 @@ mod tests {
         assert_eq!(status(&m[..10], &connected()), Status::InvalidField);
         // Host id not UTF-8.
         let m = msg(&connect_cmd(PROTOCOL_VERSION, 4, 4096), &[0xff, 0xfe, 0, 1]);
-        assert_eq!(status(&m, &SessionState::new(3)), Status::InvalidField);
+        assert_eq!(status(&m, &SessionState::new()), Status::InvalidField);
     }
 
     #[test]
@@ -487,9 +569,8 @@ mod tests {
         let mut c = CommandCapsule::new(Opcode::CloseVolume, CommandId(3));
         c.volume_id = VolumeId(3);
         assert_eq!(ok(&msg(&c, b""), &connected()), Plan::Close { volume: 2 });
-        let mut st = connected();
-        st.open[2] = false;
-        assert_eq!(status(&msg(&c, b""), &st), Status::VolumeNotOpen);
+        let open = all_open().without(VolumeId(3));
+        assert_eq!(status_with(&msg(&c, b""), &connected(), &open), Status::VolumeNotOpen);
         let mut c = CommandCapsule::new(Opcode::ListVolumes, CommandId(3));
         c.descriptor = DataDescriptor { remote_addr: 1, length: 2 * 96 + 50, rkey: 1 };
         let Plan::ListVolumes { entries, total, .. } = ok(&msg(&c, b""), &connected()) else { panic!() };
@@ -502,10 +583,9 @@ mod tests {
 
     #[test]
     fn status_volume_not_open() {
-        let mut st = connected();
-        st.open[0] = false;
-        assert_eq!(status(&msg(&io_cmd(Opcode::Read, 1, 0, 1, 4096), b""), &st), Status::VolumeNotOpen);
-        assert_eq!(status(&msg(&io_cmd(Opcode::Flush, 1, 0, 0, 0), b""), &st), Status::VolumeNotOpen);
+        let open = all_open().without(VolumeId(1));
+        assert_eq!(status_with(&msg(&io_cmd(Opcode::Read, 1, 0, 1, 4096), b""), &connected(), &open), Status::VolumeNotOpen);
+        assert_eq!(status_with(&msg(&io_cmd(Opcode::Flush, 1, 0, 0, 0), b""), &connected(), &open), Status::VolumeNotOpen);
     }
 
     #[test]
@@ -556,7 +636,7 @@ mod tests {
     fn status_too_large() {
         // Negotiated 64 KiB.
         assert_eq!(status(&msg(&io_cmd(Opcode::Read, 1, 0, 32, 131072), b""), &connected()), Status::TooLarge);
-        assert!(plan(&msg(&io_cmd(Opcode::Read, 1, 0, 16, 65536), b""), &vols(), &limits(), &connected()).1.is_ok());
+        assert!(plan(&msg(&io_cmd(Opcode::Read, 1, 0, 16, 65536), b""), &vols(), &limits(), &connected(), &all_open()).1.is_ok());
         // Inline beyond inline_data_size (8 KiB).
         let mut c = io_cmd(Opcode::Write, 1, 0, 3, 0);
         c.descriptor = DataDescriptor::default();

@@ -7,6 +7,7 @@
 
 use std::collections::HashSet;
 use std::fmt;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -44,6 +45,8 @@ pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_FILE_BLOCK_SIZE: u32 = 4096;
 /// Alignment of every pool buffer and the unit of max_io_size and chunk_size.
 pub const PAGE: u32 = 4096;
+/// Most volumes a target serves at once (the configuration and every reload).
+pub const MAX_VOLUMES: usize = 256;
 
 /// The validated configuration.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -77,8 +80,12 @@ pub struct TargetConfig {
     pub shutdown_timeout: Duration,
     /// Use an io_uring submission-queue polling thread per reactor.
     pub sqpoll: bool,
-    /// Pin reactor `i` to online CPU `i mod n`.
+    /// Busy-poll completions (IORING_SETUP_IOPOLL): NVMe with poll queues only.
+    pub iopoll: bool,
+    /// Pin reactor `i` to allowed CPU `i mod n` (default on).
     pub pin_reactors: bool,
+    /// Where to serve Prometheus metrics over HTTP (`None`: no endpoint).
+    pub metrics: Option<SocketAddr>,
 }
 
 /// The kind of a volume's backend.
@@ -87,12 +94,18 @@ pub struct TargetConfig {
 pub enum BackendKind {
     /// A regular file or a block device, accessed with O_DIRECT through io_uring.
     File,
+    /// RAM (a memfd), data kept while the target runs; lost when it stops.
+    Memory,
+    /// Reads return zeroes, writes are dropped: measures the fabric alone.
+    Null,
 }
 
 impl fmt::Display for BackendKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             BackendKind::File => "file",
+            BackendKind::Memory => "memory",
+            BackendKind::Null => "null",
         })
     }
 }
@@ -104,8 +117,9 @@ pub struct VolumeConfig {
     pub index: usize,
     pub name: String,
     pub backend: BackendKind,
+    /// The file or device (`file` backend); empty for `memory` and `null`.
     pub path: PathBuf,
-    /// Size in bytes, if given.
+    /// Size in bytes, if given (required for `memory` and `null`).
     pub size: Option<u64>,
     /// Block size, if given.
     pub block_size: Option<u32>,
@@ -116,6 +130,43 @@ impl VolumeConfig {
     /// `volume[N].key`, for messages.
     pub fn key(&self, key: &str) -> String {
         format!("volume[{}].{key}", self.index)
+    }
+
+    /// Whether `other` describes the same volume, ignoring its position in
+    /// the file and the read-only flag (what a reload may change in place).
+    pub fn same_except_read_only(&self, other: &VolumeConfig) -> bool {
+        self.name == other.name
+            && self.backend == other.backend
+            && self.path == other.path
+            && self.size == other.size
+            && self.block_size == other.block_size
+    }
+}
+
+impl TargetConfig {
+    /// The `[target]` keys whose values differ from `other` (a reload cannot
+    /// apply them; they take effect at the next start).
+    pub fn changed_keys(&self, other: &TargetConfig) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        let mut check = |changed: bool, key: &'static str| {
+            if changed {
+                v.push(key);
+            }
+        };
+        check(self.name != other.name, "target.name");
+        check(self.listen != other.listen, "target.listen");
+        check(self.reactors != other.reactors, "target.reactors");
+        check(self.queue_depth != other.queue_depth, "target.queue_depth");
+        check(self.max_io_size != other.max_io_size, "target.max_io_size");
+        check(self.inline_data_size != other.inline_data_size, "target.inline_data_size");
+        check(self.buffer_pool != other.buffer_pool, "target.buffer_pool");
+        check(self.chunk_size != other.chunk_size, "target.chunk_size");
+        check(self.shutdown_timeout != other.shutdown_timeout, "target.shutdown_timeout");
+        check(self.sqpoll != other.sqpoll, "target.sqpoll");
+        check(self.iopoll != other.iopoll, "target.iopoll");
+        check(self.pin_reactors != other.pin_reactors, "target.pin_reactors");
+        check(self.metrics != other.metrics, "target.metrics");
+        v
     }
 }
 
@@ -176,7 +227,9 @@ struct RawTarget {
     #[serde(default)]
     sqpoll: bool,
     #[serde(default)]
-    pin_reactors: bool,
+    iopoll: bool,
+    pin_reactors: Option<bool>,
+    metrics: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -184,7 +237,7 @@ struct RawTarget {
 struct RawVolume {
     name: String,
     backend: BackendKind,
-    path: PathBuf,
+    path: Option<PathBuf>,
     size: Option<RawSize>,
     block_size: Option<RawSize>,
     #[serde(default)]
@@ -390,6 +443,14 @@ impl RawConfig {
             Some(RawDuration::Str(s)) => parse_duration(&s).map_err(|e| cx.err("target.shutdown_timeout", e))?,
         };
 
+        let metrics = match t.metrics {
+            None => None,
+            Some(s) if s.is_empty() => None,
+            Some(s) => Some(s.parse::<SocketAddr>().map_err(|_| {
+                cx.err("target.metrics", format!("{s:?} is not an address:port such as \"127.0.0.1:9420\""))
+            })?),
+        };
+
         let target = TargetConfig {
             name,
             listen,
@@ -401,11 +462,16 @@ impl RawConfig {
             chunk_size,
             shutdown_timeout,
             sqpoll: t.sqpoll,
-            pin_reactors: t.pin_reactors,
+            iopoll: t.iopoll,
+            pin_reactors: t.pin_reactors.unwrap_or(true),
+            metrics,
         };
 
         if self.volume.is_empty() {
             return Err(cx.err("volume", "no [[volume]] is defined"));
+        }
+        if self.volume.len() > MAX_VOLUMES {
+            return Err(cx.err("volume", format!("{} volumes; at most {MAX_VOLUMES} are served", self.volume.len())));
         }
         let mut names = HashSet::new();
         let mut paths = HashSet::new();
@@ -416,11 +482,25 @@ impl RawConfig {
             if !names.insert(v.name.clone()) {
                 return Err(cx.err(&key("name"), format!("{:?} is used by an earlier volume", v.name)));
             }
-            if v.path.as_os_str().is_empty() {
-                return Err(cx.err(&key("path"), "must not be empty"));
-            }
-            if !paths.insert(v.path.clone()) {
-                return Err(cx.err(&key("path"), format!("{} is used by an earlier volume", v.path.display())));
+            let path = match (v.backend, v.path) {
+                (BackendKind::File, None) => return Err(cx.err(&key("path"), "is required for backend \"file\"")),
+                (BackendKind::File, Some(p)) => {
+                    if p.as_os_str().is_empty() {
+                        return Err(cx.err(&key("path"), "must not be empty"));
+                    }
+                    if !paths.insert(p.clone()) {
+                        return Err(cx.err(&key("path"), format!("{} is used by an earlier volume", p.display())));
+                    }
+                    p
+                }
+                (b, Some(_)) => return Err(cx.err(&key("path"), format!("is not used by backend \"{b}\"; remove it"))),
+                (_, None) => PathBuf::new(),
+            };
+            if target.iopoll && v.backend == BackendKind::Memory {
+                return Err(cx.err(
+                    &key("backend"),
+                    "\"memory\" cannot be served on a polled ring (target.iopoll = true needs NVMe poll queues)",
+                ));
             }
             let block_size = match v.block_size {
                 None => None,
@@ -447,11 +527,14 @@ impl RawConfig {
                     Some(s)
                 }
             };
+            if size.is_none() && v.backend != BackendKind::File {
+                return Err(cx.err(&key("size"), format!("is required for backend \"{}\"", v.backend)));
+            }
             volumes.push(VolumeConfig {
                 index,
                 name: v.name,
                 backend: v.backend,
-                path: v.path,
+                path,
                 size,
                 block_size,
                 read_only: v.read_only,
@@ -536,7 +619,67 @@ read_only = true
         assert_eq!(c.target.shutdown_timeout, DEFAULT_SHUTDOWN_TIMEOUT);
         assert!(c.target.reactors >= 1);
         assert!(!c.target.sqpoll);
+        assert!(!c.target.iopoll);
+        assert!(c.target.pin_reactors, "reactors are pinned unless told otherwise");
+        assert_eq!(c.target.metrics, None);
         assert_eq!(c.volumes[0].size, Some(4096));
+    }
+
+    #[test]
+    fn memory_and_null_backends() {
+        let text = "[target]\nlisten=[\"tcp://h:1\"]\nmetrics = \"127.0.0.1:9420\"\npin_reactors = false\n\
+                    [[volume]]\nname=\"m\"\nbackend=\"memory\"\nsize=\"64MiB\"\n\
+                    [[volume]]\nname=\"n\"\nbackend=\"null\"\nsize=\"1GiB\"\nblock_size=512\n";
+        let c = Config::parse(text, "m.toml").unwrap();
+        assert_eq!(c.target.metrics, Some("127.0.0.1:9420".parse().unwrap()));
+        assert!(!c.target.pin_reactors);
+        assert_eq!((c.volumes[0].backend, c.volumes[0].size), (BackendKind::Memory, Some(64 << 20)));
+        assert_eq!((c.volumes[1].backend, c.volumes[1].block_size), (BackendKind::Null, Some(512)));
+        assert!(c.volumes[0].path.as_os_str().is_empty());
+
+        let vol = |body: &str| format!("[target]\nlisten=[\"tcp://h:1\"]\n[[volume]]\n{body}\n");
+        let e = err(&vol("name=\"m\"\nbackend=\"memory\""));
+        assert!(e.contains("volume[0].size: is required for backend \"memory\""), "{e}");
+        let e = err(&vol("name=\"m\"\nbackend=\"null\"\nsize=4096\npath=\"/x\""));
+        assert!(e.contains("volume[0].path: is not used by backend \"null\""), "{e}");
+        let e = err(&vol("name=\"f\"\nbackend=\"file\"\nsize=4096"));
+        assert!(e.contains("volume[0].path: is required for backend \"file\""), "{e}");
+        let e = err(&vol("name=\"m\"\nbackend=\"memory\"\nsize=4096\nblock_size=8192"));
+        assert!(e.contains("volume[0].size: 4096 is not a multiple of block_size 8192"), "{e}");
+        let e = err(&format!("{}iopoll = true\n[[volume]]\nname=\"m\"\nbackend=\"memory\"\nsize=4096\n", "[target]\nlisten=[\"tcp://h:1\"]\n"));
+        assert!(e.contains("volume[0].backend") && e.contains("iopoll"), "{e}");
+    }
+
+    #[test]
+    fn metrics_address_errors_are_named() {
+        let e = err(&with_target("metrics = \"localhost\""));
+        assert!(e.starts_with("test.toml: target.metrics: \"localhost\" is not an address:port"), "{e}");
+        let e = err(&with_target("metrics = 9420"));
+        assert!(e.contains("test.toml") && e.contains("metrics"), "{e}");
+        let c = Config::parse(&with_target("metrics = \"[::1]:0\""), "x").unwrap();
+        assert_eq!(c.target.metrics.unwrap().port(), 0);
+    }
+
+    #[test]
+    fn a_bad_key_anywhere_is_named_with_file_and_line() {
+        let e = err(&format!("{}metric = \"127.0.0.1:1\"\n", "[target]\nlisten=[\"tcp://h:1\"]\n"));
+        assert!(e.starts_with("test.toml: line 3, column 1 (`metric = \"127.0.0.1:1\"`): unknown field `metric`"), "{e}");
+        let e = err(&format!("{}readonly = true\n", with_target("")));
+        assert!(e.contains("test.toml: line") && e.contains("unknown field `readonly`"), "{e}");
+    }
+
+    #[test]
+    fn reload_diffs() {
+        let a = Config::parse(&with_target(""), "a").unwrap();
+        let b = Config::parse(&with_target("queue_depth = 7\nmetrics = \"127.0.0.1:1\""), "b").unwrap();
+        assert_eq!(a.target.changed_keys(&b.target), vec!["target.queue_depth", "target.metrics"]);
+        assert!(a.target.changed_keys(&a.target).is_empty());
+        let mut v = a.volumes[0].clone();
+        v.read_only = true;
+        v.index = 5;
+        assert!(a.volumes[0].same_except_read_only(&v));
+        v.size = Some(8192);
+        assert!(!a.volumes[0].same_except_read_only(&v));
     }
 
     #[test]
@@ -589,6 +732,9 @@ read_only = true
         assert!(e.contains("volume[1].block_size"), "{e}");
         let e = err(&vol("name=\"a\"\nbackend=\"file\"\npath=\"/b\""));
         assert!(e.contains("volume[1].name: \"a\" is used by an earlier volume"), "{e}");
+        let many: String = (0..=MAX_VOLUMES).map(|i| format!("[[volume]]\nname=\"n{i}\"\nbackend=\"null\"\nsize=4096\n")).collect();
+        let e = err(&format!("[target]\nlisten=[\"tcp://h:1\"]\n{many}"));
+        assert!(e.contains("volume: 257 volumes; at most 256"), "{e}");
         let e = err(&vol("name=\"b\"\nbackend=\"file\"\npath=\"/a\""));
         assert!(e.contains("volume[1].path"), "{e}");
         let e = err(&vol("name=\"\"\nbackend=\"file\"\npath=\"/b\""));
@@ -596,8 +742,8 @@ read_only = true
         let long = "x".repeat(65);
         let e = err(&vol(&format!("name=\"{long}\"\nbackend=\"file\"\npath=\"/b\"")));
         assert!(e.contains("volume[1].name") && e.contains("at most 64"), "{e}");
-        let e = err(&vol("name=\"b\"\nbackend=\"memory\"\npath=\"/b\""));
-        assert!(e.contains("memory") && e.contains("file"), "{e}");
+        let e = err(&vol("name=\"b\"\nbackend=\"tape\"\npath=\"/b\""));
+        assert!(e.contains("tape") && e.contains("file") && e.contains("memory") && e.contains("null"), "{e}");
         let e = err(&vol("name=\"b\"\nbackend=\"file\"\npath=\"/b\"\nsize=0"));
         assert!(e.contains("volume[1].size: must not be zero"), "{e}");
         let e = err(&vol("name=\"b\"\nbackend=\"file\"\npath=\"/b\"\nsize=\"1x\""));
@@ -639,5 +785,14 @@ mod example_tests {
         let c = super::Config::load(std::path::Path::new(path)).unwrap();
         assert_eq!(c.volumes[0].size, Some(1 << 30));
         assert_eq!(c.target.chunk_size, 128 << 10);
+    }
+
+    #[test]
+    fn the_shipped_config_is_valid() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/target.toml");
+        let c = super::Config::load(std::path::Path::new(path)).unwrap();
+        assert_eq!(c.target.metrics, Some("127.0.0.1:9420".parse().unwrap()));
+        assert_eq!(c.volumes[0].path, std::path::Path::new("/var/lib/rdmablk/vol0.img"));
+        assert!(c.target.pin_reactors && !c.target.iopoll && !c.target.sqpoll);
     }
 }

@@ -30,32 +30,44 @@
 //!
 //! The binary (`rdmablk-target --config FILE [--check] [--log-format text|json]`)
 //! calls [`run`] (or [`check`]) and logs `listening on tcp://HOST:PORT` at
-//! info level for every bound URL.
+//! info level for every bound URL (and `metrics endpoint: http://ADDR/metrics`
+//! when `[target] metrics` is set). SIGHUP reloads the configuration file,
+//! SIGTERM/SIGINT stop cleanly; under systemd (`NOTIFY_SOCKET`) it sends
+//! READY, STATUS and WATCHDOG notifications. A library user reloads with
+//! [`RunningTarget::reload`].
 //!
 //! # Layout
 //! - [`config`]: the TOML configuration and its validation.
-//! - [`backend`]: volumes and the `file` backend (O_DIRECT, sizing rules).
+//! - [`backend`]: volumes and their backends (`file`, `memory`, `null`).
 //! - [`command`]: what a received command asks for, as a pure function.
 //! - [`error`]: the crate's error type and its mapping to wire statuses.
 //! - [`pool`]: registered memory (the chunk pool, receive/response slots).
 //! - [`uring`]: the io_uring engine (fixed files, fixed buffers, restrictions).
-//! - [`reactor`]: reactor threads (fabric CQ + io_uring + sessions).
-//! - [`target`]: start/stop, the control thread, signals.
+//! - [`blocking`]: a reactor's helper thread for the few blocking calls.
+//! - [`session`]: state shared by reactors (volume set, sessions).
+//! - [`reactor`]: reactor threads (fabric CQ + io_uring + queue pairs).
+//! - [`metrics`]: lock-free counters, Prometheus text, the HTTP responder.
+//! - [`notify`]: systemd notifications (READY, STATUS, WATCHDOG).
+//! - [`target`]: start/stop, the control thread, signals, reload.
 //! - [`sys`]: thin wrappers over Linux calls std lacks.
 //!
 //! `unsafe` lives only in `pool`, `uring` and `sys`; every block carries a
 //! `// SAFETY:` comment.
 
 pub mod backend;
+pub mod blocking;
 pub mod command;
 pub mod config;
 pub mod error;
+pub mod metrics;
+pub mod notify;
 pub mod pool;
 pub mod reactor;
+pub mod session;
 pub mod sys;
 pub mod target;
 pub mod uring;
 
 pub use config::Config;
 pub use error::{Error, ErrorKind, Result};
-pub use target::{check, run, RunningTarget, StopHandle, Target};
+pub use target::{check, run, ReloadSummary, RunningTarget, StopHandle, Target};

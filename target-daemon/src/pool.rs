@@ -7,6 +7,11 @@
 //! domain as one memory region with `LOCAL_WRITE` only: the target never
 //! exposes its memory, RDMA READ sinks need only local write.
 //!
+//! One extra chunk after the last follows them: the *zero chunk*. It is
+//! never handed out, never given to io_uring and never the sink of an RDMA
+//! READ, so it stays zero; RDMA WRITEs of the `null` backend's reads send
+//! from it.
+//!
 //! Ownership of every chunk and slot is tracked: a chunk is free, held by
 //! the CPU, lent to the kernel (an io_uring op) or lent to the fabric (a
 //! posted work request). Safe byte access is only granted while the CPU
@@ -41,7 +46,13 @@ impl PoolMemory {
         unsafe { self.buf.as_ptr().add(c.0 as usize * self.chunk_size) }
     }
 
-    /// One iovec per chunk, for `io_uring_register_buffers`.
+    /// Address of the zero chunk (just after the last chunk).
+    pub fn zero_ptr(&self) -> *const u8 {
+        // SAFETY: the allocation holds `chunks + 1` chunks (see `Pool::new`).
+        unsafe { self.buf.as_ptr().add(self.chunks * self.chunk_size) }
+    }
+
+    /// One iovec per chunk, for `io_uring_register_buffers` (the zero chunk is not included).
     pub fn iovecs(&self) -> Vec<libc::iovec> {
         (0..self.chunks)
             .map(|i| libc::iovec { iov_base: self.chunk_ptr(ChunkId(i as u16)).cast(), iov_len: self.chunk_size })
@@ -58,7 +69,7 @@ impl PoolMemory {
         self.chunks
     }
 
-    /// Total bytes.
+    /// Total bytes, including the zero chunk.
     pub fn len(&self) -> usize {
         self.buf.len()
     }
@@ -92,8 +103,9 @@ impl Pool {
         assert!(chunk_size > 0 && chunk_size % ALIGN == 0, "chunk size must be a multiple of {ALIGN}");
         assert!(size >= chunk_size && size % chunk_size == 0, "pool size must be a multiple of the chunk size");
         let chunks = size / chunk_size;
-        assert!(chunks <= u16::MAX as usize + 1, "too many chunks");
-        let mem = Arc::new(PoolMemory { buf: AlignedBuf::new(size, ALIGN), chunk_size, chunks });
+        assert!(chunks < u16::MAX as usize, "too many chunks");
+        // One more chunk for the zero chunk; alloc_zeroed makes it zero.
+        let mem = Arc::new(PoolMemory { buf: AlignedBuf::new(size + chunk_size, ALIGN), chunk_size, chunks });
         // Hand out low indices first (pop from the end).
         let free = (0..chunks as u32).rev().map(|i| i as u16).collect();
         Pool { mem, free, state: vec![ChunkState::Free; chunks] }
@@ -205,8 +217,16 @@ impl PoolRegion {
     /// An SGE covering `[off, off + len)` of chunk `c`.
     pub fn sge(&self, c: ChunkId, off: u32, len: u32) -> Sge {
         let chunk_size = self._mem.chunk_size;
+        assert!((c.0 as usize) < self._mem.chunks, "chunk {} out of range", c.0);
         assert!(off as usize + len as usize <= chunk_size);
         self.mr.sge(c.0 as usize * chunk_size + off as usize, len)
+    }
+
+    /// An SGE covering the first `len` bytes of the zero chunk. Only for the
+    /// source of RDMA WRITEs: the provider reads it, nothing ever writes it.
+    pub fn zero_sge(&self, len: u32) -> Sge {
+        assert!(len as usize <= self._mem.chunk_size);
+        self.mr.sge(self._mem.chunks * self._mem.chunk_size, len)
     }
 
     /// The memory region.
@@ -319,6 +339,21 @@ mod tests {
             p.release(c);
         }
         assert_eq!(p.free_count(), 16);
+    }
+
+    #[test]
+    fn zero_chunk_is_outside_the_chunks_and_zero() {
+        let mut p = Pool::new(4 * 4096, 4096);
+        let mem = Arc::clone(p.memory());
+        assert_eq!(mem.len(), 5 * 4096);
+        assert_eq!(mem.iovecs().len(), 4, "the zero chunk is not an io_uring buffer");
+        while let Some(c) = p.alloc() {
+            p.bytes_mut(c).fill(0xff);
+            assert_ne!(mem.chunk_ptr(c) as *const u8, mem.zero_ptr());
+        }
+        // SAFETY: test-only read of the zero chunk, which nothing writes.
+        let zero = unsafe { std::slice::from_raw_parts(mem.zero_ptr(), 4096) };
+        assert!(zero.iter().all(|&b| b == 0));
     }
 
     #[test]

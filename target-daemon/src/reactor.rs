@@ -2,14 +2,23 @@
 //! queue per fabric, its queue pairs and a slab of in-flight commands.
 //!
 //! A command's slab index is encoded into the io_uring `user_data` and into
-//! the fabric `wr_id` (with the session slot and its generation), so every
+//! the fabric `wr_id` (with the queue pair slot and its generation), so every
 //! completion finds its command in O(1).
 //!
-//! One loop turn: poll the fabric CQs in batches, reap io_uring completions,
-//! hand free chunks to waiting commands, take control messages, submit the
-//! io_uring batch once. When nothing happened: arm the CQs, poll once more,
-//! then block in `epoll_wait` on the CQ fds, the ring's eventfd and the
-//! control eventfd.
+//! One loop turn: poll the fabric CQs in batches, reap io_uring (and
+//! blocking-worker) completions, hand free chunks to waiting commands, take
+//! control messages, submit the io_uring batch once. When nothing happened:
+//! arm the CQs, poll once more, then block in `epoll_wait` on the CQ fds, the
+//! ring's eventfd, the blocking worker's eventfd and the control eventfd. (On
+//! an iopoll ring the reactor keeps polling while disk I/O is in flight.)
+//!
+//! Queue pairs of one session may live on different reactors. What they
+//! share (the opened volumes) is read lock-free through the session's
+//! [`SharedSession`]; the reactor keeps its own snapshot of the published
+//! volume set, with each volume's descriptor in a slot of the ring's
+//! fixed-file table, and refreshes it when the registry's generation moves.
+//! A removed volume keeps its slot until this reactor's last command on it
+//! finished.
 
 use std::collections::VecDeque;
 use std::sync::{mpsc, Arc};
@@ -25,13 +34,16 @@ use rdmablk_common::protocol::{
     RESPONSE_CAPSULE_SIZE, RESPONSE_SLOT_SIZE, VOLUME_INFO_SIZE,
 };
 
-use crate::backend::Volume;
-use crate::command::{self, IoPlan, Limits, Plan, SessionState, VolumeMeta, WriteSource};
-use crate::config::TargetConfig;
+use crate::backend::{Backend, RangeOp, Volume, VolumeSet};
+use crate::blocking::{BlockingWorker, Job, JobKind};
+use crate::command::{self, IoPlan, Limits, Plan, SessionState, WriteSource};
+use crate::config::{TargetConfig, MAX_VOLUMES};
 use crate::error::{Error, ErrorKind, Result};
+use crate::metrics::{self, ReactorStats};
 use crate::pool::{ChunkId, Pool, PoolRegion, SlotBuf};
+use crate::session::{OpenSet, Registry, SharedSession};
 use crate::sys::{self, Epoll, EventFd};
-use crate::uring::{Uring, UringOptions, PUNCH_HOLE, ZERO_RANGE};
+use crate::uring::{Uring, UringOptions};
 
 /// Most pool chunks one command may have in flight at once.
 pub const CHUNK_WINDOW: u32 = 8;
@@ -40,9 +52,14 @@ pub const MAX_QPS_PER_REACTOR: u32 = 64;
 /// How long a failed queue pair may take to flush its work requests
 /// before it is destroyed regardless.
 pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+/// Size of each ring's fixed-file table: room for every volume plus as many
+/// removed ones still finishing their last commands.
+pub const RING_FILE_SLOTS: u32 = 2 * MAX_VOLUMES as u32;
 const CQ_BATCH: usize = 64;
 const CQ_ROUNDS: usize = 4;
 const NONE16: u16 = u16::MAX;
+/// `Cmd::op` of admin commands (not counted per volume).
+const NO_OP: u8 = u8::MAX;
 
 // wr_id layout: kind:4 | session generation:12 | session slot:16 | a:16 | b:16
 const K_RECV: u64 = 1; // a = receive slot
@@ -64,6 +81,8 @@ const U_READ: u64 = 1;
 const U_WRITE: u64 = 2;
 const U_FSYNC: u64 = 3;
 const U_FALLOC: u64 = 4;
+/// BLKDISCARD / BLKZEROOUT on the blocking worker.
+const U_BLKDEV: u64 = 5;
 
 fn ud(kind: u64, cmd: u16, chunk: u16) -> u64 {
     kind << 60 | (cmd as u64) << 16 | chunk as u64
@@ -75,6 +94,7 @@ fn split_ud(u: u64) -> (u64, u16, u16) {
 
 const TOKEN_URING: u64 = 1 << 40;
 const TOKEN_CTRL: u64 = (1 << 40) + 1;
+const TOKEN_BLOCKING: u64 = (1 << 40) + 2;
 
 /// Messages from the control thread.
 pub(crate) enum Control {
@@ -88,11 +108,12 @@ pub(crate) enum Control {
 pub(crate) struct ReactorSpec {
     pub id: usize,
     pub cfg: TargetConfig,
-    pub volumes: Arc<Vec<Volume>>,
+    pub registry: Arc<Registry>,
     pub fabrics: Vec<Arc<Fabric>>,
     pub cpu: Option<usize>,
     /// Notified when the reactor thread exits.
     pub exited: Arc<EventFd>,
+    pub stats: Arc<ReactorStats>,
 }
 
 /// The control thread's handle on a reactor.
@@ -110,6 +131,12 @@ impl ReactorHandle {
         self.tx.send(msg).map_err(|e| e.0)?;
         self.wake.notify();
         Ok(())
+    }
+
+    /// Wakes the reactor for one loop turn (it then picks up a new volume
+    /// set and advances its heartbeat).
+    pub fn wake(&self) {
+        self.wake.notify();
     }
 
     /// Waits for the thread; a panic becomes an internal error.
@@ -184,12 +211,16 @@ struct QpRes {
     resp: SlotBuf,
 }
 
+/// A queue pair (the reactor's view of one connection of a session).
 struct Session {
     res: Option<QpRes>,
     fabric: usize,
     peer: String,
     qp_num: QpNum,
     state: SessionState,
+    /// Set by CONNECT: the session this queue pair belongs to.
+    shared: Option<Arc<SharedSession>>,
+    queue_index: u16,
     free_resp: Vec<u16>,
     sq_used: u32,
     sq_cap: u32,
@@ -223,14 +254,22 @@ enum CmdKind {
     Write,
     WriteInline,
     Flush,
-    Fallocate { mode: i32 },
+    /// DISCARD or WRITE_ZEROES.
+    Range,
 }
 
 struct Cmd {
     sess: u16,
     cid: CommandId,
     kind: CmdKind,
-    file: u32,
+    /// Local volume slot (= fixed-file slot); NONE16 for admin commands.
+    vslot: u16,
+    /// Index in [`metrics::IO_OPS`], or `NO_OP`.
+    op: u8,
+    /// When the capsule arrived.
+    start: Instant,
+    /// The volume's backend is `null`: no disk I/O.
+    null: bool,
     offset: u64,
     len: u32,
     falloc_len: u64,
@@ -257,6 +296,31 @@ struct ChunkUse {
     cmd: u16,
     off: u32,
     len: u32,
+    /// Send zeroes (the `null` backend's reads) instead of the chunk's bytes.
+    zero: bool,
+}
+
+/// A volume as this reactor serves it.
+struct LocalVolume {
+    vol: Arc<Volume>,
+    /// The ring's fixed-file slot points at the backend's descriptor.
+    registered: bool,
+    /// The ring could not register it: its commands fail with InternalError.
+    broken: bool,
+    /// Commands of this reactor on this volume, not yet finished.
+    inflight: u32,
+    /// Gone from the published set; released when `inflight` drops to 0.
+    retiring: bool,
+}
+
+/// This reactor's snapshot of the published volume set.
+struct LocalVolumes {
+    generation: u64,
+    set: Arc<VolumeSet>,
+    /// Index = fixed-file slot.
+    slots: Vec<Option<LocalVolume>>,
+    /// Position in `set` → slot (NONE16 if it has none).
+    by_index: Vec<u16>,
 }
 
 struct Reactor {
@@ -265,11 +329,13 @@ struct Reactor {
     sessions: Vec<SessionSlot>,
     free_sessions: Vec<u16>,
     fabrics: Vec<FabricCtx>,
+    blocking: Option<BlockingWorker>,
     uring: Uring,
     pool: Pool,
     id: usize,
-    volumes: Arc<Vec<Volume>>,
-    metas: Vec<VolumeMeta>,
+    registry: Arc<Registry>,
+    vols: LocalVolumes,
+    stats: Arc<ReactorStats>,
     limits: Limits,
     queue_depth: u32,
     recv_slot_size: usize,
@@ -302,23 +368,40 @@ pub fn send_queue_depth(queue_depth: u32, pool_chunks: u32) -> u32 {
 impl Reactor {
     fn new(spec: ReactorSpec, rx: mpsc::Receiver<Control>, wake: Arc<EventFd>) -> Result<Reactor> {
         let cfg = &spec.cfg;
+        spec.stats.tid.store(sys::gettid(), std::sync::atomic::Ordering::Relaxed);
         if let Some(cpu) = spec.cpu {
             match sys::pin_current_thread(cpu) {
-                Ok(()) => tracing::debug!("reactor {} pinned to CPU {cpu}", spec.id),
+                Ok(()) => {
+                    spec.stats.cpu.store(cpu as i32, std::sync::atomic::Ordering::Relaxed);
+                    tracing::debug!("reactor {} pinned to CPU {cpu}", spec.id)
+                }
                 Err(e) => tracing::warn!("reactor {}: cannot pin to CPU {cpu}: {e}", spec.id),
             }
         }
         let pool = Pool::new(cfg.buffer_pool as usize, cfg.chunk_size as usize);
         let chunks = pool.capacity() as u32;
-        let fds: Vec<_> = spec.volumes.iter().map(|v| v.uring_fd()).collect();
+        spec.stats.pool_chunks.set(chunks as u64);
         let entries = (chunks + 64).next_power_of_two().clamp(64, 4096);
         let uring = Uring::new(
-            &fds,
+            &[],
             &pool,
-            UringOptions { entries, sqpoll_idle_ms: cfg.sqpoll.then_some(100) },
+            UringOptions {
+                entries,
+                sqpoll_idle_ms: cfg.sqpoll.then_some(100),
+                iopoll: cfg.iopoll,
+                file_slots: RING_FILE_SLOTS,
+            },
         )?;
-        if !uring.features().fallocate {
-            tracing::warn!("io_uring has no FALLOCATE: DISCARD and WRITE_ZEROES will fail with NOT_SUPPORTED");
+        let features = uring.features();
+        if spec.id == 0 {
+            tracing::info!(
+                "io_uring: ring of {entries} entries per reactor, {} fixed-file slots, {chunks} fixed buffers of {} bytes; opcodes: {features}",
+                RING_FILE_SLOTS,
+                cfg.chunk_size
+            );
+        }
+        if !features.fallocate && !features.iopoll {
+            tracing::warn!("io_uring has no FALLOCATE: DISCARD and WRITE_ZEROES of files and RAM volumes will fail with NOT_SUPPORTED");
         }
         let cq_capacity = (chunks + 3 * cfg.queue_depth * MAX_QPS_PER_REACTOR).min(1 << 20);
         let epoll = Epoll::new().map_err(|e| Error::os("epoll_create", e))?;
@@ -333,7 +416,7 @@ impl Reactor {
         }
         epoll.add(uring.eventfd(), TOKEN_URING).map_err(|e| Error::os("epoll_ctl", e))?;
         epoll.add(wake.fd(), TOKEN_CTRL).map_err(|e| Error::os("epoll_ctl", e))?;
-        let metas: Vec<VolumeMeta> = spec.volumes.iter().map(VolumeMeta::of).collect();
+        let set = spec.registry.volumes();
         let limits = Limits {
             target_name: cfg.name.clone(),
             queue_depth: cfg.queue_depth,
@@ -347,16 +430,23 @@ impl Reactor {
             chunks,
             cfg.chunk_size
         );
-        Ok(Reactor {
+        let mut r = Reactor {
             sessions: Vec::new(),
             free_sessions: Vec::new(),
             fabrics,
+            blocking: None,
             chunk_use: vec![ChunkUse::default(); pool.capacity()],
             uring,
             pool,
             id: spec.id,
-            volumes: spec.volumes,
-            metas,
+            registry: spec.registry,
+            vols: LocalVolumes {
+                generation: u64::MAX,
+                set,
+                slots: (0..RING_FILE_SLOTS).map(|_| None).collect(),
+                by_index: Vec::new(),
+            },
+            stats: spec.stats,
             limits,
             queue_depth: cfg.queue_depth,
             recv_slot_size: recv_slot_size(cfg.inline_data_size),
@@ -371,29 +461,165 @@ impl Reactor {
             wcs: vec![Completion::EMPTY; CQ_BATCH],
             tokens: Vec::with_capacity(32),
             uring_done: Vec::with_capacity(256),
-        })
+        };
+        r.refresh_volumes();
+        Ok(r)
     }
 
     fn run(mut self) -> Result<()> {
         loop {
             let mut work = self.poll_fabrics()?;
             work += self.reap_uring();
+            work += self.reap_blocking();
             self.pump_waitq();
             work += self.control();
             self.check_deadlines();
             self.uring.submit()?;
+            self.stats.heartbeat.add(1);
+            self.stats.pool_in_use.set((self.pool.capacity() - self.pool.free_count()) as u64);
+            self.stats.pool_waiting.set(self.waitq.len() as u64);
             if self.finished() {
                 tracing::debug!("reactor {} done", self.id);
                 return Ok(());
             }
-            if work == 0 {
+            // An iopoll ring finds completions only when polled.
+            if work == 0 && !self.uring.needs_polling() {
                 self.idle_wait()?;
             }
         }
     }
 
     fn finished(&self) -> bool {
-        self.shutdown.is_some() && self.sessions.iter().all(|s| s.s.is_none()) && self.uring.inflight() == 0
+        self.shutdown.is_some()
+            && self.sessions.iter().all(|s| s.s.is_none())
+            && self.uring.inflight() == 0
+            && self.blocking.as_ref().is_none_or(|b| b.inflight() == 0)
+    }
+
+    // ---------------------------------------------------------------- volumes
+
+    /// Picks up a newly published volume set, if there is one.
+    #[inline]
+    fn maybe_refresh(&mut self) {
+        if self.registry.generation() != self.vols.generation {
+            self.refresh_volumes();
+        }
+    }
+
+    /// Applies the published volume set: new volumes get a fixed-file slot,
+    /// reopened ones get their new descriptor in the same slot, removed ones
+    /// retire and free their slot after their last command.
+    fn refresh_volumes(&mut self) {
+        let set = self.registry.volumes();
+        let mut seen = vec![false; self.vols.slots.len()];
+        let mut by_index = Vec::with_capacity(set.volumes.len());
+        for v in &set.volumes {
+            let existing = self.vols.slots.iter().position(|s| s.as_ref().is_some_and(|lv| lv.vol.id == v.id));
+            let slot = match existing {
+                Some(slot) => {
+                    let lv = self.vols.slots[slot].as_mut().expect("live slot");
+                    let same_backend = Arc::ptr_eq(&lv.vol.backend, &v.backend);
+                    lv.vol = Arc::clone(v);
+                    lv.retiring = false;
+                    if !same_backend {
+                        let fd = v.backend.uring_fd();
+                        match self.uring.set_file(slot as u32, fd) {
+                            Ok(()) => {
+                                lv.registered = fd.is_some();
+                                lv.broken = false;
+                            }
+                            Err(e) => {
+                                tracing::error!("reactor {}: volume {}: {e}", self.id, v.name);
+                                lv.broken = true;
+                            }
+                        }
+                    }
+                    slot
+                }
+                None => match self.vols.slots.iter().position(Option::is_none) {
+                    None => {
+                        tracing::error!("reactor {}: volume {}: no free fixed-file slot; its commands will fail", self.id, v.name);
+                        by_index.push(NONE16);
+                        continue;
+                    }
+                    Some(slot) => {
+                        let fd = v.backend.uring_fd();
+                        let mut lv = LocalVolume { vol: Arc::clone(v), registered: false, broken: false, inflight: 0, retiring: false };
+                        if fd.is_some() {
+                            match self.uring.set_file(slot as u32, fd) {
+                                Ok(()) => lv.registered = true,
+                                Err(e) => {
+                                    tracing::error!("reactor {}: volume {}: {e}", self.id, v.name);
+                                    lv.broken = true;
+                                }
+                            }
+                        }
+                        self.vols.slots[slot] = Some(lv);
+                        slot
+                    }
+                },
+            };
+            seen[slot] = true;
+            by_index.push(slot as u16);
+        }
+        for (slot, lv) in self.vols.slots.iter_mut().enumerate() {
+            if let Some(lv) = lv {
+                if !seen[slot] && !lv.retiring {
+                    tracing::debug!("reactor {}: volume {} retiring ({} commands in flight)", self.id, lv.vol.name, lv.inflight);
+                    lv.retiring = true;
+                }
+            }
+        }
+        self.vols.generation = set.generation;
+        self.vols.set = set;
+        self.vols.by_index = by_index;
+        for slot in 0..self.vols.slots.len() {
+            self.maybe_release_volume(slot as u16);
+        }
+    }
+
+    /// Frees a retired volume's slot once nothing of this reactor uses it.
+    fn maybe_release_volume(&mut self, slot: u16) {
+        let Some(lv) = self.vols.slots[slot as usize].as_ref() else { return };
+        if !lv.retiring || lv.inflight > 0 {
+            return;
+        }
+        if lv.registered {
+            if let Err(e) = self.uring.set_file(slot as u32, None) {
+                tracing::error!("reactor {}: volume {}: {e}", self.id, lv.vol.name);
+            }
+        }
+        tracing::debug!("reactor {}: volume {} released", self.id, lv.vol.name);
+        self.vols.slots[slot as usize] = None;
+    }
+
+    fn volume(&self, slot: u16) -> &Arc<Volume> {
+        &self.vols.slots[slot as usize].as_ref().expect("live volume slot").vol
+    }
+
+    /// Starts the blocking worker on first use.
+    fn blocking(&mut self) -> Result<&mut BlockingWorker> {
+        if self.blocking.is_none() {
+            let w = BlockingWorker::start(self.id)?;
+            self.epoll.add(w.fd(), TOKEN_BLOCKING).map_err(|e| Error::os("epoll_ctl", e))?;
+            self.blocking = Some(w);
+        }
+        Ok(self.blocking.as_mut().expect("just started"))
+    }
+
+    fn reap_blocking(&mut self) -> usize {
+        let Some(w) = self.blocking.as_mut() else { return 0 };
+        if w.inflight() == 0 {
+            return 0;
+        }
+        let mut done = std::mem::take(&mut self.uring_done);
+        let n = w.reap(|u, r| done.push((u, r)));
+        for &(u, r) in &done {
+            self.on_uring(u, r);
+        }
+        done.clear();
+        self.uring_done = done;
+        n
     }
 
     fn idle_wait(&mut self) -> Result<()> {
@@ -404,6 +630,7 @@ impl Reactor {
             return Ok(());
         }
         let timeout = self.next_deadline().map(|d| d.saturating_duration_since(Instant::now()));
+        self.stats.idle_waits.add(1);
         let mut tokens = std::mem::take(&mut self.tokens);
         let r = self.epoll.wait(&mut tokens, timeout);
         for &t in &tokens {
@@ -437,6 +664,7 @@ impl Reactor {
 
     fn control(&mut self) -> usize {
         self.wake.drain();
+        self.maybe_refresh();
         let mut n = 0;
         while let Ok(msg) = self.rx.try_recv() {
             n += 1;
@@ -602,10 +830,9 @@ impl Reactor {
             res: Some(res),
             fabric: fi,
             peer: peer.clone(),
-            state: SessionState {
-                shutting_down: self.shutdown.is_some(),
-                ..SessionState::new(self.volumes.len())
-            },
+            state: SessionState { shutting_down: self.shutdown.is_some(), ..SessionState::new() },
+            shared: None,
+            queue_index: 0,
             free_resp: (0..qd as u16).rev().collect(),
             sq_used: 0,
             sq_cap,
@@ -617,6 +844,7 @@ impl Reactor {
             close_deadline: None,
         };
         self.sessions[si as usize].s = Some(session);
+        self.stats.queue_pairs.add(1);
         tracing::debug!("reactor {}: accepted connection from {peer}", self.id);
     }
 
@@ -671,6 +899,7 @@ impl Reactor {
     }
 
     fn on_recv(&mut self, si: u16, slot: u16, wc: Completion) {
+        let start = Instant::now();
         let s = self.sessions[si as usize].s.as_mut().expect("live session");
         s.recv_posted -= 1;
         let res = s.res.as_mut().expect("live queue pair");
@@ -687,6 +916,7 @@ impl Reactor {
         if s.closing.is_some() {
             return;
         }
+        self.stats.commands.add(1);
         if s.state.outstanding >= s.slots {
             // The initiator ignores the queue depth: answer without a slot.
             let cid = command::command_id_of(&res.recv.slot(slot as usize)[..(wc.byte_len as usize).min(4)]);
@@ -694,9 +924,12 @@ impl Reactor {
             self.send_queue_full(si, cid);
             return;
         }
-        let len = (wc.byte_len as usize).min(res.recv.slot_size());
-        let msg = &res.recv.slot(slot as usize)[..len];
-        let (cid, plan) = command::plan(msg, &self.metas, &self.limits, &s.state);
+        // A volume another reactor's queue pair just opened after a reload
+        // is in the published set by now (publication happened before that
+        // OPEN was answered): one load tells.
+        self.maybe_refresh();
+        let len = (wc.byte_len as usize).min(self.recv_slot_size);
+        let (cid, plan) = self.plan_msg(si, slot, len);
         let plan = match plan {
             Ok(p) => p,
             Err(e) if e.kind() == ErrorKind::QueueFull => {
@@ -704,34 +937,47 @@ impl Reactor {
                 self.send_queue_full(si, cid);
                 return;
             }
-            Err(e) => {
-                let s = self.session(si);
-                match e.kind() {
-                    ErrorKind::VersionMismatch => tracing::warn!("peer {}: {e}", s.peer),
-                    _ => tracing::debug!("peer {} host {}: command {} refused: {e}", s.peer, s.host(), cid.0),
-                }
-                self.repost_recv(si, slot);
-                if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate) {
-                    self.cmd(ci).error = Some(e.kind());
-                    self.respond(ci, &[], None);
-                }
-                return;
-            }
+            Err(e) => return self.refuse(si, slot, len, cid, e, start),
         };
         match plan {
-            Plan::Connect { negotiated, host_id, reply } => {
+            Plan::Connect { negotiated, host_id, join, mut reply } => {
+                let registry = Arc::clone(&self.registry);
+                let joined = {
+                    let mut admin = registry.admin();
+                    match join {
+                        None => Ok(registry.create(&mut admin, &host_id, self.id)),
+                        Some(id) => registry.join(&mut admin, id, &host_id, self.id),
+                    }
+                };
+                let joined = match joined {
+                    Ok(j) => j,
+                    Err(e) => {
+                        let id = self.id;
+                        let s = self.session(si);
+                        tracing::info!("session join refused: host={host_id} peer={} reactor={id} reason={e}", s.peer);
+                        return self.refuse(si, slot, len, cid, e, start);
+                    }
+                };
+                reply.session_id = joined.session.id;
+                reply.queue_index = joined.queue_index;
+                let id = self.id;
                 let s = self.session(si);
                 tracing::info!(
-                    "session connected: host={host_id} peer={} queue_depth={} max_io_size={}",
+                    "session connected: host={host_id} session={:#x} queue={} reactor={id} peer={} queue_depth={} max_io_size={}{}",
+                    joined.session.id.0,
+                    joined.queue_index,
                     s.peer,
                     negotiated.queue_depth,
-                    negotiated.max_io_size
+                    negotiated.max_io_size,
+                    if joined.created { " (new session)" } else { " (joined)" }
                 );
                 s.state.connected = Some(negotiated);
                 s.state.host_id = Some(host_id);
+                s.shared = Some(joined.session);
+                s.queue_index = joined.queue_index;
                 self.repost_recv(si, slot);
                 let data = reply.to_bytes();
-                if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate) {
+                if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate, start) {
                     match data {
                         Ok(d) => self.respond(ci, &d, None),
                         Err(e) => {
@@ -743,14 +989,33 @@ impl Reactor {
                 }
             }
             Plan::Open { volume } => {
-                self.session(si).state.open[volume] = true;
+                // Under the admin lock, so that a reload cannot remove the
+                // volume between this check and marking it open.
+                let registry = Arc::clone(&self.registry);
+                let admin = registry.admin();
+                let mut volume = volume;
+                if registry.generation() != self.vols.generation {
+                    self.refresh_volumes();
+                    match self.plan_msg(si, slot, len).1 {
+                        Ok(Plan::Open { volume: v }) => volume = v,
+                        Ok(_) => unreachable!("the same capsule plans the same command"),
+                        Err(e) => {
+                            drop(admin);
+                            return self.refuse(si, slot, len, cid, e, start);
+                        }
+                    }
+                }
+                let meta = self.vols.set.table.get(volume);
+                let (id, info) = (meta.id, meta.info.to_bytes());
+                if let Some(shared) = self.session(si).shared.clone() {
+                    shared.mark_open(&admin, id);
+                }
+                drop(admin);
                 self.repost_recv(si, slot);
-                let info = self.metas[volume].info.to_bytes();
-                let id = self.metas[volume].id.0 as u64;
-                if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate) {
+                if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate, start) {
                     match info {
                         Ok(d) => {
-                            self.cmd(ci).result = id;
+                            self.cmd(ci).result = id.0 as u64;
                             self.respond(ci, &d, None)
                         }
                         Err(e) => {
@@ -762,22 +1027,27 @@ impl Reactor {
                 }
             }
             Plan::Close { volume } => {
-                self.session(si).state.open[volume] = false;
+                let id = self.vols.set.table.get(volume).id;
+                if let Some(shared) = self.session(si).shared.clone() {
+                    let registry = Arc::clone(&self.registry);
+                    let admin = registry.admin();
+                    shared.mark_closed(&admin, id);
+                }
                 self.repost_recv(si, slot);
-                if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate) {
+                if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate, start) {
                     self.respond(ci, &[], None);
                 }
             }
             Plan::KeepAlive => {
                 self.repost_recv(si, slot);
-                if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate) {
+                if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate, start) {
                     self.respond(ci, &[], None);
                 }
             }
             Plan::ListVolumes { dest, entries, total } => {
                 self.repost_recv(si, slot);
                 let kind = if entries == 0 { CmdKind::Immediate } else { CmdKind::List };
-                if let Some(ci) = self.new_cmd(si, cid, kind) {
+                if let Some(ci) = self.new_cmd(si, cid, kind, start) {
                     let cmd = self.cmd(ci);
                     cmd.result = total as u64;
                     cmd.remote = dest;
@@ -789,54 +1059,178 @@ impl Reactor {
                     }
                 }
             }
-            Plan::Io(io) => self.start_io(si, slot, cid, io),
+            Plan::Io(io) => self.start_io(si, slot, cid, io, start),
         }
     }
 
-    fn start_io(&mut self, si: u16, slot: u16, cid: CommandId, io: IoPlan) {
-        let (kind, file, offset, len, falloc_len, remote, fua, inline) = match io {
-            IoPlan::Read { volume, offset, len, dest } => (CmdKind::Read, volume, offset, len, 0, dest, false, false),
-            IoPlan::Write { volume, offset, len, source, fua } => match source {
-                WriteSource::Descriptor(d) => (CmdKind::Write, volume, offset, len, 0, d, fua, false),
-                WriteSource::Inline => (CmdKind::WriteInline, volume, offset, len, 0, DataDescriptor::default(), fua, true),
-            },
-            IoPlan::Flush { volume } => (CmdKind::Flush, volume, 0, 0, 0, DataDescriptor::default(), false, false),
-            IoPlan::Discard { volume, offset, len } => {
-                (CmdKind::Fallocate { mode: PUNCH_HOLE }, volume, offset, 0, len, DataDescriptor::default(), false, false)
-            }
-            IoPlan::WriteZeroes { volume, offset, len } => {
-                (CmdKind::Fallocate { mode: ZERO_RANGE }, volume, offset, 0, len, DataDescriptor::default(), false, false)
-            }
+    /// Validates the capsule in receive slot `slot` against this reactor's
+    /// volume snapshot and the session's opened set (read lock-free).
+    fn plan_msg(&self, si: u16, slot: u16, len: usize) -> (CommandId, Result<command::Plan>) {
+        let s = self.sessions[si as usize].s.as_ref().expect("live session");
+        let res = s.res.as_ref().expect("live queue pair");
+        let msg = &res.recv.slot(slot as usize)[..len];
+        match &s.shared {
+            Some(shared) => command::plan(msg, &self.vols.set.table, &self.limits, &s.state, &shared.open()),
+            None => command::plan(msg, &self.vols.set.table, &self.limits, &s.state, &OpenSet::EMPTY),
+        }
+    }
+
+    /// Answers a command that failed validation with its status (and counts
+    /// it against its volume when it names one).
+    fn refuse(&mut self, si: u16, slot: u16, len: usize, cid: CommandId, e: Error, start: Instant) {
+        let target = {
+            let s = self.sessions[si as usize].s.as_ref().expect("live session");
+            command::io_target(&s.res.as_ref().expect("live queue pair").recv.slot(slot as usize)[..len])
         };
+        let s = self.session(si);
+        match e.kind() {
+            ErrorKind::VersionMismatch => tracing::warn!("peer {}: {e}", s.peer),
+            _ => tracing::debug!("peer {} host {}: command {} refused: {e}", s.peer, s.host(), cid.0),
+        }
+        if let Some((op, vid)) = target {
+            let vslot = self.vols.set.table.index_of(vid).and_then(|i| self.vols.by_index.get(i).copied());
+            if let (Some(vslot), Some(oi)) = (vslot.filter(|&v| v != NONE16), metrics::op_index(op)) {
+                self.volume(vslot).stats.reactor(self.id).ops[oi].record(0, false, start.elapsed());
+            }
+        }
+        self.repost_recv(si, slot);
+        if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate, start) {
+            self.cmd(ci).error = Some(e.kind());
+            self.respond(ci, &[], None);
+        }
+    }
+
+    fn start_io(&mut self, si: u16, slot: u16, cid: CommandId, io: IoPlan, start: Instant) {
+        let (kind, volume, offset, len, falloc_len, remote, fua, inline, op) = match io {
+            IoPlan::Read { volume, offset, len, dest } => {
+                (CmdKind::Read, volume, offset, len, 0, dest, false, false, rdmablk_common::protocol::Opcode::Read)
+            }
+            IoPlan::Write { volume, offset, len, source, fua } => match source {
+                WriteSource::Descriptor(d) => {
+                    (CmdKind::Write, volume, offset, len, 0, d, fua, false, rdmablk_common::protocol::Opcode::Write)
+                }
+                WriteSource::Inline => (
+                    CmdKind::WriteInline,
+                    volume,
+                    offset,
+                    len,
+                    0,
+                    DataDescriptor::default(),
+                    fua,
+                    true,
+                    rdmablk_common::protocol::Opcode::Write,
+                ),
+            },
+            IoPlan::Flush { volume } => {
+                (CmdKind::Flush, volume, 0, 0, 0, DataDescriptor::default(), false, false, rdmablk_common::protocol::Opcode::Flush)
+            }
+            IoPlan::Discard { volume, offset, len } => {
+                (CmdKind::Range, volume, offset, 0, len, DataDescriptor::default(), false, false, rdmablk_common::protocol::Opcode::Discard)
+            }
+            IoPlan::WriteZeroes { volume, offset, len } => (
+                CmdKind::Range,
+                volume,
+                offset,
+                0,
+                len,
+                DataDescriptor::default(),
+                false,
+                false,
+                rdmablk_common::protocol::Opcode::WriteZeroes,
+            ),
+        };
+        let vslot = self.vols.by_index.get(volume).copied().unwrap_or(NONE16);
         if !inline {
             self.repost_recv(si, slot);
         }
-        let Some(ci) = self.new_cmd(si, cid, kind) else {
+        let Some(ci) = self.new_cmd(si, cid, kind, start) else {
             if inline {
                 self.repost_recv(si, slot);
             }
             return;
         };
+        let broken = vslot == NONE16 || self.vols.slots[vslot as usize].as_ref().is_none_or(|lv| lv.broken);
+        {
+            let cmd = self.cmd(ci);
+            cmd.op = metrics::op_index(op).map_or(NO_OP, |i| i as u8);
+            cmd.offset = offset;
+            cmd.len = len;
+            cmd.falloc_len = falloc_len;
+            cmd.remote = remote;
+            cmd.fua = fua;
+        }
+        if broken {
+            if inline {
+                self.repost_recv(si, slot);
+            }
+            self.cmd(ci).error = Some(ErrorKind::Internal);
+            self.respond(ci, &[], None);
+            return;
+        }
+        let lv = self.vols.slots[vslot as usize].as_mut().expect("live volume slot");
+        lv.inflight += 1;
+        let backend = Arc::clone(&lv.vol.backend);
+        let null = matches!(*backend, Backend::Null);
         let cmd = self.cmd(ci);
-        cmd.file = file as u32;
-        cmd.offset = offset;
-        cmd.len = len;
-        cmd.falloc_len = falloc_len;
-        cmd.remote = remote;
-        cmd.fua = fua;
+        cmd.vslot = vslot;
+        cmd.null = null;
         if inline {
             cmd.held_recv = Some(slot);
         }
+        let file = vslot as u32;
         match kind {
-            CmdKind::Flush => {
+            CmdKind::Flush if !backend.needs_flush() => self.respond(ci, &[], None),
+            CmdKind::Flush if self.uring.features().fsync => {
                 self.cmd(ci).inflight += 1;
-                self.uring.fsync(file as u32, ud(U_FSYNC, ci, NONE16));
+                self.uring.fsync(file, ud(U_FSYNC, ci, NONE16));
             }
-            CmdKind::Fallocate { mode } => {
-                self.cmd(ci).inflight += 1;
-                self.uring.fallocate(file as u32, mode, offset, falloc_len, ud(U_FALLOC, ci, NONE16));
+            CmdKind::Flush => self.submit_blocking(ci, U_FSYNC, JobKind::Fdatasync, backend, 0, 0),
+            CmdKind::Range => {
+                let how = if op == rdmablk_common::protocol::Opcode::Discard { backend.discard() } else { backend.write_zeroes() };
+                match how {
+                    // Validation refused volumes without support already.
+                    None => {
+                        self.cmd(ci).error = Some(ErrorKind::NotSupported);
+                        self.respond(ci, &[], None);
+                    }
+                    Some(RangeOp::Nothing) => self.respond(ci, &[], None),
+                    Some(RangeOp::Fallocate(mode)) if self.uring.features().fallocate => {
+                        self.cmd(ci).inflight += 1;
+                        self.uring.fallocate(file, mode, offset, falloc_len, ud(U_FALLOC, ci, NONE16));
+                    }
+                    // An iopoll ring (or a kernel without the opcode): the worker does it.
+                    Some(RangeOp::Fallocate(mode)) => {
+                        self.submit_blocking(ci, U_FALLOC, JobKind::Fallocate(mode), backend, offset, falloc_len)
+                    }
+                    Some(RangeOp::BlkDiscard) => self.submit_blocking(ci, U_BLKDEV, JobKind::Discard, backend, offset, falloc_len),
+                    Some(RangeOp::BlkZeroout) => self.submit_blocking(ci, U_BLKDEV, JobKind::ZeroOut, backend, offset, falloc_len),
+                }
+            }
+            CmdKind::WriteInline if null => {
+                // Dropped: nothing to copy, nothing to write.
+                self.cmd(ci).held_recv = None;
+                self.repost_recv(si, slot);
+                self.cmd(ci).done = len;
+                self.respond(ci, &[], None);
             }
             _ => self.pump(ci),
+        }
+    }
+
+    /// Hands an operation to the blocking worker; its result comes back
+    /// through `on_uring` like a ring completion.
+    fn submit_blocking(&mut self, ci: u16, ukind: u64, kind: JobKind, backend: Arc<Backend>, offset: u64, len: u64) {
+        let job = Job { user_data: ud(ukind, ci, NONE16), kind, backend, offset, len };
+        match self.blocking() {
+            Ok(w) => {
+                w.submit(job);
+                self.cmd(ci).inflight += 1;
+            }
+            Err(e) => {
+                tracing::error!("reactor {}: {e}", self.id);
+                self.cmd(ci).error = Some(ErrorKind::Internal);
+                self.respond(ci, &[], None);
+            }
         }
     }
 
@@ -937,9 +1331,16 @@ impl Reactor {
         }
         let closing = self.session(si).closing.is_some();
         let cmd = self.cmd(ci);
+        if kind == CmdKind::Write && !closing && cmd.error.is_none() && cmd.null {
+            // The data crossed the fabric; the null backend drops it.
+            cmd.done += use_.len;
+            self.pool.release(c);
+            self.progress(ci);
+            return;
+        }
         if kind == CmdKind::Write && !closing && cmd.error.is_none() {
             cmd.inflight += 1;
-            let (file, offset, fua) = (cmd.file, cmd.offset + use_.off as u64, cmd.fua);
+            let (file, offset, fua) = (cmd.vslot as u32, cmd.offset + use_.off as u64, cmd.fua);
             self.uring.write_fixed(&mut self.pool, file, c, 0, use_.len, offset, fua, ud(U_WRITE, ci, c.0));
             return;
         }
@@ -972,14 +1373,18 @@ impl Reactor {
         let closing = self.sessions[si as usize].s.as_ref().is_none_or(|s| s.closing.is_some() || s.res.is_none());
         if res < 0 {
             let errno = -res;
-            let err = if kind == U_FALLOC && errno == libc::EOPNOTSUPP { ErrorKind::NotSupported } else { ErrorKind::DeviceIo(errno) };
+            let unsupported = matches!(kind, U_FALLOC | U_BLKDEV) && matches!(errno, libc::EOPNOTSUPP | libc::ENOTTY);
+            let err = if unsupported { ErrorKind::NotSupported } else { ErrorKind::DeviceIo(errno) };
             let what = match kind {
                 U_READ => "read",
                 U_WRITE => "write",
                 U_FSYNC => "fdatasync",
+                U_BLKDEV => "BLKDISCARD/BLKZEROOUT",
                 _ => "fallocate",
             };
-            let vol = &self.volumes[cmd.file as usize].name;
+            let vslot = cmd.vslot;
+            let vol = &self.vols.slots[vslot as usize].as_ref().expect("live volume slot").vol.name;
+            let cmd = self.cmds[ci as usize].as_mut().expect("live command");
             if err == ErrorKind::NotSupported {
                 tracing::debug!("volume {vol}: {what} not supported");
             } else {
@@ -1000,14 +1405,7 @@ impl Reactor {
                     self.progress(ci);
                     return;
                 }
-                let use_ = self.chunk_use[c as usize];
-                cmd.done += use_.len;
-                if cmd.done == cmd.len {
-                    // The last chunk: its RDMA WRITE and the response in one chain.
-                    self.respond(ci, &[], Some(chunk));
-                } else {
-                    self.post_rdma(si, ci, chunk, false);
-                }
+                self.read_chunk_done(si, ci, chunk);
                 self.progress(ci);
             }
             U_WRITE => {
@@ -1025,7 +1423,7 @@ impl Reactor {
         self.cmds[ci as usize].as_mut().expect("live command")
     }
 
-    fn new_cmd(&mut self, si: u16, cid: CommandId, kind: CmdKind) -> Option<u16> {
+    fn new_cmd(&mut self, si: u16, cid: CommandId, kind: CmdKind, start: Instant) -> Option<u16> {
         let ci = match self.free_cmds.pop() {
             Some(ci) => ci,
             None if self.cmds.len() < NONE16 as usize => {
@@ -1042,7 +1440,10 @@ impl Reactor {
             sess: si,
             cid,
             kind,
-            file: 0,
+            vslot: NONE16,
+            op: NO_OP,
+            start,
+            null: false,
             offset: 0,
             len: 0,
             falloc_len: 0,
@@ -1127,9 +1528,13 @@ impl Reactor {
                 let off = cmd.next;
                 let len = chunk_size.min(cmd.len - off);
                 cmd.next += len;
-                let (kind, file, offset) = (cmd.kind, cmd.file, cmd.offset + off as u64);
-                self.chunk_use[c.0 as usize] = ChunkUse { cmd: ci, off, len };
-                if kind == CmdKind::Read {
+                let (kind, file, offset, null) = (cmd.kind, cmd.vslot as u32, cmd.offset + off as u64, cmd.null);
+                self.chunk_use[c.0 as usize] = ChunkUse { cmd: ci, off, len, zero: null && kind == CmdKind::Read };
+                if kind == CmdKind::Read && null {
+                    // Zeroes, sent from the zero chunk; the chunk only
+                    // accounts for the work request (back-pressure, SQ room).
+                    self.read_chunk_done(si, ci, c);
+                } else if kind == CmdKind::Read {
                     self.cmd(ci).inflight += 1;
                     self.uring.read_fixed(&mut self.pool, file, c, 0, len, offset, ud(U_READ, ci, c.0));
                 } else {
@@ -1142,26 +1547,26 @@ impl Reactor {
                 let slot = cmd.held_recv.take().expect("inline data held");
                 cmd.next = len;
                 cmd.inflight += 1;
-                let (file, offset, fua) = (cmd.file, cmd.offset, cmd.fua);
+                let (file, offset, fua) = (cmd.vslot as u32, cmd.offset, cmd.fua);
                 // wants_chunk() made sure the session is live.
                 let res = self.sessions[si as usize].s.as_ref().and_then(|s| s.res.as_ref()).expect("live queue pair");
                 let src = &res.recv.slot(slot as usize)[COMMAND_CAPSULE_SIZE..COMMAND_CAPSULE_SIZE + len as usize];
                 self.pool.bytes_mut(c)[..len as usize].copy_from_slice(src);
                 self.repost_recv(si, slot);
-                self.chunk_use[c.0 as usize] = ChunkUse { cmd: ci, off: 0, len };
+                self.chunk_use[c.0 as usize] = ChunkUse { cmd: ci, off: 0, len, zero: false };
                 self.uring.write_fixed(&mut self.pool, file, c, 0, len, offset, fua, ud(U_WRITE, ci, c.0));
             }
             CmdKind::List => {
                 let entries = cmd.list_entries as usize;
                 cmd.next = 1;
                 let buf = self.pool.bytes_mut(c);
-                for (i, m) in self.metas.iter().take(entries).enumerate() {
+                for (i, m) in self.vols.set.table.metas().iter().take(entries).enumerate() {
                     match m.info.to_bytes() {
                         Ok(b) => buf[i * VOLUME_INFO_SIZE..(i + 1) * VOLUME_INFO_SIZE].copy_from_slice(&b),
                         Err(e) => tracing::error!("cannot encode volume info: {e}"),
                     }
                 }
-                self.chunk_use[c.0 as usize] = ChunkUse { cmd: ci, off: 0, len: (entries * VOLUME_INFO_SIZE) as u32 };
+                self.chunk_use[c.0 as usize] = ChunkUse { cmd: ci, off: 0, len: (entries * VOLUME_INFO_SIZE) as u32, zero: false };
                 self.respond(ci, &[], Some(c));
             }
             _ => {
@@ -1182,7 +1587,8 @@ impl Reactor {
             self.fail_session(si, "send queue overflow (internal error)".into());
             return;
         }
-        let sge = self.fabrics[s.fabric].pool_mr.sge(c, 0, use_.len);
+        let mr = &self.fabrics[s.fabric].pool_mr;
+        let sge = if use_.zero { mr.zero_sge(use_.len) } else { mr.sge(c, 0, use_.len) };
         let addr = remote.remote_addr.wrapping_add(use_.off as u64);
         let op = if read {
             SendOp::RdmaRead { remote_addr: addr, rkey: Rkey(remote.rkey) }
@@ -1227,7 +1633,7 @@ impl Reactor {
         }
         match cmd.kind {
             CmdKind::Write | CmdKind::WriteInline if cmd.done == cmd.len && cmd.inflight == 0 => self.respond(ci, &[], None),
-            CmdKind::Flush | CmdKind::Fallocate { .. } if cmd.inflight == 0 => self.respond(ci, &[], None),
+            CmdKind::Flush | CmdKind::Range if cmd.inflight == 0 => self.respond(ci, &[], None),
             _ => self.pump(ci),
         }
     }
@@ -1246,6 +1652,7 @@ impl Reactor {
             };
             (status, detail, cmd.result, cmd.remote, cmd.cid)
         };
+        self.record_io(ci, status == Status::Success);
         if self.session_closing(si) {
             if let Some(c) = chain {
                 self.pool.release(c);
@@ -1299,7 +1706,8 @@ impl Reactor {
             None => res.qp.post_send(&[send]),
             Some(c) => {
                 let use_ = self.chunk_use[c.0 as usize];
-                let sge = self.fabrics[s.fabric].pool_mr.sge(c, 0, use_.len);
+                let mr = &self.fabrics[s.fabric].pool_mr;
+                let sge = if use_.zero { mr.zero_sge(use_.len) } else { mr.sge(c, 0, use_.len) };
                 self.pool.lend_to_fabric(c);
                 let write = SendWr {
                     wr_id: wr_id(K_RDMA, gen, si, ci, c.0),
@@ -1338,12 +1746,50 @@ impl Reactor {
         if cmd.in_waitq {
             self.waitq.retain(|&x| x != ci);
         }
+        let vslot = cmd.vslot;
         self.cmds[ci as usize] = None;
         self.free_cmds.push(ci);
+        if vslot != NONE16 {
+            if let Some(lv) = self.vols.slots[vslot as usize].as_mut() {
+                lv.inflight -= 1;
+                if lv.retiring && lv.inflight == 0 {
+                    self.maybe_release_volume(vslot);
+                }
+            }
+        }
         if let Some(s) = self.sessions[si as usize].s.as_mut() {
             s.state.outstanding -= 1;
         }
         self.maybe_free_session(si);
+    }
+
+    /// Counts a finished I/O command in its volume's metrics (once).
+    fn record_io(&mut self, ci: u16, ok: bool) {
+        let cmd = self.cmds[ci as usize].as_ref().expect("live command");
+        if cmd.op == NO_OP || cmd.vslot == NONE16 || cmd.responded {
+            return;
+        }
+        let bytes = match cmd.kind {
+            CmdKind::Read | CmdKind::Write | CmdKind::WriteInline => cmd.len as u64,
+            CmdKind::Range => cmd.falloc_len,
+            _ => 0,
+        };
+        let (op, latency) = (cmd.op as usize, cmd.start.elapsed());
+        self.volume(cmd.vslot).stats.reactor(self.id).ops[op].record(bytes, ok, latency);
+    }
+
+    /// A read chunk is in the pool buffer (or, for the null backend, is
+    /// zeroes): send it, chained with the response if it is the last.
+    fn read_chunk_done(&mut self, si: u16, ci: u16, chunk: ChunkId) {
+        let use_ = self.chunk_use[chunk.0 as usize];
+        let cmd = self.cmd(ci);
+        cmd.done += use_.len;
+        if cmd.done == cmd.len {
+            // The last chunk: its RDMA WRITE and the response in one chain.
+            self.respond(ci, &[], Some(chunk));
+        } else {
+            self.post_rdma(si, ci, chunk, false);
+        }
     }
 
     fn free_session_cmds(&mut self, si: u16) {
@@ -1361,7 +1807,17 @@ impl Reactor {
         if s.closing.is_some() {
             return;
         }
-        tracing::info!("session closed: host={} peer={} reason={reason}", s.host(), s.peer);
+        match &s.shared {
+            Some(sh) => tracing::info!(
+                "session disconnected: host={} session={:#x} queue={} reactor={} peer={} reason={reason}",
+                s.host(),
+                sh.id.0,
+                s.queue_index,
+                self.id,
+                s.peer
+            ),
+            None => tracing::info!("session disconnected: host={} reactor={} peer={} reason={reason}", s.host(), self.id, s.peer),
+        }
         s.closing = Some(reason);
         s.close_deadline = Some(Instant::now() + FLUSH_TIMEOUT);
         if let Some(res) = &s.res {
@@ -1381,7 +1837,13 @@ impl Reactor {
         slot.gen = slot.gen.wrapping_add(1);
         self.fabrics[s.fabric].cq_reserved -= s.cq_reserved;
         self.free_sessions.push(si);
-        tracing::debug!("session {} freed", s.peer);
+        self.stats.queue_pairs.set(self.stats.queue_pairs.get().saturating_sub(1));
+        tracing::debug!("queue pair {} freed", s.peer);
+        if let Some(shared) = &s.shared {
+            if self.registry.leave(shared, self.id) {
+                tracing::info!("session ended: host={} session={:#x} (its last queue pair is gone)", shared.host_id, shared.id.0);
+            }
+        }
         drop(s);
     }
 }

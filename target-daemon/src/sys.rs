@@ -1,10 +1,13 @@
 //! Thin safe wrappers over the Linux calls the daemon needs and std does not
-//! offer: eventfd, epoll, signalfd, CPU affinity, block-device ioctls and
-//! statx. Together with `uring.rs` and `pool.rs` this is the only place with
-//! `unsafe`.
+//! offer: eventfd, epoll, signalfd, CPU affinity, block-device ioctls
+//! (BLKGETSIZE64, BLKSSZGET, BLKDISCARD, BLKZEROOUT), fallocate, memfd,
+//! statx, rlimits and thread ids. Together with `uring.rs` and `pool.rs` this
+//! is the only place with `unsafe`.
 
+use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
 use std::time::Duration;
 
 fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
@@ -64,9 +67,23 @@ impl Epoll {
 
     /// Watches `fd` for readability; `token` comes back from [`wait`](Epoll::wait).
     pub fn add(&self, fd: RawFd, token: u64) -> io::Result<()> {
-        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: token };
+        self.ctl(libc::EPOLL_CTL_ADD, fd, token, READABLE)
+    }
+
+    /// Watches `fd` for `events` ([`READABLE`], [`WRITABLE`] or both).
+    pub fn add_events(&self, fd: RawFd, token: u64, events: u32) -> io::Result<()> {
+        self.ctl(libc::EPOLL_CTL_ADD, fd, token, events)
+    }
+
+    /// Changes what `fd` is watched for.
+    pub fn modify(&self, fd: RawFd, token: u64, events: u32) -> io::Result<()> {
+        self.ctl(libc::EPOLL_CTL_MOD, fd, token, events)
+    }
+
+    fn ctl(&self, op: libc::c_int, fd: RawFd, token: u64, events: u32) -> io::Result<()> {
+        let mut ev = libc::epoll_event { events, u64: token };
         // SAFETY: `ev` is a valid epoll_event for the duration of the call.
-        cvt(unsafe { libc::epoll_ctl(self.0.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) })?;
+        cvt(unsafe { libc::epoll_ctl(self.0.as_raw_fd(), op, fd, &mut ev) })?;
         Ok(())
     }
 
@@ -105,11 +122,16 @@ impl Epoll {
     }
 }
 
-/// SIGINT and SIGTERM delivered through a descriptor instead of handlers.
+/// Epoll interest: readable.
+pub const READABLE: u32 = libc::EPOLLIN as u32;
+/// Epoll interest: writable.
+pub const WRITABLE: u32 = libc::EPOLLOUT as u32;
+
+/// SIGINT, SIGTERM and SIGHUP delivered through a descriptor instead of handlers.
 #[derive(Debug)]
 pub struct SignalFd(OwnedFd);
 
-fn term_sigset() -> libc::sigset_t {
+fn daemon_sigset() -> libc::sigset_t {
     // SAFETY: sigset_t is plain data; sigemptyset initialises it fully.
     let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
     // SAFETY: `set` is a valid sigset_t.
@@ -117,16 +139,17 @@ fn term_sigset() -> libc::sigset_t {
         libc::sigemptyset(&mut set);
         libc::sigaddset(&mut set, libc::SIGINT);
         libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGHUP);
     }
     set
 }
 
 impl SignalFd {
-    /// Blocks SIGINT and SIGTERM in the calling thread (threads spawned
-    /// afterwards inherit the mask) and returns a descriptor that becomes
-    /// readable when one is pending.
-    pub fn block_term_signals() -> io::Result<Self> {
-        let set = term_sigset();
+    /// Blocks SIGINT, SIGTERM and SIGHUP in the calling thread (threads
+    /// spawned afterwards inherit the mask) and returns a descriptor that
+    /// becomes readable when one is pending.
+    pub fn block_daemon_signals() -> io::Result<Self> {
+        let set = daemon_sigset();
         // SAFETY: `set` is initialised; the old mask is not requested.
         let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
         if rc != 0 {
@@ -220,6 +243,100 @@ pub fn errno_of(e: &io::Error) -> i32 {
     e.raw_os_error().unwrap_or(libc::EIO)
 }
 
+/// `_IO(0x12, 119)`: discard a byte range of a block device.
+const BLKDISCARD: libc::c_ulong = 0x1277;
+/// `_IO(0x12, 127)`: zero a byte range of a block device.
+const BLKZEROOUT: libc::c_ulong = 0x127f;
+
+fn blk_range_ioctl(fd: RawFd, req: libc::c_ulong, offset: u64, len: u64) -> io::Result<()> {
+    let range: [u64; 2] = [offset, len];
+    // SAFETY: both ioctls read two u64 (start, length) through the pointer, which is live.
+    cvt(unsafe { libc::ioctl(fd, req as _, range.as_ptr()) })?;
+    Ok(())
+}
+
+/// ioctl BLKDISCARD: the device may deallocate `[offset, offset + len)`.
+pub fn blk_discard(fd: RawFd, offset: u64, len: u64) -> io::Result<()> {
+    blk_range_ioctl(fd, BLKDISCARD, offset, len)
+}
+
+/// ioctl BLKZEROOUT: `[offset, offset + len)` reads back as zeroes (the
+/// kernel uses WRITE ZEROES when the device has it and writes zeroes otherwise).
+pub fn blk_zeroout(fd: RawFd, offset: u64, len: u64) -> io::Result<()> {
+    blk_range_ioctl(fd, BLKZEROOUT, offset, len)
+}
+
+/// fallocate(2).
+pub fn fallocate(fd: RawFd, mode: i32, offset: u64, len: u64) -> io::Result<()> {
+    // SAFETY: fallocate takes plain integers.
+    cvt(unsafe { libc::fallocate(fd, mode, offset as libc::off_t, len as libc::off_t) })?;
+    Ok(())
+}
+
+/// An anonymous RAM-backed file (memfd), close-on-exec.
+pub fn memfd_create(name: &std::ffi::CStr) -> io::Result<File> {
+    // SAFETY: `name` is a valid NUL-terminated string for the duration of the call.
+    let fd = cvt(unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) })?;
+    // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// The calling thread's kernel id.
+pub fn gettid() -> i32 {
+    // SAFETY: gettid has no arguments and cannot fail.
+    unsafe { libc::gettid() }
+}
+
+/// Raises the soft RLIMIT_NOFILE to at least `want` (up to the hard limit).
+/// Returns the soft limit in force afterwards.
+pub fn raise_nofile_limit(want: u64) -> io::Result<u64> {
+    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `rl` is a writable rlimit.
+    cvt(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) })?;
+    if rl.rlim_cur >= want || rl.rlim_cur == rl.rlim_max {
+        return Ok(rl.rlim_cur);
+    }
+    let new = libc::rlimit { rlim_cur: want.min(rl.rlim_max), rlim_max: rl.rlim_max };
+    // SAFETY: `new` is a valid rlimit.
+    cvt(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &new) })?;
+    Ok(new.rlim_cur)
+}
+
+/// CPU time (user + system) a thread of this process has used, from
+/// `/proc/self/task/TID/stat`.
+pub fn thread_cpu_time(tid: i32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may contain spaces.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line: 11 and 12 after the name.
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf takes a plain integer.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let hz = if hz > 0 { hz as u64 } else { 100 };
+    Some(Duration::from_nanos(ticks.saturating_mul(1_000_000_000 / hz)))
+}
+
+/// Major and minor number of a `dev_t`.
+pub fn dev_major_minor(dev: u64) -> (u64, u64) {
+    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
+    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
+    (major, minor)
+}
+
+/// A block queue attribute (`queue/discard_max_bytes`, `queue/io_poll`...)
+/// of the disk that holds device `dev` (a partition's attributes live on its disk).
+pub fn block_queue_attr(dev: u64, attr: &str) -> Option<String> {
+    let (major, minor) = dev_major_minor(dev);
+    let base = PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
+    for dir in [base.join("queue"), base.join("../queue")] {
+        if let Ok(v) = std::fs::read_to_string(dir.join(attr)) {
+            return Some(v.trim().to_owned());
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -237,6 +354,48 @@ mod tests {
         assert_eq!(out, vec![7]);
         assert!(efd.drain());
         assert!(!efd.drain());
+    }
+
+    #[test]
+    fn memfd_is_a_sized_ram_file() {
+        use std::os::unix::fs::FileExt;
+        let f = memfd_create(c"t").unwrap();
+        f.set_len(1 << 20).unwrap();
+        f.write_all_at(b"abc", 4096).unwrap();
+        let mut b = [0u8; 3];
+        f.read_exact_at(&mut b, 4096).unwrap();
+        assert_eq!(&b, b"abc");
+        // shmem punches holes (and they read back as zeroes).
+        fallocate(f.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 0, 8192).unwrap();
+        f.read_exact_at(&mut b, 4096).unwrap();
+        assert_eq!(b, [0; 3]);
+    }
+
+    #[test]
+    fn thread_cpu_time_of_this_thread() {
+        // Burn CPU until the thread's CPU time moves (a clock tick, usually
+        // 10 ms of CPU); bounded generously so that a loaded machine only
+        // makes it slower, not flaky.
+        let tid = gettid();
+        let t0 = thread_cpu_time(tid).expect("readable");
+        let start = std::time::Instant::now();
+        let mut x = 0u64;
+        let mut t1 = t0;
+        while t1 <= t0 && start.elapsed() < Duration::from_secs(60) {
+            for _ in 0..100_000 {
+                x = x.wrapping_add(std::hint::black_box(1));
+            }
+            t1 = thread_cpu_time(tid).unwrap();
+        }
+        std::hint::black_box(x);
+        assert!(t1 > t0, "{t0:?} -> {t1:?}");
+        assert!(thread_cpu_time(i32::MAX).is_none(), "no such thread");
+    }
+
+    #[test]
+    fn dev_numbers() {
+        assert_eq!(dev_major_minor(0x0803), (8, 3));
+        assert_eq!(dev_major_minor((259 << 8) | 1), (259, 1));
     }
 
     #[test]

@@ -1,21 +1,36 @@
 //! Starting, running and stopping a target: the control thread.
 //!
-//! The control thread owns the listeners, hands each connection request to
-//! a reactor (round-robin, through a channel and an eventfd), and on
-//! SIGINT/SIGTERM (binary) or [`RunningTarget::shutdown`] (library) stops
+//! One control thread does everything that is not I/O, in one epoll loop:
+//! it owns the listeners and hands each connection request to a reactor
+//! (round-robin, through a channel and an eventfd); it serves the metrics
+//! endpoint; it talks to systemd (READY, STATUS, WATCHDOG); on SIGHUP (or
+//! [`RunningTarget::reload`]) it applies a new configuration's volumes; on
+//! SIGINT/SIGTERM (binary) or [`RunningTarget::shutdown`] (library) it stops
 //! accepting, lets in-flight commands finish (bounded by
 //! `shutdown_timeout`), fdatasyncs every writable volume and returns.
+//!
+//! A reload adds new volumes, changes read-only flags, removes volumes no
+//! session has open, and refuses (logging why) to remove or change a volume
+//! that is open. Sessions on unchanged volumes are untouched. Volume ids
+//! stay the same across reloads and are never reused for another volume.
+//! `[target]` keys take effect at the next start (a reload says which changed).
 
-use std::sync::Arc;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{Fabric, FabricUrl, Listener};
+use rdmablk_common::protocol::VolumeId;
 
-use crate::backend::{self, Volume};
-use crate::config::Config;
+use crate::backend::{self, Volume, VolumeSet};
+use crate::config::{Config, TargetConfig, MAX_VOLUMES};
 use crate::error::{Error, ErrorKind, Result};
+use crate::metrics::{self, HttpServer, ReactorStats};
+use crate::notify::{self, Notifier};
 use crate::reactor::{self, Control, ReactorHandle, ReactorSpec};
+use crate::session::{Registry, SessionSummary};
 use crate::sys::{self, Epoll, EventFd, SignalFd};
 
 /// Entry point for starting targets.
@@ -27,16 +42,18 @@ impl Target {
     /// control thread, and returns once the target accepts connections.
     /// Signals are left alone: stop it with [`RunningTarget::shutdown`].
     pub fn start(config: Config) -> Result<RunningTarget> {
-        start(config, None)
+        start(config, None, Notifier::none())
     }
 }
 
-/// Runs a target until SIGINT or SIGTERM, then shuts it down cleanly.
-/// Blocks the two signals in the calling thread first (threads started
-/// afterwards inherit the mask), so call it before starting other threads.
+/// Runs a target until SIGINT or SIGTERM, then shuts it down cleanly;
+/// SIGHUP reloads the configuration file. Talks to systemd when
+/// `NOTIFY_SOCKET` is set. Blocks the three signals in the calling thread
+/// first (threads started afterwards inherit the mask), so call it before
+/// starting other threads.
 pub fn run(config: Config) -> Result<()> {
-    let signals = SignalFd::block_term_signals().map_err(|e| Error::os("cannot set up signal handling", e))?;
-    start(config, Some(signals))?.wait()
+    let signals = SignalFd::block_daemon_signals().map_err(|e| Error::os("cannot set up signal handling", e))?;
+    start(config, Some(signals), Notifier::from_env())?.wait()
 }
 
 /// Validates the configuration and every volume without creating or
@@ -44,13 +61,40 @@ pub fn run(config: Config) -> Result<()> {
 pub fn check(config: &Config) -> Result<Vec<String>> {
     let mut lines = backend::check_volumes(config)?;
     lines.extend(config.target.listen.iter().map(|u| format!("listen {u}")));
+    if let Some(m) = config.target.metrics {
+        lines.push(format!("metrics http://{m}/metrics"));
+    }
     Ok(lines)
+}
+
+/// What a reload did, volume by volume (names).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReloadSummary {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    /// The read-only flag changed.
+    pub read_only_changed: Vec<String>,
+    /// Changed otherwise (path, size, backend, block size) while unused: reopened with a new id.
+    pub replaced: Vec<String>,
+    /// Left as they were, with the reason (in use).
+    pub refused: Vec<(String, String)>,
+    /// `[target]` keys that changed and need a restart.
+    pub restart_needed: Vec<&'static str>,
+}
+
+struct ReloadRequest {
+    config: Option<Config>,
+    reply: Option<mpsc::Sender<Result<ReloadSummary>>>,
 }
 
 /// A started target.
 pub struct RunningTarget {
     urls: Vec<FabricUrl>,
+    metrics: Option<SocketAddr>,
     stop: Arc<EventFd>,
+    reload_tx: mpsc::Sender<ReloadRequest>,
+    reload_wake: Arc<EventFd>,
+    registry: Arc<Registry>,
     control: Option<JoinHandle<Result<()>>>,
 }
 
@@ -76,9 +120,35 @@ impl RunningTarget {
         &self.urls[0]
     }
 
+    /// The metrics endpoint's bound address, if one is configured.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics
+    }
+
     /// A handle that starts the shutdown from elsewhere.
     pub fn stop_handle(&self) -> StopHandle {
         StopHandle(Arc::clone(&self.stop))
+    }
+
+    /// Applies `config`'s volumes as SIGHUP applies the configuration file,
+    /// and waits for the result.
+    pub fn reload(&self, config: Config) -> Result<ReloadSummary> {
+        let (tx, rx) = mpsc::channel();
+        self.reload_tx
+            .send(ReloadRequest { config: Some(config), reply: Some(tx) })
+            .map_err(|_| Error::new(ErrorKind::ShuttingDown, "the target is stopping"))?;
+        self.reload_wake.notify();
+        rx.recv().unwrap_or_else(|_| Err(Error::new(ErrorKind::ShuttingDown, "the target is stopping")))
+    }
+
+    /// The served volumes: name, id, read-only.
+    pub fn volumes(&self) -> Vec<(String, VolumeId, bool)> {
+        self.registry.volumes().volumes.iter().map(|v| (v.name.clone(), v.id, v.read_only)).collect()
+    }
+
+    /// The sessions connected now.
+    pub fn sessions(&self) -> Vec<SessionSummary> {
+        self.registry.admin().sessions()
     }
 
     /// Shuts down (see the module docs) and waits until done.
@@ -114,10 +184,24 @@ impl Drop for RunningTarget {
 const TOKEN_STOP: u64 = 1 << 40;
 const TOKEN_SIGNAL: u64 = (1 << 40) + 1;
 const TOKEN_EXITED: u64 = (1 << 40) + 2;
+const TOKEN_RELOAD: u64 = (1 << 40) + 3;
+const TOKEN_METRICS: u64 = (1 << 40) + 4;
+const TOKEN_HTTP: u64 = 1 << 41;
+/// How often STATUS= is refreshed (when it changed).
+const STATUS_EVERY: Duration = Duration::from_secs(5);
+/// How often removed volumes are checked for release.
+const RETIRED_EVERY: Duration = Duration::from_millis(200);
 
-fn start(config: Config, signals: Option<SignalFd>) -> Result<RunningTarget> {
+fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Result<RunningTarget> {
     let cfg = config.target.clone();
-    let volumes = Arc::new(backend::open_volumes(&config)?);
+    match sys::raise_nofile_limit(65536) {
+        Ok(n) if n < 4096 => tracing::warn!("RLIMIT_NOFILE is {n}; every queue pair uses a descriptor (raise LimitNOFILE)"),
+        Ok(_) => {}
+        Err(e) => tracing::warn!("cannot raise RLIMIT_NOFILE: {e}"),
+    }
+    let volumes = backend::open_volumes(&config)?;
+    let next_volume_id = volumes.iter().map(|v| v.id.0).max().unwrap_or(0) + 1;
+    let registry = Arc::new(Registry::new(VolumeSet::new(1, volumes), cfg.reactors));
 
     let mut fabrics = Vec::with_capacity(cfg.listen.len());
     let mut listeners = Vec::with_capacity(cfg.listen.len());
@@ -129,54 +213,95 @@ fn start(config: Config, signals: Option<SignalFd>) -> Result<RunningTarget> {
         fabrics.push(Arc::new(f));
         listeners.push(l);
     }
+    let metrics = match cfg.metrics {
+        None => None,
+        Some(addr) => Some(HttpServer::bind(addr, TOKEN_HTTP).map_err(|e| {
+            Error::os(format!("{}: target.metrics: cannot listen on {addr}", config.source), e)
+        })?),
+    };
 
     let exited = Arc::new(EventFd::new().map_err(|e| Error::os("eventfd", e))?);
     let cpus = sys::allowed_cpus();
     let mut reactors: Vec<ReactorHandle> = Vec::with_capacity(cfg.reactors);
+    let mut reactor_stats = Vec::with_capacity(cfg.reactors);
     for id in 0..cfg.reactors {
+        let stats = Arc::new(ReactorStats::default());
         let spec = ReactorSpec {
             id,
             cfg: cfg.clone(),
-            volumes: Arc::clone(&volumes),
+            registry: Arc::clone(&registry),
             fabrics: fabrics.clone(),
             cpu: cfg.pin_reactors.then(|| cpus[id % cpus.len()]),
             exited: Arc::clone(&exited),
+            stats: Arc::clone(&stats),
         };
         match reactor::spawn(spec) {
-            Ok(h) => reactors.push(h),
+            Ok(h) => {
+                reactors.push(h);
+                reactor_stats.push(stats);
+            }
             Err(e) => {
                 stop_reactors(&mut reactors, Instant::now());
                 return Err(e);
             }
         }
     }
+    let nvol = registry.volumes().volumes.len();
     tracing::info!(
-        "target {:?}: {} reactor(s), {} volume(s), queue depth {}, max I/O {} bytes",
+        "target {:?}: {} reactor(s){}, {nvol} volume(s), queue depth {}, max I/O {} bytes, pool {} bytes per reactor in chunks of {}",
         cfg.name,
         cfg.reactors,
-        volumes.len(),
+        if cfg.pin_reactors { format!(" pinned to CPUs {:?}", (0..cfg.reactors).map(|i| cpus[i % cpus.len()]).collect::<Vec<_>>()) } else { String::new() },
         cfg.queue_depth,
-        cfg.max_io_size
+        cfg.max_io_size,
+        cfg.buffer_pool,
+        cfg.chunk_size
     );
     for u in &urls {
         tracing::info!("listening on {u}");
     }
+    let metrics_addr = metrics.as_ref().map(|m| m.local_addr());
+    if let Some(a) = metrics_addr {
+        tracing::info!("metrics endpoint: http://{a}/metrics");
+    }
 
     let stop = Arc::new(EventFd::new().map_err(|e| Error::os("eventfd", e))?);
-    let ctl = ControlThread {
+    let reload_wake = Arc::new(EventFd::new().map_err(|e| Error::os("eventfd", e))?);
+    let (reload_tx, reload_rx) = mpsc::channel();
+    let mut ctl = ControlThread {
         listeners,
         reactors,
-        volumes,
+        reactor_stats,
+        registry: Arc::clone(&registry),
         stop: Arc::clone(&stop),
         signals,
         exited,
-        shutdown_timeout: cfg.shutdown_timeout,
+        reload_rx,
+        reload_wake: Arc::clone(&reload_wake),
+        running: cfg.clone(),
+        source: config.source.clone(),
+        next_volume_id,
+        retired: Vec::new(),
+        notifier,
+        metrics,
+        urls: urls.clone(),
+        started: Instant::now(),
+        reloads_ok: 0,
+        reloads_failed: 0,
+        heartbeats: Vec::new(),
+        last_status: String::new(),
     };
+    let status = ctl.status_text();
+    ctl.notifier.notify(&format!("READY=1\n{}", notify::status(&status)));
+    ctl.last_status = status;
+    if let Some(every) = ctl.notifier.watchdog_interval() {
+        tracing::info!("systemd watchdog: pinging every {every:?} while every reactor responds");
+    }
     let control = std::thread::Builder::new()
         .name("rdmablk-ctl".into())
         .spawn(move || ctl.run())
         .map_err(|e| Error::os("cannot spawn the control thread", e))?;
-    Ok(RunningTarget { urls, stop, control: Some(control) })
+    Ok(RunningTarget { urls, metrics: metrics_addr, stop, reload_tx, reload_wake, registry, control: Some(control) })
 }
 
 fn stop_reactors(reactors: &mut [ReactorHandle], deadline: Instant) -> Option<Error> {
@@ -196,23 +321,44 @@ fn stop_reactors(reactors: &mut [ReactorHandle], deadline: Instant) -> Option<Er
 struct ControlThread {
     listeners: Vec<Listener>,
     reactors: Vec<ReactorHandle>,
-    volumes: Arc<Vec<Volume>>,
+    reactor_stats: Vec<Arc<ReactorStats>>,
+    registry: Arc<Registry>,
     stop: Arc<EventFd>,
     signals: Option<SignalFd>,
     exited: Arc<EventFd>,
-    shutdown_timeout: Duration,
+    reload_rx: mpsc::Receiver<ReloadRequest>,
+    reload_wake: Arc<EventFd>,
+    /// The `[target]` section in force (a reload does not change it).
+    running: TargetConfig,
+    /// The configuration file SIGHUP re-reads.
+    source: String,
+    next_volume_id: u32,
+    /// Removed volumes, closed (after fdatasync) once no reactor uses them.
+    retired: Vec<Arc<Volume>>,
+    notifier: Notifier,
+    metrics: Option<HttpServer>,
+    urls: Vec<FabricUrl>,
+    started: Instant,
+    reloads_ok: u64,
+    reloads_failed: u64,
+    heartbeats: Vec<u64>,
+    last_status: String,
 }
 
 impl ControlThread {
     fn run(mut self) -> Result<()> {
         let mut failure = self.serve().err();
+        self.notifier.notify(&format!("STOPPING=1\n{}", notify::status("stopping: finishing in-flight commands")));
         drop(std::mem::take(&mut self.listeners));
-        tracing::info!("shutting down: no new connections; waiting up to {:?} for in-flight commands", self.shutdown_timeout);
-        let deadline = Instant::now() + self.shutdown_timeout;
+        let timeout = self.running.shutdown_timeout;
+        tracing::info!("shutting down: no new connections; waiting up to {timeout:?} for in-flight commands");
+        let deadline = Instant::now() + timeout;
         if let Some(e) = stop_reactors(&mut self.reactors, deadline) {
             failure.get_or_insert(e);
         }
-        for v in self.volumes.iter().filter(|v| !v.read_only) {
+        let set = self.registry.volumes();
+        let retired = std::mem::take(&mut self.retired);
+        for v in set.volumes.iter().chain(retired.iter()).filter(|v| !v.read_only || v.backend.writable()) {
             if let Err(e) = v.sync() {
                 tracing::error!("volume {}: fdatasync failed: {e}", v.name);
                 failure.get_or_insert(Error::with_source(ErrorKind::Volume, format!("volume {}: fdatasync failed", v.name), e));
@@ -220,14 +366,14 @@ impl ControlThread {
         }
         match failure {
             None => {
-                tracing::info!("shutdown complete");
+                tracing::info!("shutdown complete: every writable volume flushed");
                 Ok(())
             }
             Some(e) => Err(e),
         }
     }
 
-    /// Accepts connections until asked to stop; an error means a reactor died.
+    /// Serves until asked to stop; an error means a reactor died.
     fn serve(&mut self) -> Result<()> {
         let epoll = Epoll::new().map_err(|e| Error::os("epoll_create", e))?;
         for (i, l) in self.listeners.iter().enumerate() {
@@ -235,52 +381,128 @@ impl ControlThread {
         }
         epoll.add(self.stop.fd(), TOKEN_STOP).map_err(|e| Error::os("epoll_ctl", e))?;
         epoll.add(self.exited.fd(), TOKEN_EXITED).map_err(|e| Error::os("epoll_ctl", e))?;
+        epoll.add(self.reload_wake.fd(), TOKEN_RELOAD).map_err(|e| Error::os("epoll_ctl", e))?;
         if let Some(s) = &self.signals {
             epoll.add(s.fd(), TOKEN_SIGNAL).map_err(|e| Error::os("epoll_ctl", e))?;
         }
+        if let Some(m) = &self.metrics {
+            epoll.add(m.fd(), TOKEN_METRICS).map_err(|e| Error::os("epoll_ctl", e))?;
+        }
+        let watchdog = self.notifier.watchdog_interval();
+        let mut next_watchdog = watchdog.map(|w| Instant::now() + w);
+        if watchdog.is_some() {
+            // The first ping goes out at once; reactors are woken so that each
+            // has turned by the next tick.
+            self.watchdog_tick();
+        }
+        let mut next_status = Instant::now() + STATUS_EVERY;
+        let mut next_retired = Instant::now() + RETIRED_EVERY;
         let mut next = 0usize;
         let mut tokens = Vec::new();
         loop {
-            epoll.wait(&mut tokens, None).map_err(|e| Error::os("epoll_wait", e))?;
+            let now = Instant::now();
+            let mut deadline = next_status;
+            if let Some(w) = next_watchdog {
+                deadline = deadline.min(w);
+            }
+            if !self.retired.is_empty() {
+                deadline = deadline.min(next_retired);
+            }
+            if let Some(d) = self.metrics.as_ref().and_then(|m| m.next_deadline()) {
+                deadline = deadline.min(d);
+            }
+            epoll.wait(&mut tokens, Some(deadline.saturating_duration_since(now))).map_err(|e| Error::os("epoll_wait", e))?;
             for &t in &tokens {
                 match t {
-                    TOKEN_STOP => {
-                        if self.stop.drain() {
-                            tracing::info!("shutdown requested");
-                            return Ok(());
-                        }
+                    TOKEN_STOP if self.stop.drain() => {
+                        tracing::info!("shutdown requested");
+                        return Ok(());
                     }
                     TOKEN_SIGNAL => {
-                        if let Some(sig) = self.signals.as_ref().and_then(|s| s.read()) {
-                            let name = if sig == libc::SIGINT { "SIGINT" } else { "SIGTERM" };
-                            tracing::info!("received {name}");
-                            return Ok(());
-                        }
-                    }
-                    TOKEN_EXITED => {
-                        self.exited.drain();
-                        // The notification comes from the exiting thread itself,
-                        // a moment before it counts as finished.
-                        let t0 = Instant::now();
-                        while !self.reactors.iter().any(|r| r.thread.as_ref().is_some_and(|t| t.is_finished()))
-                            && t0.elapsed() < Duration::from_secs(2)
-                        {
-                            std::thread::sleep(Duration::from_millis(5));
-                        }
-                        for r in &mut self.reactors {
-                            if r.thread.as_ref().is_some_and(|t| t.is_finished()) {
-                                let err = r.join().err().unwrap_or_else(|| {
-                                    Error::new(ErrorKind::Internal, format!("reactor {} exited unexpectedly", r.id))
-                                });
-                                tracing::error!("reactor {} stopped: {err}", r.id);
-                                return Err(err);
+                        while let Some(sig) = self.signals.as_ref().and_then(|s| s.read()) {
+                            match sig {
+                                libc::SIGHUP => {
+                                    tracing::info!("received SIGHUP: reloading {}", self.source);
+                                    let _ = self.reload(None);
+                                }
+                                _ => {
+                                    let name = if sig == libc::SIGINT { "SIGINT" } else { "SIGTERM" };
+                                    tracing::info!("received {name}");
+                                    return Ok(());
+                                }
                             }
                         }
                     }
-                    i => self.accept(i as usize, &mut next),
+                    TOKEN_RELOAD => {
+                        self.reload_wake.drain();
+                        while let Ok(req) = self.reload_rx.try_recv() {
+                            let r = self.reload(req.config);
+                            if let Some(reply) = req.reply {
+                                let _ = reply.send(r);
+                            }
+                        }
+                    }
+                    TOKEN_EXITED => self.reactor_exited()?,
+                    TOKEN_METRICS => {
+                        if let Some(m) = self.metrics.as_mut() {
+                            m.accept(&epoll);
+                        }
+                    }
+                    t if self.metrics.as_ref().is_some_and(|m| m.owns(t)) => {
+                        let mut m = self.metrics.take().expect("metrics server");
+                        m.ready(t, &epoll, &mut |path| match path {
+                            "/metrics" => Some(self.render_metrics()),
+                            "/" => Some("rdmablk-target: metrics at /metrics\n".to_owned()),
+                            _ => None,
+                        });
+                        self.metrics = Some(m);
+                    }
+                    i if (i as usize) < self.listeners.len() => self.accept(i as usize, &mut next),
+                    _ => {}
                 }
             }
+            let now = Instant::now();
+            if let Some(m) = self.metrics.as_mut() {
+                m.expire(now, &epoll);
+            }
+            if let (Some(w), Some(every)) = (next_watchdog, watchdog) {
+                if now >= w {
+                    self.watchdog_tick();
+                    next_watchdog = Some(now + every);
+                }
+            }
+            if now >= next_status {
+                self.refresh_status();
+                next_status = now + STATUS_EVERY;
+            }
+            if !self.retired.is_empty() && now >= next_retired {
+                self.release_retired();
+                next_retired = now + RETIRED_EVERY;
+            }
         }
+    }
+
+    fn reactor_exited(&mut self) -> Result<()> {
+        self.exited.drain();
+        // The notification comes from the exiting thread itself, a moment
+        // before it counts as finished.
+        let t0 = Instant::now();
+        while !self.reactors.iter().any(|r| r.thread.as_ref().is_some_and(|t| t.is_finished()))
+            && t0.elapsed() < Duration::from_secs(2)
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        for r in &mut self.reactors {
+            if r.thread.as_ref().is_some_and(|t| t.is_finished()) {
+                let err = r
+                    .join()
+                    .err()
+                    .unwrap_or_else(|| Error::new(ErrorKind::Internal, format!("reactor {} exited unexpectedly", r.id)));
+                tracing::error!("reactor {} stopped: {err}", r.id);
+                return Err(err);
+            }
+        }
+        Ok(())
     }
 
     fn accept(&mut self, li: usize, next: &mut usize) {
@@ -304,4 +526,272 @@ impl ControlThread {
             }
         }
     }
+
+    /// Pings systemd when every reactor turned since the last tick, then
+    /// wakes them all so that a healthy one has turned by the next.
+    fn watchdog_tick(&mut self) {
+        let now: Vec<u64> = self.reactor_stats.iter().map(|s| s.heartbeat.get()).collect();
+        let stuck: Vec<usize> = if self.heartbeats.len() == now.len() {
+            (0..now.len()).filter(|&i| now[i] == self.heartbeats[i]).collect()
+        } else {
+            Vec::new()
+        };
+        if stuck.is_empty() {
+            self.notifier.notify("WATCHDOG=1");
+        } else {
+            tracing::warn!("reactor(s) {stuck:?} did not turn since the last watchdog tick; not pinging systemd");
+        }
+        self.heartbeats = now;
+        for r in &self.reactors {
+            r.wake();
+        }
+    }
+
+    fn status_text(&self) -> String {
+        let set = self.registry.volumes();
+        let sessions = self.registry.admin().sessions();
+        let qps: u64 = self.reactor_stats.iter().map(|r| r.queue_pairs.get()).sum();
+        let urls: Vec<String> = self.urls.iter().map(|u| u.to_string()).collect();
+        format!(
+            "serving {} volume(s) on {} with {} reactor(s); {} session(s), {qps} queue pair(s)",
+            set.volumes.len(),
+            urls.join(" "),
+            self.reactors.len(),
+            sessions.len()
+        )
+    }
+
+    fn refresh_status(&mut self) {
+        if !self.notifier.enabled() {
+            return;
+        }
+        let s = self.status_text();
+        if s != self.last_status {
+            self.notifier.notify(&notify::status(&s));
+            self.last_status = s;
+        }
+    }
+
+    fn render_metrics(&self) -> String {
+        let set = self.registry.volumes();
+        let sessions = self.registry.admin().sessions();
+        metrics::render(&metrics::Scrape {
+            target: &self.running.name,
+            uptime: self.started.elapsed(),
+            volumes: set
+                .volumes
+                .iter()
+                .map(|v| metrics::VolumeView {
+                    name: &v.name,
+                    backend: v.backend.kind_name(),
+                    read_only: v.read_only,
+                    size: v.size,
+                    stats: &v.stats,
+                })
+                .collect(),
+            reactors: &self.reactor_stats,
+            chunk_size: self.running.chunk_size as u64,
+            sessions: sessions
+                .into_iter()
+                .map(|s| metrics::SessionView { id: s.id.0, host: s.host_id, queue_pairs: s.queue_pairs })
+                .collect(),
+            reloads_ok: self.reloads_ok,
+            reloads_failed: self.reloads_failed,
+        })
+    }
+
+    /// Closes removed volumes nothing uses any more, after an fdatasync.
+    fn release_retired(&mut self) {
+        let mut keep = Vec::new();
+        for v in std::mem::take(&mut self.retired) {
+            if Arc::strong_count(&v) > 1 {
+                keep.push(v);
+                continue;
+            }
+            if v.backend.writable() {
+                if let Err(e) = v.sync() {
+                    tracing::error!("removed volume {}: fdatasync failed: {e}", v.name);
+                }
+            }
+            tracing::info!("removed volume {} (id {}) closed", v.name, v.id);
+        }
+        self.retired = keep;
+    }
+
+    fn reload(&mut self, config: Option<Config>) -> Result<ReloadSummary> {
+        self.notifier.notify("RELOADING=1");
+        let r = match config {
+            Some(c) => self.apply(c),
+            None => Config::load(Path::new(&self.source)).and_then(|c| self.apply(c)),
+        };
+        match &r {
+            Ok(_) => self.reloads_ok += 1,
+            Err(e) => {
+                self.reloads_failed += 1;
+                tracing::error!("reload failed, the running configuration stays: {e}");
+            }
+        }
+        let status = self.status_text();
+        let line = match &r {
+            Ok(_) => notify::status(&status),
+            Err(e) => notify::status(&format!("{status}; last reload failed: {e}")),
+        };
+        self.notifier.notify(&format!("READY=1\n{line}"));
+        self.last_status = status;
+        for h in &self.reactors {
+            h.wake();
+        }
+        r
+    }
+
+    fn apply(&mut self, config: Config) -> Result<ReloadSummary> {
+        enum Action {
+            Keep(Arc<Volume>),
+            ReadOnly(Arc<Volume>, Volume),
+            Replace(Arc<Volume>, Volume, String),
+            Add(Volume),
+        }
+        let mut summary = ReloadSummary { restart_needed: self.running.changed_keys(&config.target), ..Default::default() };
+        if !summary.restart_needed.is_empty() {
+            tracing::warn!(
+                "reload: {} changed; these take effect at the next start",
+                summary.restart_needed.join(", ")
+            );
+        }
+        let (reactors, iopoll) = (self.running.reactors, self.running.iopoll);
+        if iopoll {
+            if let Some(vc) = config.volumes.iter().find(|v| v.backend == crate::config::BackendKind::Memory) {
+                return Err(Error::config(format!(
+                    "{}: {}: \"memory\" cannot be served on the running iopoll rings",
+                    config.source,
+                    vc.key("backend")
+                )));
+            }
+        }
+        let current = self.registry.volumes();
+        // Open what is new first, without the admin lock: this may touch disks.
+        let mut actions = Vec::with_capacity(config.volumes.len());
+        let mut next_id = self.next_volume_id;
+        for vc in &config.volumes {
+            let action = match current.by_name(&vc.name) {
+                Some(old) if old.config.same_except_read_only(vc) && old.read_only == vc.read_only => Action::Keep(Arc::clone(old)),
+                Some(old) if old.config.same_except_read_only(vc) => {
+                    Action::ReadOnly(Arc::clone(old), old.with_read_only(&config.source, vc, iopoll)?)
+                }
+                Some(old) => {
+                    let what = changed_fields(&old.config, vc);
+                    let v = Volume::open(&config.source, vc, VolumeId(next_id), reactors, iopoll)?;
+                    next_id += 1;
+                    Action::Replace(Arc::clone(old), v, what)
+                }
+                None => {
+                    let v = Volume::open(&config.source, vc, VolumeId(next_id), reactors, iopoll)?;
+                    next_id += 1;
+                    Action::Add(v)
+                }
+            };
+            actions.push(action);
+        }
+        // Ids handed out are never handed out again, even if this reload fails.
+        self.next_volume_id = next_id;
+        let removed: Vec<Arc<Volume>> =
+            current.volumes.iter().filter(|v| !config.volumes.iter().any(|vc| vc.name == v.name)).cloned().collect();
+
+        // Decide and publish under the admin lock: no OPEN can slip between
+        // "nobody has it open" and the publication.
+        let registry = Arc::clone(&self.registry);
+        let admin = registry.admin();
+        let mut served: Vec<Arc<Volume>> = Vec::with_capacity(actions.len() + removed.len());
+        let mut retire = Vec::new();
+        let mut lines = Vec::new();
+        for action in actions {
+            match action {
+                Action::Keep(v) => served.push(v),
+                Action::ReadOnly(old, new) => {
+                    lines.push(format!(
+                        "volume {} (id {}) is now {}",
+                        new.name,
+                        new.id,
+                        if new.read_only { "read-only" } else { "read-write" }
+                    ));
+                    summary.read_only_changed.push(new.name.clone());
+                    drop(old);
+                    served.push(Arc::new(new));
+                }
+                Action::Replace(old, new, what) => {
+                    let users = admin.users_of(old.id);
+                    if users.is_empty() {
+                        lines.push(format!("volume {} changed ({what}): reopened as id {} (was id {})", new.name, new.id, old.id));
+                        summary.replaced.push(new.name.clone());
+                        served.push(Arc::new(new));
+                        retire.push(old);
+                    } else {
+                        let why = format!("{what} changed but it is open by {}; keeping the running volume", users.join(", "));
+                        tracing::warn!("reload: refusing to change volume {}: {why}", old.name);
+                        summary.refused.push((old.name.clone(), why));
+                        served.push(old);
+                    }
+                }
+                Action::Add(v) => {
+                    lines.push(format!("volume {} added (id {})", v.name, v.id));
+                    summary.added.push(v.name.clone());
+                    served.push(Arc::new(v));
+                }
+            }
+        }
+        for old in removed {
+            let users = admin.users_of(old.id);
+            if users.is_empty() {
+                lines.push(format!("volume {} (id {}) removed", old.name, old.id));
+                summary.removed.push(old.name.clone());
+                retire.push(old);
+            } else {
+                let why = format!("it is open by {}; it stays until no session has it open", users.join(", "));
+                tracing::warn!("reload: refusing to remove volume {}: {why}", old.name);
+                summary.refused.push((old.name.clone(), why));
+                served.push(old);
+            }
+        }
+        if served.len() > MAX_VOLUMES {
+            return Err(Error::config(format!("{}: volume: {} volumes; at most {MAX_VOLUMES} are served", config.source, served.len())));
+        }
+        for (i, v) in served.iter().enumerate() {
+            v.check_distinct(&config.source, &served[..i])?;
+        }
+        registry.publish(&admin, VolumeSet::new(current.generation + 1, served));
+        drop(admin);
+        for l in &lines {
+            tracing::info!("reload: {l}");
+        }
+        self.retired.extend(retire);
+        tracing::info!(
+            "reload complete: {} added, {} removed, {} read-only flag(s) changed, {} replaced, {} refused",
+            summary.added.len(),
+            summary.removed.len(),
+            summary.read_only_changed.len(),
+            summary.replaced.len(),
+            summary.refused.len()
+        );
+        Ok(summary)
+    }
+}
+
+fn changed_fields(a: &crate::config::VolumeConfig, b: &crate::config::VolumeConfig) -> String {
+    let mut v = Vec::new();
+    if a.backend != b.backend {
+        v.push("backend");
+    }
+    if a.path != b.path {
+        v.push("path");
+    }
+    if a.size != b.size {
+        v.push("size");
+    }
+    if a.block_size != b.block_size {
+        v.push("block_size");
+    }
+    if a.read_only != b.read_only {
+        v.push("read_only");
+    }
+    v.join(", ")
 }

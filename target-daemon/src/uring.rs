@@ -2,11 +2,20 @@
 //! cloud-hypervisor's and Firecracker's async I/O).
 //!
 //! One ring per reactor. The volume descriptors are registered as fixed
-//! files and the whole buffer pool as fixed buffers (one iovec per chunk,
-//! `buf_index` = chunk index). The ring is created disabled, probed (ReadFixed,
-//! WriteFixed and Fsync are required; Fallocate is optional), restricted to
-//! exactly the opcodes it uses with fixed files only, and then enabled. An
-//! eventfd is registered so that the reactor can block on it in epoll.
+//! files in a sparse table (a reload adds and removes volumes with
+//! `IORING_REGISTER_FILES_UPDATE`, the only register operation the ring
+//! allows once enabled) and the whole buffer pool as fixed buffers (one
+//! iovec per chunk, `buf_index` = chunk index). The ring is created disabled,
+//! probed (ReadFixed, WriteFixed and Fsync are required; Fallocate is
+//! optional), restricted to exactly the opcodes it uses with fixed files
+//! only, and then enabled. An eventfd is registered so that the reactor can
+//! block on it in epoll.
+//!
+//! With `iopoll` (IORING_SETUP_IOPOLL, for NVMe namespaces with poll queues)
+//! the ring carries only ReadFixed and WriteFixed: the kernel refuses other
+//! operations on a polled ring, so the reactor runs fdatasync and fallocate
+//! on its blocking worker instead, and polls the ring while reads and writes
+//! are in flight.
 //!
 //! Callers push operations tagged with a `u64`, call [`Uring::submit`] once
 //! per loop turn and [`Uring::reap`] completions. The engine keeps its own
@@ -30,6 +39,9 @@ pub const PUNCH_HOLE: i32 = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SI
 /// `fallocate` mode for WRITE_ZEROES.
 pub const ZERO_RANGE: i32 = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
 
+/// `IORING_REGISTER_FILES_UPDATE`: the register opcode the restricted ring allows.
+const REGISTER_FILES_UPDATE: u8 = 6;
+
 /// Ring options.
 #[derive(Clone, Copy, Debug)]
 pub struct UringOptions {
@@ -37,6 +49,17 @@ pub struct UringOptions {
     pub entries: u32,
     /// Use a kernel submission polling thread with this idle time in ms.
     pub sqpoll_idle_ms: Option<u32>,
+    /// Busy-poll for completions (IORING_SETUP_IOPOLL); reads and writes only.
+    pub iopoll: bool,
+    /// Size of the fixed-file table (at least the number of initial files);
+    /// slots beyond the initial files start empty.
+    pub file_slots: u32,
+}
+
+impl Default for UringOptions {
+    fn default() -> Self {
+        UringOptions { entries: 64, sqpoll_idle_ms: None, iopoll: false, file_slots: 0 }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,10 +82,30 @@ struct Op {
     done: u64,
 }
 
-/// What the kernel supports, from the probe.
+/// What the kernel supports, from the probe, and how the ring was set up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct UringFeatures {
+    /// IORING_OP_FALLOCATE exists (and the ring carries it: not with iopoll).
     pub fallocate: bool,
+    /// Fsync rides on the ring (not with iopoll).
+    pub fsync: bool,
+    /// The ring was set up with a submission polling thread.
+    pub sqpoll: bool,
+    /// The ring was set up with IORING_SETUP_IOPOLL.
+    pub iopoll: bool,
+}
+
+impl std::fmt::Display for UringFeatures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "read_fixed write_fixed{}{}{}{}",
+            if self.fsync { " fsync" } else { "" },
+            if self.fallocate { " fallocate" } else { "" },
+            if self.sqpoll { " sqpoll" } else { "" },
+            if self.iopoll { " iopoll" } else { "" }
+        )
+    }
 }
 
 /// One io_uring instance with fixed files and fixed buffers.
@@ -101,6 +144,9 @@ impl Uring {
         if let Some(idle) = opts.sqpoll_idle_ms {
             builder.setup_sqpoll(idle);
         }
+        if opts.iopoll {
+            builder.setup_iopoll();
+        }
         let ring = builder.build(opts.entries).map_err(|e| uring_err("cannot create ring", e))?;
         let submitter = ring.submitter();
 
@@ -118,10 +164,19 @@ impl Uring {
                 format!("io_uring: this kernel lacks required opcodes {}; a kernel >= 5.6 is needed", missing.join(", ")),
             ));
         }
-        let features = UringFeatures { fallocate: probe.is_supported(opcode::Fallocate::CODE) };
+        let features = UringFeatures {
+            fallocate: probe.is_supported(opcode::Fallocate::CODE) && !opts.iopoll,
+            fsync: !opts.iopoll,
+            sqpoll: opts.sqpoll_idle_ms.is_some(),
+            iopoll: opts.iopoll,
+        };
 
-        if !files.is_empty() {
-            submitter.register_files(files).map_err(|e| uring_err("cannot register files", e))?;
+        // A sparse table: empty slots are -1, filled in later by `set_file`.
+        let nfiles = opts.file_slots.max(files.len() as u32);
+        if nfiles > 0 {
+            let mut table = vec![-1; nfiles as usize];
+            table[..files.len()].copy_from_slice(files);
+            submitter.register_files(&table).map_err(|e| uring_err("cannot register files", e))?;
         }
         let mem = Arc::clone(pool.memory());
         let iovecs = mem.iovecs();
@@ -135,9 +190,12 @@ impl Uring {
         let mut restrictions = vec![
             Restriction::sqe_op(opcode::ReadFixed::CODE),
             Restriction::sqe_op(opcode::WriteFixed::CODE),
-            Restriction::sqe_op(opcode::Fsync::CODE),
             Restriction::sqe_flags_required(squeue::Flags::FIXED_FILE.bits()),
+            Restriction::register_op(REGISTER_FILES_UPDATE),
         ];
+        if features.fsync {
+            restrictions.push(Restriction::sqe_op(opcode::Fsync::CODE));
+        }
         if features.fallocate {
             restrictions.push(Restriction::sqe_op(opcode::Fallocate::CODE));
         }
@@ -153,7 +211,7 @@ impl Uring {
             backlog: VecDeque::new(),
             cqes: Vec::with_capacity(64),
             pending_fail: Vec::new(),
-            nfiles: files.len() as u32,
+            nfiles,
             features,
             mem,
         })
@@ -162,6 +220,29 @@ impl Uring {
     /// What the kernel supports.
     pub fn features(&self) -> UringFeatures {
         self.features
+    }
+
+    /// Size of the fixed-file table.
+    pub fn file_slots(&self) -> u32 {
+        self.nfiles
+    }
+
+    /// Points fixed-file slot `slot` at `fd`, or empties it (`None`).
+    /// Operations already submitted keep the file they started with.
+    pub fn set_file(&mut self, slot: u32, fd: Option<RawFd>) -> Result<()> {
+        assert!(slot < self.nfiles, "fixed file slot {slot} outside the table of {}", self.nfiles);
+        let fds = [fd.unwrap_or(-1)];
+        self.ring
+            .submitter()
+            .register_files_update(slot, &fds)
+            .map_err(|e| uring_err(&format!("cannot update fixed file slot {slot}"), e))?;
+        Ok(())
+    }
+
+    /// Whether the ring must be polled for completions (iopoll) rather than
+    /// waited on through its eventfd.
+    pub fn needs_polling(&self) -> bool {
+        self.features.iopoll && self.inflight > 0
     }
 
     /// The registered eventfd; readable when completions were posted.
@@ -203,9 +284,10 @@ impl Uring {
         self.rw(pool, OpKind::Write { dsync }, file, chunk, buf_off, len, offset, user_data)
     }
 
-    /// fdatasync of fixed file `file`.
+    /// fdatasync of fixed file `file`. Not on an iopoll ring.
     pub fn fsync(&mut self, file: u32, user_data: u64) {
         assert!(file < self.nfiles, "fixed file {file} not registered");
+        assert!(self.features.fsync, "fsync on a ring that does not carry it");
         let op = Op { user_data, kind: OpKind::Fsync, file, chunk: None, buf_off: 0, len: 0, offset: 0, done: 0 };
         self.start(op);
     }
@@ -230,6 +312,8 @@ impl Uring {
 
     fn start(&mut self, op: Op) {
         if matches!(op.kind, OpKind::Fallocate { .. }) && !self.features.fallocate {
+            // Callers use the blocking worker on iopoll rings; this is for
+            // kernels without the opcode.
             // Report through the completion path like any other failure.
             let idx = self.insert(op);
             self.inflight += 1;
@@ -446,7 +530,7 @@ mod tests {
     }
 
     fn opts() -> UringOptions {
-        UringOptions { entries: 16, sqpoll_idle_ms: None }
+        UringOptions { entries: 16, ..Default::default() }
     }
 
     fn wait_all(ring: &mut Uring, pool: &mut Pool, want: usize) -> Vec<(u64, i32)> {
@@ -537,7 +621,7 @@ mod tests {
     fn many_ops_beyond_sq_size() {
         let (_path, file) = odirect_file(4 << 20);
         let mut pool = Pool::new(64 * 4096, 4096);
-        let mut ring = Uring::new(&[file.as_raw_fd()], &pool, UringOptions { entries: 4, sqpoll_idle_ms: None }).unwrap();
+        let mut ring = Uring::new(&[file.as_raw_fd()], &pool, UringOptions { entries: 4, ..Default::default() }).unwrap();
         let chunks: Vec<_> = std::iter::from_fn(|| pool.alloc()).collect();
         for (i, &c) in chunks.iter().enumerate() {
             pool.bytes_mut(c).fill(i as u8);
@@ -552,6 +636,53 @@ mod tests {
         for (i, &c) in chunks.iter().enumerate() {
             assert!(pool.bytes(c).iter().all(|&b| b == (63 - i) as u8));
         }
+    }
+
+    #[test]
+    fn file_slots_are_updated_at_runtime_under_restrictions() {
+        let (_pa, a) = odirect_file(1 << 20);
+        let (pb, b) = odirect_file(1 << 20);
+        let mut pool = Pool::new(2 * 4096, 4096);
+        let mut ring = Uring::new(&[a.as_raw_fd()], &pool, UringOptions { file_slots: 4, ..opts() }).unwrap();
+        assert_eq!(ring.file_slots(), 4);
+        // Slot 2 is empty: an op on it fails with EBADF.
+        let c = pool.alloc().unwrap();
+        ring.read_fixed(&mut pool, 2, c, 0, 4096, 0, 1);
+        assert_eq!(wait_all(&mut ring, &mut pool, 1), vec![(1, -libc::EBADF)]);
+        // Fill it with file b and write through it.
+        ring.set_file(2, Some(b.as_raw_fd())).unwrap();
+        pool.bytes_mut(c).fill(0x3c);
+        ring.write_fixed(&mut pool, 2, c, 0, 4096, 8192, false, 2);
+        assert_eq!(wait_all(&mut ring, &mut pool, 1), vec![(2, 4096)]);
+        let plain = std::fs::File::open(&pb).unwrap();
+        let mut buf = vec![0u8; 4096];
+        plain.read_exact_at(&mut buf, 8192).unwrap();
+        assert!(buf.iter().all(|&x| x == 0x3c));
+        // Empty it again.
+        ring.set_file(2, None).unwrap();
+        ring.read_fixed(&mut pool, 2, c, 0, 4096, 0, 3);
+        assert_eq!(wait_all(&mut ring, &mut pool, 1), vec![(3, -libc::EBADF)]);
+        pool.release(c);
+    }
+
+    #[test]
+    fn an_iopoll_ring_carries_reads_and_writes_only() {
+        let (_path, file) = odirect_file(1 << 20);
+        let mut pool = Pool::new(2 * 4096, 4096);
+        let mut ring = Uring::new(&[file.as_raw_fd()], &pool, UringOptions { iopoll: true, ..opts() }).unwrap();
+        let f = ring.features();
+        assert!(f.iopoll && !f.fsync && !f.fallocate, "{f}");
+        assert_eq!(f.to_string(), "read_fixed write_fixed iopoll");
+        // This disk has no poll queues: the kernel refuses polled I/O on it
+        // (EOPNOTSUPP), or completes it if it can. Either way the completion
+        // is found by polling, which `needs_polling` asks for.
+        let c = pool.alloc().unwrap();
+        ring.read_fixed(&mut pool, 0, c, 0, 4096, 0, 1);
+        assert!(ring.needs_polling());
+        let got = wait_all(&mut ring, &mut pool, 1);
+        assert!(got == vec![(1, 4096)] || got == vec![(1, -libc::EOPNOTSUPP)], "{got:?}");
+        assert!(!ring.needs_polling());
+        pool.release(c);
     }
 
     #[test]

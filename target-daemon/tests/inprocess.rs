@@ -12,7 +12,7 @@ use rdmablk_common::fabric::{
 use rdmablk_common::protocol::{
     BlockCount, CommandCapsule, CommandId, ConnectReply, DataDescriptor, Lba, Opcode, ResponseCapsule, Status,
     VolumeId, VolumeInfo, COMMAND_CAPSULE_SIZE, FLAG_FUA, FLAG_INLINE_DATA, PROTOCOL_VERSION, RESPONSE_SLOT_SIZE,
-    VOLUME_FLAG_DISCARD, VOLUME_FLAG_READ_ONLY, VOLUME_INFO_SIZE,
+    VOLUME_FLAG_DISCARD, VOLUME_FLAG_READ_ONLY, VOLUME_FLAG_WRITE_ZEROES, VOLUME_INFO_SIZE,
 };
 use rdmablk_target::{Config, RunningTarget, Target};
 
@@ -638,7 +638,8 @@ fn block_device_volume_via_loop() {
     assert_eq!(r.status, Status::Success);
     let info = VolumeInfo::decode(&d).unwrap();
     assert_eq!(info.size_bytes, 8 << 20);
-    assert_eq!(info.flags, 0, "no discard / write-zeroes on block devices yet");
+    // A loop device on ext4 discards (BLKDISCARD); BLKZEROOUT always works.
+    assert_eq!(info.flags, VOLUME_FLAG_DISCARD | VOLUME_FLAG_WRITE_ZEROES);
     let bs = info.block_size as usize;
     let vol = info.volume_id.0;
     let data = pattern(41, 64 * bs);
@@ -648,13 +649,67 @@ fn block_device_volume_via_loop() {
     let rd = c.io(Opcode::Read, vol, 5, 64, c.desc(1 << 20, data.len()));
     assert_eq!(c.call(rd, b"").0.status, Status::Success);
     assert!(c.data()[1 << 20..(1 << 20) + data.len()] == data[..]);
-    for op in [Opcode::Discard, Opcode::WriteZeroes] {
-        let cap = c.io(op, vol, 0, 1, DataDescriptor::default());
-        assert_eq!(c.call(cap, b"").0.status, Status::NotSupported);
-    }
+    // WRITE_ZEROES (BLKZEROOUT on the blocking worker) over blocks 5..9,
+    // DISCARD (BLKDISCARD) over blocks 60..62: both succeed, and the zeroed
+    // blocks read back as zeroes while the others keep their data.
+    let z = c.io(Opcode::WriteZeroes, vol, 5, 4, DataDescriptor::default());
+    assert_eq!(c.call(z, b"").0.status, Status::Success);
+    let d = c.io(Opcode::Discard, vol, 60, 2, DataDescriptor::default());
+    assert_eq!(c.call(d, b"").0.status, Status::Success);
+    let rd = c.io(Opcode::Read, vol, 5, 8, c.desc(2 << 20, 8 * bs));
+    assert_eq!(c.call(rd, b"").0.status, Status::Success);
+    assert!(c.data()[2 << 20..(2 << 20) + 4 * bs].iter().all(|&b| b == 0), "WRITE_ZEROES left data");
+    assert!(c.data()[(2 << 20) + 4 * bs..(2 << 20) + 8 * bs] == data[4 * bs..8 * bs]);
     let f = c.io(Opcode::Flush, vol, 0, 0, DataDescriptor::default());
     assert_eq!(c.call(f, b"").0.status, Status::Success);
     drop(c);
     t.shutdown().unwrap();
-    assert_eq!(file_bytes(&img, 5 * bs as u64, data.len()), data);
+    let mut want = data.clone();
+    want[..4 * bs].fill(0);
+    assert_eq!(file_bytes(&img, 5 * bs as u64, 55 * bs), want[..55 * bs]);
+}
+
+#[test]
+fn reload_through_the_library_replaces_unused_volumes_and_refuses_used_ones() {
+    init_logs();
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let text = |vols: &str| {
+        format!("[target]\nlisten = [\"tcp://127.0.0.1:0\"]\nreactors = 2\nbuffer_pool = \"1MiB\"\n{vols}")
+            .replace("@DIR@", dir.path().to_str().unwrap())
+    };
+    let vol = |name: &str, file: &str, size: &str| {
+        format!("[[volume]]\nname = \"{name}\"\nbackend = \"file\"\npath = \"@DIR@/{file}\"\nsize = \"{size}\"\n")
+    };
+    let t = Target::start(Config::parse(&text(&format!("{}{}", vol("a", "a.img", "1MiB"), vol("b", "b.img", "1MiB"))), "r.toml").unwrap()).unwrap();
+    let before = t.volumes();
+    let mut c = Client::connect(t.url());
+    assert_eq!(c.connect_cmd(8, 1 << 20).0.status, Status::Success);
+    assert_eq!(c.open("a").0.status, Status::Success);
+    let sessions = t.sessions();
+    assert_eq!(sessions.len(), 1);
+    assert_eq!(sessions[0].host_id, "test-host");
+    assert_eq!(sessions[0].open, vec![before[0].1]);
+
+    // Both change size: "b" is unused and is reopened with a new id; "a" is open and stays.
+    let cfg = Config::parse(&text(&format!("{}{}", vol("a", "a.img", "2MiB"), vol("b", "b.img", "2MiB"))), "r.toml").unwrap();
+    let s = t.reload(cfg).unwrap();
+    assert_eq!(s.replaced, vec!["b".to_owned()]);
+    assert_eq!(s.refused.len(), 1);
+    assert_eq!(s.refused[0].0, "a");
+    assert!(s.refused[0].1.contains("size changed but it is open by test-host"), "{:?}", s.refused);
+    let after = t.volumes();
+    assert_eq!(after[0], before[0], "a untouched");
+    assert_eq!(after[1].0, "b");
+    assert!(after[1].1 .0 > before[1].1 .0, "a replaced volume gets a new id");
+    // The reopened "b" is 2 MiB: block 300 is in range now.
+    assert_eq!(c.open("b").0.status, Status::Success);
+    let w = c.io(Opcode::Write, after[1].1 .0, 300, 1, c.desc(0, 4096));
+    assert_eq!(c.call(w, b"").0.status, Status::Success);
+    // A target key change is reported, not applied.
+    let cfg = Config::parse(&text(&vol("b", "b.img", "2MiB")).replace("reactors = 2", "reactors = 3"), "r.toml").unwrap();
+    let s = t.reload(cfg).unwrap();
+    assert_eq!(s.restart_needed, vec!["target.reactors"]);
+    assert_eq!(s.refused.len(), 1, "a is still open: {s:?}");
+    drop(c);
+    t.shutdown().unwrap();
 }

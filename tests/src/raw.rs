@@ -2,6 +2,7 @@
 //! tests can send what the initiator library would never send (bad versions,
 //! unknown volume ids, misaligned descriptors, out-of-range blocks).
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{
@@ -9,7 +10,7 @@ use rdmablk_common::fabric::{
     QueuePair, RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WrId,
 };
 use rdmablk_common::protocol::{
-    CommandCapsule, CommandId, ConnectReply, DataDescriptor, Opcode, ResponseCapsule, Status, VolumeInfo,
+    CommandCapsule, CommandId, ConnectReply, DataDescriptor, Opcode, ResponseCapsule, SessionId, Status, VolumeInfo,
     PROTOCOL_VERSION, RESPONSE_SLOT_SIZE,
 };
 
@@ -30,6 +31,12 @@ pub struct RawQueue {
     send_buf: AlignedBuf,
     data_buf: AlignedBuf,
     next_id: u16,
+    recv_slots: usize,
+    /// Send slots whose SEND has not completed yet.
+    send_busy: Vec<bool>,
+    next_send: usize,
+    /// Responses that arrived while waiting for another one.
+    pending: VecDeque<RawResponse>,
 }
 
 /// What came back for a command.
@@ -47,14 +54,27 @@ impl RawQueue {
     /// Connects at the fabric level only (no CONNECT capsule yet). The data
     /// buffer of `data_len` bytes is registered with remote read and write.
     pub fn open(url: &str, data_len: usize) -> RawQueue {
+        Self::open_with_depth(url, data_len, RECV_SLOTS)
+    }
+
+    /// Like [`open`](RawQueue::open), with room for `depth` commands in
+    /// flight at once (receives posted and send slots).
+    pub fn open_with_depth(url: &str, data_len: usize, depth: usize) -> RawQueue {
         let url = FabricUrl::parse(url).expect("url");
         let fabric = Fabric::open(&url).expect("open fabric");
         let pd = fabric.alloc_pd().expect("pd");
-        let cq = fabric.create_cq(256).expect("cq");
-        let caps = QpCaps { max_send_wr: 64, max_recv_wr: RECV_SLOTS as u32, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+        let cq = fabric.create_cq((4 * depth as u32).max(256)).expect("cq");
+        let slots = depth.max(1);
+        let caps = QpCaps {
+            max_send_wr: (2 * slots as u32).max(64),
+            max_recv_wr: slots as u32,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        };
         let qp = fabric.create_qp(&pd, &cq, caps).expect("qp");
-        let recv_buf = AlignedBuf::new(RECV_SLOTS * RESPONSE_SLOT_SIZE, 4096);
-        let send_buf = AlignedBuf::new(SEND_SLOT, 4096);
+        let recv_buf = AlignedBuf::new(slots * RESPONSE_SLOT_SIZE, 4096);
+        let send_buf = AlignedBuf::new(slots * SEND_SLOT, 4096);
         let data_buf = AlignedBuf::new(data_len.max(4096), 4096);
         // SAFETY: each buffer outlives its region: the struct drops regions first.
         let (recv_mr, send_mr, data_mr) = unsafe {
@@ -69,8 +89,24 @@ impl RawQueue {
                 .expect("reg data"),
             )
         };
-        let q = RawQueue { qp, cq, recv_mr, send_mr, data_mr, _pd: pd, _fabric: fabric, recv_buf, send_buf, data_buf, next_id: 1 };
-        for slot in 0..RECV_SLOTS {
+        let q = RawQueue {
+            qp,
+            cq,
+            recv_mr,
+            send_mr,
+            data_mr,
+            _pd: pd,
+            _fabric: fabric,
+            recv_buf,
+            send_buf,
+            data_buf,
+            next_id: 1,
+            recv_slots: slots,
+            send_busy: vec![false; slots],
+            next_send: 0,
+            pending: VecDeque::new(),
+        };
+        for slot in 0..q.recv_slots {
             q.post_recv_slot(slot);
         }
         q.qp.connect(&[], Duration::from_secs(10)).expect("fabric connect");
@@ -89,6 +125,27 @@ impl RawQueue {
     fn post_recv_slot(&self, slot: usize) {
         let sge = self.recv_mr.sge(slot * RESPONSE_SLOT_SIZE, RESPONSE_SLOT_SIZE as u32);
         self.qp.post_recv(&[RecvWr { wr_id: WrId(slot as u64), sges: &[sge] }]).expect("post_recv");
+    }
+
+    /// Opens a queue pair for `depth` commands and sends CONNECT as `host`,
+    /// joining `session` (0 creates one); panics unless it succeeds.
+    pub fn connected_as(url: &str, data_len: usize, depth: usize, host: &str, session: SessionId) -> (RawQueue, ConnectReply) {
+        let mut q = RawQueue::open_with_depth(url, data_len, depth);
+        let r = q.connect_to_session(depth as u32, 1 << 20, host, session).expect("CONNECT");
+        assert_eq!(r.capsule.status, Status::Success, "CONNECT failed: {:?}", r.capsule);
+        let reply = ConnectReply::decode(&r.data).expect("connect reply");
+        (q, reply)
+    }
+
+    /// Sends CONNECT joining `session` (0: create a session).
+    pub fn connect_to_session(&mut self, queue_depth: u32, max_io: u32, host: &str, session: SessionId) -> Result<RawResponse, RawError> {
+        let mut c = CommandCapsule::new(Opcode::Connect, CommandId(0));
+        c.version = PROTOCOL_VERSION;
+        c.queue_depth = queue_depth;
+        c.max_io_size = max_io;
+        c.session_id = session;
+        c.inline_len = host.len() as u32;
+        self.command(c, host.as_bytes())
     }
 
     /// Sends CONNECT with the given fields.
@@ -131,7 +188,15 @@ impl RawQueue {
 
     /// Sends a capsule exactly as given (the command id is assigned here
     /// unless the caller set a non-zero one) and waits for its response.
-    pub fn command(&mut self, mut capsule: CommandCapsule, inline: &[u8]) -> Result<RawResponse, RawError> {
+    pub fn command(&mut self, capsule: CommandCapsule, inline: &[u8]) -> Result<RawResponse, RawError> {
+        let id = self.post(capsule, inline);
+        self.wait_response(id, Duration::from_secs(20))
+    }
+
+    /// Sends a capsule without waiting (ids as for [`command`](RawQueue::command));
+    /// returns its command id. Collect responses with
+    /// [`next_response`](RawQueue::next_response) or [`wait_response`](RawQueue::wait_response).
+    pub fn post(&mut self, mut capsule: CommandCapsule, inline: &[u8]) -> CommandId {
         if capsule.command_id.0 == 0 {
             capsule.command_id = CommandId(self.next_id);
             self.next_id = self.next_id.wrapping_add(1).max(1);
@@ -139,48 +204,81 @@ impl RawQueue {
         let mut msg = capsule.to_bytes().to_vec();
         msg.extend_from_slice(inline);
         self.send_bytes(&msg);
-        self.wait_response(capsule.command_id, Duration::from_secs(20))
+        capsule.command_id
     }
 
-    /// Posts raw bytes as one SEND.
+    /// Posts raw bytes as one SEND (from a send slot whose last SEND completed).
     pub fn send_bytes(&mut self, bytes: &[u8]) {
         assert!(bytes.len() <= SEND_SLOT);
-        // SAFETY: no transfer reads the send buffer now: the previous SEND completed
-        // before its response could arrive.
-        unsafe { self.send_buf.as_mut_slice()[..bytes.len()].copy_from_slice(bytes) };
-        let sge = self.send_mr.sge(0, bytes.len() as u32);
-        let wr = SendWr { wr_id: WrId(1 << 32), op: SendOp::Send, sges: &[sge], signaled: true, inline: false };
+        let slot = self.next_send;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.send_busy[slot] {
+            assert!(Instant::now() < deadline, "send slot {slot} never completed");
+            if self.poll_once().expect("completion while waiting for a send slot") == 0 {
+                let _ = self.cq.wait(Some(Duration::from_millis(10)));
+            }
+        }
+        self.next_send = (slot + 1) % self.send_busy.len();
+        // SAFETY: no transfer reads this send slot now: its previous SEND completed.
+        unsafe { self.send_buf.as_mut_slice()[slot * SEND_SLOT..slot * SEND_SLOT + bytes.len()].copy_from_slice(bytes) };
+        let sge = self.send_mr.sge(slot * SEND_SLOT, bytes.len() as u32);
+        let wr = SendWr { wr_id: WrId(1 << 32 | slot as u64), op: SendOp::Send, sges: &[sge], signaled: true, inline: false };
+        self.send_busy[slot] = true;
         self.qp.post_send(&[wr]).expect("post_send");
     }
 
-    /// Waits for the response to `id`.
-    pub fn wait_response(&mut self, id: CommandId, timeout: Duration) -> Result<RawResponse, RawError> {
-        let deadline = Instant::now() + timeout;
+    /// Polls the completion queue once: responses go to the pending queue,
+    /// completed SENDs free their slot. Returns how many completions it saw.
+    fn poll_once(&mut self) -> Result<usize, RawError> {
         let mut wcs = [Completion::EMPTY; 16];
-        loop {
-            let n = self.cq.poll(&mut wcs).map_err(|e| RawError(e.to_string()))?;
-            for wc in &wcs[..n] {
-                if wc.status != WcStatus::Success {
-                    return Err(RawError(format!("{:?} completion {:?}", wc.opcode, wc.status)));
-                }
-                if wc.opcode != WcOpcode::Recv {
-                    continue;
-                }
-                let slot = wc.wr_id.0 as usize;
-                let start = slot * RESPONSE_SLOT_SIZE;
-                // SAFETY: the receive completed; nothing writes this slot until it is reposted below.
-                let msg = unsafe { self.recv_buf.as_slice()[start..start + wc.byte_len as usize].to_vec() };
-                self.post_recv_slot(slot);
-                let capsule = ResponseCapsule::decode(&msg).map_err(|e| RawError(format!("bad response: {e}")))?;
-                let data = msg[32..].to_vec();
-                if capsule.command_id == id {
-                    return Ok(RawResponse { capsule, data });
-                }
+        let n = self.cq.poll(&mut wcs).map_err(|e| RawError(e.to_string()))?;
+        for wc in &wcs[..n] {
+            if wc.status != WcStatus::Success {
+                return Err(RawError(format!("{:?} completion {:?}", wc.opcode, wc.status)));
             }
-            if n == 0 {
+            if wc.opcode == WcOpcode::Send {
+                if let Some(b) = self.send_busy.get_mut((wc.wr_id.0 & 0xffff_ffff) as usize) {
+                    *b = false;
+                }
+                continue;
+            }
+            if wc.opcode != WcOpcode::Recv {
+                continue;
+            }
+            let slot = wc.wr_id.0 as usize;
+            let start = slot * RESPONSE_SLOT_SIZE;
+            // SAFETY: the receive completed; nothing writes this slot until it is reposted below.
+            let msg = unsafe { self.recv_buf.as_slice()[start..start + wc.byte_len as usize].to_vec() };
+            self.post_recv_slot(slot);
+            let capsule = ResponseCapsule::decode(&msg).map_err(|e| RawError(format!("bad response: {e}")))?;
+            let data = msg[32..].to_vec();
+            self.pending.push_back(RawResponse { capsule, data });
+        }
+        Ok(n)
+    }
+
+    /// Waits for the response to `id` (responses to other commands are kept
+    /// for later calls).
+    pub fn wait_response(&mut self, id: CommandId, timeout: Duration) -> Result<RawResponse, RawError> {
+        self.wait_for(Some(id), timeout)
+    }
+
+    /// Waits for the next response, whichever command it answers.
+    pub fn next_response(&mut self, timeout: Duration) -> Result<RawResponse, RawError> {
+        self.wait_for(None, timeout)
+    }
+
+    fn wait_for(&mut self, id: Option<CommandId>, timeout: Duration) -> Result<RawResponse, RawError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(pos) = self.pending.iter().position(|r| id.is_none_or(|id| r.capsule.command_id == id)) {
+                return Ok(self.pending.remove(pos).expect("present"));
+            }
+            if self.poll_once()? == 0 {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
-                    return Err(RawError(format!("no response to command {} within {timeout:?}", id.0)));
+                    let what = id.map_or("any command".to_owned(), |id| format!("command {}", id.0));
+                    return Err(RawError(format!("no response to {what} within {timeout:?}")));
                 }
                 self.cq.wait(Some(left.min(Duration::from_millis(100)))).map_err(|e| RawError(e.to_string()))?;
             }

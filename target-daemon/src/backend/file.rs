@@ -12,6 +12,17 @@
 //!   smaller than it.
 //! - block size defaults to 4096 for regular files; it may not be smaller
 //!   than the file system's O_DIRECT offset alignment (statx STATX_DIOALIGN).
+//!
+//! DISCARD and WRITE_ZEROES are advertised only when they work, which is
+//! found out when a writable volume is opened:
+//! - regular file: fallocate(PUNCH_HOLE) and fallocate(ZERO_RANGE) are tried
+//!   on an O_TMPFILE in the file's directory (or, failing that, past the end
+//!   of the file, which changes no data). DISCARD punches a hole;
+//!   WRITE_ZEROES uses ZERO_RANGE, or PUNCH_HOLE when the file system lacks
+//!   it (a hole reads back as zeroes).
+//! - block device: DISCARD is BLKDISCARD when the device discards
+//!   (`queue/discard_max_bytes` > 0); WRITE_ZEROES is BLKZEROOUT, which the
+//!   kernel serves with WRITE ZEROES or, failing that, by writing zeroes.
 
 use std::fmt;
 use std::fs::{File, OpenOptions};
@@ -22,10 +33,12 @@ use std::path::{Path, PathBuf};
 
 use rdmablk_common::size::ByteSize;
 
+use crate::backend::RangeOp;
 use crate::config::{VolumeConfig, DEFAULT_FILE_BLOCK_SIZE};
 use crate::error::{Error, ErrorKind, Result};
 use crate::pool::ALIGN;
 use crate::sys;
+use crate::uring::{PUNCH_HOLE, ZERO_RANGE};
 
 /// What the path is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,6 +65,11 @@ pub struct FileBackend {
     size: u64,
     block_size: u32,
     identity: (u64, u64),
+    writable: bool,
+    discard: Option<RangeOp>,
+    write_zeroes: Option<RangeOp>,
+    /// The block device that serves the I/O (the device itself, or the file system's).
+    device: u64,
 }
 
 /// What `--check` found, without side effects.
@@ -144,7 +162,49 @@ impl FileBackend {
         check_dio(&cx, &file, kind, block_size)?;
         let meta = file.metadata().map_err(|e| cx.io_err("stat", e))?;
         let identity = if kind == FileKind::BlockDevice { (u64::MAX, meta.rdev()) } else { (meta.dev(), meta.ino()) };
-        Ok(FileBackend { file, path: vc.path.clone(), kind, size, block_size, identity })
+        let device = if kind == FileKind::BlockDevice { meta.rdev() } else { meta.dev() };
+        let writable = !vc.read_only;
+        let (discard, write_zeroes) = if !writable {
+            (None, None)
+        } else {
+            match kind {
+                FileKind::Regular => {
+                    let (punch, zero) = probe_fallocate(&vc.path, &file, size);
+                    let discard = punch.then_some(RangeOp::Fallocate(PUNCH_HOLE));
+                    let zeroes = if zero {
+                        Some(RangeOp::Fallocate(ZERO_RANGE))
+                    } else {
+                        punch.then_some(RangeOp::Fallocate(PUNCH_HOLE))
+                    };
+                    (discard, zeroes)
+                }
+                FileKind::BlockDevice => {
+                    let max = sys::block_queue_attr(device, "discard_max_bytes").and_then(|v| v.parse::<u64>().ok());
+                    (max.is_some_and(|m| m > 0).then_some(RangeOp::BlkDiscard), Some(RangeOp::BlkZeroout))
+                }
+            }
+        };
+        Ok(FileBackend { file, path: vc.path.clone(), kind, size, block_size, identity, writable, discard, write_zeroes, device })
+    }
+
+    /// Whether it was opened read-write.
+    pub fn writable(&self) -> bool {
+        self.writable
+    }
+
+    /// How DISCARD is done, if it works here.
+    pub fn discard(&self) -> Option<RangeOp> {
+        self.discard
+    }
+
+    /// How WRITE_ZEROES is done, if it works here.
+    pub fn write_zeroes(&self) -> Option<RangeOp> {
+        self.write_zeroes
+    }
+
+    /// Whether the I/O lands on a block device with poll queues (iopoll).
+    pub fn pollable(&self) -> bool {
+        sys::block_queue_attr(self.device, "io_poll").as_deref() == Some("1")
     }
 
     /// Validates without creating or changing anything (opens existing
@@ -263,6 +323,31 @@ fn plan(cx: &Ctx<'_>) -> Result<(Plan, FileKind)> {
         Ok(meta) if meta.file_type().is_block_device() => Ok((Plan::Block, FileKind::BlockDevice)),
         Ok(_) => Err(cx.err("path", "is neither a regular file nor a block device")),
     }
+}
+
+/// Whether fallocate(PUNCH_HOLE) and fallocate(ZERO_RANGE) work for this
+/// file, tried where no data can change: on an O_TMPFILE in the same
+/// directory (same file system), or else past the end of the file.
+fn probe_fallocate(path: &Path, file: &File, size: u64) -> (bool, bool) {
+    let try_on = |fd: RawFd, off: u64| {
+        let punch = sys::fallocate(fd, PUNCH_HOLE, off, 4096).is_ok();
+        let zero = sys::fallocate(fd, ZERO_RANGE, off, 4096).is_ok();
+        (punch, zero)
+    };
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let tmp = OpenOptions::new().read(true).write(true).mode(0o600).custom_flags(libc::O_TMPFILE | libc::O_CLOEXEC).open(dir);
+    if let Ok(t) = tmp {
+        if t.set_len(65536).is_ok() {
+            return try_on(t.as_raw_fd(), 8192);
+        }
+    }
+    // Past the end with KEEP_SIZE: a hole where nothing was, and zeroed
+    // blocks beyond EOF that no read can reach; punched again afterwards.
+    let r = try_on(file.as_raw_fd(), size);
+    if r.1 && r.0 {
+        let _ = sys::fallocate(file.as_raw_fd(), PUNCH_HOLE, size, 4096);
+    }
+    r
 }
 
 fn block_geometry(cx: &Ctx<'_>, file: &File) -> Result<(u64, u32)> {
@@ -397,6 +482,21 @@ mod tests {
     }
 
     #[test]
+    fn regular_files_advertise_what_fallocate_does() {
+        let d = dir();
+        let p = d.path().join("f.img");
+        let f = FileBackend::open("c", &vc(&p, Some(1 << 20), None, false)).unwrap();
+        // ext4, xfs and btrfs punch holes and zero ranges; tmpfs only punches.
+        assert_eq!(f.discard(), Some(RangeOp::Fallocate(PUNCH_HOLE)));
+        assert!(matches!(f.write_zeroes(), Some(RangeOp::Fallocate(_))));
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), 1 << 20, "probing changed the file");
+        let names: Vec<_> = std::fs::read_dir(d.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names.len(), 1, "probing left files behind: {names:?}");
+        let ro = FileBackend::open("c", &vc(&p, None, None, true)).unwrap();
+        assert!(!ro.writable() && ro.discard().is_none() && ro.write_zeroes().is_none());
+    }
+
+    #[test]
     fn rejects_directories() {
         let d = dir();
         let e = FileBackend::open("c", &vc(d.path(), None, None, false)).unwrap_err().to_string();
@@ -427,6 +527,10 @@ mod tests {
         assert_eq!(f.kind(), FileKind::BlockDevice);
         assert_eq!(f.size(), 8 << 20);
         assert!(f.block_size() >= 512);
+        // Loop devices on ext4 discard; BLKZEROOUT always works.
+        assert_eq!(f.discard(), Some(RangeOp::BlkDiscard));
+        assert_eq!(f.write_zeroes(), Some(RangeOp::BlkZeroout));
+        assert!(!f.pollable(), "loop devices have no poll queues");
         drop(f);
         let e = FileBackend::open("c", &vc(&dev, Some(4 << 20), None, false)).unwrap_err().to_string();
         assert!(e.contains("volume[3].size") && e.contains("disagrees"), "{e}");

@@ -1,47 +1,210 @@
 //! Volumes and their backends.
 //!
-//! A [`Volume`] is what the protocol exports: a name, an id, a size in
-//! blocks, a block size, flags. Its [`Backend`] is where the blocks live.
-//! Only the `file` backend exists now (a regular file or a block device,
-//! O_DIRECT through io_uring); `memory` and `null` backends can be added as
-//! new variants without touching the protocol code, which asks the volume
-//! what it supports.
+//! A [`Volume`] is what the protocol exports: a name, an id, a size, a block
+//! size, flags. Its [`Backend`] is where the blocks live:
+//!
+//! | backend | READ / WRITE | FLUSH | FUA | DISCARD | WRITE_ZEROES | durability |
+//! |---|---|---|---|---|---|---|
+//! | `file`, regular file | io_uring ReadFixed/WriteFixed, O_DIRECT | fdatasync | RWF_DSYNC | fallocate(PUNCH_HOLE) | fallocate(ZERO_RANGE), else PUNCH_HOLE | survives power loss after FLUSH or FUA |
+//! | `file`, block device | the same, on the device | fdatasync (cache flush) | RWF_DSYNC (FUA) | BLKDISCARD, when the device discards | BLKZEROOUT | survives power loss after FLUSH or FUA |
+//! | `memory` | io_uring on a memfd (RAM) | no-op | no-op | fallocate(PUNCH_HOLE) | fallocate(PUNCH_HOLE) (reads back zeroes) | none: kept while the target runs, lost when it stops |
+//! | `null` | reads return zeroes, writes are dropped (their data still crosses the fabric) | no-op | no-op | no-op | no-op | none: nothing is stored |
+//!
+//! Only what really works is advertised (VolumeInfo flags): the file backend
+//! probes fallocate on a temporary file in the volume's directory, and a
+//! block device's `queue/discard_max_bytes`, when it opens the volume.
+//! Blocking ioctls (BLKDISCARD, BLKZEROOUT) run on the reactor's blocking
+//! worker, never on the reactor itself.
 
 pub mod file;
+pub mod memory;
 
+use std::fmt;
 use std::os::fd::RawFd;
+use std::sync::Arc;
 
 use rdmablk_common::protocol::{
     VolumeId, VolumeInfo, VOLUME_FLAG_DISCARD, VOLUME_FLAG_READ_ONLY, VOLUME_FLAG_WRITE_ZEROES,
 };
 use rdmablk_common::size::ByteSize;
 
-use crate::config::{BackendKind, Config};
+use crate::command::{VolumeMeta, VolumeTable};
+use crate::config::{BackendKind, Config, VolumeConfig, DEFAULT_FILE_BLOCK_SIZE};
 use crate::error::{Error, ErrorKind, Result};
+use crate::metrics::VolumeStats;
 pub use file::{FileBackend, FileKind};
+pub use memory::MemoryBackend;
+
+/// How a volume carries out DISCARD or WRITE_ZEROES.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RangeOp {
+    /// fallocate with this mode: through io_uring, or the blocking worker on an iopoll ring.
+    Fallocate(i32),
+    /// ioctl BLKDISCARD, on the blocking worker.
+    BlkDiscard,
+    /// ioctl BLKZEROOUT, on the blocking worker.
+    BlkZeroout,
+    /// Nothing to do (the `null` backend).
+    Nothing,
+}
+
+impl fmt::Display for RangeOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            RangeOp::Fallocate(m) if m == crate::uring::PUNCH_HOLE => f.write_str("fallocate(PUNCH_HOLE)"),
+            RangeOp::Fallocate(m) if m == crate::uring::ZERO_RANGE => f.write_str("fallocate(ZERO_RANGE)"),
+            RangeOp::Fallocate(m) => write!(f, "fallocate({m:#x})"),
+            RangeOp::BlkDiscard => f.write_str("BLKDISCARD"),
+            RangeOp::BlkZeroout => f.write_str("BLKZEROOUT"),
+            RangeOp::Nothing => f.write_str("no-op"),
+        }
+    }
+}
+
+fn show(op: Option<RangeOp>) -> String {
+    op.map_or_else(|| "unsupported".to_owned(), |o| o.to_string())
+}
 
 /// Where a volume's blocks live.
 #[derive(Debug)]
 pub enum Backend {
     File(FileBackend),
+    Memory(MemoryBackend),
+    Null,
 }
 
-/// An exported volume.
+impl Backend {
+    /// The descriptor io_uring registers as a fixed file (`None`: no disk I/O).
+    pub fn uring_fd(&self) -> Option<RawFd> {
+        match self {
+            Backend::File(f) => Some(f.fd()),
+            Backend::Memory(m) => Some(m.fd()),
+            Backend::Null => None,
+        }
+    }
+
+    /// Whether the backend was opened for writing.
+    pub fn writable(&self) -> bool {
+        match self {
+            Backend::File(f) => f.writable(),
+            Backend::Memory(_) | Backend::Null => true,
+        }
+    }
+
+    /// How DISCARD is done, if at all.
+    pub fn discard(&self) -> Option<RangeOp> {
+        match self {
+            Backend::File(f) => f.discard(),
+            Backend::Memory(_) => Some(RangeOp::Fallocate(crate::uring::PUNCH_HOLE)),
+            Backend::Null => Some(RangeOp::Nothing),
+        }
+    }
+
+    /// How WRITE_ZEROES is done, if at all.
+    pub fn write_zeroes(&self) -> Option<RangeOp> {
+        match self {
+            Backend::File(f) => f.write_zeroes(),
+            // shmem has no ZERO_RANGE; a punched hole reads back as zeroes.
+            Backend::Memory(_) => Some(RangeOp::Fallocate(crate::uring::PUNCH_HOLE)),
+            Backend::Null => Some(RangeOp::Nothing),
+        }
+    }
+
+    /// Whether FLUSH has anything to do (`file` only).
+    pub fn needs_flush(&self) -> bool {
+        matches!(self, Backend::File(_))
+    }
+
+    /// Makes completed writes durable (fdatasync); a no-op for RAM and null.
+    pub fn sync(&self) -> std::io::Result<()> {
+        match self {
+            Backend::File(f) => f.sync(),
+            Backend::Memory(_) | Backend::Null => Ok(()),
+        }
+    }
+
+    /// The backend kind.
+    pub fn kind(&self) -> BackendKind {
+        match self {
+            Backend::File(_) => BackendKind::File,
+            Backend::Memory(_) => BackendKind::Memory,
+            Backend::Null => BackendKind::Null,
+        }
+    }
+
+    /// The backend name as configured.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Backend::File(_) => "file",
+            Backend::Memory(_) => "memory",
+            Backend::Null => "null",
+        }
+    }
+}
+
+/// An exported volume. Immutable: a reload that changes the read-only flag
+/// publishes a new `Volume` with the same id, stats and (when possible) backend.
 #[derive(Debug)]
 pub struct Volume {
-    /// Wire id: position in the configuration + 1 (0 means "no volume").
+    /// Wire id, stable while the target runs and never reused for another volume.
     pub id: VolumeId,
-    /// Position in the configuration; also the io_uring fixed-file index.
-    pub index: usize,
     pub name: String,
+    /// The configuration it was opened from (compared on reload).
+    pub config: VolumeConfig,
     pub read_only: bool,
     pub block_size: u32,
     /// Size in bytes (a multiple of `block_size`).
     pub size: u64,
-    pub backend: Backend,
+    pub backend: Arc<Backend>,
+    pub stats: Arc<VolumeStats>,
 }
 
 impl Volume {
+    /// Opens the backend of `vc` for serving, as volume `id`.
+    /// `reactors` sizes its counters; `iopoll` demands a pollable device.
+    pub fn open(source: &str, vc: &VolumeConfig, id: VolumeId, reactors: usize, iopoll: bool) -> Result<Volume> {
+        let (backend, size, block_size) = open_backend(source, vc, vc.read_only, iopoll)?;
+        let v = Volume {
+            id,
+            name: vc.name.clone(),
+            config: vc.clone(),
+            read_only: vc.read_only,
+            block_size,
+            size,
+            backend: Arc::new(backend),
+            stats: Arc::new(VolumeStats::new(reactors)),
+        };
+        tracing::info!("{}", v.describe());
+        Ok(v)
+    }
+
+    /// The same volume with another read-only flag (and configuration
+    /// position). A read-only backend is reopened for writing.
+    pub fn with_read_only(&self, source: &str, vc: &VolumeConfig, iopoll: bool) -> Result<Volume> {
+        let backend = if !vc.read_only && !self.backend.writable() {
+            let (b, size, bs) = open_backend(source, vc, false, iopoll)?;
+            if size != self.size || bs != self.block_size {
+                return Err(Error::new(
+                    ErrorKind::Volume,
+                    format!("{source}: {}: reopened read-write, the size or block size changed", vc.key("read_only")),
+                ));
+            }
+            Arc::new(b)
+        } else {
+            Arc::clone(&self.backend)
+        };
+        Ok(Volume {
+            id: self.id,
+            name: self.name.clone(),
+            config: vc.clone(),
+            read_only: vc.read_only,
+            block_size: self.block_size,
+            size: self.size,
+            backend,
+            stats: Arc::clone(&self.stats),
+        })
+    }
+
     /// Size in blocks.
     pub fn blocks(&self) -> u64 {
         self.size / self.block_size as u64
@@ -49,23 +212,12 @@ impl Volume {
 
     /// Whether DISCARD can be served.
     pub fn supports_discard(&self) -> bool {
-        match &self.backend {
-            Backend::File(f) => f.kind() == FileKind::Regular,
-        }
+        self.backend.discard().is_some()
     }
 
     /// Whether WRITE_ZEROES can be served.
     pub fn supports_write_zeroes(&self) -> bool {
-        match &self.backend {
-            Backend::File(f) => f.kind() == FileKind::Regular,
-        }
-    }
-
-    /// The descriptor to register with io_uring.
-    pub fn uring_fd(&self) -> RawFd {
-        match &self.backend {
-            Backend::File(f) => f.fd(),
-        }
+        self.backend.write_zeroes().is_some()
     }
 
     /// What OPEN replies and LIST writes.
@@ -86,71 +238,103 @@ impl Volume {
 
     /// Makes completed writes durable (fdatasync).
     pub fn sync(&self) -> std::io::Result<()> {
-        match &self.backend {
-            Backend::File(f) => f.sync(),
-        }
+        self.backend.sync()
     }
 
-    /// One line for logs and `--check`.
+    /// One line for logs: what it is and what it supports.
     pub fn describe(&self) -> String {
-        match &self.backend {
-            Backend::File(f) => format!(
-                "volume {}: backend=file path={} ({}) size={} block_size={} {}",
-                self.name,
-                f.path().display(),
-                f.kind(),
-                ByteSize(self.size),
-                self.block_size,
-                if self.read_only { "ro" } else { "rw" },
-            ),
+        let what = match &*self.backend {
+            Backend::File(f) => format!("backend=file path={} ({})", f.path().display(), f.kind()),
+            Backend::Memory(_) => "backend=memory (RAM, lost when the target stops)".to_owned(),
+            Backend::Null => "backend=null (reads return zeroes, writes are dropped)".to_owned(),
+        };
+        let (discard, zeroes) = if self.read_only {
+            ("read-only".to_owned(), "read-only".to_owned())
+        } else {
+            (show(self.backend.discard()), show(self.backend.write_zeroes()))
+        };
+        format!(
+            "volume {} (id {}): {what} size={} block_size={} {}; discard={discard} write_zeroes={zeroes}",
+            self.name,
+            self.id,
+            ByteSize(self.size),
+            self.block_size,
+            if self.read_only { "ro" } else { "rw" },
+        )
+    }
+
+    /// Refuses a volume whose file or device another served volume already uses.
+    pub fn check_distinct(&self, source: &str, others: &[Arc<Volume>]) -> Result<()> {
+        let Backend::File(a) = &*self.backend else { return Ok(()) };
+        for other in others.iter().filter(|o| o.id != self.id) {
+            if let Backend::File(b) = &*other.backend {
+                if a.identity() == b.identity() {
+                    return Err(Error::new(
+                        ErrorKind::Config,
+                        format!(
+                            "{source}: {}: {} is the same file as volume {:?}",
+                            self.config.key("path"),
+                            self.config.path.display(),
+                            other.name
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn open_backend(source: &str, vc: &VolumeConfig, read_only: bool, iopoll: bool) -> Result<(Backend, u64, u32)> {
+    let err = |key: &str, why: String| Error::new(ErrorKind::Volume, format!("{source}: {}: {why}", vc.key(key)));
+    match vc.backend {
+        BackendKind::File => {
+            let mut vc = vc.clone();
+            vc.read_only = read_only;
+            let f = FileBackend::open(source, &vc)?;
+            if iopoll && !f.pollable() {
+                return Err(err(
+                    "path",
+                    format!(
+                        "{}: target.iopoll is set but this {} is not on a block device with poll queues \
+                         (queue/io_poll is not 1; load nvme with poll_queues=N)",
+                        vc.path.display(),
+                        f.kind()
+                    ),
+                ));
+            }
+            let (size, bs) = (f.size(), f.block_size());
+            Ok((Backend::File(f), size, bs))
+        }
+        BackendKind::Memory => {
+            let (size, bs) = sized(vc)?;
+            Ok((Backend::Memory(MemoryBackend::open(source, vc, size)?), size, bs))
+        }
+        BackendKind::Null => {
+            let (size, bs) = sized(vc)?;
+            Ok((Backend::Null, size, bs))
         }
     }
 }
 
+/// Size and block size of a `memory` or `null` volume (the config requires a size).
+fn sized(vc: &VolumeConfig) -> Result<(u64, u32)> {
+    let size = vc.size.ok_or_else(|| Error::new(ErrorKind::Config, format!("{}: required", vc.key("size"))))?;
+    let bs = vc.block_size.unwrap_or(DEFAULT_FILE_BLOCK_SIZE);
+    if size % bs as u64 != 0 {
+        return Err(Error::new(ErrorKind::Config, format!("{}: {size} is not a multiple of the block size {bs}", vc.key("size"))));
+    }
+    Ok((size, bs))
+}
+
 /// Opens every configured volume for serving (creating or growing regular
-/// files where the configuration says so).
-pub fn open_volumes(config: &Config) -> Result<Vec<Volume>> {
-    let mut volumes: Vec<Volume> = Vec::with_capacity(config.volumes.len());
+/// files where the configuration says so); ids are 1, 2, ... in order.
+pub fn open_volumes(config: &Config) -> Result<Vec<Arc<Volume>>> {
+    let mut volumes: Vec<Arc<Volume>> = Vec::with_capacity(config.volumes.len());
     for vc in &config.volumes {
-        let (backend, size, block_size) = match vc.backend {
-            BackendKind::File => {
-                let f = FileBackend::open(&config.source, vc)?;
-                let (size, bs) = (f.size(), f.block_size());
-                (Backend::File(f), size, bs)
-            }
-        };
-        for other in &volumes {
-            let (Backend::File(a), Backend::File(b)) = (&other.backend, &backend);
-            if a.identity() == b.identity() {
-                return Err(Error::new(
-                    ErrorKind::Config,
-                    format!(
-                        "{}: {}: {} is the same file as volume {:?}",
-                        config.source,
-                        vc.key("path"),
-                        vc.path.display(),
-                        other.name
-                    ),
-                ));
-            }
-        }
-        let v = Volume {
-            id: VolumeId(vc.index as u32 + 1),
-            index: vc.index,
-            name: vc.name.clone(),
-            read_only: vc.read_only,
-            block_size,
-            size,
-            backend,
-        };
-        let info = v.info();
-        tracing::info!(
-            "{}; discard={} write_zeroes={}",
-            v.describe(),
-            info.flags & VOLUME_FLAG_DISCARD != 0,
-            info.flags & VOLUME_FLAG_WRITE_ZEROES != 0
-        );
-        volumes.push(v);
+        let v = Volume::open(&config.source, vc, VolumeId(vc.index as u32 + 1), config.target.reactors, config.target.iopoll)?;
+        v.check_distinct(&config.source, &volumes)?;
+        volumes.push(Arc::new(v));
     }
     Ok(volumes)
 }
@@ -159,24 +343,52 @@ pub fn open_volumes(config: &Config) -> Result<Vec<Volume>> {
 pub fn check_volumes(config: &Config) -> Result<Vec<String>> {
     let mut lines = Vec::new();
     for vc in &config.volumes {
+        let access = if vc.read_only { "ro" } else { "rw" };
         match vc.backend {
             BackendKind::File => {
                 let c = FileBackend::check(&config.source, vc)?;
                 let mut line = format!(
-                    "volume {}: backend=file path={} ({}) size={} block_size={} {}",
+                    "volume {}: backend=file path={} ({}) size={} block_size={} {access}",
                     vc.name,
                     vc.path.display(),
                     c.kind,
                     ByteSize(c.size),
                     c.block_size,
-                    if vc.read_only { "ro" } else { "rw" },
                 );
                 if let Some(action) = c.action {
                     line.push_str(&format!(" ({action})"));
                 }
                 lines.push(line);
             }
+            BackendKind::Memory | BackendKind::Null => {
+                let (size, bs) = sized(vc)?;
+                lines.push(format!("volume {}: backend={} size={} block_size={bs} {access}", vc.name, vc.backend, ByteSize(size)));
+            }
         }
     }
     Ok(lines)
+}
+
+/// The volumes served at one moment, as published to the reactors.
+#[derive(Debug)]
+pub struct VolumeSet {
+    /// Increases with every publication.
+    pub generation: u64,
+    /// In configuration order.
+    pub volumes: Vec<Arc<Volume>>,
+    /// What command validation needs, in the same order.
+    pub table: VolumeTable,
+}
+
+impl VolumeSet {
+    /// A set of `volumes` at `generation`.
+    pub fn new(generation: u64, volumes: Vec<Arc<Volume>>) -> VolumeSet {
+        let table = VolumeTable::new(volumes.iter().map(|v| VolumeMeta::of(v)).collect());
+        VolumeSet { generation, volumes, table }
+    }
+
+    /// The volume named `name`.
+    pub fn by_name(&self, name: &str) -> Option<&Arc<Volume>> {
+        self.volumes.iter().find(|v| v.name == name)
+    }
 }

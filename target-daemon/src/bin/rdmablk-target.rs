@@ -1,5 +1,10 @@
 //! rdmablk-target: exports volumes over the fabric.
 //!
+//! Signals: SIGHUP reloads the configuration file (volumes only); SIGTERM
+//! and SIGINT stop cleanly (in-flight commands finish, writable volumes are
+//! flushed, exit 0). Under systemd (`Type=notify`) it reports READY, STATUS
+//! and WATCHDOG through `NOTIFY_SOCKET`.
+//!
 //! Exit codes: 0 on a clean shutdown (or a passing `--check`), 2 for an
 //! invalid configuration or a volume that disagrees with it (clap's usage
 //! errors are 2 as well), 1 for anything else.
@@ -19,6 +24,7 @@ enum LogFormat {
 }
 
 /// Remote block storage target (NVMe-oF/RDMA style, direct data placement).
+/// SIGHUP reloads the configuration; SIGTERM stops cleanly.
 #[derive(Parser, Debug)]
 #[command(name = "rdmablk-target", version, about)]
 struct Args {

@@ -1,0 +1,652 @@
+//! Metrics: per-reactor counters written without locks, aggregated when
+//! scraped into the Prometheus text format, and the minimal HTTP/1.1
+//! responder that serves them from the control thread.
+//!
+//! Every counter has exactly one writer, its reactor, which updates it with
+//! a relaxed load and store (no locked instruction, no allocation). A scrape
+//! reads them all with relaxed loads and sums over reactors; totals may be a
+//! few operations apart from each other, never torn.
+//!
+//! Latency histograms have fixed log2 buckets: bucket `k` counts commands
+//! that took at most 2^k microseconds (1 µs .. 2^26 µs ≈ 67 s), plus one
+//! overflow bucket. Latency runs from the receive completion of the command
+//! capsule to the moment its response is posted.
+
+use std::fmt::Write as _;
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use rdmablk_common::protocol::Opcode;
+
+use crate::sys::{Epoll, READABLE, WRITABLE};
+
+/// The I/O opcodes counted per volume, in this order.
+pub const IO_OPS: [Opcode; 5] = [Opcode::Read, Opcode::Write, Opcode::Flush, Opcode::Discard, Opcode::WriteZeroes];
+
+/// Index of an I/O opcode in [`IO_OPS`].
+pub fn op_index(op: Opcode) -> Option<usize> {
+    IO_OPS.iter().position(|&o| o == op)
+}
+
+fn op_label(op: Opcode) -> &'static str {
+    match op {
+        Opcode::Read => "read",
+        Opcode::Write => "write",
+        Opcode::Flush => "flush",
+        Opcode::Discard => "discard",
+        Opcode::WriteZeroes => "write_zeroes",
+        _ => "other",
+    }
+}
+
+/// Number of finite latency buckets: upper bounds 2^0 .. 2^(N-1) microseconds.
+pub const LATENCY_BUCKETS: usize = 27;
+
+/// The bucket a latency falls in (`LATENCY_BUCKETS` is the overflow bucket).
+pub fn latency_bucket(latency: Duration) -> usize {
+    let us = latency.as_nanos().div_ceil(1000).min(u64::MAX as u128) as u64;
+    let k = if us <= 1 { 0 } else { (64 - (us - 1).leading_zeros()) as usize };
+    k.min(LATENCY_BUCKETS)
+}
+
+/// A counter or gauge with a single writer.
+#[derive(Debug, Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    /// Adds `v` (single writer: a plain load and store).
+    #[inline]
+    pub fn add(&self, v: u64) {
+        self.0.store(self.0.load(Relaxed).wrapping_add(v), Relaxed);
+    }
+    /// Sets the value (gauges).
+    #[inline]
+    pub fn set(&self, v: u64) {
+        self.0.store(v, Relaxed);
+    }
+    /// The current value.
+    pub fn get(&self) -> u64 {
+        self.0.load(Relaxed)
+    }
+}
+
+/// Counters of one opcode on one volume, written by one reactor.
+#[derive(Debug, Default)]
+pub struct OpCounters {
+    pub ops: Counter,
+    pub bytes: Counter,
+    pub errors: Counter,
+    pub latency_ns: Counter,
+    pub buckets: [Counter; LATENCY_BUCKETS + 1],
+}
+
+impl OpCounters {
+    /// Records one finished command: `bytes` moved (0 on failure).
+    #[inline]
+    pub fn record(&self, bytes: u64, ok: bool, latency: Duration) {
+        self.ops.add(1);
+        if ok {
+            self.bytes.add(bytes);
+        } else {
+            self.errors.add(1);
+        }
+        self.latency_ns.add(latency.as_nanos().min(u64::MAX as u128) as u64);
+        self.buckets[latency_bucket(latency)].add(1);
+    }
+}
+
+/// One reactor's counters for one volume (its own cache lines).
+#[derive(Debug, Default)]
+#[repr(align(128))]
+pub struct VolumeReactorStats {
+    pub ops: [OpCounters; IO_OPS.len()],
+}
+
+/// A volume's counters: one block per reactor, summed on scrape. Kept when a
+/// reload changes only the volume's read-only flag.
+#[derive(Debug)]
+pub struct VolumeStats {
+    per_reactor: Box<[VolumeReactorStats]>,
+}
+
+/// Summed counters of one opcode.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OpTotals {
+    pub ops: u64,
+    pub bytes: u64,
+    pub errors: u64,
+    pub latency_ns: u64,
+    pub buckets: Vec<u64>,
+}
+
+impl VolumeStats {
+    /// Counters for `reactors` reactors.
+    pub fn new(reactors: usize) -> VolumeStats {
+        VolumeStats { per_reactor: (0..reactors.max(1)).map(|_| VolumeReactorStats::default()).collect() }
+    }
+
+    /// The block reactor `r` writes.
+    #[inline]
+    pub fn reactor(&self, r: usize) -> &VolumeReactorStats {
+        &self.per_reactor[r]
+    }
+
+    /// The sum over reactors for opcode index `i` of [`IO_OPS`].
+    pub fn totals(&self, i: usize) -> OpTotals {
+        let mut t = OpTotals { buckets: vec![0; LATENCY_BUCKETS + 1], ..Default::default() };
+        for r in self.per_reactor.iter() {
+            let c = &r.ops[i];
+            t.ops += c.ops.get();
+            t.bytes += c.bytes.get();
+            t.errors += c.errors.get();
+            t.latency_ns += c.latency_ns.get();
+            for (b, x) in t.buckets.iter_mut().zip(c.buckets.iter()) {
+                *b += x.get();
+            }
+        }
+        t
+    }
+}
+
+/// What one reactor reports.
+#[derive(Debug)]
+#[repr(align(128))]
+pub struct ReactorStats {
+    /// Kernel thread id, for CPU time (0 until the thread started).
+    pub tid: AtomicI32,
+    /// The CPU it is pinned to, or -1.
+    pub cpu: AtomicI32,
+    /// Queue pairs it serves now.
+    pub queue_pairs: Counter,
+    /// Commands received (every opcode, including refused ones).
+    pub commands: Counter,
+    /// Pool chunks it owns.
+    pub pool_chunks: Counter,
+    /// Pool chunks in use (held, with the kernel or with the fabric).
+    pub pool_in_use: Counter,
+    /// Commands waiting for a free chunk (back-pressure).
+    pub pool_waiting: Counter,
+    /// Times it blocked in epoll because it had nothing to do.
+    pub idle_waits: Counter,
+    /// Loop turns; the control thread checks it advances (watchdog).
+    pub heartbeat: Counter,
+}
+
+impl Default for ReactorStats {
+    fn default() -> Self {
+        ReactorStats {
+            tid: AtomicI32::new(0),
+            cpu: AtomicI32::new(-1),
+            queue_pairs: Counter::default(),
+            commands: Counter::default(),
+            pool_chunks: Counter::default(),
+            pool_in_use: Counter::default(),
+            pool_waiting: Counter::default(),
+            idle_waits: Counter::default(),
+            heartbeat: Counter::default(),
+        }
+    }
+}
+
+/// A volume as the scrape sees it.
+pub struct VolumeView<'a> {
+    pub name: &'a str,
+    pub backend: &'static str,
+    pub read_only: bool,
+    pub size: u64,
+    pub stats: &'a VolumeStats,
+}
+
+/// A session as the scrape sees it.
+pub struct SessionView {
+    pub id: u64,
+    pub host: String,
+    /// Queue pairs of the session per reactor.
+    pub queue_pairs: Vec<(usize, u32)>,
+}
+
+/// Everything one scrape renders.
+pub struct Scrape<'a> {
+    pub target: &'a str,
+    pub uptime: Duration,
+    pub volumes: Vec<VolumeView<'a>>,
+    pub reactors: &'a [std::sync::Arc<ReactorStats>],
+    pub chunk_size: u64,
+    pub sessions: Vec<SessionView>,
+    pub reloads_ok: u64,
+    pub reloads_failed: u64,
+}
+
+/// Escapes a label value.
+fn esc(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+/// Renders the Prometheus text exposition format (version 0.0.4).
+pub fn render(s: &Scrape<'_>) -> String {
+    let mut out = String::with_capacity(16 << 10);
+    header(&mut out, "rdmablk_target_info", "gauge", "Constant 1, labelled with the target name.");
+    let _ = writeln!(out, "rdmablk_target_info{{target=\"{}\"}} 1", esc(s.target));
+    header(&mut out, "rdmablk_uptime_seconds", "gauge", "Seconds since the target started.");
+    let _ = writeln!(out, "rdmablk_uptime_seconds {:.3}", s.uptime.as_secs_f64());
+    header(&mut out, "rdmablk_reloads_total", "counter", "Configuration reloads (SIGHUP), by result.");
+    let _ = writeln!(out, "rdmablk_reloads_total{{result=\"ok\"}} {}", s.reloads_ok);
+    let _ = writeln!(out, "rdmablk_reloads_total{{result=\"failed\"}} {}", s.reloads_failed);
+
+    header(&mut out, "rdmablk_volume_info", "gauge", "Constant 1 per served volume, with its backend and access.");
+    for v in &s.volumes {
+        let _ = writeln!(
+            out,
+            "rdmablk_volume_info{{volume=\"{}\",backend=\"{}\",access=\"{}\"}} 1",
+            esc(v.name),
+            v.backend,
+            if v.read_only { "ro" } else { "rw" }
+        );
+    }
+    header(&mut out, "rdmablk_volume_size_bytes", "gauge", "Volume size.");
+    for v in &s.volumes {
+        let _ = writeln!(out, "rdmablk_volume_size_bytes{{volume=\"{}\"}} {}", esc(v.name), v.size);
+    }
+    let totals: Vec<Vec<OpTotals>> =
+        s.volumes.iter().map(|v| (0..IO_OPS.len()).map(|i| v.stats.totals(i)).collect()).collect();
+    for (name, help, pick) in [
+        ("rdmablk_volume_ops_total", "Commands finished, per volume and opcode.", 0),
+        ("rdmablk_volume_bytes_total", "Bytes transferred by successful commands (discard and write-zeroes: bytes covered).", 1),
+        ("rdmablk_volume_errors_total", "Commands that failed, per volume and opcode (including refused ones).", 2),
+    ] {
+        header(&mut out, name, "counter", help);
+        for (v, t) in s.volumes.iter().zip(&totals) {
+            for (i, op) in IO_OPS.iter().enumerate() {
+                let x = match pick {
+                    0 => t[i].ops,
+                    1 => t[i].bytes,
+                    _ => t[i].errors,
+                };
+                let _ = writeln!(out, "{name}{{volume=\"{}\",op=\"{}\"}} {x}", esc(v.name), op_label(*op));
+            }
+        }
+    }
+    let hist = "rdmablk_volume_latency_seconds";
+    header(&mut out, hist, "histogram", "Command latency, from the capsule's arrival to the response, per volume and opcode.");
+    for (v, t) in s.volumes.iter().zip(&totals) {
+        for (i, op) in IO_OPS.iter().enumerate() {
+            let labels = format!("volume=\"{}\",op=\"{}\"", esc(v.name), op_label(*op));
+            let mut cum = 0;
+            for k in 0..LATENCY_BUCKETS {
+                cum += t[i].buckets[k];
+                let le = (1u64 << k) as f64 / 1e6;
+                let _ = writeln!(out, "{hist}_bucket{{{labels},le=\"{le}\"}} {cum}");
+            }
+            cum += t[i].buckets[LATENCY_BUCKETS];
+            let _ = writeln!(out, "{hist}_bucket{{{labels},le=\"+Inf\"}} {cum}");
+            let _ = writeln!(out, "{hist}_sum{{{labels}}} {}", t[i].latency_ns as f64 / 1e9);
+            let _ = writeln!(out, "{hist}_count{{{labels}}} {}", t[i].ops);
+        }
+    }
+
+    header(&mut out, "rdmablk_sessions_connected", "gauge", "Sessions with at least one connected queue pair.");
+    let _ = writeln!(out, "rdmablk_sessions_connected {}", s.sessions.len());
+    header(&mut out, "rdmablk_session_queue_pairs", "gauge", "Queue pairs of each session, per reactor that serves them.");
+    for sess in &s.sessions {
+        for &(r, n) in &sess.queue_pairs {
+            let _ = writeln!(
+                out,
+                "rdmablk_session_queue_pairs{{session=\"{:#018x}\",host=\"{}\",reactor=\"{r}\"}} {n}",
+                sess.id,
+                esc(&sess.host)
+            );
+        }
+    }
+    let qps: u64 = s.reactors.iter().map(|r| r.queue_pairs.get()).sum();
+    header(&mut out, "rdmablk_queue_pairs_connected", "gauge", "Queue pairs connected (including those not yet past CONNECT).");
+    let _ = writeln!(out, "rdmablk_queue_pairs_connected {qps}");
+
+    type Gauge = (&'static str, &'static str, &'static str, fn(&ReactorStats) -> u64);
+    let per_reactor: [Gauge; 6] = [
+        ("rdmablk_reactor_queue_pairs", "gauge", "Queue pairs served by each reactor.", |r| r.queue_pairs.get()),
+        ("rdmablk_reactor_commands_total", "counter", "Commands received by each reactor.", |r| r.commands.get()),
+        ("rdmablk_buffer_pool_chunks", "gauge", "Registered pool chunks owned by each reactor.", |r| r.pool_chunks.get()),
+        ("rdmablk_buffer_pool_chunks_in_use", "gauge", "Pool chunks in use (CPU, kernel or fabric).", |r| r.pool_in_use.get()),
+        ("rdmablk_buffer_pool_waiting_commands", "gauge", "Commands queued for a free pool chunk.", |r| r.pool_waiting.get()),
+        ("rdmablk_reactor_idle_waits_total", "counter", "Times each reactor blocked in epoll with nothing to do.", |r| r.idle_waits.get()),
+    ];
+    for (name, kind, help, f) in per_reactor {
+        header(&mut out, name, kind, help);
+        for (i, r) in s.reactors.iter().enumerate() {
+            let _ = writeln!(out, "{name}{{reactor=\"{i}\"}} {}", f(r));
+        }
+    }
+    header(&mut out, "rdmablk_buffer_pool_bytes_in_use", "gauge", "Bytes of the registered buffer pool in use, all reactors.");
+    let in_use: u64 = s.reactors.iter().map(|r| r.pool_in_use.get()).sum();
+    let _ = writeln!(out, "rdmablk_buffer_pool_bytes_in_use {}", in_use * s.chunk_size);
+    header(&mut out, "rdmablk_reactor_cpu_seconds_total", "counter", "CPU time (user + system) of each reactor thread.");
+    for (i, r) in s.reactors.iter().enumerate() {
+        let tid = r.tid.load(Relaxed);
+        let cpu = r.cpu.load(Relaxed);
+        let secs = if tid > 0 { crate::sys::thread_cpu_time(tid).map_or(0.0, |d| d.as_secs_f64()) } else { 0.0 };
+        let pinned = if cpu >= 0 { cpu.to_string() } else { "none".to_owned() };
+        let _ = writeln!(out, "rdmablk_reactor_cpu_seconds_total{{reactor=\"{i}\",cpu=\"{pinned}\"}} {secs:.3}");
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------
+// HTTP
+
+/// Most simultaneous scrape connections.
+const MAX_CONNS: usize = 32;
+/// Longest request head accepted.
+const MAX_REQUEST: usize = 8192;
+/// A connection that does not finish in this time is dropped.
+const CONN_TIMEOUT: Duration = Duration::from_secs(5);
+
+struct Conn {
+    stream: TcpStream,
+    inbuf: Vec<u8>,
+    out: Vec<u8>,
+    written: usize,
+    deadline: Instant,
+}
+
+/// A minimal HTTP/1.1 responder, driven by the caller's epoll: `GET
+/// /metrics` answers the scrape, anything else 404 (or 405 for other
+/// methods). One request per connection (`Connection: close`).
+pub struct HttpServer {
+    listener: TcpListener,
+    local: SocketAddr,
+    conns: Vec<Option<Conn>>,
+    token_base: u64,
+}
+
+/// What the caller answers for a path.
+pub type Handler<'a> = &'a mut dyn FnMut(&str) -> Option<String>;
+
+impl HttpServer {
+    /// Binds (nonblocking). Connection `i` gets epoll token `token_base + i`.
+    pub fn bind(addr: SocketAddr, token_base: u64) -> io::Result<HttpServer> {
+        let listener = TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        let local = listener.local_addr()?;
+        Ok(HttpServer { listener, local, conns: (0..MAX_CONNS).map(|_| None).collect(), token_base })
+    }
+
+    /// The bound address (port 0 resolved).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// The listening socket, for epoll.
+    pub fn fd(&self) -> RawFd {
+        self.listener.as_raw_fd()
+    }
+
+    /// Whether `token` names one of this server's connections.
+    pub fn owns(&self, token: u64) -> bool {
+        token >= self.token_base && token < self.token_base + MAX_CONNS as u64
+    }
+
+    /// Accepts pending connections.
+    pub fn accept(&mut self, epoll: &Epoll) {
+        loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    let Some(slot) = self.conns.iter().position(Option::is_none) else {
+                        drop(stream); // too many scrapers at once
+                        continue;
+                    };
+                    if stream.set_nonblocking(true).is_err()
+                        || epoll.add_events(stream.as_raw_fd(), self.token_base + slot as u64, READABLE).is_err()
+                    {
+                        continue;
+                    }
+                    self.conns[slot] = Some(Conn {
+                        stream,
+                        inbuf: Vec::with_capacity(512),
+                        out: Vec::new(),
+                        written: 0,
+                        deadline: Instant::now() + CONN_TIMEOUT,
+                    });
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::debug!("metrics: accept failed: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Makes progress on connection `token`; `handler` renders a path.
+    pub fn ready(&mut self, token: u64, epoll: &Epoll, handler: Handler<'_>) {
+        let slot = (token - self.token_base) as usize;
+        let Some(conn) = self.conns[slot].as_mut() else { return };
+        let done = if conn.out.is_empty() { Self::read_request(conn, handler) } else { Some(false) };
+        let finished = match done {
+            None => true,         // error or EOF: drop
+            Some(false) => false, // response staged or still reading
+            Some(true) => true,
+        };
+        if finished {
+            self.close(slot, epoll);
+            return;
+        }
+        let conn = self.conns[slot].as_mut().expect("live");
+        if conn.out.is_empty() {
+            return; // need more of the request
+        }
+        loop {
+            match conn.stream.write(&conn.out[conn.written..]) {
+                Ok(0) => break,
+                Ok(n) => {
+                    conn.written += n;
+                    if conn.written == conn.out.len() {
+                        let _ = conn.stream.shutdown(std::net::Shutdown::Write);
+                        self.close(slot, epoll);
+                        return;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let _ = epoll.modify(conn.stream.as_raw_fd(), token, WRITABLE);
+                    return;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => break,
+            }
+        }
+        self.close(slot, epoll);
+    }
+
+    /// Reads what is there. `None`: drop the connection; `Some(false)`:
+    /// keep it (a response may have been staged in `out`).
+    fn read_request(conn: &mut Conn, handler: Handler<'_>) -> Option<bool> {
+        let mut buf = [0u8; 1024];
+        loop {
+            match conn.stream.read(&mut buf) {
+                Ok(0) => return None,
+                Ok(n) => {
+                    conn.inbuf.extend_from_slice(&buf[..n]);
+                    if conn.inbuf.len() > MAX_REQUEST {
+                        conn.out = response(431, "text/plain", "request header too large\n");
+                        return Some(false);
+                    }
+                    if let Some(end) = find(&conn.inbuf, b"\r\n\r\n").or_else(|| find(&conn.inbuf, b"\n\n")) {
+                        let head = String::from_utf8_lossy(&conn.inbuf[..end]).into_owned();
+                        conn.out = answer(&head, handler);
+                        return Some(false);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Some(false),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => return None,
+            }
+        }
+    }
+
+    fn close(&mut self, slot: usize, epoll: &Epoll) {
+        if let Some(conn) = self.conns[slot].take() {
+            let _ = epoll.remove(conn.stream.as_raw_fd());
+        }
+    }
+
+    /// Drops connections past their deadline.
+    pub fn expire(&mut self, now: Instant, epoll: &Epoll) {
+        for slot in 0..self.conns.len() {
+            if self.conns[slot].as_ref().is_some_and(|c| c.deadline <= now) {
+                self.close(slot, epoll);
+            }
+        }
+    }
+
+    /// The earliest connection deadline.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.conns.iter().flatten().map(|c| c.deadline).min()
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+fn answer(head: &str, handler: Handler<'_>) -> Vec<u8> {
+    let line = head.lines().next().unwrap_or("");
+    let mut parts = line.split_whitespace();
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = target.split('?').next().unwrap_or("");
+    if method != "GET" && method != "HEAD" {
+        return response(405, "text/plain", "only GET is served\n");
+    }
+    let mut r = match handler(path) {
+        Some(body) => response(200, "text/plain; version=0.0.4; charset=utf-8", &body),
+        None => response(404, "text/plain", "not found; scrape /metrics\n"),
+    };
+    if method == "HEAD" {
+        if let Some(end) = find(&r, b"\r\n\r\n") {
+            r.truncate(end + 4);
+        }
+    }
+    r
+}
+
+fn response(code: u16, ctype: &str, body: &str) -> Vec<u8> {
+    let reason = match code {
+        200 => "OK",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        _ => "Request Header Fields Too Large",
+    };
+    let mut r = format!(
+        "HTTP/1.1 {code} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    r.extend_from_slice(body.as_bytes());
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_log2_microseconds() {
+        assert_eq!(latency_bucket(Duration::from_nanos(0)), 0);
+        assert_eq!(latency_bucket(Duration::from_nanos(1000)), 0);
+        assert_eq!(latency_bucket(Duration::from_nanos(1001)), 1);
+        assert_eq!(latency_bucket(Duration::from_micros(2)), 1);
+        assert_eq!(latency_bucket(Duration::from_micros(3)), 2);
+        assert_eq!(latency_bucket(Duration::from_micros(1024)), 10);
+        assert_eq!(latency_bucket(Duration::from_micros(1025)), 11);
+        assert_eq!(latency_bucket(Duration::from_secs(3600)), LATENCY_BUCKETS);
+    }
+
+    #[test]
+    fn volume_stats_sum_over_reactors() {
+        let s = VolumeStats::new(2);
+        s.reactor(0).ops[0].record(4096, true, Duration::from_micros(10));
+        s.reactor(1).ops[0].record(8192, true, Duration::from_micros(100));
+        s.reactor(1).ops[0].record(0, false, Duration::from_micros(5));
+        let t = s.totals(0);
+        assert_eq!((t.ops, t.bytes, t.errors), (3, 12288, 1));
+        assert_eq!(t.buckets.iter().sum::<u64>(), 3);
+        assert_eq!(t.buckets[4], 1); // 10 µs ≤ 16
+        assert_eq!(t.buckets[7], 1); // 100 µs ≤ 128
+        assert_eq!(s.totals(1).ops, 0);
+    }
+
+    #[test]
+    fn renders_parseable_text() {
+        let vs = VolumeStats::new(1);
+        vs.reactor(0).ops[1].record(4096, true, Duration::from_micros(3));
+        let reactors = vec![std::sync::Arc::new(ReactorStats::default())];
+        reactors[0].queue_pairs.set(2);
+        let text = render(&Scrape {
+            target: "t\"x",
+            uptime: Duration::from_secs(1),
+            volumes: vec![VolumeView { name: "v0", backend: "memory", read_only: false, size: 1 << 20, stats: &vs }],
+            reactors: &reactors,
+            chunk_size: 4096,
+            sessions: vec![SessionView { id: 0xab, host: "h".into(), queue_pairs: vec![(0, 2)] }],
+            reloads_ok: 1,
+            reloads_failed: 0,
+        });
+        assert!(text.contains("rdmablk_target_info{target=\"t\\\"x\"} 1"), "{text}");
+        assert!(text.contains("rdmablk_volume_ops_total{volume=\"v0\",op=\"write\"} 1"));
+        assert!(text.contains("rdmablk_volume_bytes_total{volume=\"v0\",op=\"write\"} 4096"));
+        assert!(text.contains("rdmablk_volume_latency_seconds_bucket{volume=\"v0\",op=\"write\",le=\"0.000004\"} 1"));
+        assert!(text.contains("rdmablk_volume_latency_seconds_bucket{volume=\"v0\",op=\"write\",le=\"0.000002\"} 0"));
+        assert!(text.contains("rdmablk_volume_latency_seconds_count{volume=\"v0\",op=\"write\"} 1"));
+        assert!(text.contains("rdmablk_session_queue_pairs{session=\"0x00000000000000ab\",host=\"h\",reactor=\"0\"} 2"));
+        assert!(text.contains("rdmablk_queue_pairs_connected 2"));
+        // Every sample line is `name{labels} value` or `name value` with a number.
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let v = line.rsplit(' ').next().unwrap();
+            assert!(v.parse::<f64>().is_ok(), "{line}");
+        }
+    }
+
+    #[test]
+    fn http_answers_metrics_and_404() {
+        let epoll = Epoll::new().unwrap();
+        let mut srv = HttpServer::bind("127.0.0.1:0".parse().unwrap(), 100).unwrap();
+        epoll.add(srv.fd(), 1).unwrap();
+        let addr = srv.local_addr();
+        let get = |path: &'static str| {
+            std::thread::spawn(move || {
+                let mut s = TcpStream::connect(addr).unwrap();
+                s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes()).unwrap();
+                let mut r = String::new();
+                s.read_to_string(&mut r).unwrap();
+                r
+            })
+        };
+        let a = get("/metrics");
+        let b = get("/nope");
+        let mut tokens = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !(a.is_finished() && b.is_finished()) {
+            assert!(Instant::now() < deadline);
+            epoll.wait(&mut tokens, Some(Duration::from_millis(20))).unwrap();
+            for &t in &tokens {
+                if t == 1 {
+                    srv.accept(&epoll);
+                } else if srv.owns(t) {
+                    srv.ready(t, &epoll, &mut |p| (p == "/metrics").then(|| "x 1\n".to_owned()));
+                }
+            }
+        }
+        let a = a.join().unwrap();
+        let b = b.join().unwrap();
+        assert!(a.starts_with("HTTP/1.1 200 OK\r\n") && a.ends_with("\r\n\r\nx 1\n"), "{a}");
+        assert!(a.contains("Content-Type: text/plain; version=0.0.4"), "{a}");
+        assert!(b.starts_with("HTTP/1.1 404"), "{b}");
+    }
+}
