@@ -240,3 +240,207 @@ pub fn random_bytes(rng: &mut impl rand::RngCore, len: usize) -> Vec<u8> {
     rng.fill_bytes(&mut v);
     v
 }
+
+// ---------------------------------------------------------------------------
+// Daemon-level helpers (production daemon tests).
+
+impl TargetProcess {
+    /// Like [`TargetProcess::start`], with extra environment variables for
+    /// the daemon (`NOTIFY_SOCKET`, `WATCHDOG_USEC`...) and extra arguments.
+    pub fn start_with_env(config: &str, env: &[(&str, &str)], args: &[&str]) -> TargetProcess {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("target.toml");
+        std::fs::write(&path, config).expect("write config");
+        let mut cmd = Command::new(bin("rdmablk-target"));
+        cmd.arg("--config")
+            .arg(&path)
+            .args(args)
+            .env("RUST_LOG", std::env::var("RDMABLK_TEST_LOG").unwrap_or_else(|_| "info".to_owned()))
+            .env_remove("NOTIFY_SOCKET")
+            .env_remove("WATCHDOG_USEC")
+            .env_remove("WATCHDOG_PID");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("spawn rdmablk-target");
+        let stderr = child.stderr.take().expect("stderr piped");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if std::env::var_os("RDMABLK_TEST_ECHO").is_some() {
+                    eprintln!("[target] {line}");
+                }
+                if let Some(url) = listen_url_in(&line) {
+                    let _ = tx.send(url);
+                }
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let url = match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(url) => url,
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("rdmablk-target did not report a listen URL; log:\n{}", log.lock().unwrap().join("\n"));
+            }
+        };
+        TargetProcess { child, url, log, _dir: Some(dir), config_path: path }
+    }
+
+    /// The metrics endpoint's `host:port`, from the "metrics endpoint:" log line.
+    pub fn metrics_addr(&self) -> String {
+        let line = self.wait_for_log("metrics endpoint: http://", Duration::from_secs(10));
+        let at = line.find("http://").expect("url") + "http://".len();
+        let rest = &line[at..];
+        rest[..rest.find("/metrics").expect("/metrics")].to_owned()
+    }
+
+    /// Rewrites the configuration file and sends SIGHUP; waits for the
+    /// reload's summary line and returns it.
+    pub fn reload(&self, config: &str) -> String {
+        let before = self.log().iter().filter(|l| l.contains("reload complete") || l.contains("reload failed")).count();
+        std::fs::write(&self.config_path, config).expect("write config");
+        self.signal(libc::SIGHUP);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let done: Vec<String> =
+                self.log().into_iter().filter(|l| l.contains("reload complete") || l.contains("reload failed")).collect();
+            if done.len() > before {
+                return done[before].clone();
+            }
+            assert!(Instant::now() < deadline, "no reload summary; log:\n{}", self.log().join("\n"));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// A `memory` volume config block.
+pub fn memory_volume(name: &str, size: u64, read_only: bool) -> String {
+    format!("[[volume]]\nname = \"{name}\"\nbackend = \"memory\"\nsize = {size}\nread_only = {read_only}\n")
+}
+
+/// A `null` volume config block.
+pub fn null_volume(name: &str, size: u64) -> String {
+    format!("[[volume]]\nname = \"{name}\"\nbackend = \"null\"\nsize = {size}\n")
+}
+
+/// GETs `path` from `addr` (HTTP/1.1) and returns (status code, body).
+pub fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to the metrics endpoint");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).expect("read response");
+    let (head, body) = resp.split_once("\r\n\r\n").expect("HTTP head and body");
+    let code = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).expect("status code");
+    if let Some(len) = head.lines().find_map(|l| l.strip_prefix("Content-Length: ")) {
+        assert_eq!(len.trim().parse::<usize>().unwrap(), body.len(), "Content-Length");
+    }
+    (code, body.to_owned())
+}
+
+/// One Prometheus sample.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sample {
+    pub name: String,
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub value: f64,
+}
+
+/// Parses the Prometheus text format (what a scrape returns); panics on a
+/// malformed line, so a test that parses also checks the format.
+pub fn parse_prometheus(text: &str) -> Vec<Sample> {
+    let mut out = Vec::new();
+    let mut typed = std::collections::HashSet::new();
+    for line in text.lines() {
+        if line.is_empty() {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let mut p = rest.split_whitespace();
+            let name = p.next().expect("TYPE name");
+            let kind = p.next().expect("TYPE kind");
+            assert!(["counter", "gauge", "histogram", "summary", "untyped"].contains(&kind), "{line}");
+            typed.insert(name.to_owned());
+            continue;
+        }
+        if line.starts_with('#') {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("no value: {line}"));
+        let value: f64 = match value {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            v => v.parse().unwrap_or_else(|_| panic!("bad value: {line}")),
+        };
+        let (name, labels) = match series.split_once('{') {
+            None => (series.to_owned(), Default::default()),
+            Some((name, rest)) => {
+                let body = rest.strip_suffix('}').unwrap_or_else(|| panic!("unclosed labels: {line}"));
+                let mut labels = std::collections::BTreeMap::new();
+                let mut chars = body.chars().peekable();
+                while chars.peek().is_some() {
+                    let key: String = chars.by_ref().take_while(|&c| c != '=').collect();
+                    assert_eq!(chars.next(), Some('"'), "label value not quoted: {line}");
+                    let mut val = String::new();
+                    while let Some(c) = chars.next() {
+                        match c {
+                            '\\' => match chars.next() {
+                                Some('n') => val.push('\n'),
+                                Some(c) => val.push(c),
+                                None => panic!("dangling escape: {line}"),
+                            },
+                            '"' => break,
+                            c => val.push(c),
+                        }
+                    }
+                    labels.insert(key.trim().to_owned(), val);
+                    if chars.peek() == Some(&',') {
+                        chars.next();
+                    }
+                }
+                (name.to_owned(), labels)
+            }
+        };
+        assert!(
+            name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "bad metric name: {line}"
+        );
+        let family = ["_bucket", "_sum", "_count"].iter().find_map(|s| name.strip_suffix(s)).filter(|f| typed.contains(*f));
+        assert!(typed.contains(&name) || family.is_some(), "sample without # TYPE: {line}");
+        out.push(Sample { name, labels, value });
+    }
+    out
+}
+
+/// The value of the sample `name` whose labels include every `(key, value)`.
+pub fn sample(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    samples
+        .iter()
+        .find(|s| s.name == name && labels.iter().all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v)))
+        .map(|s| s.value)
+}
+
+/// Scrapes `/metrics` from a running target and parses it.
+pub fn scrape(addr: &str) -> Vec<Sample> {
+    let (code, body) = http_get(addr, "/metrics");
+    assert_eq!(code, 200, "{body}");
+    parse_prometheus(&body)
+}
+
+/// A TCP port on the test host that nothing listens on right now, for a
+/// target that must come back on the same address after a restart.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind((listen_host().as_str(), 0)).expect("bind port 0").local_addr().expect("local_addr").port()
+}
+
+/// A `[target]` section listening on a fixed `port` of the test host.
+pub fn target_section_at(port: u16) -> String {
+    let host = listen_host();
+    let host = if host.contains(':') { format!("[{host}]") } else { host };
+    format!("[target]\nlisten = [\"{}://{host}:{port}\"]\n", scheme())
+}
