@@ -6,6 +6,12 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v cc >/dev/null || need_apt+=(gcc)
+command -v systemd-analyze >/dev/null || need_apt+=(systemd)
+# The verbs provider (rdma://, default feature of rdmablk-common) builds
+# rdma-mummy-sys: cmake for its C part, libclang for bindgen.
+command -v cmake >/dev/null || need_apt+=(cmake)
+command -v clang >/dev/null || need_apt+=(clang)
+dpkg -s libclang-dev 2>/dev/null | grep -q '^Status: install ok installed' || need_apt+=(libclang-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "==> installing ${need_apt[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
@@ -17,6 +23,8 @@ fi
 
 echo "==> build"
 cargo build --workspace --all-targets --locked
+echo "==> systemd unit"
+./scripts/verify-systemd.sh
 echo "==> clippy (warnings are errors; every unsafe block needs a SAFETY comment)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "==> tests"
