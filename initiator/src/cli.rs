@@ -7,28 +7,59 @@
 //! rdmablk --target URL read VOL --offset N --length N [--output FILE]
 //! rdmablk --target URL write VOL --offset N [--input FILE] [--fua]
 //! rdmablk --target URL flush VOL
+//! rdmablk --target URL discard VOL --offset N --length N
+//! rdmablk --target URL write-zeroes VOL --offset N --length N
 //! ```
 //!
 //! Sizes take suffixes (`4k`, `1MiB`, binary multiples). Errors print one
 //! line, `rdmablk: error: ...`, and exit with 1 (2 for usage errors).
+//!
+//! `read` and `write` move the data through registered buffers with the
+//! library's submission queue, several chunks in flight at once (zero copy
+//! between the wire and the buffers). On a terminal, transfers of 64 MiB or
+//! more show their progress (bytes and rate) on standard error;
+//! `--progress always|never` overrides that.
+//!
+//! A connection that breaks during a command is re-established (the
+//! library's reconnection); `--ctrl-loss-timeout` bounds how long the tool
+//! keeps trying (0 disables reconnection).
 
+use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::{IsTerminal, Read, Write};
 use std::os::fd::AsFd;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use clap::{ColorChoice, Parser, Subcommand};
+use clap::{ColorChoice, Parser, Subcommand, ValueEnum};
 use rdmablk_common::protocol::Opcode;
 use rdmablk_common::size::ByteSize;
 
-use crate::device::{check_request, BlockDevice, WriteFlags};
+use crate::buffer::IoBuffer;
+use crate::device::{check_request, BlockDevice};
 use crate::error::{Error, Result};
-use crate::session::{ConnectOptions, Session};
+use crate::session::{ConnectOptions, Session, Volume};
+use crate::submit::{IoCompletion, IoRequest};
 
 /// Largest transfer one CLI step moves through its registered buffer.
 const CLI_CHUNK: u64 = 8 << 20;
+/// Chunks in flight at once.
+const CLI_DEPTH: usize = 4;
+/// Transfers at least this large show progress on a terminal.
+const LARGE_TRANSFER: u64 = 64 << 20;
+
+/// When to show progress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default)]
+pub enum ProgressMode {
+    /// On a terminal, for transfers of 64 MiB or more.
+    #[default]
+    Auto,
+    /// Always (a line per second when standard error is not a terminal).
+    Always,
+    /// Never.
+    Never,
+}
 
 /// Command line of `rdmablk`.
 #[derive(Parser, Debug, Clone, PartialEq, Eq)]
@@ -49,6 +80,12 @@ pub struct Cli {
     /// Connect and per-command timeout: 30, 30s, 500ms, 2m
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, global = true)]
     pub timeout: Option<Duration>,
+    /// How long to keep reconnecting after the connection breaks (0: do not reconnect)
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration_or_zero, global = true)]
+    pub ctrl_loss_timeout: Option<Duration>,
+    /// Progress on standard error for read and write
+    #[arg(long, value_enum, value_name = "WHEN", default_value_t, global = true)]
+    pub progress: ProgressMode,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -99,6 +136,28 @@ pub enum Command {
         /// Volume name
         volume: String,
     },
+    /// Deallocate a byte range; its contents become unspecified
+    Discard {
+        /// Volume name
+        volume: String,
+        /// Byte offset (a multiple of the block size)
+        #[arg(long, value_parser = parse_size)]
+        offset: u64,
+        /// Bytes (a multiple of the block size)
+        #[arg(long, value_parser = parse_size)]
+        length: u64,
+    },
+    /// Set a byte range to zeroes
+    WriteZeroes {
+        /// Volume name
+        volume: String,
+        /// Byte offset (a multiple of the block size)
+        #[arg(long, value_parser = parse_size)]
+        offset: u64,
+        /// Bytes (a multiple of the block size)
+        #[arg(long, value_parser = parse_size)]
+        length: u64,
+    },
 }
 
 /// Parses a size with an optional suffix (`4k`, `1MiB`).
@@ -123,6 +182,14 @@ pub fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
         return Err(format!("invalid duration {s:?}: must be positive"));
     }
     Ok(Duration::from_secs_f64(secs))
+}
+
+/// [`parse_duration`], and `0` for "none".
+pub fn parse_duration_or_zero(s: &str) -> std::result::Result<Duration, String> {
+    if s.trim().trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse::<f64>() == Ok(0.0) {
+        return Ok(Duration::ZERO);
+    }
+    parse_duration(s)
 }
 
 /// Runs the tool on `args` (including the program name), printing to the
@@ -180,13 +247,17 @@ pub fn clap_one_line(e: &clap::Error) -> String {
 fn connect(cli: &Cli) -> Result<Session> {
     let target =
         cli.target.as_deref().ok_or_else(|| Error::invalid("no target given: use --target tcp://HOST:PORT"))?;
-    let mut options = ConnectOptions::default();
+    // One thread: one queue pair.
+    let mut options = ConnectOptions { queues: 1, ..ConnectOptions::default() };
     if let Some(id) = &cli.host_id {
         options.host_id = id.clone();
     }
     if let Some(t) = cli.timeout {
         options.connect_timeout = t;
         options.io_timeout = t;
+    }
+    if let Some(t) = cli.ctrl_loss_timeout {
+        options.ctrl_loss_timeout = t;
     }
     Session::connect(target, options)
 }
@@ -260,15 +331,9 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 }
                 None => out,
             };
-            let chunk = chunk_size(*length, vol.block_size());
-            let mut buf = session.alloc_buffer(chunk.max(1) as usize)?;
-            let mut done = 0u64;
-            while done < *length {
-                let n = chunk.min(*length - done);
-                vol.read_into(&mut buf, 0, n as usize, offset + done)?;
-                out.write_all(&buf.as_slice()[..n as usize]).map_err(write_err)?;
-                done += n;
-            }
+            let mut progress = Progress::new(cli.progress, Some(*length));
+            read_range(&session, &vol, *offset, *length, out, &mut progress)?;
+            progress.finish();
             out.flush().map_err(write_err)?;
             vol.close()?;
         }
@@ -296,25 +361,22 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             if let Some(len) = known_len {
                 check_request(Opcode::Write, *offset, len, vol.block_size(), vol.size())?;
             }
-            let flags = if *fua { WriteFlags::FUA } else { WriteFlags::NONE };
-            let chunk = chunk_size(known_len.unwrap_or(CLI_CHUNK), vol.block_size()).max(u64::from(vol.block_size()));
-            let mut buf = session.alloc_buffer(chunk as usize)?;
-            let mut pos = *offset;
-            loop {
-                // The data goes from the input straight into registered memory.
-                let n = fill(&mut file, buf.as_mut_slice()).map_err(|e| Error::io(format!("reading {name}"), e))?;
-                if n == 0 {
-                    break;
-                }
-                vol.write_from_with(&buf, 0, n, pos, flags)?;
-                pos += n as u64;
-                if n < buf.len() {
-                    break;
-                }
-            }
-            if pos == *offset {
+            let mut progress = Progress::new(cli.progress, known_len);
+            let written = write_stream(&session, &vol, *offset, &mut file, &name, known_len, *fua, &mut progress)?;
+            progress.finish();
+            if written == 0 {
                 check_request(Opcode::Write, *offset, 0, vol.block_size(), vol.size())?;
             }
+            vol.close()?;
+        }
+        Command::Discard { volume, offset, length } => {
+            let vol = session.open(volume)?;
+            vol.discard(*offset, *length)?;
+            vol.close()?;
+        }
+        Command::WriteZeroes { volume, offset, length } => {
+            let vol = session.open(volume)?;
+            vol.write_zeroes(*offset, *length)?;
             vol.close()?;
         }
         Command::Flush { volume } => {
@@ -324,6 +386,237 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Reads `[offset, offset + length)` (checked) into `out`, in order, with
+/// up to [`CLI_DEPTH`] chunks in flight in registered buffers.
+fn read_range(
+    session: &Session,
+    vol: &Volume,
+    offset: u64,
+    length: u64,
+    out: &mut dyn Write,
+    progress: &mut Progress,
+) -> Result<()> {
+    let chunk = chunk_size(length, vol.block_size());
+    if length == 0 {
+        return Ok(());
+    }
+    let chunks = length.div_ceil(chunk);
+    let mut queue = session.io_queue();
+    let mut free: Vec<IoBuffer> =
+        (0..CLI_DEPTH.min(chunks as usize)).map(|_| session.alloc_buffer(chunk as usize)).collect::<Result<_>>()?;
+    let mut ready: BTreeMap<u64, IoBuffer> = BTreeMap::new();
+    let mut done: Vec<IoCompletion> = Vec::new();
+    let (mut next_submit, mut next_out) = (0u64, 0u64);
+    let len_of = |i: u64| chunk.min(length - i * chunk) as usize;
+    while next_out < chunks {
+        while next_submit < chunks {
+            let Some(buf) = free.pop() else { break };
+            let request = IoRequest::read(vol, offset + next_submit * chunk, buf).with_range(0, len_of(next_submit));
+            queue.submit(request, next_submit);
+            next_submit += 1;
+        }
+        queue.wait(&mut done, 1, None);
+        for c in done.drain(..) {
+            c.result?;
+            ready.insert(c.tag, c.buffer.expect("reads hand their buffer back"));
+        }
+        // Out in order, as chunks become ready.
+        while let Some(buf) = ready.remove(&next_out) {
+            let n = len_of(next_out);
+            out.write_all(&buf.as_slice()[..n]).map_err(|e| Error::io("writing the output", e))?;
+            progress.add(n as u64);
+            free.push(buf);
+            next_out += 1;
+        }
+    }
+    Ok(())
+}
+
+/// Writes `input` at `offset` until it ends, with up to [`CLI_DEPTH`]
+/// chunks in flight; the data goes from the input straight into registered
+/// memory. Returns the bytes written.
+#[allow(clippy::too_many_arguments)]
+fn write_stream(
+    session: &Session,
+    vol: &Volume,
+    offset: u64,
+    input: &mut dyn Read,
+    name: &str,
+    known_len: Option<u64>,
+    fua: bool,
+    progress: &mut Progress,
+) -> Result<u64> {
+    let bs = vol.block_size();
+    let chunk = chunk_size(known_len.unwrap_or(CLI_CHUNK), bs).max(u64::from(bs));
+    let mut queue = session.io_queue();
+    let mut free: Vec<IoBuffer> = Vec::new();
+    let mut allocated = 0;
+    let mut done: Vec<IoCompletion> = Vec::new();
+    let mut pos = offset;
+    let mut finished = false;
+    loop {
+        // Reap what is done; wait only when no buffer is free.
+        let must_wait = free.is_empty() && allocated == CLI_DEPTH;
+        if queue.outstanding() > 0 {
+            if must_wait || finished {
+                queue.wait(&mut done, 1, None);
+            } else {
+                queue.poll(&mut done);
+            }
+        }
+        for c in done.drain(..) {
+            c.result?;
+            progress.add(c.tag);
+            free.push(c.buffer.expect("writes hand their buffer back"));
+        }
+        if finished {
+            if queue.outstanding() == 0 {
+                return Ok(pos - offset);
+            }
+            continue;
+        }
+        let mut buf = match free.pop() {
+            Some(b) => b,
+            None if allocated < CLI_DEPTH => {
+                allocated += 1;
+                session.alloc_buffer(chunk as usize)?
+            }
+            None => continue,
+        };
+        let n = fill(input, buf.as_mut_slice()).map_err(|e| Error::io(format!("reading {name}"), e))?;
+        if n == 0 {
+            finished = true;
+            continue;
+        }
+        // Checked before it is sent (a pipe's length is not known ahead).
+        if let Err(e) = check_request(Opcode::Write, pos, n as u64, bs, vol.size()) {
+            drop(queue); // waits for the chunks in flight
+            return Err(e);
+        }
+        let mut request = IoRequest::write(vol, pos, buf).with_range(0, n);
+        if fua {
+            request = request.with_fua();
+        }
+        queue.submit(request, n as u64);
+        pos += n as u64;
+        if n < chunk as usize {
+            finished = true;
+        }
+    }
+}
+
+/// Progress of a transfer on standard error.
+struct Progress {
+    total: Option<u64>,
+    done: u64,
+    start: Instant,
+    last: Option<Instant>,
+    mode: ProgressMode,
+    tty: bool,
+    /// A terminal line is open (needs a newline before anything else).
+    open_line: bool,
+    /// `done` when the last line was printed.
+    printed: Option<u64>,
+}
+
+impl Progress {
+    fn new(mode: ProgressMode, total: Option<u64>) -> Progress {
+        Progress {
+            total,
+            done: 0,
+            start: Instant::now(),
+            last: None,
+            mode,
+            tty: std::io::stderr().is_terminal(),
+            open_line: false,
+            printed: None,
+        }
+    }
+
+    fn enabled(&self) -> bool {
+        match self.mode {
+            ProgressMode::Never => false,
+            ProgressMode::Always => true,
+            ProgressMode::Auto => self.tty && self.total.unwrap_or(self.done) >= LARGE_TRANSFER,
+        }
+    }
+
+    fn add(&mut self, n: u64) {
+        self.done += n;
+        if !self.enabled() {
+            return;
+        }
+        let every = if self.tty { Duration::from_millis(200) } else { Duration::from_secs(1) };
+        if self.last.is_some_and(|l| l.elapsed() < every) {
+            return;
+        }
+        self.last = Some(Instant::now());
+        self.print();
+    }
+
+    fn print(&mut self) {
+        self.printed = Some(self.done);
+        let line = format_progress(self.done, self.total, self.start.elapsed());
+        let mut err = std::io::stderr().lock();
+        if self.tty {
+            let _ = write!(err, "\r{line}\x1b[K");
+            self.open_line = true;
+        } else {
+            let _ = writeln!(err, "{line}");
+        }
+        let _ = err.flush();
+    }
+
+    fn finish(&mut self) {
+        let shown = self.last.is_some() || self.mode == ProgressMode::Always;
+        if self.enabled() && shown && self.printed != Some(self.done) {
+            self.print();
+        }
+        self.close_line();
+    }
+
+    fn close_line(&mut self) {
+        if self.open_line {
+            eprintln!();
+            self.open_line = false;
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        // An error message must start on a line of its own.
+        self.close_line();
+    }
+}
+
+/// `12.0 MiB / 64.0 MiB (18%), 85.3 MiB/s`.
+fn format_progress(done: u64, total: Option<u64>, elapsed: Duration) -> String {
+    let secs = elapsed.as_secs_f64().max(1e-3);
+    let rate = format!("{}/s", human_bytes((done as f64 / secs) as u64));
+    match total {
+        Some(t) if t > 0 => {
+            format!("{} / {} ({}%), {rate}", human_bytes(done), human_bytes(t), done * 100 / t)
+        }
+        _ => format!("{}, {rate}", human_bytes(done)),
+    }
+}
+
+/// `512 B`, `4.0 KiB`, `1.5 GiB`.
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    format!("{v:.1} {}", UNITS[unit])
 }
 
 /// The CLI's transfer unit for `total` bytes: at most [`CLI_CHUNK`], a
@@ -384,6 +677,17 @@ mod tests {
         let c = parse(&["--host-id", "me", "--target", "tcp://h:1", "flush", "v"]).unwrap();
         assert_eq!(c.command, Command::Flush { volume: "v".into() });
         assert_eq!(c.host_id.as_deref(), Some("me"));
+        assert_eq!(c.progress, ProgressMode::Auto);
+
+        let c = parse(&["-t", "tcp://h:1", "discard", "v", "--offset", "1MiB", "--length", "64k"]).unwrap();
+        assert_eq!(c.command, Command::Discard { volume: "v".into(), offset: 1 << 20, length: 65536 });
+        let c =
+            parse(&["-t", "tcp://h:1", "write-zeroes", "v", "--offset", "0", "--length", "4k", "--progress", "never"])
+                .unwrap();
+        assert_eq!(c.command, Command::WriteZeroes { volume: "v".into(), offset: 0, length: 4096 });
+        assert_eq!(c.progress, ProgressMode::Never);
+        let c = parse(&["-t", "tcp://h:1", "--ctrl-loss-timeout", "0", "list"]).unwrap();
+        assert_eq!(c.ctrl_loss_timeout, Some(Duration::ZERO));
     }
 
     #[test]
@@ -421,6 +725,28 @@ mod tests {
         assert_eq!(e.to_string(), "no target given: use --target tcp://HOST:PORT");
         assert_eq!(main(["rdmablk", "list"]), 1);
         assert_eq!(main(["rdmablk", "bogus"]), 2);
+    }
+
+    #[test]
+    fn progress_lines() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(3 << 30), "3.0 GiB");
+        assert_eq!(
+            format_progress(16 << 20, Some(64 << 20), Duration::from_secs(2)),
+            "16.0 MiB / 64.0 MiB (25%), 8.0 MiB/s"
+        );
+        assert_eq!(format_progress(1 << 20, None, Duration::from_secs(1)), "1.0 MiB, 1.0 MiB/s");
+        let p = Progress { tty: false, ..Progress::new(ProgressMode::Auto, Some(1 << 40)) };
+        assert!(!p.enabled(), "auto: only on a terminal");
+        let p = Progress { tty: true, ..Progress::new(ProgressMode::Auto, Some(1 << 20)) };
+        assert!(!p.enabled(), "auto: only large transfers");
+        let p = Progress { tty: true, ..Progress::new(ProgressMode::Auto, Some(LARGE_TRANSFER)) };
+        assert!(p.enabled());
+        assert!(Progress::new(ProgressMode::Always, Some(1)).enabled());
+        assert_eq!(parse_duration_or_zero("0").unwrap(), Duration::ZERO);
+        assert_eq!(parse_duration_or_zero("0s").unwrap(), Duration::ZERO);
+        assert_eq!(parse_duration_or_zero("2s").unwrap(), Duration::from_secs(2));
     }
 
     #[test]

@@ -102,6 +102,41 @@ pub trait BlockDevice: Send + Sync {
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()>;
 }
 
+macro_rules! forward_block_device {
+    ($($ty:ty),*) => {$(
+        impl<T: BlockDevice + ?Sized> BlockDevice for $ty {
+            fn block_size(&self) -> u32 {
+                (**self).block_size()
+            }
+            fn size(&self) -> u64 {
+                (**self).size()
+            }
+            fn read_only(&self) -> bool {
+                (**self).read_only()
+            }
+            fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+                (**self).read_at(buf, offset)
+            }
+            fn write_at_with(&self, buf: &[u8], offset: u64, flags: WriteFlags) -> Result<()> {
+                (**self).write_at_with(buf, offset, flags)
+            }
+            fn flush(&self) -> Result<()> {
+                (**self).flush()
+            }
+            fn discard(&self, offset: u64, len: u64) -> Result<()> {
+                (**self).discard(offset, len)
+            }
+            fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+                (**self).write_zeroes(offset, len)
+            }
+        }
+    )*};
+}
+
+// References and smart pointers to devices are devices, so a `&Volume` or
+// an `Arc<Volume>` can go wherever a `BlockDevice` is expected.
+forward_block_device!(&T, Box<T>, std::sync::Arc<T>);
+
 /// Checks that `[offset, offset + length)` is block aligned and inside a
 /// device of `size` bytes. The check every [`BlockDevice`] makes first.
 pub fn check_request(op: Opcode, offset: u64, length: u64, block_size: u32, size: u64) -> Result<()> {
@@ -140,6 +175,7 @@ pub(crate) fn split(offset: u64, len: u64, piece: u64) -> impl Iterator<Item = (
 }
 
 /// Number of pieces [`split`] yields.
+#[cfg(test)]
 pub(crate) fn piece_count(len: u64, piece: u64) -> u64 {
     len.div_ceil(piece)
 }

@@ -62,10 +62,21 @@ pub enum Error {
     /// could not be reused safely otherwise).
     #[error("{what} timed out after {}", fmt_duration(*.after))]
     Timeout { what: String, after: Duration },
-    /// The connection is gone: lost, closed by the peer, or closed by this
-    /// initiator after an earlier failure.
+    /// The connection is gone and will not come back: closed by this
+    /// initiator ([`Session::close`](crate::Session::close)), or lost with
+    /// reconnection disabled (`ctrl_loss_timeout` of zero).
     #[error("connection to the target is closed: {reason}")]
     Disconnected { reason: String },
+    /// The connection was lost and could not be re-established within
+    /// `ctrl_loss_timeout`. Final: every queued and future request of the
+    /// session fails with this error.
+    #[error("target lost: no connection for {} (ctrl_loss_timeout); last failure: {reason}", fmt_duration(*.after))]
+    TargetLost { reason: String, after: Duration },
+    /// After a reconnection the target no longer offers the volume as it
+    /// was opened (block size or size changed). The volume's requests fail
+    /// with this error; open it again.
+    #[error("volume {name:?} changed on the target after reconnecting: {detail}")]
+    VolumeChanged { name: String, detail: String },
     /// The target speaks a different protocol version.
     #[error("target speaks protocol v{target}, this initiator speaks v{ours}")]
     VersionMismatch { target: u32, ours: u16 },
@@ -102,6 +113,8 @@ pub enum ErrorKind {
     UnknownVolume,
     Timeout,
     Disconnected,
+    TargetLost,
+    VolumeChanged,
     VersionMismatch,
     Protocol,
     Fabric,
@@ -120,6 +133,8 @@ impl Error {
             Error::UnknownVolume { .. } => ErrorKind::UnknownVolume,
             Error::Timeout { .. } => ErrorKind::Timeout,
             Error::Disconnected { .. } => ErrorKind::Disconnected,
+            Error::TargetLost { .. } => ErrorKind::TargetLost,
+            Error::VolumeChanged { .. } => ErrorKind::VolumeChanged,
             Error::VersionMismatch { .. } => ErrorKind::VersionMismatch,
             Error::Protocol { .. } => ErrorKind::Protocol,
             Error::Fabric { .. } => ErrorKind::Fabric,
@@ -179,6 +194,26 @@ impl Error {
 
     pub(crate) fn version_mismatch(target: u32) -> Self {
         Error::VersionMismatch { target, ours: PROTOCOL_VERSION }
+    }
+}
+
+impl From<Error> for std::io::Error {
+    /// For the `std::io` adapters: the kind that fits, the message kept.
+    fn from(e: Error) -> std::io::Error {
+        use std::io::ErrorKind as K;
+        let kind = match e.kind() {
+            ErrorKind::Misaligned | ErrorKind::OutOfRange | ErrorKind::InvalidArgument => K::InvalidInput,
+            ErrorKind::ReadOnly => K::PermissionDenied,
+            ErrorKind::UnknownVolume => K::NotFound,
+            ErrorKind::Timeout => K::TimedOut,
+            ErrorKind::Disconnected | ErrorKind::TargetLost => K::NotConnected,
+            ErrorKind::Io => match &e {
+                Error::Io { source, .. } => source.kind(),
+                _ => K::Other,
+            },
+            _ => K::Other,
+        };
+        std::io::Error::new(kind, e)
     }
 }
 
@@ -290,6 +325,20 @@ mod tests {
         assert!(line.contains("connection failed"), "{line}");
         assert!(line.contains("refused"), "{line}");
         assert!(!line.contains('\n'));
+    }
+
+    #[test]
+    fn target_lost_names_the_timeout_and_the_cause() {
+        let e = Error::TargetLost { reason: "connection refused".into(), after: Duration::from_secs(30) };
+        assert_eq!(
+            e.to_string(),
+            "target lost: no connection for 30s (ctrl_loss_timeout); last failure: connection refused"
+        );
+        assert_eq!(e.kind(), ErrorKind::TargetLost);
+        let io: std::io::Error = e.into();
+        assert_eq!(io.kind(), std::io::ErrorKind::NotConnected);
+        let io: std::io::Error = Error::Misaligned { op: Opcode::Read, offset: 1, length: 2, block_size: 512 }.into();
+        assert_eq!(io.kind(), std::io::ErrorKind::InvalidInput);
     }
 
     #[test]

@@ -1,22 +1,42 @@
 //! One queue pair and everything that belongs to it: receive slots, send
-//! slots, the command-slot table, progress and waiting ([`Conn`]), and the
-//! bounce pool and request splitting on top of it ([`Queue`]).
+//! slots, the command-slot table, progress, waiting and keep-alive
+//! ([`Conn`]), and the bounce pool and request splitting on top of it
+//! ([`Queue`]).
 //!
-//! A [`Queue`] is self-contained: a session holds one today; a multi-queue
-//! session would hold one per thread or per core.
+//! A session holds one [`Queue`] per I/O queue, each behind its own mutex.
+//! A `Queue` outlives its connections: after a reconnection the session
+//! installs a new [`Conn`] (of a new *generation*) into it, and the bounce
+//! pool, registered with the session's protection domain, stays.
 //!
 //! # Progress and waiting
 //! Nothing moves unless [`Conn::progress`] runs: it polls the completion
 //! queue (which, for the tcp provider, is also what moves data), and when
 //! nothing is ready it arms the CQ, polls once more to close the race, and
-//! sleeps on the completion channel until the earliest deadline of the
-//! outstanding commands. A command whose deadline passes closes the
-//! connection (the target might still write into the command's buffer, so
-//! the queue pair has to go to the error state before the buffer can be
-//! handed back) and fails with [`Error::Timeout`].
+//! sleeps on the completion channel for at most one wait slice. A command
+//! whose deadline passes closes the connection (the target might still
+//! write into the command's buffer, so the queue pair has to go to the
+//! error state before the buffer can be handed back); its owner reports
+//! [`Error::Timeout`], everybody else on the queue sees a broken connection
+//! and retries after the session reconnected.
+//!
+//! # Keep-alive
+//! Whoever drives progress (a caller waiting for its command, or the
+//! session's monitor thread for an idle queue, see `Conn::tick`) also
+//! sends a KEEP_ALIVE when no response arrived for the idle interval, in a
+//! command slot reserved for it (so it never competes with I/O and never
+//! exceeds the queue depth). A keep-alive without an answer within its wait
+//! time closes the connection like any other command timeout.
+//!
+//! # Generations
+//! Each connection carries the generation of the session's connection set
+//! it belongs to. The session dooms a generation through the queue's
+//! [`Alarm`] (one atomic, no lock) when any of its connections failed; a
+//! connection of a doomed generation closes itself the next time it is
+//! used, so callers waiting on a healthy-looking queue pair of a dead
+//! session notice within one wait slice.
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,7 +50,7 @@ use rdmablk_common::protocol::{
 };
 
 use crate::buffer::Region;
-use crate::device::{max_piece, piece_count, split, WriteFlags};
+use crate::device::{max_piece, split, WriteFlags};
 use crate::error::{fmt_duration, op_name, Error, Result};
 use crate::session::Domain;
 
@@ -38,9 +58,9 @@ const TAG_SEND: u64 = 1 << 32;
 const TAG_RECV: u64 = 2 << 32;
 const TAG_MASK: u64 = !0xffff_ffff;
 
-/// Longest slice of one sleep on the completion channel. Deadlines are
-/// checked at least this often even if the channel never fires.
-const MAX_WAIT_SLICE: Duration = Duration::from_millis(200);
+/// Longest slice of one sleep on the completion channel. Deadlines, the
+/// keep-alive and the session's doom signal are checked at least this often.
+pub(crate) const MAX_WAIT_SLICE: Duration = Duration::from_millis(100);
 
 /// A response as received: the capsule and its reply data.
 #[derive(Clone)]
@@ -79,6 +99,11 @@ impl Slot {
             op: Opcode::KeepAlive,
         }
     }
+
+    /// Whether the command still waits for something from the wire.
+    fn outstanding(&self) -> bool {
+        self.send_pending || (self.awaiting && self.response.is_none())
+    }
 }
 
 /// Counters shared by a session's queues.
@@ -90,11 +115,34 @@ pub(crate) struct Stats {
     pub(crate) inline_writes: AtomicU64,
     pub(crate) inline_bytes: AtomicU64,
     pub(crate) zero_copy_bytes: AtomicU64,
+    pub(crate) keep_alives: AtomicU64,
+    pub(crate) reconnects: AtomicU64,
+    pub(crate) retries: AtomicU64,
+    pub(crate) timeouts: AtomicU64,
 }
 
 impl Stats {
-    fn add(counter: &AtomicU64, n: u64) {
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Adds every counter of `self` to `sum`.
+    pub(crate) fn sum_into(&self, sum: &mut [u64; 10]) {
+        let all = [
+            &self.commands,
+            &self.bounce_copies,
+            &self.bounce_bytes,
+            &self.inline_writes,
+            &self.inline_bytes,
+            &self.zero_copy_bytes,
+            &self.keep_alives,
+            &self.reconnects,
+            &self.retries,
+            &self.timeouts,
+        ];
+        for (s, c) in sum.iter_mut().zip(all) {
+            *s += c.load(Ordering::Relaxed);
+        }
     }
 }
 
@@ -104,6 +152,46 @@ pub(crate) struct SendSlots {
     pub(crate) region: Region,
     pub(crate) count: usize,
     pub(crate) size: usize,
+}
+
+/// The session's lock-free signal to one queue: every connection of a
+/// generation at or below `doomed` must close.
+#[derive(Default, Debug)]
+pub(crate) struct Alarm {
+    doomed: AtomicU32,
+}
+
+impl Alarm {
+    /// Dooms every connection of generation `gen` and older.
+    pub(crate) fn doom(&self, gen: u32) {
+        self.doomed.fetch_max(gen, Ordering::AcqRel);
+    }
+
+    fn is_doomed(&self, gen: u32) -> bool {
+        self.doomed.load(Ordering::Acquire) >= gen
+    }
+}
+
+/// Keep-alive timing of a connection: a KEEP_ALIVE goes out when no
+/// response arrived for `idle`, and must be answered within `wait`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct KeepAliveTiming {
+    pub(crate) idle: Duration,
+    pub(crate) wait: Duration,
+}
+
+/// What a connection negotiated and how it waits.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ConnParams {
+    /// Largest data transfer of one command.
+    pub(crate) max_io: u32,
+    /// Largest write sent inline.
+    pub(crate) inline_limit: usize,
+    /// Deadline of each I/O command.
+    pub(crate) io_timeout: Duration,
+    pub(crate) keepalive: Option<KeepAliveTiming>,
+    /// Longest single sleep on the completion channel.
+    pub(crate) wait_slice: Duration,
 }
 
 /// A connected queue pair with its command slots.
@@ -124,12 +212,28 @@ pub(crate) struct Conn {
     broken: Option<String>,
     peer: String,
     stats: Arc<Stats>,
+    /// The generation of the session's connection set this belongs to.
+    pub(crate) gen: u32,
+    alarm: Arc<Alarm>,
+    /// Slot reserved for KEEP_ALIVE (when the depth allows one).
+    ka_slot: Option<u16>,
+    /// The outstanding keep-alive, if any.
+    ka_out: Option<CommandId>,
+    last_rx: Instant,
+    pub(crate) params: ConnParams,
+    /// Slots held by [`IoQueue`](crate::IoQueue)s (commands on the wire
+    /// or responses not yet taken). Capped so that one slot always stays
+    /// for synchronous callers, who may be the very threads that would
+    /// take those responses.
+    pub(crate) async_held: usize,
 }
 
 impl Conn {
     /// Wraps a queue pair whose receives are not posted yet: posts one
     /// receive per [`RESPONSE_SLOT_SIZE`] bytes of `recv` and uses `send` as
-    /// the command slots.
+    /// the command slots. Keep-alive stays off until
+    /// [`replace_send_slots`](Conn::replace_send_slots).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         domain: Arc<Domain>,
         qp: QueuePair,
@@ -137,6 +241,9 @@ impl Conn {
         recv: Region,
         send: SendSlots,
         stats: Arc<Stats>,
+        gen: u32,
+        alarm: Arc<Alarm>,
+        params: ConnParams,
     ) -> Result<Conn> {
         let recv_count = recv.len() / RESPONSE_SLOT_SIZE;
         let SendSlots { region, count, size } = send;
@@ -156,6 +263,13 @@ impl Conn {
             broken: None,
             peer,
             stats,
+            gen,
+            alarm,
+            ka_slot: None,
+            ka_out: None,
+            last_rx: Instant::now(),
+            params: ConnParams { keepalive: None, ..params },
+            async_held: 0,
         };
         for i in 0..recv_count {
             conn.post_recv(i).map_err(|e| Error::fabric("posting receive buffers", e))?;
@@ -171,9 +285,20 @@ impl Conn {
         &self.domain
     }
 
-    /// Number of command slots (the usable queue depth).
-    pub(crate) fn depth(&self) -> usize {
-        self.slots.len()
+    /// The counters of this connection's queue.
+    pub(crate) fn stats(&self) -> &Arc<Stats> {
+        &self.stats
+    }
+
+    /// Command slots available to requests (the negotiated depth, minus
+    /// the slot reserved for keep-alives).
+    pub(crate) fn user_depth(&self) -> usize {
+        self.slots.len() - usize::from(self.ka_slot.is_some())
+    }
+
+    /// Most slots `IoQueue`s may hold at once: all but one of the user slots.
+    pub(crate) fn async_limit(&self) -> usize {
+        self.user_depth().saturating_sub(1).max(1)
     }
 
     /// Most inline bytes one send slot can carry after the capsule.
@@ -181,9 +306,10 @@ impl Conn {
         self.send_slot_size - COMMAND_CAPSULE_SIZE
     }
 
-    /// Replaces the send slots (after CONNECT negotiated the depth). Waits for
-    /// every outstanding send first.
-    pub(crate) fn replace_send_slots(&mut self, send: SendSlots) -> Result<()> {
+    /// Replaces the send slots (after CONNECT negotiated the depth), reserves
+    /// one for keep-alives when there are at least two, and turns the
+    /// keep-alive on with `params`. Waits for every outstanding send first.
+    pub(crate) fn replace_send_slots(&mut self, send: SendSlots, params: ConnParams) -> Result<()> {
         let SendSlots { region, count, size } = send;
         assert!(count > 0 && count <= usize::from(u16::MAX) + 1 && region.len() >= count * size);
         while self.slots.iter().any(|s| s.send_pending || s.awaiting) {
@@ -192,7 +318,12 @@ impl Conn {
         self.send = region;
         self.send_slot_size = size;
         self.slots = vec![Slot::idle(); count];
-        self.free = (0..count as u32).rev().map(|i| i as u16).collect();
+        self.ka_slot = (count >= 2).then(|| (count - 1) as u16);
+        let user = count - usize::from(self.ka_slot.is_some());
+        self.free = (0..user as u32).rev().map(|i| i as u16).collect();
+        self.params = params;
+        self.params.inline_limit = self.params.inline_limit.min(self.inline_capacity());
+        self.last_rx = Instant::now();
         Ok(())
     }
 
@@ -209,8 +340,23 @@ impl Conn {
         }
     }
 
+    /// [`check_alive`](Conn::check_alive), and closes the connection if
+    /// the session doomed its generation.
+    pub(crate) fn check_usable(&mut self) -> Result<()> {
+        self.check_alive()?;
+        if self.alarm.is_doomed(self.gen) {
+            return Err(self.fail("the session lost a connection and is reconnecting"));
+        }
+        Ok(())
+    }
+
     pub(crate) fn is_broken(&self) -> bool {
         self.broken.is_some()
+    }
+
+    /// Why the connection closed, if it did.
+    pub(crate) fn broken_reason(&self) -> Option<&str> {
+        self.broken.as_deref()
     }
 
     /// Closes the connection: the queue pair goes to the error state, after
@@ -218,7 +364,7 @@ impl Conn {
     pub(crate) fn fail(&mut self, reason: impl Into<String>) -> Error {
         if self.broken.is_none() {
             let reason = reason.into();
-            tracing::warn!(peer = %self.peer, %reason, "closing connection");
+            tracing::warn!(peer = %self.peer, gen = self.gen, %reason, "closing connection");
             self.broken = Some(reason);
             self.qp.disconnect();
         }
@@ -230,21 +376,31 @@ impl Conn {
         self.free.pop().map(CommandId)
     }
 
-    /// A free command slot, waiting for one if needed.
+    /// A free command slot, waiting for one if needed. Only for a fresh
+    /// connection that nobody else uses (connect, re-open).
     pub(crate) fn acquire(&mut self) -> Result<CommandId> {
         loop {
             self.check_alive()?;
             if let Some(cid) = self.try_acquire() {
                 return Ok(cid);
             }
-            self.progress()?;
+            if !self.progress()? {
+                return Err(Error::invalid("no command slot is free and none is outstanding"));
+            }
+        }
+    }
+
+    fn release_slot(&mut self, index: usize) {
+        if self.ka_slot != Some(index as u16) {
+            self.free.push(index as u16);
         }
     }
 
     /// Gives back a slot acquired but never submitted.
     pub(crate) fn release_unused(&mut self, cid: CommandId) {
-        debug_assert!(!self.slots[usize::from(cid.0)].awaiting && !self.slots[usize::from(cid.0)].send_pending);
-        self.free.push(cid.0);
+        let slot = &self.slots[usize::from(cid.0)];
+        debug_assert!(!slot.awaiting && !slot.send_pending);
+        self.release_slot(usize::from(cid.0));
     }
 
     /// Sends a command in slot `cid` (which must have been acquired): the
@@ -257,13 +413,13 @@ impl Conn {
         op: Opcode,
         timeout: Duration,
     ) -> Result<()> {
+        let index = usize::from(cid.0);
         if let Err(e) = self.check_alive() {
-            self.free.push(cid.0);
+            self.release_slot(index);
             return Err(e);
         }
-        let index = usize::from(cid.0);
         if inline.len() > self.inline_capacity() {
-            self.free.push(cid.0);
+            self.release_slot(index);
             return Err(Error::invalid(format!(
                 "{} bytes of inline data do not fit the {}-byte send slot",
                 inline.len(),
@@ -323,12 +479,20 @@ impl Conn {
         let response = slot.response.take()?;
         slot.awaiting = false;
         if !slot.send_pending {
-            self.free.push(cid.0);
+            self.release_slot(index);
         }
         Some(response)
     }
 
-    /// Submits one command and waits for its response.
+    /// Whether `cid` missed its deadline without a response: the error its
+    /// owner reports once the connection closed because of it.
+    pub(crate) fn timed_out(&self, cid: CommandId) -> Option<Error> {
+        let s = self.slots.get(usize::from(cid.0))?;
+        (s.awaiting && s.response.is_none() && Instant::now() >= s.deadline)
+            .then(|| Error::Timeout { what: format!("{} command to {}", op_name(s.op), self.peer), after: s.timeout })
+    }
+
+    /// Submits one command and waits for its response (fresh connections).
     pub(crate) fn execute(&mut self, capsule: &CommandCapsule, inline: &[u8], timeout: Duration) -> Result<Response> {
         let cid = self.acquire()?;
         self.submit(cid, capsule, inline, timeout)?;
@@ -341,54 +505,120 @@ impl Conn {
             if let Some(r) = self.take(cid) {
                 return Ok(r);
             }
-            self.progress()?;
+            if let Err(e) = self.progress() {
+                return Err(self.timed_out(cid).unwrap_or(e));
+            }
         }
     }
 
-    /// Processes at least one completion, or fails: with
-    /// [`Error::Timeout`] when the earliest outstanding deadline passes, with
-    /// [`Error::Disconnected`] when the connection is (or gets) closed.
-    pub(crate) fn progress(&mut self) -> Result<()> {
-        self.check_alive()?;
+    /// Makes progress: processes completions or waits for one for at most
+    /// one wait slice. `Ok(true)`: something happened or time passed while
+    /// commands were outstanding; `Ok(false)`: nothing is outstanding that
+    /// could complete (every slot is free or holds a response not yet
+    /// taken). Fails with [`Error::Disconnected`] when the connection is, or
+    /// gets, closed: by the peer, by a missed deadline (then
+    /// [`timed_out`](Conn::timed_out) names the command) or by the session.
+    pub(crate) fn progress(&mut self) -> Result<bool> {
+        self.check_usable()?;
         if self.poll_once()? > 0 {
+            return Ok(true);
+        }
+        let now = Instant::now();
+        self.keepalive(now)?;
+        let Some(deadline) = self.check_deadlines(now)? else {
+            return Ok(false);
+        };
+        if let Err(e) = self.cq.arm() {
+            self.fail(format!("arming the completion queue failed: {e}"));
+            return Err(Error::fabric("arming the completion queue", e));
+        }
+        if self.poll_once()? > 0 {
+            return Ok(true);
+        }
+        let slice = (deadline - now).min(self.params.wait_slice).max(Duration::from_millis(1));
+        if let Err(e) = self.cq.wait(Some(slice)) {
+            self.fail(format!("waiting on the completion channel failed: {e}"));
+            return Err(Error::fabric("waiting on the completion channel", e));
+        }
+        self.poll_once()?;
+        Ok(true)
+    }
+
+    /// One non-blocking round for an idle queue (the session monitor):
+    /// polls, sends a keep-alive if due, and enforces deadlines.
+    pub(crate) fn tick(&mut self) -> Result<()> {
+        self.check_usable()?;
+        self.poll_once()?;
+        let now = Instant::now();
+        self.keepalive(now)?;
+        self.check_deadlines(now)?;
+        Ok(())
+    }
+
+    /// Closes the connection if an outstanding command missed its deadline;
+    /// otherwise returns the earliest deadline, if anything is outstanding.
+    fn check_deadlines(&mut self, now: Instant) -> Result<Option<Instant>> {
+        let Some((index, deadline)) = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.outstanding())
+            .map(|(i, s)| (i, s.deadline))
+            .min_by_key(|&(_, d)| d)
+        else {
+            return Ok(None);
+        };
+        if now < deadline {
+            return Ok(Some(deadline));
+        }
+        let slot = &self.slots[index];
+        let after = fmt_duration(slot.timeout);
+        let reason = if slot.op == Opcode::KeepAlive && self.ka_out == Some(CommandId(index as u16)) {
+            format!("the target did not answer a keep-alive within {after}")
+        } else {
+            Stats::add(&self.stats.timeouts, 1);
+            format!("{} command (id {index}) to {} got no response within {after}", op_name(slot.op), self.peer)
+        };
+        Err(self.fail(reason))
+    }
+
+    /// Consumes an answered keep-alive and sends a new one when due.
+    fn keepalive(&mut self, now: Instant) -> Result<()> {
+        let Some(ka) = self.params.keepalive else {
+            return Ok(());
+        };
+        if let Some(cid) = self.ka_out {
+            match self.take(cid) {
+                Some(resp) => {
+                    self.ka_out = None;
+                    if resp.capsule.status != Status::Success {
+                        return Err(self.fail(format!(
+                            "the target answered a keep-alive with {} ({:?})",
+                            resp.capsule.status.describe(),
+                            resp.capsule.status
+                        )));
+                    }
+                }
+                None => return Ok(()),
+            }
+        }
+        if now.saturating_duration_since(self.last_rx) < ka.idle {
             return Ok(());
         }
-        loop {
-            let Some((index, deadline)) = self
-                .slots
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.awaiting || s.send_pending)
-                .map(|(i, s)| (i, s.deadline))
-                .min_by_key(|&(_, d)| d)
-            else {
-                // Nothing outstanding: nothing to wait for.
-                return Ok(());
-            };
-            let now = Instant::now();
-            if now >= deadline {
-                let slot = &self.slots[index];
-                let what = format!("{} command (id {index}) to {}", op_name(slot.op), self.peer);
-                let after = slot.timeout;
-                self.fail(format!("{what} got no response within {}", fmt_duration(after)));
-                return Err(Error::Timeout { what, after });
-            }
-            if let Err(e) = self.cq.arm() {
-                self.fail(format!("arming the completion queue failed: {e}"));
-                return Err(Error::fabric("arming the completion queue", e));
-            }
-            if self.poll_once()? > 0 {
-                return Ok(());
-            }
-            let slice = (deadline - now).min(MAX_WAIT_SLICE).max(Duration::from_millis(1));
-            if let Err(e) = self.cq.wait(Some(slice)) {
-                self.fail(format!("waiting on the completion channel failed: {e}"));
-                return Err(Error::fabric("waiting on the completion channel", e));
-            }
-            if self.poll_once()? > 0 {
-                return Ok(());
-            }
-        }
+        let cid = match self.ka_slot {
+            Some(s) if !self.slots[usize::from(s)].awaiting && !self.slots[usize::from(s)].send_pending => CommandId(s),
+            Some(_) => return Ok(()),
+            None => match self.try_acquire() {
+                Some(cid) => cid,
+                None => return Ok(()),
+            },
+        };
+        self.submit(cid, &CommandCapsule::new(Opcode::KeepAlive, CommandId(0)), &[], ka.wait)?;
+        self.ka_out = Some(cid);
+        // The next one is due `idle` after this one's answer at the earliest.
+        self.last_rx = now;
+        Stats::add(&self.stats.keep_alives, 1);
+        Ok(())
     }
 
     /// Polls the CQ once and handles what it returns.
@@ -416,6 +646,7 @@ impl Conn {
             }
             let reason = match (wc.status, wc.opcode) {
                 (WcStatus::WrFlushError, _) => "the connection was closed by the target or lost".to_owned(),
+                (WcStatus::TransportError, _) => "the connection to the target was lost".to_owned(),
                 (WcStatus::RnrRetryExceeded, _) => {
                     "the target had no receive posted for a command (RNR retry exceeded)".to_owned()
                 }
@@ -434,7 +665,7 @@ impl Conn {
                 let slot = &mut self.slots[index];
                 slot.send_pending = false;
                 if !slot.awaiting {
-                    self.free.push(index as u16);
+                    self.release_slot(index);
                 }
             }
             _ => {
@@ -474,33 +705,40 @@ impl Conn {
                 return;
             }
         }
+        self.last_rx = Instant::now();
         if let Err(e) = self.post_recv(index) {
             self.fail(format!("reposting a receive failed: {e}"));
         }
     }
 
-    /// Runs `pieces` commands with at most `lanes` (and at most the queue
-    /// depth) outstanding. `issue(piece, lane)` builds piece `piece` using
-    /// lane `lane` (an index below `lanes` that no outstanding piece uses,
-    /// e.g. a bounce chunk) and returns its capsule and inline data;
+    /// Runs `pieces` commands with at most `lanes` (and at most the usable
+    /// queue depth) outstanding. `issue(piece, lane)` builds piece `piece`
+    /// using lane `lane` (an index below `lanes` that no outstanding piece
+    /// uses, e.g. a bounce chunk) and returns its capsule and inline data;
     /// `complete(piece, lane, response)` consumes its response (any status).
     ///
     /// On the first error no new piece is issued, the outstanding ones are
-    /// waited for, and that error is returned. Returns only when no command
-    /// of this call is outstanding, or after the connection was closed.
+    /// waited for, and the error is returned as [`Outcome::Failed`]. A
+    /// [`PieceError::Retry`] closes the connection at once. Returns only
+    /// when no command of this call is outstanding, or after the connection
+    /// was closed ([`Outcome::Broken`], or [`Outcome::Failed`] with
+    /// [`Error::Timeout`] when one of this call's commands missed its
+    /// deadline). [`Outcome::Busy`]: no slot could be had and nothing this
+    /// queue pair waits for could free one (other users hold them with
+    /// responses they have not taken yet).
     pub(crate) fn pipeline<'d>(
         &mut self,
         pieces: usize,
         lanes: usize,
         timeout: Duration,
         mut issue: impl FnMut(usize, usize) -> Result<(CommandCapsule, &'d [u8])>,
-        mut complete: impl FnMut(usize, usize, &Response) -> Result<()>,
-    ) -> Result<()> {
-        let lanes = lanes.min(self.depth()).max(1);
+        mut complete: impl FnMut(usize, usize, &Response) -> Result<(), PieceError>,
+    ) -> Outcome {
+        let lanes = lanes.min(self.user_depth()).max(1);
         let run = catch_unwind(AssertUnwindSafe(|| {
             let mut next = 0usize;
-            let mut inflight: Vec<(CommandId, usize, usize)> = Vec::with_capacity(lanes);
-            let mut free_lanes: Vec<usize> = (0..lanes).rev().collect();
+            let mut inflight: Vec<(CommandId, usize, usize)> = Vec::with_capacity(lanes.min(pieces));
+            let mut free_lanes: Vec<usize> = (0..lanes.min(pieces)).rev().collect();
             let mut first_err: Option<Error> = None;
             loop {
                 while first_err.is_none() && next < pieces && !free_lanes.is_empty() {
@@ -515,7 +753,7 @@ impl Conn {
                             Err(e) => {
                                 free_lanes.push(lane);
                                 if self.is_broken() {
-                                    return Err(e);
+                                    return self.broken_outcome(&inflight);
                                 }
                                 first_err = Some(e);
                             }
@@ -534,8 +772,15 @@ impl Conn {
                     if let Some(resp) = self.take(cid) {
                         inflight.swap_remove(i);
                         reaped = true;
-                        if let Err(e) = complete(piece, lane, &resp) {
-                            first_err.get_or_insert(e);
+                        match complete(piece, lane, &resp) {
+                            Ok(()) => {}
+                            Err(PieceError::Fatal(e)) => {
+                                first_err.get_or_insert(e);
+                            }
+                            Err(PieceError::Retry(reason)) => {
+                                self.fail(reason);
+                                return Outcome::Broken;
+                            }
                         }
                         free_lanes.push(lane);
                     } else {
@@ -543,21 +788,35 @@ impl Conn {
                     }
                 }
                 if inflight.is_empty() && (first_err.is_some() || next == pieces) {
-                    return first_err.map_or(Ok(()), Err);
+                    return first_err.map_or(Outcome::Done(()), Outcome::Failed);
                 }
                 if !reaped {
-                    self.progress()?;
+                    match self.progress() {
+                        Ok(true) => {}
+                        Ok(false) if inflight.is_empty() => return Outcome::Busy,
+                        Ok(false) => {}
+                        Err(_) => return self.broken_outcome(&inflight),
+                    }
                 }
             }
         }));
         match run {
-            Ok(result) => result,
+            Ok(outcome) => outcome,
             Err(panic) => {
                 // Commands of this call may still be outstanding and name the
                 // caller's buffers, which unwinding is about to release.
                 self.fail("a request was abandoned by a panic");
                 resume_unwind(panic)
             }
+        }
+    }
+
+    /// The outcome of a pipeline whose connection closed: a timeout of one
+    /// of its own commands is final, anything else is retried.
+    fn broken_outcome(&self, inflight: &[(CommandId, usize, usize)]) -> Outcome {
+        match inflight.iter().find_map(|&(cid, _, _)| self.timed_out(cid)) {
+            Some(e) => Outcome::Failed(e),
+            None => Outcome::Broken,
         }
     }
 }
@@ -570,9 +829,59 @@ impl Drop for Conn {
     }
 }
 
+/// How one attempt of a request on one connection ended.
+pub(crate) enum Outcome<T = ()> {
+    /// Finished; the value.
+    Done(T),
+    /// Finished with an error that retrying cannot fix (a target status, a
+    /// timeout of this request's own command, a bad argument).
+    Failed(Error),
+    /// The connection closed under the request; the parts not done are
+    /// retried once the session has reconnected.
+    Broken,
+    /// No command slot free: try again after others released some.
+    Busy,
+}
+
+impl<T> Outcome<T> {
+    pub(crate) fn map<U>(self, f: impl FnOnce(T) -> U) -> Outcome<U> {
+        match self {
+            Outcome::Done(v) => Outcome::Done(f(v)),
+            Outcome::Failed(e) => Outcome::Failed(e),
+            Outcome::Broken => Outcome::Broken,
+            Outcome::Busy => Outcome::Busy,
+        }
+    }
+}
+
+/// Why a piece's response ends a pipeline.
+pub(crate) enum PieceError {
+    /// The request fails with this error.
+    Fatal(Error),
+    /// The connection must be replaced and the piece retried (the target
+    /// is shutting down).
+    Retry(String),
+}
+
+/// The status check every data command's response goes through.
+pub(crate) fn piece_status(
+    op: Opcode,
+    resp: &ResponseCapsule,
+    volume: &str,
+    offset: Option<u64>,
+    length: Option<u64>,
+) -> Result<(), PieceError> {
+    match resp.status {
+        Status::Success => Ok(()),
+        Status::ShuttingDown => Err(PieceError::Retry("the target is shutting down".into())),
+        _ => Err(PieceError::Fatal(status_error(op, resp, Some(volume), offset, length))),
+    }
+}
+
 /// What a volume request needs to build capsules and error messages.
 #[derive(Clone, Copy)]
 pub(crate) struct VolCtx<'a> {
+    /// The volume's id in the connection's session.
     pub(crate) id: VolumeId,
     pub(crate) name: &'a str,
     pub(crate) block_size: u32,
@@ -591,18 +900,14 @@ pub(crate) enum Data<'a> {
     },
 }
 
-/// The per-queue state: a connection, its bounce pool and the limits.
+/// One I/O queue: its current connection (if any) and its bounce pool.
 pub(crate) struct Queue {
-    pub(crate) conn: Conn,
+    /// The connection of the current generation; `None` while the session
+    /// has fewer queue pairs than queues, or after close.
+    pub(crate) conn: Option<Conn>,
     bounce: Region,
     chunk: usize,
     chunks: usize,
-    max_io: u32,
-    inline_limit: usize,
-    io_timeout: Duration,
-    /// The target refused a big DISCARD/WRITE_ZEROES as too large once:
-    /// split those at the max I/O size from then on.
-    small_zeroes: bool,
     stats: Arc<Stats>,
 }
 
@@ -610,7 +915,7 @@ pub(crate) struct Queue {
 const MAX_VOLUMES: usize = 1 << 20;
 
 /// Largest DISCARD / WRITE_ZEROES piece tried first.
-const ZEROES_PIECE: u64 = 1 << 30;
+pub(crate) const ZEROES_PIECE: u64 = 1 << 30;
 
 pub(crate) fn status_error(
     op: Opcode,
@@ -622,48 +927,51 @@ pub(crate) fn status_error(
     Error::Target { op, status: r.status, detail: r.detail, volume: volume.map(str::to_owned), offset, length }
 }
 
+/// Splits relative ranges into pieces of at most `piece` bytes.
+fn pieces_of(ranges: &[(u64, u64)], piece: u64) -> Vec<(u64, u64)> {
+    ranges.iter().flat_map(|&(rel, len)| split(rel, len, piece)).collect()
+}
+
+/// The ranges of `pieces` not marked done.
+fn remaining(pieces: &[(u64, u64)], done: &[bool]) -> Vec<(u64, u64)> {
+    pieces.iter().zip(done).filter(|(_, &d)| !d).map(|(&p, _)| p).collect()
+}
+
 impl Queue {
-    pub(crate) fn new(
-        conn: Conn,
-        bounce: Region,
-        chunk: usize,
-        max_io: u32,
-        inline_limit: usize,
-        io_timeout: Duration,
-        stats: Arc<Stats>,
-    ) -> Queue {
+    pub(crate) fn new(conn: Option<Conn>, bounce: Region, chunk: usize, stats: Arc<Stats>) -> Queue {
         let chunks = bounce.len() / chunk;
         assert!(chunks >= 1);
-        let inline_limit = inline_limit.min(conn.inline_capacity());
-        Queue { conn, bounce, chunk, chunks, max_io, inline_limit, io_timeout, small_zeroes: false, stats }
+        Queue { conn, bounce, chunk, chunks, stats }
     }
 
-    pub(crate) fn io_timeout(&self) -> Duration {
-        self.io_timeout
+    fn conn(&mut self) -> &mut Conn {
+        self.conn.as_mut().expect("an attempt runs on a queue with a connection")
     }
 
-    /// Reads or writes `len` bytes at byte `offset` of a volume; the range is
-    /// already checked. Splits at the max I/O size and pipelines the pieces.
+    /// Reads or writes the parts `ranges` (relative to `offset`) of a
+    /// request; the range is already checked. Splits at the max I/O size
+    /// and pipelines the pieces. On return `ranges` holds what is not done.
     pub(crate) fn transfer(
         &mut self,
         vol: VolCtx<'_>,
         op: Opcode,
-        data: Data<'_>,
-        len: u64,
+        data: &mut Data<'_>,
+        ranges: &mut Vec<(u64, u64)>,
         offset: u64,
         flags: WriteFlags,
-    ) -> Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
+    ) -> Outcome {
         let bs = u64::from(vol.block_size);
-        let timeout = self.io_timeout;
-        let piece = max_piece(u64::from(self.max_io).min(self.chunk as u64), vol.block_size)?;
-        let pieces = usize::try_from(piece_count(len, piece)).expect("piece count fits usize");
-        let piece_at = move |i: usize| -> (u64, u64) {
-            let start = i as u64 * piece;
-            (start, piece.min(len - start))
+        let stats = Arc::clone(&self.stats);
+        let chunk = self.chunk;
+        let Queue { conn, bounce, chunks, .. } = self;
+        let conn = conn.as_mut().expect("an attempt runs on a queue with a connection");
+        let params = conn.params;
+        let piece = match max_piece(u64::from(params.max_io).min(chunk as u64), vol.block_size) {
+            Ok(p) => p,
+            Err(e) => return Outcome::Failed(e),
         };
+        let pieces = pieces_of(ranges, piece);
+        let mut done = vec![false; pieces.len()];
         let capsule_for = move |rel: u64, plen: u64| {
             let mut c = CommandCapsule::new(op, CommandId(0));
             c.volume_id = vol.id;
@@ -674,47 +982,44 @@ impl Queue {
             }
             c
         };
-        let failed = move |resp: &Response, rel: u64, plen: u64| -> Result<()> {
-            if resp.capsule.status == Status::Success {
-                Ok(())
-            } else {
-                Err(status_error(op, &resp.capsule, Some(vol.name), Some(offset + rel), Some(plen)))
-            }
+        let status = |resp: &Response, rel: u64, plen: u64| {
+            piece_status(op, &resp.capsule, vol.name, Some(offset + rel), Some(plen))
         };
-        let stats = Arc::clone(&self.stats);
-        let chunk = self.chunk;
-        let inline_limit = self.inline_limit;
-        let Queue { conn, bounce, chunks, .. } = self;
-        match data {
+        let timeout = params.io_timeout;
+        let outcome = match data {
             Data::Registered { addr, rkey } => {
-                Stats::add(&stats.zero_copy_bytes, len);
+                let (addr, rkey) = (*addr, *rkey);
                 conn.pipeline(
-                    pieces,
+                    pieces.len(),
                     usize::MAX,
                     timeout,
                     |i, _| {
-                        let (rel, plen) = piece_at(i);
+                        let (rel, plen) = pieces[i];
                         let mut c = capsule_for(rel, plen);
                         c.descriptor = DataDescriptor { remote_addr: addr + rel, length: plen as u32, rkey: rkey.0 };
                         Ok((c, &[][..]))
                     },
                     |i, _, resp| {
-                        let (rel, plen) = piece_at(i);
-                        failed(resp, rel, plen)
+                        let (rel, plen) = pieces[i];
+                        status(resp, rel, plen)?;
+                        Stats::add(&stats.zero_copy_bytes, plen);
+                        done[i] = true;
+                        Ok(())
                     },
                 )
             }
             Data::ReadSlice(buf) => {
                 let rkey = bounce.rkey();
                 let base = bounce.addr();
+                let bounce = &*bounce;
                 // `issue` only reads the bounce pool's address; `complete`
                 // copies out of the chunk of a finished piece.
                 conn.pipeline(
-                    pieces,
+                    pieces.len(),
                     *chunks,
                     timeout,
                     |i, lane| {
-                        let (rel, plen) = piece_at(i);
+                        let (rel, plen) = pieces[i];
                         let mut c = capsule_for(rel, plen);
                         c.descriptor = DataDescriptor {
                             remote_addr: base + (lane * chunk) as u64,
@@ -724,26 +1029,29 @@ impl Queue {
                         Ok((c, &[][..]))
                     },
                     |i, lane, resp| {
-                        let (rel, plen) = piece_at(i);
-                        failed(resp, rel, plen)?;
+                        let (rel, plen) = pieces[i];
+                        status(resp, rel, plen)?;
                         let (rel, plen) = (rel as usize, plen as usize);
                         // The piece's command is finished: the target no longer writes this chunk.
                         buf[rel..rel + plen].copy_from_slice(bounce.bytes(lane * chunk..lane * chunk + plen));
                         Stats::add(&stats.bounce_copies, 1);
                         Stats::add(&stats.bounce_bytes, plen as u64);
+                        done[i] = true;
                         Ok(())
                     },
                 )
             }
             Data::WriteSlice(buf) => {
+                let buf: &[u8] = buf;
                 let rkey = bounce.rkey();
                 let base = bounce.addr();
+                let inline_limit = params.inline_limit;
                 conn.pipeline(
-                    pieces,
+                    pieces.len(),
                     *chunks,
                     timeout,
                     |i, lane| {
-                        let (rel, plen) = piece_at(i);
+                        let (rel, plen) = pieces[i];
                         let mut c = capsule_for(rel, plen);
                         let src = &buf[rel as usize..(rel + plen) as usize];
                         if src.len() <= inline_limit {
@@ -765,134 +1073,224 @@ impl Queue {
                         Ok((c, &[][..]))
                     },
                     |i, _, resp| {
-                        let (rel, plen) = piece_at(i);
-                        failed(resp, rel, plen)
+                        let (rel, plen) = pieces[i];
+                        status(resp, rel, plen)?;
+                        done[i] = true;
+                        Ok(())
                     },
                 )
             }
-        }
+        };
+        *ranges = remaining(&pieces, &done);
+        outcome
     }
 
-    /// DISCARD or WRITE_ZEROES over a checked range.
-    pub(crate) fn zeroes(&mut self, vol: VolCtx<'_>, op: Opcode, offset: u64, len: u64) -> Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
+    /// DISCARD or WRITE_ZEROES over the parts `ranges` (relative to
+    /// `offset`) of a checked request. `small` is the session's note that
+    /// the target takes these only up to the max I/O size; `zero` a
+    /// registered all-zero region for emulating WRITE_ZEROES.
+    pub(crate) fn zeroes(
+        &mut self,
+        vol: VolCtx<'_>,
+        op: Opcode,
+        ranges: &mut Vec<(u64, u64)>,
+        offset: u64,
+        zero: &Region,
+        small: &AtomicBool,
+    ) -> Outcome {
         if op == Opcode::WriteZeroes && !vol.supports_write_zeroes {
-            return self.emulate_write_zeroes(vol, offset, len);
+            return self.emulate_write_zeroes(vol, ranges, offset, zero);
         }
+        let conn = self.conn();
+        let max_io = u64::from(conn.params.max_io);
         loop {
-            let limit = if self.small_zeroes { u64::from(self.max_io) } else { ZEROES_PIECE };
-            let piece = max_piece(limit, vol.block_size)?;
+            let was_small = small.load(Ordering::Relaxed);
+            let limit = if was_small { max_io } else { ZEROES_PIECE };
+            let piece = match max_piece(limit, vol.block_size) {
+                Ok(p) => p,
+                Err(e) => return Outcome::Failed(e),
+            };
             let bs = u64::from(vol.block_size);
-            let pieces: Vec<(u64, u64)> = split(offset, len, piece).collect();
+            let pieces = pieces_of(ranges, piece);
+            let mut done = vec![false; pieces.len()];
             let mut too_large = false;
-            let result = self.conn.pipeline(
+            let outcome = conn.pipeline(
                 pieces.len(),
                 usize::MAX,
-                self.io_timeout,
+                conn.params.io_timeout,
                 |i, _| {
-                    let (off, plen) = pieces[i];
+                    let (rel, plen) = pieces[i];
                     let mut c = CommandCapsule::new(op, CommandId(0));
                     c.volume_id = vol.id;
-                    c.start_block = Lba(off / bs);
+                    c.start_block = Lba((offset + rel) / bs);
                     c.block_count = BlockCount((plen / bs) as u32);
                     Ok((c, &[][..]))
                 },
                 |i, _, resp| {
-                    let (off, plen) = pieces[i];
-                    match resp.capsule.status {
-                        Status::Success => Ok(()),
-                        Status::TooLarge if plen > u64::from(self.max_io) => {
-                            too_large = true;
-                            Err(status_error(op, &resp.capsule, Some(vol.name), Some(off), Some(plen)))
-                        }
-                        _ => Err(status_error(op, &resp.capsule, Some(vol.name), Some(off), Some(plen))),
+                    let (rel, plen) = pieces[i];
+                    if resp.capsule.status == Status::TooLarge && plen > max_io {
+                        too_large = true;
                     }
+                    piece_status(op, &resp.capsule, vol.name, Some(offset + rel), Some(plen))?;
+                    done[i] = true;
+                    Ok(())
                 },
             );
-            match result {
-                Err(_) if too_large && !self.small_zeroes => {
-                    // Idempotent: redo the whole range in max-I/O-size pieces.
-                    self.small_zeroes = true;
+            *ranges = remaining(&pieces, &done);
+            match outcome {
+                Outcome::Failed(_) if too_large && !was_small => {
+                    // Idempotent: redo what is left in max-I/O-size pieces.
+                    small.store(true, Ordering::Relaxed);
                 }
                 other => return other,
             }
         }
     }
 
-    /// WRITE_ZEROES for volumes that do not offer it: writes zeroes from the
-    /// bounce pool.
-    fn emulate_write_zeroes(&mut self, vol: VolCtx<'_>, offset: u64, len: u64) -> Result<()> {
-        // No command is outstanding on the bounce pool between requests.
-        self.bounce.bytes_mut(0..self.chunk).fill(0);
+    /// WRITE_ZEROES for volumes that do not offer it: writes zeroes from
+    /// the session's registered zero region, which nothing ever writes.
+    fn emulate_write_zeroes(
+        &mut self,
+        vol: VolCtx<'_>,
+        ranges: &mut Vec<(u64, u64)>,
+        offset: u64,
+        zero: &Region,
+    ) -> Outcome {
+        let conn = self.conn();
         let bs = u64::from(vol.block_size);
-        let piece = max_piece(u64::from(self.max_io).min(self.chunk as u64), vol.block_size)?;
-        let pieces: Vec<(u64, u64)> = split(offset, len, piece).collect();
-        let base = self.bounce.addr();
-        let rkey = self.bounce.rkey();
-        // Every piece reads from chunk 0 onwards, which stays zero.
-        self.conn.pipeline(
+        let piece = match max_piece(u64::from(conn.params.max_io).min(zero.len() as u64), vol.block_size) {
+            Ok(p) => p,
+            Err(e) => return Outcome::Failed(e),
+        };
+        let pieces = pieces_of(ranges, piece);
+        let mut done = vec![false; pieces.len()];
+        let (base, rkey) = (zero.addr(), zero.rkey());
+        let outcome = conn.pipeline(
             pieces.len(),
             usize::MAX,
-            self.io_timeout,
+            conn.params.io_timeout,
             |i, _| {
-                let (off, plen) = pieces[i];
+                let (rel, plen) = pieces[i];
                 let mut c = CommandCapsule::new(Opcode::Write, CommandId(0));
                 c.volume_id = vol.id;
-                c.start_block = Lba(off / bs);
+                c.start_block = Lba((offset + rel) / bs);
                 c.block_count = BlockCount((plen / bs) as u32);
                 c.descriptor = DataDescriptor { remote_addr: base, length: plen as u32, rkey: rkey.0 };
                 Ok((c, &[][..]))
             },
             |i, _, resp| {
-                let (off, plen) = pieces[i];
-                if resp.capsule.status == Status::Success {
-                    Ok(())
-                } else {
-                    Err(status_error(Opcode::WriteZeroes, &resp.capsule, Some(vol.name), Some(off), Some(plen)))
-                }
+                let (rel, plen) = pieces[i];
+                piece_status(Opcode::WriteZeroes, &resp.capsule, vol.name, Some(offset + rel), Some(plen))?;
+                done[i] = true;
+                Ok(())
             },
-        )
+        );
+        *ranges = remaining(&pieces, &done);
+        outcome
     }
 
-    /// A command without data (FLUSH, KEEP_ALIVE, CLOSE...); returns the response.
-    pub(crate) fn simple(&mut self, capsule: &CommandCapsule, inline: &[u8]) -> Result<Response> {
-        self.conn.execute(capsule, inline, self.io_timeout)
+    /// A command without data (FLUSH, KEEP_ALIVE, OPEN, CLOSE...); returns
+    /// its response whatever the status, except that `ShuttingDown` retries.
+    pub(crate) fn simple(&mut self, capsule: &CommandCapsule, inline: &[u8]) -> Outcome<Response> {
+        let conn = self.conn();
+        let mut out = None;
+        let timeout = conn.params.io_timeout;
+        let outcome = conn.pipeline(
+            1,
+            1,
+            timeout,
+            |_, _| Ok((*capsule, inline)),
+            |_, _, resp| {
+                if resp.capsule.status == Status::ShuttingDown {
+                    return Err(PieceError::Retry("the target is shutting down".into()));
+                }
+                out = Some(resp.clone());
+                Ok(())
+            },
+        );
+        match outcome {
+            Outcome::Done(()) => Outcome::Done(out.expect("a finished command has a response")),
+            Outcome::Failed(e) => Outcome::Failed(e),
+            Outcome::Broken => Outcome::Broken,
+            Outcome::Busy => Outcome::Busy,
+        }
+    }
+
+    /// OPEN_VOLUME; `UnknownVolume` becomes [`Error::UnknownVolume`].
+    pub(crate) fn open_volume(&mut self, name: &str) -> Outcome<VolumeInfo> {
+        let mut c = CommandCapsule::new(Opcode::OpenVolume, CommandId(0));
+        c.inline_len = name.len() as u32;
+        let resp = match self.simple(&c, name.as_bytes()) {
+            Outcome::Done(r) => r,
+            other => return other.map(|_| unreachable!()),
+        };
+        match resp.capsule.status {
+            Status::Success => {}
+            Status::UnknownVolume => return Outcome::Failed(Error::UnknownVolume { name: name.to_owned() }),
+            _ => return Outcome::Failed(status_error(Opcode::OpenVolume, &resp.capsule, Some(name), None, None)),
+        }
+        match VolumeInfo::decode(resp.data()) {
+            Ok(info) => Outcome::Done(info),
+            Err(e) => {
+                let e = Error::protocol(format!("the target's OPEN reply for {name:?} is invalid: {e}"));
+                self.conn().fail(e.to_string());
+                Outcome::Failed(e)
+            }
+        }
     }
 
     /// LIST_VOLUMES into the bounce pool (or a bigger temporary region when
     /// the target has more volumes than fit).
-    pub(crate) fn list_volumes(&mut self) -> Result<Vec<VolumeInfo>> {
+    pub(crate) fn list_volumes(&mut self) -> Outcome<Vec<VolumeInfo>> {
         let mut want = 0usize;
         for _attempt in 0..4 {
+            let max_io = self.conn().params.max_io as usize;
             let pool_entries = (self.chunks * self.chunk) / VOLUME_INFO_SIZE;
-            let max_entries = (self.max_io as usize / VOLUME_INFO_SIZE).max(1);
+            let max_entries = (max_io / VOLUME_INFO_SIZE).max(1);
             let temp;
             let (region, entries): (&Region, usize) = if want <= pool_entries.min(max_entries) {
                 (&self.bounce, pool_entries.min(max_entries))
             } else {
                 let entries = want;
-                temp = Region::new(
-                    self.conn.domain().pd(),
-                    entries * VOLUME_INFO_SIZE,
-                    Access::LOCAL_WRITE | Access::REMOTE_WRITE,
-                )
-                .map_err(|e| Error::fabric("registering a buffer for the volume list", e))?;
+                let pd = self.conn().domain().pd();
+                temp = match Region::new(pd, entries * VOLUME_INFO_SIZE, Access::LOCAL_WRITE | Access::REMOTE_WRITE) {
+                    Ok(r) => r,
+                    Err(e) => return Outcome::Failed(Error::fabric("registering a buffer for the volume list", e)),
+                };
                 (&temp, entries)
             };
             let bytes = entries * VOLUME_INFO_SIZE;
             let mut c = CommandCapsule::new(Opcode::ListVolumes, CommandId(0));
             c.descriptor = DataDescriptor { remote_addr: region.addr(), length: bytes as u32, rkey: region.rkey().0 };
-            let resp = self.conn.execute(&c, &[], self.io_timeout)?;
+            let conn = self.conn.as_mut().expect("an attempt runs on a queue with a connection");
+            let mut resp = None;
+            let timeout = conn.params.io_timeout;
+            let outcome = conn.pipeline(
+                1,
+                1,
+                timeout,
+                |_, _| Ok((c, &[][..])),
+                |_, _, r| {
+                    if r.capsule.status == Status::ShuttingDown {
+                        return Err(PieceError::Retry("the target is shutting down".into()));
+                    }
+                    resp = Some(r.clone());
+                    Ok(())
+                },
+            );
+            let resp = match outcome {
+                Outcome::Done(()) => resp.expect("a finished command has a response"),
+                other => return other.map(|()| unreachable!()),
+            };
             if resp.capsule.status != Status::Success {
-                return Err(status_error(Opcode::ListVolumes, &resp.capsule, None, None, None));
+                return Outcome::Failed(status_error(Opcode::ListVolumes, &resp.capsule, None, None, None));
             }
-            let total = usize::try_from(resp.capsule.result)
-                .map_err(|_| Error::protocol(format!("the target reports {} volumes", resp.capsule.result)))?;
+            let Ok(total) = usize::try_from(resp.capsule.result) else {
+                return Outcome::Failed(Error::protocol(format!("the target reports {} volumes", resp.capsule.result)));
+            };
             if total > entries {
                 if total > MAX_VOLUMES {
-                    return Err(Error::protocol(format!(
+                    return Outcome::Failed(Error::protocol(format!(
                         "the target reports {total} volumes, more than this initiator lists"
                     )));
                 }
@@ -901,14 +1299,18 @@ impl Queue {
             }
             // The command is finished: the target no longer writes the region.
             let raw = region.bytes(0..total * VOLUME_INFO_SIZE);
-            return raw
+            let list: Result<Vec<VolumeInfo>> = raw
                 .chunks_exact(VOLUME_INFO_SIZE)
                 .enumerate()
                 .map(|(i, b)| {
                     VolumeInfo::decode(b).map_err(|e| Error::protocol(format!("volume list entry {i} is invalid: {e}")))
                 })
                 .collect();
+            return match list {
+                Ok(l) => Outcome::Done(l),
+                Err(e) => Outcome::Failed(e),
+            };
         }
-        Err(Error::protocol("the volume list kept growing while it was read; gave up after 4 attempts"))
+        Outcome::Failed(Error::protocol("the volume list kept growing while it was read; gave up after 4 attempts"))
     }
 }

@@ -1,49 +1,70 @@
-//! Sessions (one connection to a target) and the volumes opened through them.
+//! Sessions (a set of queue pairs to one target) and the volumes opened
+//! through them.
 
-use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::fmt;
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
-use rdmablk_common::fabric::{Access, Fabric, FabricErrorKind, FabricUrl, ProtectionDomain, QpCaps};
+use rdmablk_common::fabric::{Fabric, FabricUrl, ProtectionDomain};
 use rdmablk_common::protocol::{
-    validate_name, CommandCapsule, CommandId, ConnectReply, Opcode, ResponseCapsule, Status, VolumeId, VolumeInfo,
-    COMMAND_CAPSULE_SIZE, MAX_HOST_ID_LEN, PROTOCOL_VERSION, RESPONSE_SLOT_SIZE, VOLUME_FLAG_DISCARD,
-    VOLUME_FLAG_WRITE_ZEROES,
+    validate_name, CommandCapsule, CommandId, Opcode, ResponseCapsule, SessionId, Status, VolumeId, VolumeInfo,
+    COMMAND_CAPSULE_SIZE, MAX_HOST_ID_LEN, VOLUME_FLAG_DISCARD, VOLUME_FLAG_WRITE_ZEROES,
 };
 
-use crate::buffer::{IoBuffer, Region};
+use crate::buffer::IoBuffer;
 use crate::device::{check_request, BlockDevice, WriteFlags};
 use crate::error::{Error, Result};
-use crate::queue::{status_error, Conn, Data, Queue, SendSlots, Stats, VolCtx};
+use crate::queue::{piece_status, status_error, Data, Outcome, PieceError, Queue, VolCtx};
+use crate::shared::{lock, Phase, Shared, VolumeEntry, VolumeSlot};
+use crate::submit::IoQueue;
 
-/// Receives posted beyond the requested queue depth.
-const RECV_MARGIN: usize = 4;
-/// Most inline write data this initiator puts in one command, whatever the
-/// target offers (bounds the send slot memory: depth × slot).
-const INLINE_CAP: usize = 8192;
-
-/// How to connect. `Default` gives the documented defaults.
+/// How to connect, and how to ride out failures. `Default` gives the
+/// documented defaults.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ConnectOptions {
     /// Identifies this host to the target (access control, logs): UTF-8, at
     /// most 223 bytes, no NUL. Default: the machine's host name.
     pub host_id: String,
-    /// Commands this initiator wants outstanding at once (1..=65535). The
-    /// target may grant fewer. Default 128.
+    /// Queue pairs (I/O queues) of the session. Each thread that uses the
+    /// session gets one, round-robin, in the order threads first use it.
+    /// A target that refuses to join more than one queue pair to a session
+    /// (`UnknownSession`) leaves the session with fewer; see
+    /// [`Session::queue_count`]. Default: the number of CPUs.
+    pub queues: usize,
+    /// Commands this initiator wants outstanding at once on each queue pair
+    /// (1..=65535). The target may grant fewer. One slot of each queue pair
+    /// is reserved for keep-alives when the depth is at least 2. Default 128.
     pub queue_depth: u32,
     /// Largest data transfer of one command, in bytes. The target may grant
     /// less; larger requests are split. Default 1 MiB.
     pub max_io_size: u32,
-    /// Deadline for establishing the connection and the CONNECT exchange.
-    /// Default 10 s.
+    /// Deadline for establishing the connections and the CONNECT exchange,
+    /// at connect and at each reconnection attempt. Default 10 s.
     pub connect_timeout: Duration,
     /// Deadline for the response of each command. A command that misses it
-    /// closes the connection. Default 30 s.
+    /// fails with [`Error::Timeout`]; its queue pair is closed (the target
+    /// may still be working on the buffer) and the session reconnects, so
+    /// other requests carry on. Default 30 s.
     pub io_timeout: Duration,
-    /// Bytes of registered memory used to stage I/O on plain slices (at
-    /// least one max-I/O-size chunk, at most one per queue slot). Default 4 MiB.
+    /// A target that does not answer for this long is declared dead, even
+    /// when no I/O is in flight: a queue pair that received nothing for a
+    /// quarter of it sends a KEEP_ALIVE, which must be answered within half
+    /// of it. Zero disables keep-alives. Default 5 s.
+    pub keepalive_timeout: Duration,
+    /// Pause before the second reconnection attempt (the first is
+    /// immediate); it doubles after each failed attempt, up to 5 s (or this
+    /// value, if larger). Default 1 s.
+    pub reconnect_delay: Duration,
+    /// How long the session keeps trying to reconnect after a failure before
+    /// it gives up and fails queued and future requests with
+    /// [`Error::TargetLost`]. Requests wait (at most this long) while it
+    /// reconnects. Zero disables reconnection: the first failure closes the
+    /// session ([`Error::Disconnected`]). Default 60 s.
+    pub ctrl_loss_timeout: Duration,
+    /// Bytes of registered memory, shared out among the queues, used to
+    /// stage I/O on plain slices (at least one max-I/O-size chunk per queue,
+    /// at most one per queue slot). Default 8 MiB.
     pub bounce_pool_size: usize,
 }
 
@@ -51,11 +72,15 @@ impl Default for ConnectOptions {
     fn default() -> Self {
         ConnectOptions {
             host_id: default_host_id(),
+            queues: std::thread::available_parallelism().map_or(1, |n| n.get()),
             queue_depth: 128,
             max_io_size: 1 << 20,
             connect_timeout: Duration::from_secs(10),
             io_timeout: Duration::from_secs(30),
-            bounce_pool_size: 4 << 20,
+            keepalive_timeout: Duration::from_secs(5),
+            reconnect_delay: Duration::from_secs(1),
+            ctrl_loss_timeout: Duration::from_secs(60),
+            bounce_pool_size: 8 << 20,
         }
     }
 }
@@ -77,6 +102,9 @@ impl ConnectOptions {
                 self.host_id.len()
             )));
         }
+        if self.queues == 0 || self.queues > 1024 {
+            return Err(Error::invalid(format!("{} queues is outside 1..=1024", self.queues)));
+        }
         if self.queue_depth == 0 || self.queue_depth > u32::from(u16::MAX) {
             return Err(Error::invalid(format!("queue depth {} is outside 1..=65535", self.queue_depth)));
         }
@@ -84,16 +112,17 @@ impl ConnectOptions {
             return Err(Error::invalid(format!("max I/O size {} is below 512 bytes", self.max_io_size)));
         }
         if self.connect_timeout.is_zero() || self.io_timeout.is_zero() {
-            return Err(Error::invalid("timeouts must be longer than zero"));
+            return Err(Error::invalid("connect and I/O timeouts must be longer than zero"));
         }
         Ok(())
     }
 }
 
-/// What CONNECT negotiated.
+/// What CONNECT negotiated (on the first queue pair of the current
+/// connection).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct NegotiatedLimits {
-    /// Commands outstanding at once on the queue pair (the smaller of what
+    /// Commands outstanding at once on a queue pair (the smaller of what
     /// was asked and what the target granted).
     pub queue_depth: u32,
     /// Largest data transfer of one command, in bytes.
@@ -105,7 +134,7 @@ pub struct NegotiatedLimits {
 /// Counters of a session, for tests and monitoring.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct SessionStats {
-    /// Commands sent, of every kind.
+    /// Commands sent, of every kind (keep-alives included).
     pub commands: u64,
     /// Pieces of I/O on plain slices staged through the bounce pool (one copy each).
     pub bounce_copies: u64,
@@ -117,18 +146,36 @@ pub struct SessionStats {
     pub inline_bytes: u64,
     /// Bytes moved directly to or from [`IoBuffer`]s.
     pub zero_copy_bytes: u64,
+    /// KEEP_ALIVE commands sent.
+    pub keep_alives: u64,
+    /// Successful reconnections.
+    pub reconnects: u64,
+    /// Request attempts re-issued after a broken connection.
+    pub retries: u64,
+    /// Commands that missed their deadline.
+    pub timeouts: u64,
 }
 
-/// Protection domain and fabric of a session; buffers keep it alive.
+/// Protection domain and fabric of a session; buffers keep it alive, and
+/// every connection of the session, reconnections included, uses it, so
+/// registered buffers stay valid across reconnections.
 pub(crate) struct Domain {
     // The PD goes before the fabric it was allocated from.
     pd: ProtectionDomain,
-    _fabric: Fabric,
+    fabric: Fabric,
 }
 
 impl Domain {
+    pub(crate) fn new(pd: ProtectionDomain, fabric: Fabric) -> Domain {
+        Domain { pd, fabric }
+    }
+
     pub(crate) fn pd(&self) -> &ProtectionDomain {
         &self.pd
+    }
+
+    pub(crate) fn fabric(&self) -> &Fabric {
+        &self.fabric
     }
 }
 
@@ -164,51 +211,42 @@ impl IntoTargetUrl for &FabricUrl {
     }
 }
 
-/// A connection to a target: one queue pair (today), the negotiated limits,
-/// and the registered memory of its buffers.
+/// A session with a target: several queue pairs (I/O queues) sharing the
+/// volumes opened through them, the negotiated limits, and the registered
+/// memory of its buffers.
 ///
-/// Cheap to clone (a handle); the connection closes when the last handle,
-/// [`Volume`] and [`IoBuffer`] user of it is gone, or at [`Session::close`].
+/// Cheap to clone (a handle); the connections close when the last handle,
+/// [`Volume`] and [`IoQueue`] of it is gone, or at [`Session::close`].
 ///
 /// # Concurrency
-/// `Session` and [`Volume`] are `Send + Sync`. Requests from several threads
-/// share the one queue pair and run one at a time; each request pipelines its
-/// own pieces up to the queue depth.
+/// `Session`, [`Volume`] and [`IoBuffer`] are `Send + Sync`. Each thread
+/// that uses the session is given one of its queue pairs, round-robin, and
+/// keeps it; each queue pair has its own lock, so threads on different
+/// queue pairs share no lock on the I/O path. Threads beyond the number of
+/// queues share queues (a request holds its queue's lock while it runs).
+/// Each request pipelines its own pieces up to the queue depth.
 ///
 /// # Failures
-/// A command without a response within [`ConnectOptions::io_timeout`], a
-/// fabric error, or a malformed response closes the connection: every later
-/// call fails with [`Error::Disconnected`]. Connect again to recover.
+/// Like an NVMe-oF host: a keep-alive finds a dead or hung target within
+/// [`ConnectOptions::keepalive_timeout`]. When a connection breaks (or a
+/// command misses [`ConnectOptions::io_timeout`], which fails that command
+/// with [`Error::Timeout`]), the session reconnects in the background,
+/// re-opens its volumes by name and re-issues the pieces of reads and
+/// writes that had not completed (they are idempotent at block level).
+/// Requests wait meanwhile. Only when [`ConnectOptions::ctrl_loss_timeout`]
+/// has passed without a connection do queued and future requests fail, with
+/// [`Error::TargetLost`]. No call waits forever.
 #[derive(Clone)]
 pub struct Session {
-    inner: Arc<Inner>,
-}
-
-struct Inner {
-    // Declared first so it drops first: the queue pair goes before the PD.
-    queue: Mutex<Queue>,
-    /// Open volumes of this session and how many handles use each. Held
-    /// across OPEN and CLOSE so they cannot interleave for one volume.
-    open: Mutex<HashMap<VolumeId, usize>>,
-    domain: Arc<Domain>,
-    url: FabricUrl,
-    host_id: String,
-    target_name: String,
-    limits: NegotiatedLimits,
-    stats: Arc<Stats>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while a request ran closed the connection (see Conn::pipeline),
-    // so the state behind a poisoned lock is consistent.
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    pub(crate) shared: Arc<Shared>,
 }
 
 impl Session {
     /// Connects to the target at `url` (`tcp://host:port`; `rdma://` once a
-    /// verbs provider exists): opens the fabric, posts the response buffers,
-    /// connects the queue pair and negotiates with CONNECT. The whole
-    /// sequence must finish within `options.connect_timeout`.
+    /// verbs provider exists): opens the fabric, connects the first queue
+    /// pair (a new session) and joins the other queue pairs to it. The whole
+    /// sequence must finish within `options.connect_timeout`. The first
+    /// connection is not retried: its failure is returned.
     ///
     /// Fails with [`Error::VersionMismatch`] if the target speaks another
     /// protocol version, [`Error::Target`] if it refuses (e.g. access denied),
@@ -217,173 +255,116 @@ impl Session {
     pub fn connect(url: impl IntoTargetUrl, options: ConnectOptions) -> Result<Session> {
         let url = url.into_target_url()?;
         options.validate()?;
-        let started = Instant::now();
-        let deadline = started + options.connect_timeout;
-        let remaining = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-        let ctx = |what: &str| format!("{what} for {url}");
-
-        let fabric = Fabric::open(&url).map_err(|e| Error::fabric(ctx("opening the fabric"), e))?;
-        let pd = fabric.alloc_pd().map_err(|e| Error::fabric(ctx("allocating a protection domain"), e))?;
-        let depth = options.queue_depth;
-        let recv_count = depth as usize + RECV_MARGIN;
-        let cq = fabric
-            .create_cq(depth + recv_count as u32 + 16)
-            .map_err(|e| Error::fabric(ctx("creating a completion queue"), e))?;
-        let caps = QpCaps {
-            max_send_wr: depth + 1,
-            max_recv_wr: recv_count as u32,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            ..QpCaps::default()
-        };
-        let qp = fabric.create_qp(&pd, &cq, caps).map_err(|e| Error::fabric(ctx("creating a queue pair"), e))?;
-        let domain = Arc::new(Domain { pd, _fabric: fabric });
-        let stats = Arc::new(Stats::default());
-
-        let recv = Region::new(domain.pd(), recv_count * RESPONSE_SLOT_SIZE, Access::LOCAL_WRITE)
-            .map_err(|e| Error::fabric(ctx("registering receive buffers"), e))?;
-        let connect_slot = (COMMAND_CAPSULE_SIZE + MAX_HOST_ID_LEN).next_multiple_of(64);
-        let send = Region::new(domain.pd(), connect_slot, Access::LOCAL_WRITE)
-            .map_err(|e| Error::fabric(ctx("registering send buffers"), e))?;
-        let send = SendSlots { region: send, count: 1, size: connect_slot };
-        let mut conn = Conn::new(Arc::clone(&domain), qp, cq, recv, send, Arc::clone(&stats))?;
-
-        conn.qp().connect(&[], remaining()).map_err(|e| {
-            if e.kind == FabricErrorKind::Timeout {
-                Error::Timeout { what: format!("connecting to {url}"), after: options.connect_timeout }
-            } else {
-                Error::fabric(format!("connecting to {url}"), e)
-            }
-        })?;
-
-        let mut c = CommandCapsule::new(Opcode::Connect, CommandId(0));
-        c.version = PROTOCOL_VERSION;
-        c.queue_depth = depth;
-        c.max_io_size = options.max_io_size;
-        c.inline_len = options.host_id.len() as u32;
-        let resp = conn.execute(&c, options.host_id.as_bytes(), remaining())?;
-        match resp.capsule.status {
-            Status::Success => {}
-            Status::VersionMismatch => return Err(Error::version_mismatch(resp.capsule.detail)),
-            _ => return Err(status_error(Opcode::Connect, &resp.capsule, None, None, None)),
-        }
-        let reply = ConnectReply::decode(resp.data())
-            .map_err(|e| Error::protocol(format!("the target's CONNECT reply is invalid: {e}")))?;
-        if reply.version != PROTOCOL_VERSION {
-            return Err(Error::version_mismatch(u32::from(reply.version)));
-        }
-        if reply.queue_depth > depth {
-            tracing::warn!(
-                granted = reply.queue_depth,
-                requested = depth,
-                "target granted a deeper queue than requested"
-            );
-        }
-        let limits = NegotiatedLimits {
-            queue_depth: reply.queue_depth.min(depth),
-            max_io_size: reply.max_io_size.min(options.max_io_size),
-            inline_data_size: reply.inline_data_size,
-        };
-        tracing::debug!(?limits, target = %reply.target_name, "connected");
-
-        let slots = limits.queue_depth as usize;
-        let inline_use = (limits.inline_data_size as usize).min(INLINE_CAP);
-        let slot_size = (COMMAND_CAPSULE_SIZE + inline_use.max(MAX_HOST_ID_LEN)).next_multiple_of(64);
-        let send = Region::new(domain.pd(), slots * slot_size, Access::LOCAL_WRITE)
-            .map_err(|e| Error::fabric(ctx("registering send buffers"), e))?;
-        conn.replace_send_slots(SendSlots { region: send, count: slots, size: slot_size })?;
-
-        let chunk = limits.max_io_size as usize;
-        let chunks = (options.bounce_pool_size / chunk).clamp(1, slots);
-        let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
-        let bounce = Region::new(domain.pd(), chunk * chunks, all)
-            .map_err(|e| Error::fabric(ctx("registering the bounce pool"), e))?;
-        let queue =
-            Queue::new(conn, bounce, chunk, limits.max_io_size, inline_use, options.io_timeout, Arc::clone(&stats));
-
-        Ok(Session {
-            inner: Arc::new(Inner {
-                queue: Mutex::new(queue),
-                open: Mutex::new(HashMap::new()),
-                domain,
-                url,
-                host_id: options.host_id,
-                target_name: reply.target_name,
-                limits,
-                stats,
-            }),
-        })
+        Ok(Session { shared: Shared::connect(url, options)? })
     }
 
     /// The target's name from the CONNECT reply.
     pub fn target_name(&self) -> &str {
-        &self.inner.target_name
+        &self.shared.target_name
     }
 
     /// The URL this session connected to.
     pub fn url(&self) -> &FabricUrl {
-        &self.inner.url
+        &self.shared.url
     }
 
     /// The host id sent at CONNECT.
     pub fn host_id(&self) -> &str {
-        &self.inner.host_id
+        &self.shared.options.host_id
     }
 
-    /// What CONNECT negotiated.
+    /// The options the session was opened with.
+    pub fn options(&self) -> &ConnectOptions {
+        &self.shared.options
+    }
+
+    /// What CONNECT negotiated (on the current connection).
     pub fn limits(&self) -> NegotiatedLimits {
-        self.inner.limits
+        self.shared.limits()
     }
 
-    /// Negotiated queue depth (commands outstanding at once).
+    /// Negotiated queue depth (commands outstanding at once per queue pair).
     pub fn queue_depth(&self) -> u32 {
-        self.inner.limits.queue_depth
+        self.limits().queue_depth
     }
 
     /// Negotiated max I/O size: the largest transfer of one command.
     pub fn max_io_size(&self) -> u32 {
-        self.inner.limits.max_io_size
+        self.limits().max_io_size
     }
 
     /// Negotiated inline data size: the largest write sent inside a command.
     pub fn inline_data_size(&self) -> u32 {
-        self.inner.limits.inline_data_size
+        self.limits().inline_data_size
+    }
+
+    /// Queue pairs connected now: [`ConnectOptions::queues`], or fewer if
+    /// the target refused to join more to the session.
+    pub fn queue_count(&self) -> usize {
+        self.shared.active_queues()
+    }
+
+    /// The target's id of the current session (it changes when the session
+    /// reconnects).
+    pub fn session_id(&self) -> SessionId {
+        self.shared.session_id()
     }
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> SessionStats {
-        let s = &self.inner.stats;
-        let get = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+        let mut sum = [0u64; 10];
+        self.shared.stats.sum_into(&mut sum);
+        for q in self.shared.queues.iter() {
+            q.stats.sum_into(&mut sum);
+        }
+        let [commands, bounce_copies, bounce_bytes, inline_writes, inline_bytes, zero_copy_bytes, keep_alives, reconnects, retries, timeouts] =
+            sum;
         SessionStats {
-            commands: get(&s.commands),
-            bounce_copies: get(&s.bounce_copies),
-            bounce_bytes: get(&s.bounce_bytes),
-            inline_writes: get(&s.inline_writes),
-            inline_bytes: get(&s.inline_bytes),
-            zero_copy_bytes: get(&s.zero_copy_bytes),
+            commands,
+            bounce_copies,
+            bounce_bytes,
+            inline_writes,
+            inline_bytes,
+            zero_copy_bytes,
+            keep_alives,
+            reconnects,
+            retries,
+            timeouts,
         }
     }
 
-    /// Whether the connection is still up (as far as this side knows).
+    /// Whether the session is connected now (not reconnecting, lost or closed).
     pub fn is_connected(&self) -> bool {
-        !lock(&self.inner.queue).conn.is_broken()
+        self.shared.phase() == Phase::Connected
     }
 
-    /// Closes the connection now. Every later call on this session, its
-    /// volumes and buffers fails with [`Error::Disconnected`].
+    /// Whether the session has given up ([`Error::TargetLost`]) or was
+    /// closed: every request fails from now on.
+    pub fn is_lost(&self) -> bool {
+        matches!(self.shared.phase(), Phase::Lost | Phase::Closed)
+    }
+
+    /// Waits until the session is connected (`Ok(true)`), `timeout` passes
+    /// (`Ok(false)`), or it is lost or closed (the error requests get).
+    pub fn wait_connected(&self, timeout: Duration) -> Result<bool> {
+        self.shared.wait_ready(Some(std::time::Instant::now() + timeout))
+    }
+
+    /// Closes the connections now. Every later call on this session, its
+    /// volumes and queues fails with [`Error::Disconnected`].
     pub fn close(&self) {
-        lock(&self.inner.queue).conn.fail("closed by this initiator");
+        self.shared.close("closed by this initiator");
     }
 
     /// Every volume the target exports to this host.
     pub fn list_volumes(&self) -> Result<Vec<VolumeInfo>> {
-        lock(&self.inner.queue).list_volumes()
+        self.shared.run(Queue::list_volumes)
     }
 
-    /// Proves the target is alive (KEEP_ALIVE).
+    /// Proves the target is alive (one KEEP_ALIVE on this thread's queue;
+    /// the session also sends them by itself).
     pub fn keep_alive(&self) -> Result<()> {
-        let mut q = lock(&self.inner.queue);
-        let resp = q.simple(&CommandCapsule::new(Opcode::KeepAlive, CommandId(0)), &[])?;
+        let resp = self.shared.run(|q| q.simple(&CommandCapsule::new(Opcode::KeepAlive, CommandId(0)), &[]))?;
         match resp.capsule.status {
             Status::Success => Ok(()),
             _ => Err(status_error(Opcode::KeepAlive, &resp.capsule, None, None, None)),
@@ -393,33 +374,53 @@ impl Session {
     /// Opens the volume `name`. Fails with [`Error::UnknownVolume`] if the
     /// target has no such volume. Opening the same volume twice in one
     /// session gives two handles; the volume is closed when the last goes.
+    /// The volume stays open across reconnections (re-opened by name).
     pub fn open(&self, name: &str) -> Result<Volume> {
         validate_name(name).map_err(|_| {
             Error::invalid(format!("volume name {name:?} is invalid: 1 to 64 bytes of UTF-8 without NUL"))
         })?;
-        let mut open = lock(&self.inner.open);
-        let mut c = CommandCapsule::new(Opcode::OpenVolume, CommandId(0));
-        c.inline_len = name.len() as u32;
-        let resp = lock(&self.inner.queue).simple(&c, name.as_bytes())?;
-        match resp.capsule.status {
-            Status::Success => {}
-            Status::UnknownVolume => return Err(Error::UnknownVolume { name: name.to_owned() }),
-            _ => return Err(status_error(Opcode::OpenVolume, &resp.capsule, Some(name), None, None)),
+        loop {
+            let (info, gen) = self.shared.run(|q| {
+                let gen = q.conn.as_ref().map_or(0, |c| c.gen);
+                q.open_volume(name).map(|info| (info, gen))
+            })?;
+            let mut vols = lock(&self.shared.volumes);
+            // A reconnection after the OPEN re-opened only the volumes it
+            // knew of: open again in the new connection set.
+            if self.shared.generation() != gen {
+                continue;
+            }
+            let entry = match vols.entry(name.to_owned()) {
+                Entry::Occupied(mut o) => {
+                    let slot = o.get_mut();
+                    slot.handles += 1;
+                    Arc::clone(&slot.entry)
+                }
+                Entry::Vacant(v) => {
+                    let entry = Arc::new(VolumeEntry::new(info, gen));
+                    v.insert(VolumeSlot { entry: Arc::clone(&entry), handles: 1 });
+                    entry
+                }
+            };
+            return Ok(Volume { session: self.clone(), entry, closed: false });
         }
-        let info = VolumeInfo::decode(resp.data())
-            .map_err(|e| Error::protocol(format!("the target's OPEN reply for {name:?} is invalid: {e}")))?;
-        *open.entry(info.volume_id).or_insert(0) += 1;
-        Ok(Volume { session: self.clone(), info, closed: false })
     }
 
     /// Allocates a zero-filled buffer of `len` bytes, registered once for
-    /// zero-copy I/O with this session's volumes.
+    /// zero-copy I/O with this session's volumes. It stays valid across
+    /// reconnections.
     pub fn alloc_buffer(&self, len: usize) -> Result<IoBuffer> {
         if len == 0 {
             return Err(Error::invalid("cannot allocate a zero-length I/O buffer"));
         }
-        IoBuffer::new(Arc::clone(&self.inner.domain), len)
+        IoBuffer::new(Arc::clone(&self.shared.domain), len)
             .map_err(|e| Error::fabric(format!("registering a {len}-byte I/O buffer"), e))
+    }
+
+    /// A completion-based submission queue on one of the session's queue
+    /// pairs (the next one, round-robin). See [`IoQueue`].
+    pub fn io_queue(&self) -> IoQueue {
+        IoQueue::new(self.clone())
     }
 
     /// Sends a command exactly as given except for the command id (filled in
@@ -427,6 +428,7 @@ impl Session {
     /// its status. For system tests that must send deliberately bad
     /// commands. `buffer` is only borrowed for the duration of the command,
     /// so a descriptor naming it (see [`IoBuffer::descriptor`]) stays valid.
+    /// Not retried after a connection failure.
     #[doc(hidden)]
     pub fn raw_command(
         &self,
@@ -448,17 +450,33 @@ impl Session {
         buffer: Option<&mut IoBuffer>,
     ) -> Result<(ResponseCapsule, Vec<u8>)> {
         let _borrowed_for_the_call = buffer;
-        let mut q = lock(&self.inner.queue);
-        let timeout = q.io_timeout();
+        if let Some(e) = self.shared.final_error() {
+            return Err(e);
+        }
+        let slot = &self.shared.queues[self.shared.home_queue()];
+        let mut q = lock(&slot.q);
+        let Some(conn) = q.conn.as_mut() else {
+            return Err(Error::Disconnected { reason: "the session is reconnecting".into() });
+        };
+        let gen = conn.gen;
         let op = Opcode::from_wire(capsule[0]).unwrap_or(Opcode::KeepAlive);
-        let cid = q.conn.acquire()?;
-        q.conn.submit_raw(cid, &capsule, inline, op, timeout)?;
-        let resp = q.conn.wait_for(cid)?;
+        let result = (|| {
+            conn.check_usable()?;
+            let cid = conn.acquire()?;
+            conn.submit_raw(cid, &capsule, inline, op, conn.params.io_timeout)?;
+            conn.wait_for(cid)
+        })();
+        let broken = conn.broken_reason().map(str::to_owned);
+        drop(q);
+        if let Some(reason) = broken {
+            self.shared.report_failure(gen, &reason);
+        }
+        let resp = result?;
         Ok((resp.capsule, resp.data().to_vec()))
     }
 
-    fn same_domain(&self, buf: &IoBuffer) -> Result<()> {
-        if Arc::ptr_eq(buf.domain(), &self.inner.domain) {
+    pub(crate) fn same_domain(&self, buf: &IoBuffer) -> Result<()> {
+        if Arc::ptr_eq(buf.domain(), &self.shared.domain) {
             Ok(())
         } else {
             Err(Error::invalid("the I/O buffer was allocated by another session; its keys are not valid here"))
@@ -469,9 +487,10 @@ impl Session {
 impl fmt::Debug for Session {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Session")
-            .field("url", &self.inner.url.to_string())
-            .field("target_name", &self.inner.target_name)
-            .field("limits", &self.inner.limits)
+            .field("url", &self.shared.url.to_string())
+            .field("target_name", &self.shared.target_name)
+            .field("limits", &self.limits())
+            .field("queues", &self.queue_count())
             .finish()
     }
 }
@@ -480,47 +499,53 @@ impl fmt::Debug for Session {
 /// alignment, ordering and durability rules.
 ///
 /// Plain-slice I/O ([`BlockDevice::read_at`], [`BlockDevice::write_at`])
-/// stages data through the session's registered bounce pool, or sends small
-/// writes (up to the negotiated inline size) inline. [`Volume::read_into`]
-/// and [`Volume::write_from`] move data straight between the target and an
-/// [`IoBuffer`] without any copy. Requests larger than the negotiated max
-/// I/O size are split and the pieces pipelined up to the queue depth.
+/// stages data through the calling queue's registered bounce pool, or sends
+/// small writes (up to the negotiated inline size) inline.
+/// [`Volume::read_into`] and [`Volume::write_from`] move data straight
+/// between the target and an [`IoBuffer`] without any copy. Requests larger
+/// than the negotiated max I/O size are split and the pieces pipelined up
+/// to the queue depth; after a reconnection only the pieces that had not
+/// completed are re-issued.
 ///
 /// Write-type requests on a read-only volume fail with [`Error::ReadOnly`]
 /// without being sent. DISCARD on a volume that does not offer it does
 /// nothing (allowed: contents after a discard are unspecified).
 /// WRITE_ZEROES on a volume that does not offer it is carried out by writing
 /// zeroes. Flush on a read-only volume does nothing.
+///
+/// A `Volume` is `Send + Sync`: share it between threads with `Arc` or
+/// scoped threads; each thread's requests go through its own queue.
 pub struct Volume {
     session: Session,
-    info: VolumeInfo,
+    pub(crate) entry: Arc<VolumeEntry>,
     closed: bool,
 }
 
 impl Volume {
-    /// What the target reported at OPEN.
+    /// What the target reported at OPEN (the first time; after a
+    /// reconnection [`Volume::id`] may differ from `info().volume_id`).
     pub fn info(&self) -> &VolumeInfo {
-        &self.info
+        &self.entry.info
     }
 
     /// The volume's name.
     pub fn name(&self) -> &str {
-        &self.info.name
+        &self.entry.name
     }
 
-    /// The session-local id the target assigned.
+    /// The id the target assigned in the current session.
     pub fn id(&self) -> VolumeId {
-        self.info.volume_id
+        self.entry.current_id()
     }
 
     /// Whether the target offers DISCARD on this volume.
     pub fn supports_discard(&self) -> bool {
-        self.info.flags & VOLUME_FLAG_DISCARD != 0
+        self.entry.info.flags & VOLUME_FLAG_DISCARD != 0
     }
 
     /// Whether the target offers WRITE_ZEROES on this volume.
     pub fn supports_write_zeroes(&self) -> bool {
-        self.info.flags & VOLUME_FLAG_WRITE_ZEROES != 0
+        self.entry.info.flags & VOLUME_FLAG_WRITE_ZEROES != 0
     }
 
     /// The session this volume was opened through.
@@ -528,24 +553,37 @@ impl Volume {
         &self.session
     }
 
-    fn ctx(&self) -> VolCtx<'_> {
-        VolCtx {
-            id: self.info.volume_id,
-            name: &self.info.name,
-            block_size: self.info.block_size,
+    /// Runs `f` with the volume's context for the queue's connection.
+    fn attempt<T>(&self, q: &mut Queue, f: impl FnOnce(&mut Queue, VolCtx<'_>) -> Outcome<T>) -> Outcome<T> {
+        let conn = q.conn.as_mut().expect("an attempt runs on a queue with a connection");
+        let id = match self.entry.remote_id(conn.gen) {
+            Ok(id) => id,
+            Err(Some(e)) => return Outcome::Failed(e),
+            Err(None) => {
+                // Opened in another connection set than this one: replace it.
+                conn.fail(format!("volume {:?} is not open on this connection", self.entry.name));
+                return Outcome::Broken;
+            }
+        };
+        let ctx = VolCtx {
+            id,
+            name: &self.entry.name,
+            block_size: self.entry.info.block_size,
             supports_write_zeroes: self.supports_write_zeroes(),
-        }
+        };
+        f(q, ctx)
     }
 
-    fn check(&self, op: Opcode, offset: u64, len: u64) -> Result<()> {
-        check_request(op, offset, len, self.info.block_size, self.info.size_bytes)?;
-        if op != Opcode::Read && self.info.read_only() {
-            return Err(Error::ReadOnly { op, volume: self.info.name.clone() });
+    pub(crate) fn check(&self, op: Opcode, offset: u64, len: u64) -> Result<()> {
+        let info = &self.entry.info;
+        check_request(op, offset, len, info.block_size, info.size_bytes)?;
+        if op != Opcode::Read && info.read_only() {
+            return Err(Error::ReadOnly { op, volume: info.name.clone() });
         }
         Ok(())
     }
 
-    fn check_buffer(&self, op: Opcode, buf: &IoBuffer, buf_offset: usize, len: usize) -> Result<()> {
+    pub(crate) fn check_buffer(&self, op: Opcode, buf: &IoBuffer, buf_offset: usize, len: usize) -> Result<()> {
         self.session.same_domain(buf)?;
         match buf_offset.checked_add(len) {
             Some(end) if end <= buf.len() => Ok(()),
@@ -557,14 +595,25 @@ impl Volume {
         }
     }
 
+    fn transfer(&self, op: Opcode, mut data: Data<'_>, len: u64, offset: u64, flags: WriteFlags) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let mut ranges = vec![(0, len)];
+        self.session
+            .shared
+            .run(|q| self.attempt(q, |q, vol| q.transfer(vol, op, &mut data, &mut ranges, offset, flags)))
+    }
+
     /// Reads `len` bytes at volume `offset` into `buf[buf_offset..][..len]`,
     /// zero-copy: the target writes the data straight into the buffer.
+    /// `offset` and `len` must be multiples of the block size; `buf_offset`
+    /// may be anything.
     pub fn read_into(&self, buf: &mut IoBuffer, buf_offset: usize, len: usize, offset: u64) -> Result<()> {
         self.check_buffer(Opcode::Read, buf, buf_offset, len)?;
         self.check(Opcode::Read, offset, len as u64)?;
         let data = Data::Registered { addr: buf.region().addr() + buf_offset as u64, rkey: buf.region().rkey() };
-        let mut q = lock(&self.session.inner.queue);
-        q.transfer(self.ctx(), Opcode::Read, data, len as u64, offset, WriteFlags::NONE)
+        self.transfer(Opcode::Read, data, len as u64, offset, WriteFlags::NONE)
     }
 
     /// Writes `buf[buf_offset..][..len]` at volume `offset`, zero-copy: the
@@ -585,8 +634,7 @@ impl Volume {
         self.check_buffer(Opcode::Write, buf, buf_offset, len)?;
         self.check(Opcode::Write, offset, len as u64)?;
         let data = Data::Registered { addr: buf.region().addr() + buf_offset as u64, rkey: buf.region().rkey() };
-        let mut q = lock(&self.session.inner.queue);
-        q.transfer(self.ctx(), Opcode::Write, data, len as u64, offset, flags)
+        self.transfer(Opcode::Write, data, len as u64, offset, flags)
     }
 
     /// Closes the volume now (if this is its last handle in the session) and
@@ -597,28 +645,32 @@ impl Volume {
     }
 
     fn release(&self) -> Result<()> {
-        let inner = &self.session.inner;
-        let mut open = lock(&inner.open);
-        let id = self.info.volume_id;
-        match open.get_mut(&id) {
-            Some(n) if *n > 1 => {
-                *n -= 1;
+        let shared = &self.session.shared;
+        let mut vols = lock(&shared.volumes);
+        match vols.get_mut(&self.entry.name) {
+            Some(slot) if Arc::ptr_eq(&slot.entry, &self.entry) && slot.handles > 1 => {
+                slot.handles -= 1;
                 return Ok(());
             }
-            _ => {
-                open.remove(&id);
+            Some(slot) if Arc::ptr_eq(&slot.entry, &self.entry) => {
+                vols.remove(&self.entry.name);
             }
+            _ => return Ok(()),
         }
-        let mut q = lock(&inner.queue);
-        if q.conn.is_broken() {
-            return Ok(()); // the target closed everything with the connection
-        }
-        let mut c = CommandCapsule::new(Opcode::CloseVolume, CommandId(0));
-        c.volume_id = id;
-        let resp = q.simple(&c, &[])?;
-        match resp.capsule.status {
-            Status::Success => Ok(()),
-            _ => Err(status_error(Opcode::CloseVolume, &resp.capsule, Some(&self.info.name), None, None)),
+        // Not retried: a new connection set does not have it open anyway.
+        let resp = shared.run_once(|q| {
+            self.attempt(q, |q, vol| {
+                let mut c = CommandCapsule::new(Opcode::CloseVolume, CommandId(0));
+                c.volume_id = vol.id;
+                q.simple(&c, &[])
+            })
+        });
+        drop(vols);
+        match resp {
+            Ok(Some(r)) if r.capsule.status == Status::Success => Ok(()),
+            Ok(Some(r)) => Err(status_error(Opcode::CloseVolume, &r.capsule, Some(&self.entry.name), None, None)),
+            Ok(None) => Ok(()),
+            Err(e) => Err(e),
         }
     }
 }
@@ -627,7 +679,7 @@ impl Drop for Volume {
     fn drop(&mut self) {
         if !self.closed {
             if let Err(e) = self.release() {
-                tracing::debug!(volume = %self.info.name, error = %e, "closing volume on drop failed");
+                tracing::debug!(volume = %self.entry.name, error = %e, "closing volume on drop failed");
             }
         }
     }
@@ -635,70 +687,90 @@ impl Drop for Volume {
 
 impl fmt::Debug for Volume {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Volume").field("info", &self.info).finish()
+        f.debug_struct("Volume").field("info", &self.entry.info).field("id", &self.id()).finish()
     }
 }
 
 impl BlockDevice for Volume {
     fn block_size(&self) -> u32 {
-        self.info.block_size
+        self.entry.info.block_size
     }
 
     fn size(&self) -> u64 {
-        self.info.size_bytes
+        self.entry.info.size_bytes
     }
 
     fn read_only(&self) -> bool {
-        self.info.read_only()
+        self.entry.info.read_only()
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let len = buf.len() as u64;
         self.check(Opcode::Read, offset, len)?;
-        let mut q = lock(&self.session.inner.queue);
-        q.transfer(self.ctx(), Opcode::Read, Data::ReadSlice(buf), len, offset, WriteFlags::NONE)
+        self.transfer(Opcode::Read, Data::ReadSlice(buf), len, offset, WriteFlags::NONE)
     }
 
     fn write_at_with(&self, buf: &[u8], offset: u64, flags: WriteFlags) -> Result<()> {
         let len = buf.len() as u64;
         self.check(Opcode::Write, offset, len)?;
-        let mut q = lock(&self.session.inner.queue);
-        q.transfer(self.ctx(), Opcode::Write, Data::WriteSlice(buf), len, offset, flags)
+        self.transfer(Opcode::Write, Data::WriteSlice(buf), len, offset, flags)
     }
 
     fn flush(&self) -> Result<()> {
-        if self.info.read_only() {
+        if self.read_only() {
             return Ok(());
         }
-        let mut c = CommandCapsule::new(Opcode::Flush, CommandId(0));
-        c.volume_id = self.info.volume_id;
-        let resp = lock(&self.session.inner.queue).simple(&c, &[])?;
-        match resp.capsule.status {
-            Status::Success => Ok(()),
-            _ => Err(status_error(Opcode::Flush, &resp.capsule, Some(&self.info.name), None, None)),
-        }
+        self.session.shared.run(|q| {
+            self.attempt(q, |q, vol| {
+                let mut c = CommandCapsule::new(Opcode::Flush, CommandId(0));
+                c.volume_id = vol.id;
+                match q.simple(&c, &[]) {
+                    Outcome::Done(r) => match piece_status(Opcode::Flush, &r.capsule, vol.name, None, None) {
+                        Ok(()) => Outcome::Done(()),
+                        Err(PieceError::Fatal(e)) => Outcome::Failed(e),
+                        Err(PieceError::Retry(_)) => unreachable!("simple() retries ShuttingDown"),
+                    },
+                    other => other.map(|_| ()),
+                }
+            })
+        })
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         self.check(Opcode::Discard, offset, len)?;
-        if !self.supports_discard() {
+        if !self.supports_discard() || len == 0 {
             return Ok(());
         }
-        lock(&self.session.inner.queue).zeroes(self.ctx(), Opcode::Discard, offset, len)
+        self.zeroes(Opcode::Discard, offset, len)
     }
 
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
         self.check(Opcode::WriteZeroes, offset, len)?;
-        lock(&self.session.inner.queue).zeroes(self.ctx(), Opcode::WriteZeroes, offset, len)
+        if len == 0 {
+            return Ok(());
+        }
+        self.zeroes(Opcode::WriteZeroes, offset, len)
+    }
+}
+
+impl Volume {
+    fn zeroes(&self, op: Opcode, offset: u64, len: u64) -> Result<()> {
+        let shared = &self.session.shared;
+        let mut ranges = vec![(0, len)];
+        shared.run(|q| {
+            self.attempt(q, |q, vol| q.zeroes(vol, op, &mut ranges, offset, &shared.zero, &shared.small_zeroes))
+        })
     }
 }
 
 #[allow(dead_code)]
 fn assert_send_sync() {
     fn is<T: Send + Sync>() {}
+    fn is_send<T: Send>() {}
     is::<Session>();
     is::<Volume>();
     is::<IoBuffer>();
+    is_send::<IoQueue>();
 }
 
 #[cfg(test)]
@@ -712,6 +784,8 @@ mod tests {
         assert_eq!(ok.queue_depth, 128);
         assert_eq!(ok.max_io_size, 1 << 20);
         assert_eq!(ok.io_timeout, Duration::from_secs(30));
+        assert_eq!(ok.keepalive_timeout, Duration::from_secs(5));
+        assert!(ok.queues >= 1);
         assert!(!ok.host_id.is_empty());
         let bad = ConnectOptions { host_id: "x".repeat(224), ..ConnectOptions::default() };
         assert!(bad.validate().unwrap_err().to_string().contains("224 bytes"));
@@ -721,6 +795,8 @@ mod tests {
         assert!(bad.validate().is_err());
         let bad = ConnectOptions { io_timeout: Duration::ZERO, ..ConnectOptions::default() };
         assert!(bad.validate().is_err());
+        let bad = ConnectOptions { queues: 0, ..ConnectOptions::default() };
+        assert!(bad.validate().unwrap_err().to_string().contains("queues"));
     }
 
     #[test]
@@ -732,9 +808,20 @@ mod tests {
     }
 
     #[test]
-    fn rdma_scheme_is_reported_unavailable() {
+    fn rdma_scheme_without_a_device_is_reported_unavailable() {
+        // Without the verbs provider, or without an RDMA device (as on this
+        // test machine), rdma:// fails at once and says why.
+        if std::path::Path::new("/sys/class/infiniband").exists() {
+            return; // a machine with RDMA devices: nothing to check here
+        }
         let e = Session::connect("rdma://127.0.0.1:4420", ConnectOptions::default()).unwrap_err();
         assert_eq!(e.kind(), crate::ErrorKind::Fabric);
-        assert!(e.one_line().contains("no verbs provider"), "{}", e.one_line());
+        match &e {
+            crate::Error::Fabric { source, .. } => {
+                assert_eq!(source.kind, rdmablk_common::fabric::FabricErrorKind::ProviderUnavailable)
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(e.one_line().contains("rdma://127.0.0.1:4420"), "{}", e.one_line());
     }
 }

@@ -85,3 +85,59 @@ fn errors_are_one_line_and_exit_non_zero() {
     assert_eq!(out.status.code(), Some(1));
     assert!(one_error_line(&out).contains("--target"));
 }
+
+#[test]
+fn large_transfers_keep_their_order_and_report_progress_when_asked() {
+    let size = 24 << 20;
+    let target = FakeTarget::start(
+        FakeConfig { max_io: 256 << 10, ..FakeConfig::default() },
+        vec![FakeVolume::new("vol0", size, 4096)],
+    );
+    let url = target.url.as_str();
+    // Several 8 MiB chunks in flight at once; the last one short.
+    let data = pattern((20 << 20) + 4096, 3);
+    let out = rdmablk(&["--target", url, "--progress", "always", "write", "vol0", "--offset", "4k"], Some(&data));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("20.0 MiB") && err.contains("/s"), "no progress line: {err:?}");
+    assert!(target.volume_data(0)[4096..4096 + data.len()] == data[..]);
+    let len = data.len().to_string();
+    let out =
+        rdmablk(&["--target", url, "--progress", "always", "read", "vol0", "--offset", "4096", "--length", &len], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.stdout == data, "read returned other bytes (or out of order)");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.lines().last().unwrap_or("").contains("(100%)"), "{err:?}");
+    // Not a terminal and not asked: quiet.
+    let out = rdmablk(&["--target", url, "read", "vol0", "--offset", "0", "--length", "16MiB"], None);
+    assert!(out.status.success() && out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn discard_and_write_zeroes_commands() {
+    let target = FakeTarget::start(FakeConfig::default(), vec![FakeVolume::new("vol0", 1 << 20, 4096)]);
+    let url = target.url.as_str();
+    let data = pattern(64 << 10, 9);
+    assert!(rdmablk(&["--target", url, "write", "vol0", "--offset", "0"], Some(&data)).status.success());
+    let out = rdmablk(&["--target", url, "write-zeroes", "vol0", "--offset", "4k", "--length", "8k"], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let now = target.volume_data(0);
+    assert!(now[4096..12288].iter().all(|&b| b == 0));
+    assert_eq!(now[..4096], data[..4096]);
+    assert_eq!(now[12288..65536], data[12288..]);
+    let out = rdmablk(&["--target", url, "discard", "vol0", "--offset", "32k", "--length", "16k"], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let cmds = target.commands();
+    let zeroes =
+        cmds.iter().find(|c| c.opcode == rdmablk_common::protocol::Opcode::WriteZeroes).expect("WRITE_ZEROES sent");
+    assert_eq!((zeroes.start_block.0, zeroes.block_count.0), (1, 2));
+    let discard = cmds.iter().find(|c| c.opcode == rdmablk_common::protocol::Opcode::Discard).expect("DISCARD sent");
+    assert_eq!((discard.start_block.0, discard.block_count.0), (8, 4));
+
+    let out = rdmablk(&["--target", url, "discard", "vol0", "--offset", "1", "--length", "4k"], None);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(one_error_line(&out).contains("not aligned"));
+    let out = rdmablk(&["--target", url, "write-zeroes", "vol0", "--offset", "1MiB", "--length", "4k"], None);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(one_error_line(&out).contains("beyond the end"));
+}

@@ -45,7 +45,8 @@ fn connect_negotiates_and_lists_volumes() {
     assert_eq!(s.queue_depth(), 16);
     assert_eq!(s.max_io_size(), 256 << 10);
     assert_eq!(s.inline_data_size(), 2048);
-    assert_eq!(target.observed.lock().unwrap().host_ids, vec!["test-host".to_owned()]);
+    // Every queue pair's CONNECT carries the host id.
+    assert_eq!(target.observed.lock().unwrap().host_ids, vec!["test-host".to_owned(); s.queue_count()]);
     let vols = s.list_volumes().unwrap();
     let names: Vec<_> = vols.iter().map(|v| (v.name.as_str(), v.size_bytes, v.block_size, v.read_only())).collect();
     assert_eq!(
@@ -248,8 +249,7 @@ fn bad_requests_are_refused_before_anything_is_sent() {
     assert_eq!(rw.read_into(&mut buf, 4096, 8192, 0).unwrap_err().kind(), ErrorKind::InvalidArgument);
     assert_eq!(target.command_count(), n0, "a refused request reached the target");
 
-    // A buffer of another session is refused too. (The fake serves one
-    // connection at a time, so the other session goes to another fake.)
+    // A buffer of another session is refused too.
     let other_target = one_volume(FakeConfig::default());
     let other = Session::connect(&other_target.url, options()).unwrap();
     let foreign = other.alloc_buffer(4096).unwrap();
@@ -282,9 +282,13 @@ fn target_errors_carry_status_volume_and_range_and_the_session_survives() {
 
 #[test]
 fn a_stalled_command_times_out_and_closes_the_session() {
+    // Reconnection disabled: the first failure is final.
     let target = one_volume(FakeConfig { stall: Some(Opcode::Flush), ..FakeConfig::default() });
-    let s =
-        Session::connect(&target.url, ConnectOptions { io_timeout: Duration::from_millis(300), ..options() }).unwrap();
+    let s = Session::connect(
+        &target.url,
+        ConnectOptions { io_timeout: Duration::from_millis(300), ctrl_loss_timeout: Duration::ZERO, ..options() },
+    )
+    .unwrap();
     let vol = s.open("vol0").unwrap();
     let t0 = Instant::now();
     let e = vol.flush().unwrap_err();
@@ -300,8 +304,9 @@ fn a_stalled_command_times_out_and_closes_the_session() {
 
 #[test]
 fn a_lost_connection_is_reported_as_disconnected() {
+    // Reconnection disabled: the first failure is final.
     let target = one_volume(FakeConfig { drop_on: Some(Opcode::KeepAlive), ..FakeConfig::default() });
-    let s = Session::connect(&target.url, options()).unwrap();
+    let s = Session::connect(&target.url, ConnectOptions { ctrl_loss_timeout: Duration::ZERO, ..options() }).unwrap();
     let vol = s.open("vol0").unwrap();
     let t0 = Instant::now();
     let e = s.keep_alive().unwrap_err();

@@ -435,7 +435,8 @@ pub fn scrape(addr: &str) -> Vec<Sample> {
 /// A TCP port on the test host that nothing listens on right now, for a
 /// target that must come back on the same address after a restart.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind((listen_host().as_str(), 0)).expect("bind port 0").local_addr().expect("local_addr").port()
+    let listener = std::net::TcpListener::bind((listen_host().as_str(), 0)).expect("bind port 0");
+    listener.local_addr().expect("local_addr").port()
 }
 
 /// A `[target]` section listening on a fixed `port` of the test host.

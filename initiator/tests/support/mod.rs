@@ -4,14 +4,25 @@
 //! memory, records every command it sees, and can be told to misbehave
 //! (stall a command, drop the connection, fail a block, refuse the version).
 //!
+//! It serves several connections at once (a thread each) and multi-queue
+//! sessions: CONNECT with session id 0 creates a session, CONNECT with an
+//! existing id and the same host id joins it, and volumes opened on one
+//! queue pair are open on all of the session's queue pairs; I/O to a volume
+//! the session has not opened is answered `VolumeNotOpen`. A session ends
+//! with its last connection. Failure injection: [`FakeTarget::restart`]
+//! (every connection dies, sessions are forgotten and volume ids change),
+//! [`FakeTarget::set_down`] (refuse new connections),
+//! [`FakeTarget::set_hang`] (stop processing anything, like SIGSTOP).
+//!
 //! To observe pipelining it answers in batches: it collects commands until
 //! none arrived for a couple of milliseconds, then answers them all, so
-//! `max_outstanding` is the number of commands the initiator had in flight.
+//! `max_outstanding` is the number of commands the initiator had in flight
+//! on one queue pair. Keep-alives are counted, not recorded with the commands.
 
 #![allow(dead_code)]
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -21,7 +32,7 @@ use rdmablk_common::fabric::{
     QueuePair, RecvWr, Rkey, SendOp, SendWr, WcOpcode, WcStatus, WrId,
 };
 use rdmablk_common::protocol::{
-    CommandCapsule, ConnectReply, DecodeError, Opcode, ResponseCapsule, Status, VolumeId, VolumeInfo,
+    CommandCapsule, ConnectReply, DecodeError, Opcode, ResponseCapsule, SessionId, Status, VolumeId, VolumeInfo,
     COMMAND_CAPSULE_SIZE, MAX_HOST_ID_LEN, PROTOCOL_VERSION, RESPONSE_SLOT_SIZE, VOLUME_FLAG_DISCARD,
     VOLUME_FLAG_READ_ONLY, VOLUME_FLAG_WRITE_ZEROES, VOLUME_INFO_SIZE,
 };
@@ -55,9 +66,9 @@ impl FakeVolume {
         self.flags = flags;
         self
     }
-    fn info(&self, id: usize) -> VolumeInfo {
+    fn info(&self, id: usize, base: u32) -> VolumeInfo {
         VolumeInfo {
-            volume_id: VolumeId(id as u32 + 1),
+            volume_id: VolumeId(id as u32 + 1 + base),
             block_size: self.block_size,
             size_bytes: self.data.len() as u64,
             flags: self.flags,
@@ -83,6 +94,9 @@ pub struct FakeConfig {
     pub zeroes_limited: bool,
     /// How long the fake waits for more commands before answering a batch.
     pub batch_quiet: Duration,
+    /// Let further queue pairs join a session (false: refuse with
+    /// UnknownSession, like a target without multi-queue sessions).
+    pub joins: bool,
 }
 
 impl Default for FakeConfig {
@@ -97,6 +111,7 @@ impl Default for FakeConfig {
             drop_on: None,
             zeroes_limited: false,
             batch_quiet: Duration::from_millis(2),
+            joins: true,
         }
     }
 }
@@ -104,48 +119,156 @@ impl Default for FakeConfig {
 /// What the fake saw.
 #[derive(Default, Debug)]
 pub struct Observed {
+    /// Every decodable command except KEEP_ALIVE, in arrival order.
     pub commands: Vec<CommandCapsule>,
+    /// For each entry of `commands`, the number of the connection it came on.
+    pub command_conns: Vec<usize>,
+    /// KEEP_ALIVE commands received.
+    pub keep_alives: usize,
+    /// Most commands outstanding at once on one connection.
     pub max_outstanding: usize,
     pub connections: usize,
     pub host_ids: Vec<String>,
+    /// Each CONNECT: (session id asked for, session id granted or None if refused, queue index).
+    pub connects: Vec<(SessionId, Option<SessionId>, u16)>,
+}
+
+struct FakeSession {
+    host: String,
+    queues: u16,
+    live: usize,
+    open: HashSet<usize>,
+}
+
+/// State shared by the listener and connection threads.
+pub struct FakeShared {
+    config: FakeConfig,
+    volumes: Arc<Mutex<Vec<FakeVolume>>>,
+    observed: Arc<Mutex<Observed>>,
+    sessions: Mutex<HashMap<u64, FakeSession>>,
+    stop: AtomicBool,
+    /// Connections of an older epoch end (restart).
+    epoch: AtomicU64,
+    /// Refuse new connections.
+    down: AtomicBool,
+    /// Process nothing at all.
+    hang: AtomicBool,
+    /// Added to every volume id (changes at restart).
+    id_base: AtomicU32,
+    next_conn: AtomicUsize,
+    live_conns: AtomicUsize,
+    /// Commands are handled under the read side; restart takes the write
+    /// side, so no connection of the old epoch answers after a restart.
+    world: std::sync::RwLock<()>,
 }
 
 pub struct FakeTarget {
     pub url: String,
     pub volumes: Arc<Mutex<Vec<FakeVolume>>>,
     pub observed: Arc<Mutex<Observed>>,
-    stop: Arc<AtomicBool>,
+    shared: Arc<FakeShared>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl FakeTarget {
     pub fn start(config: FakeConfig, volumes: Vec<FakeVolume>) -> FakeTarget {
-        let fabric = Fabric::open(&FabricUrl::parse("tcp://127.0.0.1:0").unwrap()).expect("open fabric");
+        let fabric = Arc::new(Fabric::open(&FabricUrl::parse("tcp://127.0.0.1:0").unwrap()).expect("open fabric"));
         let listener = fabric.listen().expect("listen");
         let url = listener.local_url().to_string();
         let volumes = Arc::new(Mutex::new(volumes));
         let observed = Arc::new(Mutex::new(Observed::default()));
-        let stop = Arc::new(AtomicBool::new(false));
+        let shared = Arc::new(FakeShared {
+            config,
+            volumes: volumes.clone(),
+            observed: observed.clone(),
+            sessions: Mutex::new(HashMap::new()),
+            stop: AtomicBool::new(false),
+            epoch: AtomicU64::new(0),
+            down: AtomicBool::new(false),
+            hang: AtomicBool::new(false),
+            id_base: AtomicU32::new(0),
+            next_conn: AtomicUsize::new(0),
+            live_conns: AtomicUsize::new(0),
+            world: std::sync::RwLock::new(()),
+        });
         let thread = {
-            let (volumes, observed, stop) = (volumes.clone(), observed.clone(), stop.clone());
+            let shared = shared.clone();
             std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
+                let mut conns = Vec::new();
+                while !shared.stop.load(Ordering::Relaxed) {
                     match listener.poll_request() {
                         Ok(Some(req)) => {
-                            observed.lock().unwrap().connections += 1;
-                            let pd = fabric.alloc_pd().expect("pd");
-                            let mut conn = FakeConn::new(&fabric, &pd, req, &config, &volumes, &observed, &stop);
-                            if let Some(c) = conn.as_mut() {
-                                c.run();
+                            if shared.down.load(Ordering::Relaxed) {
+                                req.reject(b"down");
+                                continue;
                             }
+                            let number = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+                            shared.observed.lock().unwrap().connections += 1;
+                            let (fabric, shared) = (fabric.clone(), shared.clone());
+                            shared.live_conns.fetch_add(1, Ordering::Relaxed);
+                            conns.push(std::thread::spawn(move || {
+                                let pd = fabric.alloc_pd().expect("pd");
+                                if let Some(mut c) = FakeConn::new(&fabric, &pd, req, &shared, number) {
+                                    c.run();
+                                    c.leave_session();
+                                }
+                                shared.live_conns.fetch_sub(1, Ordering::Relaxed);
+                            }));
                         }
                         Ok(None) => std::thread::sleep(Duration::from_millis(1)),
                         Err(e) => panic!("listener: {e}"),
                     }
                 }
+                for c in conns {
+                    let _ = c.join();
+                }
             })
         };
-        FakeTarget { url, volumes, observed, stop, thread: Some(thread) }
+        FakeTarget { url, volumes, observed, shared, thread: Some(thread) }
+    }
+
+    /// Like a target restart: every connection dies at once, every session
+    /// is forgotten, and volume ids change (by +100). Volume data stays.
+    pub fn restart(&self) {
+        let _world = self.shared.world.write().unwrap();
+        self.shared.id_base.fetch_add(100, Ordering::SeqCst);
+        self.shared.sessions.lock().unwrap().clear();
+        self.shared.epoch.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Breaks every connection (sessions end with them); ids stay.
+    pub fn drop_connections(&self) {
+        let _world = self.shared.world.write().unwrap();
+        self.shared.epoch.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// While down, new connections are rejected.
+    pub fn set_down(&self, down: bool) {
+        self.shared.down.store(down, Ordering::SeqCst);
+    }
+
+    /// While hung, no connection processes anything (no answers, no acks).
+    pub fn set_hang(&self, hang: bool) {
+        self.shared.hang.store(hang, Ordering::SeqCst);
+    }
+
+    /// Connections being served now.
+    pub fn live_connections(&self) -> usize {
+        self.shared.live_conns.load(Ordering::SeqCst)
+    }
+
+    /// Sessions that exist now.
+    pub fn session_count(&self) -> usize {
+        self.shared.sessions.lock().unwrap().len()
+    }
+
+    /// The id a volume has now.
+    pub fn volume_id(&self, index: usize) -> VolumeId {
+        VolumeId(index as u32 + 1 + self.shared.id_base.load(Ordering::SeqCst))
+    }
+
+    pub fn keep_alives(&self) -> usize {
+        self.observed.lock().unwrap().keep_alives
     }
 
     pub fn commands(&self) -> Vec<CommandCapsule> {
@@ -171,7 +294,7 @@ impl FakeTarget {
 
 impl Drop for FakeTarget {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.shared.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -208,6 +331,10 @@ impl Mem {
 }
 
 struct FakeConn<'a> {
+    number: usize,
+    epoch: u64,
+    session: Option<u64>,
+    shared: &'a FakeShared,
     qp: QueuePair,
     cq: CompletionQueue,
     recv: Mem,
@@ -232,11 +359,11 @@ impl<'a> FakeConn<'a> {
         fabric: &Fabric,
         pd: &ProtectionDomain,
         req: rdmablk_common::fabric::ConnectRequest,
-        config: &'a FakeConfig,
-        volumes: &'a Mutex<Vec<FakeVolume>>,
-        observed: &'a Mutex<Observed>,
-        stop: &'a AtomicBool,
+        shared: &'a FakeShared,
+        number: usize,
     ) -> Option<FakeConn<'a>> {
+        let (config, volumes, observed, stop) = (&shared.config, &*shared.volumes, &*shared.observed, &shared.stop);
+        let epoch = shared.epoch.load(Ordering::SeqCst);
         let slots = config.queue_depth as usize;
         let cq = fabric.create_cq(4 * slots as u32 + 16).expect("cq");
         let caps = QpCaps {
@@ -253,6 +380,10 @@ impl<'a> FakeConn<'a> {
         let send = Mem::new(pd, slots * RESPONSE_SLOT_SIZE, Access::LOCAL_WRITE);
         let stage = Mem::new(pd, slots * stage_size, Access::LOCAL_WRITE);
         let conn = FakeConn {
+            number,
+            epoch,
+            session: None,
+            shared,
             qp,
             cq,
             recv,
@@ -309,9 +440,30 @@ impl<'a> FakeConn<'a> {
         true
     }
 
+    /// Drops this connection from its session; the session ends with its last.
+    fn leave_session(&mut self) {
+        if let Some(id) = self.session.take() {
+            let mut sessions = self.shared.sessions.lock().unwrap();
+            if let Some(s) = sessions.get_mut(&id) {
+                s.live -= 1;
+                if s.live == 0 {
+                    sessions.remove(&id);
+                }
+            }
+        }
+    }
+
     fn run(&mut self) {
         let mut last_arrival = Instant::now();
         while !self.stop.load(Ordering::Relaxed) {
+            if self.shared.epoch.load(Ordering::SeqCst) != self.epoch {
+                self.qp.disconnect();
+                return;
+            }
+            if self.shared.hang.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
             let before = self.pending.len();
             if !self.poll() {
                 return;
@@ -335,6 +487,12 @@ impl<'a> FakeConn<'a> {
 
     /// Answers one command; false when the connection is over.
     fn handle(&mut self, i: usize, len: usize) -> bool {
+        let shared = self.shared;
+        let _world = shared.world.read().unwrap();
+        if shared.epoch.load(Ordering::SeqCst) != self.epoch {
+            self.qp.disconnect();
+            return false;
+        }
         let msg = self.recv.read(i * self.recv_size, len);
         let c = match CommandCapsule::decode(&msg) {
             Ok(c) => c,
@@ -354,7 +512,15 @@ impl<'a> FakeConn<'a> {
                 );
             }
         };
-        self.observed.lock().unwrap().commands.push(c);
+        {
+            let mut o = self.observed.lock().unwrap();
+            if c.opcode == Opcode::KeepAlive {
+                o.keep_alives += 1;
+            } else {
+                o.commands.push(c);
+                o.command_conns.push(self.number);
+            }
+        }
         if self.config.drop_on == Some(c.opcode) {
             self.qp.disconnect();
             return false;
@@ -374,15 +540,45 @@ impl<'a> FakeConn<'a> {
                     return self.respond(i, fail(Status::VersionMismatch, v.into()), &[], None);
                 }
                 assert_eq!(c.version, PROTOCOL_VERSION);
-                self.observed.lock().unwrap().host_ids.push(String::from_utf8(inline).unwrap());
+                let host = String::from_utf8(inline).unwrap();
+                self.observed.lock().unwrap().host_ids.push(host.clone());
+                let joined = {
+                    let mut sessions = self.shared.sessions.lock().unwrap();
+                    if c.session_id == SessionId(0) {
+                        let mut id = rand::random::<u64>();
+                        while id == 0 || sessions.contains_key(&id) {
+                            id = rand::random::<u64>();
+                        }
+                        sessions.insert(id, FakeSession { host, queues: 1, live: 1, open: HashSet::new() });
+                        Some((id, 0u16))
+                    } else {
+                        match sessions.get_mut(&c.session_id.0) {
+                            Some(s) if self.config.joins && s.host == host => {
+                                s.queues += 1;
+                                s.live += 1;
+                                Some((c.session_id.0, s.queues - 1))
+                            }
+                            _ => None,
+                        }
+                    }
+                };
+                self.observed.lock().unwrap().connects.push((
+                    c.session_id,
+                    joined.map(|(id, _)| SessionId(id)),
+                    joined.map_or(0, |(_, q)| q),
+                ));
+                let Some((session_id, queue_index)) = joined else {
+                    return self.respond(i, fail(Status::UnknownSession, 0), &[], None);
+                };
+                self.session = Some(session_id);
                 let reply = ConnectReply {
                     version: PROTOCOL_VERSION,
                     queue_depth: c.queue_depth.min(self.config.queue_depth),
                     max_io_size: c.max_io_size.min(self.config.max_io),
                     inline_data_size: self.config.inline,
                     target_name: self.config.name.clone(),
-                    session_id: rdmablk_common::protocol::SessionId(0x5e55),
-                    queue_index: 0,
+                    session_id: SessionId(session_id),
+                    queue_index,
                 };
                 self.max_io = reply.max_io_size;
                 let bytes = reply.to_bytes().unwrap();
@@ -394,8 +590,9 @@ impl<'a> FakeConn<'a> {
                 let vols = self.volumes.lock().unwrap().clone();
                 let fit = (c.descriptor.length as usize / VOLUME_INFO_SIZE).min(vols.len());
                 let mut bytes = Vec::new();
+                let base = self.shared.id_base.load(Ordering::SeqCst);
                 for (id, v) in vols.iter().enumerate().take(fit) {
-                    bytes.extend_from_slice(&v.info(id).to_bytes().unwrap());
+                    bytes.extend_from_slice(&v.info(id, base).to_bytes().unwrap());
                 }
                 assert!(bytes.len() <= self.stage_size);
                 self.stage.write(i * self.stage_size, &bytes);
@@ -412,8 +609,13 @@ impl<'a> FakeConn<'a> {
                 let vols = self.volumes.lock().unwrap();
                 match vols.iter().position(|v| v.name == name) {
                     Some(id) => {
-                        let bytes = vols[id].info(id).to_bytes().unwrap();
+                        let bytes = vols[id].info(id, self.shared.id_base.load(Ordering::SeqCst)).to_bytes().unwrap();
                         drop(vols);
+                        if let Some(sid) = self.session {
+                            if let Some(s) = self.shared.sessions.lock().unwrap().get_mut(&sid) {
+                                s.open.insert(id);
+                            }
+                        }
                         let mut r = ok(0);
                         r.data_len = bytes.len() as u32;
                         self.respond(i, r, &bytes, None)
@@ -424,7 +626,17 @@ impl<'a> FakeConn<'a> {
                     }
                 }
             }
-            Opcode::CloseVolume | Opcode::KeepAlive => self.respond(i, ok(0), &[], None),
+            Opcode::CloseVolume => {
+                let index =
+                    (c.volume_id.0 as usize).wrapping_sub(1 + self.shared.id_base.load(Ordering::SeqCst) as usize);
+                if let Some(sid) = self.session {
+                    if let Some(s) = self.shared.sessions.lock().unwrap().get_mut(&sid) {
+                        s.open.remove(&index);
+                    }
+                }
+                self.respond(i, ok(0), &[], None)
+            }
+            Opcode::KeepAlive => self.respond(i, ok(0), &[], None),
             Opcode::Read | Opcode::Write | Opcode::Flush | Opcode::Discard | Opcode::WriteZeroes => {
                 self.io(i, c, &inline)
             }
@@ -434,16 +646,25 @@ impl<'a> FakeConn<'a> {
     fn io(&mut self, i: usize, c: CommandCapsule, inline: &[u8]) -> bool {
         let fail = |s: Status, detail: u32| ResponseCapsule::failure(c.command_id, s, detail);
         let id = c.volume_id.0 as usize;
+        let base = self.shared.id_base.load(Ordering::SeqCst) as usize;
+        let index = id.checked_sub(1 + base);
         let (bs, size, ro, bad) = {
             let vols = self.volumes.lock().unwrap();
-            match id.checked_sub(1).and_then(|i| vols.get(i)) {
+            match index.and_then(|i| vols.get(i)) {
                 Some(v) => {
                     (v.block_size as u64, v.data.len() as u64, v.flags & VOLUME_FLAG_READ_ONLY != 0, v.bad_block)
                 }
                 None => return self.respond(i, fail(Status::UnknownVolume, 0), &[], None),
             }
         };
-        let vi = id - 1;
+        let vi = index.expect("checked above");
+        let open = self
+            .session
+            .and_then(|sid| self.shared.sessions.lock().unwrap().get(&sid).map(|s| s.open.contains(&vi)))
+            .unwrap_or(false);
+        if !open {
+            return self.respond(i, fail(Status::VolumeNotOpen, 0), &[], None);
+        }
         if c.opcode == Opcode::Flush {
             return self.respond(i, ResponseCapsule::success(c.command_id), &[], None);
         }
@@ -573,3 +794,5 @@ impl<'a> FakeConn<'a> {
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add((i >> 8) as u8)).collect()
 }
+
+pub mod workload;
