@@ -1858,6 +1858,8 @@ fn completion_reason(what: &str, status: WcStatus) -> String {
         WcStatus::RemoteInvalidRequest => "remote invalid request",
         WcStatus::RnrRetryExceeded => "receiver not ready (initiator posted no receive)",
         WcStatus::TransportError => "transport error (connection lost)",
+        WcStatus::RemoteOperationError => "remote operation error (the initiator failed the request)",
+        WcStatus::LocalQpOperationError => "local queue pair operation error",
         WcStatus::GeneralError => "general error",
     };
     format!("{what} failed: {why}")

@@ -45,8 +45,18 @@ probe() {
     echo "--- probe: [$(el)s] ibv_rc_pingpong $sdev <- $cdev ${cns:+(netns $cns)}"
     timeout 20 ibv_rc_pingpong -d "$sdev" -g 1 -n 3 -p 18515 &
     sp=$!
-    sleep 0.5
-    timeout 15 "${in[@]}" ibv_rc_pingpong -d "$cdev" -g 1 -n 3 -p 18515 $SIP || { ok=1; kill $sp 2>/dev/null; }
+    # Under TCG the server may need more than a moment to listen, and the
+    # client gives up on the first refused TCP connect: retry while the
+    # server is still waiting.
+    local try
+    for try in 1 2 3 4 5 6 7 8 9 10; do
+        sleep 0.5
+        if timeout 15 "${in[@]}" ibv_rc_pingpong -d "$cdev" -g 1 -n 3 -p 18515 $SIP; then ok=0; break; fi
+        ok=1
+        kill -0 $sp 2>/dev/null || break
+        echo "--- probe: client attempt $try failed; retrying"
+    done
+    [[ $ok -eq 0 ]] || kill $sp 2>/dev/null
     wait $sp || ok=1
     [[ $ok -eq 0 ]] || { echo "--- probe: ibv_rc_pingpong FAILED"; return 1; }
     if [[ -n $cns ]]; then

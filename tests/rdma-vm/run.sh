@@ -3,12 +3,18 @@
 #
 #   tests/rdma-vm/run.sh [options] [-- CMD ARGS...]
 #
+# Without a payload or --script it runs rdmablk's CI stage: it builds the
+# binaries and test executables on the host (ci-build.sh), then runs the real
+# programs over rdma:// in the VM (ci-guest.sh). --smoke-only runs just the
+# smoke steps.
+#
 # The build/CI kernel has no RDMA support, so this boots Debian's stock kernel
 # (linux-image-amd64, 6.1) under qemu TCG, shares the host / read-only into the
 # guest (9p) plus a writable results share, sets up rxe devices
 # (guest-setup.sh), runs the built-in smoke steps, then the payload.
 # Every guest step is recorded (name, PASS/FAIL, seconds); the host prints a
-# summary and exits 0 only if every step passed. See README.md.
+# summary and exits 0 only if every step passed (a step a script records as
+# SKIPPED is shown and does not fail the run). See README.md.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -16,6 +22,7 @@ OUT=${RDMAVM_OUT:-$HERE/out}
 TIMEOUT=${RDMAVM_TIMEOUT:-900}
 STEP_TIMEOUT=
 SMOKE=1
+SMOKE_ONLY=0
 TOPOLOGY=${RDMAVM_TOPOLOGY:-auto}
 MEM=${RDMAVM_MEM:-2048}
 SMP=${RDMAVM_SMP:-2}
@@ -30,7 +37,10 @@ usage() {
 usage: run.sh [options] [-- CMD ARGS...]
 
 Boots a Soft-RoCE VM, runs the smoke steps, then the payload, prints a step summary.
-Exit status: 0 only if every step passed (and the guest finished in time).
+Without a payload or --script: rdmablk's CI stage (builds on the host, then the
+conformance suite, target + CLI, system tests and bench over rdma:// in the VM).
+Exit status: 0 only if every step passed (and the guest finished in time);
+SKIPPED steps are shown and do not fail the run.
 
 options:
   --timeout SECS       overall wall-clock limit; qemu is killed after it (default 900)
@@ -42,6 +52,7 @@ options:
   -e, --env NAME=VAL   export NAME=VAL to the guest steps (repeatable)
   --topology T         auto (default: routed, else loopback) | routed | netns | loopback
   --no-smoke           skip the built-in smoke steps (ibv_devices, pingpong, rping)
+  --smoke-only         run only the smoke steps (instead of the CI stage)
   --mem MB             guest memory (default 2048)       env RDMAVM_MEM
   --smp N              guest vCPUs (default 2)            env RDMAVM_SMP
   --out DIR            work dir (default tests/rdma-vm/out) env RDMAVM_OUT
@@ -66,6 +77,7 @@ while [[ $# -gt 0 ]]; do
         -e|--env) ENVS+=("$2"); shift 2 ;;
         --topology) TOPOLOGY=$2; shift 2 ;;
         --no-smoke) SMOKE=0; shift ;;
+        --smoke-only) SMOKE_ONLY=1; shift ;;
         --mem) MEM=$2; shift 2 ;;
         --smp) SMP=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
@@ -106,6 +118,12 @@ if [[ ${#missing[@]} -gt 0 ]]; then
     apt-get update -qq
     env "${initrd_env[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     log "packages installed"
+fi
+
+# ---------------------------------------------------------------- CI stage
+if [[ ${#CMD[@]} -eq 0 && ${#SCRIPTS[@]} -eq 0 && $SMOKE_ONLY -eq 0 ]]; then
+    # shellcheck source=ci-build.sh
+    source "$HERE/ci-build.sh"
 fi
 
 # ---------------------------------------------------------------- kernel
@@ -232,23 +250,23 @@ guest_rc=${status_line#RDMAVM_EXIT_STATUS=}
 fail=0
 echo
 echo "==== rdma-vm summary ($KVER, topology: $(cat "$RUN/topology" 2>/dev/null || echo unknown)) ===="
-printf '%-28s %-5s %8s\n' STEP RESULT SECONDS
+printf '%-28s %-7s %8s\n' STEP RESULT SECONDS
 if [[ -s $RUN/steps.tsv ]]; then
     while IFS=$'\t' read -r name result secs rc; do
-        printf '%-28s %-5s %8s\n' "$name" "$result" "$secs"
-        [[ $result == PASS ]] || fail=1
+        printf '%-28s %-7s %8s\n' "$name" "$result" "$secs"
+        [[ $result == PASS || $result == SKIPPED ]] || fail=1
     done <"$RUN/steps.tsv"
 else
     echo "(no steps recorded)"; fail=1
 fi
 running=$(tr -d '\r' <"$CONSOLE" | sed -n 's/^>>> step \([^:]*\):.*/\1/p' | tail -n1)
 if [[ -n $running ]] && ! cut -f1 "$RUN/steps.tsv" 2>/dev/null | grep -qx "$running"; then
-    printf '%-28s %-5s %8s\n' "$running" FAIL "(unfinished)"; fail=1
+    printf '%-28s %-7s %8s\n' "$running" FAIL "(unfinished)"; fail=1
 fi
 if [[ $timed_out -eq 1 ]]; then
-    printf '%-28s %-5s %8s\n' "vm (overall timeout)" FAIL "$vm_secs"; fail=1
+    printf '%-28s %-7s %8s\n' "vm (overall timeout)" FAIL "$vm_secs"; fail=1
 elif [[ -z $guest_rc ]]; then
-    printf '%-28s %-5s %8s\n' "vm (no exit status)" FAIL "$vm_secs"; fail=1
+    printf '%-28s %-7s %8s\n' "vm (no exit status)" FAIL "$vm_secs"; fail=1
 else
     [[ $guest_rc == 0 ]] || fail=1
 fi
@@ -257,7 +275,7 @@ echo "vm wall time ${vm_secs}s, total ${total}s; logs: $RUN/logs, console: $CONS
 if [[ $fail -ne 0 ]]; then
     if [[ -s $RUN/steps.tsv ]]; then
         while IFS=$'\t' read -r name result secs rc; do
-            [[ $result == PASS ]] && continue
+            [[ $result == PASS || $result == SKIPPED ]] && continue
             echo "---- $name (exit $rc): last lines of $RUN/logs/$name.log"
             tail -n 40 "$RUN/logs/$name.log" 2>/dev/null || true
         done <"$RUN/steps.tsv"

@@ -88,6 +88,14 @@ mod tests {
         assert_eq!(v.to_string(), "rdma://[::1]:4420");
     }
 
+    #[cfg(not(feature = "verbs"))]
+    #[test]
+    fn rdma_without_the_verbs_feature_names_it() {
+        let e = crate::fabric::Fabric::open(&FabricUrl::parse("rdma://127.0.0.1:4420").unwrap()).err().unwrap();
+        assert_eq!(e.kind, FabricErrorKind::ProviderUnavailable);
+        assert!(e.to_string().contains("`verbs` feature"), "{e}");
+    }
+
     #[test]
     fn rejects_bad_urls() {
         for s in ["", "tcp:/x:1", "udp://h:1", "tcp://h", "tcp://:1", "tcp://h:99999", "tcp://h:x"] {

@@ -28,6 +28,7 @@ pub(crate) struct CqShared {
     queue: Mutex<VecDeque<Completion>>,
     armed: AtomicBool,
     qps: Mutex<HashMap<u32, Weak<QpShared>>>,
+    capacity: u32,
 }
 
 impl CqShared {
@@ -71,6 +72,7 @@ impl TcpCq {
                 queue: Mutex::new(VecDeque::with_capacity(capacity.clamp(1, 1 << 16) as usize)),
                 armed: AtomicBool::new(false),
                 qps: Mutex::new(HashMap::new()),
+                capacity,
             }),
         })
     }
@@ -107,6 +109,11 @@ impl TcpCq {
 
     pub fn fd(&self) -> RawFd {
         self.shared.epfd()
+    }
+
+    /// The capacity asked for (a hint: this CQ never overruns).
+    pub fn capacity(&self) -> u32 {
+        self.shared.capacity
     }
 
     /// Arms the channel for the next completion; fires it at once if

@@ -58,18 +58,32 @@
 //! so deregistration waits for a placement in progress and the provider never
 //! touches a region after its [`TcpMr`] is dropped (see the `mr` module).
 //!
-//! A violation moves the queue pair to the error state: the faulting work
-//! request completes with its specific status, every other outstanding one
-//! (signaled or not, both queues) is flushed, and the peer is told with a
-//! TERMINATE frame naming the error and the offending sequence number, so
-//! its faulting work request completes with the matching remote status
-//! (REMOTE_ACCESS, REMOTE_INVALID_REQUEST, RNR_RETRY_EXCEEDED; a bad lkey in
-//! the responder's receive gives the sender `GeneralError`, the nearest to
-//! verbs' `REM_OP_ERR`). Malformed frames are answered the same way; the
-//! decoder never panics and nothing is ever allocated at a size the peer
-//! chose. EOF or a reset moves the queue pair to error with
+//! A violation by the peer's request moves the queue pair to the error
+//! state: the faulting work request completes with its specific status,
+//! every other outstanding one (signaled or not, both queues) is flushed,
+//! and the peer is told with a TERMINATE frame naming the error and the
+//! offending sequence number, so its faulting work request completes with
+//! the matching remote status (REMOTE_ACCESS, REMOTE_INVALID_REQUEST; a bad
+//! lkey in the responder's receive gives the sender `RemoteOperationError`,
+//! verbs' `REM_OP_ERR`). Malformed frames are answered the same
+//! way; the decoder never panics and nothing is ever allocated at a size the
+//! peer chose. EOF or a reset moves the queue pair to error with
 //! `TransportError` for the first outstanding send and flushes the rest. In
 //! the error state the socket is drained to EOF and then leaves the epoll set.
+//!
+//! What RC hardware does not report to the peer is not reported here either
+//! (checked against rxe; see the conformance suite):
+//! - A local fault (a bad lkey or range in a local SGE, a READ into a region
+//!   without `LOCAL_WRITE`) fails only this queue pair.
+//! - A SEND that finds no receive fails the sender's work request with
+//!   `RnrRetryExceeded` (hardware with `rnr_retry` 0); the receiver only
+//!   answers with the NAK (a TERMINATE naming the SEND), stays Ready, and
+//!   drops the sender's later requests unexecuted.
+//! - A queue pair that failed that way, or was told by a TERMINATE, keeps the
+//!   stream open ("lingers") until the application disconnects or drops it;
+//!   only then does the peer see DISCONNECT or EOF. A peer that stays Ready
+//!   and sends to it gets no acknowledgement until then (a NIC would fail
+//!   that work request with RETRY_EXC_ERR after its retries).
 //!
 //! # Locking
 //!

@@ -237,19 +237,27 @@ enum Job {
     Send { seq: u32, len: u32, done: u32, ack_req: bool },
     /// READ_RESP into the SGEs of send-queue entry `abs`.
     ReadResp { abs: u64, len: u32, done: u32 },
+    /// A request after one answered with a receiver-not-ready NAK: read
+    /// and dropped (the peer's queue pair is in error and never resends it).
+    Discard { len: u32, done: u32 },
 }
 
 impl Job {
     fn len_done(&self) -> (u32, u32) {
         match *self {
             Job::None => (0, 0),
-            Job::Write { len, done, .. } | Job::Send { len, done, .. } | Job::ReadResp { len, done, .. } => (len, done),
+            Job::Write { len, done, .. }
+            | Job::Send { len, done, .. }
+            | Job::ReadResp { len, done, .. }
+            | Job::Discard { len, done } => (len, done),
         }
     }
     fn advance(&mut self, n: u32) {
         match self {
             Job::None => {}
-            Job::Write { done, .. } | Job::Send { done, .. } | Job::ReadResp { done, .. } => *done += n,
+            Job::Write { done, .. } | Job::Send { done, .. } | Job::ReadResp { done, .. } | Job::Discard { done, .. } => {
+                *done += n
+            }
         }
     }
 }
@@ -274,6 +282,9 @@ enum Failure {
     Transport,
     /// The application called `disconnect`.
     User,
+    /// This side failed on its own (a bad local SGE): as on RC hardware the
+    /// peer is not told and stays Ready.
+    Local,
 }
 
 /// Builds iovecs scattering `want` bytes over `sges`, starting `skip` bytes
@@ -368,6 +379,14 @@ pub(crate) struct QpInner {
     job: Job,
 
     backlog: Backlog,
+    /// In the error state, keep the stream open (no FIN) until the
+    /// application disconnects or drops the queue pair: the failure was
+    /// local, or the peer reported it, and RC hardware would not tell the
+    /// peer either.
+    linger: bool,
+    /// A SEND found no receive: its NAK was sent, and the peer's later
+    /// requests are dropped unexecuted (the peer's queue pair is in error).
+    rnr_nakked: bool,
 }
 
 /// A reliable-connected queue pair of the tcp provider.
@@ -415,6 +434,8 @@ impl TcpQp {
             hdr_got: 0,
             job: Job::None,
             backlog: Backlog::default(),
+            linger: false,
+            rnr_nakked: false,
         };
         let qp_num = loop {
             let n = NEXT_QP_NUM.fetch_add(1, Ordering::Relaxed);
@@ -573,7 +594,11 @@ impl TcpQp {
     pub fn disconnect(&self) {
         let sh = &*self.shared;
         let mut g = sh.lock();
-        g.fail(sh, Failure::User);
+        if g.state == QpState::Error {
+            g.end_linger(sh);
+        } else {
+            g.fail(sh, Failure::User);
+        }
     }
 }
 
@@ -799,10 +824,27 @@ impl QpInner {
         }
     }
 
+    /// A lingering queue pair in error: tell the peer now (DISCONNECT, FIN).
+    fn end_linger(&mut self, sh: &QpShared) {
+        if !self.linger {
+            return;
+        }
+        self.linger = false;
+        if self.tx_open && self.sock.is_some() {
+            let mut h = Header::new(FrameType::Disconnect);
+            if !self.tx_ctrl(&mut h) {
+                self.tx_open = false;
+                self.backlog.clear();
+            }
+        }
+        self.maybe_shutdown_wr();
+        self.update_interest(sh);
+    }
+
     /// In the error state, sends FIN once the last frame (TERMINATE or
-    /// DISCONNECT) has left.
+    /// DISCONNECT) has left, unless the queue pair lingers.
     fn maybe_shutdown_wr(&mut self) {
-        if self.state == QpState::Error && self.tx_open && self.backlog.is_empty() {
+        if self.state == QpState::Error && !self.linger && self.tx_open && self.backlog.is_empty() {
             if let Some(s) = &self.sock {
                 let _ = s.shutdown(Shutdown::Write);
             }
@@ -891,7 +933,7 @@ impl QpInner {
         }
         if fault {
             drop(pins);
-            self.fail(sh, Failure::Fault { code: wire::TERM_PEER_ERROR, seq: 0 });
+            self.fail(sh, Failure::Local);
             return;
         }
         let flags = if wr.signaled { FLAG_ACK_REQUESTED } else { 0 };
@@ -990,9 +1032,13 @@ impl QpInner {
                         self.backlog.clear();
                     }
                 }
-                // The peer is gone or in error already: what we still had
-                // queued for it is moot.
-                Failure::Terminated { .. } | Failure::Disconnected => self.backlog.clear(),
+                // The peer is leaving: what we still had queued for it is moot.
+                Failure::Disconnected => self.backlog.clear(),
+                // The peer is not told (Local), or told us (Terminated) and
+                // may stay Ready (receiver not ready): frames already queued
+                // still go out whole, so the stream stays parseable, and the
+                // stream stays open until the application disconnects.
+                Failure::Terminated { .. } | Failure::Local => self.linger = true,
                 Failure::Transport => {
                     self.backlog.clear();
                     self.rx_open = false;
@@ -1092,6 +1138,9 @@ impl QpInner {
     /// Receives payload straight into its destination, together with the
     /// next header: `readv([destination..., header])`.
     fn rx_payload(&mut self, sh: &QpShared) -> Step {
+        if let Job::Discard { len, done } = self.job {
+            return self.rx_discard(sh, (len - done) as usize);
+        }
         let table = sh.pd.table.load();
         let mut pins = Pins::new();
         let mut iov = [EMPTY_IOV; MAX_SGE + 1];
@@ -1117,6 +1166,7 @@ impl QpInner {
             Job::ReadResp { abs, .. } => {
                 scatter(&table, &self.sq.get(abs).sges, done as u64, want, Access::LOCAL_WRITE, &mut pins, &mut iov[..MAX_SGE])
             }
+            Job::Discard { .. } => return Step::Go,
         };
         let Some(k) = built else {
             drop(pins);
@@ -1153,6 +1203,43 @@ impl QpInner {
         }
     }
 
+    /// Reads and drops up to `want` payload bytes of a discarded request
+    /// (plus the next header, once the payload ends within this read).
+    fn rx_discard(&mut self, sh: &QpShared, want: usize) -> Step {
+        let mut scratch = [std::mem::MaybeUninit::<u8>::uninit(); DRAIN_CHUNK];
+        let chunk = want.min(DRAIN_CHUNK);
+        let mut iov = [sys::iov(scratch.as_mut_ptr() as usize as u64, chunk), EMPTY_IOV];
+        let mut cnt = 1;
+        if chunk == want {
+            // hdr_got is 0 while a payload is pending: the header slot is whole.
+            iov[1] = sys::iov(self.hdr_buf.as_mut_ptr() as usize as u64, HDR_LEN);
+            cnt = 2;
+        }
+        // SAFETY: both iovecs describe writable memory owned by this frame
+        // (scratch) or this QP (header buffer), not aliased during the call.
+        let r = unsafe { sys::readv(self.fd, &iov[..cnt]) };
+        match r {
+            Ok(0) => {
+                self.rx_closed(sh);
+                Step::Stop
+            }
+            Ok(n) => {
+                let p = n.min(chunk);
+                self.job.advance(p as u32);
+                self.hdr_got = n - p;
+                if p == want {
+                    self.finish_job(sh);
+                }
+                Step::Go
+            }
+            Err(e) if is_would_block(&e) => Step::Stop,
+            Err(_) => {
+                self.rx_closed(sh);
+                Step::Stop
+            }
+        }
+    }
+
     /// A destination became invalid (deregistered, or never valid).
     fn placement_fault(&mut self, sh: &QpShared) {
         match self.job {
@@ -1164,8 +1251,9 @@ impl QpInner {
             }
             Job::ReadResp { abs, .. } => {
                 self.sq.get_mut(abs).fault = Some(WcStatus::LocalProtectionError);
-                self.fail(sh, Failure::Fault { code: wire::TERM_PEER_ERROR, seq: 0 });
+                self.fail(sh, Failure::Local);
             }
+            Job::Discard { .. } => {}
         }
     }
 
@@ -1182,6 +1270,7 @@ impl QpInner {
                 self.pending_reads.pop_front();
                 self.advance_sq(sh);
             }
+            Job::Discard { .. } => {}
         }
     }
 
@@ -1222,6 +1311,13 @@ impl QpInner {
         self.advance_sq(sh);
         if h.ty.carries_wr() {
             self.rx_expected = seq_next(h.seq);
+            if self.rnr_nakked {
+                // Behind a NAKed SEND: never executed, never acknowledged.
+                if h.ty != FrameType::ReadReq && h.length > 0 {
+                    self.job = Job::Discard { len: h.length, done: 0 };
+                }
+                return;
+            }
         }
         let ack_req = h.flags & FLAG_ACK_REQUESTED != 0;
         match h.ty {
@@ -1244,7 +1340,7 @@ impl QpInner {
             }
             FrameType::Send => {
                 if self.rq.is_empty() {
-                    return self.fail(sh, Failure::Fault { code: wire::TERM_RNR, seq: h.seq });
+                    return self.rnr_nak(sh, &h);
                 }
                 let room: u64 = self.rq.front().sges.iter().map(|s| s.length as u64).sum();
                 if h.length as u64 > room {
@@ -1277,6 +1373,23 @@ impl QpInner {
                     self.finish_job(sh);
                 }
             }
+        }
+    }
+
+    /// A SEND found no posted receive. As on RC hardware with no RNR
+    /// retries, the requester's work request fails with RNR_RETRY_EXC_ERR
+    /// and its queue pair enters the error state, while this queue pair only
+    /// answers with the NAK (TERMINATE naming the SEND) and stays Ready; the
+    /// requests that follow the SEND are dropped.
+    fn rnr_nak(&mut self, sh: &QpShared, h: &Header) {
+        tracing::debug!(qp = sh.qp_num, peer = %self.peer, seq = h.seq, "SEND with no receive posted: RNR NAK");
+        self.rnr_nakked = true;
+        if h.length > 0 {
+            self.job = Job::Discard { len: h.length, done: 0 };
+        }
+        let mut t = Header { seq: h.seq, aux: wire::TERM_RNR, ..Header::new(FrameType::Terminate) };
+        if !self.tx_ctrl(&mut t) {
+            self.fail(sh, Failure::Transport);
         }
     }
 

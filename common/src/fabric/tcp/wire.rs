@@ -344,7 +344,9 @@ pub(crate) const TERM_INVALID_REQUEST: u32 = 2;
 pub(crate) const TERM_RNR: u32 = 3;
 /// The peer's SEND hit a local error on this side (bad receive lkey).
 pub(crate) const TERM_REMOTE_OPERATION: u32 = 4;
-/// This side failed on its own; no request of the peer is at fault.
+/// This side failed on its own; no request of the peer is at fault. No
+/// longer sent (a local fault fails only the local queue pair, as on RC
+/// hardware); still understood.
 pub(crate) const TERM_PEER_ERROR: u32 = 5;
 
 /// The completion status of the work request a TERMINATE names.
@@ -353,6 +355,7 @@ pub(crate) fn remote_status(code: u32) -> WcStatus {
         TERM_REMOTE_ACCESS => WcStatus::RemoteAccessError,
         TERM_INVALID_REQUEST => WcStatus::RemoteInvalidRequest,
         TERM_RNR => WcStatus::RnrRetryExceeded,
+        TERM_REMOTE_OPERATION => WcStatus::RemoteOperationError,
         TERM_PEER_ERROR => WcStatus::WrFlushError,
         _ => WcStatus::GeneralError,
     }

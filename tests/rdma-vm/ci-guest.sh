@@ -1,0 +1,210 @@
+#!/bin/bash
+# Guest side of the Soft-RoCE CI stage (see ci.sh, which builds everything on
+# the host and passes the paths in RDMABLK_*). Runs rdmablk's real programs
+# over rdma:// between rxe0 (target, 10.77.0.1) and rxe1 (initiator side):
+#
+#   scratch-fs                an ext4 /tmp on a RAM disk (the guest's tmpfs /tmp
+#                             has no O_DIRECT, which the target's file backend needs)
+#   conformance-verbs         the fabric conformance suite on the verbs provider
+#   rxe-link-used             both rxe devices received packets during it
+#   target-cli-rdma           rdmablk-target on rdma://, the rdmablk CLI: list, write
+#                             1 MiB at 12288, flush, read back, compare with the input
+#                             and the backing file; a misaligned write is refused
+#   data-path-rdma            tests/tests/data_path.rs over rdma:// (random offsets
+#                             and sizes 4 KiB ... 1 MiB checked against the backing file)
+#   read-only-rejection-rdma  data_path's read-only volume test
+#   bad-commands-rdma         tests/tests/bad_commands.rs over rdma://
+#   bench-verify-rdma         rdmablk-bench --verify=crc32c for 3 s (SKIPPED, and shown
+#                             as such, while rdmablk-bench is not built)
+#   port-down-logged          taking the server's link down makes rdmablk-target log
+#                             the RDMA port going down (runs last: it breaks the link)
+#
+# Called with a step body's name (`ci-guest.sh cli`), it runs that body; the
+# `step` helper of guest-lib.sh records each one.
+set -u
+SELF=$(readlink -f "$0")
+SIP=${RDMAVM_SERVER_IP:-10.77.0.1}
+BIN=${RDMABLK_BIN_DIR:?}
+RES=${RDMAVM_RESULTS:-/tmp}
+WORK=/tmp/rdmablk-ci
+
+counters() {
+    local d
+    for d in ${RDMAVM_SERVER_DEV:-rxe0} ${RDMAVM_CLIENT_DEV:-rxe1}; do
+        echo "$d $(cat /sys/class/infiniband/$d/ports/1/hw_counters/rcvd_pkts) $(cat /sys/class/infiniband/$d/ports/1/hw_counters/sent_pkts)"
+    done
+}
+
+scratch_fs() {
+    set -e
+    local dev
+    if modprobe brd rd_nr=1 rd_size=$((1024 * 1024)) max_part=0 && [[ -b /dev/ram0 ]]; then
+        dev=/dev/ram0
+    else
+        echo "no brd: using a loop device over a tmpfs file"
+        truncate -s 1G /dev/shm/scratch.img
+        dev=$(losetup --find --show /dev/shm/scratch.img)
+    fi
+    mkfs.ext4 -q -F -O ^has_journal "$dev"
+    mount -o noatime "$dev" /tmp
+    chmod 1777 /tmp
+    dd if=/dev/zero of=/tmp/.odirect bs=4096 count=1 oflag=direct status=none
+    rm -f /tmp/.odirect
+    df -h /tmp
+}
+
+link_used() {
+    echo "topology: ${RDMAVM_TOPOLOGY:-?} (server ${RDMAVM_SERVER_DEV:-?}, client ${RDMAVM_CLIENT_DEV:-?})"
+    echo "device rcvd_pkts sent_pkts, before:"; cat "$RES/counters.before"
+    echo "after:"; cat "$RES/counters.after"
+    [[ ${RDMAVM_SERVER_DEV:-} != "${RDMAVM_CLIENT_DEV:-}" ]] || { echo "one device talks to itself: no link to check"; return 1; }
+    # Both devices must have received RoCE packets: the traffic crossed the veth link.
+    awk 'NR == FNR { before[$1] = $2; next }
+         { got = $2 - before[$1]; printf "%s received %d RoCE packets during the conformance suite\n", $1, got
+           if (got < 1000) { print $1 " received (almost) nothing: the traffic did not cross the link"; bad = 1 } }
+         END { exit bad }' "$RES/counters.before" "$RES/counters.after"
+}
+
+# Starts rdmablk-target on rdma://$SIP:0 and tcp://$SIP:0 at once, with a
+# 256 MiB file volume in $WORK; sets URL (rdma), TCP_URL and TPID.
+start_target() {
+    mkdir -p "$WORK"
+    cat >"$WORK/target.toml" <<EOF
+[target]
+name = "ci"
+listen = ["rdma://$SIP:0", "tcp://$SIP:0"]
+reactors = 2
+
+[[volume]]
+name = "vol0"
+backend = "file"
+path = "$WORK/vol0.img"
+size = "256MiB"
+EOF
+    RUST_LOG=info "$BIN/rdmablk-target" --config "$WORK/target.toml" 2>"$WORK/target.log" &
+    TPID=$!
+    URL=
+    for _ in $(seq 1 300); do
+        URL=$(grep -o 'listening on rdma://[^ ",]*' "$WORK/target.log" | head -n1 | sed 's/listening on //') || true
+        TCP_URL=$(grep -o 'listening on tcp://[^ ",]*' "$WORK/target.log" | head -n1 | sed 's/listening on //') || true
+        [[ -n $URL && -n $TCP_URL ]] && break
+        kill -0 "$TPID" 2>/dev/null || break
+        sleep 0.1
+    done
+    if [[ -z $URL || -z $TCP_URL ]]; then
+        echo "rdmablk-target did not start:"; cat "$WORK/target.log"; return 1
+    fi
+    echo "target at $URL and $TCP_URL (pid $TPID)"
+}
+
+stop_target() {
+    kill -TERM "$TPID" 2>/dev/null
+    local rc=0
+    wait "$TPID" || rc=$?
+    echo "--- target log"; cat "$WORK/target.log"
+    cp "$WORK/target.log" "$RES/$1-target.log" 2>/dev/null
+    if grep -q 'panicked' "$WORK/target.log"; then echo "the target panicked"; return 1; fi
+    [[ $rc -eq 0 ]] || { echo "rdmablk-target exited with $rc after SIGTERM"; return 1; }
+}
+
+cli() {
+    set -euo pipefail
+    start_target
+    trap 'kill $TPID 2>/dev/null' EXIT
+    r() { echo "+ rdmablk $*"; "$BIN/rdmablk" --target "$URL" "$@"; }
+    "$BIN/rdmablk" --target "$URL" list | tee "$WORK/list.txt"
+    grep -q vol0 "$WORK/list.txt"
+    head -c 1048576 /dev/urandom >"$WORK/input"
+    r write vol0 --offset 12288 --input "$WORK/input"
+    r flush vol0
+    r read vol0 --offset 12288 --length 1MiB --output "$WORK/output"
+    cmp "$WORK/input" "$WORK/output"
+    echo "read back: identical"
+    dd if="$WORK/vol0.img" of="$WORK/file.bin" bs=4096 skip=3 count=256 status=none
+    cmp "$WORK/input" "$WORK/file.bin"
+    echo "backing file at 12288: identical"
+    # The same daemon serves tcp:// at the same time.
+    "$BIN/rdmablk" --target "$TCP_URL" read vol0 --offset 12288 --length 1MiB --output "$WORK/output.tcp"
+    cmp "$WORK/input" "$WORK/output.tcp"
+    echo "read back over $TCP_URL: identical"
+    head -c 4096 /dev/urandom >"$WORK/small"
+    if r write vol0 --offset 12289 --input "$WORK/small" 2>"$WORK/misaligned.err"; then
+        echo "a misaligned write was accepted"; exit 1
+    fi
+    cat "$WORK/misaligned.err"
+    grep -q 12289 "$WORK/misaligned.err" && grep -q 4096 "$WORK/misaligned.err"
+    [[ $(wc -l <"$WORK/misaligned.err") -eq 1 ]] || { echo "expected one line"; exit 1; }
+    trap - EXIT
+    stop_target cli
+}
+
+bench() {
+    set -euo pipefail
+    start_target
+    trap 'kill $TPID 2>/dev/null' EXIT
+    "$BIN/rdmablk-bench" --target="$URL" --volume=vol0 --eta=never \
+        --name=verify --rw=randwrite --bs=4k --iodepth=8 --size=64M --runtime=3s --time_based --verify=crc32c
+    trap - EXIT
+    stop_target bench
+}
+
+# ------------------------------------------------------------------ steps
+skip() { # NAME WHY: a visible SKIPPED line in the summary
+    printf '%s\tSKIPPED\t0.0\t-\n' "$1" >>"$RDMAVM_STEPS"
+    echo "<<< step $1: SKIPPED ($2)" >/dev/console 2>/dev/null || true
+}
+main() {
+local rc=0
+export RUST_BACKTRACE=1
+step scratch-fs --timeout 120 bash "$SELF" scratch_fs || rc=1
+counters >"$RES/counters.before"
+step conformance-verbs --timeout 600 env RDMABLK_FABRIC_URL="rdma://$SIP:0" \
+    "$RDMABLK_CONFORMANCE" --test-threads=1 || rc=1
+counters >"$RES/counters.after"
+step rxe-link-used --timeout 30 bash "$SELF" link_used || rc=1
+step target-cli-rdma --timeout 300 bash "$SELF" cli || rc=1
+sys=(env RDMABLK_TEST_SCHEME=rdma RDMABLK_TEST_HOST="$SIP" RDMABLK_BIN_DIR="$BIN")
+step data-path-rdma --timeout 900 "${sys[@]}" "$RDMABLK_DATA_PATH" --test-threads=1 \
+    --skip read_only_volume_refuses_writes_with_its_status || rc=1
+step read-only-rejection-rdma --timeout 300 "${sys[@]}" "$RDMABLK_DATA_PATH" --test-threads=1 \
+    --exact read_only_volume_refuses_writes_with_its_status || rc=1
+step bad-commands-rdma --timeout 600 "${sys[@]}" "$RDMABLK_BAD_COMMANDS" --test-threads=1 || rc=1
+if [[ -x $BIN/rdmablk-bench ]]; then
+    step bench-verify-rdma --timeout 300 bash "$SELF" bench || rc=1
+else
+    skip bench-verify-rdma "$BIN/rdmablk-bench is not built"
+fi
+step port-down-logged --timeout 120 bash "$SELF" port_down || rc=1
+return $rc
+}
+
+# A step body runs in its own bash (`ci-guest.sh BODY`); without arguments
+# the steps are recorded. One `exit` after the if: bash resumes there even
+# after an expansion error inside a body.
+port_down() {
+    set -euo pipefail
+    start_target
+    local netdev
+    netdev=$(cat /sys/class/infiniband/${RDMAVM_SERVER_DEV:-rxe0}/ports/1/gid_attrs/ndevs/0)
+    trap 'kill $TPID 2>/dev/null; ip link set "$netdev" up' EXIT
+    echo "+ ip link set $netdev down"
+    ip link set "$netdev" down
+    for _ in $(seq 1 100); do
+        grep -q "RDMA port down" "$WORK/target.log" && break
+        sleep 0.1
+    done
+    ip link set "$netdev" up
+    grep "RDMA port" "$WORK/target.log" || true
+    grep -q "RDMA port down" "$WORK/target.log"
+    trap - EXIT
+    stop_target port-down
+}
+
+if [[ $# -gt 0 ]]; then
+    "$@"
+else
+    # shellcheck source=guest-lib.sh
+    source "$RDMAVM_LIB"
+    main
+fi
+exit $?
