@@ -31,3 +31,5 @@ echo "==> tests"
 cargo nextest run --workspace --locked --no-fail-fast
 echo "==> doc tests"
 cargo test --workspace --doc --locked
+echo "==> Soft-RoCE VM stage: the verbs provider over rdma:// inside qemu (tests/rdma-vm)"
+./tests/rdma-vm/ci.sh
