@@ -1,0 +1,446 @@
+#!/usr/bin/env bash
+# Same-run comparison of rdmablk against the local disk and against NBD.
+#
+# One invocation, one file, one machine, one after another:
+#   1. fio, ioengine=io_uring, direct=1, on the local file: the disk ceiling;
+#   2. rdmablk-bench against a separately started rdmablk-target
+#      (tcp://127.0.0.1) serving that file;
+#   3. fio's nbd engine against nbdkit serving the same file (cache=none);
+# then the null case: rdmablk's null backend against nbdkit's null plugin,
+# and one iperf3 loopback stream, the fabric's ceiling.
+#
+# Cases: 4 KiB randread QD1, 4 KiB randread QD32, 4 KiB randwrite QD32,
+# 128 KiB sequential read QD16. Prints a markdown table (IOPS, bandwidth,
+# p50/p99 latency, ratios against the ceiling and the peer, CPU time of
+# the serving process and IOPS per CPU-second of it) and the performance
+# targets of the issue with PASS/MISS.
+#
+# usage: bench/compare.sh [--json FILE] [--runtime SECONDS] [--ramp SECONDS]
+#                         [--size SIZE] [--dir DIR] [--keep]
+#   --json FILE     also write the rows (and the targets) as JSON
+#   --runtime S     seconds per measurement (default 10)
+#   --ramp S        warm-up seconds before each measurement (default 1)
+#   --size SIZE     size of the test file (default 1G)
+#   --dir DIR       where the test file and the raw results go (default
+#                   /var/tmp/rdmablk-compare; must not be a tmpfs: O_DIRECT)
+#   --keep          keep the test file and raw results
+#   --no-build      use the release binaries already in target/release
+#   --repeat N      run every measurement N times, interleaved; the table
+#                   shows medians and the IOPS range (default 1)
+#
+# Needs root for apt-get only when fio, nbdkit, iperf3 or python3 are missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+
+JSON_OUT=""
+RUNTIME=10
+RAMP=1
+SIZE=1G
+DIR=/var/tmp/rdmablk-compare
+KEEP=0
+BUILD=1
+REPEAT=1
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --json) JSON_OUT=$(realpath -m "$2"); shift 2 ;;
+        --runtime) RUNTIME=$2; shift 2 ;;
+        --ramp) RAMP=$2; shift 2 ;;
+        --size) SIZE=$2; shift 2 ;;
+        --dir) DIR=$2; shift 2 ;;
+        --keep) KEEP=1; shift ;;
+        --no-build) BUILD=0; shift ;;
+        --repeat) REPEAT=$2; shift 2 ;;
+        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+        *) echo "compare.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+
+log() { echo "==> $*" >&2; }
+
+# --- tools -------------------------------------------------------------------
+need=()
+command -v fio >/dev/null || need+=(fio)
+command -v nbdkit >/dev/null || need+=(nbdkit)
+command -v iperf3 >/dev/null || need+=(iperf3)
+command -v python3 >/dev/null || need+=(python3)
+if [ ${#need[@]} -gt 0 ]; then
+    log "installing ${need[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+fio --enghelp 2>/dev/null | grep -qw nbd || { echo "compare.sh: this fio has no nbd engine" >&2; exit 1; }
+
+if [ "$BUILD" = 1 ]; then
+    log "building release binaries"
+    cargo build --release -q -p rdmablk-bench -p rdmablk-target
+fi
+
+mkdir -p "$DIR"
+WORK=$(mktemp -d "$DIR/run.XXXXXX")
+# Private copies: a rebuild of target/ during the run cannot swap them.
+mkdir -p "$WORK/bin"
+cp "$ROOT/target/release/rdmablk-bench" "$ROOT/target/release/rdmablk-target" "$WORK/bin/"
+BENCH="$WORK/bin/rdmablk-bench"
+TARGET="$WORK/bin/rdmablk-target"
+FILE="$DIR/compare.img"
+PIDS=()
+cleanup() {
+    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+    for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+    if [ "$KEEP" = 0 ]; then rm -rf "$WORK" "$FILE"; else log "kept $WORK and $FILE"; fi
+}
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+wait_port() { # PORT PID
+    for _ in $(seq 1 200); do
+        if python3 -c "import socket,sys; s=socket.socket(); s.settimeout(0.2); sys.exit(s.connect_ex(('127.0.0.1', $1)))" 2>/dev/null; then return 0; fi
+        kill -0 "$2" 2>/dev/null || { echo "compare.sh: server (pid $2) died" >&2; return 1; }
+        sleep 0.05
+    done
+    echo "compare.sh: nothing listens on port $1" >&2; return 1
+}
+# CPU seconds (user+system, all threads) of a process so far.
+cpu_secs() { python3 -c "
+import os,sys
+f=open('/proc/$1/stat').read().rsplit(')',1)[1].split()
+print((int(f[11])+int(f[12]))/os.sysconf('SC_CLK_TCK'))"; }
+
+# --- the file ------------------------------------------------------------------
+SIZE_BYTES=$(python3 -c "
+s='$SIZE'.strip().lower().rstrip('ib').rstrip('b')
+m={'k':1<<10,'m':1<<20,'g':1<<30,'t':1<<40}
+print(int(s[:-1])*m[s[-1]] if s[-1] in m else int(s))")
+if [ ! -f "$FILE" ] || [ "$(stat -c %s "$FILE")" != "$SIZE_BYTES" ]; then
+    log "writing $SIZE_BYTES bytes to $FILE (fully allocated, not sparse)"
+    rm -f "$FILE"
+    fio --name=fill --filename="$FILE" --size="$SIZE_BYTES" --rw=write --bs=1M --iodepth=8 \
+        --direct=1 --ioengine=io_uring --output=/dev/null
+fi
+
+# --- servers -------------------------------------------------------------------
+RDMA_PORT=$(free_port)
+cat >"$WORK/target.toml" <<EOF
+[target]
+name = "compare"
+listen = ["tcp://127.0.0.1:$RDMA_PORT"]
+
+[[volume]]
+name = "vol0"
+backend = "file"
+path = "$FILE"
+size = $SIZE_BYTES
+
+[[volume]]
+name = "null0"
+backend = "null"
+size = $SIZE_BYTES
+EOF
+log "starting rdmablk-target on tcp://127.0.0.1:$RDMA_PORT"
+RUST_LOG=warn "$TARGET" --config "$WORK/target.toml" 2>"$WORK/target.log" &
+TPID=$!; PIDS+=("$TPID")
+wait_port "$RDMA_PORT" "$TPID"
+
+NBD_PORT=$(free_port)
+log "starting nbdkit file on nbd://127.0.0.1:$NBD_PORT"
+nbdkit -f -i 127.0.0.1 -p "$NBD_PORT" file file="$FILE" cache=none 2>"$WORK/nbdkit.log" &
+NPID=$!; PIDS+=("$NPID")
+wait_port "$NBD_PORT" "$NPID"
+
+NBDNULL_PORT=$(free_port)
+log "starting nbdkit null on nbd://127.0.0.1:$NBDNULL_PORT"
+nbdkit -f -i 127.0.0.1 -p "$NBDNULL_PORT" null size="$SIZE_BYTES" 2>"$WORK/nbdkit-null.log" &
+NNPID=$!; PIDS+=("$NNPID")
+wait_port "$NBDNULL_PORT" "$NNPID"
+
+# --- runs ----------------------------------------------------------------------
+# case name, rw, bs, iodepth
+CASES=(
+    "randread-4k-qd1 randread 4k 1"
+    "randread-4k-qd32 randread 4k 32"
+    "randwrite-4k-qd32 randwrite 4k 32"
+    "read-128k-qd16 read 128k 16"
+)
+COMMON=(--runtime="$RUNTIME" --time_based --ramp_time="$RAMP" --output-format=json)
+
+# CPU seconds of every process now (to find other work that ran alongside).
+snapshot() { python3 -c "
+import json,os
+out={}
+for p in os.listdir('/proc'):
+    if not p.isdigit(): continue
+    try:
+        s=open(f'/proc/{p}/stat').read()
+        comm=s[s.index('(')+1:s.rindex(')')]
+        f=s.rsplit(')',1)[1].split()
+        kernel=open(f'/proc/{p}/cmdline','rb').read()==b''
+        out[p]=[('[%s]' % comm) if kernel else comm,(int(f[11])+int(f[12]))/os.sysconf('SC_CLK_TCK')]
+    except Exception: pass
+json.dump(out,open('$1','w'))"; }
+# measure NAME SERVER_PID -- COMMAND...: runs COMMAND with its JSON on
+# $WORK/NAME.json and the server's CPU seconds on $WORK/NAME.cpu.
+measure() {
+    local name=$1 spid=$2; shift 3
+    local c0 c1
+    snapshot "$WORK/$name.procs0"
+    c0=$( [ "$spid" = - ] && echo 0 || cpu_secs "$spid")
+    "$@" >"$WORK/$name.json" 2>"$WORK/$name.err" || { echo "compare.sh: $name failed:" >&2; cat "$WORK/$name.err" >&2; }
+    c1=$( [ "$spid" = - ] && echo 0 || cpu_secs "$spid")
+    snapshot "$WORK/$name.procs1"
+    python3 -c "print($c1 - $c0)" >"$WORK/$name.cpu"
+    echo "$*" >"$WORK/$name.cmd"
+}
+
+snapshot "$WORK/procs0.json"
+LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
+if python3 -c "import sys; sys.exit(0 if float('${LOAD_BEFORE%% *}') > 0.5 else 1)"; then
+    log "warning: load average is ${LOAD_BEFORE} before the runs; other work on this machine skews the numbers"
+fi
+for rep in $(seq 1 "$REPEAT"); do
+for c in "${CASES[@]}"; do
+    read -r name rw bs qd <<<"$c"
+    job=(--name="$name" --rw="$rw" --bs="$bs" --iodepth="$qd")
+    log "[$rep/$REPEAT] $name: fio io_uring on the local file"
+    measure "$name.local.$rep" - -- fio "${job[@]}" --filename="$FILE" --size="$SIZE_BYTES" --direct=1 \
+        --ioengine=io_uring --lat_percentiles=1 "${COMMON[@]}"
+    log "[$rep/$REPEAT] $name: rdmablk-bench -> rdmablk-target (file)"
+    measure "$name.rdmablk.$rep" "$TPID" -- "$BENCH" "${job[@]}" --target="tcp://127.0.0.1:$RDMA_PORT" --volume=vol0 \
+        --target_pid="$TPID" "${COMMON[@]}"
+    log "[$rep/$REPEAT] $name: fio nbd -> nbdkit file"
+    measure "$name.nbd.$rep" "$NPID" -- fio "${job[@]}" --ioengine=nbd --uri="nbd://127.0.0.1:$NBD_PORT" \
+        --lat_percentiles=1 "${COMMON[@]}"
+    log "[$rep/$REPEAT] $name: rdmablk-bench -> rdmablk-target (null)"
+    measure "$name.rdmablk-null.$rep" "$TPID" -- "$BENCH" "${job[@]}" --target="tcp://127.0.0.1:$RDMA_PORT" \
+        --volume=null0 --target_pid="$TPID" "${COMMON[@]}"
+    log "[$rep/$REPEAT] $name: fio nbd -> nbdkit null"
+    measure "$name.nbd-null.$rep" "$NNPID" -- fio "${job[@]}" --ioengine=nbd --uri="nbd://127.0.0.1:$NBDNULL_PORT" \
+        --lat_percentiles=1 "${COMMON[@]}"
+done
+IPERF_PORT=$(free_port)
+log "[$rep/$REPEAT] iperf3: one loopback stream"
+iperf3 -s -1 -B 127.0.0.1 -p "$IPERF_PORT" >/dev/null 2>&1 &
+IPID=$!; PIDS+=("$IPID")
+sleep 0.5
+iperf3 -c 127.0.0.1 -p "$IPERF_PORT" -t "$RUNTIME" -O "$RAMP" -J >"$WORK/iperf3.$rep.json" 2>"$WORK/iperf3.$rep.err" || true
+wait "$IPID" 2>/dev/null || true
+done
+LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
+snapshot "$WORK/procs1.json"
+
+# --- table ---------------------------------------------------------------------
+OURS="$TPID $NPID $NNPID $$ $BASHPID" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
+RUNTIME="$RUNTIME" RAMP="$RAMP" SIZE_BYTES="$SIZE_BYTES" python3 - <<'PY'
+import json, os
+
+work = os.environ["WORK"]
+cases = ["randread-4k-qd1", "randread-4k-qd32", "randwrite-4k-qd32", "read-128k-qd16"]
+
+REPEAT = int(os.environ.get("REPEAT", "1"))
+WALL = int(os.environ["RUNTIME"]) + int(os.environ["RAMP"])
+
+def load1(name):
+    try:
+        with open(f"{work}/{name}.json") as f:
+            text = f.read()
+        # fio may print notes before the JSON document.
+        doc = json.loads(text[text.index("{"):])
+        with open(f"{work}/{name}.cpu") as f:
+            cpu = float(f.read().strip() or 0)
+        with open(f"{work}/{name}.cmd") as f:
+            cmd = f.read().strip()
+    except Exception:  # noqa: BLE001 - a failed run is a row of dashes
+        return None
+    foreign = None
+    try:
+        p0 = json.load(open(f"{work}/{name}.procs0")); p1 = json.load(open(f"{work}/{name}.procs1"))
+        ours = set(os.environ.get("OURS", "").split())
+        foreign = sum(max(0.0, t1 - p0.get(pid, [None, 0.0])[1]) for pid, (comm, t1) in p1.items()
+                      if pid not in ours and not comm.startswith("["))
+    except Exception:  # noqa: BLE001
+        pass
+    j = doc["jobs"][0]
+    d = j["write"] if j["write"]["total_ios"] > j["read"]["total_ios"] else j["read"]
+    lat = d["lat_ns"] if "percentile" in d.get("lat_ns", {}) else d["clat_ns"]
+    pct = lat.get("percentile", {})
+    def p(key):
+        v = pct.get(key)
+        return v / 1000.0 if v is not None else None
+    return {
+        "iops": d["iops"],
+        "bw_mib": d["bw_bytes"] / 1048576.0,
+        "p50_us": p("50.000000"),
+        "p99_us": p("99.000000"),
+        "client_cpu_pct": j["usr_cpu"] + j["sys_cpu"],
+        # CPU time of the serving process over the whole command (ramp and
+        # connection set-up included), as a share of one CPU.
+        "server_cpu_pct": 100.0 * cpu / WALL,
+        # IOPS divided by the CPUs the server kept busy: I/Os per CPU-second.
+        "iops_per_server_cpu_s": (d["iops"] * WALL / cpu) if cpu > 0 else None,
+        "foreign_cpu_s": foreign,
+        "cmd": cmd,
+    }
+
+# A run during which other processes used this much CPU is left out of
+# the medians when clean runs of the same row exist.
+FOREIGN_LIMIT = 1.0
+
+def median(xs):
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+def load(name):
+    runs = [r for r in (load1(f"{name}.{i}") for i in range(1, REPEAT + 1)) if r]
+    if not runs:
+        return None
+    clean = [r for r in runs if (r["foreign_cpu_s"] or 0.0) < FOREIGN_LIMIT]
+    dirty = len(runs) - len(clean)
+    if clean:
+        runs = clean
+    out = {k: median([r[k] for r in runs]) for k in runs[0] if k != "cmd"}
+    out["cmd"] = runs[0]["cmd"]
+    out["runs"] = len(runs)
+    out["runs_with_other_load"] = dirty
+    out["other_load_in_median"] = not clean
+    out["iops_min"] = min(r["iops"] for r in runs)
+    out["iops_max"] = max(r["iops"] for r in runs)
+    return out
+
+iperf_runs = []
+for i in range(1, REPEAT + 1):
+    try:
+        with open(f"{work}/iperf3.{i}.json") as f:
+            iperf_runs.append(json.load(f)["end"]["sum_received"]["bits_per_second"] / 8.0)
+    except Exception:  # noqa: BLE001
+        pass
+iperf = median(iperf_runs)
+
+rows = []
+def row(case, system, r, ceiling, peer, metric):
+    def ratio(a, b):
+        if a is None or b is None:
+            return None
+        va, vb = a[metric], b[metric] if isinstance(b, dict) else b
+        return va / vb if vb else None
+    rows.append({
+        "case": case, "system": system, **(r or {}),
+        "vs_ceiling": ratio(r, ceiling) if r else None,
+        "vs_peer": ratio(r, peer) if r else None,
+        "ratio_metric": metric,
+    })
+
+for c in cases:
+    local, rb, nbd = load(f"{c}.local"), load(f"{c}.rdmablk"), load(f"{c}.nbd")
+    row(c, "fio io_uring, local file (ceiling)", local, None, None, "iops")
+    row(c, "rdmablk-bench -> rdmablk-target, file", rb, local, nbd, "iops")
+    row(c, "fio nbd -> nbdkit file", nbd, local, rb, "iops")
+for c in cases:
+    rbn, nbdn = load(f"{c}.rdmablk-null"), load(f"{c}.nbd-null")
+    metric = "bw_mib" if c.startswith("read-128k") else "iops"
+    ceil = {"bw_mib": iperf / 1048576.0} if (iperf and metric == "bw_mib") else None
+    row(c, "rdmablk-bench -> rdmablk-target, null", rbn, ceil, nbdn, metric)
+    row(c, "fio nbd -> nbdkit null", nbdn, ceil, rbn, metric)
+
+# Long-lived processes other than our servers that used CPU during the runs.
+others = []
+try:
+    p0 = json.load(open(f"{work}/procs0.json")); p1 = json.load(open(f"{work}/procs1.json"))
+    ours = set(os.environ.get("OURS", "").split())
+    for pid, (comm, t1) in p1.items():
+        if pid in ours or pid not in p0:
+            continue
+        d = t1 - p0[pid][1]
+        if d >= 0.5:
+            others.append((d, comm, pid))
+    others.sort(reverse=True)
+except Exception:  # noqa: BLE001
+    pass
+
+def f(v, fmt):
+    return "-" if v is None else format(v, fmt)
+
+print()
+print(f"Runtime {os.environ['RUNTIME']} s per run after {os.environ['RAMP']} s ramp, {REPEAT} run(s) per row "
+      f"(medians{', IOPS range in brackets' if REPEAT > 1 else ''}); file {int(os.environ['SIZE_BYTES'])>>20} MiB; "
+      f"load average before {os.environ['LOAD_BEFORE']}, after {os.environ['LOAD_AFTER']}.")
+if others:
+    print("Other long-lived processes that used CPU during the runs (CPU-seconds): " +
+          ", ".join(f"{c} (pid {p}) {d:.1f}" for d, c, p in others[:6]) + ".")
+else:
+    print("No other long-lived process used more than 0.5 CPU-seconds during the runs.")
+print()
+print("| case | system | IOPS | MiB/s | p50 µs | p99 µs | vs ceiling | vs peer | client CPU % | server CPU % | IOPS per server CPU-s |")
+print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+for r in rows:
+    iops = f(r.get('iops'), ',.0f')
+    if REPEAT > 1 and r.get('iops') is not None:
+        iops += f" [{r['iops_min']:,.0f}–{r['iops_max']:,.0f}]"
+    local = 'local' in r['system']
+    print(f"| {r['case']} | {r['system']} | {iops} | {f(r.get('bw_mib'), ',.1f')} | "
+          f"{f(r.get('p50_us'), '.1f')} | {f(r.get('p99_us'), '.1f')} | {f(r['vs_ceiling'], '.2f')} | "
+          f"{f(r['vs_peer'], '.2f')} | {f(r.get('client_cpu_pct'), '.0f')} | "
+          f"{'-' if local else f(r.get('server_cpu_pct'), '.0f')} | "
+          f"{'-' if local else f(r.get('iops_per_server_cpu_s'), ',.0f')} |")
+if iperf:
+    rng = f" [{min(iperf_runs)/1048576:,.0f}–{max(iperf_runs)/1048576:,.0f}]" if REPEAT > 1 else ""
+    print(f"| fabric ceiling | iperf3, one loopback TCP stream | - | {iperf/1048576.0:,.1f}{rng} | - | - | - | - | - | - | - |")
+print()
+flagged = [r for r in rows if r.get("runs_with_other_load")]
+if len(flagged) > 4:
+    print(f"{len(flagged)} of {len(rows)} rows had runs during which other processes used >= 1 CPU-second "
+          f"({sum(1 for r in flagged if r['other_load_in_median'])} of them in every run): the machine was not quiet.")
+    print()
+elif flagged:
+    print("Runs during which other processes used >= 1 CPU-second: " +
+          "; ".join(f"{r['case']} / {r['system']}: {r['runs_with_other_load']} of {r['runs'] + (0 if r['other_load_in_median'] else r['runs_with_other_load'])}"
+                    + (" (all runs affected; median includes them)" if r["other_load_in_median"] else " (left out of the median)")
+                    for r in flagged))
+    print()
+print("client CPU % = the client's job (fio or rdmablk-bench) in usr+sys, of one CPU; server CPU % = the whole "
+      "serving process (rdmablk-target or nbdkit, all threads), of one CPU, over ramp + runtime; IOPS per server "
+      "CPU-s = IOPS / (server CPU % / 100).")
+print()
+print("Ratios: vs ceiling = this row / local fio (file rows) or / iperf3 (null 128k, bandwidth); "
+      "vs peer = rdmablk / nbd (and nbd / rdmablk on nbd rows). Null rows compare bandwidth for 128k, IOPS otherwise.")
+
+def get(case, system_prefix):
+    for r in rows:
+        if r["case"] == case and r["system"].startswith(system_prefix):
+            return r
+    return {}
+
+targets = []
+def target(name, ok, detail):
+    targets.append({"target": name, "met": ok, "detail": detail})
+
+a = get("randread-4k-qd32", "rdmablk-bench -> rdmablk-target, file"); b = get("randread-4k-qd32", "fio io_uring")
+if a.get("iops") and b.get("iops"):
+    target("1. file randread 4k QD32 >= 0.9x local fio IOPS", a["iops"] >= 0.9 * b["iops"], f"{a['iops']:,.0f} vs {b['iops']:,.0f} ({a['iops']/b['iops']:.2f}x)")
+a = get("randread-4k-qd1", "rdmablk-bench -> rdmablk-target, file"); b = get("randread-4k-qd1", "fio io_uring")
+if a.get("p50_us") and b.get("p50_us"):
+    target("2. file randread 4k QD1 p50 <= local p50 + 15 us", a["p50_us"] <= b["p50_us"] + 15, f"{a['p50_us']:.1f} us vs {b['p50_us']:.1f} us (+{a['p50_us']-b['p50_us']:.1f} us)")
+a = get("randread-4k-qd32", "rdmablk-bench -> rdmablk-target, null"); b = get("randread-4k-qd32", "fio nbd -> nbdkit null")
+if a.get("iops") and b.get("iops"):
+    target("3. null randread 4k QD32 >= 2.5x nbdkit null", a["iops"] >= 2.5 * b["iops"], f"{a['iops']:,.0f} vs {b['iops']:,.0f} ({a['iops']/b['iops']:.2f}x)")
+a = get("read-128k-qd16", "rdmablk-bench -> rdmablk-target, null")
+if a.get("bw_mib") and iperf:
+    ib = iperf / 1048576.0
+    target("4. null read 128k QD16 >= 0.6x iperf3 stream", a["bw_mib"] >= 0.6 * ib, f"{a['bw_mib']:,.0f} MiB/s vs {ib:,.0f} MiB/s ({a['bw_mib']/ib:.2f}x)")
+print()
+print("| target | met | measured |")
+print("|---|---|---|")
+for t in targets:
+    print(f"| {t['target']} | {'PASS' if t['met'] else 'MISS'} | {t['detail']} |")
+
+if os.environ.get("JSON_OUT"):
+    with open(os.environ["JSON_OUT"], "w") as fh:
+        json.dump({"rows": rows, "iperf3_bytes_per_sec": iperf, "targets": targets,
+                   "load_before": os.environ["LOAD_BEFORE"], "load_after": os.environ["LOAD_AFTER"],
+                   "other_cpu": [{"comm": c, "pid": p, "cpu_s": d} for d, c, p in others],
+                   "repeat": REPEAT, "iperf3_runs_bytes_per_sec": iperf_runs,
+                   "runtime_s": int(os.environ["RUNTIME"]), "ramp_s": int(os.environ["RAMP"])}, fh, indent=2)
+    print(f"\nrows written to {os.environ['JSON_OUT']}")
+PY

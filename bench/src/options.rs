@@ -1,0 +1,837 @@
+//! fio's options: one table shared by the command line and job files.
+//!
+//! # Command line
+//! `rdmablk-bench [--opt=value | --opt value | --flag]... [JOBFILE]...`,
+//! as with fio: options before the first `--name` are global; `--name=X`
+//! starts a job, and the options after it belong to that job. Both
+//! `--opt=value` and `--opt value` work; flags (`--time_based`) take no
+//! value on the command line but accept one (`--time_based=0`). Dashes and
+//! underscores in option names are the same (`--output-format`,
+//! `--ramp_time`).
+//!
+//! # Job files
+//! fio's INI syntax ([`crate::jobfile`]): `[global]` sections set defaults
+//! for the jobs that follow them in the file, every other section is a job.
+//! Global options given on the command line apply to every job of a job
+//! file too, over what the file says.
+//!
+//! # Resolution order for one job
+//! defaults, then job-file `[global]`, then the job's section (or, for
+//! command-line jobs, nothing), then command-line globals, then (command-line
+//! jobs only) the job's own options.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::engine::EngineKind;
+use crate::units::{parse_bool, parse_size, parse_time, parse_u64};
+
+/// fio's `rw=`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RwMode {
+    Read,
+    Write,
+    RandRead,
+    RandWrite,
+    /// `rw` / `readwrite`: sequential mixed reads and writes.
+    ReadWrite,
+    RandRw,
+}
+
+impl RwMode {
+    /// Parses fio's names (`read`, `write`, `randread`, `randwrite`, `rw`,
+    /// `readwrite`, `randrw`).
+    pub fn parse(s: &str) -> Result<RwMode, String> {
+        Ok(match s.trim() {
+            "read" => RwMode::Read,
+            "write" => RwMode::Write,
+            "randread" => RwMode::RandRead,
+            "randwrite" => RwMode::RandWrite,
+            "rw" | "readwrite" => RwMode::ReadWrite,
+            "randrw" => RwMode::RandRw,
+            "trim" | "randtrim" | "trimwrite" | "randtrimwrite" => {
+                return Err(format!("rw={s} is not supported by rdmablk-bench (no trim workloads)"))
+            }
+            _ => return Err(format!("invalid rw {s:?}: use read, write, randread, randwrite, rw or randrw")),
+        })
+    }
+
+    /// fio's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            RwMode::Read => "read",
+            RwMode::Write => "write",
+            RwMode::RandRead => "randread",
+            RwMode::RandWrite => "randwrite",
+            RwMode::ReadWrite => "rw",
+            RwMode::RandRw => "randrw",
+        }
+    }
+
+    pub fn is_random(self) -> bool {
+        matches!(self, RwMode::RandRead | RwMode::RandWrite | RwMode::RandRw)
+    }
+
+    pub fn reads(self) -> bool {
+        !matches!(self, RwMode::Write | RwMode::RandWrite)
+    }
+
+    pub fn writes(self) -> bool {
+        !matches!(self, RwMode::Read | RwMode::RandRead)
+    }
+
+    /// Both directions.
+    pub fn is_mixed(self) -> bool {
+        matches!(self, RwMode::ReadWrite | RwMode::RandRw)
+    }
+}
+
+/// `verify=`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VerifyMode {
+    None,
+    Crc32c,
+}
+
+/// Volume backend of the embedded target (`--backend`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    File,
+    Null,
+    Memory,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::File => "file",
+            Backend::Null => "null",
+            Backend::Memory => "memory",
+        }
+    }
+}
+
+/// A size given in bytes or as a percentage of the volume (`size=50%`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum SizeSpec {
+    Bytes(u64),
+    Percent(f64),
+}
+
+impl SizeSpec {
+    fn parse(s: &str) -> Result<SizeSpec, String> {
+        let t = s.trim();
+        if let Some(p) = t.strip_suffix('%') {
+            let v: f64 = p.trim().parse().map_err(|_| format!("invalid percentage {s:?}"))?;
+            if !(0.0..=100.0).contains(&v) {
+                return Err(format!("invalid percentage {s:?}: must be within 0..=100"));
+            }
+            return Ok(SizeSpec::Percent(v));
+        }
+        parse_size(t).map(SizeSpec::Bytes)
+    }
+
+    /// Bytes of a volume of `volume_size` bytes.
+    pub fn resolve(self, volume_size: u64) -> u64 {
+        match self {
+            SizeSpec::Bytes(b) => b,
+            SizeSpec::Percent(p) => (volume_size as f64 * p / 100.0) as u64,
+        }
+    }
+}
+
+/// `--output-format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputFormat {
+    Normal,
+    Json,
+}
+
+/// `--eta`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EtaMode {
+    /// On a terminal with normal output.
+    Auto,
+    Always,
+    Never,
+}
+
+/// fio's default `percentile_list`.
+pub const DEFAULT_PERCENTILES: [f64; 17] =
+    [1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.95, 99.99];
+
+/// Everything one job is told.
+#[derive(Clone, Debug)]
+pub struct JobOptions {
+    pub name: String,
+    pub description: Option<String>,
+    pub rw: RwMode,
+    /// Percentage of reads in mixed workloads.
+    pub rwmixread: u32,
+    /// Block size of reads and of writes.
+    pub bs: [u64; 2],
+    pub iodepth: u32,
+    /// Most I/Os handed to the engine in one submit call (0: as many as are ready).
+    pub iodepth_batch_submit: u32,
+    /// Fewest completions waited for in one reap call.
+    pub iodepth_batch_complete_min: u32,
+    pub numjobs: u32,
+    pub size: Option<SizeSpec>,
+    /// Bytes to transfer (default: `size`).
+    pub io_size: Option<u64>,
+    pub offset: SizeSpec,
+    /// Added to `offset` for every clone of `numjobs` (`offset_increment`).
+    pub offset_increment: u64,
+    pub runtime: Option<Duration>,
+    pub time_based: bool,
+    pub ramp_time: Duration,
+    pub group_reporting: bool,
+    pub verify: VerifyMode,
+    /// Read back and verify what a write workload wrote (default on).
+    pub do_verify: bool,
+    /// Do not write: only read and verify.
+    pub verify_only: bool,
+    /// Stop at the first verify failure.
+    pub verify_fatal: bool,
+    /// Random offsets without a map: blocks may repeat within a pass.
+    pub norandommap: bool,
+    pub randseed: u64,
+    pub randrepeat: bool,
+    pub stonewall: bool,
+    pub new_group: bool,
+    pub percentiles: Vec<f64>,
+    /// Embedded target: the volume's backing file.
+    pub filename: Option<String>,
+    /// Embedded target: the volume's backend.
+    pub backend: Option<Backend>,
+    /// A running target's URL.
+    pub target: Option<String>,
+    /// The volume to open on `target`.
+    pub volume: Option<String>,
+    /// `ioengine`: `rdmablk` (the submission API) or `rdmablk-sync`.
+    pub ioengine: EngineKind,
+    /// Options as given (key, value), for `"job options"` in the JSON.
+    pub given: Vec<(String, String)>,
+}
+
+impl JobOptions {
+    pub fn new(name: &str) -> JobOptions {
+        JobOptions {
+            name: name.to_owned(),
+            description: None,
+            rw: RwMode::Read,
+            rwmixread: 50,
+            bs: [4096, 4096],
+            iodepth: 1,
+            iodepth_batch_submit: 0,
+            iodepth_batch_complete_min: 1,
+            numjobs: 1,
+            size: None,
+            io_size: None,
+            offset: SizeSpec::Bytes(0),
+            offset_increment: 0,
+            runtime: None,
+            time_based: false,
+            ramp_time: Duration::ZERO,
+            group_reporting: false,
+            verify: VerifyMode::None,
+            do_verify: true,
+            verify_only: false,
+            verify_fatal: false,
+            norandommap: false,
+            randseed: 0x5eed_f10b_ad5e_ed00,
+            randrepeat: true,
+            stonewall: false,
+            new_group: false,
+            percentiles: DEFAULT_PERCENTILES.to_vec(),
+            filename: None,
+            backend: None,
+            target: None,
+            volume: None,
+            ioengine: EngineKind::Queue,
+            given: Vec::new(),
+        }
+    }
+
+    /// The largest block size of the job.
+    pub fn max_bs(&self) -> u64 {
+        self.bs[0].max(self.bs[1])
+    }
+
+    /// Checks values that only make sense together.
+    pub fn validate(&self) -> Result<(), String> {
+        let n = &self.name;
+        for (dir, bs) in [("read", self.bs[0]), ("write", self.bs[1])] {
+            if bs == 0 || bs % 512 != 0 {
+                return Err(format!("job {n}: {dir} block size {bs} is not a non-zero multiple of 512"));
+            }
+            if bs > 1 << 30 {
+                return Err(format!("job {n}: {dir} block size {bs} is larger than 1GiB"));
+            }
+        }
+        if self.iodepth == 0 || self.iodepth > 65535 {
+            return Err(format!("job {n}: iodepth {} is outside 1..=65535", self.iodepth));
+        }
+        if self.numjobs == 0 {
+            return Err(format!("job {n}: numjobs must be at least 1"));
+        }
+        if self.rwmixread > 100 {
+            return Err(format!("job {n}: rwmixread {} is above 100", self.rwmixread));
+        }
+        if self.time_based && self.runtime.is_none_or(|r| r.is_zero()) {
+            return Err(format!("job {n}: time_based needs a runtime"));
+        }
+        if self.verify != VerifyMode::None && self.bs[0] != self.bs[1] {
+            return Err(format!("job {n}: verify needs the same block size for reads and writes"));
+        }
+        if self.verify != VerifyMode::None && self.bs[0] < crate::verify::HEADER_LEN as u64 {
+            return Err(format!("job {n}: verify needs blocks of at least {} bytes", crate::verify::HEADER_LEN));
+        }
+        if self.verify_only && self.verify == VerifyMode::None {
+            return Err(format!("job {n}: verify_only needs verify=crc32c"));
+        }
+        if self.target.is_some() && self.volume.is_none() {
+            return Err(format!("job {n}: --target needs --volume NAME"));
+        }
+        if self.target.is_some() && (self.filename.is_some() || self.backend.is_some()) {
+            return Err(format!(
+                "job {n}: --filename and --backend configure the embedded target; with --target the volume is \
+                 served elsewhere (use --volume)"
+            ));
+        }
+        if self.backend == Some(Backend::File) && self.filename.is_none() && self.target.is_none() {
+            return Err(format!("job {n}: --backend=file needs --filename=PATH"));
+        }
+        if self.filename.is_some() && matches!(self.backend, Some(Backend::Null | Backend::Memory)) {
+            return Err(format!("job {n}: --filename is only for the file backend"));
+        }
+        Ok(())
+    }
+
+    /// The embedded backend this job uses (when there is no `--target`).
+    pub fn embedded_backend(&self) -> Backend {
+        match (self.backend, &self.filename) {
+            (Some(b), _) => b,
+            (None, Some(_)) => Backend::File,
+            (None, None) => Backend::File,
+        }
+    }
+}
+
+/// Options of the whole run (command line only).
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    pub output_format: OutputFormat,
+    pub output: Option<PathBuf>,
+    pub eta: EtaMode,
+    /// Reactor threads of the embedded target (default: its own default).
+    pub reactors: Option<usize>,
+    /// PID of a separately started target, to report its CPU time.
+    pub target_pid: Option<u32>,
+    /// Print each job's resolved options and exit.
+    pub parse_only: bool,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            output_format: OutputFormat::Normal,
+            output: None,
+            eta: EtaMode::Auto,
+            reactors: None,
+            target_pid: None,
+            parse_only: false,
+        }
+    }
+}
+
+/// What the command line asks for.
+#[derive(Debug)]
+pub enum Command {
+    Run(RunSpec),
+    Help,
+    Version,
+}
+
+/// Resolved jobs and run options.
+#[derive(Debug)]
+pub struct RunSpec {
+    pub run: RunOptions,
+    pub jobs: Vec<JobOptions>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Takes no value on the command line (`--time_based`), an optional one elsewhere.
+    Flag,
+    Value,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Scope {
+    Job,
+    /// Command line only.
+    Run,
+    /// fio options accepted for compatibility, without effect here.
+    Ignored,
+}
+
+struct Def {
+    name: &'static str,
+    kind: Kind,
+    scope: Scope,
+    help: &'static str,
+}
+
+const fn job(name: &'static str, help: &'static str) -> Def {
+    Def { name, kind: Kind::Value, scope: Scope::Job, help }
+}
+const fn job_flag(name: &'static str, help: &'static str) -> Def {
+    Def { name, kind: Kind::Flag, scope: Scope::Job, help }
+}
+const fn run(name: &'static str, help: &'static str) -> Def {
+    Def { name, kind: Kind::Value, scope: Scope::Run, help }
+}
+const fn run_flag(name: &'static str, help: &'static str) -> Def {
+    Def { name, kind: Kind::Flag, scope: Scope::Run, help }
+}
+const fn ignored(name: &'static str) -> Def {
+    Def { name, kind: Kind::Value, scope: Scope::Ignored, help: "" }
+}
+const fn ignored_flag(name: &'static str) -> Def {
+    Def { name, kind: Kind::Flag, scope: Scope::Ignored, help: "" }
+}
+
+const DEFS: &[Def] = &[
+    job("name", "start a new job with this name"),
+    job("description", "text shown in the report"),
+    job("rw", "read|write|randread|randwrite|rw|randrw (default read)"),
+    job("readwrite", "same as rw"),
+    job("rwmixread", "percentage of reads in rw/randrw (default 50)"),
+    job("rwmixwrite", "percentage of writes in rw/randrw"),
+    job("bs", "block size, or READ,WRITE (default 4k)"),
+    job("blocksize", "same as bs"),
+    job("iodepth", "I/Os in flight per job (default 1)"),
+    job("iodepth_batch_submit", "most I/Os per submit call (default: all that are ready)"),
+    job("iodepth_batch", "same as iodepth_batch_submit"),
+    job("iodepth_batch_complete_min", "fewest completions per reap call (default 1)"),
+    job("iodepth_batch_complete", "same as iodepth_batch_complete_min"),
+    job("numjobs", "clones of this job, each a thread with its own queue pair (default 1)"),
+    job("size", "bytes of the volume this job covers (or N%); embedded file volumes are created at this size"),
+    job("io_size", "bytes to transfer (default: size)"),
+    job("io_limit", "same as io_size"),
+    job("offset", "where the job's region starts (bytes or N%)"),
+    job("offset_increment", "added to offset for each numjobs clone"),
+    job("runtime", "stop after this long (fio time units: us, ms, s, m, h; default s)"),
+    job_flag("time_based", "run for the whole runtime, looping over the region"),
+    job("ramp_time", "run this long before counting"),
+    job_flag("group_reporting", "report the jobs of a group together"),
+    job("verify", "crc32c: written blocks carry a header and a checksum; reads are verified"),
+    job("do_verify", "after a write workload, read back and verify (default 1)"),
+    job_flag("verify_only", "do not write: read what a write job would have written and verify it"),
+    job("verify_fatal", "stop at the first verify failure (default 0)"),
+    job_flag("norandommap", "random offsets may repeat within a pass"),
+    job("randseed", "seed of the offset and mix generators"),
+    job("randrepeat", "same random sequence every run (default 1)"),
+    job_flag("stonewall", "wait for the jobs before this one; starts a new group"),
+    job_flag("wait_for_previous", "same as stonewall"),
+    job_flag("new_group", "start a new reporting group"),
+    job("percentile_list", "clat percentiles, colon separated (default fio's 17 points)"),
+    job("filename", "embedded target: serve this file (created at --size if missing)"),
+    job("backend", "embedded target: file|null|memory (default file; null and memory volumes default to 1G)"),
+    job("target", "URL of a running target (tcp://HOST:PORT); no embedded target"),
+    job("volume", "volume to open on --target"),
+    job("ioengine", "rdmablk (submission API, default) or rdmablk-sync (blocking calls); fio's engines mean rdmablk"),
+    run("output_format", "normal|json (default normal)"),
+    run("output", "write the report to FILE"),
+    run("eta", "auto|always|never: the live status line (default auto: on a terminal, normal output)"),
+    run("reactors", "embedded target: reactor threads (default: one per CPU)"),
+    run("target_pid", "PID of the target process, to report its CPU time and IOPS per target CPU-second"),
+    run_flag("parse_only", "print each job's resolved options and exit"),
+    run_flag("help", "this help"),
+    run_flag("version", "print the version"),
+    ignored("direct"),
+    ignored("buffered"),
+    ignored_flag("thread"),
+    ignored("invalidate"),
+    ignored("gtod_reduce"),
+    ignored("clat_percentiles"),
+    ignored("lat_percentiles"),
+    ignored("slat_percentiles"),
+    ignored("end_fsync"),
+    ignored("fsync_on_close"),
+    ignored_flag("create_on_open"),
+    ignored("allow_mounted_write"),
+    ignored_flag("exitall"),
+    ignored("unlink"),
+    ignored_flag("refill_buffers"),
+    ignored("scramble_buffers"),
+    ignored_flag("zero_buffers"),
+    ignored("iodepth_low"),
+    ignored("unified_rw_reporting"),
+    ignored("kb_base"),
+    ignored("per_job_logs"),
+    ignored("log_avg_msec"),
+    ignored("write_bw_log"),
+    ignored("write_lat_log"),
+    ignored("write_iops_log"),
+    ignored("fadvise_hint"),
+    ignored("hipri"),
+    ignored("fixedbufs"),
+    ignored("registerfiles"),
+    ignored("sqthread_poll"),
+    ignored("cpus_allowed"),
+];
+
+fn canonical(name: &str) -> String {
+    name.trim().replace('-', "_")
+}
+
+fn lookup(name: &str) -> Option<&'static Def> {
+    let c = canonical(name);
+    DEFS.iter().find(|d| d.name == c)
+}
+
+/// Sets one job option. `value` is `None` for a bare flag.
+pub fn set_job_option(o: &mut JobOptions, key: &str, value: Option<&str>) -> Result<(), String> {
+    let def = lookup(key).ok_or_else(|| format!("unknown option {key:?} (see --help)"))?;
+    match def.scope {
+        Scope::Run => return Err(format!("option {key:?} is a command-line option, not a job option")),
+        Scope::Ignored => {
+            o.given.push((def.name.to_owned(), value.unwrap_or("").to_owned()));
+            return Ok(());
+        }
+        Scope::Job => {}
+    }
+    let bad = |e: String| format!("{}: {e}", def.name);
+    let need = || value.ok_or_else(|| format!("option {:?} needs a value", def.name));
+    let flag = || value.map_or(Ok(true), parse_bool).map_err(bad);
+    match def.name {
+        "name" => o.name = need()?.to_owned(),
+        "description" => o.description = Some(need()?.to_owned()),
+        "rw" | "readwrite" => {
+            // fio allows a suffix (rw=randread:8); only the mode matters here.
+            let v = need()?;
+            o.rw = RwMode::parse(v.split(':').next().unwrap_or(v)).map_err(bad)?;
+        }
+        "rwmixread" => o.rwmixread = parse_u64(need()?).map_err(bad)?.min(101) as u32,
+        "rwmixwrite" => o.rwmixread = 100u32.saturating_sub(parse_u64(need()?).map_err(bad)?.min(100) as u32),
+        "bs" | "blocksize" => {
+            let v = need()?;
+            let mut parts = v.split(',');
+            let r = parse_size(parts.next().unwrap_or("")).map_err(bad)?;
+            let w = match parts.next() {
+                Some(p) if !p.trim().is_empty() => parse_size(p).map_err(bad)?,
+                _ => r,
+            };
+            o.bs = [r, w];
+        }
+        "iodepth" => o.iodepth = u32::try_from(parse_u64(need()?).map_err(bad)?).unwrap_or(u32::MAX),
+        "iodepth_batch_submit" | "iodepth_batch" => {
+            o.iodepth_batch_submit = u32::try_from(parse_u64(need()?).map_err(bad)?).unwrap_or(u32::MAX)
+        }
+        "iodepth_batch_complete_min" | "iodepth_batch_complete" => {
+            o.iodepth_batch_complete_min = u32::try_from(parse_u64(need()?).map_err(bad)?).unwrap_or(u32::MAX).max(1)
+        }
+        "numjobs" => o.numjobs = u32::try_from(parse_u64(need()?).map_err(bad)?).unwrap_or(u32::MAX),
+        "size" => o.size = Some(SizeSpec::parse(need()?).map_err(bad)?),
+        "io_size" | "io_limit" => o.io_size = Some(parse_size(need()?).map_err(bad)?),
+        "offset" => o.offset = SizeSpec::parse(need()?).map_err(bad)?,
+        "offset_increment" => o.offset_increment = parse_size(need()?).map_err(bad)?,
+        "runtime" => o.runtime = Some(parse_time(need()?).map_err(bad)?),
+        "time_based" => o.time_based = flag()?,
+        "ramp_time" => o.ramp_time = parse_time(need()?).map_err(bad)?,
+        "group_reporting" => o.group_reporting = flag()?,
+        "verify" => {
+            o.verify = match need()?.trim() {
+                "crc32c" | "crc32c-intel" => VerifyMode::Crc32c,
+                "0" | "none" | "null" => VerifyMode::None,
+                other => return Err(format!("verify: {other:?} is not supported (use crc32c)")),
+            }
+        }
+        "do_verify" => o.do_verify = flag()?,
+        "verify_only" => o.verify_only = flag()?,
+        "verify_fatal" => o.verify_fatal = flag()?,
+        "norandommap" => o.norandommap = flag()?,
+        "randseed" => o.randseed = parse_u64(need()?).map_err(bad)?,
+        "randrepeat" => o.randrepeat = flag()?,
+        "stonewall" | "wait_for_previous" => o.stonewall = flag()?,
+        "new_group" => o.new_group = flag()?,
+        "percentile_list" => {
+            let mut v = Vec::new();
+            for p in need()?.split(':').filter(|p| !p.trim().is_empty()) {
+                let x: f64 = p.trim().parse().map_err(|_| bad(format!("invalid percentile {p:?}")))?;
+                if !(0.0..=100.0).contains(&x) {
+                    return Err(bad(format!("percentile {x} is outside 0..=100")));
+                }
+                v.push(x);
+            }
+            if v.is_empty() {
+                return Err(bad("needs at least one percentile".into()));
+            }
+            o.percentiles = v;
+        }
+        "filename" => o.filename = Some(need()?.to_owned()),
+        "backend" => {
+            o.backend = Some(match need()?.trim() {
+                "file" => Backend::File,
+                "null" => Backend::Null,
+                "memory" | "mem" => Backend::Memory,
+                other => return Err(format!("backend: {other:?} is not one of file, null, memory")),
+            })
+        }
+        "target" => o.target = Some(need()?.to_owned()),
+        "volume" => o.volume = Some(need()?.to_owned()),
+        "ioengine" => o.ioengine = EngineKind::from_ioengine(Some(need()?.trim())),
+        other => unreachable!("job option {other} without a setter"),
+    }
+    if def.name != "name" {
+        o.given.push((def.name.to_owned(), value.unwrap_or("").to_owned()));
+    }
+    Ok(())
+}
+
+fn set_run_option(r: &mut RunOptions, name: &str, value: Option<&str>) -> Result<(), String> {
+    let need = || value.ok_or_else(|| format!("option --{name} needs a value"));
+    match name {
+        "output_format" => {
+            r.output_format = match need()?.trim() {
+                "normal" => OutputFormat::Normal,
+                "json" | "json+" => OutputFormat::Json,
+                other => return Err(format!("--output-format: {other:?} is not normal or json")),
+            }
+        }
+        "output" => r.output = Some(PathBuf::from(need()?)),
+        "eta" => {
+            r.eta = match need()?.trim() {
+                "auto" => EtaMode::Auto,
+                "always" => EtaMode::Always,
+                "never" => EtaMode::Never,
+                other => return Err(format!("--eta: {other:?} is not auto, always or never")),
+            }
+        }
+        "reactors" => {
+            let n = parse_u64(need()?)?;
+            if n == 0 || n > 1024 {
+                return Err(format!("--reactors: {n} is outside 1..=1024"));
+            }
+            r.reactors = Some(n as usize);
+        }
+        "target_pid" => {
+            r.target_pid = Some(need()?.trim().parse().map_err(|_| format!("--target_pid: {:?} is not a PID", value))?)
+        }
+        "parse_only" => r.parse_only = value.map_or(Ok(true), parse_bool)?,
+        _ => unreachable!("run option {name} without a setter"),
+    }
+    Ok(())
+}
+
+/// Parses the command line (without the program name) and reads the job files.
+pub fn parse_args(args: &[String]) -> Result<Command, String> {
+    let mut run = RunOptions::default();
+    let mut globals: Vec<(String, Option<String>)> = Vec::new();
+    let mut jobs: Vec<Vec<(String, Option<String>)>> = Vec::new();
+    let mut files: Vec<PathBuf> = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        let arg = &args[i];
+        i += 1;
+        if arg == "-h" {
+            return Ok(Command::Help);
+        }
+        let Some(body) = arg.strip_prefix("--") else {
+            if arg.starts_with('-') && arg.len() > 1 {
+                return Err(format!("unknown option {arg:?} (options are --name=value; see --help)"));
+            }
+            files.push(PathBuf::from(arg));
+            continue;
+        };
+        let (key, inline) = match body.split_once('=') {
+            Some((k, v)) => (k, Some(v.to_owned())),
+            None => (body, None),
+        };
+        let def = lookup(key).ok_or_else(|| format!("unknown option --{key} (see --help)"))?;
+        let value = match (def.kind, inline) {
+            (_, Some(v)) => Some(v),
+            (Kind::Flag, None) => None,
+            (Kind::Value, None) => {
+                let v = args.get(i).ok_or_else(|| format!("option --{key} needs a value"))?;
+                i += 1;
+                Some(v.clone())
+            }
+        };
+        match (def.scope, def.name) {
+            (Scope::Run, "help") => return Ok(Command::Help),
+            (Scope::Run, "version") => return Ok(Command::Version),
+            (Scope::Run, name) => set_run_option(&mut run, name, value.as_deref())?,
+            (_, "name") => jobs.push(vec![("name".to_owned(), value)]),
+            (_, name) => match jobs.last_mut() {
+                Some(j) => j.push((name.to_owned(), value)),
+                None => globals.push((name.to_owned(), value)),
+            },
+        }
+    }
+
+    let apply = |o: &mut JobOptions, list: &[(String, Option<String>)]| -> Result<(), String> {
+        for (k, v) in list {
+            set_job_option(o, k, v.as_deref())?;
+        }
+        Ok(())
+    };
+
+    let mut out = Vec::new();
+    for path in &files {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: cannot read job file: {e}", path.display()))?;
+        let sections = crate::jobfile::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut file_global: Vec<(String, Option<String>)> = Vec::new();
+        for s in sections {
+            if s.name == "global" {
+                file_global.extend(s.entries.iter().map(|e| (e.key.clone(), e.value.clone())));
+                continue;
+            }
+            let mut o = JobOptions::new(&s.name);
+            let ctx = |e: String| format!("{}: [{}]: {e}", path.display(), s.name);
+            apply(&mut o, &file_global).map_err(ctx)?;
+            for e in &s.entries {
+                set_job_option(&mut o, &e.key, e.value.as_deref())
+                    .map_err(|err| format!("{}: line {}: {err}", path.display(), e.line))?;
+            }
+            o.name = s.name.clone();
+            apply(&mut o, &globals).map_err(ctx)?;
+            out.push(o);
+        }
+    }
+    for list in &jobs {
+        let mut o = JobOptions::new("job");
+        apply(&mut o, &globals)?;
+        apply(&mut o, list)?;
+        out.push(o);
+    }
+    if out.is_empty() {
+        if files.is_empty() && globals.is_empty() {
+            return Ok(Command::Help);
+        }
+        // fio wants --name; a lone set of options is one job.
+        let mut o = JobOptions::new("job");
+        apply(&mut o, &globals)?;
+        out.push(o);
+    }
+    for o in &out {
+        o.validate()?;
+    }
+    Ok(Command::Run(RunSpec { run, jobs: out }))
+}
+
+/// The `--help` text.
+pub fn help() -> String {
+    let mut s = String::from(
+        "rdmablk-bench: a fio-style benchmark for rdmablk targets\n\n\
+         usage: rdmablk-bench [--opt=value | --opt value]... [JOBFILE]...\n\n\
+         Options before the first --name are global; --name starts a job. JOBFILE is a fio job file\n\
+         ([global] plus one section per job). Without --target an embedded target is started on\n\
+         loopback, serving --filename=PATH (created at --size) or --backend=null|memory.\n\n\
+         job options:\n",
+    );
+    let section = |scope: Scope, s: &mut String| {
+        for d in DEFS.iter().filter(|d| d.scope == scope) {
+            let v = if d.kind == Kind::Value { "=VALUE" } else { "" };
+            let left = format!("  --{}{v}", d.name);
+            s.push_str(&format!("{left:<36} {}\n", d.help));
+        }
+    };
+    section(Scope::Job, &mut s);
+    s.push_str("\nrun options (command line only):\n");
+    section(Scope::Run, &mut s);
+    s.push_str("\naccepted for fio compatibility, without effect: ");
+    let ignored: Vec<&str> = DEFS.iter().filter(|d| d.scope == Scope::Ignored).map(|d| d.name).collect();
+    s.push_str(&ignored.join(", "));
+    s.push_str(
+        "\n\nexample (the main job):\n  rdmablk-bench --name=main --filename=/var/tmp/rdmablk.img --size=1G --rw=randread \\\n    \
+         --bs=4k --iodepth=32 --runtime=10s --time_based\n",
+    );
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &[&str]) -> Vec<String> {
+        s.iter().map(|x| x.to_string()).collect()
+    }
+
+    fn jobs(s: &[&str]) -> Vec<JobOptions> {
+        match parse_args(&args(s)).unwrap() {
+            Command::Run(r) => r.jobs,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn both_value_syntaxes_and_flags() {
+        let j = jobs(&[
+            "--name=a", "--rw", "randread", "--bs=4k", "--iodepth", "32", "--time_based", "--runtime", "5s",
+            "--backend=null", "--size=1G",
+        ]);
+        assert_eq!(j.len(), 1);
+        let a = &j[0];
+        assert_eq!(a.name, "a");
+        assert_eq!(a.rw, RwMode::RandRead);
+        assert_eq!(a.bs, [4096, 4096]);
+        assert_eq!(a.iodepth, 32);
+        assert!(a.time_based);
+        assert_eq!(a.runtime, Some(Duration::from_secs(5)));
+        assert_eq!(a.size, Some(SizeSpec::Bytes(1 << 30)));
+    }
+
+    #[test]
+    fn globals_before_name_apply_to_every_job() {
+        let j = jobs(&["--bs=8k", "--backend=null", "--size=1M", "--name=a", "--name=b", "--bs=16k", "--rw=write"]);
+        assert_eq!(j.len(), 2);
+        assert_eq!(j[0].bs[0], 8192);
+        assert_eq!(j[1].bs[0], 16384);
+        assert_eq!(j[1].rw, RwMode::Write);
+    }
+
+    #[test]
+    fn run_options_and_dashes() {
+        let Command::Run(r) =
+            parse_args(&args(&["--output-format=json", "--output", "/x", "--name=a", "--ramp-time=1", "--backend=null", "--size=1M"]))
+                .unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(r.run.output_format, OutputFormat::Json);
+        assert_eq!(r.run.output, Some(PathBuf::from("/x")));
+        assert_eq!(r.jobs[0].ramp_time, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn errors_name_the_option() {
+        let e = parse_args(&args(&["--name=a", "--bogus=1"])).unwrap_err();
+        assert!(e.contains("--bogus"), "{e}");
+        let e = parse_args(&args(&["--name=a", "--rw=sideways"])).unwrap_err();
+        assert!(e.contains("sideways"), "{e}");
+        let e = parse_args(&args(&["--name=a", "--iodepth"])).unwrap_err();
+        assert!(e.contains("needs a value"), "{e}");
+        let e = parse_args(&args(&["--name=a", "--time_based", "--backend=null"])).unwrap_err();
+        assert!(e.contains("runtime"), "{e}");
+        let e = parse_args(&args(&["--name=a", "--verify=md5"])).unwrap_err();
+        assert!(e.contains("md5"), "{e}");
+    }
+
+    #[test]
+    fn mixes_and_split_block_sizes() {
+        let j = jobs(&["--name=a", "--rw=randrw", "--rwmixwrite=30", "--bs=4k,64k", "--backend=null", "--size=1M"]);
+        assert_eq!(j[0].rwmixread, 70);
+        assert_eq!(j[0].bs, [4096, 65536]);
+        assert_eq!(j[0].max_bs(), 65536);
+    }
+
+    #[test]
+    fn fio_options_without_effect_are_accepted() {
+        let j = jobs(&["--name=a", "--ioengine=libaio", "--direct=1", "--thread", "--backend=null", "--size=1M"]);
+        assert_eq!(j.len(), 1);
+        assert!(j[0].given.iter().any(|(k, v)| k == "ioengine" && v == "libaio"));
+    }
+}
