@@ -16,7 +16,8 @@
 # targets of the issue with PASS/MISS.
 #
 # usage: bench/compare.sh [--json FILE] [--runtime SECONDS] [--ramp SECONDS]
-#                         [--size SIZE] [--dir DIR] [--keep]
+#                         [--size SIZE] [--dir DIR] [--keep] [--no-build]
+#                         [--repeat N]
 #   --json FILE     also write the rows (and the targets) as JSON
 #   --runtime S     seconds per measurement (default 10)
 #   --ramp S        warm-up seconds before each measurement (default 1)
@@ -51,7 +52,7 @@ while [ $# -gt 0 ]; do
         --keep) KEEP=1; shift ;;
         --no-build) BUILD=0; shift ;;
         --repeat) REPEAT=$2; shift 2 ;;
-        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+        -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "compare.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done

@@ -79,4 +79,4 @@ cat "$work/err"
 echo "==> rdmablk-bench: 5 s of verified 4 KiB random read/write at QD16 on an embedded target"
 "$bin/rdmablk-bench" --name=quickstart --rw=randrw --bs=4k --iodepth=16 --runtime=5s --time_based \
     --size=256MiB --filename="$work/bench.img" --verify=crc32c
-echo "quickstart: OK (read-back and backing file match the 1 MiB input; the benchmark verified every read)"
+echo "quickstart: OK (read-back and backing file match the 1 MiB input; the benchmark verified each read of a block it had written)"
