@@ -11,9 +11,14 @@ hidden() {
     esac
     return 1
 }
+RDMAVM_KEEP=
 if hidden "$ROOT"; then
-    echo "run.sh: $ROOT is hidden inside the VM (tmpfs over /tmp, /run, /var/tmp, /root, /dev/shm); clone the repository elsewhere" >&2
-    exit 2
+    # The guest puts tmpfs over these dirs; keep the repository (and its
+    # target/) visible at the same path there.
+    case "$ROOT" in
+        *[[:space:]]*) echo "run.sh: $ROOT is hidden inside the VM and has a space in it; clone the repository elsewhere" >&2; exit 2 ;;
+    esac
+    RDMAVM_KEEP=$ROOT
 fi
 cd "$ROOT"
 
@@ -49,7 +54,7 @@ ci_bin=$ci_target_dir/debug
 for f in "$ci_conformance" "$ci_data_path" "$ci_bad_commands" "$ci_bin/rdmablk-target" "$ci_bin/rdmablk"; do
     [[ -n $f && -x $f ]] || { echo "run.sh: missing build output: '$f'" >&2; exit 1; }
 done
-if hidden "$ci_target_dir"; then
+if hidden "$ci_target_dir" && [[ $ci_target_dir/ != "$ROOT"/* ]]; then
     echo "run.sh: the cargo target directory $ci_target_dir is hidden inside the VM; set CARGO_TARGET_DIR elsewhere" >&2
     exit 2
 fi

@@ -22,10 +22,24 @@ done
 
 OPTS=trans=virtio,version=9p2000.L,msize=512000
 mount -t 9p -o "$OPTS,ro,cache=loose" hostroot /newroot || die "cannot mount the host root"
+# rdmavm.keep=PATH: a host directory under one of the hidden scratch dirs
+# (a CI clone in /tmp, say) stays visible at the same path: set it aside
+# before the tmpfs goes over its parent and move it back on top afterwards.
+KEEP=
+for arg in $(cat /proc/cmdline); do
+    case "$arg" in rdmavm.keep=*) KEEP="${arg#rdmavm.keep=}" ;; esac
+done
+if [ -n "$KEEP" ]; then
+    mkdir -p /keep
+    mount --bind "/newroot$KEEP" /keep || die "cannot keep $KEEP visible"
+fi
 mount -t tmpfs -o mode=1777 tmpfs /newroot/tmp || die "tmpfs /tmp"
 mount -t tmpfs -o mode=1777 tmpfs /newroot/var/tmp || die "tmpfs /var/tmp"
 mount -t tmpfs -o mode=0755 tmpfs /newroot/run || die "tmpfs /run"
 mount -t tmpfs -o mode=0700 tmpfs /newroot/root || die "tmpfs /root"
+if [ -n "$KEEP" ]; then
+    mkdir -p "/newroot$KEEP" && mount --move /keep "/newroot$KEEP" || die "cannot restore $KEEP"
+fi
 mount --move /dev /newroot/dev || die "move /dev"
 mkdir -p /newroot/dev/shm /newroot/dev/pts
 mount -t tmpfs -o mode=1777 tmpfs /newroot/dev/shm

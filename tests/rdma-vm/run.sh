@@ -198,7 +198,7 @@ CONSOLE=$OUT/console.log
 QEMU=(qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp "$SMP" -m "$MEM"
       -nodefaults -no-user-config -nographic -no-reboot -serial stdio -monitor none -nic none
       -kernel "$KERNEL" -initrd "$INITRD"
-      -append "console=ttyS0 panic=-1 oops=panic quiet loglevel=4 tsc=unstable"
+      -append "console=ttyS0 panic=-1 oops=panic quiet loglevel=4 tsc=unstable${RDMAVM_KEEP:+ rdmavm.keep=$RDMAVM_KEEP}"
       -fsdev local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap
       -device virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot
       -fsdev local,id=rdmavm,path="$RUN",security_model=none,multidevs=remap
