@@ -46,8 +46,23 @@ scratch_fs() {
         dev=$(losetup --find --show /dev/shm/scratch.img)
     fi
     mkfs.ext4 -q -F -O ^has_journal "$dev"
+    # A repository under /tmp (rdmavm.keep=, see initramfs-init.sh) must stay
+    # visible through the new /tmp: set it aside and put it back on top.
+    local keep="" arg
+    for arg in $(cat /proc/cmdline); do
+        case "$arg" in rdmavm.keep=/tmp/*) keep=${arg#rdmavm.keep=} ;; esac
+    done
+    if [[ -n $keep ]]; then
+        mkdir -p /run/rdmavm-keep
+        mount --bind "$keep" /run/rdmavm-keep
+    fi
     mount -o noatime "$dev" /tmp
     chmod 1777 /tmp
+    if [[ -n $keep ]]; then
+        mkdir -p "$keep"
+        mount --move /run/rdmavm-keep "$keep"
+        echo "kept $keep visible over the scratch /tmp"
+    fi
     dd if=/dev/zero of=/tmp/.odirect bs=4096 count=1 oflag=direct status=none
     rm -f /tmp/.odirect
     df -h /tmp
