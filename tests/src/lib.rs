@@ -59,26 +59,29 @@ impl TargetProcess {
     /// Writes `config` to a temporary file and starts the real daemon on it.
     /// Waits until it logs its listen URL.
     pub fn start(config: &str) -> TargetProcess {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("target.toml");
-        std::fs::write(&path, config).expect("write config");
-        let mut t = Self::start_with_path(&path);
-        t._dir = Some(dir);
-        t
+        Self::start_with_env(config, &[], &[])
     }
 
     /// Starts the daemon on an existing config file.
     pub fn start_with_path(path: &Path) -> TargetProcess {
-        let mut child = Command::new(bin("rdmablk-target"))
-            .arg("--config")
+        Self::spawn(path, &[], &[])
+    }
+
+    /// Starts the real daemon on `path` with extra environment and arguments,
+    /// collects its log, and waits until it reports its listen URL.
+    fn spawn(path: &Path, env: &[(&str, &str)], args: &[&str]) -> TargetProcess {
+        let mut cmd = Command::new(bin("rdmablk-target"));
+        cmd.arg("--config")
             .arg(path)
+            .args(args)
             .env("RUST_LOG", std::env::var("RDMABLK_TEST_LOG").unwrap_or_else(|_| "info".to_owned()))
             .env_remove("NOTIFY_SOCKET")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn rdmablk-target");
+            .env_remove("WATCHDOG_USEC")
+            .env_remove("WATCHDOG_PID");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("spawn rdmablk-target");
         let stderr = child.stderr.take().expect("stderr piped");
         let log = Arc::new(Mutex::new(Vec::new()));
         let (tx, rx) = std::sync::mpsc::channel();
@@ -251,43 +254,9 @@ impl TargetProcess {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("target.toml");
         std::fs::write(&path, config).expect("write config");
-        let mut cmd = Command::new(bin("rdmablk-target"));
-        cmd.arg("--config")
-            .arg(&path)
-            .args(args)
-            .env("RUST_LOG", std::env::var("RDMABLK_TEST_LOG").unwrap_or_else(|_| "info".to_owned()))
-            .env_remove("NOTIFY_SOCKET")
-            .env_remove("WATCHDOG_USEC")
-            .env_remove("WATCHDOG_PID");
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("spawn rdmablk-target");
-        let stderr = child.stderr.take().expect("stderr piped");
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if std::env::var_os("RDMABLK_TEST_ECHO").is_some() {
-                    eprintln!("[target] {line}");
-                }
-                if let Some(url) = listen_url_in(&line) {
-                    let _ = tx.send(url);
-                }
-                sink.lock().unwrap().push(line);
-            }
-        });
-        let url = match rx.recv_timeout(Duration::from_secs(30)) {
-            Ok(url) => url,
-            Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("rdmablk-target did not report a listen URL; log:\n{}", log.lock().unwrap().join("\n"));
-            }
-        };
-        TargetProcess { child, url, log, _dir: Some(dir), config_path: path }
+        let mut t = Self::spawn(&path, env, args);
+        t._dir = Some(dir);
+        t
     }
 
     /// The metrics endpoint's `host:port`, from the "metrics endpoint:" log line.

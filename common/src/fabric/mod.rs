@@ -478,6 +478,30 @@ impl Fabric {
     }
 }
 
+/// The verbs rules for `ibv_reg_mr` arguments that every provider enforces
+/// the same way: known access bits, REMOTE_WRITE only with LOCAL_WRITE, and a
+/// non-null, non-empty range that does not wrap.
+pub(crate) fn check_registration(addr: *mut u8, len: usize, access: Access) -> Result<()> {
+    let invalid = |why: &str| FabricError::new(FabricErrorKind::InvalidArgument, format!("register: {why}"));
+    if access.contains(Access::REMOTE_WRITE) && !access.contains(Access::LOCAL_WRITE) {
+        return Err(invalid("REMOTE_WRITE requires LOCAL_WRITE"));
+    }
+    let known = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+    if access.bits() & !known.bits() != 0 {
+        return Err(invalid("unknown access bits"));
+    }
+    if addr.is_null() {
+        return Err(invalid("null address"));
+    }
+    if len == 0 {
+        return Err(invalid("zero length"));
+    }
+    if (addr as usize as u64).checked_add(len as u64).is_none() {
+        return Err(invalid("region wraps the address space"));
+    }
+    Ok(())
+}
+
 impl ProtectionDomain {
     /// Registers caller-owned memory.
     ///

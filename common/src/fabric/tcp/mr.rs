@@ -23,7 +23,7 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use arc_swap::ArcSwap;
 
 use super::MAX_SGE;
-use crate::fabric::{Access, FabricError, FabricErrorKind, Lkey, Result, Rkey};
+use crate::fabric::{check_registration, Access, Lkey, Result, Rkey};
 
 /// Every lkey and rkey currently registered in this process, so that keys
 /// are unique process-wide and never reused while registered.
@@ -161,24 +161,8 @@ impl TcpPd {
     /// # Safety
     /// See [`crate::fabric::ProtectionDomain::register`].
     pub unsafe fn register(&self, addr: *mut u8, len: usize, access: Access) -> Result<TcpMr> {
-        let invalid = |why: &str| FabricError::new(FabricErrorKind::InvalidArgument, format!("register: {why}"));
-        if access.contains(Access::REMOTE_WRITE) && !access.contains(Access::LOCAL_WRITE) {
-            return Err(invalid("REMOTE_WRITE requires LOCAL_WRITE"));
-        }
-        let known = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
-        if access.bits() & !known.bits() != 0 {
-            return Err(invalid("unknown access bits"));
-        }
-        if addr.is_null() {
-            return Err(invalid("null address"));
-        }
-        if len == 0 {
-            return Err(invalid("zero length"));
-        }
+        check_registration(addr, len, access)?;
         let start = addr as usize as u64;
-        if start.checked_add(len as u64).is_none() {
-            return Err(invalid("region wraps the address space"));
-        }
         let _w = lock(&self.shared.writer);
         let (lkey, rkey) = {
             let mut keys = lock(&KEYS);

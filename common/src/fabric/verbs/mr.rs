@@ -31,23 +31,7 @@ impl VerbsPd {
     /// # Safety
     /// See [`crate::fabric::ProtectionDomain::register`].
     pub unsafe fn register(&self, addr: *mut u8, len: usize, access: Access) -> Result<VerbsMr> {
-        let invalid = |why: &str| FabricError::new(FabricErrorKind::InvalidArgument, format!("register: {why}"));
-        if access.contains(Access::REMOTE_WRITE) && !access.contains(Access::LOCAL_WRITE) {
-            return Err(invalid("REMOTE_WRITE requires LOCAL_WRITE"));
-        }
-        let known = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
-        if access.bits() & !known.bits() != 0 {
-            return Err(invalid("unknown access bits"));
-        }
-        if addr.is_null() {
-            return Err(invalid("null address"));
-        }
-        if len == 0 {
-            return Err(invalid("zero length"));
-        }
-        if (addr as usize as u64).checked_add(len as u64).is_none() {
-            return Err(invalid("region wraps the address space"));
-        }
+        crate::fabric::check_registration(addr, len, access)?;
         let mut flags = AccessFlags::none();
         if access.contains(Access::LOCAL_WRITE) {
             flags |= AccessFlags::LocalWrite;
