@@ -40,6 +40,7 @@ name = "vol0"
 backend = "file"
 path = "$work/vol0.img"
 size = "1GiB"
+allow_any_host = true
 TOML
 
 echo "==> checking the config"

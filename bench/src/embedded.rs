@@ -131,7 +131,7 @@ pub fn config_text(volumes: &[EmbeddedVolume], shape: TargetShape) -> String {
     s.push_str(&format!("queue_depth = {depth}\nmax_io_size = {max_io}\nshutdown_timeout = \"5s\"\n"));
     for v in volumes {
         s.push_str(&format!(
-            "\n[[volume]]\nname = {}\nbackend = {}\nsize = {}\n",
+            "\n[[volume]]\nname = {}\nbackend = {}\nsize = {}\nallow_any_host = true\n",
             toml_str(&v.name),
             toml_str(v.backend.name()),
             v.size

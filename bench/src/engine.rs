@@ -92,9 +92,37 @@ impl EngineKind {
     }
 }
 
-/// Connects a session of one queue pair to `url`, opens `volume` and sets
-/// up `depth` slots of `slot_size` bytes.
-pub fn open(kind: EngineKind, url: &str, volume: &str, depth: u32, slot_size: usize) -> Result<Box<dyn Engine>, String> {
+/// Who connects: `--host-id` and `--key-file` (both optional).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Identity<'a> {
+    pub host_id: Option<&'a str>,
+    pub key_file: Option<&'a str>,
+}
+
+/// How long a `hipri` job polls before it sleeps: longer than any I/O at
+/// low depth, so that it practically never sleeps while I/O is in flight.
+pub const HIPRI_BUSY_POLL: Duration = Duration::from_millis(1);
+
+/// How the job's session waits and what it exposes.
+#[derive(Clone, Copy, Debug)]
+pub struct Tuning {
+    /// Poll for completions instead of sleeping (`hipri`).
+    pub hipri: bool,
+    /// A memory window per command (`rkey_scoping`, default on).
+    pub rkey_scoping: bool,
+}
+
+/// Connects a session of one queue pair to `url` as `who`, opens `volume`
+/// and sets up `depth` slots of `slot_size` bytes.
+pub fn open(
+    kind: EngineKind,
+    url: &str,
+    volume: &str,
+    depth: u32,
+    slot_size: usize,
+    who: Identity<'_>,
+    tuning: Tuning,
+) -> Result<Box<dyn Engine>, String> {
     let max_io = (slot_size as u32).max(1 << 20).next_multiple_of(4096);
     let options = ConnectOptions {
         queues: 1,
@@ -104,8 +132,17 @@ pub fn open(kind: EngineKind, url: &str, volume: &str, depth: u32, slot_size: us
         // A benchmark reports a lost connection instead of riding it out.
         ctrl_loss_timeout: Duration::ZERO,
         bounce_pool_size: 1 << 20,
+        busy_poll: if tuning.hipri { HIPRI_BUSY_POLL } else { Duration::ZERO },
+        rkey_scoping: tuning.rkey_scoping,
         ..ConnectOptions::default()
     };
+    let mut options = options;
+    if let Some(id) = who.host_id {
+        options.host_id = id.to_owned();
+    }
+    if let Some(path) = who.key_file {
+        options = options.with_key_file(path).map_err(|e| format!("--key-file: {}", e.one_line()))?;
+    }
     let session = Session::connect(url, options).map_err(|e| format!("connecting to {url}: {}", e.one_line()))?;
     let vol = session.open(volume).map_err(|e| format!("opening volume {volume:?} on {url}: {}", e.one_line()))?;
     let alloc = |len: usize| {
@@ -164,14 +201,16 @@ impl Engine for QueueEngine {
     }
 
     fn submit(&mut self, reqs: &[IoReq]) -> Result<(), String> {
-        for r in reqs {
-            let buf = self.slots[r.tag as usize].take().expect("slot is idle");
+        let slots = &mut self.slots;
+        let vol = &self.vol;
+        self.queue.submit_batch(reqs.iter().map(|r| {
+            let buf = slots[r.tag as usize].take().expect("slot is idle");
             let req = match r.dir {
-                Dir::Read => IoRequest::read(&self.vol, r.offset, buf),
-                Dir::Write => IoRequest::write(&self.vol, r.offset, buf),
+                Dir::Read => IoRequest::read(vol, r.offset, buf),
+                Dir::Write => IoRequest::write(vol, r.offset, buf),
             };
-            self.queue.submit(req.with_range(0, r.len as usize), u64::from(r.tag));
-        }
+            (req.with_range(0, r.len as usize), u64::from(r.tag))
+        }));
         Ok(())
     }
 

@@ -246,7 +246,8 @@ fn run_batch(
         let h = std::thread::Builder::new().name(format!("job{}", plan.index)).spawn(move || -> JobStats {
             let o = &plan.opts;
             let slot = o.max_bs() as usize;
-            let engine = engine::open(o.ioengine, &plan.url, &plan.volume, o.iodepth, slot);
+            let who = engine::Identity { host_id: o.host_id.as_deref(), key_file: o.key_file.as_deref() };
+            let engine = engine::open(o.ioengine, &plan.url, &plan.volume, o.iodepth, slot, who, engine::Tuning { hipri: o.hipri, rkey_scoping: o.rkey_scoping });
             barrier.wait();
             match engine {
                 Ok(mut e) => job::run(&plan, e.as_mut(), &prog, &STOP),

@@ -175,6 +175,10 @@ pub struct JobOptions {
     pub iodepth_batch_submit: u32,
     /// Fewest completions waited for in one reap call.
     pub iodepth_batch_complete_min: u32,
+    /// Poll for completions instead of sleeping (fio's `hipri`).
+    pub hipri: bool,
+    /// Scope each command's data with a memory window (rdmablk's own).
+    pub rkey_scoping: bool,
     pub numjobs: u32,
     pub size: Option<SizeSpec>,
     /// Bytes to transfer (default: `size`).
@@ -208,6 +212,10 @@ pub struct JobOptions {
     pub target: Option<String>,
     /// The volume to open on `target`.
     pub volume: Option<String>,
+    /// Host id sent to `target` (default: the machine's host name).
+    pub host_id: Option<String>,
+    /// Pre-shared key file of the host id: authenticate with `target`.
+    pub key_file: Option<String>,
     /// `ioengine`: `rdmablk` (the submission API) or `rdmablk-sync`.
     pub ioengine: EngineKind,
     /// Options as given (key, value), for `"job options"` in the JSON.
@@ -225,6 +233,8 @@ impl JobOptions {
             iodepth: 1,
             iodepth_batch_submit: 0,
             iodepth_batch_complete_min: 1,
+            hipri: false,
+            rkey_scoping: true,
             numjobs: 1,
             size: None,
             io_size: None,
@@ -248,6 +258,8 @@ impl JobOptions {
             backend: None,
             target: None,
             volume: None,
+            host_id: None,
+            key_file: None,
             ioengine: EngineKind::Queue,
             given: Vec::new(),
         }
@@ -297,6 +309,11 @@ impl JobOptions {
             return Err(format!(
                 "job {n}: --filename and --backend configure the embedded target; with --target the volume is \
                  served elsewhere (use --volume)"
+            ));
+        }
+        if self.target.is_none() && (self.host_id.is_some() || self.key_file.is_some()) {
+            return Err(format!(
+                "job {n}: --host-id and --key-file are for --target; the embedded target does not authenticate"
             ));
         }
         if self.backend == Some(Backend::File) && self.filename.is_none() && self.target.is_none() {
@@ -416,6 +433,8 @@ const DEFS: &[Def] = &[
     job("iodepth_batch", "same as iodepth_batch_submit"),
     job("iodepth_batch_complete_min", "fewest completions per reap call (default 1)"),
     job("iodepth_batch_complete", "same as iodepth_batch_complete_min"),
+    job_flag("hipri", "poll for completions (busy-poll the queue pair) instead of sleeping"),
+    job("rkey_scoping", "1: the target reaches only the bytes of each command in flight (memory windows); 0: the whole buffer while registered (default 1)"),
     job("numjobs", "clones of this job, each a thread with its own queue pair (default 1)"),
     job("size", "bytes of the volume this job covers (or N%); embedded file volumes are created at this size"),
     job("io_size", "bytes to transfer (default: size)"),
@@ -441,6 +460,8 @@ const DEFS: &[Def] = &[
     job("backend", "embedded target: file|null|memory (default file; null and memory volumes default to 1G)"),
     job("target", "URL of a running target (tcp://HOST:PORT); no embedded target"),
     job("volume", "volume to open on --target"),
+    job("host_id", "host id sent to --target (default: this machine's host name)"),
+    job("key_file", "pre-shared key file of the host id (rdmablk keygen): authenticate with --target"),
     job("ioengine", "rdmablk (submission API, default) or rdmablk-sync (blocking calls); fio's engines mean rdmablk"),
     run("output_format", "normal|json (default normal)"),
     run("output", "write the report to FILE"),
@@ -476,7 +497,6 @@ const DEFS: &[Def] = &[
     ignored("write_lat_log"),
     ignored("write_iops_log"),
     ignored("fadvise_hint"),
-    ignored("hipri"),
     ignored("fixedbufs"),
     ignored("registerfiles"),
     ignored("sqthread_poll"),
@@ -540,6 +560,8 @@ pub fn set_job_option(o: &mut JobOptions, key: &str, value: Option<&str>) -> Res
         "offset_increment" => o.offset_increment = parse_size(need()?).map_err(bad)?,
         "runtime" => o.runtime = Some(parse_time(need()?).map_err(bad)?),
         "time_based" => o.time_based = flag()?,
+        "hipri" => o.hipri = flag()?,
+        "rkey_scoping" => o.rkey_scoping = flag()?,
         "ramp_time" => o.ramp_time = parse_time(need()?).map_err(bad)?,
         "group_reporting" => o.group_reporting = flag()?,
         "verify" => {
@@ -582,6 +604,8 @@ pub fn set_job_option(o: &mut JobOptions, key: &str, value: Option<&str>) -> Res
         }
         "target" => o.target = Some(need()?.to_owned()),
         "volume" => o.volume = Some(need()?.to_owned()),
+        "host_id" => o.host_id = Some(need()?.to_owned()),
+        "key_file" => o.key_file = Some(need()?.to_owned()),
         "ioengine" => o.ioengine = EngineKind::from_ioengine(Some(need()?.trim())),
         other => unreachable!("job option {other} without a setter"),
     }
@@ -782,6 +806,9 @@ mod tests {
         assert!(a.time_based);
         assert_eq!(a.runtime, Some(Duration::from_secs(5)));
         assert_eq!(a.size, Some(SizeSpec::Bytes(1 << 30)));
+        assert!(!a.hipri && a.rkey_scoping, "defaults: sleep, scoped");
+        let j = jobs(&["--name=a", "--hipri", "--rkey_scoping=0", "--backend=null", "--size=1M"]);
+        assert!(j[0].hipri && !j[0].rkey_scoping);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! Everything the target and the initiator exchange is defined here, so the
 //! two ends cannot drift apart.
 
+pub mod auth;
 pub mod fabric;
 pub mod protocol;
 pub mod size;

@@ -118,6 +118,12 @@ wire_enum! {
         CloseVolume = 0x04,
         /// No-op that proves the target is alive.
         KeepAlive = 0x05,
+        /// Starts host authentication before CONNECT: host id inline, the
+        /// session id to create (0) or join; reply data = [`AuthChallenge`].
+        AuthNegotiate = 0x06,
+        /// Finishes host authentication: [`AuthResponse`] inline (the
+        /// initiator's nonce and proof); reply data = [`AuthSuccess`].
+        AuthReply = 0x07,
         /// Target reads the disk and RDMA-WRITEs into the descriptor.
         Read = 0x10,
         /// Target RDMA-READs the descriptor (or takes inline data) and writes the disk.
@@ -142,7 +148,11 @@ impl Opcode {
     }
     /// Whether this command may carry inline data after the capsule.
     pub fn allows_inline(self) -> bool {
-        matches!(self, Opcode::Connect | Opcode::OpenVolume | Opcode::Write)
+        matches!(self, Opcode::Connect | Opcode::OpenVolume | Opcode::Write | Opcode::AuthNegotiate | Opcode::AuthReply)
+    }
+    /// Whether this command may carry a session id (CONNECT and AUTH_NEGOTIATE).
+    pub fn carries_session_id(self) -> bool {
+        matches!(self, Opcode::Connect | Opcode::AuthNegotiate)
     }
 }
 
@@ -196,6 +206,15 @@ wire_enum! {
         Busy = 21,
         /// CONNECT names a session that does not exist or belongs to another host.
         UnknownSession = 22,
+        /// CONNECT would exceed a configured limit of the target (its most
+        /// sessions, or the most queue pairs of one session).
+        LimitReached = 23,
+        /// The target requires host authentication (AUTH_NEGOTIATE and
+        /// AUTH_REPLY for this host id and session) before CONNECT.
+        AuthRequired = 24,
+        /// Host authentication failed. Deliberately says nothing more: not
+        /// which MAC, not whether the host id is known.
+        AuthFailed = 25,
     }
 }
 
@@ -226,6 +245,9 @@ impl Status {
             Status::InternalError => "internal target error",
             Status::Busy => "volume is busy",
             Status::UnknownSession => "unknown session (or it belongs to another host)",
+            Status::LimitReached => "the target's limit of sessions or queue pairs per session is reached",
+            Status::AuthRequired => "the target requires host authentication (a host id and its key) before CONNECT",
+            Status::AuthFailed => "authentication failed",
         }
     }
 }
@@ -410,9 +432,10 @@ impl CommandCapsule {
                 return Err(DecodeError::InvalidField { field: "descriptor" });
             }
         }
-        if op != Opcode::Connect
-            && (self.version != 0 || self.queue_depth != 0 || self.max_io_size != 0 || self.session_id != SessionId(0))
-        {
+        if op != Opcode::Connect && (self.version != 0 || self.queue_depth != 0 || self.max_io_size != 0) {
+            return Err(DecodeError::InvalidField { field: "connect fields" });
+        }
+        if !op.carries_session_id() && self.session_id != SessionId(0) {
             return Err(DecodeError::InvalidField { field: "connect fields" });
         }
         if !op.is_io() && op != Opcode::CloseVolume && self.volume_id != VolumeId(0) {
@@ -426,6 +449,12 @@ impl CommandCapsule {
         }
         if op == Opcode::Connect && self.inline_len as usize > MAX_HOST_ID_LEN {
             return Err(DecodeError::BadString { field: "host id" });
+        }
+        if op == Opcode::AuthNegotiate && (self.inline_len == 0 || self.inline_len as usize > MAX_HOST_ID_LEN) {
+            return Err(DecodeError::BadString { field: "host id" });
+        }
+        if op == Opcode::AuthReply && self.inline_len as usize != AUTH_RESPONSE_SIZE {
+            return Err(DecodeError::InvalidField { field: "inline_len" });
         }
         if op == Opcode::OpenVolume && (self.inline_len == 0 || self.inline_len as usize > MAX_NAME_LEN) {
             return Err(DecodeError::BadString { field: "volume name" });
@@ -595,6 +624,151 @@ impl ConnectReply {
     }
 }
 
+/// [`AuthChallenge::algorithm`]: HMAC-SHA256 over the transcript of
+/// `common::auth` (the only one defined).
+pub const AUTH_ALGORITHM_HMAC_SHA256: u16 = 1;
+/// Bytes of a nonce in the authentication exchange.
+pub const AUTH_NONCE_SIZE: usize = 32;
+/// Bytes of a MAC in the authentication exchange.
+pub const AUTH_MAC_SIZE: usize = 32;
+
+/// Reply data of a successful AUTH_NEGOTIATE (104 bytes): the target's
+/// fresh nonce and the name the target puts in the transcript.
+///
+/// | bytes | field |
+/// |---|---|
+/// | 0..2 | MAC algorithm: 1 = HMAC-SHA256 |
+/// | 2..8 | reserved |
+/// | 8..40 | target nonce |
+/// | 40..104 | target name, UTF-8, NUL padded |
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AuthChallenge {
+    pub algorithm: u16,
+    pub target_nonce: [u8; AUTH_NONCE_SIZE],
+    pub target_name: String,
+}
+
+/// Size of [`AuthChallenge`] on the wire.
+pub const AUTH_CHALLENGE_SIZE: usize = 104;
+
+impl AuthChallenge {
+    /// Encodes; fails if the name is too long.
+    pub fn to_bytes(&self) -> Result<[u8; AUTH_CHALLENGE_SIZE], DecodeError> {
+        let mut out = [0u8; AUTH_CHALLENGE_SIZE];
+        put_u16(&mut out, 0, self.algorithm);
+        out[8..40].copy_from_slice(&self.target_nonce);
+        put_name(&mut out[40..104], &self.target_name, "target name")?;
+        Ok(out)
+    }
+
+    /// Decodes and validates.
+    pub fn decode(b: &[u8]) -> Result<Self, DecodeError> {
+        if b.len() != AUTH_CHALLENGE_SIZE {
+            return Err(DecodeError::Truncated { got: b.len(), need: AUTH_CHALLENGE_SIZE });
+        }
+        if let Some(p) = b[2..8].iter().position(|&x| x != 0) {
+            return Err(DecodeError::ReservedNotZero { offset: 2 + p });
+        }
+        let c = AuthChallenge {
+            algorithm: get_u16(b, 0),
+            target_nonce: b[8..40].try_into().expect("32 bytes"),
+            target_name: get_name(&b[40..104], "target name")?,
+        };
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// A known algorithm and a nonce that is not all zeroes (a peer that
+    /// forgot to fill it in).
+    pub fn validate(&self) -> Result<(), DecodeError> {
+        if self.algorithm != AUTH_ALGORITHM_HMAC_SHA256 {
+            return Err(DecodeError::InvalidField { field: "algorithm" });
+        }
+        if self.target_nonce == [0; AUTH_NONCE_SIZE] {
+            return Err(DecodeError::InvalidField { field: "target nonce" });
+        }
+        Ok(())
+    }
+}
+
+/// Inline data of AUTH_REPLY (64 bytes): the initiator's fresh nonce and
+/// its proof, HMAC-SHA256 over the transcript with the initiator's label.
+///
+/// | bytes | field |
+/// |---|---|
+/// | 0..32 | initiator nonce |
+/// | 32..64 | initiator MAC |
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AuthResponse {
+    pub initiator_nonce: [u8; AUTH_NONCE_SIZE],
+    pub mac: [u8; AUTH_MAC_SIZE],
+}
+
+/// Size of [`AuthResponse`] on the wire.
+pub const AUTH_RESPONSE_SIZE: usize = 64;
+
+impl AuthResponse {
+    /// Encodes.
+    pub fn to_bytes(&self) -> [u8; AUTH_RESPONSE_SIZE] {
+        let mut out = [0u8; AUTH_RESPONSE_SIZE];
+        out[..32].copy_from_slice(&self.initiator_nonce);
+        out[32..].copy_from_slice(&self.mac);
+        out
+    }
+
+    /// Decodes and validates.
+    pub fn decode(b: &[u8]) -> Result<Self, DecodeError> {
+        if b.len() != AUTH_RESPONSE_SIZE {
+            return Err(DecodeError::Truncated { got: b.len(), need: AUTH_RESPONSE_SIZE });
+        }
+        let r = AuthResponse { initiator_nonce: b[..32].try_into().expect("32 bytes"), mac: b[32..].try_into().expect("32 bytes") };
+        r.validate()?;
+        Ok(r)
+    }
+
+    /// The nonce is not all zeroes.
+    pub fn validate(&self) -> Result<(), DecodeError> {
+        if self.initiator_nonce == [0; AUTH_NONCE_SIZE] {
+            return Err(DecodeError::InvalidField { field: "initiator nonce" });
+        }
+        Ok(())
+    }
+}
+
+/// Reply data of a successful AUTH_REPLY (32 bytes): the target's proof,
+/// HMAC-SHA256 over the same transcript with the target's label.
+///
+/// | bytes | field |
+/// |---|---|
+/// | 0..32 | target MAC |
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AuthSuccess {
+    pub mac: [u8; AUTH_MAC_SIZE],
+}
+
+/// Size of [`AuthSuccess`] on the wire.
+pub const AUTH_SUCCESS_SIZE: usize = 32;
+
+impl AuthSuccess {
+    /// Encodes.
+    pub fn to_bytes(&self) -> [u8; AUTH_SUCCESS_SIZE] {
+        self.mac
+    }
+
+    /// Decodes (any 32 bytes are a MAC; checking it is the caller's job).
+    pub fn decode(b: &[u8]) -> Result<Self, DecodeError> {
+        let mac = b.try_into().map_err(|_| DecodeError::Truncated { got: b.len(), need: AUTH_SUCCESS_SIZE })?;
+        let s = AuthSuccess { mac };
+        s.validate()?;
+        Ok(s)
+    }
+
+    /// Nothing to check beyond the size.
+    pub fn validate(&self) -> Result<(), DecodeError> {
+        Ok(())
+    }
+}
+
 /// Flag in [`VolumeInfo::flags`]: the volume rejects writes.
 pub const VOLUME_FLAG_READ_ONLY: u32 = 0x1;
 /// Flag in [`VolumeInfo::flags`]: DISCARD is supported.
@@ -734,6 +908,12 @@ const _: () = assert!(20 + 12 == RESPONSE_CAPSULE_SIZE, "response capsule: 20 by
 const _: () = assert!(16 + MAX_NAME_LEN + 10 + 6 == CONNECT_REPLY_SIZE, "connect reply: 16 bytes + name + 10 + 6 reserved");
 const _: () = assert!(32 + MAX_NAME_LEN == VOLUME_INFO_SIZE, "volume info: 32 bytes + name");
 const _: () = assert!(CONNECT_REPLY_SIZE <= MAX_RESPONSE_DATA && VOLUME_INFO_SIZE <= MAX_RESPONSE_DATA);
+const _: () = assert!(8 + AUTH_NONCE_SIZE + MAX_NAME_LEN == AUTH_CHALLENGE_SIZE, "auth challenge: 8 + nonce + name");
+const _: () = assert!(AUTH_NONCE_SIZE + AUTH_MAC_SIZE == AUTH_RESPONSE_SIZE, "auth response: nonce + mac");
+const _: () = assert!(AUTH_MAC_SIZE == AUTH_SUCCESS_SIZE, "auth success: mac");
+const _: () = assert!(AUTH_CHALLENGE_SIZE <= MAX_RESPONSE_DATA && AUTH_SUCCESS_SIZE <= MAX_RESPONSE_DATA);
+const _: () = assert!(AUTH_RESPONSE_SIZE <= MAX_HOST_ID_LEN, "AUTH_REPLY fits a CONNECT-sized send slot");
+const _: () = assert!(AUTH_NONCE_SIZE == crate::auth::NONCE_LEN && AUTH_MAC_SIZE == crate::auth::MAC_LEN);
 const _: () = assert!(COMMAND_CAPSULE_SIZE + CONNECT_INLINE_MAX <= 64 + 4096);
 
 #[cfg(test)]
@@ -771,6 +951,11 @@ mod tests {
                         data = b"host-a".to_vec();
                     }
                     Opcode::OpenVolume => data = vec![b'v'; ilen],
+                    Opcode::AuthNegotiate => {
+                        c.session_id = SessionId(lba);
+                        data = b"host-a".to_vec();
+                    }
+                    Opcode::AuthReply => data = vec![0x42; AUTH_RESPONSE_SIZE],
                     Opcode::Write if inline => {
                         c.flags |= FLAG_INLINE_DATA;
                         data = vec![7u8; ilen];
@@ -829,6 +1014,24 @@ mod tests {
         }
 
         #[test]
+        fn auth_structures_round_trip(nonce in any::<[u8; 32]>(), mac in any::<[u8; 32]>(), name in "[a-zA-Z0-9.:-]{0,64}") {
+            prop_assume!(nonce != [0; 32]);
+            let c = AuthChallenge { algorithm: AUTH_ALGORITHM_HMAC_SHA256, target_nonce: nonce, target_name: name };
+            prop_assert_eq!(AuthChallenge::decode(&c.to_bytes().unwrap()).unwrap(), c);
+            let r = AuthResponse { initiator_nonce: nonce, mac };
+            prop_assert_eq!(AuthResponse::decode(&r.to_bytes()).unwrap(), r);
+            let s = AuthSuccess { mac };
+            prop_assert_eq!(AuthSuccess::decode(&s.to_bytes()).unwrap(), s);
+        }
+
+        #[test]
+        fn auth_decoders_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = AuthChallenge::decode(&bytes);
+            let _ = AuthResponse::decode(&bytes);
+            let _ = AuthSuccess::decode(&bytes);
+        }
+
+        #[test]
         fn flipping_a_reserved_byte_is_rejected((capsule, inline) in valid_capsule(), pos in prop_oneof![42usize..44, 60usize..64], v in 1u8..) {
             let mut msg = capsule.to_bytes().to_vec();
             msg.extend_from_slice(&inline);
@@ -848,6 +1051,38 @@ mod tests {
         assert_eq!(Status::OutOfRange.to_wire(), 8);
         assert_eq!(Opcode::Read.to_wire(), 0x10);
         assert_eq!(Opcode::from_wire(0x7f), None);
+    }
+
+    #[test]
+    fn auth_structural_rules() {
+        let mut c = CommandCapsule::new(Opcode::AuthNegotiate, CommandId(1));
+        let msg = |c: &CommandCapsule, inline: &[u8]| {
+            let mut m = c.to_bytes().to_vec();
+            m.extend_from_slice(inline);
+            m
+        };
+        assert_eq!(CommandCapsule::decode(&msg(&c, b"")), Err(DecodeError::BadString { field: "host id" }));
+        c.inline_len = 1;
+        c.session_id = SessionId(9);
+        assert!(CommandCapsule::decode(&msg(&c, b"h")).is_ok(), "AUTH_NEGOTIATE names the session");
+        c.version = 1;
+        assert_eq!(CommandCapsule::decode(&msg(&c, b"h")), Err(DecodeError::InvalidField { field: "connect fields" }));
+        let mut r = CommandCapsule::new(Opcode::AuthReply, CommandId(1));
+        r.inline_len = 63;
+        assert_eq!(CommandCapsule::decode(&msg(&r, &[1; 63])), Err(DecodeError::InvalidField { field: "inline_len" }));
+        r.inline_len = 64;
+        assert!(CommandCapsule::decode(&msg(&r, &[1; 64])).is_ok());
+        r.session_id = SessionId(1);
+        assert_eq!(CommandCapsule::decode(&msg(&r, &[1; 64])), Err(DecodeError::InvalidField { field: "connect fields" }));
+        let zero_nonce = AuthChallenge { algorithm: 1, target_nonce: [0; 32], target_name: "t".into() };
+        assert_eq!(AuthChallenge::decode(&zero_nonce.to_bytes().unwrap()), Err(DecodeError::InvalidField { field: "target nonce" }));
+        let bad_alg = AuthChallenge { algorithm: 2, target_nonce: [1; 32], target_name: "t".into() };
+        assert_eq!(AuthChallenge::decode(&bad_alg.to_bytes().unwrap()), Err(DecodeError::InvalidField { field: "algorithm" }));
+        let mut b = AuthChallenge { algorithm: 1, target_nonce: [1; 32], target_name: "t".into() }.to_bytes().unwrap();
+        b[5] = 1;
+        assert_eq!(AuthChallenge::decode(&b), Err(DecodeError::ReservedNotZero { offset: 5 }));
+        assert!(AuthResponse::decode(&[0; 64]).is_err());
+        assert!(AuthSuccess::decode(&[0; 31]).is_err());
     }
 
     #[test]

@@ -117,7 +117,7 @@ pub struct IoBuffer {
 
 impl IoBuffer {
     pub(crate) fn new(domain: Arc<Domain>, len: usize) -> Result<IoBuffer, FabricError> {
-        let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+        let access = domain.access_for(Access::REMOTE_WRITE | Access::REMOTE_READ);
         let region = Region::new(domain.pd(), len, access)?;
         Ok(IoBuffer { region, domain })
     }

@@ -77,6 +77,9 @@ pub struct Cli {
     /// Host identifier sent to the target (default: this machine's host name)
     #[arg(long, value_name = "ID", global = true)]
     pub host_id: Option<String>,
+    /// Pre-shared key file of the host id (see `keygen`): authenticate both ways before connecting
+    #[arg(long, value_name = "PATH", global = true)]
+    pub key_file: Option<PathBuf>,
     /// Connect and per-command timeout: 30, 30s, 500ms, 2m
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, global = true)]
     pub timeout: Option<Duration>,
@@ -95,6 +98,12 @@ pub struct Cli {
 pub enum Command {
     /// One line per volume: name, size in bytes, block size, ro|rw
     List,
+    /// Write a new random key file (mode 0600) for a host id: give the same
+    /// file to the target's [[host]] entry and to --key-file
+    Keygen {
+        /// The file to create (never overwritten)
+        path: PathBuf,
+    },
     /// Details of one volume and of the connection
     Info {
         /// Volume name
@@ -252,6 +261,9 @@ fn connect(cli: &Cli) -> Result<Session> {
     if let Some(id) = &cli.host_id {
         options.host_id = id.clone();
     }
+    if let Some(path) = &cli.key_file {
+        options = options.with_key_file(path)?;
+    }
     if let Some(t) = cli.timeout {
         options.connect_timeout = t;
         options.io_timeout = t;
@@ -264,9 +276,14 @@ fn connect(cli: &Cli) -> Result<Session> {
 
 /// Runs a parsed command; normal output goes to `out`.
 pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
-    let session = connect(cli)?;
     let write_err = |e| Error::io("writing the output", e);
+    if let Command::Keygen { path } = &cli.command {
+        rdmablk_common::auth::generate_key_file(path).map_err(|e| Error::invalid(e.to_string()))?;
+        return writeln!(out, "wrote a new key to {} (mode 0600)", path.display()).map_err(write_err);
+    }
+    let session = connect(cli)?;
     match &cli.command {
+        Command::Keygen { .. } => unreachable!("handled above"),
         Command::List => {
             for v in session.list_volumes()? {
                 writeln!(
@@ -688,6 +705,30 @@ mod tests {
         assert_eq!(c.progress, ProgressMode::Never);
         let c = parse(&["-t", "tcp://h:1", "--ctrl-loss-timeout", "0", "list"]).unwrap();
         assert_eq!(c.ctrl_loss_timeout, Some(Duration::ZERO));
+        let c = parse(&["-t", "tcp://h:1", "--host-id", "h1", "--key-file", "/k", "list"]).unwrap();
+        assert_eq!(c.key_file.as_deref(), Some(std::path::Path::new("/k")));
+        let c = parse(&["keygen", "/tmp/h.key"]).unwrap();
+        assert_eq!(c.command, Command::Keygen { path: "/tmp/h.key".into() });
+    }
+
+    #[test]
+    fn keygen_writes_a_private_key_and_refuses_to_overwrite() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("h.key");
+        let cli = parse(&["keygen", path.to_str().unwrap()]).unwrap();
+        let mut out = Vec::new();
+        run(&cli, &mut out).unwrap();
+        assert!(String::from_utf8(out).unwrap().contains("mode 0600"));
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        assert!(crate::AuthKey::from_file(&path).is_ok());
+        let e = run(&cli, &mut Vec::new()).unwrap_err().to_string();
+        assert!(e.contains("cannot create") && e.contains("h.key"), "{e}");
+        // A key file others may read is refused before anything is sent.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let cli = parse(&["-t", "tcp://127.0.0.1:1", "--key-file", path.to_str().unwrap(), "list"]).unwrap();
+        let e = run(&cli, &mut Vec::new()).unwrap_err().to_string();
+        assert!(e.contains("h.key") && e.contains("0644"), "{e}");
     }
 
     #[test]

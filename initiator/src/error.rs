@@ -18,6 +18,8 @@ pub fn op_name(op: Opcode) -> &'static str {
         Opcode::OpenVolume => "open",
         Opcode::CloseVolume => "close",
         Opcode::KeepAlive => "keep-alive",
+        Opcode::AuthNegotiate => "auth-negotiate",
+        Opcode::AuthReply => "auth-reply",
         Opcode::Read => "read",
         Opcode::Write => "write",
         Opcode::Flush => "flush",
@@ -80,6 +82,12 @@ pub enum Error {
     /// The target speaks a different protocol version.
     #[error("target speaks protocol v{target}, this initiator speaks v{ours}")]
     VersionMismatch { target: u32, ours: u16 },
+    /// Host authentication failed: the target did not accept this host's
+    /// proof, or the target could not prove that it holds the key. The two
+    /// are deliberately the same error (a wrong key on either side, an
+    /// unknown host id and a target impersonator look alike from here).
+    #[error("authentication with the target failed: it does not accept host id {host_id:?} with this key, or it could not prove it holds the key")]
+    Authentication { host_id: String },
     /// The target sent something this initiator cannot make sense of. The
     /// connection is closed.
     #[error("protocol error: {detail}")]
@@ -116,6 +124,7 @@ pub enum ErrorKind {
     TargetLost,
     VolumeChanged,
     VersionMismatch,
+    Authentication,
     Protocol,
     Fabric,
     InvalidArgument,
@@ -136,6 +145,7 @@ impl Error {
             Error::TargetLost { .. } => ErrorKind::TargetLost,
             Error::VolumeChanged { .. } => ErrorKind::VolumeChanged,
             Error::VersionMismatch { .. } => ErrorKind::VersionMismatch,
+            Error::Authentication { .. } => ErrorKind::Authentication,
             Error::Protocol { .. } => ErrorKind::Protocol,
             Error::Fabric { .. } => ErrorKind::Fabric,
             Error::InvalidArgument { .. } => ErrorKind::InvalidArgument,
@@ -156,6 +166,7 @@ impl Error {
             Error::ReadOnly { .. } => Some(Status::ReadOnly),
             Error::UnknownVolume { .. } => Some(Status::UnknownVolume),
             Error::VersionMismatch { .. } => Some(Status::VersionMismatch),
+            Error::Authentication { .. } => Some(Status::AuthFailed),
             _ => None,
         }
     }
@@ -203,7 +214,7 @@ impl From<Error> for std::io::Error {
         use std::io::ErrorKind as K;
         let kind = match e.kind() {
             ErrorKind::Misaligned | ErrorKind::OutOfRange | ErrorKind::InvalidArgument => K::InvalidInput,
-            ErrorKind::ReadOnly => K::PermissionDenied,
+            ErrorKind::ReadOnly | ErrorKind::Authentication => K::PermissionDenied,
             ErrorKind::UnknownVolume => K::NotFound,
             ErrorKind::Timeout => K::TimedOut,
             ErrorKind::Disconnected | ErrorKind::TargetLost => K::NotConnected,

@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+mod auth;
 mod buffer;
 pub mod cli;
 mod device;
@@ -18,4 +19,5 @@ pub use stream::BlockStream;
 pub use submit::{IoCompletion, IoQueue, IoRequest};
 
 /// The wire types a caller meets in this API (volume info, statuses, ids).
+pub use rdmablk_common::auth::{generate_key_file, AuthKey, KeyError};
 pub use rdmablk_common::protocol::{SessionId, Status, VolumeId, VolumeInfo};

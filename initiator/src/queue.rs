@@ -41,7 +41,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{
-    Access, Completion, CompletionQueue, QueuePair, RecvWr, Rkey, SendOp, SendWr, WcOpcode, WcStatus, WrId,
+    Access, Completion, CompletionQueue, MemoryWindow, QueuePair, RecvWr, Rkey, SendOp, SendWr, WcOpcode, WcStatus, WrId,
 };
 use rdmablk_common::protocol::{
     BlockCount, CommandCapsule, CommandId, DataDescriptor, Lba, Opcode, ResponseCapsule, Status, VolumeId, VolumeInfo,
@@ -86,6 +86,9 @@ struct Slot {
     deadline: Instant,
     timeout: Duration,
     op: Opcode,
+    /// Owned by an `IoQueue` under this ticket: its response is moved out
+    /// on arrival and the slot freed (see [`Conn::detach`]).
+    detached: Option<u64>,
 }
 
 impl Slot {
@@ -97,6 +100,7 @@ impl Slot {
             deadline: Instant::now(),
             timeout: Duration::ZERO,
             op: Opcode::KeepAlive,
+            detached: None,
         }
     }
 
@@ -192,7 +196,15 @@ pub(crate) struct ConnParams {
     pub(crate) keepalive: Option<KeepAliveTiming>,
     /// Longest single sleep on the completion channel.
     pub(crate) wait_slice: Duration,
+    /// How long to keep polling before sleeping (`ConnectOptions::busy_poll`).
+    pub(crate) busy_poll: Duration,
 }
+
+/// Where the data descriptor sits in an encoded command capsule
+/// (docs/PROTOCOL.md): address, length, rkey.
+const DESCRIPTOR_ADDR: std::ops::Range<usize> = 24..32;
+const DESCRIPTOR_LEN: std::ops::Range<usize> = 32..36;
+const DESCRIPTOR_RKEY: std::ops::Range<usize> = 36..40;
 
 /// A connected queue pair with its command slots.
 pub(crate) struct Conn {
@@ -226,6 +238,18 @@ pub(crate) struct Conn {
     /// for synchronous callers, who may be the very threads that would
     /// take those responses.
     pub(crate) async_held: usize,
+    /// While set, [`submit_raw`](Conn::submit_raw) fills the slot and
+    /// leaves the SEND to [`flush_batch`](Conn::flush_batch), which posts
+    /// every batched command in one call (one `sendmsg` on tcp).
+    batching: bool,
+    /// Batched commands: slot index and capsule-plus-inline length.
+    batch: Vec<(usize, usize)>,
+    /// Per slot: the memory window the target may use for that command's
+    /// data, dropped (invalidated) when the response arrives.
+    windows: Vec<Option<MemoryWindow>>,
+    /// Responses of detached commands, by ticket, until their owner takes them.
+    detached_done: Vec<(u64, Response)>,
+    next_ticket: u64,
 }
 
 impl Conn {
@@ -270,6 +294,11 @@ impl Conn {
             last_rx: Instant::now(),
             params: ConnParams { keepalive: None, ..params },
             async_held: 0,
+            batching: false,
+            batch: Vec::with_capacity(count),
+            windows: (0..count).map(|_| None).collect(),
+            detached_done: Vec::new(),
+            next_ticket: 1,
         };
         for i in 0..recv_count {
             conn.post_recv(i).map_err(|e| Error::fabric("posting receive buffers", e))?;
@@ -318,6 +347,7 @@ impl Conn {
         self.send = region;
         self.send_slot_size = size;
         self.slots = vec![Slot::idle(); count];
+        self.windows = (0..count).map(|_| None).collect();
         self.ka_slot = (count >= 2).then(|| (count - 1) as u16);
         let user = count - usize::from(self.ka_slot.is_some());
         self.free = (0..user as u32).rev().map(|i| i as u16).collect();
@@ -367,6 +397,8 @@ impl Conn {
             tracing::warn!(peer = %self.peer, gen = self.gen, %reason, "closing connection");
             self.broken = Some(reason);
             self.qp.disconnect();
+            // Whatever the target still sends for these commands is refused.
+            self.windows.iter_mut().for_each(|w| *w = None);
         }
         Error::Disconnected { reason: self.broken.clone().unwrap_or_default() }
     }
@@ -428,13 +460,24 @@ impl Conn {
         }
         let base = index * self.send_slot_size;
         let total = COMMAND_CAPSULE_SIZE + inline.len();
+        let window = match self.scope(capsule, op) {
+            Ok(w) => w,
+            Err(e) => {
+                self.release_slot(index);
+                return Err(e);
+            }
+        };
         {
             // No work request references this slot: it was free.
             let slot = self.send.bytes_mut(base..base + total);
             slot[..COMMAND_CAPSULE_SIZE].copy_from_slice(capsule);
             slot[2..4].copy_from_slice(&cid.0.to_le_bytes());
+            if let Some(w) = &window {
+                slot[DESCRIPTOR_RKEY].copy_from_slice(&w.rkey().0.to_le_bytes());
+            }
             slot[COMMAND_CAPSULE_SIZE..].copy_from_slice(inline);
         }
+        self.windows[index] = window;
         let now = Instant::now();
         let slot = &mut self.slots[index];
         *slot = Slot {
@@ -444,7 +487,13 @@ impl Conn {
             deadline: now.checked_add(timeout).unwrap_or(now + Duration::from_secs(365 * 86400)),
             timeout,
             op,
+            detached: None,
         };
+        Stats::add(&self.stats.commands, 1);
+        if self.batching {
+            self.batch.push((index, total));
+            return Ok(());
+        }
         let sge = [self.send.sge(base, total)];
         let wr = SendWr {
             wr_id: WrId(TAG_SEND | index as u64),
@@ -457,7 +506,65 @@ impl Conn {
             self.fail(format!("posting a {} command failed: {e}", op_name(op)));
             return Err(Error::fabric(format!("sending a {} command to {}", op_name(op), self.peer), e));
         }
-        Stats::add(&self.stats.commands, 1);
+        Ok(())
+    }
+
+    /// With scoping, a memory window over the descriptor of a command that
+    /// moves data, granting the target the one right the opcode needs.
+    fn scope(&self, capsule: &[u8; COMMAND_CAPSULE_SIZE], op: Opcode) -> Result<Option<MemoryWindow>> {
+        let access = match op {
+            // The target RDMA-WRITEs into the descriptor.
+            Opcode::Read | Opcode::ListVolumes => Access::REMOTE_WRITE,
+            // The target RDMA-READs from it.
+            Opcode::Write => Access::REMOTE_READ,
+            _ => return Ok(None),
+        };
+        let field = |r: std::ops::Range<usize>| capsule[r].iter().rev().fold(0u64, |v, &b| v << 8 | u64::from(b));
+        let (addr, len, rkey) = (field(DESCRIPTOR_ADDR), field(DESCRIPTOR_LEN), field(DESCRIPTOR_RKEY) as u32);
+        if !self.domain.scoped() || len == 0 {
+            return Ok(None);
+        }
+        self.qp
+            .bind_window(Rkey(rkey), addr, len, access)
+            .map(Some)
+            .map_err(|e| Error::fabric(format!("binding a memory window for a {} command", op_name(op)), e))
+    }
+
+    /// Starts a batch: commands submitted until [`flush_batch`] are posted
+    /// together.
+    ///
+    /// [`flush_batch`]: Conn::flush_batch
+    pub(crate) fn begin_batch(&mut self) {
+        self.batching = true;
+    }
+
+    /// Posts the batched commands in one `post_send` call and ends the batch.
+    /// On failure the connection is closed (its commands are then resent or
+    /// failed by their owners, as for any broken connection).
+    pub(crate) fn flush_batch(&mut self) -> Result<()> {
+        self.batching = false;
+        if self.batch.is_empty() {
+            return Ok(());
+        }
+        let sges: Vec<_> = self.batch.iter().map(|&(i, total)| self.send.sge(i * self.send_slot_size, total)).collect();
+        let wrs: Vec<_> = self
+            .batch
+            .iter()
+            .zip(&sges)
+            .map(|(&(i, _), sge)| SendWr {
+                wr_id: WrId(TAG_SEND | i as u64),
+                op: SendOp::Send,
+                sges: std::slice::from_ref(sge),
+                signaled: true,
+                inline: false,
+            })
+            .collect();
+        let n = self.batch.len();
+        self.batch.clear();
+        if let Err(e) = self.qp.post_send(&wrs) {
+            self.fail(format!("posting {n} commands failed: {e}"));
+            return Err(Error::fabric(format!("sending {n} commands to {}", self.peer), e));
+        }
         Ok(())
     }
 
@@ -470,6 +577,25 @@ impl Conn {
         timeout: Duration,
     ) -> Result<()> {
         self.submit_raw(cid, &capsule.to_bytes(), inline, capsule.opcode, timeout)
+    }
+
+    /// Hands command `cid` (just submitted) to an `IoQueue`: its response
+    /// will be kept under the returned ticket for
+    /// [`take_detached`](Conn::take_detached), and its slot freed as soon as
+    /// the response arrives, whether or not the owner is there to take it.
+    /// Counted in `async_held` until then.
+    pub(crate) fn detach(&mut self, cid: CommandId) -> u64 {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.slots[usize::from(cid.0)].detached = Some(ticket);
+        self.async_held += 1;
+        ticket
+    }
+
+    /// The response of the detached command `ticket`, if it has arrived.
+    pub(crate) fn take_detached(&mut self, ticket: u64) -> Option<Response> {
+        let i = self.detached_done.iter().position(|(t, _)| *t == ticket)?;
+        Some(self.detached_done.swap_remove(i).1)
     }
 
     /// The response of `cid`, if it has arrived. Taking it ends the command.
@@ -528,6 +654,15 @@ impl Conn {
         let Some(deadline) = self.check_deadlines(now)? else {
             return Ok(false);
         };
+        if !self.params.busy_poll.is_zero() {
+            let until = now + self.params.busy_poll.min(deadline.saturating_duration_since(now));
+            while Instant::now() < until {
+                if self.poll_once()? > 0 {
+                    return Ok(true);
+                }
+                std::hint::spin_loop();
+            }
+        }
         if let Err(e) = self.cq.arm() {
             self.fail(format!("arming the completion queue failed: {e}"));
             return Err(Error::fabric("arming the completion queue", e));
@@ -699,7 +834,25 @@ impl Conn {
         };
         let cid = usize::from(response.capsule.command_id.0);
         match self.slots.get_mut(cid) {
-            Some(slot) if slot.awaiting && slot.response.is_none() => slot.response = Some(response),
+            Some(slot) if slot.awaiting && slot.response.is_none() => {
+                if let Some(ticket) = slot.detached.take() {
+                    // An IoQueue's command: its owner may be busy elsewhere
+                    // (even waiting for a slot of this very queue), so the
+                    // response waits aside and the slot is free at once.
+                    slot.awaiting = false;
+                    let release = !slot.send_pending;
+                    self.detached_done.push((ticket, response));
+                    self.async_held = self.async_held.saturating_sub(1);
+                    if release {
+                        self.release_slot(cid);
+                    }
+                } else {
+                    slot.response = Some(response);
+                }
+                // The target is done with the command's data: from now on
+                // its window's rkey is refused.
+                self.windows[cid] = None;
+            }
             _ => {
                 self.fail(format!("protocol error: response for command id {cid}, which is not outstanding"));
                 return;
@@ -1252,8 +1405,9 @@ impl Queue {
                 (&self.bounce, pool_entries.min(max_entries))
             } else {
                 let entries = want;
-                let pd = self.conn().domain().pd();
-                temp = match Region::new(pd, entries * VOLUME_INFO_SIZE, Access::LOCAL_WRITE | Access::REMOTE_WRITE) {
+                let domain = self.conn().domain();
+                let access = domain.access_for(Access::REMOTE_WRITE);
+                temp = match Region::new(domain.pd(), entries * VOLUME_INFO_SIZE, access) {
                     Ok(r) => r,
                     Err(e) => return Outcome::Failed(Error::fabric("registering a buffer for the volume list", e)),
                 };

@@ -66,9 +66,30 @@ pub(crate) struct QueueSlot {
     pub(crate) q: Mutex<Queue>,
     /// Notified when a user of the queue gave command slots back.
     pub(crate) freed: Condvar,
+    /// Threads waiting on `freed`: a notification without a waiter would
+    /// still cost a futex call per reap.
+    pub(crate) freed_waiters: AtomicUsize,
     pub(crate) alarm: Arc<Alarm>,
     /// This queue's counters (per queue, so queues share no cache line).
     pub(crate) stats: Arc<Stats>,
+}
+
+impl QueueSlot {
+    /// Wakes the users of this queue waiting for a command slot, if any.
+    pub(crate) fn notify_freed(&self) {
+        if self.freed_waiters.load(Ordering::SeqCst) > 0 {
+            self.freed.notify_all();
+        }
+    }
+
+    /// Waits (at most `slice`; a notification may be missed by the waiter
+    /// that registers just after it) until a user gives slots back.
+    pub(crate) fn wait_freed<'a>(&self, q: MutexGuard<'a, Queue>, slice: Duration) -> MutexGuard<'a, Queue> {
+        self.freed_waiters.fetch_add(1, Ordering::SeqCst);
+        let q = self.freed.wait_timeout(q, slice).unwrap_or_else(|e| e.into_inner()).0;
+        self.freed_waiters.fetch_sub(1, Ordering::SeqCst);
+        q
+    }
 }
 
 /// Where the session stands.
@@ -229,6 +250,7 @@ fn conn_params(options: &ConnectOptions) -> ConnParams {
         io_timeout: options.io_timeout,
         keepalive,
         wait_slice: monitor_tick(options).unwrap_or(MAX_WAIT_SLICE).min(MAX_WAIT_SLICE),
+        busy_poll: options.busy_poll,
     }
 }
 
@@ -259,7 +281,7 @@ impl Shared {
         let ctx = |what: &str| format!("{what} for {url}");
         let fabric = Fabric::open(&url).map_err(|e| Error::fabric(ctx("opening the fabric"), e))?;
         let pd = fabric.alloc_pd().map_err(|e| Error::fabric(ctx("allocating a protection domain"), e))?;
-        let domain = Arc::new(Domain::new(pd, fabric));
+        let domain = Arc::new(Domain::new(pd, fabric, options.rkey_scoping));
         let stats = Arc::new(Stats::default());
         let queue_stats: Vec<Arc<Stats>> = (0..options.queues).map(|_| Arc::new(Stats::default())).collect();
         let params = conn_params(&options);
@@ -270,7 +292,7 @@ impl Shared {
         let chunk = set.limits.max_io_size as usize;
         let per_queue = options.bounce_pool_size / options.queues;
         let chunks = (per_queue / chunk).clamp(1, set.limits.queue_depth as usize);
-        let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+        let all = domain.access_for(Access::REMOTE_WRITE | Access::REMOTE_READ);
         let mut conns = set.conns.into_iter();
         let mut queues = Vec::with_capacity(options.queues);
         for (alarm, qstats) in alarms.into_iter().zip(queue_stats) {
@@ -279,12 +301,13 @@ impl Shared {
             queues.push(QueueSlot {
                 q: Mutex::new(Queue::new(conns.next(), bounce, chunk, Arc::clone(&qstats))),
                 freed: Condvar::new(),
+                freed_waiters: AtomicUsize::new(0),
                 alarm,
                 stats: qstats,
             });
         }
         let active = queues.iter().filter(|s| lock(&s.q).conn.is_some()).count();
-        let zero = Region::new(domain.pd(), chunk, Access::REMOTE_READ)
+        let zero = Region::new(domain.pd(), chunk, domain.access_for(Access::REMOTE_READ))
             .map_err(|e| Error::fabric(ctx("registering the zero region"), e))?;
         let ctl = Arc::new(Ctl {
             st: Mutex::new(CtlState {
@@ -401,7 +424,7 @@ impl Shared {
         for slot in self.queues.iter() {
             let conn = lock(&slot.q).conn.take();
             drop(conn);
-            slot.freed.notify_all();
+            slot.notify_freed();
         }
     }
 
@@ -484,12 +507,12 @@ impl Shared {
             };
             let outcome = attempt(&mut q);
             if let Outcome::Busy = outcome {
-                drop(slot.freed.wait_timeout(q, Duration::from_millis(5)).unwrap_or_else(|e| e.into_inner()).0);
+                drop(slot.wait_freed(q, Duration::from_millis(5)));
                 continue;
             }
             let broken = q.conn.as_ref().and_then(|c| c.broken_reason().map(str::to_owned));
             drop(q);
-            slot.freed.notify_all();
+            slot.notify_freed();
             if let Some(reason) = broken {
                 self.report_failure(gen, &reason);
             }
@@ -520,7 +543,7 @@ impl Shared {
         let outcome = attempt(&mut q);
         let broken = q.conn.as_ref().and_then(|c| c.broken_reason().map(str::to_owned));
         drop(q);
-        slot.freed.notify_all();
+        slot.notify_freed();
         if let Some(reason) = broken {
             self.report_failure(gen, &reason);
         }
@@ -687,7 +710,7 @@ impl Shared {
         for slot in self.queues.iter() {
             let old = std::mem::replace(&mut lock(&slot.q).conn, conns.next());
             drop(old);
-            slot.freed.notify_all();
+            slot.notify_freed();
         }
         self.active.store(n, Ordering::Release);
         *lock(&self.limits) = limits;
@@ -789,6 +812,13 @@ fn connect_set(
                 );
                 break;
             }
+            Err(e) if e.status() == Some(Status::LimitReached) => {
+                tracing::warn!(
+                    url = %url, requested = alarms.len(), granted = i,
+                    "the target allows {i} queue pair(s) per session (target.max_queues_per_session); continuing with {i}"
+                );
+                break;
+            }
             Err(e) => return Err(e),
         }
     }
@@ -841,6 +871,10 @@ fn connect_queue(
         }
     })?;
 
+    let authenticated_as = match &options.key {
+        Some(key) => Some(crate::auth::authenticate(&mut conn, key, &options.host_id, session_id, || remaining(deadline))?),
+        None => None,
+    };
     let mut c = CommandCapsule::new(Opcode::Connect, CommandId(0));
     c.version = PROTOCOL_VERSION;
     c.queue_depth = depth;
@@ -857,6 +891,13 @@ fn connect_queue(
         .map_err(|e| Error::protocol(format!("the target's CONNECT reply is invalid: {e}")))?;
     if reply.version != PROTOCOL_VERSION {
         return Err(Error::version_mismatch(u32::from(reply.version)));
+    }
+    if authenticated_as.as_ref().is_some_and(|name| *name != reply.target_name) {
+        return Err(Error::protocol(format!(
+            "the target authenticated as {:?} but its CONNECT reply names {:?}",
+            authenticated_as.unwrap_or_default(),
+            reply.target_name
+        )));
     }
     if reply.queue_depth > depth {
         tracing::warn!(granted = reply.queue_depth, requested = depth, "target granted a deeper queue than requested");

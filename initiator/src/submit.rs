@@ -232,7 +232,8 @@ struct Piece {
 struct Flight {
     piece: Piece,
     gen: u32,
-    cid: CommandId,
+    /// The connection's ticket for this command (see `Conn::detach`).
+    ticket: u64,
     deadline: Instant,
 }
 
@@ -323,11 +324,33 @@ impl IoQueue {
     /// error. Requests larger than the max I/O size are split; the
     /// completion comes when every piece is done.
     pub fn submit(&mut self, request: IoRequest, tag: u64) {
+        if self.enqueue(request, tag) {
+            self.drive(0, None);
+        }
+    }
+
+    /// Submits several requests (each with its tag) and sends as many as
+    /// the queue depth allows in one post — one `sendmsg` on tcp instead of
+    /// one per request — without waiting and without polling for
+    /// completions. Otherwise as [`submit`](IoQueue::submit).
+    pub fn submit_batch(&mut self, requests: impl IntoIterator<Item = (IoRequest, u64)>) {
+        let mut any = false;
+        for (request, tag) in requests {
+            any |= self.enqueue(request, tag);
+        }
+        if any {
+            self.drive_with(0, None, false);
+        }
+    }
+
+    /// Validates a request and queues it to be sent; false if it completed
+    /// at once (invalid, or nothing to do).
+    fn enqueue(&mut self, request: IoRequest, tag: u64) -> bool {
         self.outstanding += 1;
         let shared = Arc::clone(&self.session.shared);
         if let Err(e) = request.validate(&shared) {
             self.done.push_back(IoCompletion { tag, result: Err(e), buffer: request.buffer });
-            return;
+            return false;
         }
         let IoRequest { kind, entry, offset, len, buffer, buf_offset, .. } = request;
         let info = &entry.info;
@@ -338,7 +361,7 @@ impl IoQueue {
         let nothing_to_do = (len == 0 && kind != Kind::Flush) || !flags_ok || (kind == Kind::Flush && info.read_only());
         if nothing_to_do {
             self.done.push_back(IoCompletion { tag, result: Ok(()), buffer });
-            return;
+            return false;
         }
         let emulated =
             kind == Kind::WriteZeroes && info.flags & rdmablk_common::protocol::VOLUME_FLAG_WRITE_ZEROES == 0;
@@ -358,7 +381,7 @@ impl IoQueue {
             }
         };
         self.pending.push_back(Piece { req: index, rel: 0, len });
-        self.drive(0, None);
+        true
     }
 
     /// Moves completions that are ready into `out` without blocking (after
@@ -394,6 +417,12 @@ impl IoQueue {
     /// left to do, or (`until` given) the time is up; without `until` it
     /// does one non-blocking round.
     fn drive(&mut self, want: usize, until: Option<Instant>) {
+        self.drive_with(want, until, true);
+    }
+
+    /// [`drive`](IoQueue::drive); without `poll_fabric`, a non-blocking round
+    /// only sends (and takes responses already received).
+    fn drive_with(&mut self, want: usize, until: Option<Instant>, poll_fabric: bool) {
         let shared = Arc::clone(&self.session.shared);
         loop {
             if let Some(e) = shared.final_error() {
@@ -451,38 +480,38 @@ impl IoQueue {
             }
             let mut reaped = self.harvest(conn, &shared);
             self.issue(conn, &shared);
-            let tick = if until.is_none() { conn.tick() } else { Ok(()) };
+            let tick = if until.is_none() && poll_fabric { conn.tick() } else { Ok(()) };
             reaped |= self.harvest(conn, &shared);
             if tick.is_err() || conn.is_broken() {
                 drop(q);
-                slot.freed.notify_all();
+                slot.notify_freed();
                 continue;
             }
             let finished = self.done.len() >= want || (self.inflight.is_empty() && self.pending.is_empty());
             let Some(until) = until else {
                 drop(q);
                 if reaped {
-                    slot.freed.notify_all();
+                    slot.notify_freed();
                 }
                 return;
             };
             if finished || Instant::now() >= until {
                 drop(q);
                 if reaped {
-                    slot.freed.notify_all();
+                    slot.notify_freed();
                 }
                 return;
             }
             if self.inflight.is_empty() {
                 // Everything waits for a slot that other users of the queue hold.
                 let wait = until.saturating_duration_since(Instant::now()).min(Duration::from_millis(5));
-                drop(slot.freed.wait_timeout(q, wait).unwrap_or_else(|e| e.into_inner()).0);
+                drop(slot.wait_freed(q, wait));
                 continue;
             }
             let _ = conn.progress();
             drop(q);
             if reaped {
-                slot.freed.notify_all();
+                slot.notify_freed();
             }
         }
     }
@@ -497,17 +526,16 @@ impl IoQueue {
                 i += 1;
                 continue;
             }
-            match conn.take(f.cid) {
+            match conn.take_detached(f.ticket) {
                 Some(resp) => {
                     let f = self.inflight.swap_remove(i);
-                    conn.async_held -= 1;
                     any = true;
                     if self.complete_piece(f.piece, &resp, conn, shared) {
                         // The target is shutting down: replace the connection.
                         conn.fail("the target is shutting down");
                         let gen = conn.gen;
                         let held = self.inflight.iter().filter(|f| f.gen == gen).count();
-                        conn.async_held -= held;
+                        conn.async_held = conn.async_held.saturating_sub(held);
                         self.requeue(|_| true);
                         return true;
                     }
@@ -590,8 +618,15 @@ impl IoQueue {
         self.done.push_back(IoCompletion { tag: req.tag, result, buffer: req.buffer });
     }
 
-    /// Sends pending pieces while command slots are free.
+    /// Sends pending pieces while command slots are free, in one post.
     fn issue(&mut self, conn: &mut Conn, shared: &Shared) {
+        conn.begin_batch();
+        self.issue_each(conn, shared);
+        // A failed post closes the connection; `drive` then resends.
+        let _ = conn.flush_batch();
+    }
+
+    fn issue_each(&mut self, conn: &mut Conn, shared: &Shared) {
         let gen = conn.gen;
         while let Some(&piece) = self.pending.front() {
             let req = self.reqs[piece.req].as_ref().expect("a live request");
@@ -673,8 +708,8 @@ impl IoQueue {
             let timeout = conn.params.io_timeout;
             match conn.submit(cid, &c, &[], timeout) {
                 Ok(()) => {
-                    conn.async_held += 1;
-                    self.inflight.push(Flight { piece, gen, cid, deadline: Instant::now() + timeout });
+                    let ticket = conn.detach(cid);
+                    self.inflight.push(Flight { piece, gen, ticket, deadline: Instant::now() + timeout });
                 }
                 Err(_) => {
                     // The slot went back; the connection is broken.

@@ -201,6 +201,71 @@ fn large_submissions_are_split_and_reassembled() {
 }
 
 #[test]
+fn a_submitted_batch_is_sent_within_the_depth_and_each_request_completes_once() {
+    let target = one_volume(FakeConfig { queue_depth: 8, max_io: 64 << 10, ..FakeConfig::default() }, 8 * MIB);
+    let s = Session::connect(&target.url, options(1)).unwrap();
+    let vol = s.open("vol0").unwrap();
+    let mut q = s.io_queue();
+    target.reset_max_outstanding();
+    let n0 = target.command_count();
+    let requests: Vec<(IoRequest, u64)> = (0..32u64)
+        .map(|i| {
+            let mut buf = s.alloc_buffer(16 << 10).unwrap();
+            buf.as_mut_slice().copy_from_slice(&pattern(16 << 10, i as u8));
+            // One misaligned request in the middle completes with its error.
+            let offset = if i == 13 { 1 } else { i * (16 << 10) };
+            (IoRequest::write(&vol, offset, buf), i)
+        })
+        .collect();
+    q.submit_batch(requests);
+    assert_eq!(q.outstanding(), 32);
+    assert!(q.in_flight() <= 8 && q.in_flight() > 0, "{} on the wire with a depth of 8", q.in_flight());
+    let done = wait_all(&mut q);
+    let tags: HashSet<u64> = done.iter().map(|c| c.tag).collect();
+    assert_eq!(tags, (0..32).collect(), "each request completes exactly once");
+    for c in &done {
+        assert_eq!(c.result.is_err(), c.tag == 13, "tag {}: {:?}", c.tag, c.result);
+        assert!(c.buffer.is_some());
+    }
+    assert_eq!(target.command_count() - n0, 31, "the invalid request never reached the target");
+    assert!(target.max_outstanding() <= 8);
+    for i in (0..32usize).filter(|&i| i != 13) {
+        assert_eq!(target.volume_data(0)[i * (16 << 10)..(i + 1) * (16 << 10)], pattern(16 << 10, i as u8)[..]);
+    }
+}
+
+#[test]
+fn a_synchronous_call_gets_a_slot_while_the_same_threads_io_queue_holds_an_unreaped_response() {
+    // Depth 2: one slot for keep-alives, one for everything else. The
+    // IoQueue's command takes it; its response arrives while its owner is
+    // busy with a synchronous call on the same queue. The response must not
+    // keep the slot (the owner would wait for itself forever).
+    let target = one_volume(FakeConfig { queue_depth: 2, ..FakeConfig::default() }, MIB);
+    let s = Session::connect(&target.url, ConnectOptions { queue_depth: 2, ..options(1) }).unwrap();
+    let vol = s.open("vol0").unwrap();
+    let mut q = s.io_queue();
+    let mut buf = s.alloc_buffer(4096).unwrap();
+    buf.as_mut_slice().fill(7);
+    q.submit(IoRequest::write(&vol, 0, buf), 1);
+    assert_eq!(q.in_flight(), 1, "the IoQueue's command holds the only user slot");
+    // On another thread (a session has one queue here, so the same one), so
+    // that a hang fails the test instead of blocking it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let s2 = s.clone();
+    std::thread::spawn(move || {
+        let vol = s2.open("vol0").unwrap();
+        let mut back = vec![0u8; 4096];
+        let _ = tx.send(vol.read_at(&mut back, 4096));
+    });
+    let r = rx.recv_timeout(Duration::from_secs(10)).expect("the synchronous read must finish");
+    assert!(r.is_ok(), "{r:?}");
+    let done = wait_all(&mut q);
+    assert_eq!(done.len(), 1);
+    assert!(done[0].result.is_ok());
+    assert_eq!(target.volume_data(0)[..4096], [7u8; 4096][..]);
+}
+
+#[test]
 fn bad_submissions_complete_at_once_with_their_error_and_send_nothing() {
     let target = FakeTarget::start(
         FakeConfig::default(),

@@ -9,11 +9,12 @@
 //! the plan names the session and the reactor looks it up.)
 
 use rdmablk_common::protocol::{
-    decode_inline_str, BlockCount, CommandCapsule, CommandId, ConnectReply, DataDescriptor, Lba, Opcode,
+    decode_inline_str, AuthResponse, BlockCount, CommandCapsule, CommandId, ConnectReply, DataDescriptor, Lba, Opcode,
     SessionId, VolumeId, VolumeInfo, COMMAND_CAPSULE_SIZE, MAX_HOST_ID_LEN, MAX_NAME_LEN, PROTOCOL_VERSION,
-    VOLUME_INFO_SIZE,
+    VOLUME_FLAG_READ_ONLY, VOLUME_INFO_SIZE,
 };
 
+use crate::auth::{AccessPolicy, AuthState, Grant, Identity, VolumeGrants};
 use crate::error::{Error, ErrorKind, Result};
 use crate::session::OpenSet;
 
@@ -33,6 +34,8 @@ pub struct VolumeMeta {
     pub write_zeroes: bool,
     /// What OPEN replies and LIST writes.
     pub info: VolumeInfo,
+    /// Who may use it (from the access policy published with the volume set).
+    pub grants: VolumeGrants,
 }
 
 impl VolumeMeta {
@@ -47,7 +50,23 @@ impl VolumeMeta {
             discard: v.supports_discard(),
             write_zeroes: v.supports_write_zeroes(),
             info: v.info(),
+            grants: VolumeGrants::default(),
         }
+    }
+
+    /// What `who` may do with it.
+    pub fn grant(&self, who: Identity<'_>, hosts_configured: bool) -> Option<Grant> {
+        self.grants.grant(who, hosts_configured)
+    }
+
+    /// The [`VolumeInfo`] a holder of `grant` sees: read-only if either the
+    /// volume or the grant is.
+    pub fn info_for(&self, grant: Grant) -> VolumeInfo {
+        let mut info = self.info.clone();
+        if grant == Grant::ReadOnly {
+            info.flags |= VOLUME_FLAG_READ_ONLY;
+        }
+        info
     }
 }
 
@@ -57,6 +76,8 @@ pub struct VolumeTable {
     metas: Vec<VolumeMeta>,
     /// `by_id[id]` = index + 1, 0 for none.
     by_id: Vec<u32>,
+    /// The access policy has `[[host]]` entries.
+    hosts_configured: bool,
 }
 
 impl VolumeTable {
@@ -68,7 +89,26 @@ impl VolumeTable {
             assert!(m.id.0 != 0 && by_id[m.id.0 as usize] == 0, "volume ids must be distinct and non-zero");
             by_id[m.id.0 as usize] = i as u32 + 1;
         }
-        VolumeTable { metas, by_id }
+        VolumeTable { metas, by_id, hosts_configured: false }
+    }
+
+    /// The same table with each volume's grants from `policy`.
+    pub fn with_access(mut self, policy: &AccessPolicy) -> VolumeTable {
+        for m in &mut self.metas {
+            m.grants = policy.volume(&m.name);
+        }
+        self.hosts_configured = policy.hosts_configured();
+        self
+    }
+
+    /// Whether the target has `[[host]]` entries.
+    pub fn hosts_configured(&self) -> bool {
+        self.hosts_configured
+    }
+
+    /// The volumes `who` may use, in list order, with the grant.
+    pub fn visible_to<'a>(&'a self, who: Identity<'a>) -> impl Iterator<Item = (&'a VolumeMeta, Grant)> + 'a {
+        self.metas.iter().filter_map(move |m| m.grant(who, self.hosts_configured).map(|g| (m, g)))
     }
 
     /// Index of volume `id`.
@@ -131,6 +171,9 @@ pub struct SessionState {
     pub connected: Option<Negotiated>,
     /// Host id from CONNECT.
     pub host_id: Option<String>,
+    /// Authentication progress (AUTH_NEGOTIATE, AUTH_REPLY) and, once
+    /// connected, whether the queue pair proved its host id.
+    pub auth: AuthState,
     /// Commands of this queue pair received and not yet answered (not counting this one).
     pub outstanding: u32,
     /// The target is shutting down.
@@ -141,6 +184,13 @@ impl SessionState {
     /// A fresh, unconnected queue pair.
     pub fn new() -> Self {
         SessionState::default()
+    }
+
+    /// Who this queue pair is, for access decisions: its CONNECT host id and
+    /// whether it authenticated as that host.
+    pub fn identity(&self) -> Identity<'_> {
+        let host_id = self.host_id.as_deref().unwrap_or("");
+        Identity { host_id, authenticated: self.auth.authenticated_host() == Some(host_id) && self.host_id.is_some() }
     }
 }
 
@@ -175,10 +225,16 @@ pub enum Plan {
     /// connected and send the reply; the reactor fills in the reply's
     /// session id and queue index.
     Connect { negotiated: Negotiated, host_id: String, join: Option<SessionId>, reply: ConnectReply },
-    /// Write `entries` [`VolumeInfo`]s into `dest`; result = `total`.
+    /// Start authentication: answer an [`AuthChallenge`](rdmablk_common::protocol::AuthChallenge).
+    AuthNegotiate { host_id: String, session_id: SessionId },
+    /// Check the initiator's proof; answer the target's.
+    AuthReply { response: AuthResponse },
+    /// Write the first `entries` [`VolumeInfo`]s of the volumes the queue
+    /// pair may see ([`VolumeTable::visible_to`]) into `dest`; result = `total`.
     ListVolumes { dest: DataDescriptor, entries: u32, total: u32 },
-    /// Mark volume index `volume` open; reply its info; result = its id.
-    Open { volume: usize },
+    /// Mark volume index `volume` open with `grant`; reply its info (read-only
+    /// for a read-only grant); result = its id.
+    Open { volume: usize, grant: Grant },
     /// Mark volume index `volume` closed.
     Close { volume: usize },
     /// Answer success.
@@ -232,8 +288,14 @@ fn plan_inner(msg: &[u8], volumes: &VolumeTable, limits: &Limits, state: &Sessio
         return Err(Error::new(ErrorKind::ShuttingDown, "target is shutting down"));
     }
     let Some(neg) = state.connected else {
-        if cap.opcode == Opcode::Connect {
-            return connect(&cap, inline, limits);
+        match cap.opcode {
+            Opcode::Connect => return connect(&cap, inline, limits),
+            Opcode::AuthNegotiate => {
+                let host_id = decode_inline_str(inline, MAX_HOST_ID_LEN, "host id")?;
+                return Ok(Plan::AuthNegotiate { host_id: host_id.to_owned(), session_id: cap.session_id });
+            }
+            Opcode::AuthReply => return Ok(Plan::AuthReply { response: AuthResponse::decode(inline)? }),
+            _ => {}
         }
         return Err(Error::new(ErrorKind::NotConnected, format!("{:?} before CONNECT", cap.opcode)));
     };
@@ -245,16 +307,29 @@ fn plan_inner(msg: &[u8], volumes: &VolumeTable, limits: &Limits, state: &Sessio
     }
     match cap.opcode {
         Opcode::Connect => Err(Error::new(ErrorKind::AlreadyConnected, "second CONNECT on a connected queue pair")),
+        Opcode::AuthNegotiate | Opcode::AuthReply => {
+            Err(Error::new(ErrorKind::AlreadyConnected, format!("{:?} on a connected queue pair", cap.opcode)))
+        }
         Opcode::ListVolumes => {
-            let total = volumes.len() as u32;
+            let total = volumes.visible_to(state.identity()).count() as u32;
             let fit = (cap.descriptor.length as usize / VOLUME_INFO_SIZE).min(limits.chunk_size as usize / VOLUME_INFO_SIZE);
             Ok(Plan::ListVolumes { dest: cap.descriptor, entries: (fit as u32).min(total), total })
         }
         Opcode::OpenVolume => {
             let name = decode_inline_str(inline, MAX_NAME_LEN, "volume name")?;
-            match volumes.metas().iter().position(|v| v.name == name) {
-                Some(i) => Ok(Plan::Open { volume: i }),
-                None => Err(Error::new(ErrorKind::UnknownVolume, format!("no volume named {name:?}"))),
+            let Some(i) = volumes.metas().iter().position(|v| v.name == name) else {
+                return Err(Error::new(ErrorKind::UnknownVolume, format!("no volume named {name:?}")));
+            };
+            let who = state.identity();
+            match volumes.get(i).grant(who, volumes.hosts_configured()) {
+                Some(grant) => Ok(Plan::Open { volume: i, grant }),
+                None => Err(Error::new(
+                    ErrorKind::AccessDenied,
+                    format!(
+                        "host {who} may not open volume {name:?}: {}",
+                        volumes.get(i).grants.refusal(who, volumes.hosts_configured())
+                    ),
+                )),
             }
         }
         Opcode::CloseVolume => {
@@ -317,6 +392,12 @@ fn io(
     let writes = matches!(op, Opcode::Write | Opcode::Discard | Opcode::WriteZeroes);
     if writes && v.read_only {
         return Err(Error::new(ErrorKind::ReadOnly, format!("{op:?} to read-only volume {}", v.name)));
+    }
+    if writes && open.is_read_only(cap.volume_id) {
+        return Err(Error::new(
+            ErrorKind::ReadOnly,
+            format!("{op:?} to volume {}, which this session opened with a read-only grant (read_only_hosts)", v.name),
+        ));
     }
     if (op == Opcode::Discard && !v.discard) || (op == Opcode::WriteZeroes && !v.write_zeroes) {
         return Err(Error::new(ErrorKind::NotSupported, format!("{op:?} is not supported by volume {}", v.name)));
@@ -393,6 +474,7 @@ mod tests {
                 flags: if ro { VOLUME_FLAG_READ_ONLY } else { 0 },
                 name: name.into(),
             },
+            grants: VolumeGrants { allow_any_host: true, ..VolumeGrants::default() },
         }
     }
 
@@ -416,6 +498,7 @@ mod tests {
         SessionState {
             connected: Some(Negotiated { queue_depth: 8, max_io_size: 65536 }),
             host_id: Some("h".into()),
+            auth: AuthState::Idle,
             outstanding: 0,
             shutting_down: false,
         }
@@ -503,7 +586,7 @@ mod tests {
         let mut c = CommandCapsule::new(Opcode::OpenVolume, CommandId(3));
         c.inline_len = 1;
         let p = plan(&msg(&c, b"b"), &t, &limits(), &connected(), &OpenSet::default()).1.unwrap();
-        assert_eq!(p, Plan::Open { volume: 1 });
+        assert_eq!(p, Plan::Open { volume: 1, grant: Grant::ReadWrite });
         let m = msg(&io_cmd(Opcode::Read, 7, 0, 8, 4096), b"");
         let p = plan(&m, &t, &limits(), &connected(), &OpenSet::default().with(VolumeId(7))).1.unwrap();
         assert!(matches!(p, Plan::Io(IoPlan::Read { volume: 0, .. })));
@@ -565,7 +648,7 @@ mod tests {
     fn open_close_list_keepalive() {
         let mut c = CommandCapsule::new(Opcode::OpenVolume, CommandId(3));
         c.inline_len = 2;
-        assert_eq!(ok(&msg(&c, b"ro"), &connected()), Plan::Open { volume: 1 });
+        assert_eq!(ok(&msg(&c, b"ro"), &connected()), Plan::Open { volume: 1, grant: Grant::ReadWrite });
         let mut c = CommandCapsule::new(Opcode::CloseVolume, CommandId(3));
         c.volume_id = VolumeId(3);
         assert_eq!(ok(&msg(&c, b""), &connected()), Plan::Close { volume: 2 });
@@ -666,6 +749,99 @@ mod tests {
         let mut st = connected();
         st.shutting_down = true;
         assert_eq!(status(&msg(&CommandCapsule::new(Opcode::KeepAlive, CommandId(1)), b""), &st), Status::ShuttingDown);
+    }
+
+    /// Hosts "a" (read-write on rw, read-only on ro2) and "b" (nothing).
+    fn guarded() -> VolumeTable {
+        use std::collections::HashMap;
+        let key = rdmablk_common::auth::AuthKey::new(&[1; 32]).unwrap();
+        let keys = HashMap::from([("a".to_owned(), key.clone()), ("b".to_owned(), key)]);
+        let grants = HashMap::from([
+            ("rw".to_owned(), VolumeGrants { allowed_hosts: vec!["a".into()], ..VolumeGrants::default() }),
+            ("ro2".to_owned(), VolumeGrants { read_only_hosts: vec!["a".into()], ..VolumeGrants::default() }),
+            ("blk".to_owned(), VolumeGrants::default()),
+        ]);
+        let mut metas = vec![meta(1, "rw", 4096, 1 << 20, false, true), meta(2, "ro2", 4096, 1 << 20, false, true), meta(3, "blk", 4096, 1 << 20, false, false)];
+        for m in &mut metas {
+            m.grants = VolumeGrants::default();
+        }
+        VolumeTable::new(metas).with_access(&AccessPolicy::new(keys, grants))
+    }
+
+    fn as_host(host: &str, authenticated: bool) -> SessionState {
+        let mut st = connected();
+        st.host_id = Some(host.into());
+        if authenticated {
+            st.auth = AuthState::Authenticated { host_id: host.into(), session_id: SessionId(0) };
+        }
+        st
+    }
+
+    #[test]
+    fn open_and_list_follow_the_grants() {
+        let t = guarded();
+        let open = |name: &str, st: &SessionState| {
+            let mut c = CommandCapsule::new(Opcode::OpenVolume, CommandId(3));
+            c.inline_len = name.len() as u32;
+            plan(&msg(&c, name.as_bytes()), &t, &limits(), st, &OpenSet::default()).1
+        };
+        let a = as_host("a", true);
+        assert_eq!(open("rw", &a).unwrap(), Plan::Open { volume: 0, grant: Grant::ReadWrite });
+        assert_eq!(open("ro2", &a).unwrap(), Plan::Open { volume: 1, grant: Grant::ReadOnly });
+        let e = open("blk", &a).unwrap_err();
+        assert_eq!(e.wire_status().0, Status::AccessDenied);
+        assert!(e.to_string().contains("\"a\"") || e.to_string().contains("host a"), "{e}");
+        assert_eq!(open("rw", &as_host("b", true)).unwrap_err().wire_status().0, Status::AccessDenied);
+        // Claiming host a without having proved it gets nothing.
+        let e = open("rw", &as_host("a", false)).unwrap_err();
+        assert_eq!(e.wire_status().0, Status::AccessDenied);
+        assert!(e.to_string().contains("unauthenticated"), "{e}");
+        assert_eq!(open("nope", &a).unwrap_err().wire_status().0, Status::UnknownVolume);
+
+        let list = |st: &SessionState| {
+            let mut c = CommandCapsule::new(Opcode::ListVolumes, CommandId(3));
+            c.descriptor = DataDescriptor { remote_addr: 1, length: 10 * 96, rkey: 1 };
+            let Plan::ListVolumes { entries, total, .. } = plan(&msg(&c, b""), &t, &limits(), st, &OpenSet::default()).1.unwrap() else {
+                panic!()
+            };
+            (entries, total)
+        };
+        assert_eq!(list(&a), (2, 2));
+        assert_eq!(list(&as_host("b", true)), (0, 0), "b sees nothing");
+        assert_eq!(list(&as_host("a", false)), (0, 0));
+        let seen: Vec<_> = t.visible_to(a.identity()).map(|(m, g)| (m.name.as_str(), g, m.info_for(g).read_only())).collect();
+        assert_eq!(seen, vec![("rw", Grant::ReadWrite, false), ("ro2", Grant::ReadOnly, true)]);
+    }
+
+    #[test]
+    fn a_read_only_grant_refuses_writes() {
+        let t = guarded();
+        let open = OpenSet::default().with_grant(VolumeId(2), true).with_grant(VolumeId(1), false);
+        let st = as_host("a", true);
+        for op in [Opcode::Write, Opcode::Discard, Opcode::WriteZeroes] {
+            let len = if op == Opcode::Write { 4096 } else { 0 };
+            let e = plan(&msg(&io_cmd(op, 2, 0, 1, len), b""), &t, &limits(), &st, &open).1.unwrap_err();
+            assert_eq!(e.wire_status().0, Status::ReadOnly, "{op:?}");
+            assert!(e.to_string().contains("read-only grant"), "{e}");
+            assert!(plan(&msg(&io_cmd(op, 1, 0, 1, len), b""), &t, &limits(), &st, &open).1.is_ok(), "{op:?} on rw");
+        }
+        assert!(plan(&msg(&io_cmd(Opcode::Read, 2, 0, 1, 4096), b""), &t, &limits(), &st, &open).1.is_ok());
+    }
+
+    #[test]
+    fn auth_commands_before_connect_only() {
+        let mut c = CommandCapsule::new(Opcode::AuthNegotiate, CommandId(4));
+        c.inline_len = 1;
+        c.session_id = SessionId(77);
+        let p = plan(&msg(&c, b"a"), &vols(), &limits(), &SessionState::new(), &OpenSet::default()).1.unwrap();
+        assert_eq!(p, Plan::AuthNegotiate { host_id: "a".into(), session_id: SessionId(77) });
+        assert_eq!(status(&msg(&c, b"a"), &connected()), Status::AlreadyConnected);
+        let mut r = CommandCapsule::new(Opcode::AuthReply, CommandId(5));
+        r.inline_len = 64;
+        let p = plan(&msg(&r, &[3; 64]), &vols(), &limits(), &SessionState::new(), &OpenSet::default()).1.unwrap();
+        assert_eq!(p, Plan::AuthReply { response: AuthResponse { initiator_nonce: [3; 32], mac: [3; 32] } });
+        assert_eq!(status(&msg(&r, &[3; 64]), &connected()), Status::AlreadyConnected);
+        assert_eq!(status(&msg(&r, &[0; 64]), &SessionState::new()), Status::InvalidField, "all-zero nonce");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rdmablk_common::fabric::FabricUrl;
-use rdmablk_common::protocol::MAX_NAME_LEN;
+use rdmablk_common::protocol::{MAX_HOST_ID_LEN, MAX_NAME_LEN};
 use rdmablk_common::size::ByteSize;
 use serde::de::{self, Deserializer, Visitor};
 use serde::Deserialize;
@@ -45,8 +45,22 @@ pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_FILE_BLOCK_SIZE: u32 = 4096;
 /// Alignment of every pool buffer and the unit of max_io_size and chunk_size.
 pub const PAGE: u32 = 4096;
+/// Longest `busy_poll`: beyond it, polling only burns the CPU.
+pub const MAX_BUSY_POLL: Duration = Duration::from_millis(10);
 /// Most volumes a target serves at once (the configuration and every reload).
 pub const MAX_VOLUMES: usize = 256;
+/// Default most sessions at once.
+pub const DEFAULT_MAX_SESSIONS: u32 = 256;
+/// Default most live queue pairs per session.
+pub const DEFAULT_MAX_QUEUES_PER_SESSION: u32 = 16;
+/// Default most connections accepted but not yet past CONNECT.
+pub const DEFAULT_MAX_HANDSHAKES: u32 = 64;
+/// Default time a connection has to complete CONNECT.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default share of a reactor's pool one session may hold: 25 %.
+pub const DEFAULT_SESSION_POOL_SHARE: PoolShare = PoolShare::Percent(25);
+/// Upper bound of the count limits (sessions, queues, handshakes).
+pub const MAX_COUNT_LIMIT: u32 = 1 << 20;
 
 /// The validated configuration.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,6 +69,37 @@ pub struct Config {
     pub source: String,
     pub target: TargetConfig,
     pub volumes: Vec<VolumeConfig>,
+    /// `[[host]]`: the hosts that may authenticate, with their key files.
+    /// None: sessions are not authenticated.
+    pub hosts: Vec<HostConfig>,
+    /// Who may use each volume: one entry per volume, in the order of `volumes`.
+    pub access: Vec<VolumeAccess>,
+}
+
+/// `[[host]]`: a host that authenticates with a pre-shared key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostConfig {
+    /// Position in the file, for messages (`host[N]`).
+    pub index: usize,
+    /// The host id the initiator sends (AUTH_NEGOTIATE, CONNECT).
+    pub id: String,
+    /// The key file (one line of hex; see `rdmablk keygen`). Read when the
+    /// configuration is applied, refused if group or others may read it.
+    pub key_file: PathBuf,
+}
+
+/// The access keys of one `[[volume]]`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct VolumeAccess {
+    /// The volume's name.
+    pub volume: String,
+    /// Any host may use the volume: any authenticated host when `[[host]]`
+    /// entries exist, any session at all when there are none.
+    pub allow_any_host: bool,
+    /// `[[host]]` ids that may use the volume.
+    pub allowed_hosts: Vec<String>,
+    /// `[[host]]` ids that get the volume read-only (whatever else grants them).
+    pub read_only_hosts: Vec<String>,
 }
 
 /// `[target]`.
@@ -84,8 +129,53 @@ pub struct TargetConfig {
     pub iopoll: bool,
     /// Pin reactor `i` to allowed CPU `i mod n` (default on).
     pub pin_reactors: bool,
+    /// How long an idle reactor keeps polling before it sleeps (0: sleeps
+    /// at once).
+    pub busy_poll: Duration,
     /// Where to serve Prometheus metrics over HTTP (`None`: no endpoint).
     pub metrics: Option<SocketAddr>,
+    /// Most sessions at once; CONNECT creating one more is refused (`LimitReached`).
+    pub max_sessions: u32,
+    /// Most live queue pairs per session; a join beyond is refused (`LimitReached`).
+    pub max_queues_per_session: u32,
+    /// Most connections accepted but not yet past CONNECT; more are rejected
+    /// at the fabric level.
+    pub max_handshakes: u32,
+    /// Time a connection has from arriving until its CONNECT succeeds
+    /// (applied to the fabric hello and again to CONNECT).
+    pub handshake_timeout: Duration,
+    /// Most pool buffers one session may hold at once on one reactor;
+    /// commands beyond it wait for the session's own buffers to return.
+    pub session_pool_share: PoolShare,
+}
+
+/// `target.session_pool_share`: a fraction of each reactor's pool, or bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolShare {
+    /// 1..=100 percent of the reactor's pool.
+    Percent(u8),
+    /// At most this many bytes (rounded down to whole chunks, at least one).
+    Bytes(u64),
+}
+
+impl PoolShare {
+    /// The share in chunks of a pool of `pool_chunks` chunks of `chunk_size` bytes (at least 1).
+    pub fn chunks(self, pool_chunks: u32, chunk_size: u32) -> u32 {
+        let n = match self {
+            PoolShare::Percent(p) => (pool_chunks as u64 * p as u64 / 100) as u32,
+            PoolShare::Bytes(b) => (b / chunk_size as u64).min(pool_chunks as u64) as u32,
+        };
+        n.clamp(1, pool_chunks.max(1))
+    }
+}
+
+impl fmt::Display for PoolShare {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PoolShare::Percent(p) => write!(f, "{p}%"),
+            PoolShare::Bytes(b) => write!(f, "{}", ByteSize(*b)),
+        }
+    }
 }
 
 /// The kind of a volume's backend.
@@ -165,7 +255,13 @@ impl TargetConfig {
         check(self.sqpoll != other.sqpoll, "target.sqpoll");
         check(self.iopoll != other.iopoll, "target.iopoll");
         check(self.pin_reactors != other.pin_reactors, "target.pin_reactors");
+        check(self.busy_poll != other.busy_poll, "target.busy_poll");
         check(self.metrics != other.metrics, "target.metrics");
+        check(self.max_sessions != other.max_sessions, "target.max_sessions");
+        check(self.max_queues_per_session != other.max_queues_per_session, "target.max_queues_per_session");
+        check(self.max_handshakes != other.max_handshakes, "target.max_handshakes");
+        check(self.handshake_timeout != other.handshake_timeout, "target.handshake_timeout");
+        check(self.session_pool_share != other.session_pool_share, "target.session_pool_share");
         v
     }
 }
@@ -210,6 +306,15 @@ struct RawConfig {
     target: RawTarget,
     #[serde(default)]
     volume: Vec<RawVolume>,
+    #[serde(default)]
+    host: Vec<RawHost>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHost {
+    id: String,
+    key_file: Option<PathBuf>,
 }
 
 #[derive(Deserialize)]
@@ -229,7 +334,13 @@ struct RawTarget {
     #[serde(default)]
     iopoll: bool,
     pin_reactors: Option<bool>,
+    busy_poll: Option<RawDuration>,
     metrics: Option<String>,
+    max_sessions: Option<i64>,
+    max_queues_per_session: Option<i64>,
+    max_handshakes: Option<i64>,
+    handshake_timeout: Option<RawDuration>,
+    session_pool_share: Option<RawSize>,
 }
 
 #[derive(Deserialize)]
@@ -242,6 +353,12 @@ struct RawVolume {
     block_size: Option<RawSize>,
     #[serde(default)]
     read_only: bool,
+    #[serde(default)]
+    allow_any_host: bool,
+    #[serde(default)]
+    allowed_hosts: Vec<String>,
+    #[serde(default)]
+    read_only_hosts: Vec<String>,
 }
 
 /// A size as written: an integer or a string with a suffix. Parsed during
@@ -301,7 +418,7 @@ impl<'de> Deserialize<'de> for RawDuration {
     }
 }
 
-/// Parses `N`, `Nms`, `Ns`, `Nm`, `Nh`.
+/// Parses `N`, `Nus`, `Nms`, `Ns`, `Nm`, `Nh`.
 pub fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
     let t = s.trim();
     let end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
@@ -311,10 +428,11 @@ pub fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
     let n: u64 = t[..end].parse().map_err(|_| format!("invalid duration {s:?}: number too large"))?;
     let d = match t[end..].trim() {
         "" | "s" => Duration::from_secs(n),
+        "us" | "µs" => Duration::from_micros(n),
         "ms" => Duration::from_millis(n),
         "m" | "min" => Duration::from_secs(n.saturating_mul(60)),
         "h" => Duration::from_secs(n.saturating_mul(3600)),
-        _ => return Err(format!("invalid duration {s:?}: unknown unit (use ms, s, m or h)")),
+        _ => return Err(format!("invalid duration {s:?}: unknown unit (use us, ms, s, m or h)")),
     };
     Ok(d)
 }
@@ -340,6 +458,23 @@ impl Ctx<'_> {
     fn size_u32(&self, key: &str, raw: Option<RawSize>, default: u32) -> Result<u32> {
         let v = self.size(key, raw, default as u64)?;
         u32::try_from(v).map_err(|_| self.err(key, format!("{} is too large (at most 4GiB - 1)", ByteSize(v))))
+    }
+
+    fn count(&self, key: &str, raw: Option<i64>, default: u32) -> Result<u32> {
+        match raw {
+            None => Ok(default),
+            Some(n) if (1..=MAX_COUNT_LIMIT as i64).contains(&n) => Ok(n as u32),
+            Some(n) => Err(self.err(key, format!("must be in 1..={MAX_COUNT_LIMIT} (got {n})"))),
+        }
+    }
+
+    fn duration(&self, key: &str, raw: Option<RawDuration>, default: Duration) -> Result<Duration> {
+        match raw {
+            None => Ok(default),
+            Some(RawDuration::Int(n)) if n >= 0 => Ok(Duration::from_secs(n as u64)),
+            Some(RawDuration::Int(n)) => Err(self.err(key, format!("must not be negative (got {n})"))),
+            Some(RawDuration::Str(s)) => parse_duration(&s).map_err(|e| self.err(key, e)),
+        }
     }
 
     fn name(&self, key: &str, name: &str) -> Result<()> {
@@ -436,12 +571,59 @@ impl RawConfig {
             ));
         }
 
-        let shutdown_timeout = match t.shutdown_timeout {
-            None => DEFAULT_SHUTDOWN_TIMEOUT,
-            Some(RawDuration::Int(n)) if n >= 0 => Duration::from_secs(n as u64),
-            Some(RawDuration::Int(n)) => return Err(cx.err("target.shutdown_timeout", format!("must not be negative (got {n})"))),
-            Some(RawDuration::Str(s)) => parse_duration(&s).map_err(|e| cx.err("target.shutdown_timeout", e))?,
+        let shutdown_timeout = cx.duration("target.shutdown_timeout", t.shutdown_timeout, DEFAULT_SHUTDOWN_TIMEOUT)?;
+
+        let max_sessions = cx.count("target.max_sessions", t.max_sessions, DEFAULT_MAX_SESSIONS)?;
+        let max_queues_per_session =
+            cx.count("target.max_queues_per_session", t.max_queues_per_session, DEFAULT_MAX_QUEUES_PER_SESSION)?;
+        let max_handshakes = cx.count("target.max_handshakes", t.max_handshakes, DEFAULT_MAX_HANDSHAKES)?;
+        let handshake_timeout = cx.duration("target.handshake_timeout", t.handshake_timeout, DEFAULT_HANDSHAKE_TIMEOUT)?;
+        if handshake_timeout < Duration::from_millis(100) || handshake_timeout > Duration::from_secs(3600) {
+            return Err(cx.err(
+                "target.handshake_timeout",
+                format!("must be between 100ms and 1h (got {handshake_timeout:?})"),
+            ));
+        }
+        let session_pool_share = match t.session_pool_share {
+            None => DEFAULT_SESSION_POOL_SHARE,
+            Some(RawSize::Str(s)) if s.trim().ends_with('%') => {
+                let digits = s.trim().trim_end_matches('%').trim();
+                match digits.parse::<u8>() {
+                    Ok(p) if (1..=100).contains(&p) => PoolShare::Percent(p),
+                    _ => {
+                        return Err(cx.err(
+                            "target.session_pool_share",
+                            format!("{s:?} is not a percentage in 1%..=100%"),
+                        ))
+                    }
+                }
+            }
+            Some(raw) => {
+                let b = cx.size("target.session_pool_share", Some(raw), 0)?;
+                if b < chunk_size as u64 || b > buffer_pool {
+                    return Err(cx.err(
+                        "target.session_pool_share",
+                        format!(
+                            "{} must lie between target.chunk_size {} and target.buffer_pool {} (or be a percentage such as \"25%\")",
+                            ByteSize(b),
+                            ByteSize(chunk_size as u64),
+                            ByteSize(buffer_pool)
+                        ),
+                    ));
+                }
+                PoolShare::Bytes(b)
+            }
         };
+
+        let busy_poll = match t.busy_poll {
+            None => Duration::ZERO,
+            Some(RawDuration::Int(n)) if n >= 0 => Duration::from_secs(n as u64),
+            Some(RawDuration::Int(n)) => return Err(cx.err("target.busy_poll", format!("must not be negative (got {n})"))),
+            Some(RawDuration::Str(s)) => parse_duration(&s).map_err(|e| cx.err("target.busy_poll", e))?,
+        };
+        if busy_poll > MAX_BUSY_POLL {
+            return Err(cx.err("target.busy_poll", format!("{busy_poll:?} is more than the maximum, {MAX_BUSY_POLL:?}")));
+        }
 
         let metrics = match t.metrics {
             None => None,
@@ -464,7 +646,13 @@ impl RawConfig {
             sqpoll: t.sqpoll,
             iopoll: t.iopoll,
             pin_reactors: t.pin_reactors.unwrap_or(true),
+            busy_poll,
             metrics,
+            max_sessions,
+            max_queues_per_session,
+            max_handshakes,
+            handshake_timeout,
+            session_pool_share,
         };
 
         if self.volume.is_empty() {
@@ -473,12 +661,33 @@ impl RawConfig {
         if self.volume.len() > MAX_VOLUMES {
             return Err(cx.err("volume", format!("{} volumes; at most {MAX_VOLUMES} are served", self.volume.len())));
         }
+        let hosts = validate_hosts(&cx, self.host)?;
         let mut names = HashSet::new();
         let mut paths = HashSet::new();
         let mut volumes = Vec::with_capacity(self.volume.len());
+        let mut access = Vec::with_capacity(self.volume.len());
         for (index, v) in self.volume.into_iter().enumerate() {
             let key = |k: &str| format!("volume[{index}].{k}");
             cx.name(&key("name"), &v.name)?;
+            for (list, ids) in [("allowed_hosts", &v.allowed_hosts), ("read_only_hosts", &v.read_only_hosts)] {
+                for (i, id) in ids.iter().enumerate() {
+                    if !hosts.iter().any(|h| &h.id == id) {
+                        return Err(cx.err(
+                            &key(&format!("{list}[{i}]")),
+                            format!("{id:?} is not the id of any [[host]]; define it with id and key_file"),
+                        ));
+                    }
+                    if ids[..i].contains(id) {
+                        return Err(cx.err(&key(&format!("{list}[{i}]")), format!("{id:?} is listed twice")));
+                    }
+                }
+            }
+            access.push(VolumeAccess {
+                volume: v.name.clone(),
+                allow_any_host: v.allow_any_host,
+                allowed_hosts: v.allowed_hosts,
+                read_only_hosts: v.read_only_hosts,
+            });
             if !names.insert(v.name.clone()) {
                 return Err(cx.err(&key("name"), format!("{:?} is used by an earlier volume", v.name)));
             }
@@ -541,8 +750,30 @@ impl RawConfig {
             });
         }
 
-        Ok(Config { source: source.to_owned(), target, volumes })
+        Ok(Config { source: source.to_owned(), target, volumes, hosts, access })
     }
+}
+
+fn validate_hosts(cx: &Ctx<'_>, raw: Vec<RawHost>) -> Result<Vec<HostConfig>> {
+    let mut hosts: Vec<HostConfig> = Vec::with_capacity(raw.len());
+    for (index, h) in raw.into_iter().enumerate() {
+        let key = |k: &str| format!("host[{index}].{k}");
+        if h.id.is_empty() {
+            return Err(cx.err(&key("id"), "must not be empty"));
+        }
+        if h.id.len() > MAX_HOST_ID_LEN || h.id.contains('\0') {
+            return Err(cx.err(&key("id"), format!("must be at most {MAX_HOST_ID_LEN} bytes of UTF-8 without NUL")));
+        }
+        if hosts.iter().any(|o| o.id == h.id) {
+            return Err(cx.err(&key("id"), format!("{:?} is used by an earlier [[host]]", h.id)));
+        }
+        let key_file = match h.key_file {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => return Err(cx.err(&key("key_file"), "is required (create one with `rdmablk keygen PATH`)")),
+        };
+        hosts.push(HostConfig { index, id: h.id, key_file });
+    }
+    Ok(hosts)
 }
 
 #[cfg(test)]
@@ -648,6 +879,19 @@ read_only = true
         assert!(e.contains("volume[0].size: 4096 is not a multiple of block_size 8192"), "{e}");
         let e = err(&format!("{}iopoll = true\n[[volume]]\nname=\"m\"\nbackend=\"memory\"\nsize=4096\n", "[target]\nlisten=[\"tcp://h:1\"]\n"));
         assert!(e.contains("volume[0].backend") && e.contains("iopoll"), "{e}");
+    }
+
+    #[test]
+    fn busy_poll_takes_micro_seconds_and_is_bounded() {
+        assert_eq!(Config::parse(&with_target(""), "d").unwrap().target.busy_poll, Duration::ZERO);
+        let c = Config::parse(&with_target("busy_poll = \"250us\""), "d").unwrap();
+        assert_eq!(c.target.busy_poll, Duration::from_micros(250));
+        let e = err(&with_target("busy_poll = \"20ms\""));
+        assert!(e.starts_with("test.toml: target.busy_poll: 20ms is more than the maximum, 10ms"), "{e}");
+        let e = err(&with_target("busy_poll = -1"));
+        assert!(e.starts_with("test.toml: target.busy_poll: must not be negative"), "{e}");
+        let e = err(&with_target("busy_poll = \"5 fortnights\""));
+        assert!(e.contains("target.busy_poll") && e.contains("unknown unit"), "{e}");
     }
 
     #[test]
@@ -765,6 +1009,92 @@ read_only = true
     }
 
     #[test]
+    fn limits_have_safe_defaults() {
+        let c = Config::parse(&with_target(""), "d.toml").unwrap();
+        assert_eq!(c.target.max_sessions, DEFAULT_MAX_SESSIONS);
+        assert_eq!(c.target.max_queues_per_session, DEFAULT_MAX_QUEUES_PER_SESSION);
+        assert_eq!(c.target.max_handshakes, DEFAULT_MAX_HANDSHAKES);
+        assert_eq!(c.target.handshake_timeout, DEFAULT_HANDSHAKE_TIMEOUT);
+        assert_eq!(c.target.session_pool_share, PoolShare::Percent(25));
+        // 64 MiB of 128 KiB chunks: 512 chunks, a quarter each.
+        assert_eq!(c.target.session_pool_share.chunks(512, 128 << 10), 128);
+    }
+
+    #[test]
+    fn limits_parse() {
+        let c = Config::parse(
+            &with_target(
+                "max_sessions = 3\nmax_queues_per_session = 2\nmax_handshakes = 5\nhandshake_timeout = \"1500ms\"\nsession_pool_share = \"1MiB\"",
+            ),
+            "l.toml",
+        )
+        .unwrap();
+        assert_eq!(
+            (c.target.max_sessions, c.target.max_queues_per_session, c.target.max_handshakes),
+            (3, 2, 5)
+        );
+        assert_eq!(c.target.handshake_timeout, Duration::from_millis(1500));
+        assert_eq!(c.target.session_pool_share, PoolShare::Bytes(1 << 20));
+        assert_eq!(c.target.session_pool_share.chunks(512, 128 << 10), 8);
+        let c = Config::parse(&with_target("session_pool_share = \"100%\"\nhandshake_timeout = 2"), "l.toml").unwrap();
+        assert_eq!(c.target.session_pool_share, PoolShare::Percent(100));
+        assert_eq!(c.target.session_pool_share.chunks(512, 128 << 10), 512);
+        assert_eq!(c.target.handshake_timeout, Duration::from_secs(2));
+        // A tiny share still lets one chunk through, so every session progresses.
+        assert_eq!(PoolShare::Percent(1).chunks(8, 4096), 1);
+    }
+
+    #[test]
+    fn bad_limits_are_named() {
+        for key in ["max_sessions", "max_queues_per_session", "max_handshakes"] {
+            let e = err(&with_target(&format!("{key} = 0")));
+            assert!(e.contains(&format!("test.toml: target.{key}: must be in 1..=")), "{e}");
+            let e = err(&with_target(&format!("{key} = -3")));
+            assert!(e.contains(&format!("target.{key}")), "{e}");
+            let e = err(&with_target(&format!("{key} = 99999999")));
+            assert!(e.contains(&format!("target.{key}")), "{e}");
+            let e = err(&with_target(&format!("{key} = \"ten\"")));
+            assert!(e.contains("test.toml") && e.contains(key), "{e}");
+        }
+        let e = err(&with_target("handshake_timeout = \"10 fortnights\""));
+        assert!(e.contains("target.handshake_timeout: invalid duration"), "{e}");
+        let e = err(&with_target("handshake_timeout = 0"));
+        assert!(e.contains("target.handshake_timeout: must be between 100ms and 1h"), "{e}");
+        let e = err(&with_target("handshake_timeout = -1"));
+        assert!(e.contains("target.handshake_timeout: must not be negative"), "{e}");
+        let e = err(&with_target("session_pool_share = \"0%\""));
+        assert!(e.contains("target.session_pool_share: \"0%\" is not a percentage"), "{e}");
+        let e = err(&with_target("session_pool_share = \"150%\""));
+        assert!(e.contains("target.session_pool_share"), "{e}");
+        let e = err(&with_target("session_pool_share = \"4KiB\""));
+        assert!(e.contains("target.session_pool_share: 4KiB must lie between target.chunk_size"), "{e}");
+        let e = err(&with_target("session_pool_share = \"1GiB\""));
+        assert!(e.contains("target.session_pool_share") && e.contains("target.buffer_pool"), "{e}");
+        let e = err(&with_target("session_pool_share = \"lots\""));
+        assert!(e.contains("target.session_pool_share: invalid size"), "{e}");
+    }
+
+    #[test]
+    fn limits_need_a_restart() {
+        let a = Config::parse(&with_target(""), "a").unwrap();
+        let b = Config::parse(
+            &with_target("max_sessions = 2\nmax_queues_per_session = 2\nmax_handshakes = 2\nhandshake_timeout = 2\nsession_pool_share = \"50%\""),
+            "b",
+        )
+        .unwrap();
+        assert_eq!(
+            a.target.changed_keys(&b.target),
+            vec![
+                "target.max_sessions",
+                "target.max_queues_per_session",
+                "target.max_handshakes",
+                "target.handshake_timeout",
+                "target.session_pool_share"
+            ]
+        );
+    }
+
+    #[test]
     fn durations() {
         assert_eq!(parse_duration("10s").unwrap(), Duration::from_secs(10));
         assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
@@ -794,5 +1124,60 @@ mod example_tests {
         assert_eq!(c.target.metrics, Some("127.0.0.1:9420".parse().unwrap()));
         assert_eq!(c.volumes[0].path, std::path::Path::new("/var/lib/rdmablk/vol0.img"));
         assert!(c.target.pin_reactors && !c.target.iopoll && !c.target.sqpoll);
+    }
+}
+
+#[cfg(test)]
+mod access_tests {
+    use super::*;
+
+    fn parse(extra_volume: &str, hosts: &str) -> Result<Config> {
+        Config::parse(
+            &format!(
+                "[target]\nlisten = [\"tcp://127.0.0.1:0\"]\n[[volume]]\nname = \"v\"\nbackend = \"null\"\nsize = 4096\n{extra_volume}\n{hosts}"
+            ),
+            "a.toml",
+        )
+    }
+
+    const HOSTS: &str = "[[host]]\nid = \"alpha\"\nkey_file = \"/etc/rdmablk/alpha.key\"\n[[host]]\nid = \"beta\"\nkey_file = \"/etc/rdmablk/beta.key\"\n";
+
+    #[test]
+    fn hosts_and_grants_parse() {
+        let c = parse("allowed_hosts = [\"alpha\"]\nread_only_hosts = [\"beta\"]", HOSTS).unwrap();
+        assert_eq!(c.hosts.len(), 2);
+        assert_eq!((c.hosts[1].index, c.hosts[1].id.as_str()), (1, "beta"));
+        assert_eq!(c.hosts[0].key_file, Path::new("/etc/rdmablk/alpha.key"));
+        assert_eq!(c.access.len(), 1);
+        assert_eq!(c.access[0].volume, "v");
+        assert_eq!(c.access[0].allowed_hosts, vec!["alpha"]);
+        assert_eq!(c.access[0].read_only_hosts, vec!["beta"]);
+        assert!(!c.access[0].allow_any_host);
+        let c = parse("allow_any_host = true", "").unwrap();
+        assert!(c.hosts.is_empty() && c.access[0].allow_any_host);
+        let c = parse("", "").unwrap();
+        assert_eq!(c.access[0], VolumeAccess { volume: "v".into(), ..VolumeAccess::default() }, "default: nobody");
+    }
+
+    #[test]
+    fn grant_and_host_errors_name_the_key() {
+        let e = parse("allowed_hosts = [\"gamma\"]", HOSTS).unwrap_err().to_string();
+        assert!(e.contains("a.toml: volume[0].allowed_hosts[0]: \"gamma\" is not the id of any [[host]]"), "{e}");
+        let e = parse("read_only_hosts = [\"alpha\", \"delta\"]", HOSTS).unwrap_err().to_string();
+        assert!(e.contains("volume[0].read_only_hosts[1]: \"delta\""), "{e}");
+        let e = parse("allowed_hosts = [\"alpha\"]", "").unwrap_err().to_string();
+        assert!(e.contains("volume[0].allowed_hosts[0]"), "no hosts at all: {e}");
+        let e = parse("allowed_hosts = [\"alpha\", \"alpha\"]", HOSTS).unwrap_err().to_string();
+        assert!(e.contains("volume[0].allowed_hosts[1]") && e.contains("twice"), "{e}");
+        let e = parse("", "[[host]]\nid = \"a\"\n").unwrap_err().to_string();
+        assert!(e.contains("host[0].key_file: is required"), "{e}");
+        let e = parse("", "[[host]]\nid = \"\"\nkey_file = \"/k\"\n").unwrap_err().to_string();
+        assert!(e.contains("host[0].id: must not be empty"), "{e}");
+        let e = parse("", &format!("{HOSTS}[[host]]\nid = \"alpha\"\nkey_file = \"/k\"\n")).unwrap_err().to_string();
+        assert!(e.contains("host[2].id: \"alpha\" is used by an earlier [[host]]"), "{e}");
+        let e = parse("", &format!("[[host]]\nid = \"{}\"\nkey_file = \"/k\"\n", "h".repeat(224))).unwrap_err().to_string();
+        assert!(e.contains("host[0].id: must be at most 223 bytes"), "{e}");
+        let e = parse("", "[[host]]\nid = \"a\"\nkey_file = \"/k\"\nkey = \"00\"\n").unwrap_err().to_string();
+        assert!(e.contains("unknown field `key`"), "{e}");
     }
 }

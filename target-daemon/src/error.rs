@@ -59,6 +59,16 @@ pub enum ErrorKind {
     ShuttingDown,
     /// CONNECT names a session that does not exist or is another host's.
     UnknownSession,
+    /// CONNECT would exceed `target.max_sessions` or `target.max_queues_per_session`.
+    LimitReached,
+    /// The host may not use this volume (not granted by allowed_hosts,
+    /// read_only_hosts or allow_any_host).
+    AccessDenied,
+    /// CONNECT without the authentication the target requires.
+    AuthRequired,
+    /// Host authentication failed. The context (log only) says why; the
+    /// wire status is the same whatever the reason.
+    AuthFailed,
     /// A bug or broken invariant in the target.
     Internal,
 }
@@ -137,6 +147,10 @@ impl Error {
             ErrorKind::QueueFull => (Status::QueueFull, 0),
             ErrorKind::ShuttingDown => (Status::ShuttingDown, 0),
             ErrorKind::UnknownSession => (Status::UnknownSession, 0),
+            ErrorKind::AccessDenied => (Status::AccessDenied, 0),
+            ErrorKind::AuthRequired => (Status::AuthRequired, 0),
+            ErrorKind::AuthFailed => (Status::AuthFailed, 0),
+            ErrorKind::LimitReached => (Status::LimitReached, 0),
             ErrorKind::Config
             | ErrorKind::Volume
             | ErrorKind::Uring
@@ -208,6 +222,10 @@ mod tests {
             ErrorKind::QueueFull,
             ErrorKind::ShuttingDown,
             ErrorKind::UnknownSession,
+            ErrorKind::AccessDenied,
+            ErrorKind::AuthRequired,
+            ErrorKind::AuthFailed,
+            ErrorKind::LimitReached,
             ErrorKind::Internal,
         ];
         let mut seen = std::collections::HashSet::new();

@@ -18,6 +18,7 @@
 //!     backend = "file"
 //!     path = "/tmp/vol0.img"
 //!     size = "64MiB"
+//!     allow_any_host = true            # no [[host]] entries: any initiator
 //!     "#,
 //!     "inline config",
 //! )?;
@@ -54,6 +55,7 @@
 //! `unsafe` lives only in `pool`, `uring` and `sys`; every block carries a
 //! `// SAFETY:` comment.
 
+pub mod auth;
 pub mod backend;
 pub mod blocking;
 pub mod command;

@@ -218,6 +218,8 @@ pub struct Scrape<'a> {
     pub sessions: Vec<SessionView>,
     pub reloads_ok: u64,
     pub reloads_failed: u64,
+    /// Handshakes and refusals by the connection limits.
+    pub limits: Option<&'a crate::session::LimitCounters>,
 }
 
 /// Escapes a label value.
@@ -303,6 +305,21 @@ pub fn render(s: &Scrape<'_>) -> String {
                 sess.id,
                 esc(&sess.host)
             );
+        }
+    }
+    if let Some(l) = s.limits {
+        let get = |c: &std::sync::atomic::AtomicU64| c.load(Relaxed);
+        header(&mut out, "rdmablk_handshakes_in_progress", "gauge", "Connections accepted and not yet past a successful CONNECT.");
+        let _ = writeln!(out, "rdmablk_handshakes_in_progress {}", get(&l.handshakes));
+        header(&mut out, "rdmablk_handshakes_timed_out_total", "counter", "Connections dropped by target.handshake_timeout.");
+        let _ = writeln!(out, "rdmablk_handshakes_timed_out_total {}", get(&l.handshakes_timed_out));
+        header(&mut out, "rdmablk_connections_refused_total", "counter", "Connections and CONNECTs refused by a limit, by the limit.");
+        for (reason, c) in [
+            ("max_handshakes", &l.refused_handshakes),
+            ("max_sessions", &l.refused_sessions),
+            ("max_queues_per_session", &l.refused_queues),
+        ] {
+            let _ = writeln!(out, "rdmablk_connections_refused_total{{reason=\"{reason}\"}} {}", get(c));
         }
     }
     let qps: u64 = s.reactors.iter().map(|r| r.queue_pairs.get()).sum();
@@ -588,6 +605,9 @@ mod tests {
         vs.reactor(0).ops[1].record(4096, true, Duration::from_micros(3));
         let reactors = vec![std::sync::Arc::new(ReactorStats::default())];
         reactors[0].queue_pairs.set(2);
+        let limits = crate::session::LimitCounters::default();
+        limits.refused_sessions.fetch_add(3, Relaxed);
+        limits.handshakes.fetch_add(2, Relaxed);
         let text = render(&Scrape {
             target: "t\"x",
             uptime: Duration::from_secs(1),
@@ -597,8 +617,13 @@ mod tests {
             sessions: vec![SessionView { id: 0xab, host: "h".into(), queue_pairs: vec![(0, 2)] }],
             reloads_ok: 1,
             reloads_failed: 0,
+            limits: Some(&limits),
         });
         assert!(text.contains("rdmablk_target_info{target=\"t\\\"x\"} 1"), "{text}");
+        assert!(text.contains("rdmablk_connections_refused_total{reason=\"max_sessions\"} 3"), "{text}");
+        assert!(text.contains("rdmablk_connections_refused_total{reason=\"max_handshakes\"} 0"), "{text}");
+        assert!(text.contains("rdmablk_handshakes_in_progress 2"), "{text}");
+        assert!(text.contains("rdmablk_handshakes_timed_out_total 0"), "{text}");
         assert!(text.contains("rdmablk_volume_ops_total{volume=\"v0\",op=\"write\"} 1"));
         assert!(text.contains("rdmablk_volume_bytes_total{volume=\"v0\",op=\"write\"} 4096"));
         assert!(text.contains("rdmablk_volume_latency_seconds_bucket{volume=\"v0\",op=\"write\",le=\"0.000004\"} 1"));

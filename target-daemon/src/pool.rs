@@ -18,6 +18,7 @@
 //! holds it, which is what makes the raw-pointer sharing with the kernel
 //! and the provider sound as long as lending is paired with completions.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use rdmablk_common::fabric::{Access, AlignedBuf, FabricError, MemoryRegion, ProtectionDomain, Sge};
@@ -88,13 +89,34 @@ enum ChunkState {
     Fabric,
 }
 
+/// The chunks one holder (a session, on one reactor) has taken from a pool
+/// and not returned. Only that reactor's pool changes it.
+#[derive(Debug, Default)]
+pub struct PoolAccount(AtomicU32);
+
+impl PoolAccount {
+    /// Chunks held now.
+    #[inline]
+    pub fn held(&self) -> u32 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Single writer (the pool's thread): a plain load and store.
+    fn add(&self, delta: i32) {
+        let v = self.0.load(Ordering::Relaxed);
+        self.0.store(v.saturating_add_signed(delta), Ordering::Relaxed);
+    }
+}
+
 /// A reactor's buffer pool: free list of chunk indices (O(1), no allocation
-/// per I/O) plus the ownership state of each chunk.
+/// per I/O) plus the ownership state of each chunk and the account it is
+/// charged to.
 #[derive(Debug)]
 pub struct Pool {
     mem: Arc<PoolMemory>,
     free: Vec<u16>,
     state: Vec<ChunkState>,
+    owner: Vec<Option<Arc<PoolAccount>>>,
 }
 
 impl Pool {
@@ -108,7 +130,7 @@ impl Pool {
         let mem = Arc::new(PoolMemory { buf: AlignedBuf::new(size + chunk_size, ALIGN), chunk_size, chunks });
         // Hand out low indices first (pop from the end).
         let free = (0..chunks as u32).rev().map(|i| i as u16).collect();
-        Pool { mem, free, state: vec![ChunkState::Free; chunks] }
+        Pool { mem, free, state: vec![ChunkState::Free; chunks], owner: vec![None; chunks] }
     }
 
     /// The shared memory, for io_uring and fabric registration.
@@ -139,9 +161,22 @@ impl Pool {
         Some(ChunkId(i))
     }
 
-    /// Returns a chunk the CPU holds to the free list.
+    /// Takes a free chunk charged to `account` until it is released.
+    pub fn alloc_charged(&mut self, account: Option<&Arc<PoolAccount>>) -> Option<ChunkId> {
+        let c = self.alloc()?;
+        if let Some(a) = account {
+            a.add(1);
+            self.owner[c.0 as usize] = Some(Arc::clone(a));
+        }
+        Some(c)
+    }
+
+    /// Returns a chunk the CPU holds to the free list (and uncharges its account).
     pub fn release(&mut self, c: ChunkId) {
         self.transition(c, ChunkState::Cpu, ChunkState::Free);
+        if let Some(a) = self.owner[c.0 as usize].take() {
+            a.add(-1);
+        }
         self.free.push(c.0);
     }
 
@@ -312,6 +347,32 @@ impl SlotBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn charged_chunks_count_against_their_account_until_released() {
+        let mut p = Pool::new(8 * 4096, 4096);
+        let (a, b) = (Arc::new(PoolAccount::default()), Arc::new(PoolAccount::default()));
+        let c1 = p.alloc_charged(Some(&a)).unwrap();
+        let c2 = p.alloc_charged(Some(&a)).unwrap();
+        let c3 = p.alloc_charged(Some(&b)).unwrap();
+        let c4 = p.alloc_charged(None).unwrap();
+        assert_eq!((a.held(), b.held()), (2, 1));
+        // Lending to the kernel or the fabric keeps the charge.
+        p.lend_to_fabric(c1);
+        p.return_from_fabric(c1);
+        assert_eq!(a.held(), 2);
+        p.release(c1);
+        p.release(c3);
+        p.release(c4);
+        assert_eq!((a.held(), b.held()), (1, 0));
+        // A chunk reused by someone else is charged to them only.
+        let c5 = p.alloc_charged(Some(&b)).unwrap();
+        assert_eq!((a.held(), b.held()), (1, 1));
+        p.release(c2);
+        p.release(c5);
+        assert_eq!((a.held(), b.held()), (0, 0));
+        assert_eq!(p.free_count(), 8);
+    }
 
     #[test]
     fn pool_accounting() {

@@ -41,7 +41,7 @@ use crate::config::{TargetConfig, MAX_VOLUMES};
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::{self, ReactorStats};
 use crate::pool::{ChunkId, Pool, PoolRegion, SlotBuf};
-use crate::session::{OpenSet, Registry, SharedSession};
+use crate::session::{HandshakeSlot, OpenSet, Registry, SharedSession};
 use crate::sys::{self, Epoll, EventFd};
 use crate::uring::{Uring, UringOptions};
 
@@ -98,8 +98,9 @@ const TOKEN_BLOCKING: u64 = (1 << 40) + 2;
 
 /// Messages from the control thread.
 pub(crate) enum Control {
-    /// A connection request to accept on fabric `fabric`.
-    Connect { req: ConnectRequest, fabric: usize },
+    /// A connection request to accept on fabric `fabric`; it holds one of
+    /// the `max_handshakes` slots until its CONNECT succeeds.
+    Connect { req: ConnectRequest, fabric: usize, handshake: HandshakeSlot },
     /// Finish in-flight commands (until `deadline`), disconnect everything, exit.
     Shutdown { deadline: Instant },
 }
@@ -232,6 +233,8 @@ struct Session {
     cq_reserved: u32,
     closing: Option<String>,
     close_deadline: Option<Instant>,
+    /// Until CONNECT succeeds: the handshake slot and when it expires.
+    handshake: Option<(HandshakeSlot, Instant)>,
 }
 
 impl Session {
@@ -338,6 +341,10 @@ struct Reactor {
     stats: Arc<ReactorStats>,
     limits: Limits,
     queue_depth: u32,
+    /// `target.handshake_timeout`: time from accept to a successful CONNECT.
+    handshake_timeout: Duration,
+    /// `target.session_pool_share` in chunks of this reactor's pool.
+    pool_share: u32,
     recv_slot_size: usize,
     cq_capacity: u32,
     cmds: Vec<Option<Cmd>>,
@@ -351,6 +358,9 @@ struct Reactor {
     wcs: Vec<Completion>,
     tokens: Vec<u64>,
     uring_done: Vec<(u64, i32)>,
+    /// `[target] busy_poll`, and when the last turn with work ended.
+    busy_poll: Duration,
+    last_work: Instant,
 }
 
 /// Receive slot size: a capsule plus the largest inline payload any command may carry.
@@ -410,6 +420,9 @@ impl Reactor {
             let url = f.url().to_string();
             let pd = f.alloc_pd().map_err(|e| Error::fabric(format!("{url}: cannot allocate a protection domain"), e))?;
             let cq = f.create_cq(cq_capacity).map_err(|e| Error::fabric(format!("{url}: cannot create a completion queue"), e))?;
+            // The reactor keeps polling while it has work and arms before it
+            // sleeps, so acknowledgements can ride on its responses.
+            cq.set_ack_coalescing(true);
             let pool_mr = pool.register(&pd).map_err(|e| Error::fabric(format!("{url}: cannot register the buffer pool"), e))?;
             epoll.add(cq.fd(), i as u64).map_err(|e| Error::os("epoll_ctl", e))?;
             fabrics.push(FabricCtx { pool_mr, cq, pd, _fabric: Arc::clone(f), cq_reserved: 0 });
@@ -449,6 +462,8 @@ impl Reactor {
             stats: spec.stats,
             limits,
             queue_depth: cfg.queue_depth,
+            handshake_timeout: cfg.handshake_timeout,
+            pool_share: cfg.session_pool_share.chunks(chunks, cfg.chunk_size),
             recv_slot_size: recv_slot_size(cfg.inline_data_size),
             cq_capacity,
             cmds: Vec::new(),
@@ -461,6 +476,8 @@ impl Reactor {
             wcs: vec![Completion::EMPTY; CQ_BATCH],
             tokens: Vec::with_capacity(32),
             uring_done: Vec::with_capacity(256),
+            busy_poll: cfg.busy_poll,
+            last_work: Instant::now(),
         };
         r.refresh_volumes();
         Ok(r)
@@ -482,8 +499,12 @@ impl Reactor {
                 tracing::debug!("reactor {} done", self.id);
                 return Ok(());
             }
-            // An iopoll ring finds completions only when polled.
-            if work == 0 && !self.uring.needs_polling() {
+            // An iopoll ring finds completions only when polled; with
+            // busy_poll the reactor keeps polling for that long after its
+            // last work, which saves two wake-ups per command at low depth.
+            if work > 0 {
+                self.last_work = Instant::now();
+            } else if !self.uring.needs_polling() && self.last_work.elapsed() >= self.busy_poll {
                 self.idle_wait()?;
             }
         }
@@ -634,8 +655,17 @@ impl Reactor {
         let mut tokens = std::mem::take(&mut self.tokens);
         let r = self.epoll.wait(&mut tokens, timeout);
         for &t in &tokens {
-            if (t as usize) < self.fabrics.len() {
-                self.fabrics[t as usize].cq.ack_event().map_err(|e| Error::fabric("cannot acknowledge CQ event", e))?;
+            match t {
+                // Cleared before the next turn reaps, so no completion
+                // posted after the clear goes unnoticed.
+                TOKEN_URING => self.uring.clear_eventfd(),
+                TOKEN_CTRL => {
+                    self.wake.drain();
+                }
+                _ if (t as usize) < self.fabrics.len() => {
+                    self.fabrics[t as usize].cq.ack_event().map_err(|e| Error::fabric("cannot acknowledge CQ event", e))?;
+                }
+                _ => {}
             }
         }
         self.tokens = tokens;
@@ -651,6 +681,9 @@ impl Reactor {
                 if let Some(sd) = self.shutdown {
                     min(sd);
                 }
+                if let Some((_, hd)) = &s.handshake {
+                    min(*hd);
+                }
             } else if s.res.is_some() && (s.sq_used > 0 || s.recv_posted > 0) {
                 if let Some(cd) = s.close_deadline {
                     min(cd);
@@ -663,13 +696,14 @@ impl Reactor {
     // ---------------------------------------------------------------- control
 
     fn control(&mut self) -> usize {
-        self.wake.drain();
+        // The wake eventfd is drained in `idle_wait` when it fired; the
+        // channel is checked every turn without a syscall.
         self.maybe_refresh();
         let mut n = 0;
         while let Ok(msg) = self.rx.try_recv() {
             n += 1;
             match msg {
-                Control::Connect { req, fabric } => self.add_session(req, fabric),
+                Control::Connect { req, fabric, handshake } => self.add_session(req, fabric, handshake),
                 Control::Shutdown { deadline } => {
                     if self.shutdown.is_none() {
                         tracing::debug!("reactor {}: shutting down", self.id);
@@ -703,6 +737,13 @@ impl Reactor {
         }
         for si in 0..self.sessions.len() {
             let Some(s) = &self.sessions[si].s else { continue };
+            if s.closing.is_none() && s.handshake.as_ref().is_some_and(|(_, d)| now >= *d) {
+                let why = format!("no successful CONNECT within {:?} (target.handshake_timeout)", self.handshake_timeout);
+                tracing::warn!("reactor {}: dropping connection from {}: {why}", self.id, s.peer);
+                self.registry.counters.handshakes_timed_out.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.fail_session(si as u16, why);
+                continue;
+            }
             if s.res.is_none() || s.close_deadline.is_none_or(|d| now < d) {
                 continue;
             }
@@ -753,7 +794,7 @@ impl Reactor {
         self.maybe_free_session(si);
     }
 
-    fn add_session(&mut self, req: ConnectRequest, fi: usize) {
+    fn add_session(&mut self, req: ConnectRequest, fi: usize, handshake: HandshakeSlot) {
         let peer = req.peer();
         if self.shutdown.is_some() {
             req.reject(b"target shutting down");
@@ -842,6 +883,7 @@ impl Reactor {
             cq_reserved: reserve,
             closing: None,
             close_deadline: None,
+            handshake: Some((handshake, Instant::now() + self.handshake_timeout)),
         };
         self.sessions[si as usize].s = Some(session);
         self.stats.queue_pairs.add(1);
@@ -933,6 +975,8 @@ impl Reactor {
         let plan = match plan {
             Ok(p) => p,
             Err(e) if e.kind() == ErrorKind::QueueFull => {
+                let s = self.session(si);
+                tracing::debug!("peer {} host {}: command {} refused: {e}", s.peer, s.host(), cid.0);
                 self.repost_recv(si, slot);
                 self.send_queue_full(si, cid);
                 return;
@@ -941,11 +985,17 @@ impl Reactor {
         };
         match plan {
             Plan::Connect { negotiated, host_id, join, mut reply } => {
+                let access = Arc::clone(&self.vols.set.access);
+                let s = self.session(si);
+                if let Err(e) = crate::auth::check_connect(&s.state.auth, &access, &host_id, join) {
+                    tracing::warn!("connect refused: host={host_id} peer={} reason={e}", s.peer);
+                    return self.refuse(si, slot, len, cid, e, start);
+                }
                 let registry = Arc::clone(&self.registry);
                 let joined = {
                     let mut admin = registry.admin();
                     match join {
-                        None => Ok(registry.create(&mut admin, &host_id, self.id)),
+                        None => registry.create(&mut admin, &host_id, self.id),
                         Some(id) => registry.join(&mut admin, id, &host_id, self.id),
                     }
                 };
@@ -954,7 +1004,11 @@ impl Reactor {
                     Err(e) => {
                         let id = self.id;
                         let s = self.session(si);
-                        tracing::info!("session join refused: host={host_id} peer={} reactor={id} reason={e}", s.peer);
+                        if e.kind() == ErrorKind::LimitReached {
+                            tracing::warn!("session refused: host={host_id} peer={} reactor={id} reason={e}", s.peer);
+                        } else {
+                            tracing::info!("session join refused: host={host_id} peer={} reactor={id} reason={e}", s.peer);
+                        }
                         return self.refuse(si, slot, len, cid, e, start);
                     }
                 };
@@ -973,6 +1027,8 @@ impl Reactor {
                 );
                 s.state.connected = Some(negotiated);
                 s.state.host_id = Some(host_id);
+                // Past its handshake: the slot goes back for the next connection.
+                s.handshake = None;
                 s.shared = Some(joined.session);
                 s.queue_index = joined.queue_index;
                 self.repost_recv(si, slot);
@@ -988,16 +1044,37 @@ impl Reactor {
                     }
                 }
             }
-            Plan::Open { volume } => {
+            Plan::AuthNegotiate { host_id, session_id } => {
+                let name = self.limits.target_name.clone();
+                let s = self.session(si);
+                let challenge = crate::auth::negotiate(&mut s.state.auth, &host_id, session_id, &name);
+                tracing::debug!("authentication started: host={host_id} peer={} session={:#x}", s.peer, session_id.0);
+                self.answer_auth(si, slot, len, cid, start, challenge.map(|c| c.to_vec()));
+            }
+            Plan::AuthReply { response } => {
+                let (name, access) = (self.limits.target_name.clone(), Arc::clone(&self.vols.set.access));
+                let s = self.session(si);
+                let claimed = match &s.state.auth {
+                    crate::auth::AuthState::Challenged { host_id, .. } => host_id.clone(),
+                    _ => "-".to_owned(),
+                };
+                let proof = crate::auth::reply(&mut s.state.auth, &access, &response, &name);
+                match &proof {
+                    Ok(_) => tracing::info!("authenticated: host={claimed} peer={}", s.peer),
+                    Err(e) => tracing::warn!("authentication failed: host={claimed} peer={} reason={e}", s.peer),
+                }
+                self.answer_auth(si, slot, len, cid, start, proof.map(|p| p.to_vec()));
+            }
+            Plan::Open { volume, grant } => {
                 // Under the admin lock, so that a reload cannot remove the
                 // volume between this check and marking it open.
                 let registry = Arc::clone(&self.registry);
                 let admin = registry.admin();
-                let mut volume = volume;
+                let (mut volume, mut grant) = (volume, grant);
                 if registry.generation() != self.vols.generation {
                     self.refresh_volumes();
                     match self.plan_msg(si, slot, len).1 {
-                        Ok(Plan::Open { volume: v }) => volume = v,
+                        Ok(Plan::Open { volume: v, grant: g }) => (volume, grant) = (v, g),
                         Ok(_) => unreachable!("the same capsule plans the same command"),
                         Err(e) => {
                             drop(admin);
@@ -1006,9 +1083,14 @@ impl Reactor {
                     }
                 }
                 let meta = self.vols.set.table.get(volume);
-                let (id, info) = (meta.id, meta.info.to_bytes());
+                let (id, info) = (meta.id, meta.info_for(grant).to_bytes());
+                let read_only_grant = grant == crate::auth::Grant::ReadOnly;
+                if read_only_grant {
+                    let s = self.session(si);
+                    tracing::info!("volume {} opened read-only: host={} peer={} (read_only_hosts)", id, s.host(), s.peer);
+                }
                 if let Some(shared) = self.session(si).shared.clone() {
-                    shared.mark_open(&admin, id);
+                    shared.mark_open_with_grant(&admin, id, read_only_grant);
                 }
                 drop(admin);
                 self.repost_recv(si, slot);
@@ -1063,6 +1145,19 @@ impl Reactor {
         }
     }
 
+    /// Answers AUTH_NEGOTIATE or AUTH_REPLY: the reply data, or the
+    /// failure's status (the same `AuthFailed` for every failed check).
+    fn answer_auth(&mut self, si: u16, slot: u16, len: usize, cid: CommandId, start: Instant, reply: Result<Vec<u8>>) {
+        let data = match reply {
+            Ok(d) => d,
+            Err(e) => return self.refuse(si, slot, len, cid, e, start),
+        };
+        self.repost_recv(si, slot);
+        if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate, start) {
+            self.respond(ci, &data, None);
+        }
+    }
+
     /// Validates the capsule in receive slot `slot` against this reactor's
     /// volume snapshot and the session's opened set (read lock-free).
     fn plan_msg(&self, si: u16, slot: u16, len: usize) -> (CommandId, Result<command::Plan>) {
@@ -1085,6 +1180,9 @@ impl Reactor {
         let s = self.session(si);
         match e.kind() {
             ErrorKind::VersionMismatch => tracing::warn!("peer {}: {e}", s.peer),
+            ErrorKind::AccessDenied | ErrorKind::ReadOnly => {
+                tracing::info!("refused: host={} peer={} command={}: {e}", s.host(), s.peer, cid.0)
+            }
             _ => tracing::debug!("peer {} host {}: command {} refused: {e}", s.peer, s.host(), cid.0),
         }
         if let Some((op, vid)) = target {
@@ -1351,7 +1449,8 @@ impl Reactor {
     // ---------------------------------------------------------------- io_uring completions
 
     fn reap_uring(&mut self) -> usize {
-        self.uring.clear_eventfd();
+        // The ring's eventfd is cleared in `idle_wait` when it fired, not
+        // here: reading it every turn cost a syscall per turn.
         let mut done = std::mem::take(&mut self.uring_done);
         let n = self.uring.reap(&mut self.pool, |u, r| done.push((u, r)));
         for &(u, r) in &done {
@@ -1480,12 +1579,25 @@ impl Reactor {
         }
     }
 
-    /// Issues chunks for a command while it wants them and the pool has
-    /// them; otherwise queues it (FIFO) for the next free chunk.
+    /// The pool account of a command's session on this reactor, and whether
+    /// the session holds its whole `session_pool_share` already.
+    fn pool_account(&self, ci: u16) -> (Option<Arc<crate::pool::PoolAccount>>, bool) {
+        let si = self.cmds[ci as usize].as_ref().expect("live command").sess;
+        let shared = self.sessions[si as usize].s.as_ref().and_then(|s| s.shared.as_ref());
+        match shared.and_then(|sh| sh.pool_account(self.id)) {
+            Some(a) => (Some(Arc::clone(a)), a.held() >= self.pool_share),
+            None => (None, false),
+        }
+    }
+
+    /// Issues chunks for a command while it wants them, the pool has them
+    /// and its session is under its share; otherwise queues it (FIFO) for
+    /// the next free chunk.
     fn pump(&mut self, ci: u16) {
         while self.wants_chunk(ci) {
             let first_in_line = self.waitq.is_empty() || self.waitq.front() == Some(&ci);
-            if !first_in_line || self.pool.free_count() == 0 {
+            let (account, at_share) = self.pool_account(ci);
+            if !first_in_line || self.pool.free_count() == 0 || at_share {
                 let cmd = self.cmd(ci);
                 if !cmd.in_waitq {
                     cmd.in_waitq = true;
@@ -1497,20 +1609,32 @@ impl Reactor {
                 self.waitq.pop_front();
                 self.cmd(ci).in_waitq = false;
             }
-            let c = self.pool.alloc().expect("free chunk");
+            let c = self.pool.alloc_charged(account.as_ref()).expect("free chunk");
             self.issue(ci, c);
         }
     }
 
+    /// Hands free chunks to waiting commands in order. A command whose
+    /// session holds its whole share goes to the back of the line, so it
+    /// never holds up other sessions' commands behind it.
     fn pump_waitq(&mut self) {
-        while self.pool.free_count() > 0 {
+        let mut passed_over = 0;
+        while self.pool.free_count() > 0 && passed_over < self.waitq.len() {
             let Some(ci) = self.waitq.pop_front() else { break };
             let Some(cmd) = self.cmds.get_mut(ci as usize).and_then(|c| c.as_mut()) else { continue };
             cmd.in_waitq = false;
             if !self.wants_chunk(ci) {
                 continue;
             }
-            let c = self.pool.alloc().expect("free chunk");
+            let (account, at_share) = self.pool_account(ci);
+            if at_share {
+                self.cmd(ci).in_waitq = true;
+                self.waitq.push_back(ci);
+                passed_over += 1;
+                continue;
+            }
+            passed_over = 0;
+            let c = self.pool.alloc_charged(account.as_ref()).expect("free chunk");
             self.issue(ci, c);
             if self.cmds[ci as usize].is_some() && self.wants_chunk(ci) {
                 self.cmd(ci).in_waitq = true;
@@ -1560,8 +1684,10 @@ impl Reactor {
                 let entries = cmd.list_entries as usize;
                 cmd.next = 1;
                 let buf = self.pool.bytes_mut(c);
-                for (i, m) in self.vols.set.table.metas().iter().take(entries).enumerate() {
-                    match m.info.to_bytes() {
+                let who = self.sessions[si as usize].s.as_ref().map(|s| s.state.identity());
+                let visible = who.into_iter().flat_map(|who| self.vols.set.table.visible_to(who));
+                for (i, (m, grant)) in visible.take(entries).enumerate() {
+                    match m.info_for(grant).to_bytes() {
                         Ok(b) => buf[i * VOLUME_INFO_SIZE..(i + 1) * VOLUME_INFO_SIZE].copy_from_slice(&b),
                         Err(e) => tracing::error!("cannot encode volume info: {e}"),
                     }

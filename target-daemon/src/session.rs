@@ -17,17 +17,43 @@ use arc_swap::ArcSwap;
 use rdmablk_common::protocol::{SessionId, VolumeId};
 
 use crate::backend::VolumeSet;
+use crate::pool::PoolAccount;
 use crate::error::{Error, ErrorKind, Result};
 
-/// The volumes a session has opened, by id (a bitmap).
+/// The volumes a session has opened, by id (a bitmap), and those it was
+/// granted read-only (a second bitmap, a subset of the first).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OpenSet {
     bits: Vec<u64>,
+    read_only: Vec<u64>,
 }
 
 impl OpenSet {
     /// Nothing open (a queue pair before CONNECT).
-    pub const EMPTY: OpenSet = OpenSet { bits: Vec::new() };
+    pub const EMPTY: OpenSet = OpenSet { bits: Vec::new(), read_only: Vec::new() };
+
+    /// Whether volume `id` is open with a read-only grant (`read_only_hosts`).
+    #[inline]
+    pub fn is_read_only(&self, id: VolumeId) -> bool {
+        let i = id.0 as usize;
+        self.read_only.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
+    }
+
+    /// A copy with `id` added, read-only if `read_only` (a read-write
+    /// grant replaces a read-only one and vice versa).
+    pub fn with_grant(&self, id: VolumeId, read_only: bool) -> OpenSet {
+        let mut set = self.with(id);
+        let i = id.0 as usize;
+        if set.read_only.len() <= i / 64 {
+            set.read_only.resize(i / 64 + 1, 0);
+        }
+        if read_only {
+            set.read_only[i / 64] |= 1 << (i % 64);
+        } else {
+            set.read_only[i / 64] &= !(1 << (i % 64));
+        }
+        set
+    }
 
     /// Whether volume `id` is open.
     #[inline]
@@ -44,17 +70,18 @@ impl OpenSet {
             bits.resize(i / 64 + 1, 0);
         }
         bits[i / 64] |= 1 << (i % 64);
-        OpenSet { bits }
+        OpenSet { bits, read_only: self.read_only.clone() }
     }
 
     /// A copy with `id` removed.
     pub fn without(&self, id: VolumeId) -> OpenSet {
         let i = id.0 as usize;
         let mut bits = self.bits.clone();
-        if let Some(w) = bits.get_mut(i / 64) {
+        let mut read_only = self.read_only.clone();
+        for w in [bits.get_mut(i / 64), read_only.get_mut(i / 64)].into_iter().flatten() {
             *w &= !(1 << (i % 64));
         }
-        OpenSet { bits }
+        OpenSet { bits, read_only }
     }
 
     /// The open ids.
@@ -76,6 +103,9 @@ pub struct SharedSession {
     pub id: SessionId,
     pub host_id: String,
     open: ArcSwap<OpenSet>,
+    /// Pool chunks the session holds, one account per reactor (charged by
+    /// that reactor's pool only), for `target.session_pool_share`.
+    pool_accounts: Box<[Arc<PoolAccount>]>,
 }
 
 impl SharedSession {
@@ -91,10 +121,68 @@ impl SharedSession {
         self.open.store(Arc::new(cur.with(id)));
     }
 
+    /// Marks `id` open with the grant OPEN found: read-only for a host in
+    /// the volume's `read_only_hosts`. Call with the admin lock held.
+    pub fn mark_open_with_grant(&self, _admin: &Admin, id: VolumeId, read_only: bool) {
+        let cur = self.open.load_full();
+        self.open.store(Arc::new(cur.with_grant(id, read_only)));
+    }
+
     /// Marks `id` closed. Call with the admin lock held.
     pub fn mark_closed(&self, _admin: &Admin, id: VolumeId) {
         let cur = self.open.load_full();
         self.open.store(Arc::new(cur.without(id)));
+    }
+
+    /// The session's pool account on `reactor`.
+    #[inline]
+    pub fn pool_account(&self, reactor: usize) -> Option<&Arc<PoolAccount>> {
+        self.pool_accounts.get(reactor)
+    }
+}
+
+/// The connection limits of `[target]` that the registry enforces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SessionLimits {
+    /// `target.max_sessions`.
+    pub max_sessions: u32,
+    /// `target.max_queues_per_session`.
+    pub max_queues_per_session: u32,
+    /// `target.max_handshakes`.
+    pub max_handshakes: u32,
+}
+
+impl SessionLimits {
+    /// No limits (library use and unit tests).
+    pub const NONE: SessionLimits =
+        SessionLimits { max_sessions: u32::MAX, max_queues_per_session: u32::MAX, max_handshakes: u32::MAX };
+}
+
+/// Counters of the limits, for the metrics endpoint (several writers).
+#[derive(Debug, Default)]
+pub struct LimitCounters {
+    /// Connections accepted and not yet past CONNECT, now.
+    pub handshakes: AtomicU64,
+    /// Connections dropped because CONNECT did not succeed in time.
+    pub handshakes_timed_out: AtomicU64,
+    /// Connections refused because `max_handshakes` were in progress.
+    pub refused_handshakes: AtomicU64,
+    /// CONNECTs refused by `max_sessions`.
+    pub refused_sessions: AtomicU64,
+    /// Joins refused by `max_queues_per_session`.
+    pub refused_queues: AtomicU64,
+}
+
+/// One connection in its handshake (accepted, CONNECT not yet successful):
+/// counts against `max_handshakes` until dropped.
+#[derive(Debug)]
+pub struct HandshakeSlot {
+    registry: Arc<Registry>,
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        self.registry.counters.handshakes.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -163,6 +251,15 @@ pub struct Registry {
     generation: AtomicU64,
     admin: Mutex<Admin>,
     reactors: usize,
+    limits: SessionLimits,
+    /// What the limits refused, for metrics.
+    pub counters: LimitCounters,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry").field("reactors", &self.reactors).field("limits", &self.limits).finish_non_exhaustive()
+    }
 }
 
 impl Registry {
@@ -174,7 +271,31 @@ impl Registry {
             generation,
             admin: Mutex::new(Admin { sessions: HashMap::new() }),
             reactors,
+            limits: SessionLimits::NONE,
+            counters: LimitCounters::default(),
         }
+    }
+
+    /// The same registry, enforcing `limits`.
+    pub fn with_limits(mut self, limits: SessionLimits) -> Registry {
+        self.limits = limits;
+        self
+    }
+
+    /// The limits in force.
+    pub fn limits(&self) -> SessionLimits {
+        self.limits
+    }
+
+    /// Takes a handshake slot for a new connection, or `None` when
+    /// `max_handshakes` connections are in their handshake already.
+    pub fn begin_handshake(self: &Arc<Self>) -> Option<HandshakeSlot> {
+        let max = self.limits.max_handshakes as u64;
+        self.counters
+            .handshakes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
+            .ok()
+            .map(|_| HandshakeSlot { registry: Arc::clone(self) })
     }
 
     /// Takes the admin lock (never on the per-I/O path).
@@ -201,19 +322,36 @@ impl Registry {
         self.generation.store(generation, Ordering::Release);
     }
 
-    /// Creates a session for `host_id` (CONNECT with session id 0).
-    pub fn create(&self, admin: &mut Admin, host_id: &str, reactor: usize) -> Joined {
+    /// Creates a session for `host_id` (CONNECT with session id 0), unless
+    /// `max_sessions` sessions exist.
+    pub fn create(&self, admin: &mut Admin, host_id: &str, reactor: usize) -> Result<Joined> {
+        if admin.sessions.len() >= self.limits.max_sessions as usize {
+            self.counters.refused_sessions.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::new(
+                ErrorKind::LimitReached,
+                format!(
+                    "host {host_id:?} asked for a new session; {} sessions exist (target.max_sessions = {})",
+                    admin.sessions.len(),
+                    self.limits.max_sessions
+                ),
+            ));
+        }
         let id = loop {
             let id = SessionId(rand::random());
             if id.0 != 0 && !admin.sessions.contains_key(&id) {
                 break id;
             }
         };
-        let shared = Arc::new(SharedSession { id, host_id: host_id.to_owned(), open: ArcSwap::from_pointee(OpenSet::default()) });
+        let shared = Arc::new(SharedSession {
+            id,
+            host_id: host_id.to_owned(),
+            open: ArcSwap::from_pointee(OpenSet::default()),
+            pool_accounts: (0..self.reactors).map(|_| Arc::new(PoolAccount::default())).collect(),
+        });
         let mut queue_pairs = vec![0; self.reactors];
         queue_pairs[reactor] = 1;
         admin.sessions.insert(id, SessionEntry { shared: Arc::clone(&shared), next_queue: 1, queue_pairs });
-        Joined { session: shared, queue_index: 0, created: true }
+        Ok(Joined { session: shared, queue_index: 0, created: true })
     }
 
     /// Joins session `id` (CONNECT with a session id): it must exist and
@@ -228,6 +366,17 @@ impl Registry {
         let e = admin.sessions.get_mut(&id).ok_or_else(unknown)?;
         if e.shared.host_id != host_id {
             return Err(unknown());
+        }
+        let live: u32 = e.queue_pairs.iter().sum();
+        if live >= self.limits.max_queues_per_session {
+            self.counters.refused_queues.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::new(
+                ErrorKind::LimitReached,
+                format!(
+                    "host {host_id:?} asked to join session {:#x}, which has {live} queue pairs (target.max_queues_per_session = {})",
+                    id.0, self.limits.max_queues_per_session
+                ),
+            ));
         }
         if e.next_queue > u16::MAX as u32 {
             return Err(Error::new(ErrorKind::UnknownSession, format!("session {:#x} has had 65536 queue pairs", id.0)));
@@ -266,6 +415,12 @@ mod tests {
         assert_eq!(s.ids().collect::<Vec<_>>(), vec![VolumeId(3), VolumeId(130)]);
         let s = s.without(VolumeId(3)).without(VolumeId(999));
         assert_eq!(s.ids().collect::<Vec<_>>(), vec![VolumeId(130)]);
+        let s = s.with_grant(VolumeId(70), true);
+        assert!(s.contains(VolumeId(70)) && s.is_read_only(VolumeId(70)) && !s.is_read_only(VolumeId(130)));
+        assert!(!s.with_grant(VolumeId(70), false).is_read_only(VolumeId(70)), "a new grant replaces the old");
+        let s = s.without(VolumeId(70));
+        assert!(!s.contains(VolumeId(70)) && !s.is_read_only(VolumeId(70)));
+        assert!(!s.with(VolumeId(70)).is_read_only(VolumeId(70)), "closing forgets the grant");
     }
 
     #[test]
@@ -273,7 +428,7 @@ mod tests {
         let r = Registry::new(VolumeSet::new(1, Vec::new()), 2);
         let a = {
             let mut admin = r.admin();
-            r.create(&mut admin, "host-a", 0)
+            r.create(&mut admin, "host-a", 0).ok().unwrap()
         };
         assert!(a.created && a.queue_index == 0 && a.session.id.0 != 0);
         let id = a.session.id;
@@ -297,5 +452,49 @@ mod tests {
         assert!(r.leave(&a.session, 1), "the last queue pair ends the session");
         let mut admin = r.admin();
         assert!(r.join(&mut admin, id, "host-a", 0).is_err(), "a finished session cannot be joined");
+    }
+
+    #[test]
+    fn limits_refuse_with_their_own_kind() {
+        let limits = SessionLimits { max_sessions: 2, max_queues_per_session: 2, max_handshakes: 2 };
+        let r = Arc::new(Registry::new(VolumeSet::new(1, Vec::new()), 2).with_limits(limits));
+        let (a, _b) = {
+            let mut admin = r.admin();
+            (r.create(&mut admin, "a", 0).ok().unwrap(), r.create(&mut admin, "b", 1).ok().unwrap())
+        };
+        {
+            let mut admin = r.admin();
+            let e = r.create(&mut admin, "c", 0).err().unwrap();
+            assert_eq!(e.kind(), ErrorKind::LimitReached);
+            assert!(e.to_string().contains("target.max_sessions = 2"), "{e}");
+            assert!(r.join(&mut admin, a.session.id, "a", 1).is_ok(), "the second queue pair fits");
+            let e = r.join(&mut admin, a.session.id, "a", 0).err().unwrap();
+            assert_eq!(e.kind(), ErrorKind::LimitReached);
+            assert!(e.to_string().contains("target.max_queues_per_session = 2"), "{e}");
+        }
+        assert_eq!(r.counters.refused_sessions.load(Ordering::Relaxed), 1);
+        assert_eq!(r.counters.refused_queues.load(Ordering::Relaxed), 1);
+        // A queue pair leaving makes room for another join.
+        assert!(!r.leave(&a.session, 1));
+        assert!(r.join(&mut r.admin(), a.session.id, "a", 1).is_ok());
+
+        // Handshake slots: two at once, released on drop.
+        let h1 = r.begin_handshake().expect("first");
+        let h2 = r.begin_handshake().expect("second");
+        assert!(r.begin_handshake().is_none(), "a third is over max_handshakes");
+        drop(h1);
+        let h3 = r.begin_handshake().expect("a slot came back");
+        assert_eq!(r.counters.handshakes.load(Ordering::Relaxed), 2);
+        drop((h2, h3));
+        assert_eq!(r.counters.handshakes.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn one_pool_account_per_reactor() {
+        let r = Registry::new(VolumeSet::new(1, Vec::new()), 2);
+        let s = r.create(&mut r.admin(), "h", 0).ok().unwrap().session;
+        let (a0, a1) = (s.pool_account(0).unwrap(), s.pool_account(1).unwrap());
+        assert!(!Arc::ptr_eq(a0, a1));
+        assert!(s.pool_account(2).is_none());
     }
 }

@@ -21,16 +21,17 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rdmablk_common::fabric::{Fabric, FabricUrl, Listener};
+use rdmablk_common::fabric::{Fabric, FabricUrl, ListenOptions, Listener};
 use rdmablk_common::protocol::VolumeId;
 
+use crate::auth::AccessPolicy;
 use crate::backend::{self, Volume, VolumeSet};
 use crate::config::{Config, TargetConfig, MAX_VOLUMES};
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::{self, HttpServer, ReactorStats};
 use crate::notify::{self, Notifier};
 use crate::reactor::{self, Control, ReactorHandle, ReactorSpec};
-use crate::session::{Registry, SessionSummary};
+use crate::session::{Registry, SessionLimits, SessionSummary};
 use crate::sys::{self, Epoll, EventFd, SignalFd};
 
 /// Entry point for starting targets.
@@ -59,7 +60,14 @@ pub fn run(config: Config) -> Result<()> {
 /// Validates the configuration and every volume without creating or
 /// changing anything. Returns one line per volume, then one per listen URL.
 pub fn check(config: &Config) -> Result<Vec<String>> {
+    let access = AccessPolicy::load(config)?;
     let mut lines = backend::check_volumes(config)?;
+    for h in &config.hosts {
+        lines.push(format!("host {:?}: key file {} (readable, mode private)", h.id, h.key_file.display()));
+    }
+    if access.hosts_configured() {
+        lines.push(format!("authentication required: {} host(s)", access.host_count()));
+    }
     lines.extend(config.target.listen.iter().map(|u| format!("listen {u}")));
     if let Some(m) = config.target.metrics {
         lines.push(format!("metrics http://{m}/metrics"));
@@ -201,14 +209,23 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
     }
     let volumes = backend::open_volumes(&config)?;
     let next_volume_id = volumes.iter().map(|v| v.id.0).max().unwrap_or(0) + 1;
-    let registry = Arc::new(Registry::new(VolumeSet::new(1, volumes), cfg.reactors));
+    let limits = SessionLimits {
+        max_sessions: cfg.max_sessions,
+        max_queues_per_session: cfg.max_queues_per_session,
+        max_handshakes: cfg.max_handshakes,
+    };
+    let access = Arc::new(AccessPolicy::load(&config)?);
+    log_access(&config);
+    let registry = Arc::new(Registry::new(VolumeSet::new(1, volumes).with_access(access), cfg.reactors).with_limits(limits));
 
     let mut fabrics = Vec::with_capacity(cfg.listen.len());
     let mut listeners = Vec::with_capacity(cfg.listen.len());
     let mut urls = Vec::with_capacity(cfg.listen.len());
     for url in &cfg.listen {
         let f = Fabric::open(url).map_err(|e| Error::fabric(format!("{url}: cannot open the fabric"), e))?;
-        let l = f.listen().map_err(|e| Error::fabric(format!("{url}: cannot listen"), e))?;
+        let l = f
+            .listen_with(ListenOptions { handshake_timeout: cfg.handshake_timeout })
+            .map_err(|e| Error::fabric(format!("{url}: cannot listen"), e))?;
         urls.push(l.local_url());
         fabrics.push(Arc::new(f));
         listeners.push(l);
@@ -509,10 +526,20 @@ impl ControlThread {
         loop {
             match self.listeners[li].poll_request() {
                 Ok(Some(req)) => {
+                    let Some(handshake) = self.registry.begin_handshake() else {
+                        let max = self.registry.limits().max_handshakes;
+                        self.registry.counters.refused_handshakes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        tracing::warn!(
+                            "refusing connection from {}: {max} connections are in their handshake (target.max_handshakes = {max})",
+                            req.peer()
+                        );
+                        req.reject(b"target busy: too many connections in their handshake");
+                        continue;
+                    };
                     let r = &self.reactors[*next % self.reactors.len()];
                     *next += 1;
                     tracing::debug!("connection request from {} → reactor {}", req.peer(), r.id);
-                    if let Err(Control::Connect { req, .. }) = r.send(Control::Connect { req, fabric: li }) {
+                    if let Err(Control::Connect { req, .. }) = r.send(Control::Connect { req, fabric: li, handshake }) {
                         req.reject(b"target is shutting down");
                     }
                 }
@@ -597,6 +624,7 @@ impl ControlThread {
                 .collect(),
             reloads_ok: self.reloads_ok,
             reloads_failed: self.reloads_failed,
+            limits: Some(&self.registry.counters),
         })
     }
 
@@ -651,6 +679,9 @@ impl ControlThread {
             Replace(Arc<Volume>, Volume, String),
             Add(Volume),
         }
+        // Key files first: a bad one fails the reload before anything changes.
+        let mut access = AccessPolicy::load(&config)?;
+        log_access(&config);
         let mut summary = ReloadSummary { restart_needed: self.running.changed_keys(&config.target), ..Default::default() };
         if !summary.restart_needed.is_empty() {
             tracing::warn!(
@@ -758,7 +789,32 @@ impl ControlThread {
         for (i, v) in served.iter().enumerate() {
             v.check_distinct(&config.source, &served[..i])?;
         }
-        registry.publish(&admin, VolumeSet::new(current.generation + 1, served));
+        for v in &served {
+            if !config.access.iter().any(|a| a.volume == v.name) {
+                access.keep_volume(&v.name, current.access.volume(&v.name));
+            }
+        }
+        let access = Arc::new(access);
+        let (grants_changed, hosts_changed) = current.access.changes(&access);
+        for name in &grants_changed {
+            if let Some(v) = served.iter().find(|v| &v.name == name) {
+                let users = admin.users_of(v.id);
+                if !users.is_empty() {
+                    lines.push(format!(
+                        "volume {name}: grants changed; they apply to the next OPEN; sessions that have it open keep \
+                         the access they opened it with until they close it or disconnect: {}",
+                        users.join(", ")
+                    ));
+                }
+            }
+        }
+        if hosts_changed {
+            lines.push(format!(
+                "[[host]] entries or keys changed ({} host(s)); connected queue pairs stay connected, new ones authenticate with the new keys",
+                access.host_count()
+            ));
+        }
+        registry.publish(&admin, VolumeSet::new(current.generation + 1, served).with_access(access));
         drop(admin);
         for l in &lines {
             tracing::info!("reload: {l}");
@@ -794,4 +850,32 @@ fn changed_fields(a: &crate::config::VolumeConfig, b: &crate::config::VolumeConf
         v.push("read_only");
     }
     v.join(", ")
+}
+
+/// One log line per volume saying who may use it, and whether CONNECT needs
+/// authentication.
+fn log_access(config: &Config) {
+    if config.hosts.is_empty() {
+        tracing::info!("no [[host]] entries: queue pairs are not authenticated; only volumes with allow_any_host = true can be opened");
+    } else {
+        let ids: Vec<&str> = config.hosts.iter().map(|h| h.id.as_str()).collect();
+        tracing::info!("authentication required for every queue pair: {} host(s): {}", ids.len(), ids.join(", "));
+    }
+    for a in &config.access {
+        let mut who = Vec::new();
+        if a.allow_any_host {
+            who.push(if config.hosts.is_empty() { "any host".to_owned() } else { "any authenticated host".to_owned() });
+        }
+        if !a.allowed_hosts.is_empty() {
+            who.push(format!("read-write: {}", a.allowed_hosts.join(", ")));
+        }
+        if !a.read_only_hosts.is_empty() {
+            who.push(format!("read-only: {}", a.read_only_hosts.join(", ")));
+        }
+        if who.is_empty() {
+            tracing::warn!("volume {}: no host may open it (set allowed_hosts, read_only_hosts or allow_any_host)", a.volume);
+        } else {
+            tracing::info!("volume {} access: {}", a.volume, who.join("; "));
+        }
+    }
 }

@@ -390,6 +390,11 @@ impl Uring {
             }
             self.backlog.pop_front();
         }
+        // Nothing queued: no io_uring_enter (an iopoll ring still needs one
+        // to find its completions).
+        if self.ring.submission().is_empty() && !self.needs_polling() {
+            return Ok(0);
+        }
         match self.ring.submit() {
             Ok(n) => Ok(n),
             Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN | libc::EINTR)) => Ok(0),

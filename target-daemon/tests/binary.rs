@@ -12,7 +12,7 @@ fn write_config(dir: &std::path::Path, extra: &str) -> std::path::PathBuf {
     std::fs::write(
         &p,
         format!(
-            "[target]\nlisten = [\"tcp://127.0.0.1:0\"]\nreactors = 1\nbuffer_pool = \"1MiB\"\n{extra}\n[[volume]]\nname = \"v\"\nbackend = \"file\"\npath = \"{}/v.img\"\nsize = \"8MiB\"\n",
+            "[target]\nlisten = [\"tcp://127.0.0.1:0\"]\nreactors = 1\nbuffer_pool = \"1MiB\"\n{extra}\n[[volume]]\nname = \"v\"\nbackend = \"file\"\npath = \"{}/v.img\"\nsize = \"8MiB\"\nallow_any_host = true\n",
             dir.display()
         ),
     )

@@ -206,12 +206,14 @@ const VOLUMES: &str = r#"
 [[volume]]
 name = "vol0"
 backend = "file"
+allow_any_host = true
 path = "@DIR@/vol0.img"
 size = "16MiB"
 
 [[volume]]
 name = "ro"
 backend = "file"
+allow_any_host = true
 path = "@DIR@/ro.img"
 read_only = true
 "#;
@@ -630,7 +632,7 @@ fn block_device_volume_via_loop() {
         }
     }
     let _guard = Detach(dev.clone());
-    let vols = format!("[[volume]]\nname = \"blk\"\nbackend = \"file\"\npath = \"{dev}\"\n");
+    let vols = format!("[[volume]]\nname = \"blk\"\nbackend = \"file\"\nallow_any_host = true\npath = \"{dev}\"\n");
     let t = Target::start(config(dir.path(), "", &vols)).unwrap();
     let mut c = Client::connect(t.url());
     assert_eq!(c.connect_cmd(8, 1 << 20).0.status, Status::Success);
@@ -678,7 +680,7 @@ fn reload_through_the_library_replaces_unused_volumes_and_refuses_used_ones() {
             .replace("@DIR@", dir.path().to_str().unwrap())
     };
     let vol = |name: &str, file: &str, size: &str| {
-        format!("[[volume]]\nname = \"{name}\"\nbackend = \"file\"\npath = \"@DIR@/{file}\"\nsize = \"{size}\"\n")
+        format!("[[volume]]\nname = \"{name}\"\nbackend = \"file\"\nallow_any_host = true\npath = \"@DIR@/{file}\"\nsize = \"{size}\"\n")
     };
     let t = Target::start(Config::parse(&text(&format!("{}{}", vol("a", "a.img", "1MiB"), vol("b", "b.img", "1MiB"))), "r.toml").unwrap()).unwrap();
     let before = t.volumes();

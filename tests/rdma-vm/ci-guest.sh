@@ -95,6 +95,7 @@ name = "vol0"
 backend = "file"
 path = "$WORK/vol0.img"
 size = "256MiB"
+allow_any_host = true
 EOF
     RUST_LOG=info "$BIN/rdmablk-target" --config "$WORK/target.toml" 2>"$WORK/target.log" &
     TPID=$!

@@ -211,7 +211,7 @@ pub fn sparse_file(dir: &Path, name: &str, size: u64) -> PathBuf {
 /// A file volume config block.
 pub fn file_volume(name: &str, path: &Path, size: u64, read_only: bool) -> String {
     format!(
-        "[[volume]]\nname = \"{name}\"\nbackend = \"file\"\npath = \"{}\"\nsize = {size}\nread_only = {read_only}\n",
+        "[[volume]]\nname = \"{name}\"\nbackend = \"file\"\npath = \"{}\"\nsize = {size}\nread_only = {read_only}\nallow_any_host = true\n",
         path.display()
     )
 }
@@ -288,12 +288,12 @@ impl TargetProcess {
 
 /// A `memory` volume config block.
 pub fn memory_volume(name: &str, size: u64, read_only: bool) -> String {
-    format!("[[volume]]\nname = \"{name}\"\nbackend = \"memory\"\nsize = {size}\nread_only = {read_only}\n")
+    format!("[[volume]]\nname = \"{name}\"\nbackend = \"memory\"\nsize = {size}\nread_only = {read_only}\nallow_any_host = true\n")
 }
 
 /// A `null` volume config block.
 pub fn null_volume(name: &str, size: u64) -> String {
-    format!("[[volume]]\nname = \"{name}\"\nbackend = \"null\"\nsize = {size}\n")
+    format!("[[volume]]\nname = \"{name}\"\nbackend = \"null\"\nsize = {size}\nallow_any_host = true\n")
 }
 
 /// GETs `path` from `addr` (HTTP/1.1) and returns (status code, body).
@@ -413,4 +413,498 @@ pub fn target_section_at(port: u16) -> String {
     let host = listen_host();
     let host = if host.contains(':') { format!("[{host}]") } else { host };
     format!("[target]\nlisten = [\"{}://{host}:{port}\"]\n", scheme())
+}
+
+// --- model/crash helpers ---
+
+/// Polls `condition` every 10 ms until it holds; panics naming `what` when
+/// `timeout` passes first. Returns how long it took.
+pub fn wait_until(what: &str, timeout: Duration, mut condition: impl FnMut() -> bool) -> Duration {
+    let t0 = Instant::now();
+    while !condition() {
+        assert!(t0.elapsed() < timeout, "{what}: not within {timeout:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    t0.elapsed()
+}
+
+impl TargetProcess {
+    /// Panics with the whole log when the daemon logged a Rust panic.
+    pub fn assert_no_panic(&self) {
+        let log = self.log();
+        assert!(
+            !log.iter().any(|l| l.contains("panicked")),
+            "rdmablk-target panicked; log:\n{}",
+            log.join("\n")
+        );
+    }
+
+    /// SIGKILLs the daemon and waits until the process is gone (reaped), so
+    /// that its listening port and its file are free again.
+    pub fn kill_and_wait(&mut self) {
+        self.signal(libc::SIGKILL);
+        let code = self.wait_exit(Duration::from_secs(10));
+        assert_eq!(code, None, "a SIGKILLed daemon has no exit code");
+    }
+}
+
+/// Open file descriptors of process `pid` (entries of /proc/PID/fd).
+pub fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).expect("read /proc/PID/fd").count()
+}
+
+/// Resident set size of process `pid` in bytes (VmRSS of /proc/PID/status).
+pub fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc/PID/status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS in /proc/PID/status");
+    kib * 1024
+}
+
+/// The sum over every series of `name` (all label sets), 0 when absent.
+pub fn sample_sum(samples: &[Sample], name: &str) -> f64 {
+    samples.iter().filter(|s| s.name == name).map(|s| s.value).sum()
+}
+
+// --- hostile/limits helpers ---
+
+/// The tcp provider's framing, built by hand from docs/PROTOCOL.md ("The tcp
+/// provider's framing") and `common/src/fabric/tcp/wire.rs`, so that tests
+/// can put on the wire what no provider would.
+pub mod wire {
+    /// Every frame header.
+    pub const HDR_LEN: usize = 32;
+    pub const HELLO: u8 = 1;
+    pub const HELLO_REPLY: u8 = 2;
+    pub const SEND: u8 = 3;
+    pub const WRITE: u8 = 4;
+    pub const READ_REQ: u8 = 5;
+    pub const READ_RESP: u8 = 6;
+    pub const ACK: u8 = 7;
+    pub const TERMINATE: u8 = 8;
+    pub const DISCONNECT: u8 = 9;
+    /// Flags bit 0.
+    pub const FLAG_ACK_REQUESTED: u8 = 1;
+    /// "RDBK", little-endian.
+    pub const MAGIC: u32 = u32::from_le_bytes(*b"RDBK");
+    /// Provider wire version.
+    pub const VERSION: u16 = 1;
+    /// TERMINATE codes.
+    pub const TERM_REMOTE_ACCESS: u32 = 1;
+    pub const TERM_INVALID_REQUEST: u32 = 2;
+    pub const TERM_RNR: u32 = 3;
+
+    /// A frame header, field by field.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct Frame {
+        pub ty: u8,
+        pub flags: u8,
+        pub reserved: u16,
+        pub seq: u32,
+        pub ack: u32,
+        pub length: u32,
+        pub addr: u64,
+        pub rkey: u32,
+        pub aux: u32,
+    }
+
+    impl Frame {
+        /// A header of type `ty`, every other field zero.
+        pub fn new(ty: u8) -> Frame {
+            Frame { ty, ..Default::default() }
+        }
+
+        /// The 32 wire bytes.
+        pub fn encode(&self) -> [u8; HDR_LEN] {
+            let mut b = [0u8; HDR_LEN];
+            b[0] = self.ty;
+            b[1] = self.flags;
+            b[2..4].copy_from_slice(&self.reserved.to_le_bytes());
+            b[4..8].copy_from_slice(&self.seq.to_le_bytes());
+            b[8..12].copy_from_slice(&self.ack.to_le_bytes());
+            b[12..16].copy_from_slice(&self.length.to_le_bytes());
+            b[16..24].copy_from_slice(&self.addr.to_le_bytes());
+            b[24..28].copy_from_slice(&self.rkey.to_le_bytes());
+            b[28..32].copy_from_slice(&self.aux.to_le_bytes());
+            b
+        }
+
+        /// Parses 32 bytes (no validation: tests look at what came).
+        pub fn decode(b: &[u8; HDR_LEN]) -> Frame {
+            let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+            let mut addr = [0u8; 8];
+            addr.copy_from_slice(&b[16..24]);
+            Frame {
+                ty: b[0],
+                flags: b[1],
+                reserved: u16::from_le_bytes([b[2], b[3]]),
+                seq: u32_at(4),
+                ack: u32_at(8),
+                length: u32_at(12),
+                addr: u64::from_le_bytes(addr),
+                rkey: u32_at(24),
+                aux: u32_at(28),
+            }
+        }
+    }
+
+    /// A HELLO frame (header and body) with the given magic, provider
+    /// version, queue sizes and private data.
+    pub fn hello_with(magic: u32, version: u16, caps: [u32; 5], private: &[u8]) -> Vec<u8> {
+        let body_len = 32 + private.len();
+        let mut h = Frame::new(HELLO);
+        h.length = body_len as u32;
+        let mut out = h.encode().to_vec();
+        out.extend_from_slice(&magic.to_le_bytes());
+        out.extend_from_slice(&version.to_le_bytes());
+        out.extend_from_slice(&(private.len() as u16).to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        for c in caps {
+            out.extend_from_slice(&c.to_le_bytes());
+        }
+        out.extend_from_slice(private);
+        out
+    }
+
+    /// A well-formed HELLO: 64 send and receive work requests, one SGE each.
+    pub fn hello() -> Vec<u8> {
+        hello_with(MAGIC, VERSION, [64, 64, 1, 1, 0], &[])
+    }
+}
+
+/// What a [`WireConn`] saw while waiting.
+#[derive(Debug)]
+pub enum WireEvent {
+    /// A response capsule and its reply data.
+    Response(rdmablk_common::protocol::ResponseCapsule, Vec<u8>),
+    /// The daemon sent TERMINATE with this error code, naming our frame `seq`.
+    Terminated { code: u32, seq: u32 },
+    /// The daemon sent DISCONNECT, closed the stream or reset it.
+    Closed(String),
+    /// Nothing within the timeout.
+    Silence,
+}
+
+/// A hand-driven tcp:// connection: a minimal software NIC in the test, over
+/// a plain `TcpStream`. It sends frames exactly as told, acknowledges the
+/// daemon's SENDs, and plays the initiator's memory for the daemon's RDMA
+/// READ and WRITE (one region, `mem`, with rkey `mem_rkey` at `mem_addr`).
+pub struct WireConn {
+    pub stream: std::net::TcpStream,
+    /// This end's address as the daemon logs it (`127.0.0.1:PORT`).
+    pub peer: String,
+    next_seq: u32,
+    /// Highest daemon sequence number processed (our cumulative ack).
+    rx_processed: u32,
+    pub mem: Vec<u8>,
+    pub mem_addr: u64,
+    pub mem_rkey: u32,
+    /// Answer the daemon's RDMA READs at once (else they wait in `read_reqs`).
+    pub serve_reads: bool,
+    /// READ_REQ frames not answered yet.
+    pub read_reqs: std::collections::VecDeque<wire::Frame>,
+    events: std::collections::VecDeque<WireEvent>,
+    next_cid: u16,
+    /// This end refused one of the daemon's requests (as a NIC's queue pair
+    /// in the error state, it executes and acknowledges nothing more).
+    faulted: bool,
+}
+
+/// The address `tcp://host:port` names.
+pub fn socket_addr_of(url: &str) -> std::net::SocketAddr {
+    use std::net::ToSocketAddrs;
+    let hp = url.split("://").nth(1).expect("scheme://host:port");
+    hp.to_socket_addrs().expect("resolve").next().expect("an address")
+}
+
+impl WireConn {
+    /// A TCP connection to the daemon, nothing sent.
+    pub fn tcp(url: &str) -> std::net::TcpStream {
+        let s = std::net::TcpStream::connect(socket_addr_of(url)).expect("TCP connect to the daemon");
+        s.set_nodelay(true).unwrap();
+        s
+    }
+
+    /// A TCP connection with nothing sent yet, wrapped (for framing attacks
+    /// that start before the HELLO).
+    pub fn raw(url: &str) -> WireConn {
+        let stream = Self::tcp(url);
+        let peer = stream.local_addr().unwrap().to_string();
+        WireConn {
+            stream,
+            peer,
+            next_seq: 1,
+            rx_processed: 0,
+            mem: vec![0; 1 << 20],
+            mem_addr: 0x7f00_0000_0000,
+            mem_rkey: 0x1234_5678,
+            serve_reads: true,
+            read_reqs: Default::default(),
+            events: Default::default(),
+            next_cid: 1,
+            faulted: false,
+        }
+    }
+
+    /// Connects and completes the HELLO exchange; panics on a reject.
+    pub fn hello(url: &str) -> WireConn {
+        let mut c = Self::raw(url);
+        c.send(&wire::hello());
+        let (h, body) = c.read_frame(std::time::Duration::from_secs(10)).expect("HELLO_REPLY");
+        assert_eq!(h.ty, wire::HELLO_REPLY, "expected HELLO_REPLY, got {h:?}");
+        let status = u32::from_le_bytes(body[8..12].try_into().unwrap());
+        assert_eq!(status, 0, "the daemon rejected the HELLO: {:?}", String::from_utf8_lossy(&body[32..]));
+        c
+    }
+
+    /// Writes bytes as they are.
+    pub fn send(&mut self, bytes: &[u8]) {
+        use std::io::Write;
+        self.stream.write_all(bytes).expect("write to the daemon");
+    }
+
+    /// Sends one frame (its ack field set to ours unless `keep_ack`) and payload.
+    pub fn send_frame(&mut self, mut h: wire::Frame, payload: &[u8], keep_ack: bool) {
+        if !keep_ack {
+            h.ack = self.rx_processed;
+        }
+        let mut out = h.encode().to_vec();
+        out.extend_from_slice(payload);
+        self.send(&out);
+    }
+
+    /// The sequence number the next work-request frame must carry.
+    pub fn take_seq(&mut self) -> u32 {
+        let s = self.next_seq;
+        self.next_seq = self.next_seq.wrapping_add(1).max(1);
+        s
+    }
+
+    /// Sends `bytes` as one SEND (a capsule and its inline data).
+    pub fn send_message(&mut self, bytes: &[u8]) {
+        let seq = self.take_seq();
+        let h = wire::Frame { ty: wire::SEND, flags: wire::FLAG_ACK_REQUESTED, seq, length: bytes.len() as u32, ..Default::default() };
+        self.send_frame(h, bytes, false);
+    }
+
+    /// Sends a capsule (a fresh command id unless it has one) and inline
+    /// data as one SEND; returns the command id.
+    pub fn post(&mut self, mut c: rdmablk_common::protocol::CommandCapsule, inline: &[u8]) -> rdmablk_common::protocol::CommandId {
+        if c.command_id.0 == 0 {
+            c.command_id = rdmablk_common::protocol::CommandId(self.next_cid);
+            self.next_cid = self.next_cid.wrapping_add(1).max(1);
+        }
+        c.inline_len = inline.len() as u32;
+        let mut msg = c.to_bytes().to_vec();
+        msg.extend_from_slice(inline);
+        self.send_message(&msg);
+        c.command_id
+    }
+
+    /// Sends a capsule and waits for its response; panics on anything else.
+    pub fn command(
+        &mut self,
+        c: rdmablk_common::protocol::CommandCapsule,
+        inline: &[u8],
+    ) -> (rdmablk_common::protocol::ResponseCapsule, Vec<u8>) {
+        let id = self.post(c, inline);
+        match self.next_event(std::time::Duration::from_secs(10)) {
+            WireEvent::Response(r, d) if r.command_id == id => (r, d),
+            other => panic!("expected the response to command {}, got {other:?}", id.0),
+        }
+    }
+
+    /// A valid CONNECT for `host` (protocol v1, queue depth `depth`).
+    pub fn connect(&mut self, host: &str, depth: u32) -> rdmablk_common::protocol::ConnectReply {
+        use rdmablk_common::protocol::*;
+        let mut c = CommandCapsule::new(Opcode::Connect, CommandId(0));
+        c.version = PROTOCOL_VERSION;
+        c.queue_depth = depth;
+        c.max_io_size = 1 << 20;
+        let (r, data) = self.command(c, host.as_bytes());
+        assert_eq!(r.status, Status::Success, "CONNECT: {r:?}");
+        ConnectReply::decode(&data).expect("connect reply")
+    }
+
+    /// OPENs `name`; returns the volume info.
+    pub fn open_volume(&mut self, name: &str) -> rdmablk_common::protocol::VolumeInfo {
+        use rdmablk_common::protocol::*;
+        let (r, data) = self.command(CommandCapsule::new(Opcode::OpenVolume, CommandId(0)), name.as_bytes());
+        assert_eq!(r.status, Status::Success, "OPEN {name}: {r:?}");
+        VolumeInfo::decode(&data).expect("volume info")
+    }
+
+    /// A descriptor for `[offset, offset + len)` of `mem`.
+    pub fn descriptor(&self, offset: u64, len: u32) -> rdmablk_common::protocol::DataDescriptor {
+        rdmablk_common::protocol::DataDescriptor { remote_addr: self.mem_addr + offset, length: len, rkey: self.mem_rkey }
+    }
+
+    /// The next event: a response, a TERMINATE, the end of the stream, or
+    /// silence for `timeout`. Serves the daemon's RDMA operations meanwhile.
+    pub fn next_event(&mut self, timeout: std::time::Duration) -> WireEvent {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(e) = self.events.pop_front() {
+                return e;
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return WireEvent::Silence;
+            }
+            match self.read_frame(left) {
+                Ok((h, payload)) => self.on_frame(h, payload),
+                Err(e) if e == "timeout" => return WireEvent::Silence,
+                Err(e) => return WireEvent::Closed(e),
+            }
+        }
+    }
+
+    /// Reads frames until the daemon closes the stream; true if it did
+    /// within `timeout` (a TERMINATE or responses before it are fine).
+    pub fn wait_closed(&mut self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            match self.next_event(deadline.saturating_duration_since(std::time::Instant::now())) {
+                WireEvent::Closed(_) => return true,
+                WireEvent::Silence => return false,
+                _ => {}
+            }
+        }
+    }
+
+    fn on_frame(&mut self, h: wire::Frame, payload: Vec<u8>) {
+        if self.faulted && !matches!(h.ty, wire::TERMINATE | wire::DISCONNECT) {
+            return;
+        }
+        match h.ty {
+            wire::SEND => {
+                self.rx_processed = h.seq;
+                match rdmablk_common::protocol::ResponseCapsule::decode(&payload) {
+                    Ok(r) => self.events.push_back(WireEvent::Response(r, payload[32..].to_vec())),
+                    Err(e) => self.events.push_back(WireEvent::Closed(format!("undecodable response: {e}"))),
+                }
+                if h.flags & wire::FLAG_ACK_REQUESTED != 0 {
+                    self.send_frame(wire::Frame::new(wire::ACK), &[], false);
+                }
+            }
+            wire::WRITE => {
+                let off = h.addr.wrapping_sub(self.mem_addr);
+                if h.rkey == self.mem_rkey && off.checked_add(h.length as u64).is_some_and(|end| end <= self.mem.len() as u64) {
+                    self.mem[off as usize..off as usize + payload.len()].copy_from_slice(&payload);
+                    self.rx_processed = h.seq;
+                    if h.flags & wire::FLAG_ACK_REQUESTED != 0 {
+                        self.send_frame(wire::Frame::new(wire::ACK), &[], false);
+                    }
+                } else {
+                    self.refuse_remote_access(h.seq);
+                }
+            }
+            wire::READ_REQ if self.serve_reads => self.serve_read(h),
+            wire::READ_REQ => self.read_reqs.push_back(h),
+            wire::TERMINATE => self.events.push_back(WireEvent::Terminated { code: h.aux, seq: h.seq }),
+            wire::DISCONNECT => self.events.push_back(WireEvent::Closed("DISCONNECT".into())),
+            _ => {}
+        }
+    }
+
+    /// Answers one RDMA READ of the daemon from `mem` (TERMINATE with
+    /// REMOTE_ACCESS when it names anything else, as a NIC would).
+    pub fn serve_read(&mut self, h: wire::Frame) {
+        let off = h.addr.wrapping_sub(self.mem_addr);
+        if h.rkey == self.mem_rkey && off.checked_add(h.aux as u64).is_some_and(|end| end <= self.mem.len() as u64) {
+            let data = self.mem[off as usize..off as usize + h.aux as usize].to_vec();
+            self.rx_processed = h.seq;
+            let r = wire::Frame { ty: wire::READ_RESP, length: h.aux, aux: h.seq, ..Default::default() };
+            self.send_frame(r, &data, false);
+        } else {
+            self.refuse_remote_access(h.seq);
+        }
+    }
+
+    /// Refuses the daemon's request `seq` as a NIC does a bad rkey or range:
+    /// TERMINATE naming it, never acknowledged, nothing executed after it.
+    fn refuse_remote_access(&mut self, seq: u32) {
+        self.faulted = true;
+        let t = wire::Frame { ty: wire::TERMINATE, seq, aux: wire::TERM_REMOTE_ACCESS, ..Default::default() };
+        self.send_frame(t, &[], false);
+    }
+
+    /// Reads one frame: Err("timeout"), or Err(why) when the stream ended.
+    pub fn read_frame(&mut self, timeout: std::time::Duration) -> std::result::Result<(wire::Frame, Vec<u8>), String> {
+        let mut hdr = [0u8; wire::HDR_LEN];
+        self.read_exact_within(&mut hdr, timeout)?;
+        let h = wire::Frame::decode(&hdr);
+        assert!(h.length <= 16 << 20, "the daemon sent a {}-byte frame", h.length);
+        let mut payload = vec![0u8; h.length as usize];
+        self.read_exact_within(&mut payload, std::time::Duration::from_secs(10))?;
+        Ok((h, payload))
+    }
+
+    fn read_exact_within(&mut self, buf: &mut [u8], timeout: std::time::Duration) -> std::result::Result<(), String> {
+        use std::io::Read;
+        let deadline = std::time::Instant::now() + timeout;
+        let mut got = 0;
+        while got < buf.len() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now()).max(Duration::from_millis(1));
+            self.stream.set_read_timeout(Some(left)).unwrap();
+            match self.stream.read(&mut buf[got..]) {
+                Ok(0) => return Err("EOF".into()),
+                Ok(n) => got += n,
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                    if std::time::Instant::now() >= deadline {
+                        if got == 0 {
+                            return Err("timeout".into());
+                        }
+                        return Err(format!("timeout after {got} of {} bytes", buf.len()));
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl TargetProcess {
+    /// Waits until one log line contains every needle; returns it.
+    pub fn wait_for_log_all(&self, needles: &[&str], timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(l) = self.log.lock().unwrap().iter().find(|l| needles.iter().all(|n| l.contains(n))) {
+                return l.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no log line containing all of {needles:?}; log:\n{}",
+                self.log().join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// How many log lines contain `needle`.
+    pub fn count_log(&self, needle: &str) -> usize {
+        self.log.lock().unwrap().iter().filter(|l| l.contains(needle)).count()
+    }
+}
+
+/// The soft RLIMIT_NOFILE of this process, from /proc/self/limits.
+pub fn nofile_limit() -> u64 {
+    let text = std::fs::read_to_string("/proc/self/limits").expect("read /proc/self/limits");
+    let line = text.lines().find(|l| l.starts_with("Max open files")).expect("Max open files line");
+    let soft = line["Max open files".len()..].split_whitespace().next().expect("soft limit");
+    if soft == "unlimited" {
+        u64::MAX
+    } else {
+        soft.parse().expect("a number")
+    }
+}
+
+/// FNV-1a of bytes, the same digest [`file_digest`] computes of a file.
+pub fn bytes_digest(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
 }

@@ -762,3 +762,37 @@ fn iopoll_is_refused_for_volumes_without_poll_queues() {
         "{err}"
     );
 }
+
+/// CPU seconds (user + system) the process has used, from /proc.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which may hold spaces) start after ')'.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    // utime and stime are fields 14 and 15 (1-based), i.e. 11 and 12 here.
+    let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    // /proc counts in USER_HZ ticks, which Linux fixes at 100 per second.
+    ticks as f64 / 100.0
+}
+
+#[test]
+fn busy_polling_reactors_serve_io_and_still_go_to_sleep_when_idle() {
+    let cfg = format!("{}busy_poll = \"5ms\"\nreactors = 1\n{}", target_section(), memory_volume("m", 16 * MIB, false));
+    let target = TargetProcess::start(&cfg);
+    let (mut q, _) = RawQueue::connected(&target.url, 1 << 20);
+    let vol = q.open_volume("m").unwrap().volume_id;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed());
+    for lba in 0..64 {
+        let data = random(&mut rng, 4096);
+        assert_eq!(write(&mut q, vol, lba, &data, false), Status::Success);
+        let (st, back) = read(&mut q, vol, lba, 4096);
+        assert_eq!((st, back), (Status::Success, data));
+    }
+    // Idle now: after busy_poll the reactor sleeps, so a second of idleness
+    // costs next to no CPU (a reactor that kept polling would burn ~1 s).
+    std::thread::sleep(Duration::from_millis(100));
+    let before = cpu_seconds(target.pid());
+    std::thread::sleep(Duration::from_secs(1));
+    let used = cpu_seconds(target.pid()) - before;
+    assert!(used < 0.3, "an idle target with busy_poll = 5ms used {used:.2} CPU-s in 1 s");
+}

@@ -74,6 +74,10 @@ impl Access {
     pub const REMOTE_WRITE: Access = Access(2);
     /// A peer may RDMA READ from the region.
     pub const REMOTE_READ: Access = Access(4);
+    /// Memory windows may be bound over the region (`IBV_ACCESS_MW_BIND`);
+    /// a region registered with it and without remote rights is reachable
+    /// by peers only through the windows bound over it.
+    pub const MW_BIND: Access = Access(8);
 
     /// Whether every right in `other` is granted.
     pub fn contains(self, other: Access) -> bool {
@@ -103,6 +107,9 @@ impl fmt::Debug for Access {
         }
         if self.contains(Access::REMOTE_READ) {
             names.push("REMOTE_READ");
+        }
+        if self.contains(Access::MW_BIND) {
+            names.push("MW_BIND");
         }
         write!(f, "Access({})", if names.is_empty() { "NONE".to_owned() } else { names.join("|") })
     }
@@ -281,6 +288,8 @@ pub enum FabricErrorKind {
     InvalidState,
     /// An operating-system call failed.
     Io,
+    /// The provider or device does not offer this feature.
+    Unsupported,
 }
 
 impl fmt::Display for FabricErrorKind {
@@ -294,6 +303,7 @@ impl fmt::Display for FabricErrorKind {
             FabricErrorKind::Timeout => "timed out",
             FabricErrorKind::InvalidState => "invalid queue pair state",
             FabricErrorKind::Io => "I/O error",
+            FabricErrorKind::Unsupported => "not supported",
         })
     }
 }
@@ -353,6 +363,27 @@ enum MrImpl {
     Verbs(verbs::VerbsMr),
 }
 
+/// A memory window: remote rights over part of a region, under its own
+/// rkey, for as long as it lives. Dropping it invalidates the rkey: a
+/// peer's access with it afterwards fails (REMOTE_ACCESS), as after
+/// `IBV_WR_LOCAL_INV` of a type-2 window.
+pub struct MemoryWindow {
+    inner: MwImpl,
+}
+
+enum MwImpl {
+    Tcp(tcp::TcpWindow),
+}
+
+impl MemoryWindow {
+    /// The key a peer names in RDMA READ/WRITE through this window.
+    pub fn rkey(&self) -> Rkey {
+        match &self.inner {
+            MwImpl::Tcp(w) => w.rkey(),
+        }
+    }
+}
+
 /// A completion queue with a completion channel.
 pub struct CompletionQueue {
     inner: CqImpl,
@@ -373,6 +404,20 @@ enum QpImpl {
     Tcp(tcp::TcpQp),
     #[cfg(feature = "verbs")]
     Verbs(verbs::VerbsQp),
+}
+
+/// How a listener treats peers that are still connecting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ListenOptions {
+    /// A peer that has not completed its connection request within this time
+    /// is dropped (tcp: the HELLO; rdma_cm applies its own timeouts).
+    pub handshake_timeout: Duration,
+}
+
+impl Default for ListenOptions {
+    fn default() -> Self {
+        ListenOptions { handshake_timeout: Duration::from_secs(10) }
+    }
 }
 
 /// A passive endpoint that yields connection requests.
@@ -468,10 +513,16 @@ impl Fabric {
         }
     }
 
-    /// Listens on this fabric's URL.
+    /// Listens on this fabric's URL with the default [`ListenOptions`].
     pub fn listen(&self) -> Result<Listener> {
+        self.listen_with(ListenOptions::default())
+    }
+
+    /// Listens on this fabric's URL.
+    pub fn listen_with(&self, options: ListenOptions) -> Result<Listener> {
         match &self.inner {
-            FabricImpl::Tcp(f) => Ok(Listener { inner: ListenerImpl::Tcp(f.listen()?) }),
+            FabricImpl::Tcp(f) => Ok(Listener { inner: ListenerImpl::Tcp(f.listen_with(options.handshake_timeout)?) }),
+            // rdma_cm bounds its own connection establishment.
             #[cfg(feature = "verbs")]
             FabricImpl::Verbs(f) => Ok(Listener { inner: ListenerImpl::Verbs(f.listen()?) }),
         }
@@ -486,7 +537,7 @@ pub(crate) fn check_registration(addr: *mut u8, len: usize, access: Access) -> R
     if access.contains(Access::REMOTE_WRITE) && !access.contains(Access::LOCAL_WRITE) {
         return Err(invalid("REMOTE_WRITE requires LOCAL_WRITE"));
     }
-    let known = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+    let known = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ | Access::MW_BIND;
     if access.bits() & !known.bits() != 0 {
         return Err(invalid("unknown access bits"));
     }
@@ -503,6 +554,18 @@ pub(crate) fn check_registration(addr: *mut u8, len: usize, access: Access) -> R
 }
 
 impl ProtectionDomain {
+    /// Whether [`QueuePair::bind_window`] works on this domain's queue pairs.
+    /// tcp: always. verbs: not yet (type-2 windows and fast-registration
+    /// invalidation are not implemented); a region is then reachable by
+    /// peers for as long as it is registered with remote rights.
+    pub fn supports_windows(&self) -> bool {
+        match &self.inner {
+            PdImpl::Tcp(_) => true,
+            #[cfg(feature = "verbs")]
+            PdImpl::Verbs(_) => false,
+        }
+    }
+
     /// Registers caller-owned memory.
     ///
     /// # Safety
@@ -577,6 +640,20 @@ impl CompletionQueue {
     pub fn capacity(&self) -> u32 {
         dispatch!(CqImpl, &self.inner, cq => cq.capacity())
     }
+    /// Lets a software provider hold back the acknowledgements of received
+    /// frames until the application has had its turn to answer, so that
+    /// its next frame carries them instead of a frame of their own. Only
+    /// for an owner that keeps polling while it has work and arms the CQ
+    /// before it sleeps (a reactor): the held-back ACKs leave at the next
+    /// `poll`, at a `poll` that returns nothing, or at `arm`. Off by
+    /// default. A NIC acknowledges in hardware; verbs ignores this.
+    pub fn set_ack_coalescing(&self, on: bool) {
+        match &self.inner {
+            CqImpl::Tcp(cq) => cq.set_ack_coalescing(on),
+            #[cfg(feature = "verbs")]
+            CqImpl::Verbs(_) => {}
+        }
+    }
     /// Consumes the notification after the fd was readable.
     pub fn ack_event(&self) -> Result<()> {
         dispatch!(CqImpl, &self.inner, cq => cq.ack_event())
@@ -631,6 +708,24 @@ impl QueuePair {
     /// [`ConnectRequest::into_queue_pair`]. Receives must be posted first.
     pub fn accept(&self, private_data: &[u8]) -> Result<()> {
         dispatch!(QpImpl, &self.inner, qp => qp.accept(private_data))
+    }
+    /// Binds a memory window over `[addr, addr + len)` of the region whose
+    /// rkey is `parent` (registered with [`Access::MW_BIND`] in this queue
+    /// pair's domain), granting `access` — `REMOTE_READ` and/or
+    /// `REMOTE_WRITE` (which needs the region's `LOCAL_WRITE`) — to this
+    /// queue pair's peer only, under a fresh unpredictable rkey: a type-2B
+    /// window. Verbs binds it with a work request (`IBV_WR_BIND_MW`); here
+    /// the bind takes effect at once. Not supported by the verbs provider
+    /// yet ([`ProtectionDomain::supports_windows`]).
+    pub fn bind_window(&self, parent: Rkey, addr: u64, len: u64, access: Access) -> Result<MemoryWindow> {
+        match &self.inner {
+            QpImpl::Tcp(qp) => Ok(MemoryWindow { inner: MwImpl::Tcp(qp.bind_window(parent, addr, len, access)?) }),
+            #[cfg(feature = "verbs")]
+            QpImpl::Verbs(_) => Err(FabricError::new(
+                FabricErrorKind::Unsupported,
+                "memory windows are not supported by the verbs provider",
+            )),
+        }
     }
     /// Posts a chain of send-queue work requests, executed in order.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {

@@ -637,6 +637,8 @@ impl<'a> FakeConn<'a> {
                 self.respond(i, ok(0), &[], None)
             }
             Opcode::KeepAlive => self.respond(i, ok(0), &[], None),
+            // This fake target has no [[host]] entries: it authenticates nobody.
+            Opcode::AuthNegotiate | Opcode::AuthReply => self.respond(i, fail(Status::AuthFailed, 0), &[], None),
             Opcode::Read | Opcode::Write | Opcode::Flush | Opcode::Discard | Opcode::WriteZeroes => {
                 self.io(i, c, &inline)
             }

@@ -378,13 +378,24 @@ pub struct VolumeSet {
     pub volumes: Vec<Arc<Volume>>,
     /// What command validation needs, in the same order.
     pub table: VolumeTable,
+    /// Host keys and volume grants, published with the volumes so that a
+    /// reload's grants reach every reactor with its volume snapshot.
+    pub access: Arc<crate::auth::AccessPolicy>,
 }
 
 impl VolumeSet {
-    /// A set of `volumes` at `generation`.
+    /// A set of `volumes` at `generation`, with no `[[host]]` and no grants
+    /// (nobody may open anything): give it a policy with [`VolumeSet::with_access`].
     pub fn new(generation: u64, volumes: Vec<Arc<Volume>>) -> VolumeSet {
         let table = VolumeTable::new(volumes.iter().map(|v| VolumeMeta::of(v)).collect());
-        VolumeSet { generation, volumes, table }
+        VolumeSet { generation, volumes, table, access: Arc::default() }
+    }
+
+    /// The same set under `access` (grants of volumes it does not name: none).
+    pub fn with_access(mut self, access: Arc<crate::auth::AccessPolicy>) -> VolumeSet {
+        self.table = self.table.with_access(&access);
+        self.access = access;
+        self
     }
 
     /// The volume named `name`.

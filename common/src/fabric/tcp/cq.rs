@@ -28,6 +28,10 @@ pub(crate) struct CqShared {
     queue: Mutex<VecDeque<Completion>>,
     armed: AtomicBool,
     qps: Mutex<HashMap<u32, Weak<QpShared>>>,
+    /// Hold back standalone ACKs (see `CompletionQueue::set_ack_coalescing`).
+    coalesce_acks: AtomicBool,
+    /// Queue pairs owing a standalone ACK (see `qp::progress`).
+    deferred_acks: Mutex<Vec<u32>>,
     capacity: u32,
 }
 
@@ -52,6 +56,27 @@ impl CqShared {
     pub(crate) fn detach(&self, qp_num: u32) {
         lock(&self.qps).remove(&qp_num);
     }
+
+    pub(crate) fn coalesces_acks(&self) -> bool {
+        self.coalesce_acks.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn defer_ack(&self, qp_num: u32) {
+        lock(&self.deferred_acks).push(qp_num);
+    }
+
+    /// Sends the ACKs deferred since the last call.
+    fn send_deferred_acks(&self) {
+        loop {
+            // One entry at a time: the progress routine takes this lock too.
+            let next = lock(&self.deferred_acks).pop();
+            let Some(qp_num) = next else { return };
+            let qp = lock(&self.qps).get(&qp_num).and_then(Weak::upgrade);
+            if let Some(qp) = qp {
+                qp::send_deferred_ack(&qp);
+            }
+        }
+    }
 }
 
 /// A completion queue of the tcp provider.
@@ -72,6 +97,8 @@ impl TcpCq {
                 queue: Mutex::new(VecDeque::with_capacity(capacity.clamp(1, 1 << 16) as usize)),
                 armed: AtomicBool::new(false),
                 qps: Mutex::new(HashMap::new()),
+                coalesce_acks: AtomicBool::new(false),
+                deferred_acks: Mutex::new(Vec::new()),
                 capacity,
             }),
         })
@@ -83,8 +110,15 @@ impl TcpCq {
 
     /// Drives every attached queue pair whose socket is ready, then returns
     /// up to `out.len()` completions.
+    ///
+    /// Standalone ACKs deferred by earlier rounds leave at the start of the
+    /// next call (the application has had its turn to answer with a frame
+    /// that carries them), and at the end of a call that returns no
+    /// completion (nothing for the application to answer). An application
+    /// that stops polling arms the CQ first, which sends them too.
     pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
         let sh = &*self.shared;
+        sh.send_deferred_acks();
         let mut events = [sys::EMPTY_EVENT; EVENTS_PER_POLL];
         let n = sys::epoll_wait(sh.epfd(), &mut events, 0)
             .map_err(|e| FabricError::io("epoll_wait on a completion queue", e))?;
@@ -92,6 +126,10 @@ impl TcpCq {
             // Copy out of the (packed) struct before use.
             let (token, flags) = (ev.u64, ev.events);
             if token == EVENTFD_TOKEN {
+                // Completions are returned below whether or not it fired;
+                // drained here so that a fired channel does not make every
+                // later epoll_wait report it again.
+                sys::counter_drain(sh.evfd.as_raw_fd());
                 continue;
             }
             let qp = lock(&sh.qps).get(&(token as u32)).and_then(Weak::upgrade);
@@ -99,10 +137,16 @@ impl TcpCq {
                 qp::progress(&qp, flags);
             }
         }
-        let mut queue = lock(&sh.queue);
-        let k = out.len().min(queue.len());
-        for (slot, c) in out.iter_mut().zip(queue.drain(..k)) {
-            *slot = c;
+        let k = {
+            let mut queue = lock(&sh.queue);
+            let k = out.len().min(queue.len());
+            for (slot, c) in out.iter_mut().zip(queue.drain(..k)) {
+                *slot = c;
+            }
+            k
+        };
+        if k == 0 {
+            sh.send_deferred_acks();
         }
         Ok(k)
     }
@@ -120,12 +164,20 @@ impl TcpCq {
     /// completions are already queued.
     pub fn arm(&self) -> Result<()> {
         let sh = &*self.shared;
+        sh.send_deferred_acks();
         sh.armed.store(true, Ordering::Release);
         let pending = !lock(&sh.queue).is_empty();
         if pending && sh.armed.swap(false, Ordering::AcqRel) {
             sys::eventfd_signal(sh.evfd.as_raw_fd());
         }
         Ok(())
+    }
+
+    pub fn set_ack_coalescing(&self, on: bool) {
+        self.shared.coalesce_acks.store(on, Ordering::Relaxed);
+        if !on {
+            self.shared.send_deferred_acks();
+        }
     }
 
     pub fn ack_event(&self) -> Result<()> {

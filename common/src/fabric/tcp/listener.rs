@@ -154,9 +154,10 @@ impl TcpListener {
                 Ok(true) => {
                     let p = inner.pending.remove(&token).expect("present");
                     sys::epoll_del(epfd, p.stream.as_raw_fd());
+                    let peer = p.peer;
                     match finish(p) {
                         Ok(req) => inner.ready.push_back(req),
-                        Err(why) => tracing::warn!("refusing a connection: {why}"),
+                        Err(why) => tracing::warn!(%peer, "refusing a connection: {why}"),
                     }
                 }
                 Err(why) => {

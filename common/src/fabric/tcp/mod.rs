@@ -115,7 +115,7 @@ mod tests;
 
 pub use cq::TcpCq;
 pub use listener::{TcpConnectRequest, TcpListener};
-pub use mr::{TcpMr, TcpPd};
+pub use mr::{TcpMr, TcpPd, TcpWindow};
 pub use qp::TcpQp;
 
 use super::{FabricError, FabricErrorKind, FabricUrl, QpCaps, Result};
@@ -186,5 +186,10 @@ impl TcpFabric {
 
     pub fn listen(&self) -> Result<TcpListener> {
         TcpListener::bind(&self.url, listener::HANDSHAKE_TIMEOUT)
+    }
+
+    /// Listens, dropping peers whose HELLO is not complete within `handshake_timeout`.
+    pub fn listen_with(&self, handshake_timeout: std::time::Duration) -> Result<TcpListener> {
+        TcpListener::bind(&self.url, handshake_timeout)
     }
 }

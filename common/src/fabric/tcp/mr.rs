@@ -23,7 +23,7 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use arc_swap::ArcSwap;
 
 use super::MAX_SGE;
-use crate::fabric::{check_registration, Access, Lkey, Result, Rkey};
+use crate::fabric::{check_registration, Access, FabricError, FabricErrorKind, Lkey, Result, Rkey};
 
 /// Every lkey and rkey currently registered in this process, so that keys
 /// are unique process-wide and never reused while registered.
@@ -33,11 +33,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A random nonzero key not in use. `rand::random` draws from the thread's
-/// ChaCha-based CSPRNG, so keys are not predictable from earlier ones.
+/// Set in the rkey of every memory window and in no region key, so a
+/// lookup knows which table to search.
+const WINDOW_KEY_BIT: u32 = 1 << 31;
+
+/// A random nonzero region key (window bit clear) not in use. `rand::random`
+/// draws from the thread's ChaCha-based CSPRNG, so keys are not predictable
+/// from earlier ones.
 fn alloc_key(set: &mut HashSet<u32>) -> u32 {
     loop {
-        let k: u32 = rand::random();
+        let k: u32 = rand::random::<u32>() & !WINDOW_KEY_BIT;
         if k != 0 && set.insert(k) {
             return k;
         }
@@ -100,10 +105,54 @@ impl RegionTable {
     }
 }
 
+/// A memory window: remote rights over part of a region registered with
+/// `MW_BIND`, under its own rkey, until invalidated.
+struct Window {
+    addr: u64,
+    len: u64,
+    access: Access,
+    parent: Arc<Region>,
+    /// The queue pair it was bound on: the only one whose peer may use it
+    /// (as a type-2B window on a NIC).
+    qp_num: u32,
+}
+
 /// State shared by a PD, its regions and its queue pairs.
 pub(crate) struct PdShared {
     pub(crate) table: ArcSwap<RegionTable>,
     writer: Mutex<()>,
+    /// Bound windows by rkey. A mutex, not a snapshot: windows come and go
+    /// with every command, and a lookup is one short critical section.
+    windows: Mutex<HashMap<u32, Window>>,
+}
+
+impl PdShared {
+    /// The region the peer of queue pair `qp_num` may touch with `rkey` —
+    /// a region granting `need` itself, or the region under a window bound
+    /// on that queue pair granting it — if the range is covered. A window's
+    /// region is kept alive in `holder`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn remote<'t>(
+        &self,
+        table: &'t RegionTable,
+        holder: &'t mut Option<Arc<Region>>,
+        qp_num: u32,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: Access,
+    ) -> Option<&'t Region> {
+        if rkey & WINDOW_KEY_BIT == 0 {
+            return table.remote(rkey, addr, len, need);
+        }
+        let parent = {
+            let windows = lock(&self.windows);
+            let w = windows.get(&rkey)?;
+            let inside = addr.checked_sub(w.addr).and_then(|off| off.checked_add(len)).is_some_and(|end| end <= w.len);
+            (w.qp_num == qp_num && w.access.contains(need) && inside).then(|| w.parent.clone())?
+        };
+        Some(&**holder.insert(parent))
+    }
 }
 
 /// Most pins one operation holds: one per SGE.
@@ -123,6 +172,11 @@ impl<'a> Pins<'a> {
     /// Pins `r`; false if it was deregistered (or, defensively, if too many
     /// pins are held).
     pub(crate) fn pin(&mut self, r: &'a Region) -> bool {
+        if self.regs[..self.n].iter().flatten().any(|p| std::ptr::eq(*p, r)) {
+            // Already pinned by this holder (a chain of work requests on one
+            // region): the region stays valid until the holder drops.
+            return true;
+        }
         if self.n == MAX_PINS || !r.try_pin() {
             return false;
         }
@@ -130,13 +184,26 @@ impl<'a> Pins<'a> {
         self.n += 1;
         true
     }
+
+    /// How many more distinct regions can be pinned.
+    pub(crate) fn room(&self) -> usize {
+        MAX_PINS - self.n
+    }
+
+    /// Unpins everything pinned so far.
+    pub(crate) fn release(&mut self) {
+        for r in self.regs[..self.n].iter_mut() {
+            if let Some(r) = r.take() {
+                r.unpin();
+            }
+        }
+        self.n = 0;
+    }
 }
 
 impl Drop for Pins<'_> {
     fn drop(&mut self) {
-        for r in self.regs[..self.n].iter().flatten() {
-            r.unpin();
-        }
+        self.release();
     }
 }
 
@@ -148,7 +215,11 @@ pub struct TcpPd {
 impl TcpPd {
     pub(crate) fn new() -> TcpPd {
         TcpPd {
-            shared: Arc::new(PdShared { table: ArcSwap::from_pointee(RegionTable::default()), writer: Mutex::new(()) }),
+            shared: Arc::new(PdShared {
+                table: ArcSwap::from_pointee(RegionTable::default()),
+                writer: Mutex::new(()),
+                windows: Mutex::new(HashMap::new()),
+            }),
         }
     }
 
@@ -182,6 +253,70 @@ impl TcpPd {
         table.by_lkey.insert(lkey, region.clone());
         self.shared.table.store(Arc::new(table));
         Ok(TcpMr { region, pd: self.shared.clone() })
+    }
+}
+
+impl PdShared {
+    /// Binds a window over `[addr, addr + len)` of the region whose rkey is
+    /// `parent`, for the peer of queue pair `qp_num` only, granting
+    /// `access` (remote rights only) under a fresh random rkey. The region
+    /// must have been registered with `MW_BIND` (and `LOCAL_WRITE` for a
+    /// window that grants `REMOTE_WRITE`).
+    pub(crate) fn bind_window(self: &Arc<PdShared>, qp_num: u32, parent: Rkey, addr: u64, len: u64, access: Access) -> Result<TcpWindow> {
+        let invalid = |why: String| Err(FabricError::new(FabricErrorKind::InvalidArgument, format!("bind_window: {why}")));
+        if access.bits() & !(Access::REMOTE_READ | Access::REMOTE_WRITE).bits() != 0 || access == Access::NONE {
+            return invalid(format!("a window grants REMOTE_READ and/or REMOTE_WRITE, not {access:?}"));
+        }
+        if len == 0 {
+            return invalid("zero length".to_owned());
+        }
+        let region = {
+            let table = self.table.load();
+            match table.by_rkey.get(&parent.0) {
+                Some(r) => r.clone(),
+                None => return invalid(format!("no region with rkey {:#x}", parent.0)),
+            }
+        };
+        if !region.access.contains(Access::MW_BIND) {
+            return invalid("the region was not registered with MW_BIND".to_owned());
+        }
+        if access.contains(Access::REMOTE_WRITE) && !region.access.contains(Access::LOCAL_WRITE) {
+            return invalid("REMOTE_WRITE over a region without LOCAL_WRITE".to_owned());
+        }
+        if !region.covers(addr, len) {
+            return invalid(format!("[{addr:#x}, +{len}) is not inside the region"));
+        }
+        let mut windows = lock(&self.windows);
+        let rkey = loop {
+            let k = rand::random::<u32>() | WINDOW_KEY_BIT;
+            if !windows.contains_key(&k) {
+                break k;
+            }
+        };
+        windows.insert(rkey, Window { addr, len, access, parent: region, qp_num });
+        Ok(TcpWindow { rkey, pd: self.clone() })
+    }
+}
+
+/// A bound memory window; dropping it invalidates the rkey. A peer's
+/// access that arrives afterwards fails like any access with a bad rkey.
+pub struct TcpWindow {
+    rkey: u32,
+    pd: Arc<PdShared>,
+}
+
+impl TcpWindow {
+    pub fn rkey(&self) -> Rkey {
+        Rkey(self.rkey)
+    }
+}
+
+impl Drop for TcpWindow {
+    fn drop(&mut self) {
+        // A placement already past its lookup holds a pin on the region,
+        // as it would after the region's own lookup: it completes, as a
+        // DMA in progress on a NIC would.
+        lock(&self.pd.windows).remove(&self.rkey);
     }
 }
 
@@ -221,6 +356,9 @@ impl Drop for TcpMr {
             table.by_rkey.remove(&r.rkey);
             table.by_lkey.remove(&r.lkey);
             self.pd.table.store(Arc::new(table));
+            // Windows over the region die with it (verbs: the MR cannot be
+            // deregistered while windows are bound; here they are dropped).
+            lock(&self.pd.windows).retain(|_, w| !Arc::ptr_eq(&w.parent, r));
         }
         // Snapshots loaded before the store may still name the region: make
         // every later pin fail, then wait out the pins already taken.

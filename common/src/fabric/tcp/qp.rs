@@ -15,15 +15,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::cq::{CqShared, TcpCq};
-use super::mr::{PdShared, Pins, RegionTable, TcpPd};
+use super::mr::{PdShared, Pins, RegionTable, TcpPd, TcpWindow};
 use super::sys::{self, EMPTY_IOV};
 use super::wire::{
     self, seq_le, seq_next, FrameType, Header, FLAG_ACK_REQUESTED, HDR_LEN, HELLO_MAX, MAX_PAYLOAD, MAX_PRIVATE_DATA,
 };
 use super::{grant_caps, MAX_SGE};
 use crate::fabric::{
-    Access, Completion, FabricError, FabricErrorKind, FabricUrl, QpCaps, QpNum, QpState, RecvWr, Result, SendOp,
-    SendWr, Sge, WcOpcode, WcStatus, WrId,
+    Access, Completion, FabricError, FabricErrorKind, FabricUrl, QpCaps, QpNum, QpState, RecvWr, Result, Rkey,
+    SendOp, SendWr, Sge, WcOpcode, WcStatus, WrId,
 };
 
 static NEXT_QP_NUM: AtomicU32 = AtomicU32::new(1);
@@ -225,6 +225,81 @@ impl Backlog {
     }
 }
 
+// --------------------------------------------------------------- tx batch --
+
+/// Most frames one `sendmsg` of a `post_send` call carries.
+const BATCH_FRAMES: usize = 16;
+/// Most iovecs (headers and payload SGEs) one batch holds.
+const BATCH_IOV: usize = 64;
+
+/// One iovec of a batch: a header of the batch, or payload memory.
+#[derive(Clone, Copy)]
+enum Seg {
+    Header(usize),
+    Memory { addr: u64, len: usize },
+}
+
+/// The frames of one `post_send` call, so that a chain (an RDMA WRITE and
+/// the SEND behind it) leaves in one `sendmsg` instead of one per work
+/// request. Lives on the caller's stack for the call only: payload regions
+/// stay pinned until the batch is sent.
+struct TxBatch<'t> {
+    headers: [[u8; HDR_LEN]; BATCH_FRAMES],
+    nheaders: usize,
+    segs: [Seg; BATCH_IOV],
+    nsegs: usize,
+    pins: Pins<'t>,
+}
+
+impl<'t> TxBatch<'t> {
+    fn new() -> TxBatch<'t> {
+        TxBatch {
+            headers: [[0; HDR_LEN]; BATCH_FRAMES],
+            nheaders: 0,
+            segs: [Seg::Header(0); BATCH_IOV],
+            nsegs: 0,
+            pins: Pins::new(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.nheaders == 0
+    }
+
+    /// Whether a frame with `sges` payload SGEs fits (iovecs and pins).
+    fn has_room(&self, sges: usize) -> bool {
+        self.nheaders < BATCH_FRAMES && self.nsegs + 1 + sges <= BATCH_IOV && self.pins.room() >= sges
+    }
+
+    fn push(&mut self, header: [u8; HDR_LEN], payload: &[libc::iovec]) {
+        self.headers[self.nheaders] = header;
+        self.segs[self.nsegs] = Seg::Header(self.nheaders);
+        self.nheaders += 1;
+        self.nsegs += 1;
+        for v in payload {
+            self.segs[self.nsegs] = Seg::Memory { addr: v.iov_base as usize as u64, len: v.iov_len };
+            self.nsegs += 1;
+        }
+    }
+
+    /// Fills `out` with the batch's iovecs in order; returns how many.
+    fn iovecs(&self, out: &mut [libc::iovec; BATCH_IOV]) -> usize {
+        for (o, seg) in out.iter_mut().zip(&self.segs[..self.nsegs]) {
+            *o = match *seg {
+                Seg::Header(i) => sys::iov(self.headers[i].as_ptr() as usize as u64, HDR_LEN),
+                Seg::Memory { addr, len } => sys::iov(addr, len),
+            };
+        }
+        self.nsegs
+    }
+
+    fn clear(&mut self) {
+        self.nheaders = 0;
+        self.nsegs = 0;
+        self.pins.release();
+    }
+}
+
 // ------------------------------------------------------------ rx engine --
 
 /// The frame whose payload is being received.
@@ -374,6 +449,8 @@ pub(crate) struct QpInner {
     last_ack_sent: u32,
     /// A frame with ACK_REQUESTED was processed this round.
     ack_needed: bool,
+    /// A standalone ACK is owed and this queue pair is on the CQ's list.
+    ack_deferred: bool,
     hdr_buf: [u8; HDR_LEN],
     hdr_got: usize,
     job: Job,
@@ -430,6 +507,7 @@ impl TcpQp {
             rx_processed: 0,
             last_ack_sent: 0,
             ack_needed: false,
+            ack_deferred: false,
             hdr_buf: [0; HDR_LEN],
             hdr_got: 0,
             job: Job::None,
@@ -539,6 +617,8 @@ impl TcpQp {
         if q.state == QpState::Init {
             return Err(err(FabricErrorKind::InvalidState, "post_send on a queue pair that is not connected"));
         }
+        let table = sh.pd.table.load();
+        let mut batch = TxBatch::new();
         let mut res = Ok(());
         for wr in wrs {
             let total = match validate_send(&sh.caps, wr) {
@@ -559,8 +639,9 @@ impl TcpQp {
                 ));
                 break;
             }
-            q.post_one(sh, wr, total);
+            q.post_one(sh, &table, &mut batch, wr, total);
         }
+        q.tx_batch(sh, &mut batch);
         q.update_interest(sh);
         res
     }
@@ -589,6 +670,13 @@ impl TcpQp {
             q.rq.push(wr);
         }
         Ok(())
+    }
+
+    /// Binds a memory window over part of a region of this queue pair's
+    /// protection domain, usable by this queue pair's peer only.
+    pub fn bind_window(&self, parent: Rkey, addr: u64, len: u64, access: Access) -> Result<TcpWindow> {
+        let sh = &*self.shared;
+        sh.pd.bind_window(sh.qp_num, parent, addr, len, access)
     }
 
     pub fn disconnect(&self) {
@@ -749,15 +837,41 @@ pub(crate) fn progress(sh: &QpShared, _events: u32) {
     if q.rx_open {
         q.rx_pump(sh);
     }
-    if q.state == QpState::Ready && q.ack_needed && q.last_ack_sent != q.rx_processed {
-        let mut h = Header::new(FrameType::Ack);
-        if !q.tx_ctrl(&mut h) {
-            q.tx_broken(sh);
+    if q.state == QpState::Ready && q.ack_needed && q.last_ack_sent != q.rx_processed && !q.ack_deferred {
+        if sh.cq.coalesces_acks() {
+            // Not sent now: the application usually answers what it just
+            // received within the same turn, and its frame carries the
+            // ack. The CQ sends the ACK if nothing did by its next poll.
+            q.ack_deferred = true;
+            sh.cq.defer_ack(sh.qp_num);
+        } else {
+            let mut h = Header::new(FrameType::Ack);
+            if !q.tx_ctrl(&mut h) {
+                q.tx_broken(sh);
+            }
         }
     }
     q.ack_needed = false;
     q.maybe_shutdown_wr();
     q.update_interest(sh);
+}
+
+/// Sends the standalone ACK deferred by [`progress`], unless a frame sent
+/// since then carried the acknowledgement.
+pub(crate) fn send_deferred_ack(sh: &QpShared) {
+    let mut g = sh.lock();
+    let q = &mut *g;
+    if !q.ack_deferred {
+        return;
+    }
+    q.ack_deferred = false;
+    if q.state == QpState::Ready && q.sock.is_some() && q.last_ack_sent != q.rx_processed {
+        let mut h = Header::new(FrameType::Ack);
+        if !q.tx_ctrl(&mut h) {
+            q.tx_broken(sh);
+        }
+        q.update_interest(sh);
+    }
 }
 
 impl QpInner {
@@ -881,9 +995,18 @@ impl QpInner {
         }
     }
 
-    fn post_one(&mut self, sh: &QpShared, wr: &SendWr<'_>, total: u32) {
-        let table = sh.pd.table.load();
-        let mut pins = Pins::new();
+    /// Queues the frame of one work request in `batch` (sent by
+    /// [`QpInner::tx_batch`] at the end of the `post_send` call, or earlier
+    /// when the batch is full).
+    fn post_one<'t>(&mut self, sh: &QpShared, table: &'t RegionTable, batch: &mut TxBatch<'t>, wr: &SendWr<'_>, total: u32) {
+        if !batch.has_room(wr.sges.len()) {
+            self.tx_batch(sh, batch);
+            if self.state == QpState::Error {
+                sh.complete(wr.wr_id, opcode_of(&wr.op), WcStatus::WrFlushError, 0);
+                return;
+            }
+        }
+        let pins = &mut batch.pins;
         let mut iov = [EMPTY_IOV; MAX_SGE];
         let mut n = 0;
         let mut fault = false;
@@ -932,7 +1055,9 @@ impl QpInner {
             e.sges.extend_from_slice(wr.sges);
         }
         if fault {
-            drop(pins);
+            // The work requests before this one leave first, as they would
+            // have on a NIC that processes the chain in order.
+            self.tx_batch(sh, batch);
             self.fail(sh, Failure::Local);
             return;
         }
@@ -947,11 +1072,26 @@ impl QpInner {
                 Header { seq, aux: total, remote_addr, rkey: rkey.0, ..Header::new(FrameType::ReadReq) }
             }
         };
-        // SAFETY: non-inline payload SGEs were checked against their regions
-        // (lkey, bounds) and are pinned until `pins` drops; inline SGEs are
-        // read from the caller's addresses as verbs does (IBV_SEND_INLINE).
-        let ok = unsafe { self.tx_frame(&mut h, &iov[..n]) };
-        drop(pins);
+        h.ack = self.rx_processed;
+        self.last_ack_sent = self.rx_processed;
+        batch.push(h.encode(), &iov[..n]);
+    }
+
+    /// Sends the batched frames with one `sendmsg` (what the socket does not
+    /// take goes to the backlog) and releases their pins.
+    fn tx_batch(&mut self, sh: &QpShared, batch: &mut TxBatch<'_>) {
+        if batch.is_empty() {
+            return;
+        }
+        let mut iov = [EMPTY_IOV; BATCH_IOV];
+        let n = batch.iovecs(&mut iov);
+        // SAFETY: the iovecs are the batch's headers (alive in `batch` during
+        // the call), payload SGEs checked against their regions (lkey,
+        // bounds) and pinned by `batch.pins`, and inline SGEs, read from the
+        // caller's addresses during its `post_send` call as verbs does
+        // (IBV_SEND_INLINE).
+        let ok = unsafe { self.tx_iov(&iov[..n]) };
+        batch.clear();
         if !ok {
             self.fail(sh, Failure::Transport);
         }
@@ -988,7 +1128,18 @@ impl QpInner {
         }
         let connected = self.state == QpState::Ready && self.sock.is_some();
         self.state = QpState::Error;
-        tracing::debug!(qp = sh.qp_num, peer = %self.peer, ?why, "queue pair enters the error state");
+        match why {
+            // The peer broke the rules (bad rkey, range, right or frame):
+            // worth a line at the default level, naming the peer.
+            Failure::Fault { code, seq } => tracing::warn!(
+                qp = sh.qp_num,
+                peer = %self.peer,
+                seq,
+                "peer request refused ({}): queue pair terminated",
+                wire::term_name(code)
+            ),
+            _ => tracing::debug!(qp = sh.qp_num, peer = %self.peer, ?why, "queue pair enters the error state"),
+        }
         let named = match why {
             Failure::Terminated { code, seq } if seq != 0 => Some((seq, wire::remote_status(code))),
             _ => None,
@@ -1142,6 +1293,7 @@ impl QpInner {
             return self.rx_discard(sh, (len - done) as usize);
         }
         let table = sh.pd.table.load();
+        let mut window_region = None;
         let mut pins = Pins::new();
         let mut iov = [EMPTY_IOV; MAX_SGE + 1];
         let (len, done) = self.job.len_done();
@@ -1152,7 +1304,9 @@ impl QpInner {
                 // addr + len was bounds-checked against the region at the
                 // header, so this cannot overflow.
                 let cur = addr + done as u64;
-                match table.remote(rkey, cur, want, Access::REMOTE_WRITE) {
+                // Looked up again for every read: a window invalidated (or a
+                // region deregistered) mid-payload stops the placement.
+                match sh.pd.remote(&table, &mut window_region, sh.qp_num, rkey, cur, want, Access::REMOTE_WRITE) {
                     Some(r) if pins.pin(r) => {
                         iov[0] = sys::iov(cur, want as usize);
                         Some(1)
@@ -1329,7 +1483,13 @@ impl QpInner {
             FrameType::Disconnect => self.fail(sh, Failure::Disconnected),
             FrameType::Write => {
                 let table = sh.pd.table.load();
-                if h.length > 0 && table.remote(h.rkey, h.remote_addr, h.length as u64, Access::REMOTE_WRITE).is_none() {
+                let mut window_region = None;
+                if h.length > 0
+                    && sh
+                        .pd
+                        .remote(&table, &mut window_region, sh.qp_num, h.rkey, h.remote_addr, h.length as u64, Access::REMOTE_WRITE)
+                        .is_none()
+                {
                     return self.fail(sh, Failure::Fault { code: wire::TERM_REMOTE_ACCESS, seq: h.seq });
                 }
                 if h.length == 0 {
@@ -1397,12 +1557,13 @@ impl QpInner {
     /// payload taken straight from the registered region.
     fn serve_read(&mut self, sh: &QpShared, h: &Header) {
         let table = sh.pd.table.load();
+        let mut window_region = None;
         let mut pins = Pins::new();
         let len = h.aux; // decode bounds it at MAX_PAYLOAD
         let mut iov = [EMPTY_IOV; 1];
         let mut n = 0;
         if len > 0 {
-            match table.remote(h.rkey, h.remote_addr, len as u64, Access::REMOTE_READ) {
+            match sh.pd.remote(&table, &mut window_region, sh.qp_num, h.rkey, h.remote_addr, len as u64, Access::REMOTE_READ) {
                 Some(r) if pins.pin(r) => {
                     iov[0] = sys::iov(h.remote_addr, len as usize);
                     n = 1;

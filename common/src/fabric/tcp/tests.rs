@@ -9,7 +9,7 @@ use proptest::prelude::*;
 
 use super::listener::TcpListener;
 use super::wire::{self, decode_hello_body, encode_hello, seq_le, seq_next, DecodeError, FrameType, Header, HDR_LEN};
-use super::{TcpCq, TcpFabric, TcpMr, TcpPd, TcpQp};
+use super::{TcpCq, TcpFabric, TcpMr, TcpPd, TcpQp, TcpWindow};
 use crate::fabric::{
     Access, AlignedBuf, Completion, FabricErrorKind, FabricUrl, QpCaps, QpState, RecvWr, SendOp, SendWr, WcOpcode,
     WcStatus, WrId,
@@ -229,6 +229,13 @@ fn passive_rig() -> PassiveRig {
     let pd = fabric.alloc_pd().unwrap();
     let cq = fabric.create_cq(64).unwrap();
     let listener = fabric.listen().unwrap();
+    let (qp, raw, rx) = accept_raw(&listener, &pd, &cq);
+    PassiveRig { _fabric: fabric, pd, cq, _listener: listener, qp, raw, _rx: rx }
+}
+
+/// A raw client connected to `listener`, accepted as a queue pair on
+/// `pd`/`cq` with one 64-byte receive posted (wr_id 100).
+fn accept_raw(listener: &TcpListener, pd: &TcpPd, cq: &TcpCq) -> (TcpQp, TcpStream, Mem) {
     let mut raw = TcpStream::connect(listener.local_url().host_port()).unwrap();
     raw.set_read_timeout(Some(DEADLINE)).unwrap();
     raw.write_all(encode_hello(FrameType::Hello, 0, &QpCaps::default(), b"raw client").as_bytes()).unwrap();
@@ -241,8 +248,8 @@ fn passive_rig() -> PassiveRig {
         std::thread::sleep(Duration::from_millis(1));
     };
     assert_eq!(req.private_data(), b"raw client");
-    let qp = req.into_queue_pair(&pd, &cq, QpCaps::default()).unwrap();
-    let rx = mem(&pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ);
+    let qp = req.into_queue_pair(pd, cq, QpCaps::default()).unwrap();
+    let rx = mem(pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ);
     qp.post_recv(&[RecvWr { wr_id: WrId(100), sges: &[rx.mr_sge(0, 64)] }]).unwrap();
     qp.accept(b"ok").unwrap();
     let (h, body) = read_frame(&mut raw);
@@ -250,7 +257,7 @@ fn passive_rig() -> PassiveRig {
     let reply = decode_hello_body(&body).unwrap();
     assert_eq!(reply.status, wire::STATUS_ACCEPT);
     assert_eq!(reply.private, b"ok");
-    PassiveRig { _fabric: fabric, pd, cq, _listener: listener, qp, raw, _rx: rx }
+    (qp, raw, rx)
 }
 
 impl Mem {
@@ -372,6 +379,65 @@ fn partial_frames_are_reassembled() {
     let a = read_until(&mut rig.raw, FrameType::Ack);
     assert_eq!(a.ack, 1);
     assert_eq!(rig.qp.state(), QpState::Ready);
+}
+
+#[test]
+fn coalesced_ack_rides_on_the_answer_or_leaves_at_the_next_poll() {
+    let mut rig = passive_rig();
+    rig.cq.set_ack_coalescing(true);
+    let tx = mem(&rig.pd, 4096, Access::LOCAL_WRITE);
+    let send = |seq| Header { seq, flags: wire::FLAG_ACK_REQUESTED, ..Header::new(FrameType::Send) }.encode();
+
+    // A SEND the application answers: the answer carries the ack, and no
+    // standalone ACK precedes it.
+    rig.raw.write_all(&send(1)).unwrap();
+    let mut comps = Vec::new();
+    poll_until(&rig.cq, &mut comps, "the receive", |c| status_of(c, 100).is_some());
+    rig.qp
+        .post_send(&[SendWr { wr_id: WrId(1), op: SendOp::Send, sges: &[tx.mr_sge(0, 8)], signaled: true, inline: false }])
+        .unwrap();
+    let (h, body) = read_frame(&mut rig.raw);
+    assert_eq!((h.ty, h.ack, body.len()), (FrameType::Send, 1, 8), "the answer comes first and carries the ack");
+
+    // A SEND the application does not answer: the ACK leaves at the next
+    // poll, which finds nothing to return.
+    rig.qp.post_recv(&[RecvWr { wr_id: WrId(101), sges: &[rig._rx.mr_sge(0, 64)] }]).unwrap();
+    rig.raw.write_all(&send(2)).unwrap();
+    poll_until(&rig.cq, &mut comps, "the second receive", |c| status_of(c, 101).is_some());
+    let mut out = [Completion::EMPTY; 4];
+    rig.cq.poll(&mut out).unwrap();
+    let a = read_until(&mut rig.raw, FrameType::Ack);
+    assert_eq!(a.ack, 2);
+    assert_eq!(rig.qp.state(), QpState::Ready);
+}
+
+#[test]
+fn a_chain_leaves_in_order_with_every_frame_whole() {
+    // The frames of one post_send call are batched into one sendmsg; the
+    // peer must still see each frame whole and in posting order.
+    let mut rig = passive_rig();
+    let tx = mem(&rig.pd, 8192, Access::LOCAL_WRITE);
+    let sges: Vec<_> = (0..40u32).map(|i| tx.mr_sge(i as usize * 8, (i % 5) * 16)).collect();
+    let wrs: Vec<SendWr<'_>> = (0..40u64)
+        .map(|i| SendWr {
+            wr_id: WrId(i),
+            op: if i % 2 == 0 {
+                SendOp::RdmaWrite { remote_addr: 0x1000 + i, rkey: crate::fabric::Rkey(7) }
+            } else {
+                SendOp::Send
+            },
+            sges: std::slice::from_ref(&sges[i as usize]),
+            signaled: i == 39,
+            inline: false,
+        })
+        .collect();
+    rig.qp.post_send(&wrs).unwrap();
+    for i in 0..40u64 {
+        let (h, body) = read_frame(&mut rig.raw);
+        assert_eq!(h.seq, i as u32 + 1);
+        assert_eq!(h.ty, if i % 2 == 0 { FrameType::Write } else { FrameType::Send });
+        assert_eq!(body.len() as u64, (i % 5) * 16);
+    }
 }
 
 #[test]
@@ -818,3 +884,149 @@ fn many_outstanding_operations_complete_in_order() {
     assert_eq!(p.cqp.state(), QpState::Ready);
     assert_eq!(p.sqp.state(), QpState::Ready);
 }
+
+// ------------------------------------------------------------ memory windows --
+
+/// A rig whose peer-facing buffer is reachable only through windows: an
+/// 8 KiB region registered LOCAL_WRITE | MW_BIND, filled with 0x11.
+fn window_rig() -> (PassiveRig, Mem) {
+    let rig = passive_rig();
+    let target = mem(&rig.pd, 8192, Access::LOCAL_WRITE | Access::MW_BIND);
+    // SAFETY: no poll runs; nothing else writes the buffer.
+    unsafe { target.buf.as_mut_slice() }.fill(0x11);
+    (rig, target)
+}
+
+/// Sends an RDMA WRITE of `len` bytes of 0xEE at `addr` under `rkey` and
+/// returns the TERMINATE code it earned, or None if it was placed.
+fn write_through(rig: &mut PassiveRig, seq: u32, rkey: u32, addr: u64, len: u32) -> Option<u32> {
+    let h = Header { seq, flags: wire::FLAG_ACK_REQUESTED, length: len, rkey, remote_addr: addr, ..Header::new(FrameType::Write) };
+    rig.raw.write_all(&h.encode()).unwrap();
+    rig.raw.write_all(&vec![0xEE; len as usize]).unwrap();
+    let mut comps = Vec::new();
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let mut out = [Completion::EMPTY; 4];
+        let n = rig.cq.poll(&mut out).unwrap();
+        comps.extend_from_slice(&out[..n]);
+        if rig.qp.state() == QpState::Error {
+            return Some(read_until(&mut rig.raw, FrameType::Terminate).aux);
+        }
+        // Placed and acknowledged: the provider acks what it processed.
+        let mut probe = [0u8; HDR_LEN];
+        rig.raw.set_nonblocking(true).unwrap();
+        let got = rig.raw.peek(&mut probe);
+        rig.raw.set_nonblocking(false).unwrap();
+        if matches!(got, Ok(n) if n == HDR_LEN) {
+            let (a, _) = read_frame(&mut rig.raw);
+            if a.ty == FrameType::Ack && a.ack == seq {
+                return None;
+            }
+        }
+        assert!(Instant::now() < deadline, "WRITE neither placed nor refused");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn bytes_of(m: &Mem) -> Vec<u8> {
+    // SAFETY: called between polls: nothing writes the buffer meanwhile.
+    unsafe { m.buf.as_slice() }.to_vec()
+}
+
+#[test]
+fn region_with_mw_bind_only_is_not_reachable_by_its_own_rkey() {
+    let (mut rig, target) = window_rig();
+    assert_eq!(write_through(&mut rig, 1, target.mr.rkey().0, target.mr.addr(), 64), Some(wire::TERM_REMOTE_ACCESS));
+    assert!(bytes_of(&target).iter().all(|&b| b == 0x11));
+}
+
+#[test]
+fn window_allows_its_range_and_direction_until_dropped() {
+    let (mut rig, target) = window_rig();
+    let base = target.mr.addr();
+    let w = rig.qp.bind_window(target.mr.rkey(), base + 4096, 4096, Access::REMOTE_WRITE).unwrap();
+    assert_ne!(w.rkey(), target.mr.rkey());
+    assert_eq!(write_through(&mut rig, 1, w.rkey().0, base + 4096, 4096), None, "inside the window");
+    let b = bytes_of(&target);
+    assert!(b[..4096].iter().all(|&x| x == 0x11) && b[4096..].iter().all(|&x| x == 0xEE));
+    // After the window is gone, its rkey is refused and nothing changes.
+    let old = w.rkey();
+    drop(w);
+    // SAFETY: between polls.
+    unsafe { target.buf.as_mut_slice() }.fill(0x11);
+    assert_eq!(write_through(&mut rig, 2, old.0, base + 4096, 64), Some(wire::TERM_REMOTE_ACCESS));
+    assert!(bytes_of(&target).iter().all(|&x| x == 0x11), "write through a dropped window placed");
+}
+
+#[test]
+fn window_refuses_late_outside_and_wrong_direction_accesses() {
+    // Late: a WRITE with the rkey of a dropped window.
+    let (mut rig, target) = window_rig();
+    let base = target.mr.addr();
+    let old = rig.qp.bind_window(target.mr.rkey(), base, 4096, Access::REMOTE_WRITE).unwrap().rkey();
+    assert_eq!(write_through(&mut rig, 1, old.0, base, 64), Some(wire::TERM_REMOTE_ACCESS));
+    assert!(bytes_of(&target).iter().all(|&b| b == 0x11), "late write placed");
+
+    // Outside: inside the region, past the window.
+    let (mut rig, target) = window_rig();
+    let base = target.mr.addr();
+    let w = rig.qp.bind_window(target.mr.rkey(), base, 4096, Access::REMOTE_WRITE).unwrap();
+    assert_eq!(write_through(&mut rig, 1, w.rkey().0, base + 4000, 200), Some(wire::TERM_REMOTE_ACCESS));
+    assert!(bytes_of(&target).iter().all(|&b| b == 0x11), "write past the window placed");
+
+    // Wrong direction: a READ window written to, and read through a WRITE window.
+    let (mut rig, target) = window_rig();
+    let base = target.mr.addr();
+    let r = rig.qp.bind_window(target.mr.rkey(), base, 4096, Access::REMOTE_READ).unwrap();
+    assert_eq!(write_through(&mut rig, 1, r.rkey().0, base, 64), Some(wire::TERM_REMOTE_ACCESS));
+    assert!(bytes_of(&target).iter().all(|&b| b == 0x11));
+    let (mut rig, target) = window_rig();
+    let w = rig.qp.bind_window(target.mr.rkey(), target.mr.addr(), 4096, Access::REMOTE_WRITE).unwrap();
+    let h = Header { seq: 1, aux: 64, rkey: w.rkey().0, remote_addr: target.mr.addr(), ..Header::new(FrameType::ReadReq) };
+    rig.raw.write_all(&h.encode()).unwrap();
+    let mut comps = Vec::new();
+    let qp = &rig.qp;
+    poll_until(&rig.cq, &mut comps, "error", |_| qp.state() == QpState::Error);
+    assert_eq!(read_until(&mut rig.raw, FrameType::Terminate).aux, wire::TERM_REMOTE_ACCESS);
+}
+
+#[test]
+fn bind_window_checks_its_arguments() {
+    let rig = passive_rig();
+    let pd = &rig.qp;
+    let plain = mem(&rig.pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let bindable = mem(&rig.pd, 4096, Access::MW_BIND);
+    let kind = |r: crate::fabric::Result<TcpWindow>| r.err().map(|e| e.kind);
+    let bad = Some(FabricErrorKind::InvalidArgument);
+    assert_eq!(kind(pd.bind_window(plain.mr.rkey(), plain.mr.addr(), 64, Access::REMOTE_WRITE)), bad, "no MW_BIND");
+    assert_eq!(kind(pd.bind_window(bindable.mr.rkey(), bindable.mr.addr(), 64, Access::REMOTE_WRITE)), bad, "no LOCAL_WRITE");
+    assert_eq!(kind(pd.bind_window(bindable.mr.rkey(), bindable.mr.addr(), 4097, Access::REMOTE_READ)), bad, "past the end");
+    assert_eq!(kind(pd.bind_window(bindable.mr.rkey(), bindable.mr.addr(), 0, Access::REMOTE_READ)), bad, "empty");
+    assert_eq!(kind(pd.bind_window(bindable.mr.rkey(), bindable.mr.addr(), 64, Access::LOCAL_WRITE)), bad, "local right");
+    assert_eq!(kind(pd.bind_window(crate::fabric::Rkey(1), 0x1000, 64, Access::REMOTE_READ)), bad, "unknown region");
+    let a = pd.bind_window(bindable.mr.rkey(), bindable.mr.addr(), 64, Access::REMOTE_READ).unwrap();
+    let b = pd.bind_window(bindable.mr.rkey(), bindable.mr.addr(), 64, Access::REMOTE_READ).unwrap();
+    assert_ne!(a.rkey(), b.rkey(), "every bind gets a fresh key");
+    assert_ne!(a.rkey(), bindable.mr.rkey());
+}
+
+#[test]
+fn a_window_serves_only_the_peer_of_the_queue_pair_it_was_bound_on() {
+    let (mut rig, target) = window_rig();
+    let base = target.mr.addr();
+    let w = rig.qp.bind_window(target.mr.rkey(), base, 4096, Access::REMOTE_WRITE).unwrap();
+    // A second queue pair in the same protection domain and CQ.
+    let (other_qp, mut other_raw, _rx) = accept_raw(&rig._listener, &rig.pd, &rig.cq);
+    let h = Header { seq: 1, flags: wire::FLAG_ACK_REQUESTED, length: 64, rkey: w.rkey().0, remote_addr: base, ..Header::new(FrameType::Write) };
+    other_raw.write_all(&h.encode()).unwrap();
+    other_raw.write_all(&[EVIL_BYTE; 64]).unwrap();
+    let mut comps = Vec::new();
+    poll_until(&rig.cq, &mut comps, "the other queue pair's error", |_| other_qp.state() == QpState::Error);
+    assert_eq!(read_until(&mut other_raw, FrameType::Terminate).aux, wire::TERM_REMOTE_ACCESS);
+    assert!(bytes_of(&target).iter().all(|&b| b == 0x11), "a window served another queue pair's peer");
+    // Its own peer may use it.
+    assert_eq!(write_through(&mut rig, 1, w.rkey().0, base, 64), None);
+    assert!(bytes_of(&target)[..64].iter().all(|&b| b == 0xEE));
+}
+
+const EVIL_BYTE: u8 = 0x66;

@@ -350,6 +350,18 @@ pub(crate) const TERM_REMOTE_OPERATION: u32 = 4;
 pub(crate) const TERM_PEER_ERROR: u32 = 5;
 
 /// The completion status of the work request a TERMINATE names.
+/// A TERMINATE code for log lines.
+pub(crate) fn term_name(code: u32) -> &'static str {
+    match code {
+        TERM_REMOTE_ACCESS => "remote access error: unknown rkey, missing right or out of bounds",
+        TERM_INVALID_REQUEST => "invalid request",
+        TERM_RNR => "receiver not ready",
+        TERM_REMOTE_OPERATION => "remote operation error",
+        TERM_PEER_ERROR => "peer error",
+        _ => "unknown code",
+    }
+}
+
 pub(crate) fn remote_status(code: u32) -> WcStatus {
     match code {
         TERM_REMOTE_ACCESS => WcStatus::RemoteAccessError,

@@ -42,6 +42,15 @@ impl VerbsPd {
         if access.contains(Access::REMOTE_READ) {
             flags |= AccessFlags::RemoteRead;
         }
+        if access.contains(Access::MW_BIND) {
+            // The verbs provider binds no windows yet (see
+            // `ProtectionDomain::supports_windows`): refuse rather than
+            // register a region no peer could ever reach.
+            return Err(crate::fabric::FabricError::new(
+                crate::fabric::FabricErrorKind::Unsupported,
+                "register: MW_BIND (memory windows) is not supported by the verbs provider",
+            ));
+        }
         // SAFETY: the caller guarantees the range is valid and outlives the
         // region (forwarded contract of ProtectionDomain::register).
         let mr = unsafe { self.pd.reg_mr(addr as usize, len, flags) }.map_err(|e| {
