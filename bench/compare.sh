@@ -9,6 +9,8 @@
 # then the null case: rdmablk's null backend against nbdkit's null plugin,
 # and one iperf3 loopback stream, the fabric's ceiling.
 #
+# The QD1 case also runs rdmablk polled: rdmablk-bench --hipri against a
+# second target with busy_poll = "1ms" (rows marked --hipri / busy_poll).
 # Cases: 4 KiB randread QD1, 4 KiB randread QD32, 4 KiB randwrite QD32,
 # 128 KiB sequential read QD16. Prints a markdown table (IOPS, bandwidth,
 # p50/p99 latency, ratios against the ceiling and the peer, CPU time of
@@ -132,16 +134,29 @@ name = "vol0"
 backend = "file"
 path = "$FILE"
 size = $SIZE_BYTES
+allow_any_host = true
 
 [[volume]]
 name = "null0"
 backend = "null"
 size = $SIZE_BYTES
+allow_any_host = true
 EOF
 log "starting rdmablk-target on tcp://127.0.0.1:$RDMA_PORT"
 RUST_LOG=warn "$TARGET" --config "$WORK/target.toml" 2>"$WORK/target.log" &
 TPID=$!; PIDS+=("$TPID")
 wait_port "$RDMA_PORT" "$TPID"
+
+# The same volumes on a second target whose reactors poll for 1 ms after
+# their last work: the QD1 case also runs against it with a polling client
+# (--hipri), the way SPDK-style targets and hipri clients trade CPU for latency.
+POLL_PORT=$(free_port)
+sed -e "s/:$RDMA_PORT\"/:$POLL_PORT\"/" -e 's/^name = "compare"$/name = "compare-polled"\nbusy_poll = "1ms"/' \
+    "$WORK/target.toml" >"$WORK/target-polled.toml"
+log "starting rdmablk-target (busy_poll) on tcp://127.0.0.1:$POLL_PORT"
+RUST_LOG=warn "$TARGET" --config "$WORK/target-polled.toml" 2>"$WORK/target-polled.log" &
+PPID_POLLED=$!; PIDS+=("$PPID_POLLED")
+wait_port "$POLL_PORT" "$PPID_POLLED"
 
 NBD_PORT=$(free_port)
 log "starting nbdkit file on nbd://127.0.0.1:$NBD_PORT"
@@ -208,12 +223,22 @@ for c in "${CASES[@]}"; do
     log "[$rep/$REPEAT] $name: rdmablk-bench -> rdmablk-target (file)"
     measure "$name.rdmablk.$rep" "$TPID" -- "$BENCH" "${job[@]}" --target="tcp://127.0.0.1:$RDMA_PORT" --volume=vol0 \
         --target_pid="$TPID" "${COMMON[@]}"
+    if [ "$qd" = 1 ]; then
+        log "[$rep/$REPEAT] $name: rdmablk-bench --hipri -> rdmablk-target busy_poll (file)"
+        measure "$name.rdmablk-polled.$rep" "$PPID_POLLED" -- "$BENCH" "${job[@]}" --hipri \
+            --target="tcp://127.0.0.1:$POLL_PORT" --volume=vol0 --target_pid="$PPID_POLLED" "${COMMON[@]}"
+    fi
     log "[$rep/$REPEAT] $name: fio nbd -> nbdkit file"
     measure "$name.nbd.$rep" "$NPID" -- fio "${job[@]}" --ioengine=nbd --uri="nbd://127.0.0.1:$NBD_PORT" \
         --lat_percentiles=1 "${COMMON[@]}"
     log "[$rep/$REPEAT] $name: rdmablk-bench -> rdmablk-target (null)"
     measure "$name.rdmablk-null.$rep" "$TPID" -- "$BENCH" "${job[@]}" --target="tcp://127.0.0.1:$RDMA_PORT" \
         --volume=null0 --target_pid="$TPID" "${COMMON[@]}"
+    if [ "$qd" = 1 ]; then
+        log "[$rep/$REPEAT] $name: rdmablk-bench --hipri -> rdmablk-target busy_poll (null)"
+        measure "$name.rdmablk-polled-null.$rep" "$PPID_POLLED" -- "$BENCH" "${job[@]}" --hipri \
+            --target="tcp://127.0.0.1:$POLL_PORT" --volume=null0 --target_pid="$PPID_POLLED" "${COMMON[@]}"
+    fi
     log "[$rep/$REPEAT] $name: fio nbd -> nbdkit null"
     measure "$name.nbd-null.$rep" "$NNPID" -- fio "${job[@]}" --ioengine=nbd --uri="nbd://127.0.0.1:$NBDNULL_PORT" \
         --lat_percentiles=1 "${COMMON[@]}"
@@ -230,7 +255,7 @@ LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 snapshot "$WORK/procs1.json"
 
 # --- table ---------------------------------------------------------------------
-OURS="$TPID $NPID $NNPID $$ $BASHPID" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
+OURS="$TPID $PPID_POLLED $NPID $NNPID $$ $BASHPID" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
 RUNTIME="$RUNTIME" RAMP="$RAMP" SIZE_BYTES="$SIZE_BYTES" python3 - <<'PY'
 import json, os
 
@@ -337,12 +362,18 @@ for c in cases:
     local, rb, nbd = load(f"{c}.local"), load(f"{c}.rdmablk"), load(f"{c}.nbd")
     row(c, "fio io_uring, local file (ceiling)", local, None, None, "iops")
     row(c, "rdmablk-bench -> rdmablk-target, file", rb, local, nbd, "iops")
+    polled = load(f"{c}.rdmablk-polled")
+    if polled:
+        row(c, "rdmablk-bench --hipri -> rdmablk-target busy_poll, file", polled, local, nbd, "iops")
     row(c, "fio nbd -> nbdkit file", nbd, local, rb, "iops")
 for c in cases:
     rbn, nbdn = load(f"{c}.rdmablk-null"), load(f"{c}.nbd-null")
     metric = "bw_mib" if c.startswith("read-128k") else "iops"
     ceil = {"bw_mib": iperf / 1048576.0} if (iperf and metric == "bw_mib") else None
     row(c, "rdmablk-bench -> rdmablk-target, null", rbn, ceil, nbdn, metric)
+    polled = load(f"{c}.rdmablk-polled-null")
+    if polled:
+        row(c, "rdmablk-bench --hipri -> rdmablk-target busy_poll, null", polled, ceil, nbdn, metric)
     row(c, "fio nbd -> nbdkit null", nbdn, ceil, rbn, metric)
 
 # Long-lived processes other than our servers that used CPU during the runs.
@@ -423,6 +454,9 @@ if a.get("iops") and b.get("iops"):
 a = get("randread-4k-qd1", "rdmablk-bench -> rdmablk-target, file"); b = get("randread-4k-qd1", "fio io_uring")
 if a.get("p50_us") and b.get("p50_us"):
     target("2. file randread 4k QD1 p50 <= local p50 + 15 us", a["p50_us"] <= b["p50_us"] + 15, f"{a['p50_us']:.1f} us vs {b['p50_us']:.1f} us (+{a['p50_us']-b['p50_us']:.1f} us)")
+a = get("randread-4k-qd1", "rdmablk-bench --hipri -> rdmablk-target busy_poll, file")
+if a.get("p50_us") and b.get("p50_us"):
+    target("2'. the same, polling (--hipri, busy_poll = 1ms)", a["p50_us"] <= b["p50_us"] + 15, f"{a['p50_us']:.1f} us vs {b['p50_us']:.1f} us (+{a['p50_us']-b['p50_us']:.1f} us)")
 a = get("randread-4k-qd32", "rdmablk-bench -> rdmablk-target, null"); b = get("randread-4k-qd32", "fio nbd -> nbdkit null")
 if a.get("iops") and b.get("iops"):
     target("3. null randread 4k QD32 >= 2.5x nbdkit null", a["iops"] >= 2.5 * b["iops"], f"{a['iops']:,.0f} vs {b['iops']:,.0f} ({a['iops']/b['iops']:.2f}x)")
