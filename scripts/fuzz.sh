@@ -30,16 +30,10 @@ for t in "${targets[@]}"; do
     [ -d "fuzz/corpus/$t" ] || { echo "unknown fuzz target $t (have: ${all_targets[*]})" >&2; exit 2; }
 done
 
-need_apt=()
-command -v c++ >/dev/null || need_apt+=(g++)
-# rdmablk-common's default `verbs` feature builds rdma-mummy-sys (cmake, libclang).
-command -v cmake >/dev/null || need_apt+=(cmake)
-command -v clang >/dev/null || need_apt+=(clang)
-dpkg -s libclang-dev 2>/dev/null | grep -q '^Status: install ok installed' || need_apt+=(libclang-dev)
-if [ ${#need_apt[@]} -gt 0 ]; then
-    echo "==> installing ${need_apt[*]}"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
-fi
+# libFuzzer is C++; rdmablk-common's default `verbs` feature builds
+# rdma-mummy-sys (cmake, libclang).
+. scripts/lib/build-deps.sh
+install_build_deps c++:g++
 if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "==> installing cargo-fuzz"
     cargo install --locked cargo-fuzz

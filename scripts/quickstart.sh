@@ -9,15 +9,8 @@ cd "$(dirname "$0")/.."
 
 command -v cargo >/dev/null || { echo "quickstart: cargo is not installed" >&2; exit 1; }
 # Build dependencies of the verbs provider (rdma://): cmake and libclang.
-need_apt=()
-command -v cc >/dev/null || need_apt+=(gcc)
-command -v cmake >/dev/null || need_apt+=(cmake)
-command -v clang >/dev/null || need_apt+=(clang)
-dpkg -s libclang-dev 2>/dev/null | grep -q '^Status: install ok installed' || need_apt+=(libclang-dev)
-if [ ${#need_apt[@]} -gt 0 ]; then
-    echo "==> installing ${need_apt[*]}"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
-fi
+. scripts/lib/build-deps.sh
+install_build_deps
 echo "==> building (release)"
 cargo build --release --bins --quiet
 bin=target/release

@@ -4,18 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-need_apt=()
-command -v cc >/dev/null || need_apt+=(gcc)
-command -v systemd-analyze >/dev/null || need_apt+=(systemd)
 # The verbs provider (rdma://, default feature of rdmablk-common) builds
-# rdma-mummy-sys: cmake for its C part, libclang for bindgen.
-command -v cmake >/dev/null || need_apt+=(cmake)
-command -v clang >/dev/null || need_apt+=(clang)
-dpkg -s libclang-dev 2>/dev/null | grep -q '^Status: install ok installed' || need_apt+=(libclang-dev)
-if [ ${#need_apt[@]} -gt 0 ]; then
-    echo "==> installing ${need_apt[*]}"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
-fi
+# rdma-mummy-sys: cmake for its C part, libclang for bindgen; the unit check
+# needs systemd-analyze.
+. scripts/lib/build-deps.sh
+install_build_deps systemd-analyze:systemd
 if ! cargo nextest --version >/dev/null 2>&1; then
     echo "==> installing cargo-nextest"
     cargo install --locked cargo-nextest

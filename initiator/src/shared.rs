@@ -510,18 +510,25 @@ impl Shared {
                 drop(slot.wait_freed(q, Duration::from_millis(5)));
                 continue;
             }
-            let broken = q.conn.as_ref().and_then(|c| c.broken_reason().map(str::to_owned));
-            drop(q);
-            slot.notify_freed();
-            if let Some(reason) = broken {
-                self.report_failure(gen, &reason);
-            }
+            self.after_attempt(slot, q, gen);
             match outcome {
                 Outcome::Done(v) => return Ok(v),
                 Outcome::Failed(e) => return Err(e),
                 Outcome::Broken => Stats::add(&self.stats.retries, 1),
                 Outcome::Busy => unreachable!("handled above"),
             }
+        }
+    }
+
+    /// After an attempt on `slot`'s queue (generation `gen`): releases the
+    /// queue, wakes the users waiting for its slots, and reports the
+    /// connection if the attempt left it broken.
+    fn after_attempt(&self, slot: &QueueSlot, q: MutexGuard<'_, Queue>, gen: u32) {
+        let broken = q.conn.as_ref().and_then(|c| c.broken_reason().map(str::to_owned));
+        drop(q);
+        slot.notify_freed();
+        if let Some(reason) = broken {
+            self.report_failure(gen, &reason);
         }
     }
 
@@ -541,12 +548,7 @@ impl Shared {
             None => return Ok(None),
         };
         let outcome = attempt(&mut q);
-        let broken = q.conn.as_ref().and_then(|c| c.broken_reason().map(str::to_owned));
-        drop(q);
-        slot.notify_freed();
-        if let Some(reason) = broken {
-            self.report_failure(gen, &reason);
-        }
+        self.after_attempt(slot, q, gen);
         match outcome {
             Outcome::Done(v) => Ok(Some(v)),
             Outcome::Failed(e) => Err(e),

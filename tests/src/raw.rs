@@ -10,8 +10,8 @@ use rdmablk_common::fabric::{
     QueuePair, RecvWr, Rkey, SendOp, SendWr, WcOpcode, WcStatus, WrId,
 };
 use rdmablk_common::protocol::{
-    CommandCapsule, CommandId, ConnectReply, DataDescriptor, Opcode, ResponseCapsule, SessionId, Status, VolumeInfo,
-    PROTOCOL_VERSION, RESPONSE_SLOT_SIZE,
+    BlockCount, CommandCapsule, CommandId, ConnectReply, DataDescriptor, Lba, Opcode, ResponseCapsule, SessionId,
+    Status, VolumeId, VolumeInfo, PROTOCOL_VERSION, RESPONSE_SLOT_SIZE,
 };
 
 const RECV_SLOTS: usize = 16;
@@ -374,6 +374,17 @@ impl RawQueue {
         sent.push(connect);
         (sent, r)
     }
+}
+
+/// An I/O command capsule: `op` on `blocks` blocks of volume `vol` from
+/// block `lba`, with data descriptor `desc` (command id 0: the queue sets it).
+pub fn io_command(op: Opcode, vol: VolumeId, lba: u64, blocks: u32, desc: DataDescriptor) -> CommandCapsule {
+    let mut c = CommandCapsule::new(op, CommandId(0));
+    c.volume_id = vol;
+    c.start_block = Lba(lba);
+    c.block_count = BlockCount(blocks);
+    c.descriptor = desc;
+    c
 }
 
 /// The passive side of one queue pair, driven by hand: for tests that need

@@ -4,9 +4,10 @@
 use std::time::Duration;
 
 use rdmablk_common::protocol::{
-    BlockCount, CommandCapsule, DataDescriptor, Lba, Opcode, Status, VolumeId, VolumeInfo, FLAG_FUA,
+    CommandCapsule, Opcode, Status, VolumeId, VolumeInfo, FLAG_FUA,
     FLAG_INLINE_DATA, PROTOCOL_VERSION, VOLUME_INFO_SIZE,
 };
+use rdmablk_system_tests::raw::io_command as io;
 use rdmablk_system_tests::raw::RawQueue;
 use rdmablk_system_tests::{file_digest, file_volume, sparse_file, target_section, TargetProcess};
 
@@ -46,15 +47,6 @@ fn list(q: &mut RawQueue) -> Vec<VolumeInfo> {
     assert_eq!(r.capsule.status, Status::Success);
     let n = r.capsule.result as usize;
     (0..n).map(|i| VolumeInfo::decode(&q.data()[i * VOLUME_INFO_SIZE..(i + 1) * VOLUME_INFO_SIZE]).unwrap()).collect()
-}
-
-fn io(op: Opcode, vol: VolumeId, lba: u64, blocks: u32, desc: DataDescriptor) -> CommandCapsule {
-    let mut c = CommandCapsule::new(op, Default::default());
-    c.volume_id = vol;
-    c.start_block = Lba(lba);
-    c.block_count = BlockCount(blocks);
-    c.descriptor = desc;
-    c
 }
 
 fn status_of(q: &mut RawQueue, c: CommandCapsule, inline: &[u8]) -> Status {

@@ -9,9 +9,10 @@ use std::time::{Duration, Instant};
 
 use rand::{RngCore, SeedableRng};
 use rdmablk_common::protocol::{
-    BlockCount, CommandCapsule, CommandId, DataDescriptor, Lba, Opcode, SessionId, Status, VolumeId, VolumeInfo,
+    CommandCapsule, CommandId, DataDescriptor, Opcode, SessionId, Status, VolumeId, VolumeInfo,
     FLAG_FUA, FLAG_INLINE_DATA, VOLUME_FLAG_DISCARD, VOLUME_FLAG_READ_ONLY, VOLUME_FLAG_WRITE_ZEROES, VOLUME_INFO_SIZE,
 };
+use rdmablk_system_tests::raw::io_command as io;
 use rdmablk_system_tests::raw::RawQueue;
 use rdmablk_system_tests::{
     bin, file_bytes, file_digest, file_volume, http_get, memory_volume, null_volume, sample, scrape,
@@ -31,15 +32,6 @@ fn random(rng: &mut impl RngCore, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
     rng.fill_bytes(&mut v);
     v
-}
-
-fn io(op: Opcode, vol: VolumeId, lba: u64, blocks: u32, desc: DataDescriptor) -> CommandCapsule {
-    let mut c = CommandCapsule::new(op, CommandId(0));
-    c.volume_id = vol;
-    c.start_block = Lba(lba);
-    c.block_count = BlockCount(blocks);
-    c.descriptor = desc;
-    c
 }
 
 fn status(q: &mut RawQueue, c: CommandCapsule, inline: &[u8]) -> Status {

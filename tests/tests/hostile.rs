@@ -20,9 +20,10 @@ use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use rdmablk_common::protocol::{
-    BlockCount, CommandCapsule, CommandId, DataDescriptor, Lba, Opcode, Status, VolumeId, PROTOCOL_VERSION,
+    CommandCapsule, CommandId, Opcode, Status, VolumeId, PROTOCOL_VERSION,
 };
 use rdmablk_initiator::{BlockDevice, ConnectOptions, Session, Volume};
+use rdmablk_system_tests::raw::io_command as io;
 use rdmablk_system_tests::wire::{self, Frame};
 use rdmablk_system_tests::{
     bytes_digest, file_digest, file_volume, open_fds, rss_bytes, TargetProcess, WireConn, WireEvent,
@@ -73,15 +74,6 @@ fn connected(env: &Env, depth: u32) -> (WireConn, VolumeId) {
     c.connect("hostile-host", depth);
     let info = c.open_volume("vol");
     (c, info.volume_id)
-}
-
-fn io(op: Opcode, vol: VolumeId, lba: u64, blocks: u32, desc: DataDescriptor) -> CommandCapsule {
-    let mut c = CommandCapsule::new(op, CommandId(0));
-    c.volume_id = vol;
-    c.start_block = Lba(lba);
-    c.block_count = BlockCount(blocks);
-    c.descriptor = desc;
-    c
 }
 
 /// A WRITE of `blocks` blocks at block 0 of vol, from the attacker's memory.

@@ -1,0 +1,18 @@
+# Sourced by the scripts in scripts/: installs, with apt-get, what building
+# this workspace needs and a fresh Debian 12 machine lacks.
+#
+# install_build_deps [COMMAND:PACKAGE ...]
+#   Always checks the C compiler and the verbs provider's build
+#   dependencies (rdma-mummy-sys: cmake, clang, libclang-dev); each
+#   COMMAND:PACKAGE adds a package installed when COMMAND is missing.
+install_build_deps() {
+    local need=() pair
+    for pair in cc:gcc cmake:cmake clang:clang "$@"; do
+        command -v "${pair%%:*}" >/dev/null || need+=("${pair#*:}")
+    done
+    dpkg -s libclang-dev 2>/dev/null | grep -q '^Status: install ok installed' || need+=(libclang-dev)
+    if [ ${#need[@]} -gt 0 ]; then
+        echo "==> installing ${need[*]}"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
+    fi
+}
