@@ -1232,3 +1232,186 @@ fn listener_fd_signals_requests() {
     assert_eq!(r.unwrap_err().kind, FabricErrorKind::ConnectFailed);
     assert!(env.listener.poll_request().unwrap().is_none());
 }
+
+// ----------------------------------------------------- memory windows --
+
+/// How the peer uses a window that grants REMOTE_WRITE over 512 bytes at
+/// offset 1024 of a region that itself grants no remote right.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum WindowUse {
+    /// Exactly the window's bytes: placed.
+    Inside,
+    /// One byte before the window.
+    Before,
+    /// One byte past its end.
+    Past,
+    /// An RDMA READ through a write-only window.
+    WrongRight,
+    /// The region's own rkey instead of the window's.
+    ParentRkey,
+    /// After `invalidate_window` has taken effect.
+    AfterInvalidate,
+    /// After the window was dropped (and a later signaled SEND of the
+    /// binder completed, so the drop's invalidation has executed).
+    AfterDrop,
+    /// On another queue pair between the same nodes (type 2B: the window
+    /// belongs to the queue pair it was bound on).
+    OtherQueuePair,
+}
+
+const WIN_OFF: usize = 1024;
+const WIN_LEN: usize = 512;
+
+fn window_use(how: WindowUse) {
+    let mut env = Env::new();
+    assert!(env.server.pd.supports_windows(), "the provider binds no memory windows");
+    let target = Mem::new(&env.server.pd, 2 * PAGE, Access::LOCAL_WRITE | Access::MW_BIND);
+    target.fill(0x5A);
+    let data = pattern(7, WIN_LEN);
+    let local = Mem::new(&env.client.pd, PAGE, Access::LOCAL_WRITE);
+    local.put(0, &data);
+    let srx = Mem::new(&env.server.pd, PAGE, Access::LOCAL_WRITE);
+    let crx = Mem::new(&env.client.pd, PAGE, Access::LOCAL_WRITE);
+    let (c0, c1) = ([crx.sge(0, 64)], [crx.sge(64, 64)]);
+    let s0 = [srx.sge(0, 64)];
+    let (cqp, sqp) =
+        env.connect(&[RecvWr { wr_id: WrId(200), sges: &c0 }, RecvWr { wr_id: WrId(201), sges: &c1 }], &[
+            RecvWr { wr_id: WrId(100), sges: &s0 },
+        ]);
+    let other = (how == WindowUse::OtherQueuePair).then(|| env.connect(&[], &[]));
+    let window = sqp
+        .bind_window(target.mr.rkey(), target.addr(WIN_OFF), WIN_LEN as u64, Access::REMOTE_WRITE)
+        .expect("bind_window");
+    assert_ne!(window.rkey(), target.mr.rkey());
+    let rkey = window.rkey();
+    // The binder tells the peer after the bind, as a command would: the
+    // SEND executes after the bind on the same send queue.
+    let note = [srx.sge(128, 8)];
+    sqp.post_send(&[send_wr(50, SendOp::Send, &note)]).unwrap();
+    assert_success(env.client_comp(200), WcOpcode::Recv);
+    let mut window = Some(window);
+    match how {
+        WindowUse::AfterInvalidate
+            if sqp.invalidate_window(window.take().unwrap(), WrId(60)).expect("invalidate_window")
+                == rdmablk_common::fabric::Invalidation::Pending =>
+        {
+            assert_success(env.server_comp(60), WcOpcode::LocalInvalidate);
+        }
+        WindowUse::AfterDrop => {
+            drop(window.take());
+            sqp.post_send(&[send_wr(51, SendOp::Send, &note)]).unwrap();
+            assert_success(env.server_comp(51), WcOpcode::Send);
+            assert_success(env.client_comp(201), WcOpcode::Recv);
+        }
+        _ => {}
+    }
+    let at = |off: usize| target.addr(off);
+    let (addr, key, write) = match how {
+        WindowUse::Before => (at(WIN_OFF - 1), rkey, true),
+        WindowUse::Past => (at(WIN_OFF + 1), rkey, true),
+        WindowUse::WrongRight => (at(WIN_OFF), rkey, false),
+        WindowUse::ParentRkey => (at(WIN_OFF), target.mr.rkey(), true),
+        _ => (at(WIN_OFF), rkey, true),
+    };
+    let op = if write {
+        SendOp::RdmaWrite { remote_addr: addr, rkey: key }
+    } else {
+        SendOp::RdmaRead { remote_addr: addr, rkey: key }
+    };
+    let sge = [local.sge(0, WIN_LEN)];
+    let qp = other.as_ref().map_or(&cqp, |(c, _)| c);
+    qp.post_send(&[send_wr(1, op, &sge)]).unwrap();
+    let c = env.client_comp(1);
+    let what = format!("{how:?}");
+    let mut expect = vec![0x5Au8; 2 * PAGE];
+    if how == WindowUse::Inside {
+        assert_success(c, WcOpcode::RdmaWrite);
+        expect[WIN_OFF..WIN_OFF + WIN_LEN].copy_from_slice(&data);
+    } else {
+        assert_eq!(c.status, WcStatus::RemoteAccessError, "{what}: {c:?}");
+        env.pump_until(&format!("{what}: the faulting queue pair fails"), |_| qp.state() == QpState::Error);
+    }
+    drop(window);
+    assert!(target.bytes() == expect, "{what}: the window's region does not hold what the rights allow");
+    drop((cqp, sqp, other));
+}
+
+#[test]
+fn window_places_exactly_its_bytes() {
+    window_use(WindowUse::Inside);
+}
+#[test]
+fn window_refuses_a_byte_before() {
+    window_use(WindowUse::Before);
+}
+#[test]
+fn window_refuses_a_byte_past() {
+    window_use(WindowUse::Past);
+}
+#[test]
+fn window_refuses_the_right_it_lacks() {
+    window_use(WindowUse::WrongRight);
+}
+#[test]
+fn window_region_rkey_grants_nothing() {
+    window_use(WindowUse::ParentRkey);
+}
+#[test]
+fn window_refused_after_invalidation() {
+    window_use(WindowUse::AfterInvalidate);
+}
+#[test]
+fn window_refused_after_drop() {
+    window_use(WindowUse::AfterDrop);
+}
+#[test]
+fn window_refused_on_another_queue_pair() {
+    window_use(WindowUse::OtherQueuePair);
+}
+
+/// Rebinding gives a fresh rkey each time, and an old one does not come
+/// back within 255 binds (the verbs device's 8-bit key).
+#[test]
+fn window_rkeys_are_fresh_on_rebind() {
+    let mut env = Env::new();
+    let target = Mem::new(&env.server.pd, PAGE, Access::LOCAL_WRITE | Access::MW_BIND);
+    let (_cqp, sqp) = env.connect(&[], &[]);
+    let mut keys = Vec::new();
+    for i in 0..300u64 {
+        let w = sqp.bind_window(target.mr.rkey(), target.addr(0), 64, Access::REMOTE_READ).expect("bind_window");
+        keys.push(w.rkey().0);
+        if sqp.invalidate_window(w, WrId(1000 + i)).expect("invalidate") == rdmablk_common::fabric::Invalidation::Pending
+        {
+            assert_success(env.server_comp(1000 + i), WcOpcode::LocalInvalidate);
+        }
+    }
+    for (i, k) in keys.iter().enumerate() {
+        let recent = &keys[i.saturating_sub(255)..i];
+        assert!(!recent.contains(k), "rkey {k:#x} of bind {i} came back within 255 binds");
+    }
+}
+
+#[test]
+fn window_argument_rules() {
+    let mut env = Env::new();
+    let bindable = Mem::new(&env.server.pd, PAGE, Access::LOCAL_WRITE | Access::MW_BIND);
+    let read_only = Mem::new(&env.server.pd, PAGE, Access::MW_BIND);
+    let plain = Mem::new(&env.server.pd, PAGE, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let (_cqp, sqp) = env.connect(&[], &[]);
+    let bind = |mem: &Mem, off: u64, len: u64, access: Access| {
+        sqp.bind_window(mem.mr.rkey(), mem.mr.addr() + off, len, access).err().map(|e| e.kind)
+    };
+    let invalid = Some(FabricErrorKind::InvalidArgument);
+    assert_eq!(bind(&bindable, 0, 0, Access::REMOTE_READ), invalid, "zero length");
+    assert_eq!(bind(&bindable, 0, 64, Access::NONE), invalid, "no right");
+    assert_eq!(bind(&bindable, 0, 64, Access::LOCAL_WRITE), invalid, "a local right");
+    assert_eq!(bind(&bindable, PAGE as u64 - 8, 16, Access::REMOTE_READ), invalid, "past the region");
+    assert_eq!(bind(&read_only, 0, 64, Access::REMOTE_WRITE), invalid, "REMOTE_WRITE without LOCAL_WRITE");
+    assert_eq!(bind(&plain, 0, 64, Access::REMOTE_READ), invalid, "a region without MW_BIND");
+    let e = sqp.bind_window(Rkey(0xdead_beef), bindable.mr.addr(), 64, Access::REMOTE_READ).err().map(|e| e.kind);
+    assert_eq!(e, invalid, "an unknown rkey");
+    assert_eq!(bind(&read_only, 0, 64, Access::REMOTE_READ), None, "a read window over a read-only region");
+    env.pump_for(Duration::from_millis(20));
+    assert!(env.server.comps.is_empty(), "{:?}", env.server.comps);
+    assert_eq!(sqp.state(), QpState::Ready);
+}

@@ -41,7 +41,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{
-    Access, Completion, CompletionQueue, MemoryWindow, QueuePair, RecvWr, Rkey, SendOp, SendWr, WcOpcode, WcStatus, WrId,
+    Access, Completion, CompletionQueue, Invalidation, MemoryWindow, QueuePair, RecvWr, Rkey, SendOp, SendWr, WcOpcode,
+    WcStatus, WrId,
 };
 use rdmablk_common::protocol::{
     BlockCount, CommandCapsule, CommandId, DataDescriptor, Lba, Opcode, ResponseCapsule, Status, VolumeId, VolumeInfo,
@@ -56,6 +57,8 @@ use crate::session::Domain;
 
 const TAG_SEND: u64 = 1 << 32;
 const TAG_RECV: u64 = 2 << 32;
+/// The invalidation of a command's memory window (verbs).
+const TAG_INVALIDATE: u64 = 3 << 32;
 const TAG_MASK: u64 = !0xffff_ffff;
 
 /// Longest slice of one sleep on the completion channel. Deadlines, the
@@ -89,6 +92,10 @@ struct Slot {
     /// Owned by an `IoQueue` under this ticket: its response is moved out
     /// on arrival and the slot freed (see [`Conn::detach`]).
     detached: Option<u64>,
+    /// The response, held back until the invalidation of the command's
+    /// memory window has completed: until then the target could still
+    /// write the buffer.
+    held: Option<Response>,
 }
 
 impl Slot {
@@ -101,6 +108,7 @@ impl Slot {
             timeout: Duration::ZERO,
             op: Opcode::KeepAlive,
             detached: None,
+            held: None,
         }
     }
 
@@ -488,6 +496,7 @@ impl Conn {
             timeout,
             op,
             detached: None,
+            held: None,
         };
         Stats::add(&self.stats.commands, 1);
         if self.batching {
@@ -796,6 +805,11 @@ impl Conn {
         }
         match (wc.wr_id.0 & TAG_MASK, wc.opcode) {
             (TAG_RECV, WcOpcode::Recv) if index < self.recv_count => self.handle_response(index, wc.byte_len as usize),
+            (TAG_INVALIDATE, WcOpcode::LocalInvalidate) if self.slots.get(index).is_some_and(|s| s.held.is_some()) => {
+                if let Some(response) = self.slots[index].held.take() {
+                    self.deliver(index, response);
+                }
+            }
             (TAG_SEND, WcOpcode::Send) if index < self.slots.len() && self.slots[index].send_pending => {
                 let slot = &mut self.slots[index];
                 slot.send_pending = false;
@@ -833,34 +847,50 @@ impl Conn {
             }
         };
         let cid = usize::from(response.capsule.command_id.0);
-        match self.slots.get_mut(cid) {
-            Some(slot) if slot.awaiting && slot.response.is_none() => {
-                if let Some(ticket) = slot.detached.take() {
-                    // An IoQueue's command: its owner may be busy elsewhere
-                    // (even waiting for a slot of this very queue), so the
-                    // response waits aside and the slot is free at once.
-                    slot.awaiting = false;
-                    let release = !slot.send_pending;
-                    self.detached_done.push((ticket, response));
-                    self.async_held = self.async_held.saturating_sub(1);
-                    if release {
-                        self.release_slot(cid);
-                    }
-                } else {
-                    slot.response = Some(response);
-                }
-                // The target is done with the command's data: from now on
-                // its window's rkey is refused.
-                self.windows[cid] = None;
-            }
+        match self.slots.get(cid) {
+            Some(slot) if slot.awaiting && slot.response.is_none() && slot.held.is_none() => {}
             _ => {
                 self.fail(format!("protocol error: response for command id {cid}, which is not outstanding"));
+                return;
+            }
+        }
+        // The target is done with the command's data: its window's rkey is
+        // refused from now on, or once the invalidation completes, and the
+        // response (so the buffer) goes to its owner only then.
+        let pending = match self.windows[cid].take() {
+            None => Ok(Invalidation::Done),
+            Some(window) => self.qp.invalidate_window(window, WrId(TAG_INVALIDATE | cid as u64)),
+        };
+        match pending {
+            Ok(Invalidation::Done) => self.deliver(cid, response),
+            Ok(Invalidation::Pending) => self.slots[cid].held = Some(response),
+            Err(e) => {
+                self.fail(format!("invalidating the memory window of command id {cid} failed: {e}"));
                 return;
             }
         }
         self.last_rx = Instant::now();
         if let Err(e) = self.post_recv(index) {
             self.fail(format!("reposting a receive failed: {e}"));
+        }
+    }
+
+    /// Hands a response to the command's owner.
+    fn deliver(&mut self, cid: usize, response: Response) {
+        let slot = &mut self.slots[cid];
+        if let Some(ticket) = slot.detached.take() {
+            // An IoQueue's command: its owner may be busy elsewhere (even
+            // waiting for a slot of this very queue), so the response waits
+            // aside and the slot is free at once.
+            slot.awaiting = false;
+            let release = !slot.send_pending;
+            self.detached_done.push((ticket, response));
+            self.async_held = self.async_held.saturating_sub(1);
+            if release {
+                self.release_slot(cid);
+            }
+        } else {
+            slot.response = Some(response);
         }
     }
 

@@ -79,9 +79,9 @@ pub struct ConnectOptions {
     /// READ or WRITE gets a memory window over its buffer, with the one
     /// right it needs (remote write for a READ, remote read for a WRITE),
     /// invalidated when its response arrives; registered buffers grant the
-    /// target nothing by themselves. Where the provider has no windows
-    /// (verbs, for now) the session logs a warning and falls back to
-    /// buffers the target may access while they are registered. Default on.
+    /// target nothing by themselves. Where the device has no type-2B
+    /// memory windows the session logs a warning and falls back to buffers
+    /// the target may access while they are registered. Default on.
     pub rkey_scoping: bool,
     /// While commands are outstanding, keep polling the queue pair for this
     /// long before sleeping on its completion channel: lower latency at low
@@ -211,9 +211,9 @@ impl Domain {
         let scoped = rkey_scoping && pd.supports_windows();
         if rkey_scoping && !scoped {
             tracing::warn!(
-                "the {:?} provider binds no memory windows: the target may access every registered buffer of this \
+                "the RDMA device for {} has no type-2B memory windows: the target may access every registered buffer of this \
                  session while it is registered (rkey scoping is per pool)",
-                fabric.url().provider
+                fabric.url()
             );
         }
         Domain { pd, fabric, scoped }

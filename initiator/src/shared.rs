@@ -848,8 +848,12 @@ fn connect_queue(
     let cq = fabric
         .create_cq(depth + recv_count as u32 + 16)
         .map_err(|e| Error::fabric(ctx("creating a completion queue"), e))?;
+    // With scoping, a command may hold three send-queue slots on a
+    // provider that binds windows with work requests: the bind, the SEND
+    // and the invalidation.
+    let send_wrs_per_command = if domain.scoped() { 3 } else { 1 };
     let caps = QpCaps {
-        max_send_wr: depth + 1,
+        max_send_wr: depth * send_wrs_per_command + 1,
         max_recv_wr: recv_count as u32,
         max_send_sge: 1,
         max_recv_sge: 1,

@@ -413,11 +413,12 @@ pub const RAW_TARGET_WRITE_MAX: usize = 64 << 10;
 const WRITE_WR_ID: u64 = 1 << 40;
 
 impl RawTarget {
-    /// Listens on `tcp://127.0.0.1:0`, sends the URL through `url_tx`, and
-    /// accepts one connection (waiting at most `timeout`). Call it on the
-    /// thread that will drive the queue pair.
+    /// Listens on port 0 of the system tests' scheme and host (`tcp://127.0.0.1`
+    /// unless the VM stage says otherwise), sends the URL through `url_tx`,
+    /// and accepts one connection (waiting at most `timeout`). Call it on
+    /// the thread that will drive the queue pair.
     pub fn accept_one(url_tx: std::sync::mpsc::Sender<String>, timeout: Duration) -> Option<RawTarget> {
-        let url = FabricUrl::parse("tcp://127.0.0.1:0").expect("url");
+        let url = FabricUrl::parse(&format!("{}://{}:0", crate::scheme(), crate::listen_host())).expect("url");
         let fabric = Fabric::open(&url).expect("open fabric");
         let listener = fabric.listen().expect("listen");
         url_tx.send(listener.local_url().to_string()).expect("send url");

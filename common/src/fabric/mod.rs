@@ -177,6 +177,11 @@ pub enum WcOpcode {
     RdmaWrite,
     RdmaRead,
     Recv,
+    /// A memory window's bind (verbs binds with a work request; it
+    /// completes only in error, since binds are never signaled).
+    BindWindow,
+    /// A memory window's invalidation ([`QueuePair::invalidate_window`]).
+    LocalInvalidate,
 }
 
 /// Completion status (`ibv_wc_status`, the subset a storage protocol meets).
@@ -373,6 +378,8 @@ pub struct MemoryWindow {
 
 enum MwImpl {
     Tcp(tcp::TcpWindow),
+    #[cfg(feature = "verbs")]
+    Verbs(verbs::VerbsWindow),
 }
 
 impl MemoryWindow {
@@ -380,8 +387,33 @@ impl MemoryWindow {
     pub fn rkey(&self) -> Rkey {
         match &self.inner {
             MwImpl::Tcp(w) => w.rkey(),
+            #[cfg(feature = "verbs")]
+            MwImpl::Verbs(w) => w.rkey(),
         }
     }
+}
+
+/// When a window's invalidation takes effect ([`QueuePair::invalidate_window`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use]
+pub enum Invalidation {
+    /// Already: no access with the rkey succeeds from now on (tcp).
+    Done,
+    /// When the `LocalInvalidate` completion with the caller's `wr_id`
+    /// arrives (verbs: `IBV_WR_LOCAL_INV` executes in send-queue order).
+    Pending,
+}
+
+/// The argument rules every provider applies to a window bind.
+pub(crate) fn check_window_access(access: Access, len: u64) -> Result<()> {
+    let invalid = |why: String| Err(FabricError::new(FabricErrorKind::InvalidArgument, format!("bind_window: {why}")));
+    if access.bits() & !(Access::REMOTE_READ | Access::REMOTE_WRITE).bits() != 0 || access == Access::NONE {
+        return invalid(format!("a window grants REMOTE_READ and/or REMOTE_WRITE, not {access:?}"));
+    }
+    if len == 0 {
+        return invalid("zero length".to_owned());
+    }
+    Ok(())
 }
 
 /// A completion queue with a completion channel.
@@ -555,14 +587,14 @@ pub(crate) fn check_registration(addr: *mut u8, len: usize, access: Access) -> R
 
 impl ProtectionDomain {
     /// Whether [`QueuePair::bind_window`] works on this domain's queue pairs.
-    /// tcp: always. verbs: not yet (type-2 windows and fast-registration
-    /// invalidation are not implemented); a region is then reachable by
+    /// tcp: always. verbs: where the device has type-2B memory windows
+    /// (`IBV_DEVICE_MEM_WINDOW_TYPE_2B`); elsewhere a region is reachable by
     /// peers for as long as it is registered with remote rights.
     pub fn supports_windows(&self) -> bool {
         match &self.inner {
             PdImpl::Tcp(_) => true,
             #[cfg(feature = "verbs")]
-            PdImpl::Verbs(_) => false,
+            PdImpl::Verbs(pd) => pd.dev.windows,
         }
     }
 
@@ -713,18 +745,44 @@ impl QueuePair {
     /// rkey is `parent` (registered with [`Access::MW_BIND`] in this queue
     /// pair's domain), granting `access` — `REMOTE_READ` and/or
     /// `REMOTE_WRITE` (which needs the region's `LOCAL_WRITE`) — to this
-    /// queue pair's peer only, under a fresh unpredictable rkey: a type-2B
-    /// window. Verbs binds it with a work request (`IBV_WR_BIND_MW`); here
-    /// the bind takes effect at once. Not supported by the verbs provider
-    /// yet ([`ProtectionDomain::supports_windows`]).
+    /// queue pair's peer only, under a fresh rkey: a type-2B window. The
+    /// queue pair must be connected.
+    ///
+    /// tcp: the bind takes effect at once and the rkey has 31 random bits.
+    /// verbs: the bind is an `IBV_WR_BIND_MW` work request that takes one
+    /// send-queue slot until a later signaled completion; it takes effect
+    /// in order with the other send work requests, so a SEND posted after
+    /// it reaches the peer only once the window is valid. Only the rkey's
+    /// low 8 bits are the binder's (see the verbs `mw` module).
+    ///
+    /// Dropping the window invalidates it: at once (tcp), or by an
+    /// unsignaled `IBV_WR_LOCAL_INV` that takes one more slot (verbs). To
+    /// know when a peer can no longer use it, use [`Self::invalidate_window`].
     pub fn bind_window(&self, parent: Rkey, addr: u64, len: u64, access: Access) -> Result<MemoryWindow> {
-        match &self.inner {
-            QpImpl::Tcp(qp) => Ok(MemoryWindow { inner: MwImpl::Tcp(qp.bind_window(parent, addr, len, access)?) }),
+        let inner = match &self.inner {
+            QpImpl::Tcp(qp) => MwImpl::Tcp(qp.bind_window(parent, addr, len, access)?),
             #[cfg(feature = "verbs")]
-            QpImpl::Verbs(_) => Err(FabricError::new(
-                FabricErrorKind::Unsupported,
-                "memory windows are not supported by the verbs provider",
-            )),
+            QpImpl::Verbs(qp) => MwImpl::Verbs(qp.bind_window(parent, addr, len, access)?),
+        };
+        Ok(MemoryWindow { inner })
+    }
+    /// Invalidates `window`, which was bound on this queue pair, and says
+    /// when the invalidation takes effect: [`Invalidation::Done`] at once,
+    /// or [`Invalidation::Pending`] until a completion with `wr_id` and
+    /// opcode [`WcOpcode::LocalInvalidate`] (posting it takes a send-queue
+    /// slot). A caller that must not give the memory back while a peer can
+    /// still write it waits for that completion, as NVMe-oF hosts do.
+    pub fn invalidate_window(&self, window: MemoryWindow, wr_id: WrId) -> Result<Invalidation> {
+        match (&self.inner, window.inner) {
+            (QpImpl::Tcp(_), MwImpl::Tcp(w)) => {
+                let _ = wr_id;
+                drop(w);
+                Ok(Invalidation::Done)
+            }
+            #[cfg(feature = "verbs")]
+            (QpImpl::Verbs(qp), MwImpl::Verbs(w)) => qp.invalidate_window(w, wr_id).map(|()| Invalidation::Pending),
+            #[cfg(feature = "verbs")]
+            _ => Err(mixed("invalidate_window")),
         }
     }
     /// Posts a chain of send-queue work requests, executed in order.

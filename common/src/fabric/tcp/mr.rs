@@ -263,13 +263,8 @@ impl PdShared {
     /// must have been registered with `MW_BIND` (and `LOCAL_WRITE` for a
     /// window that grants `REMOTE_WRITE`).
     pub(crate) fn bind_window(self: &Arc<PdShared>, qp_num: u32, parent: Rkey, addr: u64, len: u64, access: Access) -> Result<TcpWindow> {
+        crate::fabric::check_window_access(access, len)?;
         let invalid = |why: String| Err(FabricError::new(FabricErrorKind::InvalidArgument, format!("bind_window: {why}")));
-        if access.bits() & !(Access::REMOTE_READ | Access::REMOTE_WRITE).bits() != 0 || access == Access::NONE {
-            return invalid(format!("a window grants REMOTE_READ and/or REMOTE_WRITE, not {access:?}"));
-        }
-        if len == 0 {
-            return invalid("zero length".to_owned());
-        }
         let region = {
             let table = self.table.load();
             match table.by_rkey.get(&parent.0) {

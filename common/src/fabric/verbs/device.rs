@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use rdma_mummy_sys as sys;
 use sideway::ibverbs::device::DeviceInfo;
-use sideway::ibverbs::device_context::DeviceContext;
+use sideway::ibverbs::device_context::{DeviceCapabilityFlags, DeviceContext};
 use sideway::rdmacm::communication_manager::{BindAddressErrorKind, EventChannel, EventType, PortSpace};
 
 use crate::fabric::{FabricError, FabricErrorKind, FabricUrl, Result};
@@ -103,6 +103,8 @@ pub(crate) struct Device {
     pub(crate) max_qp_wr: u32,
     pub(crate) max_sge: u32,
     pub(crate) max_sge_rd: u32,
+    /// Type-2B memory windows are available (`IBV_DEVICE_MEM_WINDOW_TYPE_2B`).
+    pub(crate) windows: bool,
     /// RDMA READs in flight per queue pair, each way (responder resources
     /// and initiator depth), capped at [`MAX_RD_ATOMIC`].
     pub(crate) rd_atomic: u8,
@@ -142,6 +144,7 @@ impl Device {
             max_qp_wr: attr.max_qp_wr().max(1) as u32,
             max_sge: attr.max_sge().max(1) as u32,
             max_sge_rd: attr.max_sge_rd().max(1) as u32,
+            windows: attr.max_mw() > 0 && attr.device_cap_flags().contains(DeviceCapabilityFlags::MemoryWindowType2B),
             rd_atomic: attr.max_qp_rd_atom().min(attr.max_qp_init_rd_atom()).clamp(1, MAX_RD_ATOMIC) as u8,
             name,
         });
@@ -153,6 +156,7 @@ impl Device {
             max_qp_wr = dev.max_qp_wr,
             max_sge = dev.max_sge,
             max_sge_rd = dev.max_sge_rd,
+            windows = dev.windows,
             rd_atomic = dev.rd_atomic,
             "RDMA device opened"
         );

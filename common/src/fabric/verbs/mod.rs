@@ -72,6 +72,7 @@ mod cq;
 mod device;
 mod listener;
 mod mr;
+mod mw;
 mod qp;
 
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -81,7 +82,7 @@ use std::time::{Duration, Instant};
 pub use cq::VerbsCq;
 pub use listener::{VerbsConnectRequest, VerbsListener};
 pub use mr::{VerbsMr, VerbsPd};
-pub use qp::VerbsQp;
+pub use qp::{VerbsQp, VerbsWindow};
 
 use cm::{ev, CmChannel, CmId};
 use device::{Device, RESOLVE_TIMEOUT};

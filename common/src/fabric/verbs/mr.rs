@@ -2,19 +2,22 @@
 //! through sideway. Dropping a region deregisters it; `ibv_dereg_mr`
 //! returns only once the device no longer touches the memory.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use sideway::ibverbs::memory_region::{MemoryRegion, RegisterMemoryRegionErrorKind};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::AccessFlags;
 
 use super::device::Device;
+use super::mw::{BindableRegion, BindableRegions};
 use crate::fabric::{Access, FabricError, FabricErrorKind, Lkey, Result, Rkey};
 
 /// A protection domain on one device.
 pub struct VerbsPd {
     pub(crate) dev: Arc<Device>,
     pub(crate) pd: Arc<ProtectionDomain>,
+    /// Regions registered with `MW_BIND`, which queue pairs bind windows over.
+    pub(crate) bindable: BindableRegions,
 }
 
 impl VerbsPd {
@@ -23,7 +26,7 @@ impl VerbsPd {
             .ctx
             .alloc_pd()
             .map_err(|e| FabricError::new(FabricErrorKind::Io, format!("ibv_alloc_pd on {}: {e:?}", dev.name)))?;
-        Ok(VerbsPd { dev, pd })
+        Ok(VerbsPd { dev, pd, bindable: Arc::new(Mutex::new(Default::default())) })
     }
 
     /// Registers `[addr, addr + len)`.
@@ -43,13 +46,14 @@ impl VerbsPd {
             flags |= AccessFlags::RemoteRead;
         }
         if access.contains(Access::MW_BIND) {
-            // The verbs provider binds no windows yet (see
-            // `ProtectionDomain::supports_windows`): refuse rather than
-            // register a region no peer could ever reach.
-            return Err(crate::fabric::FabricError::new(
-                crate::fabric::FabricErrorKind::Unsupported,
-                "register: MW_BIND (memory windows) is not supported by the verbs provider",
-            ));
+            if !self.dev.windows {
+                // Refuse rather than register a region no peer could reach.
+                return Err(FabricError::new(
+                    FabricErrorKind::Unsupported,
+                    format!("register: {} has no type-2B memory windows (MW_BIND)", self.dev.name),
+                ));
+            }
+            flags |= AccessFlags::MemoryWindowBind;
         }
         // SAFETY: the caller guarantees the range is valid and outlives the
         // region (forwarded contract of ProtectionDomain::register).
@@ -68,7 +72,18 @@ impl VerbsPd {
                 format!("ibv_reg_mr of {len} bytes on {} failed{hint}: {e:?}", self.dev.name),
             )
         })?;
-        Ok(VerbsMr { mr, addr: addr as usize as u64, len, access })
+        let bindable = access.contains(Access::MW_BIND).then(|| {
+            let entry = BindableRegion {
+                mr: Arc::downgrade(&mr),
+                rkey: mr.rkey(),
+                addr: addr as usize as u64,
+                len: len as u64,
+                access,
+            };
+            lock(&self.bindable).insert(mr.lkey(), entry);
+            self.bindable.clone()
+        });
+        Ok(VerbsMr { mr, addr: addr as usize as u64, len, access, bindable })
     }
 }
 
@@ -78,6 +93,22 @@ pub struct VerbsMr {
     addr: u64,
     len: usize,
     access: Access,
+    /// Where the region is listed for window binds (registered with MW_BIND).
+    bindable: Option<BindableRegions>,
+}
+
+impl Drop for VerbsMr {
+    fn drop(&mut self) {
+        // No new window over it; bound ones keep the region registered
+        // until their invalidation has executed (see the `mw` module).
+        if let Some(b) = &self.bindable {
+            lock(b).remove(&self.mr.lkey());
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl VerbsMr {

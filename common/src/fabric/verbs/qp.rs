@@ -38,10 +38,11 @@ use super::cm::{self, ev, CmEvent, CmId};
 use super::cq::{CqShared, VerbsCq};
 use super::device::Device;
 use super::mr::VerbsPd;
+use super::mw::WindowPool;
 use super::{MAX_MESSAGE, MIN_RNR_TIMER, QP_TIMEOUT, RETRY_CNT, RNR_RETRY};
 use crate::fabric::{
-    Completion, FabricError, FabricErrorKind, FabricUrl, QpCaps, QpNum, QpState, RecvWr, Result, SendOp, SendWr,
-    WcOpcode, WcStatus, WrId,
+    Access, Completion, FabricError, FabricErrorKind, FabricUrl, QpCaps, QpNum, QpState, RecvWr, Result, Rkey, SendOp,
+    SendWr, WcOpcode, WcStatus, WrId,
 };
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -162,6 +163,9 @@ pub(crate) struct QpCore {
     started: AtomicBool,
     /// rdma_disconnect (or rdma_reject, for an unanswered request) was called.
     cm_done: AtomicBool,
+    /// Memory windows bound on this queue pair. Lock order: `windows`
+    /// before `shadow`.
+    windows: Mutex<WindowPool>,
     // Drop order: the queue pair before the id, as rdma_destroy_ep does.
     _qp: BasicQueuePair,
     id: CmId,
@@ -306,6 +310,57 @@ impl QpCore {
             mask |= sys::ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC.0 as libc::c_int;
         }
         self.modify(&mut attr, mask, "ibv_modify_qp(RTS)")
+    }
+}
+
+impl QpCore {
+    /// Posts one work request that moves no data (a window bind or
+    /// invalidation) through the shadow send queue; returns its index.
+    fn post_control(&self, mut w: sys::ibv_send_wr, slot: SqSlot, what: &str) -> Result<u64> {
+        let mut sh = lock(&self.shadow);
+        if sh.sq_full() {
+            return Err(err(
+                FabricErrorKind::QueueFull,
+                format!("{what}: send queue full ({} work requests outstanding)", self.caps.max_send_wr),
+            ));
+        }
+        let abs = sh.sq_tail;
+        let cap = sh.sq.len() as u64;
+        sh.sq[(abs % cap) as usize] = slot;
+        sh.sq_tail += 1;
+        w.wr_id = abs;
+        w.next = ptr::null_mut();
+        w.sg_list = ptr::null_mut();
+        w.num_sge = 0;
+        let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
+        // SAFETY: a live QP and a single work request with no SGEs; the
+        // window and region it names are live (the caller holds them).
+        let rc = unsafe { sys::ibv_post_send(self.raw_qp.as_ptr(), &mut w, &mut bad) };
+        if rc != 0 {
+            sh.sq_tail = abs;
+            return Err(post_error(what, rc));
+        }
+        Ok(abs)
+    }
+
+    /// Posts the invalidation of a bound window (signaled with `wr_id` if
+    /// given) and hands the window back to the pool.
+    fn invalidate(&self, window: &mut VerbsWindow, wr_id: Option<WrId>) -> Result<()> {
+        let Some(mr) = window.mr.take() else {
+            return Ok(());
+        };
+        let mut pool = lock(&self.windows);
+        // SAFETY: ibv_send_wr is plain old data; all-zero is valid.
+        let mut w: sys::ibv_send_wr = unsafe { MaybeUninit::zeroed().assume_init() };
+        w.opcode = sys::ibv_wr_opcode::IBV_WR_LOCAL_INV;
+        w.imm_data_invalidated_rkey_union.invalidated_rkey = window.rkey;
+        w.send_flags = if wr_id.is_some() { sys::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+        let slot = SqSlot { wr_id: wr_id.unwrap_or(WrId(0)), opcode: WcOpcode::LocalInvalidate, len: 0 };
+        let posted = self.post_control(w, slot, "ibv_post_send(LOCAL_INV)");
+        let sq_head = lock(&self.shadow).sq_head;
+        pool.give_back(window.mw, mr, posted.as_ref().ok().copied());
+        pool.release_retired(sq_head);
+        posted.map(|_| ())
     }
 }
 
@@ -597,6 +652,7 @@ impl VerbsQp {
             connected: AtomicBool::new(false),
             started: AtomicBool::new(false),
             cm_done: AtomicBool::new(false),
+            windows: Mutex::new(WindowPool::new(pd.pd.clone(), pd.bindable.clone())),
             _qp: qp,
             id,
         });
@@ -757,6 +813,54 @@ impl VerbsQp {
         Ok(())
     }
 
+    /// Binds a type-2B window (see the `mw` module); the bind executes in
+    /// order with this queue pair's other send work requests.
+    pub fn bind_window(&self, parent: Rkey, addr: u64, len: u64, access: Access) -> Result<VerbsWindow> {
+        let core = &self.core;
+        if !core.connected.load(Ordering::Acquire) {
+            return Err(err(FabricErrorKind::InvalidState, "bind_window on a queue pair that is not connected"));
+        }
+        let mut pool = lock(&core.windows);
+        let (mr, flags) = pool.parent(parent, addr, len, access)?;
+        let lease = pool.lease()?;
+        // SAFETY: ibv_send_wr is plain old data; all-zero is valid.
+        let mut w: sys::ibv_send_wr = unsafe { MaybeUninit::zeroed().assume_init() };
+        w.opcode = sys::ibv_wr_opcode::IBV_WR_BIND_MW;
+        w.bind_mw_tso_union.bind_mw = sys::bind_mw_t {
+            mw: lease.mw.as_ptr(),
+            rkey: lease.rkey,
+            bind_info: sys::ibv_mw_bind_info {
+                // SAFETY: the region is live: `mr` is held by the window
+                // from here until its invalidation has executed.
+                mr: unsafe { mr.mr() }.as_ptr(),
+                addr,
+                length: len,
+                mw_access_flags: flags,
+            },
+        };
+        let slot = SqSlot { wr_id: WrId(0), opcode: WcOpcode::BindWindow, len: 0 };
+        match core.post_control(w, slot, "ibv_post_send(BIND_MW)") {
+            Ok(_) => {
+                pool.bound(&lease);
+                Ok(VerbsWindow { core: core.clone(), mw: lease.mw, rkey: lease.rkey, mr: Some(mr) })
+            }
+            Err(e) => {
+                pool.abandon(lease);
+                Err(e)
+            }
+        }
+    }
+
+    /// Posts the invalidation of `window`, bound on this queue pair,
+    /// signaled: a `LocalInvalidate` completion with `wr_id` follows once
+    /// its rkey is dead.
+    pub fn invalidate_window(&self, mut window: VerbsWindow, wr_id: WrId) -> Result<()> {
+        if !Arc::ptr_eq(&window.core, &self.core) {
+            return Err(err(FabricErrorKind::InvalidArgument, "invalidate_window: the window belongs to another queue pair"));
+        }
+        self.core.invalidate(&mut window, Some(wr_id))
+    }
+
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
         let core = &*self.core;
         if !core.connected.load(Ordering::Acquire) && !lock(&core.shadow).errored {
@@ -878,6 +982,37 @@ impl VerbsQp {
     /// and tells the peer with rdma_disconnect.
     pub fn disconnect(&self) {
         self.core.fail_and_disconnect();
+    }
+}
+
+/// A bound type-2B memory window; dropping it posts its invalidation.
+pub struct VerbsWindow {
+    core: Arc<QpCore>,
+    mw: NonNull<sys::ibv_mw>,
+    rkey: u32,
+    /// The parent region while the window is bound.
+    mr: Option<Arc<sideway::ibverbs::memory_region::MemoryRegion>>,
+}
+
+// SAFETY: the window pointer is only passed to libibverbs (thread-safe)
+// under the queue pair's window lock; the rest is Send + Sync.
+unsafe impl Send for VerbsWindow {}
+// SAFETY: as above; `&VerbsWindow` only reads the rkey.
+unsafe impl Sync for VerbsWindow {}
+
+impl VerbsWindow {
+    pub fn rkey(&self) -> Rkey {
+        Rkey(self.rkey)
+    }
+}
+
+impl Drop for VerbsWindow {
+    fn drop(&mut self) {
+        let core = self.core.clone();
+        if let Err(e) = core.invalidate(self, None) {
+            // The queue pair has failed: no peer can use the window any more.
+            tracing::debug!(qp = core.qp_num, "invalidating a memory window: {e}");
+        }
     }
 }
 
