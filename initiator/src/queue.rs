@@ -59,6 +59,8 @@ const TAG_SEND: u64 = 1 << 32;
 const TAG_RECV: u64 = 2 << 32;
 /// The invalidation of a command's memory window (verbs).
 const TAG_INVALIDATE: u64 = 3 << 32;
+/// How long to poll for pending window invalidations before sleeping.
+const INVALIDATION_SPIN: Duration = Duration::from_micros(50);
 const TAG_MASK: u64 = !0xffff_ffff;
 
 /// Longest slice of one sleep on the completion channel. Deadlines, the
@@ -255,6 +257,9 @@ pub(crate) struct Conn {
     /// Per slot: the memory window the target may use for that command's
     /// data, dropped (invalidated) when the response arrives.
     windows: Vec<Option<MemoryWindow>>,
+    /// Slots whose response is held until their window's invalidation
+    /// completes.
+    invalidations_pending: usize,
     /// Responses of detached commands, by ticket, until their owner takes them.
     detached_done: Vec<(u64, Response)>,
     next_ticket: u64,
@@ -305,6 +310,7 @@ impl Conn {
             batching: false,
             batch: Vec::with_capacity(count),
             windows: (0..count).map(|_| None).collect(),
+            invalidations_pending: 0,
             detached_done: Vec::new(),
             next_ticket: 1,
         };
@@ -407,6 +413,8 @@ impl Conn {
             self.qp.disconnect();
             // Whatever the target still sends for these commands is refused.
             self.windows.iter_mut().for_each(|w| *w = None);
+            // Held responses are never delivered now: their commands fail.
+            self.invalidations_pending = 0;
         }
         Error::Disconnected { reason: self.broken.clone().unwrap_or_default() }
     }
@@ -663,8 +671,16 @@ impl Conn {
         let Some(deadline) = self.check_deadlines(now)? else {
             return Ok(false);
         };
-        if !self.params.busy_poll.is_zero() {
-            let until = now + self.params.busy_poll.min(deadline.saturating_duration_since(now));
+        // A response held for its window's invalidation is a local work
+        // request away (microseconds): poll for it rather than sleep and
+        // take a wake-up per command.
+        let spin = if self.invalidations_pending > 0 {
+            self.params.busy_poll.max(INVALIDATION_SPIN)
+        } else {
+            self.params.busy_poll
+        };
+        if !spin.is_zero() {
+            let until = now + spin.min(deadline.saturating_duration_since(now));
             while Instant::now() < until {
                 if self.poll_once()? > 0 {
                     return Ok(true);
@@ -807,6 +823,7 @@ impl Conn {
             (TAG_RECV, WcOpcode::Recv) if index < self.recv_count => self.handle_response(index, wc.byte_len as usize),
             (TAG_INVALIDATE, WcOpcode::LocalInvalidate) if self.slots.get(index).is_some_and(|s| s.held.is_some()) => {
                 if let Some(response) = self.slots[index].held.take() {
+                    self.invalidations_pending -= 1;
                     self.deliver(index, response);
                 }
             }
@@ -863,7 +880,10 @@ impl Conn {
         };
         match pending {
             Ok(Invalidation::Done) => self.deliver(cid, response),
-            Ok(Invalidation::Pending) => self.slots[cid].held = Some(response),
+            Ok(Invalidation::Pending) => {
+                self.slots[cid].held = Some(response);
+                self.invalidations_pending += 1;
+            }
             Err(e) => {
                 self.fail(format!("invalidating the memory window of command id {cid} failed: {e}"));
                 return;
