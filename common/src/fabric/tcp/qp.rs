@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::cq::{CqShared, TcpCq};
-use super::mr::{PdShared, Pins, RegionTable, TcpPd, TcpWindow};
+use super::mr::{PdShared, Pins, Region, RegionTable, TcpPd, TcpWindow};
 use super::sys::{self, EMPTY_IOV};
 use super::wire::{
     self, seq_le, seq_next, FrameType, Header, FLAG_ACK_REQUESTED, HDR_LEN, HELLO_MAX, MAX_PAYLOAD, MAX_PRIVATE_DATA,
@@ -31,6 +31,19 @@ static NEXT_QP_NUM: AtomicU32 = AtomicU32::new(1);
 /// Most receive syscalls one progress round spends on one queue pair; a
 /// busier socket stays readable and is served by the next round.
 const RX_BUDGET: usize = 256;
+/// Size of a queue pair's receive staging buffer: one `read` takes up to
+/// this much of the stream, many small frames at once.
+const STAGING_LEN: usize = 64 << 10;
+/// A payload at least this long is bulk data, and the frames around it
+/// are likely bulk too: staging reads shrink to [`BULK_STAGING_READ`] for
+/// a few frames, so that the next large payload is read straight into its
+/// destination rather than into staging and then copied.
+const LARGE_PAYLOAD: u32 = 16 << 10;
+/// What a staging read takes while bulk data flows: room for the small
+/// frames between payloads and the next header, little payload to copy.
+const BULK_STAGING_READ: usize = 4 << 10;
+/// How many frames after a large payload staging reads stay small.
+const BULK_FRAMES: u8 = 4;
 /// Scratch size for discarding input in the error state.
 const DRAIN_CHUNK: usize = 4096;
 
@@ -343,6 +356,18 @@ enum Step {
     Stop,
 }
 
+/// What one receive syscall brought.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Received {
+    /// Every byte asked for: more may be waiting.
+    Full,
+    /// Fewer bytes than asked for: the socket is drained for now, and
+    /// (level-triggered) epoll reports whatever arrives next.
+    Short,
+    /// Nothing (it would block), or the stream ended or broke.
+    Nothing,
+}
+
 /// Why a queue pair enters the error state.
 #[derive(Clone, Copy, Debug)]
 enum Failure {
@@ -395,6 +420,119 @@ fn scatter<'t>(
         skip = 0;
     }
     (want == 0).then_some(n)
+}
+
+/// Receive staging: bytes read from the socket ahead of the frame engine,
+/// many frames per `read`. `buf[start..end]` are received and not yet
+/// processed. Between progress rounds it holds at most a partial header.
+struct RxStaging {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    /// Frames since the last one with a large payload (saturating).
+    since_large: u8,
+}
+
+impl RxStaging {
+    fn new() -> RxStaging {
+        RxStaging { buf: vec![0; STAGING_LEN].into_boxed_slice(), start: 0, end: 0, since_large: BULK_FRAMES }
+    }
+
+    /// Notes the payload length of a frame whose header was taken.
+    fn note_frame(&mut self, payload: u32) {
+        self.since_large = if payload >= LARGE_PAYLOAD { 0 } else { self.since_large.saturating_add(1) };
+    }
+
+    /// How many bytes the next read may stage. Small while bulk data flows,
+    /// so that big payloads go to their destination directly rather than
+    /// through staging and a copy.
+    fn read_limit(&self) -> usize {
+        let limit = if self.since_large < BULK_FRAMES { BULK_STAGING_READ } else { STAGING_LEN };
+        limit.min(self.buf.len() - self.end)
+    }
+
+    fn len(&self) -> usize {
+        self.end - self.start
+    }
+
+    fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+
+    fn clear(&mut self) {
+        self.start = 0;
+        self.end = 0;
+    }
+
+    /// Drops the first `n` staged bytes.
+    fn consume(&mut self, n: usize) {
+        debug_assert!(n <= self.len());
+        self.start += n;
+        if self.start == self.end {
+            self.clear();
+        }
+    }
+
+    /// Takes a whole frame header off the front, if one is staged.
+    fn take_header(&mut self) -> Option<[u8; HDR_LEN]> {
+        if self.len() < HDR_LEN {
+            return None;
+        }
+        let mut raw = [0; HDR_LEN];
+        raw.copy_from_slice(&self.buf[self.start..self.start + HDR_LEN]);
+        self.consume(HDR_LEN);
+        Some(raw)
+    }
+
+    /// Moves the staged bytes (a partial header at most, when called
+    /// between frames) to the front, so the whole rest is free.
+    fn compact(&mut self) {
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+    }
+
+    /// The space the next read may fill (never empty: staging holds at most
+    /// a partial header when a read is due); [`RxStaging::commit`] accounts
+    /// what landed.
+    fn spare(&mut self) -> &mut [u8] {
+        self.compact();
+        let limit = self.read_limit();
+        &mut self.buf[self.end..self.end + limit]
+    }
+
+    /// [`RxStaging::spare`] as an iovec, for a `readv` whose earlier iovecs
+    /// take a payload directly.
+    fn spare_iov(&mut self) -> libc::iovec {
+        let free = self.spare();
+        sys::iov(free.as_mut_ptr() as usize as u64, free.len())
+    }
+
+    /// `n` bytes were received into the space [`RxStaging::spare`] named.
+    fn commit(&mut self, n: usize) {
+        debug_assert!(self.end + n <= self.buf.len());
+        self.end += n;
+    }
+
+    /// Copies the first `n` staged bytes over `iov`, in order (it does not
+    /// consume them).
+    ///
+    /// # Safety
+    /// Every iovec must describe memory valid for writes that does not
+    /// overlap this buffer, and `n` must not exceed the staged bytes.
+    unsafe fn copy_to(&self, iov: &[libc::iovec], n: usize) {
+        let mut src = &self.buf[self.start..self.start + n];
+        for v in iov {
+            let k = v.iov_len.min(src.len());
+            // SAFETY: the caller guarantees `v` is writable and disjoint from
+            // `src`. A raw copy rather than a slice: registered memory may be
+            // accessed by its owner concurrently, like DMA.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), v.iov_base.cast::<u8>(), k) };
+            src = &src[k..];
+        }
+    }
 }
 
 // ------------------------------------------------------------- the QP --
@@ -451,8 +589,8 @@ pub(crate) struct QpInner {
     ack_needed: bool,
     /// A standalone ACK is owed and this queue pair is on the CQ's list.
     ack_deferred: bool,
-    hdr_buf: [u8; HDR_LEN],
-    hdr_got: usize,
+    /// Received bytes not yet processed.
+    staging: RxStaging,
     job: Job,
 
     backlog: Backlog,
@@ -508,8 +646,7 @@ impl TcpQp {
             last_ack_sent: 0,
             ack_needed: false,
             ack_deferred: false,
-            hdr_buf: [0; HDR_LEN],
-            hdr_got: 0,
+            staging: RxStaging::new(),
             job: Job::None,
             backlog: Backlog::default(),
             linger: false,
@@ -1204,39 +1341,52 @@ impl QpInner {
     // ------------------------------------------------------------ rx --
 
     /// Receives and processes frames until the socket is drained or the
-    /// budget is spent.
+    /// budget of receive syscalls is spent. What one read brings is
+    /// processed before the next read (or the end of the round), so a round
+    /// never leaves a whole frame waiting in staging: level-triggered epoll
+    /// would not report it. A short read ends the round without a further
+    /// read that would only fail with EAGAIN.
     fn rx_pump(&mut self, sh: &QpShared) {
-        for _ in 0..RX_BUDGET {
+        let mut reads = 0;
+        let mut drained = false;
+        loop {
             if !self.rx_open {
                 return;
             }
             if self.state != QpState::Ready {
+                // Frames staged behind the failure are never executed.
+                self.staging.clear();
                 self.rx_drain();
                 return;
             }
-            let step = if matches!(self.job, Job::None) {
-                if self.hdr_got == HDR_LEN {
-                    self.hdr_got = 0;
-                    let raw = self.hdr_buf;
-                    self.on_header(sh, &raw);
-                    Step::Go
-                } else {
-                    self.rx_header(sh)
-                }
-            } else {
-                self.rx_payload(sh)
-            };
-            if step == Step::Stop {
+            self.rx_parse(sh);
+            if !self.rx_open || self.state != QpState::Ready {
+                continue;
+            }
+            if drained || reads == RX_BUDGET {
                 return;
             }
+            reads += 1;
+            // A payload still pending is not staged (staging was emptied
+            // into it): it is read directly, with staging behind it.
+            let received = if self.payload_remaining() > 0 { self.rx_direct(sh) } else { self.rx_fill(sh) };
+            match received {
+                Received::Full => {}
+                Received::Short => drained = true,
+                Received::Nothing => return,
+            }
         }
-        // Budget spent. A complete header already read must not wait for
-        // more input that may never come (the socket may be empty now):
-        // handling a header costs no receive syscall.
-        if self.rx_open && self.state == QpState::Ready && matches!(self.job, Job::None) && self.hdr_got == HDR_LEN {
-            self.hdr_got = 0;
-            let raw = self.hdr_buf;
-            self.on_header(sh, &raw);
+    }
+
+    /// Payload bytes of the current frame still to be placed (0 between
+    /// frames; a discarded payload is never placed directly).
+    fn payload_remaining(&self) -> usize {
+        match self.job {
+            Job::None | Job::Discard { .. } => 0,
+            job => {
+                let (len, done) = job.len_done();
+                (len - done) as usize
+            }
         }
     }
 
@@ -1267,130 +1417,143 @@ impl QpInner {
         self.rx_open = false;
     }
 
-    fn rx_header(&mut self, sh: &QpShared) -> Step {
-        let got = self.hdr_got;
-        match sys::read(self.fd, &mut self.hdr_buf[got..]) {
+    /// The outcome of a receive syscall that asked for `asked` bytes: the
+    /// byte count, or `None` when the round stops (nothing to read, or the
+    /// stream ended or broke).
+    fn rx_result(&mut self, sh: &QpShared, r: io::Result<usize>, asked: usize) -> Option<(usize, Received)> {
+        match r {
             Ok(0) => {
                 self.rx_closed(sh);
-                Step::Stop
+                None
             }
-            Ok(n) => {
-                self.hdr_got += n;
-                Step::Go
-            }
-            Err(e) if is_would_block(&e) => Step::Stop,
+            Ok(n) => Some((n, if n < asked { Received::Short } else { Received::Full })),
+            Err(e) if is_would_block(&e) => None,
             Err(_) => {
                 self.rx_closed(sh);
-                Step::Stop
+                None
             }
         }
     }
 
-    /// Receives payload straight into its destination, together with the
-    /// next header: `readv([destination..., header])`.
-    fn rx_payload(&mut self, sh: &QpShared) -> Step {
-        if let Job::Discard { len, done } = self.job {
-            return self.rx_discard(sh, (len - done) as usize);
+    /// Processes what staging holds: whole headers, and payload bytes
+    /// placed into their destinations. Leaves at most a partial header.
+    fn rx_parse(&mut self, sh: &QpShared) {
+        while self.state == QpState::Ready {
+            if matches!(self.job, Job::None) {
+                let Some(raw) = self.staging.take_header() else { return };
+                self.on_header(sh, &raw);
+            } else if self.staging.is_empty() || self.rx_place_staged(sh) == Step::Stop {
+                return;
+            }
         }
+    }
+
+    /// Reads whatever the socket holds into staging.
+    fn rx_fill(&mut self, sh: &QpShared) -> Received {
+        let spare = self.staging.spare();
+        let asked = spare.len();
+        let r = sys::read(self.fd, spare);
+        let Some((n, received)) = self.rx_result(sh, r, asked) else { return Received::Nothing };
+        self.staging.commit(n);
+        received
+    }
+
+    /// Copies the staged bytes of the current payload to its destination,
+    /// checked and pinned as for a direct read.
+    fn rx_place_staged(&mut self, sh: &QpShared) -> Step {
+        let (len, done) = self.job.len_done();
+        let n = ((len - done) as usize).min(self.staging.len());
+        if !matches!(self.job, Job::Discard { .. }) {
+            let table = sh.pd.table.load();
+            let mut window_region = None;
+            let mut pins = Pins::new();
+            let mut iov = [EMPTY_IOV; MAX_SGE];
+            let Some(k) = self.payload_dest(sh, &table, &mut window_region, &mut pins, n as u64, &mut iov) else {
+                drop(pins);
+                self.placement_fault(sh);
+                return Step::Stop;
+            };
+            // SAFETY: iov[..k] cover exactly `n` bytes in regions checked
+            // just above (valid, registered with LOCAL_WRITE/REMOTE_WRITE,
+            // covering the range) and pinned until `pins` drops after the
+            // copy; staging holds at least `n` bytes and is this QP's own
+            // buffer, never registered, so the ranges do not overlap.
+            unsafe { self.staging.copy_to(&iov[..k], n) };
+        }
+        self.staging.consume(n);
+        self.job.advance(n as u32);
+        if done as usize + n == len as usize {
+            self.finish_job(sh);
+        }
+        Step::Go
+    }
+
+    /// Receives the rest of the current payload straight into its
+    /// destination, and what follows it into staging:
+    /// `readv([destination..., staging])`. Staging is empty here (a
+    /// pending payload took every staged byte).
+    fn rx_direct(&mut self, sh: &QpShared) -> Received {
+        let want = self.payload_remaining();
         let table = sh.pd.table.load();
         let mut window_region = None;
         let mut pins = Pins::new();
         let mut iov = [EMPTY_IOV; MAX_SGE + 1];
-        let (len, done) = self.job.len_done();
-        let want = (len - done) as u64;
-        let built = match self.job {
-            Job::None => return Step::Go,
+        let built = self.payload_dest(sh, &table, &mut window_region, &mut pins, want as u64, &mut iov[..MAX_SGE]);
+        let Some(k) = built else {
+            drop(pins);
+            self.placement_fault(sh);
+            return Received::Nothing;
+        };
+        iov[k] = self.staging.spare_iov();
+        let asked = want + iov[k].iov_len;
+        // SAFETY: iov[..k] lie in regions that are pinned (valid, registered
+        // with LOCAL_WRITE/REMOTE_WRITE and covering the range, checked just
+        // above) until `pins` drops after the call; iov[k] is the free part
+        // of staging, which no reference aliases during the call.
+        let r = unsafe { sys::readv(self.fd, &iov[..=k]) };
+        drop(pins);
+        let Some((n, received)) = self.rx_result(sh, r, asked) else { return Received::Nothing };
+        let placed = n.min(want);
+        self.staging.commit(n - placed);
+        self.job.advance(placed as u32);
+        if placed == want {
+            self.finish_job(sh);
+        }
+        received
+    }
+
+    /// Builds iovecs over the next `want` bytes of the current payload's
+    /// destination, checking it as at the header and pinning its regions.
+    /// `None` if the destination is no longer valid. Called for every
+    /// placement, so a window invalidated (or a region deregistered)
+    /// mid-payload stops the rest of it.
+    fn payload_dest<'t>(
+        &self,
+        sh: &QpShared,
+        table: &'t RegionTable,
+        window_region: &'t mut Option<Arc<Region>>,
+        pins: &mut Pins<'t>,
+        want: u64,
+        iov: &mut [libc::iovec],
+    ) -> Option<usize> {
+        let (_, done) = self.job.len_done();
+        match self.job {
             Job::Write { rkey, addr, .. } => {
                 // addr + len was bounds-checked against the region at the
                 // header, so this cannot overflow.
                 let cur = addr + done as u64;
-                // Looked up again for every read: a window invalidated (or a
-                // region deregistered) mid-payload stops the placement.
-                match sh.pd.remote(&table, &mut window_region, sh.qp_num, rkey, cur, want, Access::REMOTE_WRITE) {
-                    Some(r) if pins.pin(r) => {
-                        iov[0] = sys::iov(cur, want as usize);
-                        Some(1)
-                    }
-                    _ => None,
+                let r = sh.pd.remote(table, window_region, sh.qp_num, rkey, cur, want, Access::REMOTE_WRITE)?;
+                if !pins.pin(r) {
+                    return None;
                 }
+                iov[0] = sys::iov(cur, want as usize);
+                Some(1)
             }
-            Job::Send { .. } => {
-                scatter(&table, &self.rq.front().sges, done as u64, want, Access::LOCAL_WRITE, &mut pins, &mut iov[..MAX_SGE])
-            }
+            Job::Send { .. } => scatter(table, &self.rq.front().sges, done as u64, want, Access::LOCAL_WRITE, pins, iov),
             Job::ReadResp { abs, .. } => {
-                scatter(&table, &self.sq.get(abs).sges, done as u64, want, Access::LOCAL_WRITE, &mut pins, &mut iov[..MAX_SGE])
+                scatter(table, &self.sq.get(abs).sges, done as u64, want, Access::LOCAL_WRITE, pins, iov)
             }
-            Job::Discard { .. } => return Step::Go,
-        };
-        let Some(k) = built else {
-            drop(pins);
-            self.placement_fault(sh);
-            return Step::Stop;
-        };
-        // hdr_got is 0 while a payload is pending: the header slot is whole.
-        iov[k] = sys::iov(self.hdr_buf.as_mut_ptr() as usize as u64, HDR_LEN);
-        // SAFETY: iov[..k] lie in regions that are pinned (valid, registered
-        // with LOCAL_WRITE/REMOTE_WRITE and covering the range, checked just
-        // above) until `pins` drops after the call; iov[k] is this QP's header
-        // buffer, which no reference aliases during the call.
-        let r = unsafe { sys::readv(self.fd, &iov[..=k]) };
-        drop(pins);
-        match r {
-            Ok(0) => {
-                self.rx_closed(sh);
-                Step::Stop
-            }
-            Ok(n) => {
-                let p = (n as u64).min(want) as u32;
-                self.job.advance(p);
-                self.hdr_got = n - p as usize;
-                if p as u64 == want {
-                    self.finish_job(sh);
-                }
-                Step::Go
-            }
-            Err(e) if is_would_block(&e) => Step::Stop,
-            Err(_) => {
-                self.rx_closed(sh);
-                Step::Stop
-            }
-        }
-    }
-
-    /// Reads and drops up to `want` payload bytes of a discarded request
-    /// (plus the next header, once the payload ends within this read).
-    fn rx_discard(&mut self, sh: &QpShared, want: usize) -> Step {
-        let mut scratch = [std::mem::MaybeUninit::<u8>::uninit(); DRAIN_CHUNK];
-        let chunk = want.min(DRAIN_CHUNK);
-        let mut iov = [sys::iov(scratch.as_mut_ptr() as usize as u64, chunk), EMPTY_IOV];
-        let mut cnt = 1;
-        if chunk == want {
-            // hdr_got is 0 while a payload is pending: the header slot is whole.
-            iov[1] = sys::iov(self.hdr_buf.as_mut_ptr() as usize as u64, HDR_LEN);
-            cnt = 2;
-        }
-        // SAFETY: both iovecs describe writable memory owned by this frame
-        // (scratch) or this QP (header buffer), not aliased during the call.
-        let r = unsafe { sys::readv(self.fd, &iov[..cnt]) };
-        match r {
-            Ok(0) => {
-                self.rx_closed(sh);
-                Step::Stop
-            }
-            Ok(n) => {
-                let p = n.min(chunk);
-                self.job.advance(p as u32);
-                self.hdr_got = n - p;
-                if p == want {
-                    self.finish_job(sh);
-                }
-                Step::Go
-            }
-            Err(e) if is_would_block(&e) => Step::Stop,
-            Err(_) => {
-                self.rx_closed(sh);
-                Step::Stop
-            }
+            Job::None | Job::Discard { .. } => Some(0),
         }
     }
 
@@ -1452,6 +1615,7 @@ impl QpInner {
             Ok(h) => h,
             Err(e) => return self.protocol_error(sh, 0, e.to_string()),
         };
+        self.staging.note_frame(h.length);
         let wr_seq = if h.ty.carries_wr() { h.seq } else { 0 };
         if h.ty.carries_wr() && h.seq != self.rx_expected {
             let due = self.rx_expected;

@@ -1030,3 +1030,271 @@ fn a_window_serves_only_the_peer_of_the_queue_pair_it_was_bound_on() {
 }
 
 const EVIL_BYTE: u8 = 0x66;
+
+// ------------------------------------------------------ receive staging --
+
+/// Appends a WRITE frame (header and payload) to `out`.
+fn push_write(out: &mut Vec<u8>, seq: u32, ack_req: bool, rkey: u32, addr: u64, payload: &[u8]) {
+    let flags = if ack_req { wire::FLAG_ACK_REQUESTED } else { 0 };
+    let h = Header { seq, flags, length: payload.len() as u32, rkey, remote_addr: addr, ..Header::new(FrameType::Write) };
+    out.extend_from_slice(&h.encode());
+    out.extend_from_slice(payload);
+}
+
+/// Appends a SEND frame (header and payload) to `out`.
+fn push_send(out: &mut Vec<u8>, seq: u32, ack_req: bool, payload: &[u8]) {
+    let flags = if ack_req { wire::FLAG_ACK_REQUESTED } else { 0 };
+    let h = Header { seq, flags, length: payload.len() as u32, ..Header::new(FrameType::Send) };
+    out.extend_from_slice(&h.encode());
+    out.extend_from_slice(payload);
+}
+
+/// Polls the rig's CQ until the raw peer has an ACK covering `seq`;
+/// panics if the queue pair fails first.
+fn await_ack(rig: &mut PassiveRig, comps: &mut Vec<Completion>, seq: u32) {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let mut out = [Completion::EMPTY; 16];
+        let n = rig.cq.poll(&mut out).unwrap();
+        comps.extend_from_slice(&out[..n]);
+        assert_eq!(rig.qp.state(), QpState::Ready, "{comps:?}");
+        let mut probe = [0u8; HDR_LEN];
+        rig.raw.set_nonblocking(true).unwrap();
+        let got = rig.raw.peek(&mut probe);
+        rig.raw.set_nonblocking(false).unwrap();
+        if matches!(got, Ok(n) if n == HDR_LEN) {
+            let (h, _) = read_frame(&mut rig.raw);
+            assert_ne!(h.ty, FrameType::Terminate, "{h:?}");
+            if h.ty == FrameType::Ack && seq_le(seq, h.ack) {
+                return;
+            }
+        }
+        assert!(Instant::now() < deadline, "no ACK of seq {seq}: {comps:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Polls until `buf[at]` reads `byte` (the placement happens inside poll,
+/// so the buffer is read between polls).
+fn poll_until_byte(rig: &PassiveRig, buf: &AlignedBuf, at: usize, byte: u8) {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let mut out = [Completion::EMPTY; 4];
+        assert_eq!(rig.cq.poll(&mut out).unwrap(), 0, "{:?}", &out[..1]);
+        // SAFETY: no poll is running, so nothing writes the buffer.
+        if unsafe { buf.as_slice() }[at] == byte {
+            return;
+        }
+        assert!(Instant::now() < deadline, "byte {at} never became {byte:#x}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Writes `bytes` to the raw peer's socket from a thread, so that polls can
+/// drain the socket meanwhile (a large stream fills the socket buffers).
+fn write_in_background(raw: &TcpStream, bytes: Vec<u8>) -> std::thread::JoinHandle<()> {
+    let mut w = raw.try_clone().unwrap();
+    std::thread::spawn(move || w.write_all(&bytes).unwrap())
+}
+
+fn pattern(seed: usize, i: usize) -> u8 {
+    ((seed * 31 + i) % 251) as u8
+}
+
+#[test]
+fn many_frames_in_one_segment_are_all_processed_in_order() {
+    // Eight WRITE + SEND pairs sent with one write: the queue pair reads
+    // them together and must place every payload and complete every
+    // receive in order, each SEND scattered over two SGEs.
+    let mut rig = passive_rig();
+    let region = mem(&rig.pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let rx = &rig._rx;
+    let sges: Vec<[crate::fabric::Sge; 2]> = (0..8).map(|i| [rx.mr_sge(i * 64, 20), rx.mr_sge(2048 + i * 64, 44)]).collect();
+    // wr_id 100, posted by the rig over rx[0..64], is the first of them.
+    for (i, s) in sges.iter().enumerate().skip(1) {
+        rig.qp.post_recv(&[RecvWr { wr_id: WrId(100 + i as u64), sges: s }]).unwrap();
+    }
+    let mut segment = Vec::new();
+    let mut seq = 0;
+    for i in 0..8usize {
+        seq += 1;
+        let write: Vec<u8> = (0..200).map(|j| pattern(i, j)).collect();
+        push_write(&mut segment, seq, false, region.mr.rkey().0, region.mr.addr() + i as u64 * 200, &write);
+        seq += 1;
+        let send: Vec<u8> = (0..1 + i * 9).map(|j| pattern(100 + i, j)).collect();
+        push_send(&mut segment, seq, i == 7, &send);
+    }
+    rig.raw.write_all(&segment).unwrap();
+    let mut comps = Vec::new();
+    await_ack(&mut rig, &mut comps, seq);
+    poll_until(&rig.cq, &mut comps, "eight receives", |c| c.len() == 8);
+    let ids: Vec<u64> = comps.iter().map(|c| c.wr_id.0).collect();
+    assert_eq!(ids, (100..108).collect::<Vec<_>>(), "receives complete in posting order");
+    for (i, c) in comps.iter().enumerate() {
+        assert_eq!((c.status, c.opcode, c.byte_len), (WcStatus::Success, WcOpcode::Recv, 1 + i as u32 * 9));
+    }
+    let placed = bytes_of(&region);
+    let got_rx = bytes_of(&rig._rx);
+    for i in 0..8usize {
+        assert!((0..200).all(|j| placed[i * 200 + j] == pattern(i, j)), "WRITE {i} misplaced");
+        let len = 1 + i * 9;
+        let received: Vec<u8> =
+            got_rx[i * 64..i * 64 + 20].iter().chain(&got_rx[2048 + i * 64..2048 + i * 64 + 44]).take(len).copied().collect();
+        assert_eq!(received, (0..len).map(|j| pattern(100 + i, j)).collect::<Vec<_>>(), "SEND {i} misplaced");
+    }
+    assert!(placed[1600..].iter().all(|&b| b == 0), "bytes past the WRITEs changed");
+}
+
+#[test]
+fn frames_straddling_the_staging_buffer_are_reassembled() {
+    // 600 frames of 133 bytes (over 64 KiB, more than one staging buffer):
+    // headers and payloads fall across read boundaries at every offset.
+    let mut rig = passive_rig();
+    let region = mem(&rig.pd, 600 * 101, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let mut stream = Vec::new();
+    for i in 0..600usize {
+        let payload: Vec<u8> = (0..101).map(|j| pattern(i, j)).collect();
+        push_write(&mut stream, i as u32 + 1, i == 599, region.mr.rkey().0, region.mr.addr() + i as u64 * 101, &payload);
+    }
+    let writer = write_in_background(&rig.raw, stream);
+    let mut comps = Vec::new();
+    await_ack(&mut rig, &mut comps, 600);
+    writer.join().unwrap();
+    let placed = bytes_of(&region);
+    for i in 0..600usize {
+        assert!((0..101).all(|j| placed[i * 101 + j] == pattern(i, j)), "WRITE {i} misplaced");
+    }
+    assert!(comps.is_empty(), "{comps:?}");
+}
+
+#[test]
+fn a_payload_arriving_in_parts_is_placed_in_order() {
+    // A WRITE whose payload arrives in three parts (the first with its
+    // header, the others alone), then a SEND behind it.
+    let mut rig = passive_rig();
+    let region = mem(&rig.pd, 10_000, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let payload: Vec<u8> = (0..10_000).map(|j| pattern(7, j)).collect();
+    let mut frame = Vec::new();
+    push_write(&mut frame, 1, false, region.mr.rkey().0, region.mr.addr(), &payload);
+    let (first, rest) = frame.split_at(HDR_LEN + 3000);
+    let (second, third) = rest.split_at(4000);
+    rig.raw.write_all(first).unwrap();
+    poll_until_byte(&rig, &region.buf, 2999, pattern(7, 2999));
+    // SAFETY: between polls.
+    assert!(unsafe { region.buf.as_slice() }[3000..].iter().all(|&b| b == 0), "placed beyond what arrived");
+    rig.raw.write_all(second).unwrap();
+    poll_until_byte(&rig, &region.buf, 6999, pattern(7, 6999));
+    let mut tail = third.to_vec();
+    push_send(&mut tail, 2, true, b"behind the write");
+    rig.raw.write_all(&tail).unwrap();
+    let mut comps = Vec::new();
+    await_ack(&mut rig, &mut comps, 2);
+    poll_until(&rig.cq, &mut comps, "the receive", |c| status_of(c, 100).is_some());
+    assert_eq!(comps[0].byte_len, 16);
+    assert_eq!(bytes_of(&region), payload);
+    assert_eq!(&bytes_of(&rig._rx)[..16], b"behind the write");
+}
+
+#[test]
+fn a_large_payload_and_the_frames_behind_it_are_placed() {
+    // A 1 MiB WRITE (read straight into the region) followed by small
+    // frames that arrive in the same reads, and another large WRITE.
+    let mut rig = passive_rig();
+    const LEN: usize = 1 << 20;
+    let region = mem(&rig.pd, 2 * LEN, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let first: Vec<u8> = (0..LEN).map(|j| pattern(1, j)).collect();
+    let second: Vec<u8> = (0..LEN - 7).map(|j| pattern(2, j)).collect();
+    let mut stream = Vec::new();
+    push_write(&mut stream, 1, false, region.mr.rkey().0, region.mr.addr(), &first);
+    push_send(&mut stream, 2, false, b"between");
+    push_write(&mut stream, 3, false, region.mr.rkey().0, region.mr.addr() + LEN as u64, &second);
+    push_write(&mut stream, 4, true, region.mr.rkey().0, region.mr.addr() + 2 * LEN as u64 - 7, &[9; 7]);
+    let writer = write_in_background(&rig.raw, stream);
+    let mut comps = Vec::new();
+    await_ack(&mut rig, &mut comps, 4);
+    writer.join().unwrap();
+    poll_until(&rig.cq, &mut comps, "the receive", |c| status_of(c, 100).is_some());
+    assert_eq!((comps[0].status, comps[0].byte_len), (WcStatus::Success, 7));
+    assert_eq!(&bytes_of(&rig._rx)[..7], b"between");
+    let placed = bytes_of(&region);
+    assert!(placed[..LEN] == first[..], "first WRITE differs");
+    assert!(placed[LEN..2 * LEN - 7] == second[..], "second WRITE differs");
+    assert_eq!(&placed[2 * LEN - 7..], &[9; 7]);
+}
+
+#[test]
+fn a_window_invalidated_between_two_parts_of_a_payload_stops_placement() {
+    // The first part is placed; after the window is dropped, not one byte
+    // of the rest may land. Small (copied out of staging) and large (read
+    // directly) first parts.
+    for (len, first) in [(6000usize, 2000usize), (48 << 10, 20 << 10)] {
+        let mut rig = passive_rig();
+        let target = mem(&rig.pd, 64 << 10, Access::LOCAL_WRITE | Access::MW_BIND);
+        // SAFETY: no poll runs; nothing else writes the buffer.
+        unsafe { target.buf.as_mut_slice() }.fill(0x11);
+        let base = target.mr.addr();
+        let w = rig.qp.bind_window(target.mr.rkey(), base, 64 << 10, Access::REMOTE_WRITE).unwrap();
+        let mut frame = Vec::new();
+        push_write(&mut frame, 1, true, w.rkey().0, base, &vec![0xEE; len]);
+        let (part1, _) = frame.split_at(HDR_LEN + first);
+        rig.raw.write_all(part1).unwrap();
+        poll_until_byte(&rig, &target.buf, first - 1, 0xEE);
+        drop(w);
+        rig.raw.write_all(&vec![EVIL_BYTE; len - first]).unwrap();
+        let mut comps = Vec::new();
+        let qp = &rig.qp;
+        poll_until(&rig.cq, &mut comps, "error", |c| qp.state() == QpState::Error && status_of(c, 100).is_some());
+        let t = read_until(&mut rig.raw, FrameType::Terminate);
+        assert_eq!((t.aux, t.seq), (wire::TERM_REMOTE_ACCESS, 1), "{len}");
+        let b = bytes_of(&target);
+        assert!(b[..first].iter().all(|&x| x == 0xEE), "{len}: first part not placed");
+        assert!(b[first..].iter().all(|&x| x == 0x11), "{len}: placed after the window was dropped");
+    }
+}
+
+#[test]
+fn frames_staged_behind_a_fault_are_not_executed() {
+    // One segment: a WRITE with a bad rkey, then a valid WRITE and a SEND.
+    // The queue pair fails at the first; the others were read with it but
+    // must have no effect.
+    let mut rig = passive_rig();
+    let region = mem(&rig.pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let mut segment = Vec::new();
+    push_write(&mut segment, 1, false, 0xBAD, region.mr.addr(), &[EVIL_BYTE; 64]);
+    push_write(&mut segment, 2, false, region.mr.rkey().0, region.mr.addr(), &[EVIL_BYTE; 64]);
+    push_send(&mut segment, 3, true, &[EVIL_BYTE; 16]);
+    rig.raw.write_all(&segment).unwrap();
+    let mut comps = Vec::new();
+    let qp = &rig.qp;
+    poll_until(&rig.cq, &mut comps, "error", |c| qp.state() == QpState::Error && status_of(c, 100).is_some());
+    assert_eq!(status_of(&comps, 100), Some(WcStatus::WrFlushError));
+    let t = read_until(&mut rig.raw, FrameType::Terminate);
+    assert_eq!((t.aux, t.seq), (wire::TERM_REMOTE_ACCESS, 1));
+    assert!(bytes_of(&region).iter().all(|&b| b == 0), "a WRITE behind the fault was placed");
+    assert!(bytes_of(&rig._rx).iter().all(|&b| b == 0), "a SEND behind the fault was placed");
+}
+
+#[test]
+fn requests_staged_behind_an_rnr_nak_are_dropped() {
+    // One segment: a SEND that takes the only receive, a SEND that finds
+    // none (answered with the receiver-not-ready NAK) and a WRITE behind
+    // it, which must be read and dropped, not placed.
+    let mut rig = passive_rig();
+    let region = mem(&rig.pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let mut segment = Vec::new();
+    push_send(&mut segment, 1, false, b"first");
+    push_send(&mut segment, 2, false, &[EVIL_BYTE; 40]);
+    push_write(&mut segment, 3, false, region.mr.rkey().0, region.mr.addr(), &[EVIL_BYTE; 3000]);
+    rig.raw.write_all(&segment).unwrap();
+    let mut comps = Vec::new();
+    poll_until(&rig.cq, &mut comps, "the first receive", |c| status_of(c, 100).is_some());
+    let t = read_until(&mut rig.raw, FrameType::Terminate);
+    assert_eq!((t.aux, t.seq), (wire::TERM_RNR, 2));
+    // A later poll has nothing to add: the dropped frames leave no trace.
+    let mut out = [Completion::EMPTY; 4];
+    assert_eq!(rig.cq.poll(&mut out).unwrap(), 0);
+    assert_eq!(rig.qp.state(), QpState::Ready);
+    assert_eq!((comps[0].status, comps[0].byte_len), (WcStatus::Success, 5));
+    assert_eq!(&bytes_of(&rig._rx)[..6], b"first\0");
+    assert!(bytes_of(&region).iter().all(|&b| b == 0), "a WRITE behind the NAK was placed");
+}
