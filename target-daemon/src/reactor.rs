@@ -235,7 +235,24 @@ struct Session {
     close_deadline: Option<Instant>,
     /// Until CONNECT succeeds: the handshake slot and when it expires.
     handshake: Option<(HandshakeSlot, Instant)>,
+    /// Send work requests of this turn, posted together at its end (one
+    /// `post_send`: one `sendmsg` on tcp, one doorbell on verbs).
+    tx: Vec<QueuedWr>,
 }
+
+/// A send-queue work request waiting for the end of the reactor turn. Its
+/// memory (a response slot or a pool chunk) stays reserved until its
+/// completion, as when posted at once.
+#[derive(Clone, Copy)]
+struct QueuedWr {
+    wr_id: WrId,
+    op: SendOp,
+    sge: Sge,
+    inline: bool,
+}
+
+/// Work requests per `post_send` when a turn's queue is flushed.
+const TX_CHUNK: usize = 16;
 
 impl Session {
     fn host(&self) -> &str {
@@ -330,6 +347,8 @@ struct Reactor {
     // Field order is drop order: queue pairs, then fabric resources, then the
     // ring (which waits for in-flight operations), then the pool.
     sessions: Vec<SessionSlot>,
+    /// Sessions with work requests queued this turn.
+    tx_pending: Vec<u16>,
     free_sessions: Vec<u16>,
     fabrics: Vec<FabricCtx>,
     blocking: Option<BlockingWorker>,
@@ -445,6 +464,7 @@ impl Reactor {
         );
         let mut r = Reactor {
             sessions: Vec::new(),
+            tx_pending: Vec::new(),
             free_sessions: Vec::new(),
             fabrics,
             blocking: None,
@@ -491,6 +511,7 @@ impl Reactor {
             self.pump_waitq();
             work += self.control();
             self.check_deadlines();
+            self.flush_sends();
             self.uring.submit()?;
             self.stats.heartbeat.add(1);
             self.stats.pool_in_use.set((self.pool.capacity() - self.pool.free_count()) as u64);
@@ -884,6 +905,7 @@ impl Reactor {
             closing: None,
             close_deadline: None,
             handshake: Some((handshake, Instant::now() + self.handshake_timeout)),
+            tx: Vec::new(),
         };
         self.sessions[si as usize].s = Some(session);
         self.stats.queue_pairs.add(1);
@@ -1372,10 +1394,19 @@ impl Reactor {
             signaled: true,
             inline: true,
         };
-        let res = s.res.as_ref().expect("live queue pair");
-        let posted = res.qp.post_send(&[wr]);
+        // The capsule is on this stack (inline): post it now, after what
+        // this turn queued before it.
+        if !s.tx.is_empty() {
+            self.flush_session_sends(si);
+        }
+        let s = self.session(si);
+        if s.closing.is_some() {
+            return;
+        }
         s.sq_used += 1;
         s.noslot_sends += 1;
+        let res = s.res.as_ref().expect("live queue pair");
+        let posted = res.qp.post_send(&[wr]);
         if let Err(e) = posted {
             self.fail_session(si, format!("cannot post a response: {e}"));
         }
@@ -1721,18 +1752,14 @@ impl Reactor {
         } else {
             SendOp::RdmaWrite { remote_addr: addr, rkey: Rkey(remote.rkey) }
         };
-        let wr = SendWr { wr_id: wr_id(K_RDMA, gen, si, ci, c.0), op, sges: &[sge], signaled: true, inline: false };
+        let wr = QueuedWr { wr_id: wr_id(K_RDMA, gen, si, ci, c.0), op, sge, inline: false };
         self.pool.lend_to_fabric(c);
-        let res = s.res.as_ref().expect("live queue pair");
-        // On failure the work request may or may not be posted: keep the
-        // chunk lent and counted; the flush (or FLUSH_TIMEOUT) returns it.
-        let posted = res.qp.post_send(&[wr]);
+        // If the post fails the work request may or may not be posted: keep
+        // the chunk lent and counted; the flush (or FLUSH_TIMEOUT) returns it.
         s.sq_used += 1;
+        self.queue_send(si, &[wr]);
         if let Some(cmd) = self.cmds[ci as usize].as_mut() {
             cmd.inflight += 1;
-        }
-        if let Err(e) = posted {
-            self.fail_session(si, format!("cannot post RDMA {}: {e}", if read { "READ" } else { "WRITE" }));
         }
     }
 
@@ -1820,45 +1847,87 @@ impl Reactor {
             rc.encode(head);
             buf[RESPONSE_CAPSULE_SIZE..total].copy_from_slice(data);
         }
-        let resp_sge = res.resp.lend(slot as usize, total as u32);
-        let send = SendWr {
+        let send = QueuedWr {
             wr_id: wr_id(K_SEND, gen, si, slot, ci),
             op: SendOp::Send,
-            sges: std::slice::from_ref(&resp_sge),
-            signaled: true,
+            sge: res.resp.lend(slot as usize, total as u32),
             inline: total as u32 <= s.max_inline,
         };
-        let posted = match chain {
-            None => res.qp.post_send(&[send]),
+        // If the post fails part of the chain may be posted (as in verbs):
+        // account for all of it; the flush (or FLUSH_TIMEOUT) settles the rest.
+        s.sq_used += need;
+        match chain {
+            None => self.queue_send(si, &[send]),
             Some(c) => {
                 let use_ = self.chunk_use[c.0 as usize];
                 let mr = &self.fabrics[s.fabric].pool_mr;
                 let sge = if use_.zero { mr.zero_sge(use_.len) } else { mr.sge(c, 0, use_.len) };
                 self.pool.lend_to_fabric(c);
-                let write = SendWr {
+                let write = QueuedWr {
                     wr_id: wr_id(K_RDMA, gen, si, ci, c.0),
                     op: SendOp::RdmaWrite {
                         remote_addr: remote.remote_addr.wrapping_add(use_.off as u64),
                         rkey: Rkey(remote.rkey),
                     },
-                    sges: std::slice::from_ref(&sge),
-                    signaled: true,
+                    sge,
                     inline: false,
                 };
-                res.qp.post_send(&[write, send])
+                self.queue_send(si, &[write, send]);
             }
-        };
-        // On failure part of the chain may be posted (as in verbs): account
-        // for all of it; the flush (or FLUSH_TIMEOUT) settles the rest.
-        s.sq_used += need;
+        }
         let cmd = self.cmds[ci as usize].as_mut().expect("live command");
         cmd.responded = true;
         cmd.send_inflight = true;
         if chain.is_some() {
             cmd.inflight += 1;
         }
-        if let Err(e) = posted {
-            self.fail_session(si, format!("cannot post a response: {e}"));
+    }
+
+    /// Queues send work requests for the end of this turn (`flush_sends`).
+    fn queue_send(&mut self, si: u16, wrs: &[QueuedWr]) {
+        let s = self.session(si);
+        let first = s.tx.is_empty();
+        s.tx.extend_from_slice(wrs);
+        if first {
+            self.tx_pending.push(si);
+        }
+    }
+
+    /// Posts every session's queued work requests, in order, a chunk per
+    /// `post_send`. Runs at the end of each turn and before a session
+    /// fails (so what it queued is flushed like everything else posted).
+    fn flush_sends(&mut self) {
+        while let Some(si) = self.tx_pending.pop() {
+            self.flush_session_sends(si);
+        }
+    }
+
+    fn flush_session_sends(&mut self, si: u16) {
+        let Some(s) = self.sessions[si as usize].s.as_mut() else { return };
+        let Some(res) = s.res.as_ref() else {
+            s.tx.clear();
+            return;
+        };
+        let mut failed = None;
+        for chunk in s.tx.chunks(TX_CHUNK) {
+            let mut wrs = [SendWr { wr_id: WrId(0), op: SendOp::Send, sges: &[], signaled: true, inline: false }; TX_CHUNK];
+            for (wr, q) in wrs.iter_mut().zip(chunk) {
+                *wr = SendWr {
+                    wr_id: q.wr_id,
+                    op: q.op,
+                    sges: std::slice::from_ref(&q.sge),
+                    signaled: true,
+                    inline: q.inline,
+                };
+            }
+            if let Err(e) = res.qp.post_send(&wrs[..chunk.len()]) {
+                failed = Some(e);
+                break;
+            }
+        }
+        s.tx.clear();
+        if let Some(e) = failed {
+            self.fail_session(si, format!("cannot post to the send queue: {e}"));
         }
     }
 
@@ -1929,6 +1998,16 @@ impl Reactor {
     /// Stops using a queue pair: disconnects it, and frees it once every
     /// work request has flushed and its commands' io_uring ops completed.
     fn fail_session(&mut self, si: u16, reason: String) {
+        let Some(s) = self.sessions[si as usize].s.as_ref() else { return };
+        if s.closing.is_some() {
+            return;
+        }
+        if !s.tx.is_empty() {
+            // Posted before the disconnect, they flush and settle their
+            // accounting like everything else outstanding. (A failed post
+            // fails the session itself.)
+            self.flush_session_sends(si);
+        }
         let Some(s) = self.sessions[si as usize].s.as_mut() else { return };
         if s.closing.is_some() {
             return;
