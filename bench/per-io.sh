@@ -36,7 +36,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 [ ${#CASES[@]} -gt 0 ] || CASES=(null:randread:4k:1 null:randread:4k:32 file:randread:4k:32 null:read:128k:16)
-BIN=target/release
+BIN=${BIN:-target/release}
 for b in rdmablk-target rdmablk-bench; do
     [ -x "$BIN/$b" ] || { echo "per-io.sh: $BIN/$b missing: cargo build --release -p rdmablk-target -p rdmablk-bench" >&2; exit 1; }
 done
