@@ -95,20 +95,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-wait_port() { # PORT PID
-    for _ in $(seq 1 200); do
-        if python3 -c "import socket,sys; s=socket.socket(); s.settimeout(0.2); sys.exit(s.connect_ex(('127.0.0.1', $1)))" 2>/dev/null; then return 0; fi
-        kill -0 "$2" 2>/dev/null || { echo "compare.sh: server (pid $2) died" >&2; return 1; }
-        sleep 0.05
-    done
-    echo "compare.sh: nothing listens on port $1" >&2; return 1
-}
-# CPU seconds (user+system, all threads) of a process so far.
-cpu_secs() { python3 -c "
-import os,sys
-f=open('/proc/$1/stat').read().rsplit(')',1)[1].split()
-print((int(f[11])+int(f[12]))/os.sysconf('SC_CLK_TCK'))"; }
+# free_port, wait_port, cpu_secs
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # --- the file ------------------------------------------------------------------
 SIZE_BYTES=$(python3 -c "
