@@ -480,8 +480,9 @@ impl Ctx<'_> {
         let start = self.region.start;
 
         loop {
-            // Fill the free slots.
-            if !draining {
+            // Fill the free slots, in submit calls of at most batch_max, as
+            // fio keeps iodepth in flight whatever iodepth_batch_submit is.
+            while !draining && !free.is_empty() {
                 reqs.clear();
                 while reqs.len() < batch_max {
                     let Some(&tag) = free.last() else { break };
@@ -529,6 +530,8 @@ impl Ctx<'_> {
                     inflight += reqs.len();
                     self.st.depth_levels[depth_bucket(inflight)] += reqs.len() as u64;
                     self.st.submit_batches[batch_bucket(reqs.len())] += 1;
+                } else {
+                    break; // nothing to issue now
                 }
             }
             if inflight == 0 {
