@@ -476,6 +476,12 @@ enum ConnectRequestImpl {
 
 /// The error for a call that mixes objects of different providers.
 #[allow(dead_code)]
+/// Locks a provider mutex, using a poisoned one as it is: one panicking
+/// caller must not take every other queue pair of the process down with it.
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn mixed(what: &str) -> FabricError {
     FabricError::new(FabricErrorKind::InvalidArgument, format!("{what}: objects of different fabric providers"))
 }

@@ -4,11 +4,11 @@
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use super::qp::{self, QpShared};
 use super::sys;
-use crate::fabric::{Completion, FabricError, Result};
+use crate::fabric::{lock, Completion, FabricError, Result};
 
 /// Epoll token of the completion eventfd (queue pairs use their qp_num).
 const EVENTFD_TOKEN: u64 = u64::MAX;
@@ -16,10 +16,6 @@ const EVENTFD_TOKEN: u64 = u64::MAX;
 /// Most socket events handled per poll call; the rest stay ready (epoll is
 /// level-triggered) and are handled by the next call.
 const EVENTS_PER_POLL: usize = 64;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// State shared by a CQ and the queue pairs attached to it.
 pub(crate) struct CqShared {

@@ -5,7 +5,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex};
 use std::time::{Duration, Instant};
 
 use super::cq::TcpCq;
@@ -13,7 +13,7 @@ use super::mr::TcpPd;
 use super::qp::TcpQp;
 use super::sys;
 use super::wire::{self, FrameType, Header, HDR_LEN, HELLO_MAX};
-use crate::fabric::{FabricError, FabricUrl, ProviderKind, QpCaps, Result};
+use crate::fabric::{lock, FabricError, FabricUrl, ProviderKind, QpCaps, Result};
 
 /// A client must complete its hello within this time.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -24,10 +24,6 @@ const TOKEN_LISTEN: u64 = 0;
 const TOKEN_TIMER: u64 = 1;
 const TOKEN_READY: u64 = 2;
 const FIRST_PENDING_TOKEN: u64 = 3;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// A connection whose hello is still arriving.
 struct Pending {

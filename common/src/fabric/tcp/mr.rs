@@ -18,20 +18,16 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+use std::sync::{Arc, LazyLock, Mutex};
 
 use arc_swap::ArcSwap;
 
 use super::MAX_SGE;
-use crate::fabric::{check_registration, Access, FabricError, FabricErrorKind, Lkey, Result, Rkey};
+use crate::fabric::{check_registration, lock, Access, FabricError, FabricErrorKind, Lkey, Result, Rkey};
 
 /// Every lkey and rkey currently registered in this process, so that keys
 /// are unique process-wide and never reused while registered.
 static KEYS: LazyLock<Mutex<HashSet<u32>>> = LazyLock::new(|| Mutex::new(HashSet::new()));
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// Set in the rkey of every memory window and in no region key, so a
 /// lookup knows which table to search.

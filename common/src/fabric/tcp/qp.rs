@@ -22,7 +22,7 @@ use super::wire::{
 };
 use super::{grant_caps, MAX_SGE};
 use crate::fabric::{
-    Access, Completion, FabricError, FabricErrorKind, FabricUrl, QpCaps, QpNum, QpState, RecvWr, Result, Rkey,
+    lock, Access, Completion, FabricError, FabricErrorKind, FabricUrl, QpCaps, QpNum, QpState, RecvWr, Result, Rkey,
     SendOp, SendWr, Sge, WcOpcode, WcStatus, WrId,
 };
 
@@ -46,10 +46,6 @@ const BULK_STAGING_READ: usize = 4 << 10;
 const BULK_FRAMES: u8 = 4;
 /// Scratch size for discarding input in the error state.
 const DRAIN_CHUNK: usize = 4096;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn err(kind: FabricErrorKind, context: impl Into<String>) -> FabricError {
     FabricError::new(kind, context)

@@ -12,14 +12,11 @@ use std::mem::{size_of, MaybeUninit};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::fd::RawFd;
 use std::ptr::{self, NonNull};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use rdma_mummy_sys as sys;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use crate::fabric::lock;
 
 /// Event types, as numbers (`rdma_cm_event_type`).
 pub(crate) mod ev {

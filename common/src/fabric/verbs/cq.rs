@@ -16,7 +16,7 @@ use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Instant;
 
 use rdma_mummy_sys as sys;
@@ -25,11 +25,7 @@ use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, Comp
 use super::cm::CmChannel;
 use super::device::Device;
 use super::qp::{self, QpCore};
-use crate::fabric::{Completion, FabricError, FabricErrorKind, Result, WcStatus};
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use crate::fabric::{lock, Completion, FabricError, FabricErrorKind, Result, WcStatus};
 
 /// Device completions read per `ibv_poll_cq` call.
 const POLL_BATCH: usize = 32;

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::net::SocketAddr;
 use std::ptr::NonNull;
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use rdma_mummy_sys as sys;
@@ -13,11 +13,7 @@ use sideway::ibverbs::device::DeviceInfo;
 use sideway::ibverbs::device_context::{DeviceCapabilityFlags, DeviceContext};
 use sideway::rdmacm::communication_manager::{BindAddressErrorKind, EventChannel, EventType, PortSpace};
 
-use crate::fabric::{FabricError, FabricErrorKind, FabricUrl, Result};
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use crate::fabric::{lock, FabricError, FabricErrorKind, FabricUrl, Result};
 
 /// Address and route resolution time limit.
 pub(crate) const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);

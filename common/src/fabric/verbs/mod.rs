@@ -76,7 +76,7 @@ mod mw;
 mod qp;
 
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use cq::VerbsCq;
@@ -88,6 +88,7 @@ use cm::{ev, CmChannel, CmId};
 use device::{Device, RESOLVE_TIMEOUT};
 
 use super::{FabricError, FabricErrorKind, FabricUrl, QpCaps, Result};
+use crate::fabric::lock;
 
 /// Local ACK timeout exponent: 4.096 µs × 2^14 = 67 ms.
 pub(crate) const QP_TIMEOUT: u8 = 14;
@@ -99,10 +100,6 @@ pub(crate) const RNR_RETRY: u8 = 0;
 pub(crate) const MIN_RNR_TIMER: u8 = 1;
 /// Largest message of one work request (as the tcp provider).
 pub(crate) const MAX_MESSAGE: u64 = 1 << 30;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// The verbs provider opened for one URL.
 pub struct VerbsFabric {

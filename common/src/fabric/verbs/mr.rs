@@ -10,7 +10,7 @@ use sideway::ibverbs::AccessFlags;
 
 use super::device::Device;
 use super::mw::{BindableRegion, BindableRegions};
-use crate::fabric::{Access, FabricError, FabricErrorKind, Lkey, Result, Rkey};
+use crate::fabric::{lock, Access, FabricError, FabricErrorKind, Lkey, Result, Rkey};
 
 /// A protection domain on one device.
 pub struct VerbsPd {
@@ -105,10 +105,6 @@ impl Drop for VerbsMr {
             lock(b).remove(&self.mr.lkey());
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl VerbsMr {

@@ -38,7 +38,7 @@ use rdma_mummy_sys as sys;
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 
-use crate::fabric::{Access, FabricError, FabricErrorKind, Result, Rkey};
+use crate::fabric::{lock, Access, FabricError, FabricErrorKind, Result, Rkey};
 
 /// A region that windows may be bound over, as the domain registered it.
 pub(crate) struct BindableRegion {
@@ -101,7 +101,7 @@ impl WindowPool {
     pub(crate) fn parent(&self, parent: Rkey, addr: u64, len: u64, access: Access) -> Result<(Arc<MemoryRegion>, u32)> {
         crate::fabric::check_window_access(access, len)?;
         let invalid = |why: String| Err(FabricError::new(FabricErrorKind::InvalidArgument, format!("bind_window: {why}")));
-        let regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+        let regions = lock(&self.regions);
         let named: Vec<&BindableRegion> = regions.values().filter(|r| r.rkey == parent.0).collect();
         if named.is_empty() {
             return invalid(format!("no region with rkey {:#x} registered with MW_BIND", parent.0));

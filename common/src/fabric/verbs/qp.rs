@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::mem::{size_of, MaybeUninit};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, LazyLock, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use rdma_mummy_sys as sys;
@@ -41,13 +41,9 @@ use super::mr::VerbsPd;
 use super::mw::WindowPool;
 use super::{MAX_MESSAGE, MIN_RNR_TIMER, QP_TIMEOUT, RETRY_CNT, RNR_RETRY};
 use crate::fabric::{
-    Access, Completion, FabricError, FabricErrorKind, FabricUrl, QpCaps, QpNum, QpState, RecvWr, Result, Rkey, SendOp,
+    lock, Access, Completion, FabricError, FabricErrorKind, FabricUrl, QpCaps, QpNum, QpState, RecvWr, Result, Rkey, SendOp,
     SendWr, WcOpcode, WcStatus, WrId,
 };
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn err(kind: FabricErrorKind, context: impl Into<String>) -> FabricError {
     FabricError::new(kind, context)
