@@ -102,12 +102,12 @@ impl WindowPool {
         crate::fabric::check_window_access(access, len)?;
         let invalid = |why: String| Err(FabricError::new(FabricErrorKind::InvalidArgument, format!("bind_window: {why}")));
         let regions = lock(&self.regions);
-        let named: Vec<&BindableRegion> = regions.values().filter(|r| r.rkey == parent.0).collect();
-        if named.is_empty() {
+        let Some(region) = regions.values().find(|r| r.rkey == parent.0 && r.covers(addr, len)) else {
+            // Only on the error path: which of the two rules failed.
+            if regions.values().any(|r| r.rkey == parent.0) {
+                return invalid(format!("[{addr:#x}, +{len}) is not inside the region"));
+            }
             return invalid(format!("no region with rkey {:#x} registered with MW_BIND", parent.0));
-        }
-        let Some(region) = named.iter().find(|r| r.covers(addr, len)) else {
-            return invalid(format!("[{addr:#x}, +{len}) is not inside the region"));
         };
         if access.contains(Access::REMOTE_WRITE) && !region.access.contains(Access::LOCAL_WRITE) {
             return invalid("REMOTE_WRITE over a region without LOCAL_WRITE".to_owned());
