@@ -65,15 +65,11 @@ done
 
 log() { echo "==> $*" >&2; }
 
-need=()
-command -v fio >/dev/null || need+=(fio)
-command -v python3 >/dev/null || need+=(python3)
-if [ "$NBD" = 1 ]; then command -v nbdkit >/dev/null || need+=(nbdkit); fi
-if [ ${#need[@]} -gt 0 ]; then
-    log "installing ${need[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
-fi
+# free_port, wait_port, cpu_secs, install_missing
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+tools=(fio:fio python3:python3)
+if [ "$NBD" = 1 ]; then tools+=(nbdkit:nbdkit); fi
+install_missing "${tools[@]}"
 if [ "$BUILD" = 1 ]; then
     log "building tcp-ceiling"
     cargo build --release -q -p rdmablk-bench --bin tcp-ceiling
@@ -102,8 +98,6 @@ if [ ! -f "$FILE" ] || [ "$(stat -c %s "$FILE")" != "$SIZE_BYTES" ]; then
         --direct=1 --ioengine=io_uring --output=/dev/null
 fi
 
-# free_port, wait_port, cpu_secs
-. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 # The machine's CPU counters (/proc/stat) and every process's CPU seconds.
 snapshot() { python3 -c "
 import json,os

@@ -62,16 +62,9 @@ done
 log() { echo "==> $*" >&2; }
 
 # --- tools -------------------------------------------------------------------
-need=()
-command -v fio >/dev/null || need+=(fio)
-command -v nbdkit >/dev/null || need+=(nbdkit)
-command -v iperf3 >/dev/null || need+=(iperf3)
-command -v python3 >/dev/null || need+=(python3)
-if [ ${#need[@]} -gt 0 ]; then
-    log "installing ${need[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
-fi
+# free_port, wait_port, cpu_secs, install_missing
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+install_missing fio:fio nbdkit:nbdkit iperf3:iperf3 python3:python3
 fio --enghelp 2>/dev/null | grep -qw nbd || { echo "compare.sh: this fio has no nbd engine" >&2; exit 1; }
 
 if [ "$BUILD" = 1 ]; then
@@ -94,9 +87,6 @@ cleanup() {
     if [ "$KEEP" = 0 ]; then rm -rf "$WORK" "$FILE"; else log "kept $WORK and $FILE"; fi
 }
 trap cleanup EXIT
-
-# free_port, wait_port, cpu_secs
-. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # --- the file ------------------------------------------------------------------
 SIZE_BYTES=$(python3 -c "

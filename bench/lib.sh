@@ -19,3 +19,16 @@ cpu_secs() { python3 -c "
 import os
 f=open('/proc/$1/stat').read().rsplit(')',1)[1].split()
 print((int(f[11])+int(f[12]))/os.sysconf('SC_CLK_TCK'))"; }
+
+# Installs with apt-get each PACKAGE whose COMMAND is missing.
+install_missing() { # COMMAND:PACKAGE ...
+    local need=() pair
+    for pair in "$@"; do
+        command -v "${pair%%:*}" >/dev/null || need+=("${pair#*:}")
+    done
+    if [ ${#need[@]} -gt 0 ]; then
+        echo "==> installing ${need[*]}" >&2
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    fi
+}
