@@ -55,6 +55,11 @@ pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// Size of each ring's fixed-file table: room for every volume plus as many
 /// removed ones still finishing their last commands.
 pub const RING_FILE_SLOTS: u32 = 2 * MAX_VOLUMES as u32;
+/// How long the tcp provider may hold a command's acknowledgement back for
+/// the response to carry it: about a disk read's latency, so that a polling
+/// reactor does not send an ACK frame of its own for every command that
+/// waits for the disk. (A sleeping reactor sends them when it arms.)
+const ACK_HOLD: Duration = Duration::from_micros(200);
 const CQ_BATCH: usize = 64;
 const CQ_ROUNDS: usize = 4;
 const NONE16: u16 = u16::MAX;
@@ -441,7 +446,7 @@ impl Reactor {
             let cq = f.create_cq(cq_capacity).map_err(|e| Error::fabric(format!("{url}: cannot create a completion queue"), e))?;
             // The reactor keeps polling while it has work and arms before it
             // sleeps, so acknowledgements can ride on its responses.
-            cq.set_ack_coalescing(true);
+            cq.set_ack_coalescing(Some(ACK_HOLD));
             let pool_mr = pool.register(&pd).map_err(|e| Error::fabric(format!("{url}: cannot register the buffer pool"), e))?;
             epoll.add(cq.fd(), i as u64).map_err(|e| Error::os("epoll_ctl", e))?;
             fabrics.push(FabricCtx { pool_mr, cq, pd, _fabric: Arc::clone(f), cq_reserved: 0 });

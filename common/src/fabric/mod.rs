@@ -679,15 +679,18 @@ impl CompletionQueue {
         dispatch!(CqImpl, &self.inner, cq => cq.capacity())
     }
     /// Lets a software provider hold back the acknowledgements of received
-    /// frames until the application has had its turn to answer, so that
-    /// its next frame carries them instead of a frame of their own. Only
-    /// for an owner that keeps polling while it has work and arms the CQ
-    /// before it sleeps (a reactor): the held-back ACKs leave at the next
-    /// `poll`, at a `poll` that returns nothing, or at `arm`. Off by
-    /// default. A NIC acknowledges in hardware; verbs ignores this.
-    pub fn set_ack_coalescing(&self, on: bool) {
+    /// frames for up to `hold`, so that the application's next frame on
+    /// that queue pair (its answer) carries them instead of a frame of
+    /// their own. Only for an owner that keeps polling while it has work and
+    /// arms the CQ before it sleeps (a reactor): a held-back ACK leaves at
+    /// the first `poll` after `hold`, or at `arm`, unless a frame carried it
+    /// first. The peer's sends complete that much later, so `hold` should be
+    /// about the time the owner takes to answer. `None` (the default) sends
+    /// each ACK when its frame is processed. A NIC acknowledges in hardware;
+    /// verbs ignores this.
+    pub fn set_ack_coalescing(&self, hold: Option<Duration>) {
         match &self.inner {
-            CqImpl::Tcp(cq) => cq.set_ack_coalescing(on),
+            CqImpl::Tcp(cq) => cq.set_ack_coalescing(hold),
             #[cfg(feature = "verbs")]
             CqImpl::Verbs(_) => {}
         }

@@ -3,8 +3,9 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use super::qp::{self, QpShared};
 use super::sys;
@@ -12,6 +13,9 @@ use crate::fabric::{lock, Completion, FabricError, Result};
 
 /// Epoll token of the completion eventfd (queue pairs use their qp_num).
 const EVENTFD_TOKEN: u64 = u64::MAX;
+
+/// `CqShared::ack_hold_ns` when standalone ACKs are not held back.
+const ACKS_NOT_HELD: u64 = u64::MAX;
 
 /// Most socket events handled per poll call; the rest stay ready (epoll is
 /// level-triggered) and are handled by the next call.
@@ -24,10 +28,13 @@ pub(crate) struct CqShared {
     queue: Mutex<VecDeque<Completion>>,
     armed: AtomicBool,
     qps: Mutex<HashMap<u32, Weak<QpShared>>>,
-    /// Hold back standalone ACKs (see `CompletionQueue::set_ack_coalescing`).
-    coalesce_acks: AtomicBool,
-    /// Queue pairs owing a standalone ACK (see `qp::progress`).
-    deferred_acks: Mutex<Vec<u32>>,
+    /// How long a standalone ACK may be held back, in nanoseconds;
+    /// `ACKS_NOT_HELD` when coalescing is off (see
+    /// `CompletionQueue::set_ack_coalescing`).
+    ack_hold_ns: AtomicU64,
+    /// Queue pairs owing a standalone ACK, oldest first, with the moment it
+    /// was deferred (see `qp::progress`).
+    deferred_acks: Mutex<VecDeque<(u32, Instant)>>,
     capacity: u32,
 }
 
@@ -54,18 +61,28 @@ impl CqShared {
     }
 
     pub(crate) fn coalesces_acks(&self) -> bool {
-        self.coalesce_acks.load(Ordering::Relaxed)
+        self.ack_hold_ns.load(Ordering::Relaxed) != ACKS_NOT_HELD
     }
 
     pub(crate) fn defer_ack(&self, qp_num: u32) {
-        lock(&self.deferred_acks).push(qp_num);
+        lock(&self.deferred_acks).push_back((qp_num, Instant::now()));
     }
 
-    /// Sends the ACKs deferred since the last call.
-    fn send_deferred_acks(&self) {
+    /// Sends the deferred ACKs that have been held for the hold time (all of
+    /// them with `all`), unless a frame sent since carried them.
+    fn send_deferred_acks(&self, all: bool) {
+        let hold = Duration::from_nanos(self.ack_hold_ns.load(Ordering::Relaxed));
+        let mut now = None;
         loop {
             // One entry at a time: the progress routine takes this lock too.
-            let next = lock(&self.deferred_acks).pop();
+            let next = {
+                let mut deferred = lock(&self.deferred_acks);
+                match deferred.front() {
+                    None => None,
+                    Some(&(_, since)) if !all && *now.get_or_insert_with(Instant::now) < since + hold => None,
+                    Some(_) => deferred.pop_front().map(|(qp_num, _)| qp_num),
+                }
+            };
             let Some(qp_num) = next else { return };
             let qp = lock(&self.qps).get(&qp_num).and_then(Weak::upgrade);
             if let Some(qp) = qp {
@@ -93,8 +110,8 @@ impl TcpCq {
                 queue: Mutex::new(VecDeque::with_capacity(capacity.clamp(1, 1 << 16) as usize)),
                 armed: AtomicBool::new(false),
                 qps: Mutex::new(HashMap::new()),
-                coalesce_acks: AtomicBool::new(false),
-                deferred_acks: Mutex::new(Vec::new()),
+                ack_hold_ns: AtomicU64::new(ACKS_NOT_HELD),
+                deferred_acks: Mutex::new(VecDeque::new()),
                 capacity,
             }),
         })
@@ -114,7 +131,7 @@ impl TcpCq {
     /// that stops polling arms the CQ first, which sends them too.
     pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
         let sh = &*self.shared;
-        sh.send_deferred_acks();
+        sh.send_deferred_acks(false);
         let mut events = [sys::EMPTY_EVENT; EVENTS_PER_POLL];
         let n = sys::epoll_wait(sh.epfd(), &mut events, 0)
             .map_err(|e| FabricError::io("epoll_wait on a completion queue", e))?;
@@ -141,9 +158,6 @@ impl TcpCq {
             }
             k
         };
-        if k == 0 {
-            sh.send_deferred_acks();
-        }
         Ok(k)
     }
 
@@ -160,7 +174,7 @@ impl TcpCq {
     /// completions are already queued.
     pub fn arm(&self) -> Result<()> {
         let sh = &*self.shared;
-        sh.send_deferred_acks();
+        sh.send_deferred_acks(true);
         sh.armed.store(true, Ordering::Release);
         let pending = !lock(&sh.queue).is_empty();
         if pending && sh.armed.swap(false, Ordering::AcqRel) {
@@ -169,10 +183,11 @@ impl TcpCq {
         Ok(())
     }
 
-    pub fn set_ack_coalescing(&self, on: bool) {
-        self.shared.coalesce_acks.store(on, Ordering::Relaxed);
-        if !on {
-            self.shared.send_deferred_acks();
+    pub fn set_ack_coalescing(&self, hold: Option<Duration>) {
+        let ns = hold.map_or(ACKS_NOT_HELD, |h| (h.as_nanos() as u64).min(ACKS_NOT_HELD - 1));
+        self.shared.ack_hold_ns.store(ns, Ordering::Relaxed);
+        if hold.is_none() {
+            self.shared.send_deferred_acks(true);
         }
     }
 
