@@ -173,6 +173,10 @@ pub struct ReactorStats {
     pub idle_waits: Counter,
     /// Loop turns; the control thread checks it advances (watchdog).
     pub heartbeat: Counter,
+    /// Nanoseconds spent in loop turns that found work. With `busy_poll`
+    /// the thread's CPU time is all of its wall time; this is the part that
+    /// was not polling for nothing.
+    pub busy_ns: Counter,
 }
 
 impl Default for ReactorStats {
@@ -187,6 +191,7 @@ impl Default for ReactorStats {
             pool_waiting: Counter::default(),
             idle_waits: Counter::default(),
             heartbeat: Counter::default(),
+            busy_ns: Counter::default(),
         }
     }
 }
@@ -344,6 +349,10 @@ pub fn render(s: &Scrape<'_>) -> String {
     header(&mut out, "rdmablk_buffer_pool_bytes_in_use", "gauge", "Bytes of the registered buffer pool in use, all reactors.");
     let in_use: u64 = s.reactors.iter().map(|r| r.pool_in_use.get()).sum();
     let _ = writeln!(out, "rdmablk_buffer_pool_bytes_in_use {}", in_use * s.chunk_size);
+    header(&mut out, "rdmablk_reactor_busy_seconds_total", "counter", "Time each reactor spent in loop turns that found work (with busy_poll, the CPU time less the empty polls).");
+    for (i, r) in s.reactors.iter().enumerate() {
+        let _ = writeln!(out, "rdmablk_reactor_busy_seconds_total{{reactor=\"{i}\"}} {:.6}", r.busy_ns.get() as f64 / 1e9);
+    }
     header(&mut out, "rdmablk_reactor_cpu_seconds_total", "counter", "CPU time (user + system) of each reactor thread.");
     for (i, r) in s.reactors.iter().enumerate() {
         let tid = r.tid.load(Relaxed);

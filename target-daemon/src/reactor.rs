@@ -509,6 +509,7 @@ impl Reactor {
     }
 
     fn run(mut self) -> Result<()> {
+        let mut turn_start = Instant::now();
         loop {
             let mut work = self.poll_fabrics()?;
             work += self.reap_uring();
@@ -528,11 +529,16 @@ impl Reactor {
             // An iopoll ring finds completions only when polled; with
             // busy_poll the reactor keeps polling for that long after its
             // last work, which saves two wake-ups per command at low depth.
+            let now = Instant::now();
             if work > 0 {
-                self.last_work = Instant::now();
-            } else if !self.uring.needs_polling() && self.last_work.elapsed() >= self.busy_poll {
+                self.stats.busy_ns.add(now.saturating_duration_since(turn_start).as_nanos() as u64);
+                self.last_work = now;
+            } else if !self.uring.needs_polling() && now.saturating_duration_since(self.last_work) >= self.busy_poll {
                 self.idle_wait()?;
+                turn_start = Instant::now();
+                continue;
             }
+            turn_start = now;
         }
     }
 

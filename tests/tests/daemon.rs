@@ -568,6 +568,9 @@ fn the_metrics_endpoint_is_scraped_and_parsed() {
         assert_eq!(get("rdmablk_buffer_pool_waiting_commands", &[("reactor", r)]), 0.0);
         assert!(m.iter().any(|s| s.name == "rdmablk_reactor_cpu_seconds_total" && s.labels["reactor"] == r));
     }
+    // Every command was handled in a turn with work, whichever reactor had it.
+    let busy: f64 = ["0", "1"].iter().map(|r| get("rdmablk_reactor_busy_seconds_total", &[("reactor", r)])).sum();
+    assert!(busy > 0.0, "17 commands took no busy time");
     assert_eq!(get("rdmablk_buffer_pool_bytes_in_use", &[]), 0.0, "idle: every chunk is back");
     let commands: f64 = ["0", "1"].iter().map(|r| get("rdmablk_reactor_commands_total", &[("reactor", r)])).sum();
     assert_eq!(commands, 17.0, "CONNECT, 2 OPEN, 14 I/O commands");
