@@ -9,8 +9,12 @@
 # then the null case: rdmablk's null backend against nbdkit's null plugin,
 # and one iperf3 loopback stream, the fabric's ceiling.
 #
-# The QD1 case also runs rdmablk polled: rdmablk-bench --hipri against a
-# second target with busy_poll = "1ms" (rows marked --hipri / busy_poll).
+# Every file case (and the null QD1 case) also runs rdmablk polled:
+# rdmablk-bench --hipri against a second target with busy_poll = "1ms"
+# (rows marked --hipri / busy_poll). That target is pinned to the CPU that
+# takes the disk's interrupts and the polling bench to the other CPUs, so
+# that two pollers never share a CPU and completions are handled where the
+# target runs; without a disk interrupt to go by, neither is pinned.
 # Cases: 4 KiB randread QD1, 4 KiB randread QD32, 4 KiB randwrite QD32,
 # 128 KiB sequential read QD16. Prints a markdown table (IOPS, bandwidth,
 # p50/p99 latency, ratios against the ceiling and the peer, CPU time of
@@ -62,7 +66,7 @@ done
 log() { echo "==> $*" >&2; }
 
 # --- tools -------------------------------------------------------------------
-# free_port, wait_port, cpu_secs, install_missing
+# free_port, wait_port, cpu_secs, install_missing, disk_irq_cpu
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 install_missing fio:fio nbdkit:nbdkit iperf3:iperf3 python3:python3
 fio --enghelp 2>/dev/null | grep -qw nbd || { echo "compare.sh: this fio has no nbd engine" >&2; exit 1; }
@@ -126,13 +130,27 @@ TPID=$!; PIDS+=("$TPID")
 wait_port "$RDMA_PORT" "$TPID"
 
 # The same volumes on a second target whose reactors poll for 1 ms after
-# their last work: the QD1 case also runs against it with a polling client
+# their last work: the file cases also run against it with a polling client
 # (--hipri), the way SPDK-style targets and hipri clients trade CPU for latency.
+# Two pollers on one CPU would take turns by the scheduler's time slice, so
+# the target runs (one reactor) on the CPU that takes the disk's interrupts
+# and the bench on the others, as CPUAffinity= would place it in production.
 POLL_PORT=$(free_port)
 sed -e "s/:$RDMA_PORT\"/:$POLL_PORT\"/" -e 's/^name = "compare"$/name = "compare-polled"\nbusy_poll = "1ms"/' \
     "$WORK/target.toml" >"$WORK/target-polled.toml"
-log "starting rdmablk-target (busy_poll) on tcp://127.0.0.1:$POLL_PORT"
-RUST_LOG=warn "$TARGET" --config "$WORK/target-polled.toml" 2>"$WORK/target-polled.log" &
+DISK_CPU=$(disk_irq_cpu "$FILE")
+OTHER_CPUS=$(python3 -c "import os; print(','.join(str(c) for c in sorted(os.sched_getaffinity(0)) if str(c) != '$DISK_CPU'))")
+PIN_TARGET=()
+PIN_BENCH=()
+if [ -n "$DISK_CPU" ] && [ -n "$OTHER_CPUS" ] && command -v taskset >/dev/null; then
+    PIN_TARGET=(taskset -c "$DISK_CPU")
+    PIN_BENCH=(taskset -c "$OTHER_CPUS")
+    PLACEMENT="polled target on CPU $DISK_CPU (the disk's interrupts), polled bench on CPU $OTHER_CPUS"
+else
+    PLACEMENT="polled target and bench not pinned (no disk interrupt found, or one CPU)"
+fi
+log "starting rdmablk-target (busy_poll) on tcp://127.0.0.1:$POLL_PORT; $PLACEMENT"
+RUST_LOG=warn "${PIN_TARGET[@]}" "$TARGET" --config "$WORK/target-polled.toml" 2>"$WORK/target-polled.log" &
 PPID_POLLED=$!; PIDS+=("$PPID_POLLED")
 wait_port "$POLL_PORT" "$PPID_POLLED"
 
@@ -201,11 +219,9 @@ for c in "${CASES[@]}"; do
     log "[$rep/$REPEAT] $name: rdmablk-bench -> rdmablk-target (file)"
     measure "$name.rdmablk.$rep" "$TPID" -- "$BENCH" "${job[@]}" --target="tcp://127.0.0.1:$RDMA_PORT" --volume=vol0 \
         --target_pid="$TPID" "${COMMON[@]}"
-    if [ "$qd" = 1 ]; then
-        log "[$rep/$REPEAT] $name: rdmablk-bench --hipri -> rdmablk-target busy_poll (file)"
-        measure "$name.rdmablk-polled.$rep" "$PPID_POLLED" -- "$BENCH" "${job[@]}" --hipri \
-            --target="tcp://127.0.0.1:$POLL_PORT" --volume=vol0 --target_pid="$PPID_POLLED" "${COMMON[@]}"
-    fi
+    log "[$rep/$REPEAT] $name: rdmablk-bench --hipri -> rdmablk-target busy_poll (file)"
+    measure "$name.rdmablk-polled.$rep" "$PPID_POLLED" -- "${PIN_BENCH[@]}" "$BENCH" "${job[@]}" --hipri \
+        --target="tcp://127.0.0.1:$POLL_PORT" --volume=vol0 --target_pid="$PPID_POLLED" "${COMMON[@]}"
     log "[$rep/$REPEAT] $name: fio nbd -> nbdkit file"
     measure "$name.nbd.$rep" "$NPID" -- fio "${job[@]}" --ioengine=nbd --uri="nbd://127.0.0.1:$NBD_PORT" \
         --lat_percentiles=1 "${COMMON[@]}"
@@ -214,7 +230,7 @@ for c in "${CASES[@]}"; do
         --volume=null0 --target_pid="$TPID" "${COMMON[@]}"
     if [ "$qd" = 1 ]; then
         log "[$rep/$REPEAT] $name: rdmablk-bench --hipri -> rdmablk-target busy_poll (null)"
-        measure "$name.rdmablk-polled-null.$rep" "$PPID_POLLED" -- "$BENCH" "${job[@]}" --hipri \
+        measure "$name.rdmablk-polled-null.$rep" "$PPID_POLLED" -- "${PIN_BENCH[@]}" "$BENCH" "${job[@]}" --hipri \
             --target="tcp://127.0.0.1:$POLL_PORT" --volume=null0 --target_pid="$PPID_POLLED" "${COMMON[@]}"
     fi
     log "[$rep/$REPEAT] $name: fio nbd -> nbdkit null"
@@ -233,7 +249,7 @@ LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 snapshot "$WORK/procs1.json"
 
 # --- table ---------------------------------------------------------------------
-OURS="$TPID $PPID_POLLED $NPID $NNPID $$ $BASHPID" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
+OURS="$TPID $PPID_POLLED $NPID $NNPID $$ $BASHPID" PLACEMENT="$PLACEMENT" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
 RUNTIME="$RUNTIME" RAMP="$RAMP" SIZE_BYTES="$SIZE_BYTES" python3 - <<'PY'
 import json, os
 
@@ -375,7 +391,8 @@ def f(v, fmt):
 print()
 print(f"Runtime {os.environ['RUNTIME']} s per run after {os.environ['RAMP']} s ramp, {REPEAT} run(s) per row "
       f"(medians{', IOPS range in brackets' if REPEAT > 1 else ''}); file {int(os.environ['SIZE_BYTES'])>>20} MiB; "
-      f"load average before {os.environ['LOAD_BEFORE']}, after {os.environ['LOAD_AFTER']}.")
+      f"load average before {os.environ['LOAD_BEFORE']}, after {os.environ['LOAD_AFTER']}; "
+      f"{os.environ['PLACEMENT']}.")
 if others:
     print("Other long-lived processes that used CPU during the runs (CPU-seconds): " +
           ", ".join(f"{c} (pid {p}) {d:.1f}" for d, c, p in others[:6]) + ".")
@@ -429,6 +446,9 @@ def target(name, ok, detail):
 a = get("randread-4k-qd32", "rdmablk-bench -> rdmablk-target, file"); b = get("randread-4k-qd32", "fio io_uring")
 if a.get("iops") and b.get("iops"):
     target("1. file randread 4k QD32 >= 0.9x local fio IOPS", a["iops"] >= 0.9 * b["iops"], f"{a['iops']:,.0f} vs {b['iops']:,.0f} ({a['iops']/b['iops']:.2f}x)")
+a = get("randread-4k-qd32", "rdmablk-bench --hipri -> rdmablk-target busy_poll, file")
+if a.get("iops") and b.get("iops"):
+    target("1'. the same, polling (--hipri, busy_poll = 1ms)", a["iops"] >= 0.9 * b["iops"], f"{a['iops']:,.0f} vs {b['iops']:,.0f} ({a['iops']/b['iops']:.2f}x)")
 a = get("randread-4k-qd1", "rdmablk-bench -> rdmablk-target, file"); b = get("randread-4k-qd1", "fio io_uring")
 if a.get("p50_us") and b.get("p50_us"):
     target("2. file randread 4k QD1 p50 <= local p50 + 15 us", a["p50_us"] <= b["p50_us"] + 15, f"{a['p50_us']:.1f} us vs {b['p50_us']:.1f} us (+{a['p50_us']-b['p50_us']:.1f} us)")
@@ -453,7 +473,7 @@ if os.environ.get("JSON_OUT"):
         json.dump({"rows": rows, "iperf3_bytes_per_sec": iperf, "targets": targets,
                    "load_before": os.environ["LOAD_BEFORE"], "load_after": os.environ["LOAD_AFTER"],
                    "other_cpu": [{"comm": c, "pid": p, "cpu_s": d} for d, c, p in others],
-                   "repeat": REPEAT, "iperf3_runs_bytes_per_sec": iperf_runs,
+                   "repeat": REPEAT, "placement": os.environ["PLACEMENT"], "iperf3_runs_bytes_per_sec": iperf_runs,
                    "runtime_s": int(os.environ["RUNTIME"]), "ramp_s": int(os.environ["RAMP"])}, fh, indent=2)
     print(f"\nrows written to {os.environ['JSON_OUT']}")
 PY

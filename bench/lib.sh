@@ -32,3 +32,37 @@ install_missing() { # COMMAND:PACKAGE ...
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
     fi
 }
+
+# The CPU that has taken most of the interrupts of the disk holding FILE
+# (from /proc/interrupts, for virtio-blk and NVMe disks), among the CPUs
+# this process may use; prints nothing when it cannot tell.
+disk_irq_cpu() { # FILE
+    python3 - "$1" <<'PY'
+import os, re, sys
+st = os.stat(sys.argv[1])
+node = os.path.realpath(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+if os.path.exists(os.path.join(node, "partition")):
+    node = os.path.dirname(node)
+dev = os.path.join(node, "device")
+if not os.path.exists(dev):
+    sys.exit(0)
+# virtio-blk: device -> .../virtio1, interrupts "virtio1-req.0";
+# NVMe: device -> .../nvme0, interrupts "nvme0q1".
+name = os.path.basename(os.path.realpath(dev))
+pattern = re.compile(rf"^{re.escape(name)}(-req|q)\S*$")
+allowed = os.sched_getaffinity(0)
+with open("/proc/interrupts") as f:
+    cpus = [int(c[3:]) for c in f.readline().split()]
+    totals = [0] * len(cpus)
+    for line in f:
+        fields = line.split()
+        if not fields or not pattern.match(fields[-1]):
+            continue
+        for i, v in enumerate(fields[1:1 + len(cpus)]):
+            if v.isdigit():
+                totals[i] += int(v)
+best = max((t, c) for t, c in zip(totals, cpus) if c in allowed) if cpus else (0, None)
+if best[0] > 0:
+    print(best[1])
+PY
+}
