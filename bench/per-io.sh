@@ -6,7 +6,7 @@
 # volume and a file volume; uses the release binaries in target/release.
 #
 # usage: bench/per-io.sh [--syscalls] [--runtime S] [--file PATH] [--target-extra TOML]
-#                        [--bench-extra "ARGS"] CASE...
+#                        [--bench-extra "ARGS"] [--target-cpus LIST] [--bench-cpus LIST] CASE...
 #   CASE          VOLUME:RW:BS:QD, VOLUME being null or file,
 #                 e.g. null:randread:4k:32 file:randread:4k:1
 #   --syscalls    also count system calls (needs perf: apt-get install linux-perf)
@@ -15,6 +15,8 @@
 #                 created with random data at 1 GiB; not on a tmpfs: O_DIRECT)
 #   --target-extra TOML   lines added to [target], e.g. 'busy_poll = "1ms"'
 #   --bench-extra ARGS    added to every rdmablk-bench command, e.g. "--hipri"
+#   --target-cpus LIST    run the target on these CPUs (taskset -c), e.g. 1
+#   --bench-cpus LIST     run rdmablk-bench on these CPUs, e.g. 0
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SYSCALLS=0
@@ -22,6 +24,8 @@ RUNTIME=5
 FILE=/var/tmp/rdmablk-per-io.img
 TARGET_EXTRA=""
 BENCH_EXTRA=""
+TARGET_PIN=()
+BENCH_PIN=()
 CASES=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -30,6 +34,8 @@ while [ $# -gt 0 ]; do
         --file) FILE=$2; shift 2 ;;
         --target-extra) TARGET_EXTRA=$2; shift 2 ;;
         --bench-extra) BENCH_EXTRA=$2; shift 2 ;;
+        --target-cpus) TARGET_PIN=(taskset -c "$2"); shift 2 ;;
+        --bench-cpus) BENCH_PIN=(taskset -c "$2"); shift 2 ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         -*) echo "per-io.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
         *) CASES+=("$1"); shift ;;
@@ -65,7 +71,7 @@ backend = "file"
 path = "$FILE"
 allow_any_host = true
 EOF
-RUST_LOG=warn "$BIN/rdmablk-target" --config "$WORK/target.toml" 2>"$WORK/target.log" &
+RUST_LOG=warn "${TARGET_PIN[@]}" "$BIN/rdmablk-target" --config "$WORK/target.toml" 2>"$WORK/target.log" &
 TP=$!
 trap 'kill $TP 2>/dev/null; wait $TP 2>/dev/null; rm -rf "$WORK"' EXIT
 for _ in $(seq 100); do
@@ -78,7 +84,7 @@ cpu() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 for c in "${CASES[@]}"; do
     IFS=: read -r vol rw bs qd <<<"$c"
     # shellcheck disable=SC2086 # BENCH_EXTRA is a list of options
-    "$BIN/rdmablk-bench" --name=j --target="tcp://127.0.0.1:$PORT" --volume="$vol" --rw="$rw" --bs="$bs" \
+    "${BENCH_PIN[@]}" "$BIN/rdmablk-bench" --name=j --target="tcp://127.0.0.1:$PORT" --volume="$vol" --rw="$rw" --bs="$bs" \
         --iodepth="$qd" --runtime="$RUNTIME" --time_based --output-format=json $BENCH_EXTRA >"$WORK/out.json" &
     BP=$!
     t0=$(cpu $TP)
