@@ -23,7 +23,7 @@
 #
 # usage: bench/compare.sh [--json FILE] [--runtime SECONDS] [--ramp SECONDS]
 #                         [--size SIZE] [--dir DIR] [--keep] [--no-build]
-#                         [--repeat N]
+#                         [--repeat N] [--case NAME]...
 #   --json FILE     also write the rows (and the targets) as JSON
 #   --runtime S     seconds per measurement (default 10)
 #   --ramp S        warm-up seconds before each measurement (default 1)
@@ -34,6 +34,9 @@
 #   --no-build      use the release binaries already in target/release
 #   --repeat N      run every measurement N times, interleaved; the table
 #                   shows medians and the IOPS range (default 1)
+#   --case NAME     run only this case (repeatable): randread-4k-qd1,
+#                   randread-4k-qd32, randwrite-4k-qd32, read-128k-qd16;
+#                   iperf3 runs only with read-128k-qd16
 #
 # Needs root for apt-get only when fio, nbdkit, iperf3 or python3 are missing.
 set -euo pipefail
@@ -48,6 +51,7 @@ DIR=/var/tmp/rdmablk-compare
 KEEP=0
 BUILD=1
 REPEAT=1
+ONLY=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --json) JSON_OUT=$(realpath -m "$2"); shift 2 ;;
@@ -58,12 +62,29 @@ while [ $# -gt 0 ]; do
         --keep) KEEP=1; shift ;;
         --no-build) BUILD=0; shift ;;
         --repeat) REPEAT=$2; shift 2 ;;
+        --case) ONLY+=("$2"); shift 2 ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "compare.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
 
 log() { echo "==> $*" >&2; }
+
+# case name, rw, bs, iodepth
+ALL_CASES=(
+    "randread-4k-qd1 randread 4k 1"
+    "randread-4k-qd32 randread 4k 32"
+    "randwrite-4k-qd32 randwrite 4k 32"
+    "read-128k-qd16 read 128k 16"
+)
+CASES=()
+for c in "${ALL_CASES[@]}"; do
+    if [ ${#ONLY[@]} -eq 0 ] || [[ " ${ONLY[*]} " == *" ${c%% *} "* ]]; then CASES+=("$c"); fi
+done
+for o in "${ONLY[@]}"; do
+    printf '%s\n' "${ALL_CASES[@]}" | grep -q "^$o " || { echo "compare.sh: unknown case $o (see --help)" >&2; exit 2; }
+done
+CASE_NAMES=$(printf '%s\n' "${CASES[@]}" | cut -d' ' -f1 | tr '\n' ' ')
 
 # --- tools -------------------------------------------------------------------
 # free_port, wait_port, cpu_secs, install_missing, disk_irq_cpu
@@ -167,13 +188,6 @@ NNPID=$!; PIDS+=("$NNPID")
 wait_port "$NBDNULL_PORT" "$NNPID"
 
 # --- runs ----------------------------------------------------------------------
-# case name, rw, bs, iodepth
-CASES=(
-    "randread-4k-qd1 randread 4k 1"
-    "randread-4k-qd32 randread 4k 32"
-    "randwrite-4k-qd32 randwrite 4k 32"
-    "read-128k-qd16 read 128k 16"
-)
 COMMON=(--runtime="$RUNTIME" --time_based --ramp_time="$RAMP" --output-format=json)
 
 # CPU seconds of every process now (to find other work that ran alongside).
@@ -237,24 +251,26 @@ for c in "${CASES[@]}"; do
     measure "$name.nbd-null.$rep" "$NNPID" -- fio "${job[@]}" --ioengine=nbd --uri="nbd://127.0.0.1:$NBDNULL_PORT" \
         --lat_percentiles=1 "${COMMON[@]}"
 done
-IPERF_PORT=$(free_port)
-log "[$rep/$REPEAT] iperf3: one loopback stream"
-iperf3 -s -1 -B 127.0.0.1 -p "$IPERF_PORT" >/dev/null 2>&1 &
-IPID=$!; PIDS+=("$IPID")
-sleep 0.5
-iperf3 -c 127.0.0.1 -p "$IPERF_PORT" -t "$RUNTIME" -O "$RAMP" -J >"$WORK/iperf3.$rep.json" 2>"$WORK/iperf3.$rep.err" || true
-wait "$IPID" 2>/dev/null || true
+if [[ " $CASE_NAMES " == *" read-128k-qd16 "* ]]; then
+    IPERF_PORT=$(free_port)
+    log "[$rep/$REPEAT] iperf3: one loopback stream"
+    iperf3 -s -1 -B 127.0.0.1 -p "$IPERF_PORT" >/dev/null 2>&1 &
+    IPID=$!; PIDS+=("$IPID")
+    sleep 0.5
+    iperf3 -c 127.0.0.1 -p "$IPERF_PORT" -t "$RUNTIME" -O "$RAMP" -J >"$WORK/iperf3.$rep.json" 2>"$WORK/iperf3.$rep.err" || true
+    wait "$IPID" 2>/dev/null || true
+fi
 done
 LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 snapshot "$WORK/procs1.json"
 
 # --- table ---------------------------------------------------------------------
-OURS="$TPID $PPID_POLLED $NPID $NNPID $$ $BASHPID" PLACEMENT="$PLACEMENT" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
+OURS="$TPID $PPID_POLLED $NPID $NNPID $$ $BASHPID" PLACEMENT="$PLACEMENT" CASE_NAMES="$CASE_NAMES" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
 RUNTIME="$RUNTIME" RAMP="$RAMP" SIZE_BYTES="$SIZE_BYTES" python3 - <<'PY'
 import json, os
 
 work = os.environ["WORK"]
-cases = ["randread-4k-qd1", "randread-4k-qd32", "randwrite-4k-qd32", "read-128k-qd16"]
+cases = os.environ["CASE_NAMES"].split()
 
 REPEAT = int(os.environ.get("REPEAT", "1"))
 WALL = int(os.environ["RUNTIME"]) + int(os.environ["RAMP"])
