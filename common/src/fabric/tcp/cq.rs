@@ -124,11 +124,10 @@ impl TcpCq {
     /// Drives every attached queue pair whose socket is ready, then returns
     /// up to `out.len()` completions.
     ///
-    /// Standalone ACKs deferred by earlier rounds leave at the start of the
-    /// next call (the application has had its turn to answer with a frame
-    /// that carries them), and at the end of a call that returns no
-    /// completion (nothing for the application to answer). An application
-    /// that stops polling arms the CQ first, which sends them too.
+    /// Standalone ACKs held back longer than the hold leave at the start of
+    /// the call (the application has had its time to answer with a frame
+    /// that carries them). An application that stops polling arms the CQ
+    /// first, which sends all of them.
     pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
         let sh = &*self.shared;
         sh.send_deferred_acks(false);

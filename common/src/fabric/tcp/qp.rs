@@ -973,8 +973,8 @@ pub(crate) fn progress(sh: &QpShared, _events: u32) {
     if q.state == QpState::Ready && q.ack_needed && q.last_ack_sent != q.rx_processed && !q.ack_deferred {
         if sh.cq.coalesces_acks() {
             // Not sent now: the application usually answers what it just
-            // received within the same turn, and its frame carries the
-            // ack. The CQ sends the ACK if nothing did by its next poll.
+            // received soon, and its frame carries the ack. The CQ sends
+            // the ACK if nothing did within its hold, or when armed.
             q.ack_deferred = true;
             sh.cq.defer_ack(sh.qp_num);
         } else {
