@@ -87,6 +87,14 @@ pub struct ConnectOptions {
     /// long before sleeping on its completion channel: lower latency at low
     /// queue depth for a CPU kept busy (fio's `hipri`). Default 0 (sleep at
     /// once); at most 10 ms.
+    ///
+    /// A polling queue also holds back the acknowledgement of a response
+    /// (on providers that acknowledge in software: tcp) until its next
+    /// command carries it or its next poll or sleep sends it, instead of
+    /// sending it before the response is delivered. Until then the target
+    /// keeps that command's buffer, so a polling application that stops
+    /// calling the library holds the target's resources for its last
+    /// responses until its next call.
     pub busy_poll: Duration,
 }
 

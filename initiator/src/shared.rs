@@ -848,6 +848,12 @@ fn connect_queue(
     let cq = fabric
         .create_cq(depth + recv_count as u32 + 16)
         .map_err(|e| Error::fabric(ctx("creating a completion queue"), e))?;
+    // A polling client calls again right after it takes a response, usually
+    // to submit (whose frame then carries the ACK) or to poll (which sends
+    // it): no ACK frame of its own between a response and its delivery.
+    if !options.busy_poll.is_zero() {
+        cq.set_ack_coalescing(Some(Duration::ZERO));
+    }
     // With scoping, a command may hold three send-queue slots on a
     // provider that binds windows with work requests: the bind, the SEND
     // and the invalidation.

@@ -1,11 +1,14 @@
 //! The data path end to end: the real daemon on a real file, driven through
 //! the initiator library and the CLI, checked against the backing file.
 
+use std::time::Duration;
+
 use rand::{Rng, SeedableRng};
 use rdmablk_common::protocol::Status;
 use rdmablk_initiator::{BlockDevice, ConnectOptions, Session};
 use rdmablk_system_tests::{
-    file_bytes, file_volume, random_bytes, rdmablk, sparse_file, target_section, TargetProcess,
+    file_bytes, file_volume, random_bytes, rdmablk, sample, scrape, sparse_file, target_section, wait_until,
+    TargetProcess,
 };
 
 const MIB: u64 = 1 << 20;
@@ -167,4 +170,51 @@ fn check_mode_validates_and_names_the_bad_key() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("blok_size") && err.contains("bad.toml"), "{err}");
+}
+
+#[test]
+fn a_polling_initiator_keeps_data_right_and_its_next_call_releases_what_its_held_ack_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_file(dir.path(), "vol0.img", VOLUME);
+    let config =
+        format!("{}reactors = 1\nmetrics = \"127.0.0.1:0\"\n{}", target_section(), file_volume("vol0", &img, VOLUME, false));
+    let target = TargetProcess::start(&config);
+    let addr = target.metrics_addr();
+    let chunks_in_use = || sample(&scrape(&addr), "rdmablk_buffer_pool_chunks_in_use", &[("reactor", "0")]).unwrap();
+    let seed = seed();
+    eprintln!("seed {seed} (set RDMABLK_TEST_SEED to replay)");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+
+    // A polling queue lets each response's ACK ride on its next command.
+    let options = ConnectOptions { queues: 1, busy_poll: Duration::from_millis(1), ..ConnectOptions::default() };
+    let session = Session::connect(&target.url, options).expect("connect");
+    let vol = session.open("vol0").expect("open");
+    let bs = vol.block_size() as u64;
+    for i in 0..200 {
+        let len = (rng.gen_range(1..=16u64) * bs) as usize;
+        let offset = rng.gen_range(0..=(VOLUME - len as u64) / bs) * bs;
+        let data = random_bytes(&mut rng, len);
+        vol.write_at(&data, offset).expect("write_at");
+        let mut back = vec![0u8; len];
+        vol.read_at(&mut back, offset).expect("read_at");
+        assert!(back == data, "iteration {i}: read_at returned other bytes at {offset}+{len}");
+        assert!(file_bytes(&img, offset, len) == data, "iteration {i}: backing file differs at {offset}+{len}");
+    }
+
+    // The last read is delivered. On tcp the ACK of its response is held
+    // for the queue's next call, which keeps at most that command's buffer
+    // on the target (its data's ACK may have left at a poll before the
+    // response came); the next call releases everything.
+    std::thread::sleep(Duration::from_millis(300));
+    let held = chunks_in_use();
+    assert!(held <= 1.0, "{held} buffers held after the last read, at most its own may be");
+    vol.flush().expect("flush");
+    wait_until("the next call released the buffers", Duration::from_secs(10), || chunks_in_use() == 0.0);
+
+    // A queue that sleeps sends each ACK before it delivers the response.
+    let session = Session::connect(&target.url, ConnectOptions { queues: 1, ..ConnectOptions::default() }).expect("connect");
+    let vol = session.open("vol0").expect("open");
+    let mut back = vec![0u8; 4096];
+    vol.read_at(&mut back, 0).expect("read_at");
+    wait_until("a sleeping queue's ACK released the buffer", Duration::from_secs(10), || chunks_in_use() == 0.0);
 }
