@@ -65,7 +65,7 @@ done
 
 log() { echo "==> $*" >&2; }
 
-# free_port, wait_port, cpu_secs, install_missing
+# free_port, wait_port, cpu_secs, install_missing, size_bytes, fill_file
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 tools=(fio:fio python3:python3)
 if [ "$NBD" = 1 ]; then tools+=(nbdkit:nbdkit); fi
@@ -87,16 +87,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-SIZE_BYTES=$(python3 -c "
-s='$SIZE'.strip().lower().rstrip('ib').rstrip('b')
-m={'k':1<<10,'m':1<<20,'g':1<<30,'t':1<<40}
-print(int(s[:-1])*m[s[-1]] if s[-1] in m else int(s))")
-if [ ! -f "$FILE" ] || [ "$(stat -c %s "$FILE")" != "$SIZE_BYTES" ]; then
-    log "writing $SIZE_BYTES bytes to $FILE (fully allocated, not sparse)"
-    rm -f "$FILE"
-    fio --name=fill --filename="$FILE" --size="$SIZE_BYTES" --rw=write --bs=1M --iodepth=8 \
-        --direct=1 --ioengine=io_uring --output=/dev/null
-fi
+SIZE_BYTES=$(size_bytes "$SIZE")
+fill_file "$FILE" "$SIZE_BYTES"
 
 # The machine's CPU counters (/proc/stat) and every process's CPU seconds.
 snapshot() { python3 -c "

@@ -87,7 +87,7 @@ done
 CASE_NAMES=$(printf '%s\n' "${CASES[@]}" | cut -d' ' -f1 | tr '\n' ' ')
 
 # --- tools -------------------------------------------------------------------
-# free_port, wait_port, cpu_secs, install_missing, disk_irq_cpu
+# free_port, wait_port, cpu_secs, install_missing, disk_irq_cpu, size_bytes, fill_file
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 install_missing fio:fio nbdkit:nbdkit iperf3:iperf3 python3:python3
 fio --enghelp 2>/dev/null | grep -qw nbd || { echo "compare.sh: this fio has no nbd engine" >&2; exit 1; }
@@ -114,16 +114,8 @@ cleanup() {
 trap cleanup EXIT
 
 # --- the file ------------------------------------------------------------------
-SIZE_BYTES=$(python3 -c "
-s='$SIZE'.strip().lower().rstrip('ib').rstrip('b')
-m={'k':1<<10,'m':1<<20,'g':1<<30,'t':1<<40}
-print(int(s[:-1])*m[s[-1]] if s[-1] in m else int(s))")
-if [ ! -f "$FILE" ] || [ "$(stat -c %s "$FILE")" != "$SIZE_BYTES" ]; then
-    log "writing $SIZE_BYTES bytes to $FILE (fully allocated, not sparse)"
-    rm -f "$FILE"
-    fio --name=fill --filename="$FILE" --size="$SIZE_BYTES" --rw=write --bs=1M --iodepth=8 \
-        --direct=1 --ioengine=io_uring --output=/dev/null
-fi
+SIZE_BYTES=$(size_bytes "$SIZE")
+fill_file "$FILE" "$SIZE_BYTES"
 
 # --- servers -------------------------------------------------------------------
 RDMA_PORT=$(free_port)

@@ -66,3 +66,23 @@ if best[0] > 0:
     print(best[1])
 PY
 }
+
+# Bytes in a size such as 1G, 512M or 4096 (binary units; a trailing B or
+# iB is allowed).
+size_bytes() { # SIZE
+    python3 -c "
+s='$1'.strip().lower().rstrip('ib').rstrip('b')
+m={'k':1<<10,'m':1<<20,'g':1<<30,'t':1<<40}
+print(int(s[:-1])*m[s[-1]] if s[-1] in m else int(s))"
+}
+
+# Writes FILE fully allocated (not sparse) at BYTES with fio, unless it
+# already has that size: the local disk ceiling reads real blocks.
+fill_file() { # FILE BYTES
+    if [ ! -f "$1" ] || [ "$(stat -c %s "$1")" != "$2" ]; then
+        echo "==> writing $2 bytes to $1 (fully allocated, not sparse)" >&2
+        rm -f "$1"
+        fio --name=fill --filename="$1" --size="$2" --rw=write --bs=1M --iodepth=8 \
+            --direct=1 --ioengine=io_uring --output=/dev/null
+    fi
+}
