@@ -364,7 +364,7 @@ fn huge_write_with_bad_rkey_is_refused_before_payload() {
 fn partial_frames_are_reassembled() {
     // A valid zero-length SEND dribbled in byte by byte completes the receive.
     let mut rig = passive_rig();
-    let h = Header { seq: 1, flags: wire::FLAG_ACK_REQUESTED, ..Header::new(FrameType::Send) }.encode();
+    let h = ack_requested_send(1);
     let mut comps = Vec::new();
     for b in h {
         rig.raw.write_all(&[b]).unwrap();
@@ -381,38 +381,48 @@ fn partial_frames_are_reassembled() {
     assert_eq!(rig.qp.state(), QpState::Ready);
 }
 
+/// A SEND frame that asks for an acknowledgement.
+fn ack_requested_send(seq: u32) -> [u8; HDR_LEN] {
+    Header { seq, flags: wire::FLAG_ACK_REQUESTED, ..Header::new(FrameType::Send) }.encode()
+}
+
+/// A passive rig whose CQ holds ACKs back for `hold`, after it received
+/// SEND 1, which asks for one (into receive 100).
+fn rig_holding_an_ack(hold: Duration) -> PassiveRig {
+    let mut rig = passive_rig();
+    rig.cq.set_ack_coalescing(Some(hold));
+    rig.raw.write_all(&ack_requested_send(1)).unwrap();
+    poll_until(&rig.cq, &mut Vec::new(), "the receive", |c| status_of(c, 100).is_some());
+    rig
+}
+
+/// A hold no test run outlives: only an answer, arm or turning coalescing
+/// off can release the ACK.
+const FOREVER: Duration = Duration::from_secs(3600);
+
 #[test]
 fn a_held_ack_rides_on_the_answer_across_polls_or_leaves_at_arm() {
-    let mut rig = passive_rig();
-    // A hold no test run outlives: only an answer or arm can release it.
-    rig.cq.set_ack_coalescing(Some(Duration::from_secs(3600)));
+    let mut rig = rig_holding_an_ack(FOREVER);
     let tx = mem(&rig.pd, 4096, Access::LOCAL_WRITE);
-    let send = |seq| Header { seq, flags: wire::FLAG_ACK_REQUESTED, ..Header::new(FrameType::Send) }.encode();
-    let answer = |rig: &PassiveRig, wr_id| {
-        rig.qp
-            .post_send(&[SendWr { wr_id: WrId(wr_id), op: SendOp::Send, sges: &[tx.mr_sge(0, 8)], signaled: true, inline: false }])
-            .unwrap();
-    };
 
     // A SEND the application answers only after several more polls: no
     // standalone ACK precedes the answer, which carries the ack.
-    rig.raw.write_all(&send(1)).unwrap();
-    let mut comps = Vec::new();
-    poll_until(&rig.cq, &mut comps, "the receive", |c| status_of(c, 100).is_some());
     for _ in 0..5 {
         let mut out = [Completion::EMPTY; 4];
         rig.cq.poll(&mut out).unwrap();
         std::thread::sleep(Duration::from_millis(1));
     }
-    answer(&rig, 1);
+    rig.qp
+        .post_send(&[SendWr { wr_id: WrId(1), op: SendOp::Send, sges: &[tx.mr_sge(0, 8)], signaled: true, inline: false }])
+        .unwrap();
     let (h, body) = read_frame(&mut rig.raw);
     assert_eq!((h.ty, h.ack, body.len()), (FrameType::Send, 1, 8), "the answer comes first and carries the ack");
 
     // A SEND the application does not answer: the ACK leaves when the CQ
     // is armed (its owner is about to sleep).
     rig.qp.post_recv(&[RecvWr { wr_id: WrId(101), sges: &[rig._rx.mr_sge(0, 64)] }]).unwrap();
-    rig.raw.write_all(&send(2)).unwrap();
-    poll_until(&rig.cq, &mut comps, "the second receive", |c| status_of(c, 101).is_some());
+    rig.raw.write_all(&ack_requested_send(2)).unwrap();
+    poll_until(&rig.cq, &mut Vec::new(), "the second receive", |c| status_of(c, 101).is_some());
     rig.cq.arm().unwrap();
     let a = read_until(&mut rig.raw, FrameType::Ack);
     assert_eq!(a.ack, 2);
@@ -421,12 +431,7 @@ fn a_held_ack_rides_on_the_answer_across_polls_or_leaves_at_arm() {
 
 #[test]
 fn a_held_ack_leaves_at_the_first_poll_after_the_hold() {
-    let mut rig = passive_rig();
-    rig.cq.set_ack_coalescing(Some(Duration::from_millis(2)));
-    let send = Header { seq: 1, flags: wire::FLAG_ACK_REQUESTED, ..Header::new(FrameType::Send) }.encode();
-    rig.raw.write_all(&send).unwrap();
-    let mut comps = Vec::new();
-    poll_until(&rig.cq, &mut comps, "the receive", |c| status_of(c, 100).is_some());
+    let mut rig = rig_holding_an_ack(Duration::from_millis(2));
     std::thread::sleep(Duration::from_millis(10));
     let mut out = [Completion::EMPTY; 4];
     rig.cq.poll(&mut out).unwrap();
@@ -436,12 +441,7 @@ fn a_held_ack_leaves_at_the_first_poll_after_the_hold() {
 
 #[test]
 fn turning_coalescing_off_releases_the_held_acks() {
-    let mut rig = passive_rig();
-    rig.cq.set_ack_coalescing(Some(Duration::from_secs(3600)));
-    let send = Header { seq: 1, flags: wire::FLAG_ACK_REQUESTED, ..Header::new(FrameType::Send) }.encode();
-    rig.raw.write_all(&send).unwrap();
-    let mut comps = Vec::new();
-    poll_until(&rig.cq, &mut comps, "the receive", |c| status_of(c, 100).is_some());
+    let mut rig = rig_holding_an_ack(FOREVER);
     rig.cq.set_ack_coalescing(None);
     let a = read_until(&mut rig.raw, FrameType::Ack);
     assert_eq!(a.ack, 1);
