@@ -77,10 +77,10 @@ impl CqShared {
             // One entry at a time: the progress routine takes this lock too.
             let next = {
                 let mut deferred = lock(&self.deferred_acks);
+                let mut held = |since: Instant| now.get_or_insert_with(Instant::now).saturating_duration_since(since) < hold;
                 match deferred.front() {
-                    None => None,
-                    Some(&(_, since)) if !all && *now.get_or_insert_with(Instant::now) < since + hold => None,
-                    Some(_) => deferred.pop_front().map(|(qp_num, _)| qp_num),
+                    Some(&(_, since)) if !all && held(since) => None,
+                    _ => deferred.pop_front().map(|(qp_num, _)| qp_num),
                 }
             };
             let Some(qp_num) = next else { return };
