@@ -23,7 +23,7 @@
 #
 # usage: bench/compare.sh [--json FILE] [--runtime SECONDS] [--ramp SECONDS]
 #                         [--size SIZE] [--dir DIR] [--keep] [--no-build]
-#                         [--repeat N] [--case NAME]...
+#                         [--repeat N] [--case NAME]... [--guest-halt-poll NS]
 #   --json FILE     also write the rows (and the targets) as JSON
 #   --runtime S     seconds per measurement (default 10)
 #   --ramp S        warm-up seconds before each measurement (default 1)
@@ -37,6 +37,12 @@
 #   --case NAME     run only this case (repeatable): randread-4k-qd1,
 #                   randread-4k-qd32, randwrite-4k-qd32, read-128k-qd16;
 #                   iperf3 runs only with read-128k-qd16
+#   --guest-halt-poll NS
+#                   in a KVM guest with the haltpoll cpuidle driver: let an
+#                   idle vCPU poll up to NS ns before it halts (the kernel's
+#                   default is 200000; this machine boots with 0) for the
+#                   run, and restore the old value after. Applies to every
+#                   system measured; the header reports the value in force.
 #
 # Needs root for apt-get only when fio, nbdkit, iperf3 or python3 are missing.
 set -euo pipefail
@@ -52,6 +58,8 @@ KEEP=0
 BUILD=1
 REPEAT=1
 ONLY=()
+HALT_POLL_SET=""
+HALT_POLL_PARAM=/sys/module/haltpoll/parameters/guest_halt_poll_ns
 while [ $# -gt 0 ]; do
     case "$1" in
         --json) JSON_OUT=$(realpath -m "$2"); shift 2 ;;
@@ -63,6 +71,7 @@ while [ $# -gt 0 ]; do
         --no-build) BUILD=0; shift ;;
         --repeat) REPEAT=$2; shift 2 ;;
         --case) ONLY+=("$2"); shift 2 ;;
+        --guest-halt-poll) HALT_POLL_SET=$2; shift 2 ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "compare.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -106,12 +115,28 @@ BENCH="$WORK/bin/rdmablk-bench"
 TARGET="$WORK/bin/rdmablk-target"
 FILE="$DIR/compare.img"
 PIDS=()
+HALT_POLL_OLD=""
 cleanup() {
+    if [ -n "$HALT_POLL_OLD" ]; then echo "$HALT_POLL_OLD" >"$HALT_POLL_PARAM" || true; fi
     for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
     for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
     if [ "$KEEP" = 0 ]; then rm -rf "$WORK" "$FILE"; else log "kept $WORK and $FILE"; fi
 }
 trap cleanup EXIT
+
+# --- the guest's idle polling ----------------------------------------------------
+# How a halted vCPU is woken costs a VM exit and a host wake-up; it is the
+# largest cost of every sleeping row on such a machine (BENCHMARKS.md).
+if [ -n "$HALT_POLL_SET" ]; then
+    [ -w "$HALT_POLL_PARAM" ] || { echo "compare.sh: --guest-halt-poll needs the haltpoll cpuidle driver and root ($HALT_POLL_PARAM)" >&2; exit 1; }
+    HALT_POLL_OLD=$(cat "$HALT_POLL_PARAM")
+    echo "$HALT_POLL_SET" >"$HALT_POLL_PARAM"
+fi
+if [ -r "$HALT_POLL_PARAM" ]; then
+    HALT_POLL="guest_halt_poll_ns = $(cat "$HALT_POLL_PARAM")$( [ -n "$HALT_POLL_SET" ] && echo " (set for this run; was $HALT_POLL_OLD)")"
+else
+    HALT_POLL="no haltpoll cpuidle driver"
+fi
 
 # --- the file ------------------------------------------------------------------
 SIZE_BYTES=$(size_bytes "$SIZE")
@@ -257,7 +282,7 @@ LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 snapshot "$WORK/procs1.json"
 
 # --- table ---------------------------------------------------------------------
-OURS="$TPID $PPID_POLLED $NPID $NNPID $$ $BASHPID" PLACEMENT="$PLACEMENT" CASE_NAMES="$CASE_NAMES" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
+OURS="$TPID $PPID_POLLED $NPID $NNPID $$ $BASHPID" PLACEMENT="$PLACEMENT" HALT_POLL="$HALT_POLL" CASE_NAMES="$CASE_NAMES" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
 RUNTIME="$RUNTIME" RAMP="$RAMP" SIZE_BYTES="$SIZE_BYTES" python3 - <<'PY'
 import json, os
 
@@ -400,7 +425,7 @@ print()
 print(f"Runtime {os.environ['RUNTIME']} s per run after {os.environ['RAMP']} s ramp, {REPEAT} run(s) per row "
       f"(medians{', IOPS range in brackets' if REPEAT > 1 else ''}); file {int(os.environ['SIZE_BYTES'])>>20} MiB; "
       f"load average before {os.environ['LOAD_BEFORE']}, after {os.environ['LOAD_AFTER']}; "
-      f"{os.environ['PLACEMENT']}.")
+      f"{os.environ['PLACEMENT']}; {os.environ['HALT_POLL']}.")
 if others:
     print("Other long-lived processes that used CPU during the runs (CPU-seconds): " +
           ", ".join(f"{c} (pid {p}) {d:.1f}" for d, c, p in others[:6]) + ".")
@@ -481,7 +506,7 @@ if os.environ.get("JSON_OUT"):
         json.dump({"rows": rows, "iperf3_bytes_per_sec": iperf, "targets": targets,
                    "load_before": os.environ["LOAD_BEFORE"], "load_after": os.environ["LOAD_AFTER"],
                    "other_cpu": [{"comm": c, "pid": p, "cpu_s": d} for d, c, p in others],
-                   "repeat": REPEAT, "placement": os.environ["PLACEMENT"], "iperf3_runs_bytes_per_sec": iperf_runs,
+                   "repeat": REPEAT, "placement": os.environ["PLACEMENT"], "guest_halt_poll": os.environ["HALT_POLL"], "iperf3_runs_bytes_per_sec": iperf_runs,
                    "runtime_s": int(os.environ["RUNTIME"]), "ramp_s": int(os.environ["RAMP"])}, fh, indent=2)
     print(f"\nrows written to {os.environ['JSON_OUT']}")
 PY
