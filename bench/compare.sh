@@ -40,7 +40,7 @@
 #   --guest-halt-poll NS
 #                   in a KVM guest with the haltpoll cpuidle driver: let an
 #                   idle vCPU poll up to NS ns before it halts (the kernel's
-#                   default is 200000; this machine boots with 0) for the
+#                   default is 200000; some hosts boot guests with 0) for the
 #                   run, and restore the old value after. Applies to every
 #                   system measured; the header reports the value in force.
 #
@@ -71,7 +71,8 @@ while [ $# -gt 0 ]; do
         --no-build) BUILD=0; shift ;;
         --repeat) REPEAT=$2; shift 2 ;;
         --case) ONLY+=("$2"); shift 2 ;;
-        --guest-halt-poll) HALT_POLL_SET=$2; shift 2 ;;
+        --guest-halt-poll) HALT_POLL_SET=$2; shift 2
+            [[ "$HALT_POLL_SET" =~ ^[0-9]+$ ]] || { echo "compare.sh: --guest-halt-poll takes nanoseconds, e.g. 200000" >&2; exit 2; } ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "compare.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
