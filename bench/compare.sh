@@ -134,7 +134,9 @@ if [ -n "$HALT_POLL_SET" ]; then
     echo "$HALT_POLL_SET" >"$HALT_POLL_PARAM"
 fi
 if [ -r "$HALT_POLL_PARAM" ]; then
-    HALT_POLL="guest_halt_poll_ns = $(cat "$HALT_POLL_PARAM")$( [ -n "$HALT_POLL_SET" ] && echo " (set for this run; was $HALT_POLL_OLD)")"
+    HALT_POLL="guest_halt_poll_ns = $(cat "$HALT_POLL_PARAM")"
+    # Not `$(test && echo)`: under `set -e` its failure would end the script.
+    if [ -n "$HALT_POLL_SET" ]; then HALT_POLL+=" (set for this run; was $HALT_POLL_OLD)"; fi
 else
     HALT_POLL="no haltpoll cpuidle driver"
 fi
