@@ -46,6 +46,10 @@
 #                   run, and restore the old value after. Applies to every
 #                   system measured; the header reports the value in force.
 #
+# BIN=DIR takes rdmablk-bench and rdmablk-target from DIR (relative to the
+# repository) instead of target/release, with --no-build; scripts/test.sh
+# smoke-runs the debug build this way.
+#
 # Needs root for apt-get only when fio, nbdkit, iperf3 or python3 are missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -113,7 +117,11 @@ mkdir -p "$DIR"
 WORK=$(mktemp -d "$DIR/run.XXXXXX")
 # Private copies: a rebuild of target/ during the run cannot swap them.
 mkdir -p "$WORK/bin"
-cp "$ROOT/target/release/rdmablk-bench" "$ROOT/target/release/rdmablk-target" "$WORK/bin/"
+BIN_DIR=$(realpath -m "${BIN:-$ROOT/target/release}")
+for b in rdmablk-bench rdmablk-target; do
+    [ -x "$BIN_DIR/$b" ] || { echo "compare.sh: $BIN_DIR/$b missing: cargo build --release -p rdmablk-bench -p rdmablk-target" >&2; exit 1; }
+done
+cp "$BIN_DIR/rdmablk-bench" "$BIN_DIR/rdmablk-target" "$WORK/bin/"
 BENCH="$WORK/bin/rdmablk-bench"
 TARGET="$WORK/bin/rdmablk-target"
 FILE="$DIR/compare.img"

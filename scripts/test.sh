@@ -24,6 +24,8 @@ echo "==> tests"
 cargo nextest run --workspace --locked --no-fail-fast
 echo "==> doc tests"
 cargo test --workspace --doc --locked
+echo "==> benchmark scripts: bench/compare.sh smoke run on the debug build (no figures judged)"
+./scripts/bench-smoke.sh
 echo "==> fuzzing (30 s per target; crashes fail the run)"
 ./scripts/fuzz.sh 30
 echo "==> Soft-RoCE VM stage: the verbs provider over rdma:// inside qemu (tests/rdma-vm)"

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Smoke run of bench/compare.sh on the debug build: every row of one short
+# case must have been measured, and the JSON must carry the targets with
+# their per-repeat pairs. No figure is judged (timing does not belong in the
+# test suite); this only catches a comparison script that no longer runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+out=$(mktemp -d /var/tmp/rdmablk-bench-smoke.XXXXXX)
+trap 'rm -rf "$out"' EXIT
+BIN=target/debug bench/compare.sh --no-build --runtime 1 --ramp 0 --size 64M --repeat 2 \
+    --case randread-4k-qd1 --dir "$out" --json "$out/compare.json" >"$out/table.md"
+
+python3 - "$out/compare.json" "$out/table.md" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+table = open(sys.argv[2]).read()
+systems = [r["system"] for r in doc["rows"]]
+missing = [r["system"] for r in doc["rows"] if r.get("iops") is None]
+assert not missing, f"compare.sh rows without a measurement: {missing}"
+for want in ("fio io_uring, local file", "rdmablk-bench -> rdmablk-target, file",
+             "rdmablk-bench --hipri -> rdmablk-target busy_poll, file", "fio nbd -> nbdkit file",
+             "rdmablk-bench -> rdmablk-target, null", "fio nbd -> nbdkit null"):
+    assert any(s.startswith(want) for s in systems), f"no row {want!r} in {systems}"
+targets = {t["target"].split(" ")[0]: t for t in doc["targets"]}
+for name in ("2.", "2'."):
+    t = targets.get(name)
+    assert t is not None, f"target {name} missing: {list(targets)}"
+    assert len(t["per_run"]["values"]) == 2, f"target {name}: expected 2 pairs, got {t['per_run']}"
+assert doc["repeat"] == 2 and "guest_halt_poll" in doc and "placement" in doc
+assert "| target | met | measured |" in table, "no targets table in the output"
+print(f"bench smoke: {len(doc['rows'])} rows measured, targets {', '.join(targets)} reported")
+PY
