@@ -29,7 +29,8 @@
 #                 tmpfs: O_DIRECT); written fully allocated when missing
 #   --size SIZE   its size (default 1G)
 #   --no-nbd      skip nbdkit null
-#   --no-build    use target/release/tcp-ceiling as it is
+#   --no-build    use target/release/tcp-ceiling as it is (or $BIN/tcp-ceiling:
+#                 BIN=DIR, relative to the repository, picks another build)
 #   --json FILE   also write every run as JSON
 #   --quiet-wait S  before each measurement, wait up to S seconds (default
 #                 120; 0: do not wait) until the machine was >= 90 % idle
@@ -77,7 +78,9 @@ fi
 
 WORK=$(mktemp -d /var/tmp/rdmablk-ceiling.XXXXXX)
 # A private copy: a rebuild of target/ during the run cannot swap it.
-cp "$ROOT/target/release/tcp-ceiling" "$WORK/tcp-ceiling"
+BIN_DIR=$(realpath -m "${BIN:-$ROOT/target/release}")
+[ -x "$BIN_DIR/tcp-ceiling" ] || { echo "ceiling.sh: $BIN_DIR/tcp-ceiling missing: cargo build --release -p rdmablk-bench --bin tcp-ceiling" >&2; exit 1; }
+cp "$BIN_DIR/tcp-ceiling" "$WORK/tcp-ceiling"
 CEIL="$WORK/tcp-ceiling"
 PIDS=()
 cleanup() {

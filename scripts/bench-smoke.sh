@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Smoke run of bench/compare.sh on the debug build: every row of one short
-# case must have been measured, and the JSON must carry the targets with
-# their per-repeat pairs. No figure is judged (timing does not belong in the
-# test suite); this only catches a comparison script that no longer runs.
+# Smoke runs of the benchmark scripts on the debug build: bench/compare.sh
+# (every row of one short case measured; the JSON carries the targets with
+# their per-repeat pairs), bench/ceiling.sh (every measurement made) and
+# bench/per-io.sh (one null case). No figure is judged (timing does not
+# belong in the test suite); this only catches a script that no longer runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,3 +32,18 @@ assert doc["repeat"] == 2 and "guest_halt_poll" in doc and "placement" in doc
 assert "| target | met | measured |" in table, "no targets table in the output"
 print(f"bench smoke: {len(doc['rows'])} rows measured, targets {', '.join(targets)} reported")
 PY
+
+BIN=target/debug bench/ceiling.sh --no-build --runtime 1 --ramp 0 --repeat 1 --size 64M \
+    --file "$out/ceiling.img" --quiet-wait 0 --json "$out/ceiling.json" >"$out/ceiling.md"
+python3 - "$out/ceiling.json" <<'PY'
+import json, sys
+runs = json.load(open(sys.argv[1]))["runs"]
+empty = [name for name, rs in runs.items() if not rs or any(r.get("iops") is None for r in rs)]
+assert len(runs) >= 8 and not empty, f"ceiling.sh: {len(runs)} measurements, without a result: {empty}"
+print(f"bench smoke: ceiling.sh made {len(runs)} measurements")
+PY
+
+BIN=target/debug bench/per-io.sh --runtime 2 null:randread:4k:1 >"$out/per-io.txt"
+grep -Eq '^null:randread:4k:1 +[0-9,]+ IOPS .*CPU per I/O: target +[0-9.]+ us, client +[0-9.]+ us' "$out/per-io.txt" \
+    || { echo "per-io.sh printed no result line:" >&2; cat "$out/per-io.txt" >&2; exit 1; }
+echo "bench smoke: per-io.sh measured null:randread:4k:1"

@@ -24,7 +24,7 @@ echo "==> tests"
 cargo nextest run --workspace --locked --no-fail-fast
 echo "==> doc tests"
 cargo test --workspace --doc --locked
-echo "==> benchmark scripts: bench/compare.sh smoke run on the debug build (no figures judged)"
+echo "==> benchmark scripts: compare.sh, ceiling.sh and per-io.sh smoke runs on the debug build (no figures judged)"
 ./scripts/bench-smoke.sh
 echo "==> fuzzing (30 s per target; crashes fail the run)"
 ./scripts/fuzz.sh 30
