@@ -66,7 +66,7 @@ done
 
 log() { echo "==> $*" >&2; }
 
-# free_port, wait_port, cpu_secs, install_missing, size_bytes, fill_file
+# free_port, wait_port, cpu_secs, bin_dir, install_missing, size_bytes, fill_file
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 tools=(fio:fio python3:python3)
 if [ "$NBD" = 1 ]; then tools+=(nbdkit:nbdkit); fi
@@ -78,8 +78,7 @@ fi
 
 WORK=$(mktemp -d /var/tmp/rdmablk-ceiling.XXXXXX)
 # A private copy: a rebuild of target/ during the run cannot swap it.
-BIN_DIR=$(realpath -m "${BIN:-$ROOT/target/release}")
-[ -x "$BIN_DIR/tcp-ceiling" ] || { echo "ceiling.sh: $BIN_DIR/tcp-ceiling missing: cargo build --release -p rdmablk-bench --bin tcp-ceiling" >&2; exit 1; }
+BIN_DIR=$(bin_dir tcp-ceiling)
 cp "$BIN_DIR/tcp-ceiling" "$WORK/tcp-ceiling"
 CEIL="$WORK/tcp-ceiling"
 PIDS=()

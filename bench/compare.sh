@@ -103,7 +103,7 @@ done
 CASE_NAMES=$(printf '%s\n' "${CASES[@]}" | cut -d' ' -f1 | tr '\n' ' ')
 
 # --- tools -------------------------------------------------------------------
-# free_port, wait_port, cpu_secs, install_missing, disk_irq_cpu, size_bytes, fill_file
+# free_port, wait_port, cpu_secs, bin_dir, install_missing, disk_irq_cpu, size_bytes, fill_file
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 install_missing fio:fio nbdkit:nbdkit iperf3:iperf3 python3:python3
 fio --enghelp 2>/dev/null | grep -qw nbd || { echo "compare.sh: this fio has no nbd engine" >&2; exit 1; }
@@ -117,10 +117,7 @@ mkdir -p "$DIR"
 WORK=$(mktemp -d "$DIR/run.XXXXXX")
 # Private copies: a rebuild of target/ during the run cannot swap them.
 mkdir -p "$WORK/bin"
-BIN_DIR=$(realpath -m "${BIN:-$ROOT/target/release}")
-for b in rdmablk-bench rdmablk-target; do
-    [ -x "$BIN_DIR/$b" ] || { echo "compare.sh: $BIN_DIR/$b missing: cargo build --release -p rdmablk-bench -p rdmablk-target" >&2; exit 1; }
-done
+BIN_DIR=$(bin_dir rdmablk-bench rdmablk-target)
 cp "$BIN_DIR/rdmablk-bench" "$BIN_DIR/rdmablk-target" "$WORK/bin/"
 BENCH="$WORK/bin/rdmablk-bench"
 TARGET="$WORK/bin/rdmablk-target"
@@ -297,7 +294,7 @@ snapshot "$WORK/procs1.json"
 # --- table ---------------------------------------------------------------------
 OURS="$TPID $PPID_POLLED $NPID $NNPID $$ $BASHPID" PLACEMENT="$PLACEMENT" HALT_POLL="$HALT_POLL" CASE_NAMES="$CASE_NAMES" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
 RUNTIME="$RUNTIME" RAMP="$RAMP" SIZE_BYTES="$SIZE_BYTES" python3 - <<'PY'
-import json, os
+import functools, json, os
 
 work = os.environ["WORK"]
 cases = os.environ["CASE_NAMES"].split()
@@ -305,6 +302,8 @@ cases = os.environ["CASE_NAMES"].split()
 REPEAT = int(os.environ.get("REPEAT", "1"))
 WALL = int(os.environ["RUNTIME"]) + int(os.environ["RAMP"])
 
+# Each run's files are read once: the medians and the per-repeat pairs share them.
+@functools.lru_cache(maxsize=None)
 def load1(name):
     try:
         with open(f"{work}/{name}.json") as f:
@@ -487,11 +486,9 @@ def get(case, system_prefix):
 
 targets = []
 def target(name, ok, detail, paired=None):
-    t = {"target": name, "met": ok, "detail": detail}
+    t = {"target": name, "met": ok, "detail": detail + (f"; per run: {paired['summary']}" if paired else "")}
     if paired:
         t["per_run"] = paired
-        detail += f"; per run: {paired['summary']}"
-        t["detail"] = detail
     targets.append(t)
 
 # The host's speed drifts over minutes, so with --repeat each rdmablk run is
@@ -510,8 +507,9 @@ def paired(case, name, metric, passes, fmt):
     if not vals:
         return None
     ok = sum(1 for v in vals if passes(v))
-    return {"values": vals, "median": median(vals), "pairs_passing": ok,
-            "summary": f"median {format(median(vals), fmt)}, range {format(min(vals), fmt)} to {format(max(vals), fmt)}, "
+    mid = median(vals)
+    return {"values": vals, "median": mid, "pairs_passing": ok,
+            "summary": f"median {format(mid, fmt)}, range {format(min(vals), fmt)} to {format(max(vals), fmt)}, "
                        f"{ok} of {len(vals)} pairs pass"}
 
 a = get("randread-4k-qd32", "rdmablk-bench -> rdmablk-target, file"); b = get("randread-4k-qd32", "fio io_uring")

@@ -1,4 +1,4 @@
-# Helpers shared by the bench scripts (compare.sh, ceiling.sh); source it.
+# Helpers shared by the bench scripts (compare.sh, ceiling.sh, per-io.sh); source it.
 
 # A free TCP port on 127.0.0.1.
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -19,6 +19,18 @@ cpu_secs() { python3 -c "
 import os
 f=open('/proc/$1/stat').read().rsplit(')',1)[1].split()
 print((int(f[11])+int(f[12]))/os.sysconf('SC_CLK_TCK'))"; }
+
+# The directory holding the binaries to measure: $BIN (relative to the
+# repository, where the scripts run) or target/release. Prints it, or fails
+# naming the first BINARY that is not there.
+bin_dir() { # BINARY...
+    local dir b
+    dir=$(realpath -m "${BIN:-target/release}")
+    for b in "$@"; do
+        [ -x "$dir/$b" ] || { echo "${0##*/}: $dir/$b missing: cargo build --release -p rdmablk-bench -p rdmablk-target, or BIN=DIR" >&2; return 1; }
+    done
+    echo "$dir"
+}
 
 # Installs with apt-get each PACKAGE whose COMMAND is missing.
 install_missing() { # COMMAND:PACKAGE ...

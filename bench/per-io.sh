@@ -42,10 +42,9 @@ while [ $# -gt 0 ]; do
     esac
 done
 [ ${#CASES[@]} -gt 0 ] || CASES=(null:randread:4k:1 null:randread:4k:32 file:randread:4k:32 null:read:128k:16)
-BIN=${BIN:-target/release}
-for b in rdmablk-target rdmablk-bench; do
-    [ -x "$BIN/$b" ] || { echo "per-io.sh: $BIN/$b missing: cargo build --release -p rdmablk-target -p rdmablk-bench" >&2; exit 1; }
-done
+# bin_dir, free_port, wait_port
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+BIN=$(bin_dir rdmablk-target rdmablk-bench)
 if [ "$SYSCALLS" = 1 ] && ! command -v perf >/dev/null; then
     echo "per-io.sh: --syscalls needs perf (apt-get install linux-perf)" >&2; exit 1
 fi
@@ -53,7 +52,7 @@ fi
     dd if=/dev/urandom of="$FILE" bs=1M count=1024 status=none; }
 
 WORK=$(mktemp -d)
-PORT=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])")
+PORT=$(free_port)
 cat >"$WORK/target.toml" <<EOF
 [target]
 listen = ["tcp://127.0.0.1:$PORT"]
@@ -74,10 +73,7 @@ EOF
 RUST_LOG=warn "${TARGET_PIN[@]}" "$BIN/rdmablk-target" --config "$WORK/target.toml" 2>"$WORK/target.log" &
 TP=$!
 trap 'kill $TP 2>/dev/null; wait $TP 2>/dev/null; rm -rf "$WORK"' EXIT
-for _ in $(seq 100); do
-    python3 -c "import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(('127.0.0.1',$PORT)))" 2>/dev/null && break
-    sleep 0.05
-done
+wait_port "$PORT" "$TP"
 tick=$(getconf CLK_TCK)
 cpu() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
