@@ -9,9 +9,17 @@
 #      processes. Cases: 4k QD32 (no batch cap; --batch 1: one system call
 #      per message each way; --batch 4), 4k QD1 sleeping and busy-polled,
 #      128k QD16.
-#   2. fio, ioengine=io_uring, direct=1, randread 4k QD32 and QD1, on a local
+#   2. tcp-ceiling --file: the same, with the disk in: the server reads every
+#      answer from the file with the target's io_uring engine (O_DIRECT, fixed
+#      file and buffers), 4k random, QD32 and QD1, sleeping and busy-polled.
+#      Busy-polled, the server runs on the CPU that takes the disk's
+#      interrupts and the client on the other one, as compare.sh places its
+#      polled target and bench. This is the best a block protocol over
+#      loopback TCP could reach against local fio on this file: the bound
+#      under targets 1 and 2 of compare.sh.
+#   3. fio, ioengine=io_uring, direct=1, randread 4k QD32 and QD1, on a local
 #      file under /var/tmp (the disk ceiling of compare.sh, started the same way).
-#   3. fio's nbd engine against `nbdkit null` at 4k randread QD32 (as
+#   4. fio's nbd engine against `nbdkit null` at 4k randread QD32 (as
 #      compare.sh does), for the nbdkit side's CPU per I/O.
 # For every run: IOPS, MiB/s, p50/p99, CPU microseconds per operation of the
 # server and of the client separately, system calls per operation
@@ -152,13 +160,30 @@ measure() {
     echo "$kind" >"$WORK/$name.kind"
     echo "$*" >"$WORK/$name.cmd"
 }
-# ceiling ARGS...: tcp-ceiling as two processes; the client's JSON on stdout
-# with the server's side merged in.
+# Where placed cases run: the server on the CPU that takes the disk's
+# interrupts, the client on the others (as compare.sh's polled rows).
+DISK_CPU=$(disk_irq_cpu "$FILE")
+OTHER_CPUS=$(python3 -c "import os; print(','.join(str(c) for c in sorted(os.sched_getaffinity(0)) if str(c) != '$DISK_CPU'))")
+if [ -n "$DISK_CPU" ] && [ -n "$OTHER_CPUS" ] && command -v taskset >/dev/null; then
+    PLACEMENT="placed rows: server on CPU $DISK_CPU (the disk's interrupts), client on CPU $OTHER_CPUS"
+else
+    PLACEMENT="placed rows not pinned (no disk interrupt found, or one CPU)"
+    DISK_CPU=""
+fi
+log "$PLACEMENT"
+
+# ceiling PLACE ARGS...: tcp-ceiling as two processes; the client's JSON on
+# stdout with the server's side merged in. PLACE 1 pins them (see above).
 ceiling() {
-    local port spid out sout serr
+    local place=$1 port spid out sout serr
+    shift
+    local pin_server=() pin_client=()
+    if [ "$place" = 1 ] && [ -n "$DISK_CPU" ]; then
+        pin_server=(taskset -c "$DISK_CPU"); pin_client=(taskset -c "$OTHER_CPUS")
+    fi
     port=$(free_port)
     sout=$(mktemp "$WORK/server.XXXXXX"); serr="$sout.err"
-    "$CEIL" --json --server "127.0.0.1:$port" "$@" >"$sout" 2>"$serr" &
+    "${pin_server[@]}" "$CEIL" --json --server "127.0.0.1:$port" "$@" >"$sout" 2>"$serr" &
     spid=$!
     # The server prints its address once it listens (it accepts one connection only).
     for _ in $(seq 1 250); do
@@ -166,33 +191,39 @@ ceiling() {
         kill -0 "$spid" 2>/dev/null || break
         sleep 0.02
     done
-    if ! out=$("$CEIL" --json --connect "127.0.0.1:$port" "$@"); then
+    if ! out=$("${pin_client[@]}" "$CEIL" --json --connect "127.0.0.1:$port" "$@"); then
         kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null; return 1
     fi
-    wait "$spid"
+    if ! wait "$spid"; then
+        cat "$serr" >&2; return 1
+    fi
     python3 -c "
 import json,sys
 c=json.loads(sys.argv[1]); s=json.load(open('$sout'))
 c['server']=s['server']; print(json.dumps(c))" "$out"
 }
 
-# name, tcp-ceiling arguments
+# name, placed (1) or not, tcp-ceiling arguments
 CEIL_CASES=(
-    "4k-qd32|--bs 4k --qd 32"
-    "4k-qd32-batch1|--bs 4k --qd 32 --batch 1"
-    "4k-qd32-batch4|--bs 4k --qd 32 --batch 4"
-    "4k-qd1|--bs 4k --qd 1"
-    "4k-qd1-busy|--bs 4k --qd 1 --busy"
-    "128k-qd16|--bs 128k --qd 16"
+    "4k-qd32|0|--bs 4k --qd 32"
+    "4k-qd32-batch1|0|--bs 4k --qd 32 --batch 1"
+    "4k-qd32-batch4|0|--bs 4k --qd 32 --batch 4"
+    "4k-qd1|0|--bs 4k --qd 1"
+    "4k-qd1-busy|0|--bs 4k --qd 1 --busy"
+    "128k-qd16|0|--bs 128k --qd 16"
+    "disk-4k-qd32|0|--bs 4k --qd 32 --file $FILE"
+    "disk-4k-qd32-busy|1|--bs 4k --qd 32 --busy --file $FILE"
+    "disk-4k-qd1|0|--bs 4k --qd 1 --file $FILE"
+    "disk-4k-qd1-busy|1|--bs 4k --qd 1 --busy --file $FILE"
 )
 COMMON=(--runtime="$RUNTIME" --time_based --ramp_time="$RAMP" --output-format=json --lat_percentiles=1)
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 for rep in $(seq 1 "$REPEAT"); do
     for c in "${CEIL_CASES[@]}"; do
-        name=${c%%|*}; args=${c#*|}
+        IFS='|' read -r name place args <<<"$c"
         log "[$rep/$REPEAT] tcp-ceiling $args"
         # shellcheck disable=SC2086 # args is a list of options
-        measure "ceiling-$name.$rep" ceiling - -- ceiling $args --runtime "$RUNTIME" --ramp "$RAMP"
+        measure "ceiling-$name.$rep" ceiling - -- ceiling "$place" $args --runtime "$RUNTIME" --ramp "$RAMP"
     done
     for qd in 32 1; do
         log "[$rep/$REPEAT] fio io_uring local randread 4k QD$qd"
@@ -207,7 +238,7 @@ for rep in $(seq 1 "$REPEAT"); do
 done
 LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 
-OURS="$NNPID $$ $BASHPID" WORK="$WORK" REPEAT="$REPEAT" RUNTIME="$RUNTIME" RAMP="$RAMP" JSON_OUT="$JSON_OUT" \
+PLACEMENT="$PLACEMENT" OURS="$NNPID $$ $BASHPID" WORK="$WORK" REPEAT="$REPEAT" RUNTIME="$RUNTIME" RAMP="$RAMP" JSON_OUT="$JSON_OUT" \
 LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" python3 - <<'PY'
 import json, os
 
@@ -278,10 +309,14 @@ ROWS = [
     ("ceiling-4k-qd32", "4k randread QD32", "tcp-ceiling, sleeping, no batch cap"),
     ("ceiling-4k-qd32-batch1", "4k randread QD32", "tcp-ceiling, sleeping, 1 message per syscall"),
     ("ceiling-4k-qd32-batch4", "4k randread QD32", "tcp-ceiling, sleeping, <= 4 messages per syscall"),
+    ("ceiling-disk-4k-qd32", "4k randread QD32", "tcp-ceiling --file (disk), sleeping"),
+    ("ceiling-disk-4k-qd32-busy", "4k randread QD32", "tcp-ceiling --file (disk), busy-polled, placed"),
     ("fio-4k-qd32", "4k randread QD32", "fio io_uring, local file"),
     ("nbdnull-4k-qd32", "4k randread QD32", "fio nbd -> nbdkit null"),
     ("ceiling-4k-qd1", "4k randread QD1", "tcp-ceiling, sleeping"),
     ("ceiling-4k-qd1-busy", "4k randread QD1", "tcp-ceiling, busy-polled"),
+    ("ceiling-disk-4k-qd1", "4k randread QD1", "tcp-ceiling --file (disk), sleeping"),
+    ("ceiling-disk-4k-qd1-busy", "4k randread QD1", "tcp-ceiling --file (disk), busy-polled, placed"),
     ("fio-4k-qd1", "4k randread QD1", "fio io_uring, local file"),
     ("ceiling-128k-qd16", "128k read QD16", "tcp-ceiling, sleeping, no batch cap"),
 ]
@@ -293,7 +328,7 @@ all_runs = {}
 print()
 print(f"{REPEAT} run(s) of {os.environ['RUNTIME']} s after {os.environ['RAMP']} s ramp per row, interleaved; "
       f"medians, range of the runs in brackets. Load average before {os.environ['LOAD_BEFORE']}, "
-      f"after {os.environ['LOAD_AFTER']}.")
+      f"after {os.environ['LOAD_AFTER']}. {os.environ['PLACEMENT'][:1].upper() + os.environ['PLACEMENT'][1:]}.")
 print()
 print("| case | system | IOPS | MiB/s | p50 µs | p99 µs | server CPU-µs/op | client CPU-µs/op "
       "| syscalls/op server, client | TCP segments/op | machine busy CPU-µs/op | load 1-min | other procs CPU-s |")
@@ -323,8 +358,38 @@ print("server/client CPU-µs/op: tcp-ceiling's own threads (getrusage RUSAGE_THR
       "machine's TCP OutSegs (/proc/net/snmp, both directions, ACKs included) over the command, per operation. Busy-polled rows burn both "
       "CPUs by design: their CPU per op is 1/IOPS, not work.")
 
+# What no block protocol over loopback TCP can beat on this machine: the
+# disk-over-TCP rows against local fio, each run against the fio run of the
+# same repeat (taken right after it), as compare.sh pairs its runs.
+def pairs(key, ref, fn):
+    a, b = {}, {}
+    for i in range(1, REPEAT + 1):
+        x, y = load1(f"{key}.{i}"), load1(f"{ref}.{i}")
+        if x and y:
+            a[i], b[i] = x, y
+    return [fn(a[i], b[i]) for i in sorted(a)]
+
+bounds = {}
+lines = []
+for key, what in (("ceiling-disk-4k-qd32", "sleeping"), ("ceiling-disk-4k-qd32-busy", "busy-polled, placed")):
+    xs = pairs(key, "fio-4k-qd32", lambda c, l: c["iops"] / l["iops"])
+    if xs:
+        bounds[key] = {"iops_over_local_fio": xs}
+        lines.append(f"- target 1 (file 4k QD32 >= 0.9x local fio IOPS), {what}: disk over TCP reached "
+                     f"{median(xs):.2f}x of local fio (runs {', '.join(format(x, '.2f') for x in xs)})")
+for key, what in (("ceiling-disk-4k-qd1", "sleeping"), ("ceiling-disk-4k-qd1-busy", "busy-polled, placed")):
+    xs = pairs(key, "fio-4k-qd1", lambda c, l: c["p50_us"] - l["p50_us"])
+    if xs:
+        bounds[key] = {"p50_over_local_fio_us": xs}
+        lines.append(f"- target 2 (file 4k QD1 p50 <= local fio p50 + 15 us), {what}: disk over TCP at "
+                     f"{median(xs):+.1f} us (runs {', '.join(format(x, '+.1f') for x in xs)})")
+if lines:
+    print()
+    print("Bounds under compare.sh's targets (each disk-over-TCP run against the fio run of its repeat):")
+    print("\n".join(lines))
+
 if os.environ.get("JSON_OUT"):
-    json.dump({"runs": all_runs, "load_before": os.environ["LOAD_BEFORE"], "load_after": os.environ["LOAD_AFTER"],
+    json.dump({"bounds": bounds, "runs": all_runs, "load_before": os.environ["LOAD_BEFORE"], "load_after": os.environ["LOAD_AFTER"],
                "runtime_s": int(os.environ["RUNTIME"]), "ramp_s": int(os.environ["RAMP"])},
               open(os.environ["JSON_OUT"], "w"), indent=2)
     print(f"\nruns written to {os.environ['JSON_OUT']}")

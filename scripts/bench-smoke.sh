@@ -37,10 +37,16 @@ BIN=target/debug bench/ceiling.sh --no-build --runtime 1 --ramp 0 --repeat 1 --s
     --file "$out/ceiling.img" --quiet-wait 0 --json "$out/ceiling.json" >"$out/ceiling.md"
 python3 - "$out/ceiling.json" <<'PY'
 import json, sys
-runs = json.load(open(sys.argv[1]))["runs"]
+doc = json.load(open(sys.argv[1]))
+runs = doc["runs"]
 empty = [name for name, rs in runs.items() if not rs or any(r.get("iops") is None for r in rs)]
-assert len(runs) >= 8 and not empty, f"ceiling.sh: {len(runs)} measurements, without a result: {empty}"
-print(f"bench smoke: ceiling.sh made {len(runs)} measurements")
+assert len(runs) >= 12 and not empty, f"ceiling.sh: {len(runs)} measurements, without a result: {empty}"
+# The disk-over-TCP rows, set against local fio for targets 1 and 2.
+bounds = doc["bounds"]
+for key, field in (("ceiling-disk-4k-qd32", "iops_over_local_fio"), ("ceiling-disk-4k-qd32-busy", "iops_over_local_fio"),
+                   ("ceiling-disk-4k-qd1", "p50_over_local_fio_us"), ("ceiling-disk-4k-qd1-busy", "p50_over_local_fio_us")):
+    assert len(bounds[key][field]) == 1, f"ceiling.sh: bound {key} missing: {bounds.get(key)}"
+print(f"bench smoke: ceiling.sh made {len(runs)} measurements and {len(bounds)} bounds")
 PY
 
 BIN=target/debug bench/per-io.sh --runtime 2 null:randread:4k:1 >"$out/per-io.txt"

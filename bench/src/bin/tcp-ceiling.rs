@@ -19,6 +19,14 @@
 //! separately, CPU microseconds (getrusage RUSAGE_THREAD), `read`/`writev`
 //! calls and context switches per operation.
 //!
+//! `--file PATH` puts the disk in: the server reads each answer's payload
+//! from PATH at a random block-aligned offset, with the target's own io_uring
+//! engine (`O_DIRECT`, a fixed file, registered buffers), and answers each
+//! request when its read completes, a turn's answers together. That is the
+//! disk path plus the loopback floor and nothing of rdmablk's protocol: no
+//! capsules, no placement, no sessions — the best a block protocol over
+//! loopback TCP could do against local fio on the same file.
+//!
 //! `--place` copies every payload from the read buffer into its request's
 //! own buffer (the placement a design with a staging read pays for).
 //!
@@ -31,15 +39,20 @@
 //! phase of the run travels in the requests, so each prints its own side).
 //!
 //! usage: tcp-ceiling [--bs SIZE] [--qd N] [--runtime TIME] [--ramp TIME] [--busy]
-//!                    [--batch N] [--place] [--json] [--server ADDR | --connect ADDR]
+//!                    [--batch N] [--place] [--file PATH] [--json] [--server ADDR | --connect ADDR]
 
 use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use rdmablk_bench::cpu::{thread_usage, CpuUsage};
 use rdmablk_bench::units::{parse_size, parse_time, parse_u64};
+use rdmablk_target::pool::{ChunkId, Pool};
+use rdmablk_target::sys::{Epoll, READABLE};
+use rdmablk_target::uring::{Uring, UringOptions};
 
 /// A request: the size of a command capsule. Bytes 0..8 carry the tag.
 const REQUEST_LEN: usize = 64;
@@ -63,6 +76,8 @@ struct Options {
     /// Copy each answer's payload from the read buffer to its request's own
     /// buffer, as a design with a staging read must to place the data.
     place: bool,
+    /// Serve each payload from this file (a disk read per request).
+    file: Option<String>,
     role: Role,
 }
 
@@ -78,7 +93,7 @@ enum Role {
 
 fn usage() -> &'static str {
     "usage: tcp-ceiling [--bs SIZE] [--qd N] [--runtime TIME] [--ramp TIME] [--busy]\n\
-     \x20                  [--batch N] [--place] [--json] [--server ADDR | --connect ADDR]\n\
+     \x20                  [--batch N] [--place] [--file PATH] [--json] [--server ADDR | --connect ADDR]\n\
      defaults: --bs 4k --qd 32 --runtime 10 --ramp 1 --batch 0 (no cap); sleeping reads\n\
      (--busy spins on nonblocking reads); server and client as two threads of one process\n\
      (--server 127.0.0.1:0 prints its address on stderr; --connect runs the client)\n"
@@ -94,6 +109,7 @@ fn parse_options(args: &[String]) -> Result<Options, String> {
         json: false,
         batch: 0,
         place: false,
+        file: None,
         role: Role::Both,
     };
     let mut it = args.iter();
@@ -112,6 +128,7 @@ fn parse_options(args: &[String]) -> Result<Options, String> {
             "--json" => o.json = true,
             "--batch" => o.batch = parse_u64(&value()?)? as usize,
             "--place" => o.place = true,
+            "--file" | "--filename" => o.file = Some(value()?),
             "--server" => o.role = Role::Server(value()?),
             "--connect" => o.role = Role::Client(value()?),
             "-h" | "--help" => return Err(String::new()),
@@ -120,6 +137,9 @@ fn parse_options(args: &[String]) -> Result<Options, String> {
     }
     if o.qd == 0 || o.qd > 4096 {
         return Err("--qd must be 1..4096".into());
+    }
+    if o.file.is_some() && (o.bs == 0 || o.bs % 4096 != 0) {
+        return Err("--file needs --bs to be a multiple of 4k (O_DIRECT)".into());
     }
     Ok(o)
 }
@@ -193,11 +213,43 @@ fn prepare(stream: &TcpStream, busy: bool) {
     stream.set_nonblocking(busy).expect("O_NONBLOCK");
 }
 
+/// The server's view of the client's phase, which travels in every request
+/// (byte 8): it takes its window's snapshots when it first reads a request
+/// of a new phase, and echoes the phase it has seen in each answer (byte 8),
+/// so the client keeps it busy until it has seen the end.
+#[derive(Default)]
+struct ServerPhase {
+    seen: u8,
+    start: Option<(Counters, CpuUsage)>,
+    window: Option<Side>,
+}
+
+impl ServerPhase {
+    /// Takes the phase of the last complete request of a read.
+    fn observe(&mut self, phase: u8, counters: &Counters) {
+        if phase == self.seen {
+            return;
+        }
+        if phase >= PHASE_MEASURE && self.start.is_none() {
+            self.start = Some(counters.snapshot());
+        }
+        if phase == PHASE_END && self.window.is_none() {
+            self.window = self.start.as_ref().map(|s| counters.since(s));
+        }
+        self.seen = phase;
+    }
+
+    /// The answer header for `request`: its tag, the phase seen, the payload length.
+    fn header(&self, request: &[u8], payload_len: usize) -> [u8; HEADER_LEN] {
+        let mut h = [0u8; HEADER_LEN];
+        h[..8].copy_from_slice(&request[..8]);
+        h[8] = self.seen;
+        h[12..16].copy_from_slice(&(payload_len as u32).to_le_bytes());
+        h
+    }
+}
+
 /// The server: answers every complete request of a read with one writev.
-/// The client's phase travels in each request (byte 8); the server takes
-/// its window's snapshots when it first reads a request of a new phase and
-/// echoes the phase it has seen in each answer (byte 8), so the client
-/// keeps it busy until it has seen the end.
 fn serve(mut stream: TcpStream, o: &Options) -> Side {
     prepare(&stream, o.busy);
     let payload = vec![0xa5u8; o.bs];
@@ -206,33 +258,16 @@ fn serve(mut stream: TcpStream, o: &Options) -> Side {
     let mut have = 0;
     let mut headers: Vec<[u8; HEADER_LEN]> = Vec::with_capacity(read_limit / REQUEST_LEN);
     let mut counters = Counters::default();
-    let mut seen = PHASE_RAMP;
-    let mut start = None;
-    let mut window = None;
+    let mut phase = ServerPhase::default();
     while let Some(n) = read_some(&mut stream, &mut inbuf[have..], &mut counters) {
         have += n;
         let complete = have / REQUEST_LEN;
         if complete == 0 {
             continue;
         }
-        let p = inbuf[(complete - 1) * REQUEST_LEN + 8];
-        if p != seen {
-            if p >= PHASE_MEASURE && start.is_none() {
-                start = Some(counters.snapshot());
-            }
-            if p == PHASE_END && window.is_none() {
-                window = start.as_ref().map(|s| counters.since(s));
-            }
-            seen = p;
-        }
+        phase.observe(inbuf[(complete - 1) * REQUEST_LEN + 8], &counters);
         headers.clear();
-        for req in inbuf[..complete * REQUEST_LEN].chunks_exact(REQUEST_LEN) {
-            let mut h = [0u8; HEADER_LEN];
-            h[..8].copy_from_slice(&req[..8]);
-            h[8] = seen;
-            h[12..16].copy_from_slice(&(o.bs as u32).to_le_bytes());
-            headers.push(h);
-        }
+        headers.extend(inbuf[..complete * REQUEST_LEN].chunks_exact(REQUEST_LEN).map(|req| phase.header(req, o.bs)));
         inbuf.copy_within(complete * REQUEST_LEN..have, 0);
         have -= complete * REQUEST_LEN;
         let mut slices: Vec<IoSlice<'_>> =
@@ -240,7 +275,128 @@ fn serve(mut stream: TcpStream, o: &Options) -> Side {
         write_all(&mut stream, &mut slices, &mut counters);
         counters.ops += complete as u64;
     }
-    window.unwrap_or_default()
+    phase.window.unwrap_or_default()
+}
+
+/// The `--file` server: one loop over the socket and an io_uring, like a
+/// reactor. Each complete request starts a read of `bs` bytes at a random
+/// block of the file into a registered buffer; the reads a turn starts are
+/// submitted together, and the answers of the reads a turn reaps go out in
+/// one writev. Sleeping, it waits in epoll on the socket and the ring's
+/// eventfd; `--busy` spins over both.
+fn serve_file(mut stream: TcpStream, o: &Options, path: &str) -> Side {
+    // Nonblocking in both modes: the loop also has the ring to look after.
+    prepare(&stream, true);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .unwrap_or_else(|e| fail(&format!("cannot open {path} with O_DIRECT: {e}")));
+    let blocks = file.metadata().map(|m| m.len()).unwrap_or(0) / o.bs as u64;
+    if blocks == 0 {
+        fail(&format!("{path} is smaller than one --bs block"));
+    }
+    // One buffer per request in flight: the client never has more than qd.
+    let mut pool = Pool::new(o.qd * o.bs, o.bs);
+    let opts = UringOptions { entries: (o.qd as u32).next_power_of_two().clamp(8, 4096), ..UringOptions::default() };
+    let mut ring = Uring::new(&[file.as_raw_fd()], &pool, opts).unwrap_or_else(|e| fail(&e.to_string()));
+    let epoll = Epoll::new().unwrap_or_else(|e| fail(&format!("epoll: {e}")));
+    for (fd, token) in [(stream.as_raw_fd(), 0), (ring.eventfd(), 1)] {
+        epoll.add_events(fd, token, READABLE).unwrap_or_else(|e| fail(&format!("epoll: {e}")));
+    }
+    let read_limit = if o.batch == 0 { 64 * 1024 } else { o.batch * REQUEST_LEN };
+    let mut inbuf = vec![0u8; read_limit];
+    let mut have = 0;
+    // The request tag each buffer's read answers.
+    let mut tag_of = vec![[0u8; 8]; o.qd];
+    let mut reaped: Vec<(u64, i32)> = Vec::with_capacity(o.qd);
+    let mut answers: Vec<([u8; HEADER_LEN], ChunkId)> = Vec::with_capacity(o.qd);
+    let mut ready = Vec::new();
+    let mut counters = Counters::default();
+    let mut phase = ServerPhase::default();
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut eof = false;
+    // Whether the eventfd was cleared since the last turn that found work:
+    // a turn after clearing must come up empty before the loop may sleep,
+    // so that no completion posted before the clear is slept through.
+    let mut cleared = false;
+    loop {
+        let mut work = false;
+        if !eof {
+            match stream.read(&mut inbuf[have..]) {
+                Ok(0) => eof = true,
+                Ok(n) => {
+                    counters.reads += 1;
+                    work = true;
+                    have += n;
+                    let complete = have / REQUEST_LEN;
+                    if complete > 0 {
+                        phase.observe(inbuf[(complete - 1) * REQUEST_LEN + 8], &counters);
+                    }
+                    for req in inbuf[..complete * REQUEST_LEN].chunks_exact(REQUEST_LEN) {
+                        let c = pool.alloc().unwrap_or_else(|| fail("more requests in flight than --qd"));
+                        tag_of[c.0 as usize].copy_from_slice(&req[..8]);
+                        // xorshift64: a uniform random block, as fio's randread.
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        let offset = (rng % blocks) * o.bs as u64;
+                        ring.read_fixed(&mut pool, 0, c, 0, o.bs as u32, offset, c.0 as u64);
+                    }
+                    inbuf.copy_within(complete * REQUEST_LEN..have, 0);
+                    have -= complete * REQUEST_LEN;
+                }
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
+                Err(e) => fail(&format!("read: {e}")),
+            }
+        }
+        ring.submit().unwrap_or_else(|e| fail(&e.to_string()));
+        reaped.clear();
+        ring.reap(&mut pool, |user_data, res| reaped.push((user_data, res)));
+        if !reaped.is_empty() {
+            work = true;
+            answers.clear();
+            for &(user_data, res) in &reaped {
+                if res < 0 {
+                    fail(&format!("read of {path} failed: {}", std::io::Error::from_raw_os_error(-res)));
+                }
+                let c = ChunkId(user_data as u16);
+                answers.push((phase.header(&tag_of[c.0 as usize], o.bs), c));
+            }
+            let mut slices: Vec<IoSlice<'_>> =
+                answers.iter().flat_map(|(h, c)| [IoSlice::new(h), IoSlice::new(pool.bytes(*c))]).collect();
+            write_all(&mut stream, &mut slices, &mut counters);
+            for (_, c) in &answers {
+                pool.release(*c);
+            }
+            counters.ops += answers.len() as u64;
+        }
+        if eof && ring.inflight() == 0 {
+            break;
+        }
+        if work || o.busy {
+            cleared = false;
+        } else if !cleared {
+            ring.clear_eventfd();
+            cleared = true;
+        } else {
+            epoll.wait(&mut ready, None).unwrap_or_else(|e| fail(&format!("epoll_wait: {e}")));
+            cleared = false;
+        }
+    }
+    phase.window.unwrap_or_default()
+}
+
+fn serve_any(stream: TcpStream, o: &Options) -> Side {
+    match &o.file {
+        Some(path) => serve_file(stream, o, path),
+        None => serve(stream, o),
+    }
+}
+
+fn fail(msg: &str) -> ! {
+    eprintln!("tcp-ceiling: {msg}");
+    std::process::exit(1);
 }
 
 struct ClientResult {
@@ -389,6 +545,7 @@ fn client_report(o: &Options, c: &ClientResult) -> serde_json::Value {
         "qd": o.qd,
         "batch": o.batch,
         "place": o.place,
+        "file": o.file,
         "mode": if o.busy { "busy" } else { "sleeping" },
         "runtime_s": secs,
         "iops": iops,
@@ -408,10 +565,11 @@ fn print_report(o: &Options, r: &serde_json::Value) {
     if r.get("iops").is_some() {
         let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
         println!(
-            "bs={} qd={} batch={} {}: {:.0} IOPS, {:.1} MiB/s, round trip p50 {:.1} us, p99 {:.1} us",
+            "bs={} qd={} batch={}{} {}: {:.0} IOPS, {:.1} MiB/s, round trip p50 {:.1} us, p99 {:.1} us",
             o.bs,
             o.qd,
             o.batch,
+            o.file.as_deref().map(|f| format!(" file={f}")).unwrap_or_default(),
             r["mode"].as_str().unwrap_or(""),
             f("iops"),
             f("mib_s"),
@@ -444,7 +602,7 @@ fn main() {
             // The actual address (port 0 picks one) for the script to connect to.
             eprintln!("listening on {}", listener.local_addr().expect("local address"));
             let (stream, _) = listener.accept().expect("accept");
-            let s = serve(stream, &o);
+            let s = serve_any(stream, &o);
             print_report(&o, &serde_json::json!({ "server": per_op(&s) }));
         }
         Role::Client(addr) => {
@@ -459,7 +617,7 @@ fn main() {
                 let o = o.clone();
                 std::thread::Builder::new()
                     .name("ceil-server".into())
-                    .spawn(move || serve(listener.accept().expect("accept").0, &o))
+                    .spawn(move || serve_any(listener.accept().expect("accept").0, &o))
                     .expect("spawn server")
             };
             let client = {
