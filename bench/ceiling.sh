@@ -74,7 +74,7 @@ done
 
 log() { echo "==> $*" >&2; }
 
-# free_port, wait_port, cpu_secs, bin_dir, install_missing, size_bytes, fill_file
+# free_port, wait_port, cpu_secs, bin_dir, install_missing, disk_irq_cpu, size_bytes, fill_file, tcp_ceiling
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 tools=(fio:fio python3:python3)
 if [ "$NBD" = 1 ]; then tools+=(nbdkit:nbdkit); fi
@@ -168,39 +168,19 @@ if [ -n "$DISK_CPU" ] && [ -n "$OTHER_CPUS" ] && command -v taskset >/dev/null; 
     PLACEMENT="placed rows: server on CPU $DISK_CPU (the disk's interrupts), client on CPU $OTHER_CPUS"
 else
     PLACEMENT="placed rows not pinned (no disk interrupt found, or one CPU)"
-    DISK_CPU=""
+    DISK_CPU=""; OTHER_CPUS=""
 fi
 log "$PLACEMENT"
 
-# ceiling PLACE ARGS...: tcp-ceiling as two processes; the client's JSON on
-# stdout with the server's side merged in. PLACE 1 pins them (see above).
+# ceiling PLACE ARGS...: tcp-ceiling as two processes; PLACE 1 pins them (see above).
 ceiling() {
-    local place=$1 port spid out sout serr
+    local place=$1
     shift
-    local pin_server=() pin_client=()
-    if [ "$place" = 1 ] && [ -n "$DISK_CPU" ]; then
-        pin_server=(taskset -c "$DISK_CPU"); pin_client=(taskset -c "$OTHER_CPUS")
+    if [ "$place" = 1 ]; then
+        tcp_ceiling "$CEIL" "$DISK_CPU" "$OTHER_CPUS" "$@"
+    else
+        tcp_ceiling "$CEIL" "" "" "$@"
     fi
-    port=$(free_port)
-    sout=$(mktemp "$WORK/server.XXXXXX"); serr="$sout.err"
-    "${pin_server[@]}" "$CEIL" --json --server "127.0.0.1:$port" "$@" >"$sout" 2>"$serr" &
-    spid=$!
-    # The server prints its address once it listens (it accepts one connection only).
-    for _ in $(seq 1 250); do
-        grep -q listening "$serr" 2>/dev/null && break
-        kill -0 "$spid" 2>/dev/null || break
-        sleep 0.02
-    done
-    if ! out=$("${pin_client[@]}" "$CEIL" --json --connect "127.0.0.1:$port" "$@"); then
-        kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null; return 1
-    fi
-    if ! wait "$spid"; then
-        cat "$serr" >&2; return 1
-    fi
-    python3 -c "
-import json,sys
-c=json.loads(sys.argv[1]); s=json.load(open('$sout'))
-c['server']=s['server']; print(json.dumps(c))" "$out"
 }
 
 # name, placed (1) or not, tcp-ceiling arguments

@@ -15,6 +15,13 @@
 # takes the disk's interrupts and the polling bench to the other CPUs, so
 # that two pollers never share a CPU and completions are handled where the
 # target runs; without a disk interrupt to go by, neither is pinned.
+# The random-read cases also run the bound under targets 1 and 2:
+# tcp-ceiling --file (bench/src/bin/tcp-ceiling.rs), a server with no
+# protocol that reads each request's 4 KiB from the same file with the
+# target's io_uring engine and answers over loopback TCP — sleeping, and
+# busy-polled, placed as the polled target and bench are. What it reaches
+# against local fio is the most any block protocol over loopback TCP could
+# reach in that run.
 # Cases: 4 KiB randread QD1, 4 KiB randread QD32, 4 KiB randwrite QD32,
 # 128 KiB sequential read QD16. Prints a markdown table (IOPS, bandwidth,
 # p50/p99 latency, ratios against the ceiling and the peer, CPU time of
@@ -103,7 +110,7 @@ done
 CASE_NAMES=$(printf '%s\n' "${CASES[@]}" | cut -d' ' -f1 | tr '\n' ' ')
 
 # --- tools -------------------------------------------------------------------
-# free_port, wait_port, cpu_secs, bin_dir, install_missing, disk_irq_cpu, size_bytes, fill_file
+# free_port, wait_port, cpu_secs, bin_dir, install_missing, disk_irq_cpu, size_bytes, fill_file, tcp_ceiling
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 install_missing fio:fio nbdkit:nbdkit iperf3:iperf3 python3:python3
 fio --enghelp 2>/dev/null | grep -qw nbd || { echo "compare.sh: this fio has no nbd engine" >&2; exit 1; }
@@ -117,10 +124,11 @@ mkdir -p "$DIR"
 WORK=$(mktemp -d "$DIR/run.XXXXXX")
 # Private copies: a rebuild of target/ during the run cannot swap them.
 mkdir -p "$WORK/bin"
-BIN_DIR=$(bin_dir rdmablk-bench rdmablk-target)
-cp "$BIN_DIR/rdmablk-bench" "$BIN_DIR/rdmablk-target" "$WORK/bin/"
+BIN_DIR=$(bin_dir rdmablk-bench rdmablk-target tcp-ceiling)
+cp "$BIN_DIR/rdmablk-bench" "$BIN_DIR/rdmablk-target" "$BIN_DIR/tcp-ceiling" "$WORK/bin/"
 BENCH="$WORK/bin/rdmablk-bench"
 TARGET="$WORK/bin/rdmablk-target"
+CEIL="$WORK/bin/tcp-ceiling"
 FILE="$DIR/compare.img"
 PIDS=()
 HALT_POLL_OLD=""
@@ -190,9 +198,14 @@ DISK_CPU=$(disk_irq_cpu "$FILE")
 OTHER_CPUS=$(python3 -c "import os; print(','.join(str(c) for c in sorted(os.sched_getaffinity(0)) if str(c) != '$DISK_CPU'))")
 PIN_TARGET=()
 PIN_BENCH=()
+# The polled bound's server and client go where the polled target and bench do.
+BOUND_SERVER_CPUS=""
+BOUND_CLIENT_CPUS=""
 if [ -n "$DISK_CPU" ] && [ -n "$OTHER_CPUS" ] && command -v taskset >/dev/null; then
     PIN_TARGET=(taskset -c "$DISK_CPU")
     PIN_BENCH=(taskset -c "$OTHER_CPUS")
+    BOUND_SERVER_CPUS=$DISK_CPU
+    BOUND_CLIENT_CPUS=$OTHER_CPUS
     PLACEMENT="polled target on CPU $DISK_CPU (the disk's interrupts), polled bench on CPU $OTHER_CPUS"
 else
     PLACEMENT="polled target and bench not pinned (no disk interrupt found, or one CPU)"
@@ -263,6 +276,14 @@ for c in "${CASES[@]}"; do
     log "[$rep/$REPEAT] $name: rdmablk-bench --hipri -> rdmablk-target busy_poll (file)"
     measure "$name.rdmablk-polled.$rep" "$PPID_POLLED" -- "${PIN_BENCH[@]}" "$BENCH" "${job[@]}" --hipri \
         --target="tcp://127.0.0.1:$POLL_PORT" --volume=vol0 --target_pid="$PPID_POLLED" "${COMMON[@]}"
+    if [ "$rw" = randread ]; then
+        log "[$rep/$REPEAT] $name: tcp-ceiling --file (disk over TCP, no protocol)"
+        measure "$name.bound.$rep" - -- tcp_ceiling "$CEIL" "" "" --bs "$bs" --qd "$qd" --file "$FILE" \
+            --runtime "$RUNTIME" --ramp "$RAMP"
+        log "[$rep/$REPEAT] $name: tcp-ceiling --file --busy (disk over TCP, no protocol, polled)"
+        measure "$name.bound-polled.$rep" - -- tcp_ceiling "$CEIL" "$BOUND_SERVER_CPUS" "$BOUND_CLIENT_CPUS" --busy \
+            --bs "$bs" --qd "$qd" --file "$FILE" --runtime "$RUNTIME" --ramp "$RAMP"
+    fi
     log "[$rep/$REPEAT] $name: fio nbd -> nbdkit file"
     measure "$name.nbd.$rep" "$NPID" -- fio "${job[@]}" --ioengine=nbd --uri="nbd://127.0.0.1:$NBD_PORT" \
         --lat_percentiles=1 "${COMMON[@]}"
@@ -324,6 +345,20 @@ def load1(name):
                       if pid not in ours and not comm.startswith("["))
     except Exception:  # noqa: BLE001
         pass
+    if "jobs" not in doc:
+        # tcp-ceiling: its own report, with CPU per operation of each side.
+        iops = doc["iops"]
+        return {
+            "iops": iops,
+            "bw_mib": doc["mib_s"],
+            "p50_us": doc["p50_us"],
+            "p99_us": doc["p99_us"],
+            "client_cpu_pct": doc["client"]["cpu_us_per_op"] * iops / 1e4,
+            "server_cpu_pct": doc["server"]["cpu_us_per_op"] * iops / 1e4,
+            "iops_per_server_cpu_s": 1e6 / doc["server"]["cpu_us_per_op"] if doc["server"]["cpu_us_per_op"] else None,
+            "foreign_cpu_s": foreign,
+            "cmd": cmd,
+        }
     j = doc["jobs"][0]
     d = j["write"] if j["write"]["total_ios"] > j["read"]["total_ios"] else j["read"]
     lat = d["lat_ns"] if "percentile" in d.get("lat_ns", {}) else d["clat_ns"]
@@ -383,6 +418,9 @@ for i in range(1, REPEAT + 1):
         pass
 iperf = median(iperf_runs)
 
+BOUND = "tcp-ceiling --file: disk over TCP, no protocol (bound)"
+BOUND_POLLED = "tcp-ceiling --file --busy: the same, polled and placed (bound)"
+
 rows = []
 def row(case, system, r, ceiling, peer, metric):
     def ratio(a, b):
@@ -405,6 +443,10 @@ for c in cases:
     if polled:
         row(c, "rdmablk-bench --hipri -> rdmablk-target busy_poll, file", polled, local, nbd, "iops")
     row(c, "fio nbd -> nbdkit file", nbd, local, rb, "iops")
+    for kind, system in (("bound", BOUND), ("bound-polled", BOUND_POLLED)):
+        bound = load(f"{c}.{kind}")
+        if bound:
+            row(c, system, bound, local, None, "iops")
 for c in cases:
     rbn, nbdn = load(f"{c}.rdmablk-null"), load(f"{c}.nbd-null")
     metric = "bw_mib" if c.startswith("read-128k") else "iops"
@@ -477,6 +519,11 @@ print("client CPU % = the client's job (fio or rdmablk-bench) in usr+sys, of one
 print()
 print("Ratios: vs ceiling = this row / local fio (file rows) or / iperf3 (null 128k, bandwidth); "
       "vs peer = rdmablk / nbd (and nbd / rdmablk on nbd rows). Null rows compare bandwidth for 128k, IOPS otherwise.")
+if any(r["system"] in (BOUND, BOUND_POLLED) for r in rows):
+    print()
+    print("Bound rows: tcp-ceiling --file, a server with no protocol that reads each request's block from the same "
+          "file (the target's io_uring engine, O_DIRECT) and answers over loopback TCP; its client and server CPU are "
+          "its own threads'. Their vs ceiling is the most any block protocol over loopback TCP reached here.")
 
 def get(case, system_prefix):
     for r in rows:
@@ -485,17 +532,20 @@ def get(case, system_prefix):
     return {}
 
 targets = []
-def target(name, ok, detail, paired=None):
+def target(name, ok, detail, paired=None, bound=None):
     t = {"target": name, "met": ok, "detail": detail + (f"; per run: {paired['summary']}" if paired else "")}
     if paired:
         t["per_run"] = paired
+    if bound:
+        t["bound"] = bound
+        t["detail"] += f"; bound (no protocol): {bound['summary']}"
     targets.append(t)
 
 # The host's speed drifts over minutes, so with --repeat each rdmablk run is
 # also set against the fio run of the same repeat (they ran back to back).
 # The verdict stays on the medians; this shows how often single pairs pass.
-def paired(case, name, metric, passes, fmt):
-    if REPEAT < 2:
+def paired(case, name, metric, passes, fmt, always=False):
+    if REPEAT < 2 and not always:
         return None
     vals = []
     for i in range(1, REPEAT + 1):
@@ -508,26 +558,36 @@ def paired(case, name, metric, passes, fmt):
         return None
     ok = sum(1 for v in vals if passes(v))
     mid = median(vals)
-    return {"values": vals, "median": mid, "pairs_passing": ok,
-            "summary": f"median {format(mid, fmt)}, range {format(min(vals), fmt)} to {format(max(vals), fmt)}, "
-                       f"{ok} of {len(vals)} pairs pass"}
+    summary = (f"median {format(mid, fmt)}, range {format(min(vals), fmt)} to {format(max(vals), fmt)}, "
+               f"{ok} of {len(vals)} pairs pass") if len(vals) > 1 else f"{format(mid, fmt)}, {'passes' if ok else 'misses'}"
+    return {"values": vals, "median": mid, "pairs_passing": ok, "summary": summary}
+
+# The bound under a target: the no-protocol server against the fio run of
+# the same repeat, judged by the target's own rule. Where it misses, no
+# block protocol over loopback TCP could have met the target in that run.
+def bound(case, kind, metric, passes, fmt):
+    return paired(case, kind, metric, passes, fmt, always=True)
 
 a = get("randread-4k-qd32", "rdmablk-bench -> rdmablk-target, file"); b = get("randread-4k-qd32", "fio io_uring")
 if a.get("iops") and b.get("iops"):
     target("1. file randread 4k QD32 >= 0.9x local fio IOPS", a["iops"] >= 0.9 * b["iops"], f"{a['iops']:,.0f} vs {b['iops']:,.0f} ({a['iops']/b['iops']:.2f}x)",
-           paired("randread-4k-qd32", "rdmablk", "iops", lambda v: v >= 0.9, ".2f"))
+           paired("randread-4k-qd32", "rdmablk", "iops", lambda v: v >= 0.9, ".2f"),
+           bound("randread-4k-qd32", "bound", "iops", lambda v: v >= 0.9, ".2f"))
 a = get("randread-4k-qd32", "rdmablk-bench --hipri -> rdmablk-target busy_poll, file")
 if a.get("iops") and b.get("iops"):
     target("1'. the same, polling (--hipri, busy_poll = 1ms)", a["iops"] >= 0.9 * b["iops"], f"{a['iops']:,.0f} vs {b['iops']:,.0f} ({a['iops']/b['iops']:.2f}x)",
-           paired("randread-4k-qd32", "rdmablk-polled", "iops", lambda v: v >= 0.9, ".2f"))
+           paired("randread-4k-qd32", "rdmablk-polled", "iops", lambda v: v >= 0.9, ".2f"),
+           bound("randread-4k-qd32", "bound-polled", "iops", lambda v: v >= 0.9, ".2f"))
 a = get("randread-4k-qd1", "rdmablk-bench -> rdmablk-target, file"); b = get("randread-4k-qd1", "fio io_uring")
 if a.get("p50_us") and b.get("p50_us"):
     target("2. file randread 4k QD1 p50 <= local p50 + 15 us", a["p50_us"] <= b["p50_us"] + 15, f"{a['p50_us']:.1f} us vs {b['p50_us']:.1f} us (+{a['p50_us']-b['p50_us']:.1f} us)",
-           paired("randread-4k-qd1", "rdmablk", "p50_us", lambda v: v <= 15, "+.1f"))
+           paired("randread-4k-qd1", "rdmablk", "p50_us", lambda v: v <= 15, "+.1f"),
+           bound("randread-4k-qd1", "bound", "p50_us", lambda v: v <= 15, "+.1f"))
 a = get("randread-4k-qd1", "rdmablk-bench --hipri -> rdmablk-target busy_poll, file")
 if a.get("p50_us") and b.get("p50_us"):
     target("2'. the same, polling (--hipri, busy_poll = 1ms)", a["p50_us"] <= b["p50_us"] + 15, f"{a['p50_us']:.1f} us vs {b['p50_us']:.1f} us (+{a['p50_us']-b['p50_us']:.1f} us)",
-           paired("randread-4k-qd1", "rdmablk-polled", "p50_us", lambda v: v <= 15, "+.1f"))
+           paired("randread-4k-qd1", "rdmablk-polled", "p50_us", lambda v: v <= 15, "+.1f"),
+           bound("randread-4k-qd1", "bound-polled", "p50_us", lambda v: v <= 15, "+.1f"))
 a = get("randread-4k-qd32", "rdmablk-bench -> rdmablk-target, null"); b = get("randread-4k-qd32", "fio nbd -> nbdkit null")
 if a.get("iops") and b.get("iops"):
     target("3. null randread 4k QD32 >= 2.5x nbdkit null", a["iops"] >= 2.5 * b["iops"], f"{a['iops']:,.0f} vs {b['iops']:,.0f} ({a['iops']/b['iops']:.2f}x)")

@@ -98,3 +98,37 @@ fill_file() { # FILE BYTES
             --direct=1 --ioengine=io_uring --output=/dev/null
     fi
 }
+
+# Runs tcp-ceiling (BIN, e.g. a private copy of target/release/tcp-ceiling)
+# as two processes, the server pinned to SERVER_CPUS and the client to
+# CLIENT_CPUS with taskset (an empty list: not pinned), with ARGS for both;
+# prints the client's JSON with the server's side merged in.
+tcp_ceiling() { # BIN SERVER_CPUS CLIENT_CPUS ARGS...
+    local bin=$1 scpus=$2 ccpus=$3 port spid out sout serr rc=0
+    shift 3
+    local pin_server=() pin_client=()
+    if [ -n "$scpus" ]; then pin_server=(taskset -c "$scpus"); fi
+    if [ -n "$ccpus" ]; then pin_client=(taskset -c "$ccpus"); fi
+    port=$(free_port)
+    sout=$(mktemp); serr=$(mktemp)
+    "${pin_server[@]}" "$bin" --json --server "127.0.0.1:$port" "$@" >"$sout" 2>"$serr" &
+    spid=$!
+    # The server prints its address once it listens (it accepts one connection only).
+    for _ in $(seq 1 250); do
+        grep -q listening "$serr" 2>/dev/null && break
+        kill -0 "$spid" 2>/dev/null || break
+        sleep 0.02
+    done
+    if ! out=$("${pin_client[@]}" "$bin" --json --connect "127.0.0.1:$port" "$@"); then
+        kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null; rc=1
+    elif ! wait "$spid"; then
+        cat "$serr" >&2; rc=1
+    else
+        python3 -c "
+import json,sys
+c=json.loads(sys.argv[1]); s=json.load(open(sys.argv[2]))
+c['server']=s['server']; print(json.dumps(c))" "$out" "$sout" || rc=1
+    fi
+    rm -f "$sout" "$serr"
+    return $rc
+}

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Smoke runs of the benchmark scripts on the debug build: bench/compare.sh
-# (every row of one short case measured; the JSON carries the targets with
-# their per-repeat pairs), bench/ceiling.sh (every measurement made) and
-# bench/per-io.sh (one null case). No figure is judged (timing does not
+# (every row of one short case measured, the no-protocol bound included;
+# the JSON carries the targets with their per-repeat pairs and bounds),
+# bench/ceiling.sh (every measurement made) and bench/per-io.sh (one null
+# case). No figure is judged (timing does not
 # belong in the test suite); this only catches a script that no longer runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,13 +22,15 @@ missing = [r["system"] for r in doc["rows"] if r.get("iops") is None]
 assert not missing, f"compare.sh rows without a measurement: {missing}"
 for want in ("fio io_uring, local file", "rdmablk-bench -> rdmablk-target, file",
              "rdmablk-bench --hipri -> rdmablk-target busy_poll, file", "fio nbd -> nbdkit file",
-             "rdmablk-bench -> rdmablk-target, null", "fio nbd -> nbdkit null"):
+             "rdmablk-bench -> rdmablk-target, null", "fio nbd -> nbdkit null",
+             "tcp-ceiling --file: disk over TCP", "tcp-ceiling --file --busy: the same"):
     assert any(s.startswith(want) for s in systems), f"no row {want!r} in {systems}"
 targets = {t["target"].split(" ")[0]: t for t in doc["targets"]}
 for name in ("2.", "2'."):
     t = targets.get(name)
     assert t is not None, f"target {name} missing: {list(targets)}"
     assert len(t["per_run"]["values"]) == 2, f"target {name}: expected 2 pairs, got {t['per_run']}"
+    assert len(t["bound"]["values"]) == 2, f"target {name}: expected the bound of 2 pairs, got {t.get('bound')}"
 assert doc["repeat"] == 2 and "guest_halt_poll" in doc and "placement" in doc
 assert "| target | met | measured |" in table, "no targets table in the output"
 print(f"bench smoke: {len(doc['rows'])} rows measured, targets {', '.join(targets)} reported")
