@@ -20,8 +20,8 @@
 # protocol that reads each request's 4 KiB from the same file with the
 # target's io_uring engine and answers over loopback TCP — sleeping, and
 # busy-polled, placed as the polled target and bench are. What it reaches
-# against local fio is the most any block protocol over loopback TCP could
-# reach in that run.
+# against local fio bounds what a block protocol over loopback TCP can reach
+# in that run: the same reads and TCP, with no protocol work at all.
 # Cases: 4 KiB randread QD1, 4 KiB randread QD32, 4 KiB randwrite QD32,
 # 128 KiB sequential read QD16. Prints a markdown table (IOPS, bandwidth,
 # p50/p99 latency, ratios against the ceiling and the peer, CPU time of
@@ -523,7 +523,7 @@ if any(r["system"] in (BOUND, BOUND_POLLED) for r in rows):
     print()
     print("Bound rows: tcp-ceiling --file, a server with no protocol that reads each request's block from the same "
           "file (the target's io_uring engine, O_DIRECT) and answers over loopback TCP; its client and server CPU are "
-          "its own threads'. Their vs ceiling is the most any block protocol over loopback TCP reached here.")
+          "its own threads'. Their vs ceiling bounds what a block protocol over loopback TCP could reach in this run.")
 
 def get(case, system_prefix):
     for r in rows:
