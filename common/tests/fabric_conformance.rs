@@ -1213,6 +1213,17 @@ fn cq_fd_signals_completions() {
         cqp.post_send(&[send_wr(4, SendOp::Send, &[tx.sge(0, 8)])]).unwrap();
         assert!(env.client.cq.wait(Some(Duration::from_secs(1))).unwrap());
         assert_eq!(env.client_comp(4).status, WcStatus::WrFlushError);
+        // tcp: acknowledging a wake-up disarms. The owner is awake and polls
+        // before it sleeps again, after arming, so a completion queued in
+        // between does not write the channel (for the owner to read back).
+        env.client.cq.arm().unwrap();
+        env.client.cq.ack_event().unwrap();
+        cqp.post_send(&[send_wr(5, SendOp::Send, &[tx.sge(0, 8)])]).unwrap();
+        assert!(!readable(env.client.cq.fd(), 50), "a CQ fired after its wake-up was acknowledged");
+        env.client.cq.arm().unwrap();
+        assert!(readable(env.client.cq.fd(), 1000), "arming after the acknowledgement did not fire");
+        env.client.cq.ack_event().unwrap();
+        assert_eq!(env.client_comp(5).status, WcStatus::WrFlushError);
     }
 }
 

@@ -695,7 +695,10 @@ impl CompletionQueue {
             CqImpl::Verbs(_) => {}
         }
     }
-    /// Consumes the notification after the fd was readable.
+    /// Consumes the notification after the fd was readable. The owner
+    /// must arm again (and poll once more) before it next sleeps; the tcp
+    /// provider disarms here, so that completions the owner is about to
+    /// poll anyway do not fire the channel again.
     pub fn ack_event(&self) -> Result<()> {
         dispatch!(CqImpl, &self.inner, cq => cq.ack_event())
     }

@@ -27,6 +27,9 @@ pub(crate) struct CqShared {
     evfd: OwnedFd,
     queue: Mutex<VecDeque<Completion>>,
     armed: AtomicBool,
+    /// The eventfd was written and may not be drained yet: an owner woken by
+    /// a socket, not by the channel, need not read it (a syscall per wake).
+    signaled: AtomicBool,
     qps: Mutex<HashMap<u32, Weak<QpShared>>>,
     /// How long a standalone ACK may be held back, in nanoseconds;
     /// `ACKS_NOT_HELD` when coalescing is off (see
@@ -43,7 +46,21 @@ impl CqShared {
     pub(crate) fn push(&self, c: Completion) {
         lock(&self.queue).push_back(c);
         if self.armed.swap(false, Ordering::AcqRel) {
-            sys::eventfd_signal(self.evfd.as_raw_fd());
+            self.signal();
+        }
+    }
+
+    fn signal(&self) {
+        self.signaled.store(true, Ordering::Release);
+        sys::eventfd_signal(self.evfd.as_raw_fd());
+    }
+
+    /// Makes the channel not readable. A write racing with this may be
+    /// drained with `signaled` left set, which costs one empty read later,
+    /// never a lost wake-up: the owner polls after it arms.
+    fn drain_channel(&self) {
+        if self.signaled.swap(false, Ordering::AcqRel) {
+            sys::counter_drain(self.evfd.as_raw_fd());
         }
     }
 
@@ -109,6 +126,7 @@ impl TcpCq {
                 evfd,
                 queue: Mutex::new(VecDeque::with_capacity(capacity.clamp(1, 1 << 16) as usize)),
                 armed: AtomicBool::new(false),
+                signaled: AtomicBool::new(false),
                 qps: Mutex::new(HashMap::new()),
                 ack_hold_ns: AtomicU64::new(ACKS_NOT_HELD),
                 deferred_acks: Mutex::new(VecDeque::new()),
@@ -141,7 +159,7 @@ impl TcpCq {
                 // Completions are returned below whether or not it fired;
                 // drained here so that a fired channel does not make every
                 // later epoll_wait report it again.
-                sys::counter_drain(sh.evfd.as_raw_fd());
+                sh.drain_channel();
                 continue;
             }
             let qp = lock(&sh.qps).get(&(token as u32)).and_then(Weak::upgrade);
@@ -177,7 +195,7 @@ impl TcpCq {
         sh.armed.store(true, Ordering::Release);
         let pending = !lock(&sh.queue).is_empty();
         if pending && sh.armed.swap(false, Ordering::AcqRel) {
-            sys::eventfd_signal(sh.evfd.as_raw_fd());
+            sh.signal();
         }
         Ok(())
     }
@@ -190,8 +208,14 @@ impl TcpCq {
         }
     }
 
+    /// Consumes a wake-up. It also disarms: the owner is awake now and
+    /// polls before it sleeps again, after arming. A CQ left armed would
+    /// write the eventfd at the owner's first completion and make its next
+    /// poll read it back: two system calls for a wake-up nobody waits for.
     pub fn ack_event(&self) -> Result<()> {
-        sys::counter_drain(self.shared.evfd.as_raw_fd());
+        let sh = &*self.shared;
+        sh.armed.store(false, Ordering::Release);
+        sh.drain_channel();
         Ok(())
     }
 }
