@@ -74,7 +74,7 @@ done
 
 log() { echo "==> $*" >&2; }
 
-# free_port, wait_port, cpu_secs, bin_dir, install_missing, disk_irq_cpu, size_bytes, fill_file, tcp_ceiling
+# free_port, wait_port, cpu_secs, bin_dir, install_missing, placement, size_bytes, fill_file, tcp_ceiling
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 tools=(fio:fio python3:python3)
 if [ "$NBD" = 1 ]; then tools+=(nbdkit:nbdkit); fi
@@ -162,13 +162,11 @@ measure() {
 }
 # Where placed cases run: the server on the CPU that takes the disk's
 # interrupts, the client on the others (as compare.sh's polled rows).
-DISK_CPU=$(disk_irq_cpu "$FILE")
-OTHER_CPUS=$(python3 -c "import os; print(','.join(str(c) for c in sorted(os.sched_getaffinity(0)) if str(c) != '$DISK_CPU'))")
-if [ -n "$DISK_CPU" ] && [ -n "$OTHER_CPUS" ] && command -v taskset >/dev/null; then
-    PLACEMENT="placed rows: server on CPU $DISK_CPU (the disk's interrupts), client on CPU $OTHER_CPUS"
+placement "$FILE"
+if [ -n "$PLACE_SERVER_CPU" ]; then
+    PLACEMENT="placed rows: server on CPU $PLACE_SERVER_CPU (the disk's interrupts), client on CPU $PLACE_CLIENT_CPUS"
 else
     PLACEMENT="placed rows not pinned (no disk interrupt found, or one CPU)"
-    DISK_CPU=""; OTHER_CPUS=""
 fi
 log "$PLACEMENT"
 
@@ -177,7 +175,7 @@ ceiling() {
     local place=$1
     shift
     if [ "$place" = 1 ]; then
-        tcp_ceiling "$CEIL" "$DISK_CPU" "$OTHER_CPUS" "$@"
+        tcp_ceiling "$CEIL" "$PLACE_SERVER_CPU" "$PLACE_CLIENT_CPUS" "$@"
     else
         tcp_ceiling "$CEIL" "" "" "$@"
     fi

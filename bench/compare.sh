@@ -110,7 +110,7 @@ done
 CASE_NAMES=$(printf '%s\n' "${CASES[@]}" | cut -d' ' -f1 | tr '\n' ' ')
 
 # --- tools -------------------------------------------------------------------
-# free_port, wait_port, cpu_secs, bin_dir, install_missing, disk_irq_cpu, size_bytes, fill_file, tcp_ceiling
+# free_port, wait_port, cpu_secs, bin_dir, install_missing, placement, size_bytes, fill_file, tcp_ceiling
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 install_missing fio:fio nbdkit:nbdkit iperf3:iperf3 python3:python3
 fio --enghelp 2>/dev/null | grep -qw nbd || { echo "compare.sh: this fio has no nbd engine" >&2; exit 1; }
@@ -194,19 +194,14 @@ wait_port "$RDMA_PORT" "$TPID"
 POLL_PORT=$(free_port)
 sed -e "s/:$RDMA_PORT\"/:$POLL_PORT\"/" -e 's/^name = "compare"$/name = "compare-polled"\nbusy_poll = "1ms"/' \
     "$WORK/target.toml" >"$WORK/target-polled.toml"
-DISK_CPU=$(disk_irq_cpu "$FILE")
-OTHER_CPUS=$(python3 -c "import os; print(','.join(str(c) for c in sorted(os.sched_getaffinity(0)) if str(c) != '$DISK_CPU'))")
+# The polled bound's server and client go to the same CPUs.
+placement "$FILE"
 PIN_TARGET=()
 PIN_BENCH=()
-# The polled bound's server and client go where the polled target and bench do.
-BOUND_SERVER_CPUS=""
-BOUND_CLIENT_CPUS=""
-if [ -n "$DISK_CPU" ] && [ -n "$OTHER_CPUS" ] && command -v taskset >/dev/null; then
-    PIN_TARGET=(taskset -c "$DISK_CPU")
-    PIN_BENCH=(taskset -c "$OTHER_CPUS")
-    BOUND_SERVER_CPUS=$DISK_CPU
-    BOUND_CLIENT_CPUS=$OTHER_CPUS
-    PLACEMENT="polled target on CPU $DISK_CPU (the disk's interrupts), polled bench on CPU $OTHER_CPUS"
+if [ -n "$PLACE_SERVER_CPU" ]; then
+    PIN_TARGET=(taskset -c "$PLACE_SERVER_CPU")
+    PIN_BENCH=(taskset -c "$PLACE_CLIENT_CPUS")
+    PLACEMENT="polled target on CPU $PLACE_SERVER_CPU (the disk's interrupts), polled bench on CPU $PLACE_CLIENT_CPUS"
 else
     PLACEMENT="polled target and bench not pinned (no disk interrupt found, or one CPU)"
 fi
@@ -281,7 +276,7 @@ for c in "${CASES[@]}"; do
         measure "$name.bound.$rep" - -- tcp_ceiling "$CEIL" "" "" --bs "$bs" --qd "$qd" --file "$FILE" \
             --runtime "$RUNTIME" --ramp "$RAMP"
         log "[$rep/$REPEAT] $name: tcp-ceiling --file --busy (disk over TCP, no protocol, polled)"
-        measure "$name.bound-polled.$rep" - -- tcp_ceiling "$CEIL" "$BOUND_SERVER_CPUS" "$BOUND_CLIENT_CPUS" --busy \
+        measure "$name.bound-polled.$rep" - -- tcp_ceiling "$CEIL" "$PLACE_SERVER_CPU" "$PLACE_CLIENT_CPUS" --busy \
             --bs "$bs" --qd "$qd" --file "$FILE" --runtime "$RUNTIME" --ramp "$RAMP"
     fi
     log "[$rep/$REPEAT] $name: fio nbd -> nbdkit file"

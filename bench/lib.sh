@@ -79,6 +79,18 @@ if best[0] > 0:
 PY
 }
 
+# Where a placed server and its client run: sets PLACE_SERVER_CPU to the CPU
+# that takes the interrupts of FILE's disk and PLACE_CLIENT_CPUS to the other
+# CPUs this process may use. Both are left empty when they cannot be told
+# apart (no disk interrupt found, one CPU, or no taskset).
+placement() { # FILE
+    PLACE_SERVER_CPU=$(disk_irq_cpu "$1")
+    PLACE_CLIENT_CPUS=$(python3 -c "import os; print(','.join(str(c) for c in sorted(os.sched_getaffinity(0)) if str(c) != '$PLACE_SERVER_CPU'))")
+    if [ -z "$PLACE_SERVER_CPU" ] || [ -z "$PLACE_CLIENT_CPUS" ] || ! command -v taskset >/dev/null; then
+        PLACE_SERVER_CPU=""; PLACE_CLIENT_CPUS=""
+    fi
+}
+
 # Bytes in a size such as 1G, 512M or 4096 (binary units; a trailing B or
 # iB is allowed).
 size_bytes() { # SIZE
