@@ -14,9 +14,9 @@
 #      file and buffers), 4k random, QD32 and QD1, sleeping and busy-polled.
 #      Busy-polled, the server runs on the CPU that takes the disk's
 #      interrupts and the client on the other one, as compare.sh places its
-#      polled target and bench. This is the best a block protocol over
-#      loopback TCP could reach against local fio on this file: the bound
-#      under targets 1 and 2 of compare.sh.
+#      polled target and bench. Against local fio on this file it bounds
+#      what a block protocol over loopback TCP can reach: the bound under
+#      targets 1 and 2 of compare.sh.
 #   3. fio, ioengine=io_uring, direct=1, randread 4k QD32 and QD1, on a local
 #      file under /var/tmp (the disk ceiling of compare.sh, started the same way).
 #   4. fio's nbd engine against `nbdkit null` at 4k randread QD32 (as
@@ -336,8 +336,8 @@ print("server/client CPU-µs/op: tcp-ceiling's own threads (getrusage RUSAGE_THR
       "machine's TCP OutSegs (/proc/net/snmp, both directions, ACKs included) over the command, per operation. Busy-polled rows burn both "
       "CPUs by design: their CPU per op is 1/IOPS, not work.")
 
-# What no block protocol over loopback TCP can beat on this machine: the
-# disk-over-TCP rows against local fio, each run against the fio run of the
+# The bound under compare.sh's targets 1 and 2: the disk-over-TCP rows
+# against local fio, each run against the fio run of the
 # same repeat (taken right after it), as compare.sh pairs its runs.
 def pairs(key, ref, fn):
     a, b = {}, {}

@@ -24,8 +24,9 @@
 //! engine (`O_DIRECT`, a fixed file, registered buffers), and answers each
 //! request when its read completes, a turn's answers together. That is the
 //! disk path plus the loopback floor and nothing of rdmablk's protocol: no
-//! capsules, no placement, no sessions — the best a block protocol over
-//! loopback TCP could do against local fio on the same file.
+//! capsules, no placement, no sessions. Against local fio on the same file
+//! it bounds what a block protocol over loopback TCP can reach (for this
+//! design of server; its batching variants reach the same).
 //!
 //! `--place` copies every payload from the read buffer into its request's
 //! own buffer (the placement a design with a staging read pays for).
@@ -309,7 +310,6 @@ fn serve_file(mut stream: TcpStream, o: &Options, path: &str) -> Side {
     let mut have = 0;
     // The request tag each buffer's read answers.
     let mut tag_of = vec![[0u8; 8]; o.qd];
-    let mut reaped: Vec<(u64, i32)> = Vec::with_capacity(o.qd);
     let mut answers: Vec<([u8; HEADER_LEN], ChunkId)> = Vec::with_capacity(o.qd);
     let mut ready = Vec::new();
     let mut counters = Counters::default();
@@ -351,18 +351,16 @@ fn serve_file(mut stream: TcpStream, o: &Options, path: &str) -> Side {
             }
         }
         ring.submit().unwrap_or_else(|e| fail(&e.to_string()));
-        reaped.clear();
-        ring.reap(&mut pool, |user_data, res| reaped.push((user_data, res)));
-        if !reaped.is_empty() {
-            work = true;
-            answers.clear();
-            for &(user_data, res) in &reaped {
-                if res < 0 {
-                    fail(&format!("read of {path} failed: {}", std::io::Error::from_raw_os_error(-res)));
-                }
-                let c = ChunkId(user_data as u16);
-                answers.push((phase.header(&tag_of[c.0 as usize], o.bs), c));
+        answers.clear();
+        ring.reap(&mut pool, |user_data, res| {
+            if res < 0 {
+                fail(&format!("read of {path} failed: {}", std::io::Error::from_raw_os_error(-res)));
             }
+            let c = ChunkId(user_data as u16);
+            answers.push((phase.header(&tag_of[c.0 as usize], o.bs), c));
+        });
+        if !answers.is_empty() {
+            work = true;
             let mut slices: Vec<IoSlice<'_>> =
                 answers.iter().flat_map(|(h, c)| [IoSlice::new(h), IoSlice::new(pool.bytes(*c))]).collect();
             write_all(&mut stream, &mut slices, &mut counters);
