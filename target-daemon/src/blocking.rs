@@ -29,6 +29,9 @@ pub enum JobKind {
     Fdatasync,
     /// fallocate with this mode.
     Fallocate(i32),
+    /// Test-only fault injection: wait until writes of this session are
+    /// released (`crate::fault`); the write itself then goes to the ring.
+    HoldWrite(rdmablk_common::protocol::SessionId),
 }
 
 /// One blocking operation on a volume's backend.
@@ -54,8 +57,13 @@ pub struct BlockingWorker {
 }
 
 fn run(job: &Job) -> i32 {
+    if let JobKind::HoldWrite(session) = job.kind {
+        crate::fault::wait_released(session);
+        return 0;
+    }
     let Some(fd) = job.backend.uring_fd() else { return 0 };
     let r = match job.kind {
+        JobKind::HoldWrite(_) => unreachable!("handled above"),
         JobKind::Discard => sys::blk_discard(fd, job.offset, job.len),
         JobKind::ZeroOut => sys::blk_zeroout(fd, job.offset, job.len),
         JobKind::Fdatasync => job.backend.sync(),

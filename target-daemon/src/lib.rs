@@ -45,6 +45,7 @@
 //! - [`pool`]: registered memory (the chunk pool, receive/response slots).
 //! - [`uring`]: the io_uring engine (fixed files, fixed buffers, restrictions).
 //! - [`blocking`]: a reactor's helper thread for the few blocking calls.
+//! - [`fault`]: test-only fault injection (disk writes held on demand).
 //! - [`session`]: state shared by reactors (volume set, sessions).
 //! - [`reactor`]: reactor threads (fabric CQ + io_uring + queue pairs).
 //! - [`metrics`]: lock-free counters, Prometheus text, the HTTP responder.
@@ -58,6 +59,7 @@
 pub mod auth;
 pub mod backend;
 pub mod blocking;
+pub mod fault;
 pub mod command;
 pub mod config;
 pub mod error;

@@ -88,6 +88,9 @@ const U_FSYNC: u64 = 3;
 const U_FALLOC: u64 = 4;
 /// BLKDISCARD / BLKZEROOUT on the blocking worker.
 const U_BLKDEV: u64 = 5;
+/// A disk write held by fault injection (`crate::fault`), on the blocking
+/// worker; the write goes to the ring when the hold ends.
+const U_HOLD: u64 = 6;
 
 fn ud(kind: u64, cmd: u16, chunk: u16) -> u64 {
     kind << 60 | (cmd as u64) << 16 | chunk as u64
@@ -1480,8 +1483,7 @@ impl Reactor {
         }
         if kind == CmdKind::Write && !closing && cmd.error.is_none() {
             cmd.inflight += 1;
-            let (file, offset, fua) = (cmd.vslot as u32, cmd.offset + use_.off as u64, cmd.fua);
-            self.uring.write_fixed(&mut self.pool, file, c, 0, use_.len, offset, fua, ud(U_WRITE, ci, c.0));
+            self.write_chunk(ci, c);
             return;
         }
         self.pool.release(c);
@@ -1553,6 +1555,12 @@ impl Reactor {
                 self.pool.release(ChunkId(c));
                 cmd.done += self.chunk_use[c as usize].len;
                 self.progress(ci);
+            }
+            // The held write was at the disk all along: it lands now,
+            // whatever became of its session meanwhile.
+            U_HOLD => {
+                cmd.inflight += 1;
+                self.submit_write(ci, ChunkId(c));
             }
             _ => self.progress(ci),
         }
@@ -1713,14 +1721,13 @@ impl Reactor {
                 let slot = cmd.held_recv.take().expect("inline data held");
                 cmd.next = len;
                 cmd.inflight += 1;
-                let (file, offset, fua) = (cmd.vslot as u32, cmd.offset, cmd.fua);
                 // wants_chunk() made sure the session is live.
                 let res = self.sessions[si as usize].s.as_ref().and_then(|s| s.res.as_ref()).expect("live queue pair");
                 let src = &res.recv.slot(slot as usize)[COMMAND_CAPSULE_SIZE..COMMAND_CAPSULE_SIZE + len as usize];
                 self.pool.bytes_mut(c)[..len as usize].copy_from_slice(src);
                 self.repost_recv(si, slot);
                 self.chunk_use[c.0 as usize] = ChunkUse { cmd: ci, off: 0, len, zero: false };
-                self.uring.write_fixed(&mut self.pool, file, c, 0, len, offset, fua, ud(U_WRITE, ci, c.0));
+                self.write_chunk(ci, c);
             }
             CmdKind::List => {
                 let entries = cmd.list_entries as usize;
@@ -1741,6 +1748,33 @@ impl Reactor {
                 self.pool.release(c);
             }
         }
+    }
+
+    /// Writes a chunk of a WRITE command to the disk (through the ring),
+    /// unless fault injection holds its session's writes (test-only). The
+    /// caller has counted the write in flight.
+    fn write_chunk(&mut self, ci: u16, c: ChunkId) {
+        if crate::fault::enabled() {
+            let (si, vslot) = (self.cmd(ci).sess, self.cmd(ci).vslot);
+            let session = self.sessions[si as usize].s.as_ref().and_then(|s| s.shared.as_ref()).map(|sh| sh.id);
+            if let Some(session) = session.filter(|&id| crate::fault::holds(id)) {
+                let backend = Arc::clone(&self.volume(vslot).backend);
+                let job = Job { user_data: ud(U_HOLD, ci, c.0), kind: JobKind::HoldWrite(session), backend, offset: 0, len: 0 };
+                match self.blocking() {
+                    Ok(w) => return w.submit(job),
+                    Err(e) => tracing::error!("reactor {}: cannot hold a write: {e}", self.id),
+                }
+            }
+        }
+        self.submit_write(ci, c);
+    }
+
+    /// Queues a chunk's disk write on the ring (counted in flight by the caller).
+    fn submit_write(&mut self, ci: u16, c: ChunkId) {
+        let use_ = self.chunk_use[c.0 as usize];
+        let cmd = self.cmd(ci);
+        let (file, offset, fua) = (cmd.vslot as u32, cmd.offset + use_.off as u64, cmd.fua);
+        self.uring.write_fixed(&mut self.pool, file, c, 0, use_.len, offset, fua, ud(U_WRITE, ci, c.0));
     }
 
     /// Posts one RDMA op for a chunk: RDMA READ into it (WRITE command) or
