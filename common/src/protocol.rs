@@ -215,6 +215,10 @@ wire_enum! {
         /// Host authentication failed. Deliberately says nothing more: not
         /// which MAC, not whether the host id is known.
         AuthFailed = 25,
+        /// CONNECT asked to replace a session (the reconnect fence) and the
+        /// target could not retire it in time: a disk I/O of that session
+        /// has not completed. Nothing was created; retry the CONNECT.
+        FenceTimeout = 26,
     }
 }
 
@@ -248,6 +252,9 @@ impl Status {
             Status::LimitReached => "the target's limit of sessions or queue pairs per session is reached",
             Status::AuthRequired => "the target requires host authentication (a host id and its key) before CONNECT",
             Status::AuthFailed => "authentication failed",
+            Status::FenceTimeout => {
+                "the target could not yet retire the session this one replaces (a disk I/O of it is still in flight); retry"
+            }
         }
     }
 }
@@ -312,6 +319,11 @@ pub struct CommandCapsule {
     /// CONNECT only: the session an additional queue pair joins; 0 creates
     /// a new session. The value comes from an earlier [`ConnectReply`].
     pub session_id: SessionId,
+    /// CONNECT that creates a session (session id 0) only: the earlier
+    /// session of the same host that the new one replaces (0: none). The
+    /// target retires it before it answers: the reconnect fence. On the
+    /// wire it takes bytes 8..16, the starting block of I/O commands.
+    pub replaces: SessionId,
 }
 
 impl CommandCapsule {
@@ -330,6 +342,7 @@ impl CommandCapsule {
             queue_depth: 0,
             max_io_size: 0,
             session_id: SessionId(0),
+            replaces: SessionId(0),
         }
     }
 
@@ -350,7 +363,9 @@ impl CommandCapsule {
         out[1] = self.flags;
         put_u16(out, 2, self.command_id.0);
         put_u32(out, 4, self.volume_id.0);
-        put_u64(out, 8, self.start_block.0);
+        // Bytes 8..16: the starting block, or on CONNECT the replaced
+        // session (validate() keeps the other one zero).
+        put_u64(out, 8, if self.opcode == Opcode::Connect { self.replaces.0 } else { self.start_block.0 });
         put_u32(out, 16, self.block_count.0);
         put_u32(out, 20, self.inline_len);
         put_u64(out, 24, self.descriptor.remote_addr);
@@ -377,12 +392,14 @@ impl CommandCapsule {
         }
         let b = &message[..COMMAND_CAPSULE_SIZE];
         let opcode = Opcode::from_wire(b[0]).ok_or(DecodeError::UnknownOpcode(b[0]))?;
+        let bytes_8 = get_u64(b, 8);
+        let connect = opcode == Opcode::Connect;
         let capsule = CommandCapsule {
             opcode,
             flags: b[1],
             command_id: CommandId(get_u16(b, 2)),
             volume_id: VolumeId(get_u32(b, 4)),
-            start_block: Lba(get_u64(b, 8)),
+            start_block: Lba(if connect { 0 } else { bytes_8 }),
             block_count: BlockCount(get_u32(b, 16)),
             inline_len: get_u32(b, 20),
             descriptor: DataDescriptor {
@@ -394,6 +411,7 @@ impl CommandCapsule {
             queue_depth: get_u32(b, 44),
             max_io_size: get_u32(b, 48),
             session_id: SessionId(get_u64(b, 52)),
+            replaces: SessionId(if connect { bytes_8 } else { 0 }),
         };
         if let Some(offset) = b[42..44].iter().chain(&b[60..64]).position(|&x| x != 0) {
             let offset = if offset < 2 { 42 + offset } else { 60 + offset - 2 };
@@ -437,6 +455,11 @@ impl CommandCapsule {
         }
         if !op.carries_session_id() && self.session_id != SessionId(0) {
             return Err(DecodeError::InvalidField { field: "connect fields" });
+        }
+        // Only a CONNECT that creates a session replaces one; a join names
+        // the session it joins instead.
+        if self.replaces != SessionId(0) && (op != Opcode::Connect || self.session_id != SessionId(0)) {
+            return Err(DecodeError::InvalidField { field: "replaced session" });
         }
         if !op.is_io() && op != Opcode::CloseVolume && self.volume_id != VolumeId(0) {
             return Err(DecodeError::InvalidField { field: "volume_id" });
@@ -947,7 +970,13 @@ mod tests {
                         c.version = PROTOCOL_VERSION;
                         c.queue_depth = count;
                         c.max_io_size = len;
-                        c.session_id = SessionId(lba);
+                        // A join names its session; a new session may
+                        // name the one it replaces.
+                        if fua {
+                            c.session_id = SessionId(lba);
+                        } else {
+                            c.replaces = SessionId(lba);
+                        }
                         data = b"host-a".to_vec();
                     }
                     Opcode::OpenVolume => data = vec![b'v'; ilen],
@@ -1103,5 +1132,32 @@ mod tests {
         let mut msg = w.to_bytes().to_vec();
         msg.extend_from_slice(&[1, 2, 3]);
         assert_eq!(CommandCapsule::decode(&msg), Err(DecodeError::InlineLength { inline_len: 8, actual: 3 }));
+    }
+
+    #[test]
+    fn the_replaced_session_rides_in_bytes_8_to_16_of_a_creating_connect_only() {
+        let mut c = CommandCapsule::new(Opcode::Connect, CommandId(0));
+        c.version = PROTOCOL_VERSION;
+        c.queue_depth = 32;
+        c.max_io_size = 1 << 20;
+        c.replaces = SessionId(0x1122_3344_5566_7788);
+        let bytes = c.to_bytes();
+        assert_eq!(&bytes[8..16], &0x1122_3344_5566_7788u64.to_le_bytes());
+        let back = CommandCapsule::decode(&bytes).unwrap();
+        assert_eq!(back.replaces, c.replaces);
+        assert_eq!(back.start_block, Lba(0), "bytes 8..16 are the replaced session on CONNECT, not a block");
+        // A join names the session it joins; it replaces nothing.
+        c.session_id = SessionId(9);
+        assert_eq!(c.validate(), Err(DecodeError::InvalidField { field: "replaced session" }));
+        assert!(CommandCapsule::decode(&c.to_bytes()).is_err());
+        // Only CONNECT carries it.
+        let mut k = CommandCapsule::new(Opcode::KeepAlive, CommandId(1));
+        k.replaces = SessionId(5);
+        assert_eq!(k.validate(), Err(DecodeError::InvalidField { field: "replaced session" }));
+        // Bytes 8..16 of another admin command are still a (forbidden) block range.
+        let mut raw = CommandCapsule::new(Opcode::KeepAlive, CommandId(1)).to_bytes();
+        raw[8] = 1;
+        assert_eq!(CommandCapsule::decode(&raw), Err(DecodeError::InvalidField { field: "block range" }));
+        assert_eq!(Status::from_wire(26), Some(Status::FenceTimeout));
     }
 }

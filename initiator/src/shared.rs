@@ -287,7 +287,7 @@ impl Shared {
         let params = conn_params(&options);
         let alarms: Vec<Arc<Alarm>> = (0..options.queues).map(|_| Arc::new(Alarm::default())).collect();
         let deadline = Instant::now() + options.connect_timeout;
-        let set = connect_set(&domain, &url, &options, params, &alarms, &queue_stats, 1, deadline)?;
+        let set = connect_set(&domain, &url, &options, params, &alarms, &queue_stats, 1, deadline, &mut SessionId(0))?;
 
         let chunk = set.limits.max_io_size as usize;
         let per_queue = options.bounce_pool_size / options.queues;
@@ -615,6 +615,12 @@ impl Shared {
         }
         let deadline = since + self.options.ctrl_loss_timeout;
         let mut delay = self.options.reconnect_delay;
+        // The reconnect fence: the new session names the one it replaces,
+        // and the target retires that one (stops it and waits for its disk
+        // I/O) before it answers, so nothing of it can land after what this
+        // session re-issues. An attempt that created a session and failed
+        // later makes that session the one to replace.
+        let mut replaces = lock(&self.ctl.st).session_id;
         let mut attempts = 0u32;
         loop {
             let now = Instant::now();
@@ -636,7 +642,7 @@ impl Shared {
             }
             attempts += 1;
             let attempt_deadline = (now + self.options.connect_timeout).min(deadline);
-            match self.establish(failed_gen + 1, attempt_deadline) {
+            match self.establish(failed_gen + 1, attempt_deadline, &mut replaces) {
                 Ok(true) => {
                     Stats::add(&self.stats.reconnects, 1);
                     tracing::info!(url = %self.url, attempts, after = ?since.elapsed(), "reconnected");
@@ -667,10 +673,12 @@ impl Shared {
     /// Builds a new connection set of generation `gen`, re-opens the
     /// session's volumes on it, installs it and declares the session
     /// connected. `Ok(false)` if the session was closed meanwhile.
-    fn establish(&self, gen: u32, deadline: Instant) -> Result<bool> {
+    /// `replaces`: the session the new one replaces (the reconnect fence);
+    /// set to the new session as soon as the target created it.
+    fn establish(&self, gen: u32, deadline: Instant, replaces: &mut SessionId) -> Result<bool> {
         let alarms: Vec<Arc<Alarm>> = self.queues.iter().map(|s| Arc::clone(&s.alarm)).collect();
         let stats: Vec<Arc<Stats>> = self.queues.iter().map(|s| Arc::clone(&s.stats)).collect();
-        let set = connect_set(&self.domain, &self.url, &self.options, self.params, &alarms, &stats, gen, deadline)?;
+        let set = connect_set(&self.domain, &self.url, &self.options, self.params, &alarms, &stats, gen, deadline, replaces)?;
         let ConnSet { mut conns, reply, limits } = set;
         let vols = lock(&self.volumes);
         for slot in vols.values() {
@@ -778,8 +786,10 @@ fn remaining(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))
 }
 
-/// Connects the first queue pair (a new session) and joins the others to
-/// it. A target that refuses joins (`UnknownSession`) leaves a smaller set.
+/// Connects the first queue pair (a new session, replacing `replaces`
+/// unless it is 0) and joins the others to it. A target that refuses joins
+/// (`UnknownSession`) leaves a smaller set. Once the target created the new
+/// session, `replaces` names it: a later attempt must replace that one.
 #[allow(clippy::too_many_arguments)]
 fn connect_set(
     domain: &Arc<Domain>,
@@ -790,12 +800,14 @@ fn connect_set(
     stats: &[Arc<Stats>],
     gen: u32,
     deadline: Instant,
+    replaces: &mut SessionId,
 ) -> Result<ConnSet> {
-    let (first, reply, limits) =
-        connect_queue(domain, url, options, params, SessionId(0), &alarms[0], &stats[0], gen, deadline)?;
+    let join = Join::Create { replaces: *replaces };
+    let (first, reply, limits) = connect_queue(domain, url, options, params, join, &alarms[0], &stats[0], gen, deadline)?;
+    *replaces = reply.session_id;
     let mut conns = vec![first];
     for (i, alarm) in alarms.iter().enumerate().skip(1) {
-        match connect_queue(domain, url, options, params, reply.session_id, alarm, &stats[i], gen, deadline) {
+        match connect_queue(domain, url, options, params, Join::Session(reply.session_id), alarm, &stats[i], gen, deadline) {
             Ok((conn, r, _)) => {
                 if r.session_id != reply.session_id {
                     return Err(Error::protocol(format!(
@@ -827,6 +839,15 @@ fn connect_set(
     Ok(ConnSet { conns, reply, limits })
 }
 
+/// What a queue pair's CONNECT asks for.
+#[derive(Clone, Copy, Debug)]
+enum Join {
+    /// A new session, replacing an earlier one of this host (0: none).
+    Create { replaces: SessionId },
+    /// An additional queue pair of this session.
+    Session(SessionId),
+}
+
 /// Creates, connects and negotiates one queue pair.
 #[allow(clippy::too_many_arguments)]
 fn connect_queue(
@@ -834,7 +855,7 @@ fn connect_queue(
     url: &FabricUrl,
     options: &ConnectOptions,
     params: ConnParams,
-    session_id: SessionId,
+    join: Join,
     alarm: &Arc<Alarm>,
     stats: &Arc<Stats>,
     gen: u32,
@@ -883,6 +904,10 @@ fn connect_queue(
         }
     })?;
 
+    let (session_id, replaces) = match join {
+        Join::Create { replaces } => (SessionId(0), replaces),
+        Join::Session(id) => (id, SessionId(0)),
+    };
     let authenticated_as = match &options.key {
         Some(key) => Some(crate::auth::authenticate(&mut conn, key, &options.host_id, session_id, || remaining(deadline))?),
         None => None,
@@ -892,6 +917,7 @@ fn connect_queue(
     c.queue_depth = depth;
     c.max_io_size = options.max_io_size;
     c.session_id = session_id;
+    c.replaces = replaces;
     c.inline_len = options.host_id.len() as u32;
     let resp = conn.execute(&c, options.host_id.as_bytes(), remaining(deadline))?;
     match resp.capsule.status {

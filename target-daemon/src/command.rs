@@ -224,7 +224,9 @@ pub enum Plan {
     /// Create a session (`join` is `None`) or join one, mark the queue pair
     /// connected and send the reply; the reactor fills in the reply's
     /// session id and queue index.
-    Connect { negotiated: Negotiated, host_id: String, join: Option<SessionId>, reply: ConnectReply },
+    /// `replaces`: the earlier session of this host that a new session
+    /// replaces (the reconnect fence); only without `join`.
+    Connect { negotiated: Negotiated, host_id: String, join: Option<SessionId>, replaces: Option<SessionId>, reply: ConnectReply },
     /// Start authentication: answer an [`AuthChallenge`](rdmablk_common::protocol::AuthChallenge).
     AuthNegotiate { host_id: String, session_id: SessionId },
     /// Check the initiator's proof; answer the target's.
@@ -358,6 +360,7 @@ fn connect(cap: &CommandCapsule, inline: &[u8], limits: &Limits) -> Result<Plan>
         ));
     }
     let join = (cap.session_id != SessionId(0)).then_some(cap.session_id);
+    let replaces = (cap.replaces != SessionId(0)).then_some(cap.replaces);
     let negotiated = Negotiated {
         queue_depth: cap.queue_depth.min(limits.queue_depth).max(1),
         max_io_size: negotiate_max_io(cap.max_io_size, limits.max_io_size),
@@ -372,7 +375,7 @@ fn connect(cap: &CommandCapsule, inline: &[u8], limits: &Limits) -> Result<Plan>
         session_id: SessionId(0),
         queue_index: 0,
     };
-    Ok(Plan::Connect { negotiated, host_id: host_id.to_owned(), join, reply })
+    Ok(Plan::Connect { negotiated, host_id: host_id.to_owned(), join, replaces, reply })
 }
 
 fn io(
@@ -550,7 +553,8 @@ mod tests {
         let st = SessionState::new();
         let (cid, p) = plan(&msg(&connect_cmd(PROTOCOL_VERSION, 1000, 1 << 20), b"host"), &vols(), &limits(), &st, &OpenSet::default());
         assert_eq!(cid, CommandId(1));
-        let Plan::Connect { negotiated, host_id, join, reply } = p.unwrap() else { panic!() };
+        let Plan::Connect { negotiated, host_id, join, replaces, reply } = p.unwrap() else { panic!() };
+        assert_eq!(replaces, None);
         assert_eq!(negotiated, Negotiated { queue_depth: 32, max_io_size: 65536 });
         assert_eq!(host_id, "host");
         assert_eq!(join, None, "session id 0 creates a session");
@@ -572,6 +576,17 @@ mod tests {
         c.session_id = SessionId(0x1234);
         let Plan::Connect { join, .. } = ok(&msg(&c, b"host"), &SessionState::new()) else { panic!() };
         assert_eq!(join, Some(SessionId(0x1234)));
+    }
+
+    #[test]
+    fn a_new_session_may_name_the_session_it_replaces() {
+        let mut c = connect_cmd(PROTOCOL_VERSION, 4, 4096);
+        c.replaces = SessionId(0x77);
+        let Plan::Connect { join, replaces, .. } = ok(&msg(&c, b"host"), &SessionState::new()) else { panic!() };
+        assert_eq!((join, replaces), (None, Some(SessionId(0x77))));
+        // A join replaces nothing.
+        c.session_id = SessionId(0x1234);
+        assert_eq!(status(&msg(&c, b"host"), &SessionState::new()), Status::InvalidField);
     }
 
     #[test]

@@ -57,6 +57,9 @@ pub const DEFAULT_MAX_QUEUES_PER_SESSION: u32 = 16;
 pub const DEFAULT_MAX_HANDSHAKES: u32 = 64;
 /// Default time a connection has to complete CONNECT.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default `target.fence_timeout`: below the initiator's default connect
+/// timeout (10 s), so that a CONNECT kept waiting is answered in time.
+pub const DEFAULT_FENCE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default share of a reactor's pool one session may hold: 25 %.
 pub const DEFAULT_SESSION_POOL_SHARE: PoolShare = PoolShare::Percent(25);
 /// Upper bound of the count limits (sessions, queues, handshakes).
@@ -144,6 +147,10 @@ pub struct TargetConfig {
     /// Time a connection has from arriving until its CONNECT succeeds
     /// (applied to the fabric hello and again to CONNECT).
     pub handshake_timeout: Duration,
+    /// How long a CONNECT that replaces an earlier session (the reconnect
+    /// fence) may wait for that session's disk I/O to finish before it is
+    /// answered `FenceTimeout` (the initiator then retries).
+    pub fence_timeout: Duration,
     /// Most pool buffers one session may hold at once on one reactor;
     /// commands beyond it wait for the session's own buffers to return.
     pub session_pool_share: PoolShare,
@@ -261,6 +268,7 @@ impl TargetConfig {
         check(self.max_queues_per_session != other.max_queues_per_session, "target.max_queues_per_session");
         check(self.max_handshakes != other.max_handshakes, "target.max_handshakes");
         check(self.handshake_timeout != other.handshake_timeout, "target.handshake_timeout");
+        check(self.fence_timeout != other.fence_timeout, "target.fence_timeout");
         check(self.session_pool_share != other.session_pool_share, "target.session_pool_share");
         v
     }
@@ -340,6 +348,7 @@ struct RawTarget {
     max_queues_per_session: Option<i64>,
     max_handshakes: Option<i64>,
     handshake_timeout: Option<RawDuration>,
+    fence_timeout: Option<RawDuration>,
     session_pool_share: Option<RawSize>,
 }
 
@@ -584,6 +593,10 @@ impl RawConfig {
                 format!("must be between 100ms and 1h (got {handshake_timeout:?})"),
             ));
         }
+        let fence_timeout = cx.duration("target.fence_timeout", t.fence_timeout, DEFAULT_FENCE_TIMEOUT)?;
+        if fence_timeout < Duration::from_millis(100) || fence_timeout > Duration::from_secs(3600) {
+            return Err(cx.err("target.fence_timeout", format!("must be between 100ms and 1h (got {fence_timeout:?})")));
+        }
         let session_pool_share = match t.session_pool_share {
             None => DEFAULT_SESSION_POOL_SHARE,
             Some(RawSize::Str(s)) if s.trim().ends_with('%') => {
@@ -652,6 +665,7 @@ impl RawConfig {
             max_queues_per_session,
             max_handshakes,
             handshake_timeout,
+            fence_timeout,
             session_pool_share,
         };
 
@@ -1034,6 +1048,7 @@ read_only = true
             (3, 2, 5)
         );
         assert_eq!(c.target.handshake_timeout, Duration::from_millis(1500));
+        assert_eq!(c.target.fence_timeout, DEFAULT_FENCE_TIMEOUT);
         assert_eq!(c.target.session_pool_share, PoolShare::Bytes(1 << 20));
         assert_eq!(c.target.session_pool_share.chunks(512, 128 << 10), 8);
         let c = Config::parse(&with_target("session_pool_share = \"100%\"\nhandshake_timeout = 2"), "l.toml").unwrap();
@@ -1060,6 +1075,10 @@ read_only = true
         assert!(e.contains("target.handshake_timeout: invalid duration"), "{e}");
         let e = err(&with_target("handshake_timeout = 0"));
         assert!(e.contains("target.handshake_timeout: must be between 100ms and 1h"), "{e}");
+        let e = err(&with_target("fence_timeout = \"50ms\""));
+        assert!(e.contains("target.fence_timeout: must be between 100ms and 1h"), "{e}");
+        let c = Config::parse(&with_target("fence_timeout = \"2s\""), "l.toml").unwrap();
+        assert_eq!(c.target.fence_timeout, Duration::from_secs(2));
         let e = err(&with_target("handshake_timeout = -1"));
         assert!(e.contains("target.handshake_timeout: must not be negative"), "{e}");
         let e = err(&with_target("session_pool_share = \"0%\""));

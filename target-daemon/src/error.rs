@@ -61,6 +61,9 @@ pub enum ErrorKind {
     UnknownSession,
     /// CONNECT would exceed `target.max_sessions` or `target.max_queues_per_session`.
     LimitReached,
+    /// CONNECT replaces a session that could not be retired within
+    /// `target.fence_timeout` (a disk I/O of it is still in flight).
+    FenceTimeout,
     /// The host may not use this volume (not granted by allowed_hosts,
     /// read_only_hosts or allow_any_host).
     AccessDenied,
@@ -151,6 +154,7 @@ impl Error {
             ErrorKind::AuthRequired => (Status::AuthRequired, 0),
             ErrorKind::AuthFailed => (Status::AuthFailed, 0),
             ErrorKind::LimitReached => (Status::LimitReached, 0),
+            ErrorKind::FenceTimeout => (Status::FenceTimeout, 0),
             ErrorKind::Config
             | ErrorKind::Volume
             | ErrorKind::Uring
@@ -226,6 +230,7 @@ mod tests {
             ErrorKind::AuthRequired,
             ErrorKind::AuthFailed,
             ErrorKind::LimitReached,
+            ErrorKind::FenceTimeout,
             ErrorKind::Internal,
         ];
         let mut seen = std::collections::HashSet::new();

@@ -318,6 +318,12 @@ pub fn render(s: &Scrape<'_>) -> String {
         let _ = writeln!(out, "rdmablk_handshakes_in_progress {}", get(&l.handshakes));
         header(&mut out, "rdmablk_handshakes_timed_out_total", "counter", "Connections dropped by target.handshake_timeout.");
         let _ = writeln!(out, "rdmablk_handshakes_timed_out_total {}", get(&l.handshakes_timed_out));
+        header(&mut out, "rdmablk_fences_total", "counter", "Sessions retired by the reconnect fence (a newer session of the host replaced them).");
+        let _ = writeln!(out, "rdmablk_fences_total {}", get(&l.fences));
+        header(&mut out, "rdmablk_fence_timeouts_total", "counter", "CONNECTs answered FenceTimeout: the replaced session's disk I/O outlasted target.fence_timeout.");
+        let _ = writeln!(out, "rdmablk_fence_timeouts_total {}", get(&l.fence_timeouts));
+        header(&mut out, "rdmablk_fence_dropped_commands_total", "counter", "Commands of retired sessions dropped before they reached the disk.");
+        let _ = writeln!(out, "rdmablk_fence_dropped_commands_total {}", get(&l.fence_dropped_commands));
         header(&mut out, "rdmablk_connections_refused_total", "counter", "Connections and CONNECTs refused by a limit, by the limit.");
         for (reason, c) in [
             ("max_handshakes", &l.refused_handshakes),
@@ -633,6 +639,8 @@ mod tests {
         assert!(text.contains("rdmablk_connections_refused_total{reason=\"max_handshakes\"} 0"), "{text}");
         assert!(text.contains("rdmablk_handshakes_in_progress 2"), "{text}");
         assert!(text.contains("rdmablk_handshakes_timed_out_total 0"), "{text}");
+        assert!(text.contains("rdmablk_fences_total 0"), "{text}");
+        assert!(text.contains("rdmablk_fence_timeouts_total 0"), "{text}");
         assert!(text.contains("rdmablk_volume_ops_total{volume=\"v0\",op=\"write\"} 1"));
         assert!(text.contains("rdmablk_volume_bytes_total{volume=\"v0\",op=\"write\"} 4096"));
         assert!(text.contains("rdmablk_volume_latency_seconds_bucket{volume=\"v0\",op=\"write\",le=\"0.000004\"} 1"));

@@ -30,7 +30,7 @@ use rdmablk_common::fabric::{
     QueuePair, RecvWr, SendOp, SendWr, Sge, WcStatus, WrId, Rkey,
 };
 use rdmablk_common::protocol::{
-    CommandId, DataDescriptor, ResponseCapsule, Status, COMMAND_CAPSULE_SIZE, CONNECT_INLINE_MAX, MAX_NAME_LEN,
+    CommandId, ConnectReply, DataDescriptor, ResponseCapsule, SessionId, Status, COMMAND_CAPSULE_SIZE, CONNECT_INLINE_MAX, MAX_NAME_LEN,
     RESPONSE_CAPSULE_SIZE, RESPONSE_SLOT_SIZE, VOLUME_INFO_SIZE,
 };
 
@@ -246,6 +246,26 @@ struct Session {
     /// Send work requests of this turn, posted together at its end (one
     /// `post_send`: one `sendmsg` on tcp, one doorbell on verbs).
     tx: Vec<QueuedWr>,
+    /// A CONNECT waiting for the session it replaces to be retired.
+    fence: Option<Fence>,
+}
+
+/// A CONNECT that passed its checks and has not been answered yet.
+struct PendingConnect {
+    cid: CommandId,
+    start: Instant,
+    negotiated: command::Negotiated,
+    host_id: String,
+    join: Option<SessionId>,
+    reply: ConnectReply,
+}
+
+/// A CONNECT held by the reconnect fence until `old` has ended.
+struct Fence {
+    old: Arc<SharedSession>,
+    since: Instant,
+    deadline: Instant,
+    connect: PendingConnect,
 }
 
 /// A send-queue work request waiting for the end of the reactor turn. Its
@@ -312,6 +332,9 @@ struct Cmd {
     error: Option<ErrorKind>,
     /// Receive slot still holding inline data.
     held_recv: Option<u16>,
+    /// Part of it went to the disk (or the blocking worker): a command
+    /// freed unanswered without this was dropped before the disk.
+    at_disk: bool,
     in_waitq: bool,
     responded: bool,
     send_inflight: bool,
@@ -388,6 +411,12 @@ struct Reactor {
     /// `[target] busy_poll`, and when the last turn with work ended.
     busy_poll: Duration,
     last_work: Instant,
+    /// `target.fence_timeout`.
+    fence_timeout: Duration,
+    /// The registry's fence generation this reactor has acted on.
+    fence_generation: u64,
+    /// Queue pairs with a CONNECT held by the fence.
+    fences_waiting: u32,
 }
 
 /// Receive slot size: a capsule plus the largest inline payload any command may carry.
@@ -506,7 +535,11 @@ impl Reactor {
             uring_done: Vec::with_capacity(256),
             busy_poll: cfg.busy_poll,
             last_work: Instant::now(),
+            fence_timeout: cfg.fence_timeout,
+            fence_generation: 0,
+            fences_waiting: 0,
         };
+        r.registry.add_waker(Arc::clone(&r.wake));
         r.refresh_volumes();
         Ok(r)
     }
@@ -519,6 +552,7 @@ impl Reactor {
             work += self.reap_blocking();
             self.pump_waitq();
             work += self.control();
+            self.check_fences();
             self.check_deadlines();
             self.flush_sends();
             self.uring.submit()?;
@@ -716,7 +750,9 @@ impl Reactor {
                 if let Some(sd) = self.shutdown {
                     min(sd);
                 }
-                if let Some((_, hd)) = &s.handshake {
+                if let Some(f) = &s.fence {
+                    min(f.deadline);
+                } else if let Some((_, hd)) = &s.handshake {
                     min(*hd);
                 }
             } else if s.res.is_some() && (s.sq_used > 0 || s.recv_posted > 0) {
@@ -772,7 +808,8 @@ impl Reactor {
         }
         for si in 0..self.sessions.len() {
             let Some(s) = &self.sessions[si].s else { continue };
-            if s.closing.is_none() && s.handshake.as_ref().is_some_and(|(_, d)| now >= *d) {
+            // A CONNECT held by the fence has the fence's deadline instead.
+            if s.closing.is_none() && s.fence.is_none() && s.handshake.as_ref().is_some_and(|(_, d)| now >= *d) {
                 let why = format!("no successful CONNECT within {:?} (target.handshake_timeout)", self.handshake_timeout);
                 tracing::warn!("reactor {}: dropping connection from {}: {why}", self.id, s.peer);
                 self.registry.counters.handshakes_timed_out.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -920,6 +957,7 @@ impl Reactor {
             close_deadline: None,
             handshake: Some((handshake, Instant::now() + self.handshake_timeout)),
             tx: Vec::new(),
+            fence: None,
         };
         self.sessions[si as usize].s = Some(session);
         self.stats.queue_pairs.add(1);
@@ -992,6 +1030,18 @@ impl Reactor {
             return;
         }
         if s.closing.is_some() {
+            // A dead queue pair executes nothing more.
+            if let Some(sh) = &s.shared {
+                sh.count_dropped(1);
+            }
+            return;
+        }
+        if s.shared.as_ref().is_some_and(|sh| sh.is_retired()) {
+            // Retired by a reconnect fence that this reactor has not acted on yet.
+            if let Some(sh) = &s.shared {
+                sh.count_dropped(1);
+            }
+            self.retire_queue_pairs();
             return;
         }
         self.stats.commands.add(1);
@@ -1020,64 +1070,18 @@ impl Reactor {
             Err(e) => return self.refuse(si, slot, len, cid, e, start),
         };
         match plan {
-            Plan::Connect { negotiated, host_id, join, mut reply } => {
+            Plan::Connect { negotiated, host_id, join, replaces, reply } => {
                 let access = Arc::clone(&self.vols.set.access);
                 let s = self.session(si);
                 if let Err(e) = crate::auth::check_connect(&s.state.auth, &access, &host_id, join) {
                     tracing::warn!("connect refused: host={host_id} peer={} reason={e}", s.peer);
                     return self.refuse(si, slot, len, cid, e, start);
                 }
-                let registry = Arc::clone(&self.registry);
-                let joined = {
-                    let mut admin = registry.admin();
-                    match join {
-                        None => registry.create(&mut admin, &host_id, self.id),
-                        Some(id) => registry.join(&mut admin, id, &host_id, self.id),
-                    }
-                };
-                let joined = match joined {
-                    Ok(j) => j,
-                    Err(e) => {
-                        let id = self.id;
-                        let s = self.session(si);
-                        if e.kind() == ErrorKind::LimitReached {
-                            tracing::warn!("session refused: host={host_id} peer={} reactor={id} reason={e}", s.peer);
-                        } else {
-                            tracing::info!("session join refused: host={host_id} peer={} reactor={id} reason={e}", s.peer);
-                        }
-                        return self.refuse(si, slot, len, cid, e, start);
-                    }
-                };
-                reply.session_id = joined.session.id;
-                reply.queue_index = joined.queue_index;
-                let id = self.id;
-                let s = self.session(si);
-                tracing::info!(
-                    "session connected: host={host_id} session={:#x} queue={} reactor={id} peer={} queue_depth={} max_io_size={}{}",
-                    joined.session.id.0,
-                    joined.queue_index,
-                    s.peer,
-                    negotiated.queue_depth,
-                    negotiated.max_io_size,
-                    if joined.created { " (new session)" } else { " (joined)" }
-                );
-                s.state.connected = Some(negotiated);
-                s.state.host_id = Some(host_id);
-                // Past its handshake: the slot goes back for the next connection.
-                s.handshake = None;
-                s.shared = Some(joined.session);
-                s.queue_index = joined.queue_index;
                 self.repost_recv(si, slot);
-                let data = reply.to_bytes();
-                if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate, start) {
-                    match data {
-                        Ok(d) => self.respond(ci, &d, None),
-                        Err(e) => {
-                            tracing::error!("cannot encode CONNECT reply: {e}");
-                            self.cmd(ci).error = Some(ErrorKind::Internal);
-                            self.respond(ci, &[], None);
-                        }
-                    }
+                let pending = PendingConnect { cid, start, negotiated, host_id, join, reply };
+                match replaces {
+                    Some(old) => self.fence(si, old, pending),
+                    None => self.connect_session(si, pending, None),
                 }
             }
             Plan::AuthNegotiate { host_id, session_id } => {
@@ -1178,6 +1182,180 @@ impl Reactor {
                 }
             }
             Plan::Io(io) => self.start_io(si, slot, cid, io, start),
+        }
+    }
+
+    /// Answers a command whose receive slot is already reposted with the
+    /// failure `e`.
+    fn answer_error(&mut self, si: u16, cid: CommandId, e: Error, start: Instant) {
+        if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate, start) {
+            self.cmd(ci).error = Some(e.kind());
+            self.respond(ci, &[], None);
+        }
+    }
+
+    /// The reconnect fence: a CONNECT creating a session names the earlier
+    /// session `old` of the same host that it replaces. That session is
+    /// retired on every reactor (its queue pairs stop reading and drop what
+    /// they have not submitted to the disk), and this CONNECT is answered
+    /// only once its last queue pair, and so its last disk I/O, is gone, or
+    /// with `FenceTimeout` after `target.fence_timeout`.
+    fn fence(&mut self, si: u16, old: SessionId, pending: PendingConnect) {
+        let registry = Arc::clone(&self.registry);
+        let retired = registry.retire(&mut registry.admin(), old, &pending.host_id);
+        let old = match retired {
+            Err(e) => {
+                let s = self.session(si);
+                tracing::warn!("connect refused: host={} peer={} reason={e}", pending.host_id, s.peer);
+                return self.answer_error(si, pending.cid, e, pending.start);
+            }
+            // Gone already: nothing of it can land any more.
+            Ok(None) => return self.connect_session(si, pending, Some(old)),
+            Ok(Some(shared)) => shared,
+        };
+        // This reactor's queue pairs of the old session stop now; the
+        // others' at their next turn (the registry woke them).
+        self.retire_queue_pairs();
+        if old.has_ended() {
+            self.log_fence(&old, Duration::ZERO);
+            return self.connect_session(si, pending, Some(old.id));
+        }
+        let now = Instant::now();
+        let deadline = now + self.fence_timeout;
+        let s = self.session(si);
+        tracing::info!(
+            "fence: host={} peer={} replaces session {:#x}: waiting for its disk I/O to finish",
+            pending.host_id,
+            s.peer,
+            old.id.0
+        );
+        s.fence = Some(Fence { old, since: now, deadline, connect: pending });
+        self.fences_waiting += 1;
+    }
+
+    /// Stops every queue pair of this reactor whose session was retired.
+    fn retire_queue_pairs(&mut self) {
+        self.fence_generation = self.registry.fence_generation();
+        for si in 0..self.sessions.len() {
+            let retired = self.sessions[si]
+                .s
+                .as_ref()
+                .is_some_and(|s| s.closing.is_none() && s.shared.as_ref().is_some_and(|sh| sh.is_retired()));
+            if retired {
+                self.fail_session(si as u16, "retired: a newer session of this host replaced it (reconnect fence)".into());
+            }
+        }
+    }
+
+    /// Per turn: retires queue pairs when the fence generation moved, and
+    /// answers the CONNECTs whose fence is over (or timed out).
+    fn check_fences(&mut self) {
+        if self.registry.fence_generation() != self.fence_generation {
+            self.retire_queue_pairs();
+        }
+        if self.fences_waiting == 0 {
+            return;
+        }
+        let now = Instant::now();
+        for si in 0..self.sessions.len() {
+            let Some(s) = self.sessions[si].s.as_mut() else { continue };
+            let Some(f) = s.fence.as_ref() else { continue };
+            let closing = s.closing.is_some();
+            if !closing && !f.old.has_ended() && now < f.deadline {
+                continue;
+            }
+            let f = s.fence.take().expect("checked");
+            self.fences_waiting -= 1;
+            let si = si as u16;
+            if closing {
+                continue;
+            }
+            if f.old.has_ended() {
+                self.log_fence(&f.old, now.saturating_duration_since(f.since));
+                self.connect_session(si, f.connect, Some(f.old.id));
+            } else {
+                self.registry.counters.fence_timeouts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let e = Error::new(
+                    ErrorKind::FenceTimeout,
+                    format!(
+                        "session {:#x} still has disk I/O in flight after {:?} (target.fence_timeout)",
+                        f.old.id.0, self.fence_timeout
+                    ),
+                );
+                tracing::warn!("fence: host={} replacing session {:#x}: {e}; answered FenceTimeout", f.connect.host_id, f.old.id.0);
+                self.answer_error(si, f.connect.cid, e, f.connect.start);
+            }
+        }
+    }
+
+    fn log_fence(&self, old: &SharedSession, took: Duration) {
+        let dropped = old.dropped();
+        self.registry.counters.fence_dropped_commands.fetch_add(dropped, std::sync::atomic::Ordering::Relaxed);
+        tracing::info!(
+            "fence: session {:#x} of host {} retired in {took:?}: {dropped} commands dropped before reaching the disk, every disk I/O it had submitted completed",
+            old.id.0,
+            old.host_id
+        );
+    }
+
+    /// Creates or joins the session of a CONNECT (its receive slot is
+    /// reposted already) and answers it.
+    fn connect_session(&mut self, si: u16, c: PendingConnect, replaced: Option<SessionId>) {
+        let PendingConnect { cid, start, negotiated, host_id, join, mut reply } = c;
+        let registry = Arc::clone(&self.registry);
+        let joined = {
+            let mut admin = registry.admin();
+            match join {
+                None => registry.create(&mut admin, &host_id, self.id),
+                Some(id) => registry.join(&mut admin, id, &host_id, self.id),
+            }
+        };
+        let joined = match joined {
+            Ok(j) => j,
+            Err(e) => {
+                let id = self.id;
+                let s = self.session(si);
+                if e.kind() == ErrorKind::LimitReached {
+                    tracing::warn!("session refused: host={host_id} peer={} reactor={id} reason={e}", s.peer);
+                } else {
+                    tracing::info!("session join refused: host={host_id} peer={} reactor={id} reason={e}", s.peer);
+                }
+                return self.answer_error(si, cid, e, start);
+            }
+        };
+        reply.session_id = joined.session.id;
+        reply.queue_index = joined.queue_index;
+        let id = self.id;
+        let s = self.session(si);
+        let how = match (joined.created, replaced) {
+            (false, _) => " (joined)".to_owned(),
+            (true, None) => " (new session)".to_owned(),
+            (true, Some(old)) => format!(" (new session, replaces {:#x})", old.0),
+        };
+        tracing::info!(
+            "session connected: host={host_id} session={:#x} queue={} reactor={id} peer={} queue_depth={} max_io_size={}{how}",
+            joined.session.id.0,
+            joined.queue_index,
+            s.peer,
+            negotiated.queue_depth,
+            negotiated.max_io_size,
+        );
+        s.state.connected = Some(negotiated);
+        s.state.host_id = Some(host_id);
+        // Past its handshake: the slot goes back for the next connection.
+        s.handshake = None;
+        s.shared = Some(joined.session);
+        s.queue_index = joined.queue_index;
+        let data = reply.to_bytes();
+        if let Some(ci) = self.new_cmd(si, cid, CmdKind::Immediate, start) {
+            match data {
+                Ok(d) => self.respond(ci, &d, None),
+                Err(e) => {
+                    tracing::error!("cannot encode CONNECT reply: {e}");
+                    self.cmd(ci).error = Some(ErrorKind::Internal);
+                    self.respond(ci, &[], None);
+                }
+            }
         }
     }
 
@@ -1316,6 +1494,7 @@ impl Reactor {
             CmdKind::Flush if !backend.needs_flush() => self.respond(ci, &[], None),
             CmdKind::Flush if self.uring.features().fsync => {
                 self.cmd(ci).inflight += 1;
+                self.cmd(ci).at_disk = true;
                 self.uring.fsync(file, ud(U_FSYNC, ci, NONE16));
             }
             CmdKind::Flush => self.submit_blocking(ci, U_FSYNC, JobKind::Fdatasync, backend, 0, 0),
@@ -1330,6 +1509,7 @@ impl Reactor {
                     Some(RangeOp::Nothing) => self.respond(ci, &[], None),
                     Some(RangeOp::Fallocate(mode)) if self.uring.features().fallocate => {
                         self.cmd(ci).inflight += 1;
+                        self.cmd(ci).at_disk = true;
                         self.uring.fallocate(file, mode, offset, falloc_len, ud(U_FALLOC, ci, NONE16));
                     }
                     // An iopoll ring (or a kernel without the opcode): the worker does it.
@@ -1359,6 +1539,7 @@ impl Reactor {
             Ok(w) => {
                 w.submit(job);
                 self.cmd(ci).inflight += 1;
+                self.cmd(ci).at_disk = true;
             }
             Err(e) => {
                 tracing::error!("reactor {}: {e}", self.id);
@@ -1603,6 +1784,7 @@ impl Reactor {
             inflight: 0,
             error: None,
             held_recv: None,
+            at_disk: false,
             in_waitq: false,
             responded: false,
             send_inflight: false,
@@ -1710,6 +1892,7 @@ impl Reactor {
                     self.read_chunk_done(si, ci, c);
                 } else if kind == CmdKind::Read {
                     self.cmd(ci).inflight += 1;
+                    self.cmd(ci).at_disk = true;
                     self.uring.read_fixed(&mut self.pool, file, c, 0, len, offset, ud(U_READ, ci, c.0));
                 } else {
                     // Counted in flight once posted.
@@ -1754,6 +1937,7 @@ impl Reactor {
     /// unless fault injection holds its session's writes (test-only). The
     /// caller has counted the write in flight.
     fn write_chunk(&mut self, ci: u16, c: ChunkId) {
+        self.cmd(ci).at_disk = true;
         if crate::fault::enabled() {
             let (si, vslot) = (self.cmd(ci).sess, self.cmd(ci).vslot);
             let session = self.sessions[si as usize].s.as_ref().and_then(|s| s.shared.as_ref()).map(|sh| sh.id);
@@ -1986,9 +2170,14 @@ impl Reactor {
         if cmd.in_waitq {
             self.waitq.retain(|&x| x != ci);
         }
-        let vslot = cmd.vslot;
+        let (vslot, dropped) = (cmd.vslot, !cmd.responded && !cmd.at_disk);
         self.cmds[ci as usize] = None;
         self.free_cmds.push(ci);
+        if dropped {
+            if let Some(sh) = self.sessions[si as usize].s.as_ref().and_then(|s| s.shared.as_ref()) {
+                sh.count_dropped(1);
+            }
+        }
         if vslot != NONE16 {
             if let Some(lv) = self.vols.slots[vslot as usize].as_mut() {
                 lv.inflight -= 1;
@@ -2085,6 +2274,9 @@ impl Reactor {
         }
         let s = slot.s.take().expect("live session");
         slot.gen = slot.gen.wrapping_add(1);
+        if s.fence.is_some() {
+            self.fences_waiting -= 1;
+        }
         self.fabrics[s.fabric].cq_reserved -= s.cq_reserved;
         self.free_sessions.push(si);
         self.stats.queue_pairs.set(self.stats.queue_pairs.get().saturating_sub(1));

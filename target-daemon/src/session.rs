@@ -10,15 +10,16 @@
 //! volume cannot interleave.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::ArcSwap;
 use rdmablk_common::protocol::{SessionId, VolumeId};
 
 use crate::backend::VolumeSet;
-use crate::pool::PoolAccount;
 use crate::error::{Error, ErrorKind, Result};
+use crate::pool::PoolAccount;
+use crate::sys::EventFd;
 
 /// The volumes a session has opened, by id (a bitmap), and those it was
 /// granted read-only (a second bitmap, a subset of the first).
@@ -106,6 +107,14 @@ pub struct SharedSession {
     /// Pool chunks the session holds, one account per reactor (charged by
     /// that reactor's pool only), for `target.session_pool_share`.
     pool_accounts: Box<[Arc<PoolAccount>]>,
+    /// A newer session of the same host replaced this one (the reconnect
+    /// fence): its queue pairs stop reading and executing.
+    retired: AtomicBool,
+    /// Its last queue pair is gone, and with it the last disk I/O.
+    ended: AtomicBool,
+    /// Commands of this session dropped before they reached the disk,
+    /// because their queue pair had failed or the session was retired.
+    dropped: AtomicU64,
 }
 
 impl SharedSession {
@@ -139,6 +148,27 @@ impl SharedSession {
     pub fn pool_account(&self, reactor: usize) -> Option<&Arc<PoolAccount>> {
         self.pool_accounts.get(reactor)
     }
+
+    /// Whether a newer session replaced this one (one load per command).
+    #[inline]
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+
+    /// Whether the session is over: no queue pair, no command, no disk I/O left.
+    pub fn has_ended(&self) -> bool {
+        self.ended.load(Ordering::Acquire)
+    }
+
+    /// Counts commands dropped unexecuted.
+    pub fn count_dropped(&self, n: u64) {
+        self.dropped.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Commands dropped unexecuted so far.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
 }
 
 /// The connection limits of `[target]` that the registry enforces.
@@ -171,6 +201,13 @@ pub struct LimitCounters {
     pub refused_sessions: AtomicU64,
     /// Joins refused by `max_queues_per_session`.
     pub refused_queues: AtomicU64,
+    /// Sessions retired by the reconnect fence (a newer session replaced them).
+    pub fences: AtomicU64,
+    /// CONNECTs answered `FenceTimeout`: the replaced session had disk I/O
+    /// in flight for longer than `target.fence_timeout`.
+    pub fence_timeouts: AtomicU64,
+    /// Commands of retired sessions dropped before they reached the disk.
+    pub fence_dropped_commands: AtomicU64,
 }
 
 /// One connection in its handshake (accepted, CONNECT not yet successful):
@@ -254,6 +291,12 @@ pub struct Registry {
     limits: SessionLimits,
     /// What the limits refused, for metrics.
     pub counters: LimitCounters,
+    /// Moves whenever a session is retired or a retired session ends, so a
+    /// reactor notices with one load per turn.
+    fence_generation: AtomicU64,
+    /// The reactors' wake-up eventfds: a fence concerns queue pairs on any
+    /// reactor, and whoever waits for it.
+    wakers: Mutex<Vec<Arc<EventFd>>>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -273,7 +316,48 @@ impl Registry {
             reactors,
             limits: SessionLimits::NONE,
             counters: LimitCounters::default(),
+            fence_generation: AtomicU64::new(0),
+            wakers: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Registers a reactor's wake-up eventfd (at its start).
+    pub fn add_waker(&self, wake: Arc<EventFd>) {
+        self.wakers.lock().unwrap_or_else(|e| e.into_inner()).push(wake);
+    }
+
+    /// The fence generation: one load per reactor turn.
+    #[inline]
+    pub fn fence_generation(&self) -> u64 {
+        self.fence_generation.load(Ordering::Acquire)
+    }
+
+    fn fence_moved(&self) {
+        self.fence_generation.fetch_add(1, Ordering::AcqRel);
+        for w in self.wakers.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            w.notify();
+        }
+    }
+
+    /// The reconnect fence, first step: a new session of `host_id` replaces
+    /// session `id`. Marks it retired (its queue pairs stop reading and drop
+    /// what they have not submitted to the disk) and wakes every reactor.
+    /// `None` when no such session exists any more: nothing to wait for.
+    /// A session of another host is refused like an unknown one.
+    pub fn retire(&self, admin: &mut Admin, id: SessionId, host_id: &str) -> Result<Option<Arc<SharedSession>>> {
+        let Some(e) = admin.sessions.get(&id) else { return Ok(None) };
+        if e.shared.host_id != host_id {
+            return Err(Error::new(
+                ErrorKind::UnknownSession,
+                format!("host {host_id:?} asked to replace session {:#x}, which is another host's", id.0),
+            ));
+        }
+        let shared = Arc::clone(&e.shared);
+        if !shared.retired.swap(true, Ordering::AcqRel) {
+            self.counters.fences.fetch_add(1, Ordering::Relaxed);
+        }
+        self.fence_moved();
+        Ok(Some(shared))
     }
 
     /// The same registry, enforcing `limits`.
@@ -347,6 +431,9 @@ impl Registry {
             host_id: host_id.to_owned(),
             open: ArcSwap::from_pointee(OpenSet::default()),
             pool_accounts: (0..self.reactors).map(|_| Arc::new(PoolAccount::default())).collect(),
+            retired: AtomicBool::new(false),
+            ended: AtomicBool::new(false),
+            dropped: AtomicU64::new(0),
         });
         let mut queue_pairs = vec![0; self.reactors];
         queue_pairs[reactor] = 1;
@@ -366,6 +453,12 @@ impl Registry {
         let e = admin.sessions.get_mut(&id).ok_or_else(unknown)?;
         if e.shared.host_id != host_id {
             return Err(unknown());
+        }
+        if e.shared.is_retired() {
+            return Err(Error::new(
+                ErrorKind::UnknownSession,
+                format!("host {host_id:?} asked to join session {:#x}, which a newer session replaced", id.0),
+            ));
         }
         let live: u32 = e.queue_pairs.iter().sum();
         if live >= self.limits.max_queues_per_session {
@@ -395,6 +488,12 @@ impl Registry {
         e.queue_pairs[reactor] = e.queue_pairs[reactor].saturating_sub(1);
         if e.queue_pairs.iter().all(|&n| n == 0) {
             admin.sessions.remove(&session.id);
+            drop(admin);
+            session.ended.store(true, Ordering::Release);
+            if session.is_retired() {
+                // Whoever waits for this fence is woken.
+                self.fence_moved();
+            }
             true
         } else {
             false
@@ -487,6 +586,31 @@ mod tests {
         assert_eq!(r.counters.handshakes.load(Ordering::Relaxed), 2);
         drop((h2, h3));
         assert_eq!(r.counters.handshakes.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn retiring_a_session_stops_joins_and_ends_with_its_last_queue_pair() {
+        let r = Registry::new(VolumeSet::new(1, Vec::new()), 2);
+        let wake = Arc::new(EventFd::new().unwrap());
+        r.add_waker(Arc::clone(&wake));
+        let old = r.create(&mut r.admin(), "h", 0).ok().unwrap().session;
+        r.join(&mut r.admin(), old.id, "h", 1).ok().unwrap();
+        let g0 = r.fence_generation();
+        // Another host cannot retire it; an unknown id is nothing to wait for.
+        assert_eq!(r.retire(&mut r.admin(), old.id, "other").err().unwrap().kind(), ErrorKind::UnknownSession);
+        assert!(r.retire(&mut r.admin(), SessionId(old.id.0 ^ 1), "h").unwrap().is_none());
+        assert!(!old.is_retired() && r.fence_generation() == g0);
+        let got = r.retire(&mut r.admin(), old.id, "h").unwrap().expect("the session exists");
+        assert!(Arc::ptr_eq(&got, &old) && old.is_retired() && !old.has_ended());
+        assert!(r.fence_generation() > g0 && wake.drain(), "every reactor is told");
+        assert_eq!(r.counters.fences.load(Ordering::Relaxed), 1);
+        let e = r.join(&mut r.admin(), old.id, "h", 0).err().unwrap();
+        assert_eq!(e.kind(), ErrorKind::UnknownSession, "a retired session takes no new queue pairs");
+        let g1 = r.fence_generation();
+        assert!(!r.leave(&old, 0));
+        assert!(!old.has_ended());
+        assert!(r.leave(&old, 1));
+        assert!(old.has_ended() && r.fence_generation() > g1, "the end of a retired session wakes the fence's waiter");
     }
 
     #[test]

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdmablk_initiator::{BlockDevice, ConnectOptions, MemDevice, Session};
-use rdmablk_system_tests::{file_volume, sparse_file, target_section, TargetProcess};
+use rdmablk_system_tests::{file_volume, sample, scrape, sparse_file, target_section, TargetProcess};
 use workload::LoadConfig;
 
 const MIB: u64 = 1 << 20;
@@ -51,11 +51,18 @@ fn within(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     true
 }
 
-fn stale_write_run(run: usize) {
+/// One run; `fence_timeout` (seconds) shorter than the hold makes the
+/// first CONNECTs time out at the fence, and the initiator retry.
+fn stale_write_run(run: usize, fence_timeout: Option<u64>) {
     let dir = tempfile::tempdir().unwrap();
     let image = sparse_file(dir.path(), "vol0.img", VOLUME);
     let gate = dir.path().join("hold-writes");
-    let config = format!("{}max_io_size = \"128KiB\"\n{}", target_section(), file_volume("vol0", &image, VOLUME, false));
+    let fence = fence_timeout.map(|s| format!("fence_timeout = {s}\n")).unwrap_or_default();
+    let config = format!(
+        "{}max_io_size = \"128KiB\"\nmetrics = \"127.0.0.1:0\"\n{fence}{}",
+        target_section(),
+        file_volume("vol0", &image, VOLUME, false)
+    );
     let target =
         TargetProcess::start_with_env(&config, &[("RDMABLK_FAULT_HOLD_WRITES", gate.to_str().unwrap())], &[]);
     let session = Session::connect(target.url.clone(), options()).expect("connect");
@@ -115,9 +122,19 @@ fn stale_write_run(run: usize) {
         !reconnected_while_held,
         "the reconnected session started while a write of the session it replaced was still held at the disk"
     );
-    let fence = target.wait_for_log("fence:", Duration::from_secs(5));
+    let fence = target.wait_for_log(&format!("fence: session {:#x} of host fence-test retired in", old_session.0), Duration::from_secs(5));
     eprintln!("{fence}");
-    assert!(fence.contains(&format!("{:#x}", old_session.0)), "{fence}");
+    assert!(fence.contains("commands dropped before reaching the disk"), "{fence}");
+    target.wait_for_log(&format!("(new session, replaces {:#x})", old_session.0), Duration::from_secs(5));
+    let samples = scrape(&target.metrics_addr());
+    assert_eq!(sample(&samples, "rdmablk_fences_total", &[]), Some(1.0));
+    let timeouts = sample(&samples, "rdmablk_fence_timeouts_total", &[]).unwrap();
+    if fence_timeout.is_some() {
+        assert!(timeouts >= 1.0, "the hold outlasted target.fence_timeout, yet no CONNECT timed out");
+        target.wait_for_log("answered FenceTimeout", Duration::from_secs(1));
+    } else {
+        assert_eq!(timeouts, 0.0);
+    }
     target.assert_no_panic();
 }
 
@@ -132,7 +149,15 @@ fn assert_file_matches(image: &Path, model: &MemDevice) {
 
 #[test]
 fn no_write_of_a_replaced_session_lands_after_the_reconnected_sessions_writes() {
-    stale_write_run(0);
+    stale_write_run(0, None);
+}
+
+/// The old session's writes are held for about 3 s, longer than a 1 s
+/// `fence_timeout`: the target answers `FenceTimeout`, the initiator keeps
+/// retrying under `ctrl_loss_timeout`, and still nothing stale lands.
+#[test]
+fn a_fence_that_times_out_is_retried_and_still_holds() {
+    stale_write_run(0, Some(1));
 }
 
 /// The same, `RDMABLK_FENCE_RUNS` times in a row (the issue asks for 20 green
@@ -142,6 +167,6 @@ fn no_write_of_a_replaced_session_lands_after_the_reconnected_sessions_writes() 
 fn stale_write_test_repeated() {
     let runs = std::env::var("RDMABLK_FENCE_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
     for run in 0..runs {
-        stale_write_run(run);
+        stale_write_run(run, None);
     }
 }
