@@ -310,6 +310,16 @@ impl IntoTargetUrl for &FabricUrl {
 /// Requests wait meanwhile. Only when [`ConnectOptions::ctrl_loss_timeout`]
 /// has passed without a connection do queued and future requests fail, with
 /// [`Error::TargetLost`]. No call waits forever.
+///
+/// # Ordering across reconnections
+/// - An acknowledged write is never overwritten by an older one: the new
+///   session names the one it replaces, and the target answers its CONNECT
+///   only after it retired that session (stopped its queue pairs, dropped
+///   what had not reached the disk, waited for every disk I/O it had
+///   submitted). Nothing is re-issued before that answer.
+/// - A write that failed with [`Error::TargetLost`] (or `Disconnected`, or
+///   `Timeout`) may or may not have landed, wholly or in part.
+/// - Overlapping requests in flight at the same time are not ordered.
 #[derive(Clone)]
 pub struct Session {
     pub(crate) shared: Arc<Shared>,
