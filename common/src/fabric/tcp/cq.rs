@@ -4,7 +4,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::qp::{self, QpShared};
@@ -13,6 +13,22 @@ use crate::fabric::{lock, Completion, FabricError, Result};
 
 /// Epoll token of the completion eventfd (queue pairs use their qp_num).
 const EVENTFD_TOKEN: u64 = u64::MAX;
+/// Epoll token of the timerfd of late send completions.
+const TIMERFD_TOKEN: u64 = u64::MAX - 1;
+
+/// The environment variable that turns on late send completions for every
+/// CQ the process creates (test-only; see [`TcpCq::set_late_send_completions`]).
+pub const LATE_SEND_COMPLETIONS_ENV: &str = "RDMABLK_TCP_LATE_SEND_COMPLETIONS";
+
+/// Longest a send completion is held back in the late mode when no SEND
+/// arrives from the peer.
+const LATE_SEND_HOLD: Duration = Duration::from_millis(50);
+
+/// Whether `RDMABLK_TCP_LATE_SEND_COMPLETIONS=1`, read once per process.
+fn late_send_completions_from_env() -> bool {
+    static FROM_ENV: OnceLock<bool> = OnceLock::new();
+    *FROM_ENV.get_or_init(|| std::env::var_os(LATE_SEND_COMPLETIONS_ENV).is_some_and(|v| v == "1"))
+}
 
 /// `CqShared::ack_hold_ns` when standalone ACKs are not held back.
 const ACKS_NOT_HELD: u64 = u64::MAX;
@@ -38,6 +54,18 @@ pub(crate) struct CqShared {
     /// Queue pairs owing a standalone ACK, oldest first, with the moment it
     /// was deferred (see `qp::progress`).
     deferred_acks: Mutex<VecDeque<(u32, Instant)>>,
+    /// Test-only: send completions are held back (see
+    /// [`TcpCq::set_late_send_completions`]).
+    late_sends: AtomicBool,
+    /// The hold of the late mode, in nanoseconds ([`LATE_SEND_HOLD`]
+    /// unless a unit test changed it).
+    late_hold_ns: AtomicU64,
+    /// Queue pairs holding send completions back, oldest first, with the
+    /// moment the hold ends (see `qp::release_held_sends`).
+    held_sends: Mutex<VecDeque<(u32, Instant)>>,
+    /// Fires at the end of the oldest hold, so an owner asleep on the
+    /// channel wakes to release it. Created when the late mode is first on.
+    late_timer: OnceLock<OwnedFd>,
     capacity: u32,
 }
 
@@ -107,6 +135,74 @@ impl CqShared {
             }
         }
     }
+
+    /// Whether send completions are held back (the test-only late mode).
+    pub(crate) fn late_send_completions(&self) -> bool {
+        self.late_sends.load(Ordering::Relaxed)
+    }
+
+    /// How long the late mode holds a send completion back at most.
+    pub(crate) fn late_send_hold(&self) -> Duration {
+        Duration::from_nanos(self.late_hold_ns.load(Ordering::Relaxed))
+    }
+
+    /// Queue pair `qp_num` holds send completions back until `until` at
+    /// the latest.
+    pub(crate) fn hold_sends(&self, qp_num: u32, until: Instant) {
+        let mut held = lock(&self.held_sends);
+        held.push_back((qp_num, until));
+        if held.len() == 1 {
+            self.set_late_timer(Some(until));
+        }
+    }
+
+    /// Arms the timer of late completions for `at`, or disarms it.
+    fn set_late_timer(&self, at: Option<Instant>) {
+        if let Some(fd) = self.late_timer.get() {
+            let after = at.map(|t| t.saturating_duration_since(Instant::now()));
+            if let Err(e) = sys::timerfd_set(fd.as_raw_fd(), after) {
+                tracing::warn!(error = %e, "timerfd_settime for late send completions failed");
+            }
+        }
+    }
+
+    /// Creates the timer of late completions, once, and adds it to epoll.
+    fn make_late_timer(&self) -> Result<()> {
+        if self.late_timer.get().is_some() {
+            return Ok(());
+        }
+        let fd = sys::timerfd().map_err(|e| FabricError::io("timerfd for late send completions", e))?;
+        sys::epoll_add_in(self.epfd(), fd.as_raw_fd(), TIMERFD_TOKEN)
+            .map_err(|e| FabricError::io("adding the late-completion timerfd to epoll", e))?;
+        // Should another thread have won a race to set it, this fd closes
+        // here and so leaves the epoll set.
+        let _ = self.late_timer.set(fd);
+        Ok(())
+    }
+
+    /// Releases the send completions held past their hold (all of them
+    /// with `all`), and re-arms the timer for the next hold.
+    fn release_held_sends(&self, all: bool) {
+        let now = Instant::now();
+        loop {
+            // One entry at a time: the progress routine takes this lock too.
+            let next = {
+                let mut held = lock(&self.held_sends);
+                match held.front() {
+                    Some(&(_, until)) if !all && until > now => {
+                        self.set_late_timer(Some(until));
+                        None
+                    }
+                    _ => held.pop_front().map(|(qp_num, _)| qp_num),
+                }
+            };
+            let Some(qp_num) = next else { return };
+            let qp = lock(&self.qps).get(&qp_num).and_then(Weak::upgrade);
+            if let Some(qp) = qp {
+                qp::release_held_sends(&qp, if all { None } else { Some(now) });
+            }
+        }
+    }
 }
 
 /// A completion queue of the tcp provider.
@@ -120,7 +216,7 @@ impl TcpCq {
         let evfd = sys::eventfd().map_err(|e| FabricError::io("eventfd for a completion queue", e))?;
         sys::epoll_add_in(epfd.as_raw_fd(), evfd.as_raw_fd(), EVENTFD_TOKEN)
             .map_err(|e| FabricError::io("adding the completion eventfd to epoll", e))?;
-        Ok(TcpCq {
+        let cq = TcpCq {
             shared: Arc::new(CqShared {
                 epfd,
                 evfd,
@@ -130,9 +226,17 @@ impl TcpCq {
                 qps: Mutex::new(HashMap::new()),
                 ack_hold_ns: AtomicU64::new(ACKS_NOT_HELD),
                 deferred_acks: Mutex::new(VecDeque::new()),
+                late_sends: AtomicBool::new(false),
+                late_hold_ns: AtomicU64::new(LATE_SEND_HOLD.as_nanos() as u64),
+                held_sends: Mutex::new(VecDeque::new()),
+                late_timer: OnceLock::new(),
                 capacity,
             }),
-        })
+        };
+        if late_send_completions_from_env() {
+            cq.set_late_send_completions(true)?;
+        }
+        Ok(cq)
     }
 
     pub(crate) fn shared(&self) -> &Arc<CqShared> {
@@ -162,10 +266,21 @@ impl TcpCq {
                 sh.drain_channel();
                 continue;
             }
+            if token == TIMERFD_TOKEN {
+                // Expired holds are released below.
+                if let Some(fd) = sh.late_timer.get() {
+                    sys::counter_drain(fd.as_raw_fd());
+                }
+                continue;
+            }
             let qp = lock(&sh.qps).get(&(token as u32)).and_then(Weak::upgrade);
             if let Some(qp) = qp {
                 qp::progress(&qp, flags);
             }
+        }
+        if sh.late_send_completions() {
+            // After the sockets: a SEND that arrived in time releases first.
+            sh.release_held_sends(false);
         }
         let k = {
             let mut queue = lock(&sh.queue);
@@ -206,6 +321,43 @@ impl TcpCq {
         if hold.is_none() {
             self.shared.send_deferred_acks(true);
         }
+    }
+
+    /// Test-only: turns late send completions on or off for the queue pairs
+    /// of this CQ (on for every CQ when the process started with
+    /// `RDMABLK_TCP_LATE_SEND_COMPLETIONS=1`).
+    ///
+    /// In this mode a signaled SEND that the peer acknowledged does not
+    /// complete at once: its completion waits until the next SEND from the
+    /// peer on that queue pair has been delivered (that receive completion
+    /// comes first), or until the queue pair fails (the SEND then completes
+    /// with `WrFlushError`, like every other outstanding work request), or
+    /// until 50 ms pass with no SEND from the peer (the
+    /// channel fires then, so an owner asleep on it wakes). That is the
+    /// order Soft-RoCE on Linux 6.12, and busy NICs, report completions in:
+    /// an application must not rely on its answer's send completion to
+    /// arrive before the peer's next request. The completions of the same
+    /// send queue behind a held SEND (RDMA WRITE, READ) wait with it, as
+    /// they stay in posting order; they are never held on their own.
+    /// Turning the mode off releases every held completion.
+    pub fn set_late_send_completions(&self, on: bool) -> Result<()> {
+        let sh = &*self.shared;
+        if on {
+            sh.make_late_timer()?;
+        }
+        sh.late_sends.store(on, Ordering::Relaxed);
+        if !on {
+            sh.release_held_sends(true);
+            sh.set_late_timer(None);
+        }
+        Ok(())
+    }
+
+    /// Changes the late mode's hold (unit tests: a long one shows the
+    /// order without racing the bound).
+    #[cfg(test)]
+    pub(crate) fn set_late_send_hold(&self, hold: Duration) {
+        self.shared.late_hold_ns.store(hold.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Consumes a wake-up. It also disarms: the owner is awake now and

@@ -85,6 +85,22 @@
 //!   and sends to it gets no acknowledgement until then (a NIC would fail
 //!   that work request with RETRY_EXC_ERR after its retries).
 //!
+//! # Late send completions (test-only)
+//!
+//! With `RDMABLK_TCP_LATE_SEND_COMPLETIONS=1` in the environment (read once
+//! per process) or [`TcpCq::set_late_send_completions`], the completion of
+//! an acknowledged signaled SEND is held back until the peer's next SEND
+//! on that queue pair has been delivered, so its receive completion comes
+//! first; or until the queue pair fails (the SEND is then flushed with the
+//! rest); or until 50 ms pass without one (a timerfd in the CQ's epoll set
+//! wakes a sleeping owner then). Soft-RoCE on Linux 6.12 often reports
+//! completions in that order, and loaded NICs can: it lets tests show code
+//! that wrongly expects its answer's send completion before the peer's next
+//! request. Completions behind a held SEND on the same send queue wait with
+//! it (posting order is kept); RDMA WRITE and READ are never held on their
+//! own. With the mode off nothing changes: one branch per signaled SEND
+//! completion and one per `poll`.
+//!
 //! # Locking
 //!
 //! A queue pair's state is behind one mutex shared by the [`TcpQp`] handle
@@ -113,7 +129,7 @@ mod wire;
 #[cfg(test)]
 mod tests;
 
-pub use cq::TcpCq;
+pub use cq::{TcpCq, LATE_SEND_COMPLETIONS_ENV};
 pub use listener::{TcpConnectRequest, TcpListener};
 pub use mr::{TcpMr, TcpPd, TcpWindow};
 pub use qp::TcpQp;

@@ -74,6 +74,15 @@ struct SqEntry {
     sges: Vec<Sge>,
 }
 
+impl SqEntry {
+    /// Acknowledged (SEND, WRITE) or answered (READ), given the peer's
+    /// cumulative ack `acked`.
+    fn finished(&self, acked: u32) -> bool {
+        self.done
+            || (self.opcode != WcOpcode::RdmaRead && self.fault.is_none() && self.seq != 0 && seq_le(self.seq, acked))
+    }
+}
+
 /// The send queue: a ring of `max_send_wr` slots addressed by absolute
 /// indices. `[head, cursor)` are finished unsignaled work requests whose
 /// slots stay occupied until a later signaled one completes (as in verbs);
@@ -598,6 +607,10 @@ pub(crate) struct QpInner {
     /// A SEND found no receive: its NAK was sent, and the peer's later
     /// requests are dropped unexecuted (the peer's queue pair is in error).
     rnr_nakked: bool,
+    /// Test-only late send completions (`TcpCq::set_late_send_completions`):
+    /// the acknowledged SEND at `sq.cursor` waits for the peer's next SEND,
+    /// or until this moment. Always `None` when the mode is off.
+    held_until: Option<Instant>,
 }
 
 /// A reliable-connected queue pair of the tcp provider.
@@ -647,6 +660,7 @@ impl TcpQp {
             backlog: Backlog::default(),
             linger: false,
             rnr_nakked: false,
+            held_until: None,
         };
         let qp_num = loop {
             let n = NEXT_QP_NUM.fetch_add(1, Ordering::Relaxed);
@@ -989,6 +1003,16 @@ pub(crate) fn progress(sh: &QpShared, _events: u32) {
     q.update_interest(sh);
 }
 
+/// Late send completions: completes the send completions `sh` holds back
+/// if their hold ended by `now` (any hold with `None`).
+pub(crate) fn release_held_sends(sh: &QpShared, now: Option<Instant>) {
+    let mut g = sh.lock();
+    let q = &mut *g;
+    if q.held_until.is_some_and(|until| now.is_none_or(|now| until <= now)) {
+        q.release_held_sends(sh);
+    }
+}
+
 /// Sends the standalone ACK deferred by [`progress`], unless a frame sent
 /// since then carried the acknowledgement.
 pub(crate) fn send_deferred_ack(sh: &QpShared) {
@@ -1232,17 +1256,38 @@ impl QpInner {
 
     /// Completes finished send-queue entries in order.
     fn advance_sq(&mut self, sh: &QpShared) {
+        self.complete_sq(sh, false);
+    }
+
+    /// Late send completions: the peer's next SEND was delivered, or the
+    /// hold ended. Completes the held SENDs and what finished behind them.
+    fn release_held_sends(&mut self, sh: &QpShared) {
+        self.held_until = None;
+        self.complete_sq(sh, true);
+    }
+
+    /// Completes finished send-queue entries in order; in the late mode, a
+    /// signaled SEND (and what follows it) only with `release`.
+    fn complete_sq(&mut self, sh: &QpShared, release: bool) {
         let acked = self.peer_acked;
         while self.sq.cursor < self.sq.tail {
             let abs = self.sq.cursor;
             let e = self.sq.get_mut(abs);
-            let done =
-                e.done || (e.opcode != WcOpcode::RdmaRead && e.fault.is_none() && e.seq != 0 && seq_le(e.seq, acked));
-            if !done {
+            if !e.finished(acked) {
                 break;
             }
             e.done = true;
             let (signaled, wr_id, opcode, len) = (e.signaled, e.wr_id, e.opcode, e.len);
+            if signaled && opcode == WcOpcode::Send && !release && sh.cq.late_send_completions() {
+                // Test-only: held back until the peer's next SEND is
+                // delivered (`complete_recv`), or the hold ends.
+                if self.held_until.is_none() {
+                    let until = Instant::now() + sh.cq.late_send_hold();
+                    self.held_until = Some(until);
+                    sh.cq.hold_sends(sh.qp_num, until);
+                }
+                break;
+            }
             self.sq.cursor += 1;
             if signaled {
                 let byte_len = if opcode == WcOpcode::RdmaRead { len } else { 0 };
@@ -1279,15 +1324,22 @@ impl QpInner {
         };
         let mut first = matches!(why, Failure::Transport) && connected;
         let mut abs = self.sq.cursor;
+        // Late send completions: the SEND at `cursor` was acknowledged and
+        // its completion held back, and so may be some behind it. They are
+        // flushed like the rest; the transport error goes to the first
+        // request not finished. (With the mode off, `held` is false.)
+        let held = self.held_until.take().is_some();
         while abs < self.sq.tail {
             let e = self.sq.get(abs);
+            let finished = held && e.finished(self.peer_acked);
             let status = match (e.fault, named) {
+                _ if finished => WcStatus::WrFlushError,
                 (Some(f), _) => f,
                 (None, Some((seq, st))) if seq == e.seq => st,
                 _ if first => WcStatus::TransportError,
                 _ => WcStatus::WrFlushError,
             };
-            first = false;
+            first &= finished;
             sh.complete(e.wr_id, e.opcode, status, 0);
             abs += 1;
         }
@@ -1592,6 +1644,10 @@ impl QpInner {
         if !self.rq.is_empty() {
             sh.complete(self.rq.front().wr_id, WcOpcode::Recv, status, byte_len);
             self.rq.head += 1;
+            if self.held_until.is_some() && status == WcStatus::Success {
+                // Late send completions: the peer's next SEND is delivered.
+                self.release_held_sends(sh);
+            }
         }
     }
 

@@ -1334,3 +1334,186 @@ fn requests_staged_behind_an_rnr_nak_are_dropped() {
     assert_eq!(&bytes_of(&rig._rx)[..6], b"first\0");
     assert!(bytes_of(&region).iter().all(|&b| b == 0), "a WRITE behind the NAK was placed");
 }
+
+// ------------------------------------------------- late send completions --
+
+/// Posts a signaled 8-byte SEND `wr` and reads its frame (seq `seq`) at the
+/// raw peer.
+fn send_and_read(rig: &mut PassiveRig, tx: &Mem, wr: u64, seq: u32) {
+    let sge = [tx.mr_sge(0, 8)];
+    rig.qp.post_send(&[SendWr { wr_id: WrId(wr), op: SendOp::Send, sges: &sge, signaled: true, inline: false }]).unwrap();
+    let (h, _) = read_frame(&mut rig.raw);
+    assert_eq!((h.ty, h.seq), (FrameType::Send, seq));
+}
+
+/// The raw peer's SEND `seq` (into receive 100), acknowledging our `ack`.
+fn send_acking(seq: u32, ack: u32, payload: &[u8]) -> Vec<u8> {
+    let h = Header { seq, ack, length: payload.len() as u32, ..Header::new(FrameType::Send) };
+    let mut out = h.encode().to_vec();
+    out.extend_from_slice(payload);
+    out
+}
+
+fn standalone_ack(ack: u32) -> [u8; HDR_LEN] {
+    Header { ack, ..Header::new(FrameType::Ack) }.encode()
+}
+
+/// Polls for `d` and asserts that nothing completes meanwhile.
+fn poll_nothing_for(cq: &TcpCq, d: Duration) {
+    let until = Instant::now() + d;
+    while Instant::now() < until {
+        let mut out = [Completion::EMPTY; 4];
+        let n = cq.poll(&mut out).unwrap();
+        assert_eq!(n, 0, "{:?}", &out[..n]);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn order(comps: &[Completion]) -> Vec<(WcOpcode, u64, WcStatus)> {
+    comps.iter().map(|c| (c.opcode, c.wr_id.0, c.status)).collect()
+}
+
+/// The order of our SEND's completion and the receive of the peer's next
+/// SEND, when that SEND carries the acknowledgement of ours.
+fn order_when_the_answer_carries_the_ack(late: bool) -> Vec<(WcOpcode, u64, WcStatus)> {
+    let mut rig = passive_rig();
+    rig.cq.set_late_send_completions(late).unwrap();
+    rig.cq.set_late_send_hold(FOREVER);
+    let tx = mem(&rig.pd, 4096, Access::LOCAL_WRITE);
+    send_and_read(&mut rig, &tx, 1, 1);
+    rig.raw.write_all(&send_acking(1, 1, b"next command")).unwrap();
+    let mut comps = Vec::new();
+    poll_until(&rig.cq, &mut comps, "both completions", |c| c.len() == 2);
+    order(&comps)
+}
+
+#[test]
+fn late_send_completions_come_after_the_peers_next_message() {
+    use WcOpcode::{Recv, Send};
+    use WcStatus::Success;
+    // Off (the default): the ack is processed at the frame's header, so the
+    // SEND completes before the receive of that frame's payload.
+    assert_eq!(order_when_the_answer_carries_the_ack(false), [(Send, 1, Success), (Recv, 100, Success)]);
+    assert_eq!(order_when_the_answer_carries_the_ack(true), [(Recv, 100, Success), (Send, 1, Success)]);
+}
+
+#[test]
+fn a_late_send_completion_waits_for_the_next_send_not_for_the_ack() {
+    use WcOpcode::{Recv, RdmaWrite, Send};
+    use WcStatus::Success;
+    let mut rig = passive_rig();
+    rig.cq.set_late_send_completions(true).unwrap();
+    rig.cq.set_late_send_hold(FOREVER);
+    let tx = mem(&rig.pd, 4096, Access::LOCAL_WRITE);
+    let sge = [tx.mr_sge(0, 8)];
+    let write = |id: u64| SendWr {
+        wr_id: WrId(id),
+        op: SendOp::RdmaWrite { remote_addr: 0x1000, rkey: crate::fabric::Rkey(7) },
+        sges: &sge,
+        signaled: true,
+        inline: false,
+    };
+    send_and_read(&mut rig, &tx, 1, 1);
+    // A WRITE behind the held SEND waits with it: one send queue completes
+    // in posting order.
+    rig.qp.post_send(&[write(2)]).unwrap();
+    assert_eq!(read_frame(&mut rig.raw).0.ty, FrameType::Write);
+    rig.raw.write_all(&standalone_ack(2)).unwrap();
+    poll_nothing_for(&rig.cq, Duration::from_millis(30));
+    rig.raw.write_all(&send_acking(1, 2, b"next")).unwrap();
+    let mut comps = Vec::new();
+    poll_until(&rig.cq, &mut comps, "the three completions", |c| c.len() == 3);
+    assert_eq!(order(&comps), [(Recv, 100, Success), (Send, 1, Success), (RdmaWrite, 2, Success)]);
+    // A WRITE on its own is not held.
+    rig.qp.post_send(&[write(3)]).unwrap();
+    assert_eq!(read_frame(&mut rig.raw).0.seq, 3);
+    rig.raw.write_all(&standalone_ack(3)).unwrap();
+    let mut comps = Vec::new();
+    poll_until(&rig.cq, &mut comps, "the WRITE", |c| !c.is_empty());
+    assert_eq!(order(&comps), [(RdmaWrite, 3, Success)]);
+}
+
+#[test]
+fn a_failing_queue_pair_flushes_held_send_completions() {
+    // The peer leaves: the acknowledged, held SENDs are flushed; the
+    // transport error goes to the first SEND the peer did not acknowledge.
+    let mut rig = passive_rig();
+    rig.cq.set_late_send_completions(true).unwrap();
+    rig.cq.set_late_send_hold(FOREVER);
+    let tx = mem(&rig.pd, 4096, Access::LOCAL_WRITE);
+    for i in 1..=3 {
+        send_and_read(&mut rig, &tx, i, i as u32);
+    }
+    rig.raw.write_all(&standalone_ack(2)).unwrap();
+    poll_nothing_for(&rig.cq, Duration::from_millis(30));
+    drop(rig.raw);
+    let mut comps = Vec::new();
+    poll_until(&rig.cq, &mut comps, "the flush", |c| c.len() == 4);
+    assert_eq!(status_of(&comps, 1), Some(WcStatus::WrFlushError));
+    assert_eq!(status_of(&comps, 2), Some(WcStatus::WrFlushError));
+    assert_eq!(status_of(&comps, 3), Some(WcStatus::TransportError));
+    assert_eq!(status_of(&comps, 100), Some(WcStatus::WrFlushError));
+    assert_eq!(rig.qp.state(), QpState::Error);
+
+    // The application disconnects: flushed as well.
+    let mut rig = passive_rig();
+    rig.cq.set_late_send_completions(true).unwrap();
+    rig.cq.set_late_send_hold(FOREVER);
+    let tx = tx_of(&rig);
+    send_and_read(&mut rig, &tx, 1, 1);
+    rig.raw.write_all(&standalone_ack(1)).unwrap();
+    poll_nothing_for(&rig.cq, Duration::from_millis(30));
+    rig.qp.disconnect();
+    let mut comps = Vec::new();
+    poll_until(&rig.cq, &mut comps, "the flush", |c| c.len() == 2);
+    assert_eq!(status_of(&comps, 1), Some(WcStatus::WrFlushError));
+    assert_eq!(status_of(&comps, 100), Some(WcStatus::WrFlushError));
+}
+
+fn tx_of(rig: &PassiveRig) -> Mem {
+    mem(&rig.pd, 4096, Access::LOCAL_WRITE)
+}
+
+#[test]
+fn a_held_send_completion_is_released_after_the_bound_and_wakes_the_owner() {
+    let mut rig = passive_rig();
+    rig.cq.set_late_send_completions(true).unwrap();
+    let tx = tx_of(&rig);
+    send_and_read(&mut rig, &tx, 1, 1);
+    let acked = Instant::now();
+    rig.raw.write_all(&standalone_ack(1)).unwrap();
+    let mut comps = Vec::new();
+    loop {
+        let mut out = [Completion::EMPTY; 4];
+        let n = rig.cq.poll(&mut out).unwrap();
+        comps.extend_from_slice(&out[..n]);
+        if !comps.is_empty() {
+            break;
+        }
+        // Asleep on the channel, as a reactor: the timer must wake it.
+        rig.cq.arm().unwrap();
+        let mut pfd = libc::pollfd { fd: rig.cq.fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: valid pollfd for the call.
+        let rc = unsafe { libc::poll(&mut pfd, 1, DEADLINE.as_millis() as i32) };
+        assert_eq!(rc, 1, "the CQ's channel never fired");
+        rig.cq.ack_event().unwrap();
+    }
+    assert!(acked.elapsed() >= Duration::from_millis(50), "released after {:?}", acked.elapsed());
+    assert_eq!(order(&comps), [(WcOpcode::Send, 1, WcStatus::Success)]);
+    assert_eq!(rig.qp.state(), QpState::Ready);
+}
+
+#[test]
+fn turning_late_send_completions_off_releases_them() {
+    let mut rig = passive_rig();
+    rig.cq.set_late_send_completions(true).unwrap();
+    rig.cq.set_late_send_hold(FOREVER);
+    let tx = tx_of(&rig);
+    send_and_read(&mut rig, &tx, 1, 1);
+    rig.raw.write_all(&standalone_ack(1)).unwrap();
+    poll_nothing_for(&rig.cq, Duration::from_millis(30));
+    rig.cq.set_late_send_completions(false).unwrap();
+    let mut comps = Vec::new();
+    poll_until(&rig.cq, &mut comps, "the SEND", |c| !c.is_empty());
+    assert_eq!(order(&comps), [(WcOpcode::Send, 1, WcStatus::Success)]);
+}
