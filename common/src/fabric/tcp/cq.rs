@@ -24,10 +24,14 @@ pub const LATE_SEND_COMPLETIONS_ENV: &str = "RDMABLK_TCP_LATE_SEND_COMPLETIONS";
 /// arrives from the peer.
 const LATE_SEND_HOLD: Duration = Duration::from_millis(50);
 
-/// Whether `RDMABLK_TCP_LATE_SEND_COMPLETIONS=1`, read once per process.
-fn late_send_completions_from_env() -> bool {
-    static FROM_ENV: OnceLock<bool> = OnceLock::new();
-    *FROM_ENV.get_or_init(|| std::env::var_os(LATE_SEND_COMPLETIONS_ENV).is_some_and(|v| v == "1"))
+/// `RDMABLK_TCP_LATE_SEND_COMPLETIONS=N`: how many of the peer's SENDs a
+/// held send completion waits for (0 or unset: the mode is off). Read once
+/// per process.
+fn late_send_completions_from_env() -> u32 {
+    static FROM_ENV: OnceLock<u32> = OnceLock::new();
+    *FROM_ENV.get_or_init(|| {
+        std::env::var(LATE_SEND_COMPLETIONS_ENV).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+    })
 }
 
 /// `CqShared::ack_hold_ns` when standalone ACKs are not held back.
@@ -57,6 +61,8 @@ pub(crate) struct CqShared {
     /// Test-only: send completions are held back (see
     /// [`TcpCq::set_late_send_completions`]).
     late_sends: AtomicBool,
+    /// How many of the peer's SENDs a held completion waits for.
+    late_sends_after: std::sync::atomic::AtomicU32,
     /// The hold of the late mode, in nanoseconds ([`LATE_SEND_HOLD`]
     /// unless a unit test changed it).
     late_hold_ns: AtomicU64,
@@ -139,6 +145,12 @@ impl CqShared {
     /// Whether send completions are held back (the test-only late mode).
     pub(crate) fn late_send_completions(&self) -> bool {
         self.late_sends.load(Ordering::Relaxed)
+    }
+
+    /// How many of the peer's SENDs must be delivered before held send
+    /// completions are released.
+    pub(crate) fn late_sends_after(&self) -> u32 {
+        self.late_sends_after.load(Ordering::Relaxed).max(1)
     }
 
     /// How long the late mode holds a send completion back at most.
@@ -227,14 +239,16 @@ impl TcpCq {
                 ack_hold_ns: AtomicU64::new(ACKS_NOT_HELD),
                 deferred_acks: Mutex::new(VecDeque::new()),
                 late_sends: AtomicBool::new(false),
+                late_sends_after: std::sync::atomic::AtomicU32::new(1),
                 late_hold_ns: AtomicU64::new(LATE_SEND_HOLD.as_nanos() as u64),
                 held_sends: Mutex::new(VecDeque::new()),
                 late_timer: OnceLock::new(),
                 capacity,
             }),
         };
-        if late_send_completions_from_env() {
-            cq.set_late_send_completions(true)?;
+        let after = late_send_completions_from_env();
+        if after > 0 {
+            cq.set_late_send_completions_after(after)?;
         }
         Ok(cq)
     }
@@ -351,6 +365,15 @@ impl TcpCq {
             sh.set_late_timer(None);
         }
         Ok(())
+    }
+
+    /// The late mode, with held completions waiting for `sends` of the
+    /// peer's SENDs instead of one (`RDMABLK_TCP_LATE_SEND_COMPLETIONS=N`):
+    /// with two or more, the peer may have answered two of them and sent
+    /// two new requests before either completion shows. 0 turns it off.
+    pub fn set_late_send_completions_after(&self, sends: u32) -> Result<()> {
+        self.shared.late_sends_after.store(sends.max(1), Ordering::Relaxed);
+        self.set_late_send_completions(sends > 0)
     }
 
     /// Changes the late mode's hold (unit tests: a long one shows the

@@ -87,11 +87,11 @@
 //!
 //! # Late send completions (test-only)
 //!
-//! With `RDMABLK_TCP_LATE_SEND_COMPLETIONS=1` in the environment (read once
+//! With `RDMABLK_TCP_LATE_SEND_COMPLETIONS=N` in the environment (read once
 //! per process) or [`TcpCq::set_late_send_completions`], the completion of
 //! an acknowledged signaled SEND is held back until the peer's next SEND
-//! on that queue pair has been delivered, so its receive completion comes
-//! first; or until the queue pair fails (the SEND is then flushed with the
+//! (with N ≥ 2, its N-th) on that queue pair has been delivered, so those
+//! receive completions come first; or until the queue pair fails (the SEND is then flushed with the
 //! rest); or until 50 ms pass without one (a timerfd in the CQ's epoll set
 //! wakes a sleeping owner then). Soft-RoCE on Linux 6.12 often reports
 //! completions in that order, and loaded NICs can: it lets tests show code

@@ -611,6 +611,8 @@ pub(crate) struct QpInner {
     /// the acknowledged SEND at `sq.cursor` waits for the peer's next SEND,
     /// or until this moment. Always `None` when the mode is off.
     held_until: Option<Instant>,
+    /// The peer's SENDs delivered since the hold began.
+    held_recvs: u32,
 }
 
 /// A reliable-connected queue pair of the tcp provider.
@@ -661,6 +663,7 @@ impl TcpQp {
             linger: false,
             rnr_nakked: false,
             held_until: None,
+            held_recvs: 0,
         };
         let qp_num = loop {
             let n = NEXT_QP_NUM.fetch_add(1, Ordering::Relaxed);
@@ -1263,6 +1266,7 @@ impl QpInner {
     /// hold ended. Completes the held SENDs and what finished behind them.
     fn release_held_sends(&mut self, sh: &QpShared) {
         self.held_until = None;
+        self.held_recvs = 0;
         self.complete_sq(sh, true);
     }
 
@@ -1329,6 +1333,7 @@ impl QpInner {
         // flushed like the rest; the transport error goes to the first
         // request not finished. (With the mode off, `held` is false.)
         let held = self.held_until.take().is_some();
+        self.held_recvs = 0;
         while abs < self.sq.tail {
             let e = self.sq.get(abs);
             let finished = held && e.finished(self.peer_acked);
@@ -1645,8 +1650,12 @@ impl QpInner {
             sh.complete(self.rq.front().wr_id, WcOpcode::Recv, status, byte_len);
             self.rq.head += 1;
             if self.held_until.is_some() && status == WcStatus::Success {
-                // Late send completions: the peer's next SEND is delivered.
-                self.release_held_sends(sh);
+                // Late send completions: the peer's next SEND (or the
+                // N-th, `late_sends_after`) is delivered.
+                self.held_recvs += 1;
+                if self.held_recvs >= sh.cq.late_sends_after() {
+                    self.release_held_sends(sh);
+                }
             }
         }
     }
