@@ -248,6 +248,18 @@ struct Session {
     tx: Vec<QueuedWr>,
     /// A CONNECT waiting for the session it replaces to be retired.
     fence: Option<Fence>,
+    /// Commands of this queue pair in the slab (answered ones included,
+    /// until their send completion).
+    live_cmds: u32,
+    /// Answers waiting for a response slot or send-queue room, in order.
+    resp_wait: VecDeque<WaitingResponse>,
+}
+
+/// An answer that found every response slot busy.
+struct WaitingResponse {
+    ci: u16,
+    data: Vec<u8>,
+    chain: Option<ChunkId>,
 }
 
 /// A CONNECT that passed its checks and has not been answered yet.
@@ -336,7 +348,11 @@ struct Cmd {
     /// freed unanswered without this was dropped before the disk.
     at_disk: bool,
     in_waitq: bool,
+    /// Answered (or given up with its queue pair): no longer counted
+    /// against the queue depth.
     responded: bool,
+    /// Its answer waits for a response slot (`Session::resp_wait`).
+    answer_waits: bool,
     send_inflight: bool,
     result: u64,
     list_entries: u32,
@@ -425,10 +441,25 @@ pub fn recv_slot_size(inline_data_size: u32) -> usize {
     (COMMAND_CAPSULE_SIZE + inline).div_ceil(64) * 64
 }
 
+/// Response slots per queue pair: twice the queue depth. The initiator may
+/// send its next command as soon as it holds an answer, which can be before
+/// the answer's send completion reaches the target (Soft-RoCE on Linux 6.12
+/// and busy NICs report it late), so up to `queue_depth` unanswered
+/// commands meet answers still waiting for their completions. An answer
+/// that finds no free slot waits for one (`Session::resp_wait`).
+pub fn response_slots(queue_depth: u32) -> u32 {
+    2 * queue_depth
+}
+
+/// Completion-queue entries one queue pair may have outstanding, per unit
+/// of queue depth: its receives, its responses and its inline QUEUE_FULL
+/// answers (RDMA operations are bounded by the pool, counted once).
+const CQ_ENTRIES_PER_DEPTH: u32 = 4;
+
 /// Send queue depth requested per queue pair: responses, inline QUEUE_FULL
 /// answers, and RDMA operations of every chunk that may be in flight.
 pub fn send_queue_depth(queue_depth: u32, pool_chunks: u32) -> u32 {
-    2 * queue_depth + pool_chunks.min(queue_depth * CHUNK_WINDOW)
+    response_slots(queue_depth) + queue_depth + pool_chunks.min(queue_depth * CHUNK_WINDOW)
 }
 
 impl Reactor {
@@ -469,7 +500,7 @@ impl Reactor {
         if !features.fallocate && !features.iopoll {
             tracing::warn!("io_uring has no FALLOCATE: DISCARD and WRITE_ZEROES of files and RAM volumes will fail with NOT_SUPPORTED");
         }
-        let cq_capacity = (chunks + 3 * cfg.queue_depth * MAX_QPS_PER_REACTOR).min(1 << 20);
+        let cq_capacity = (chunks + CQ_ENTRIES_PER_DEPTH * cfg.queue_depth * MAX_QPS_PER_REACTOR).min(1 << 20);
         let epoll = Epoll::new().map_err(|e| Error::os("epoll_create", e))?;
         let mut fabrics = Vec::with_capacity(spec.fabrics.len());
         for (i, f) in spec.fabrics.iter().enumerate() {
@@ -794,7 +825,7 @@ impl Reactor {
     fn check_deadlines(&mut self) {
         let now = Instant::now();
         if let Some(deadline) = self.shutdown {
-            let idle = self.sessions.iter().all(|s| s.s.as_ref().is_none_or(|s| s.state.outstanding == 0));
+            let idle = self.sessions.iter().all(|s| s.s.as_ref().is_none_or(|s| s.live_cmds == 0));
             if idle || now >= deadline {
                 if !idle {
                     tracing::warn!("shutdown timeout reached with commands in flight; disconnecting");
@@ -874,7 +905,7 @@ impl Reactor {
         }
         let qd = self.queue_depth;
         let chunks = self.pool.capacity() as u32;
-        let reserve = 3 * qd;
+        let reserve = CQ_ENTRIES_PER_DEPTH * qd;
         if self.fabrics[fi].cq_reserved + reserve > self.cq_capacity.saturating_sub(chunks) {
             tracing::warn!("reactor {}: refusing connection from {peer}: too many queue pairs", self.id);
             req.reject(b"target busy: too many connections");
@@ -902,7 +933,7 @@ impl Reactor {
         let mut res = QpRes {
             qp,
             recv: SlotBuf::new(qd as usize, self.recv_slot_size),
-            resp: SlotBuf::new(qd as usize, RESPONSE_SLOT_SIZE),
+            resp: SlotBuf::new(response_slots(qd) as usize, RESPONSE_SLOT_SIZE),
         };
         if let Err(e) = res.recv.register(&f.pd, Access::LOCAL_WRITE).and_then(|()| res.resp.register(&f.pd, Access::NONE)) {
             tracing::warn!("cannot register buffers for {peer}: {e}");
@@ -946,7 +977,7 @@ impl Reactor {
             state: SessionState { shutting_down: self.shutdown.is_some(), ..SessionState::new() },
             shared: None,
             queue_index: 0,
-            free_resp: (0..qd as u16).rev().collect(),
+            free_resp: (0..response_slots(qd) as u16).rev().collect(),
             sq_used: 0,
             sq_cap,
             recv_posted: qd,
@@ -958,6 +989,8 @@ impl Reactor {
             handshake: Some((handshake, Instant::now() + self.handshake_timeout)),
             tx: Vec::new(),
             fence: None,
+            live_cmds: 0,
+            resp_wait: VecDeque::new(),
         };
         self.sessions[si as usize].s = Some(session);
         self.stats.queue_pairs.add(1);
@@ -1010,6 +1043,10 @@ impl Reactor {
                 }
             }
             _ => tracing::error!("completion with unknown wr_id {:#x}", wc.wr_id.0),
+        }
+        if self.sessions[si as usize].s.as_ref().is_some_and(|s| !s.resp_wait.is_empty()) {
+            // A send completion made room for answers that waited.
+            self.post_waiting_responses(si);
         }
         self.maybe_free_session(si);
     }
@@ -1620,6 +1657,7 @@ impl Reactor {
             self.fail_session(si, completion_reason("response SEND", wc.status));
         }
         self.maybe_free_cmd(ci);
+        self.post_waiting_responses(si);
     }
 
     fn on_rdma(&mut self, si: u16, ci: u16, c: ChunkId, wc: Completion) {
@@ -1787,11 +1825,14 @@ impl Reactor {
             at_disk: false,
             in_waitq: false,
             responded: false,
+            answer_waits: false,
             send_inflight: false,
             result: 0,
             list_entries: 0,
         });
-        self.session(si).state.outstanding += 1;
+        let s = self.session(si);
+        s.state.outstanding += 1;
+        s.live_cmds += 1;
         Some(ci)
     }
 
@@ -2022,6 +2063,67 @@ impl Reactor {
 
     /// Posts the response (after an optional RDMA WRITE of `chain` in the same post).
     fn respond(&mut self, ci: u16, data: &[u8], chain: Option<ChunkId>) {
+        let (si, ok) = {
+            let cmd = self.cmds[ci as usize].as_ref().expect("live command");
+            (cmd.sess, cmd.error.is_none())
+        };
+        self.record_io(ci, ok);
+        if self.session_closing(si) {
+            if let Some(c) = chain {
+                self.pool.release(c);
+            }
+            self.mark_responded(ci);
+            self.maybe_free_cmd(ci);
+            return;
+        }
+        let s = self.sessions[si as usize].s.as_mut().expect("live session");
+        let need = 1 + chain.is_some() as u32;
+        if !s.resp_wait.is_empty() || s.free_resp.is_empty() || s.sq_used + need > s.sq_cap {
+            // Every response slot or send-queue entry is taken by answers
+            // whose send completions have not come back yet (they may come
+            // after the initiator's next commands): this answer waits for
+            // one, in order. The command still counts against the queue
+            // depth, as the initiator has not seen its answer.
+            s.resp_wait.push_back(WaitingResponse { ci, data: data.to_vec(), chain });
+            self.cmd(ci).answer_waits = true;
+            return;
+        }
+        self.post_response(ci, data, chain);
+    }
+
+    /// Answers the responses that waited for a response slot, while there
+    /// are slots and send-queue room (after a send completion).
+    fn post_waiting_responses(&mut self, si: u16) {
+        loop {
+            let Some(s) = self.sessions[si as usize].s.as_mut() else { return };
+            let Some(w) = s.resp_wait.front() else { return };
+            let need = 1 + w.chain.is_some() as u32;
+            if s.closing.is_some() || s.free_resp.is_empty() || s.sq_used + need > s.sq_cap {
+                return;
+            }
+            let w = s.resp_wait.pop_front().expect("checked");
+            self.post_response(w.ci, &w.data, w.chain);
+        }
+    }
+
+    /// The answer to a command: the initiator may reuse its slot once it
+    /// holds it, so from here on the command no longer counts against the
+    /// queue depth (its slab entry lives until its send completion).
+    fn mark_responded(&mut self, ci: u16) {
+        let cmd = self.cmds[ci as usize].as_mut().expect("live command");
+        if cmd.responded {
+            return;
+        }
+        cmd.responded = true;
+        let si = cmd.sess;
+        if let Some(s) = self.sessions[si as usize].s.as_mut() {
+            s.state.outstanding -= 1;
+        }
+    }
+
+    /// Posts the response (after an optional RDMA WRITE of `chain` in the
+    /// same post); a response slot and send-queue room are free.
+    fn post_response(&mut self, ci: u16, data: &[u8], chain: Option<ChunkId>) {
         let gen;
         let si;
         let (status, detail, result, remote, cid) = {
@@ -2034,15 +2136,6 @@ impl Reactor {
             };
             (status, detail, cmd.result, cmd.remote, cmd.cid)
         };
-        self.record_io(ci, status == Status::Success);
-        if self.session_closing(si) {
-            if let Some(c) = chain {
-                self.pool.release(c);
-            }
-            self.cmd(ci).responded = true;
-            self.maybe_free_cmd(ci);
-            return;
-        }
         let data = if status == Status::Success { data } else { &[][..] };
         let rc = ResponseCapsule {
             command_id: cid,
@@ -2053,21 +2146,7 @@ impl Reactor {
         };
         let s = self.sessions[si as usize].s.as_mut().expect("live session");
         let need = 1 + chain.is_some() as u32;
-        let Some(slot) = s.free_resp.pop() else {
-            if let Some(c) = chain {
-                self.pool.release(c);
-            }
-            self.fail_session(si, "no free response slot (internal error)".into());
-            return;
-        };
-        if s.sq_used + need > s.sq_cap {
-            s.free_resp.push(slot);
-            if let Some(c) = chain {
-                self.pool.release(c);
-            }
-            self.fail_session(si, "send queue overflow (internal error)".into());
-            return;
-        }
+        let slot = s.free_resp.pop().expect("the caller checked for a free response slot");
         let res = s.res.as_mut().expect("live queue pair");
         let total = RESPONSE_CAPSULE_SIZE + data.len();
         {
@@ -2104,8 +2183,9 @@ impl Reactor {
                 self.queue_send(si, &[write, send]);
             }
         }
+        self.mark_responded(ci);
         let cmd = self.cmds[ci as usize].as_mut().expect("live command");
-        cmd.responded = true;
+        cmd.answer_waits = false;
         cmd.send_inflight = true;
         if chain.is_some() {
             cmd.inflight += 1;
@@ -2170,7 +2250,7 @@ impl Reactor {
         if cmd.in_waitq {
             self.waitq.retain(|&x| x != ci);
         }
-        let (vslot, dropped) = (cmd.vslot, !cmd.responded && !cmd.at_disk);
+        let (vslot, dropped, responded) = (cmd.vslot, !cmd.responded && !cmd.at_disk, cmd.responded);
         self.cmds[ci as usize] = None;
         self.free_cmds.push(ci);
         if dropped {
@@ -2187,7 +2267,10 @@ impl Reactor {
             }
         }
         if let Some(s) = self.sessions[si as usize].s.as_mut() {
-            s.state.outstanding -= 1;
+            if !responded {
+                s.state.outstanding -= 1;
+            }
+            s.live_cmds -= 1;
         }
         self.maybe_free_session(si);
     }
@@ -2195,7 +2278,7 @@ impl Reactor {
     /// Counts a finished I/O command in its volume's metrics (once).
     fn record_io(&mut self, ci: u16, ok: bool) {
         let cmd = self.cmds[ci as usize].as_ref().expect("live command");
-        if cmd.op == NO_OP || cmd.vslot == NONE16 || cmd.responded {
+        if cmd.op == NO_OP || cmd.vslot == NONE16 || cmd.responded || cmd.answer_waits {
             return;
         }
         let bytes = match cmd.kind {
@@ -2259,8 +2342,15 @@ impl Reactor {
         }
         s.closing = Some(reason);
         s.close_deadline = Some(Instant::now() + FLUSH_TIMEOUT);
+        // Answers that waited for a response slot are never sent.
+        let waiting = std::mem::take(&mut s.resp_wait);
         if let Some(res) = &s.res {
             res.qp.disconnect();
+        }
+        for w in waiting {
+            if let Some(c) = w.chain {
+                self.pool.release(c);
+            }
         }
         self.free_session_cmds(si);
         self.maybe_free_session(si);
@@ -2269,7 +2359,7 @@ impl Reactor {
     fn maybe_free_session(&mut self, si: u16) {
         let slot = &mut self.sessions[si as usize];
         let Some(s) = slot.s.as_ref() else { return };
-        if s.closing.is_none() || s.state.outstanding > 0 || s.sq_used > 0 || s.recv_posted > 0 {
+        if s.closing.is_none() || s.live_cmds > 0 || s.sq_used > 0 || s.recv_posted > 0 {
             return;
         }
         let s = slot.s.take().expect("live session");
@@ -2324,7 +2414,7 @@ mod tests {
     fn sizes() {
         assert_eq!(recv_slot_size(4096), 64 + 4096);
         assert_eq!(recv_slot_size(0), 64 + 256, "room for a CONNECT host id");
-        assert_eq!(send_queue_depth(128, 512), 256 + 512);
-        assert_eq!(send_queue_depth(4, 512), 8 + 32);
+        assert_eq!(send_queue_depth(128, 512), 3 * 128 + 512);
+        assert_eq!(send_queue_depth(4, 512), 12 + 32);
     }
 }
