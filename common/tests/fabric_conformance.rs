@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{
     Access, AlignedBuf, Completion, CompletionQueue, ConnectRequest, Fabric, FabricErrorKind, FabricUrl, Listener,
-    MemoryRegion, ProtectionDomain, ProviderKind, QpCaps, QpState, QueuePair, RecvWr, Rkey, SendOp, SendWr, Sge,
+    MemoryRegion, Payload, ProtectionDomain, ProviderKind, QpCaps, QpState, QueuePair, RecvWr, Rkey, SendOp, SendWr, Sge,
     WcOpcode, WcStatus, WrId,
 };
 
@@ -249,7 +249,7 @@ impl Env {
 }
 
 fn send_wr<'a>(wr: u64, op: SendOp, sges: &'a [Sge]) -> SendWr<'a> {
-    SendWr { wr_id: WrId(wr), op, sges, signaled: true, inline: false }
+    SendWr { wr_id: WrId(wr), op, payload: Payload::Sges(sges), signaled: true }
 }
 
 fn write_op(mem: &Mem, off: usize) -> SendOp {
@@ -290,9 +290,7 @@ fn send_recv() {
 
     // Inline from an unregistered buffer; the buffer is reusable at once.
     let mut stack = *b"inline payload";
-    let inline_sge = [Sge { addr: stack.as_ptr() as u64, length: stack.len() as u32, lkey: tx.mr.lkey() }];
-    cqp.post_send(&[SendWr { wr_id: WrId(2), op: SendOp::Send, sges: &inline_sge, signaled: true, inline: true }])
-        .unwrap();
+    cqp.post_send(&[SendWr { wr_id: WrId(2), op: SendOp::Send, payload: Payload::Inline(&stack), signaled: true }]).unwrap();
     stack.fill(0);
     let c = env.server_comp(101);
     assert_success(c, WcOpcode::Recv);
@@ -954,9 +952,12 @@ fn argument_rules() {
     let too_many: Vec<Sge> = (0..=granted.max_recv_sge as usize).map(|i| tx.sge(i, 1)).collect();
     let e = cqp.post_recv(&[RecvWr { wr_id: WrId(2), sges: &too_many }]).unwrap_err();
     assert_eq!(e.kind, FabricErrorKind::InvalidArgument, "{e}");
-    let big = [tx.sge(0, granted.max_inline_data as usize + 1)];
-    let e = cqp.post_send(&[SendWr { inline: true, ..send_wr(3, SendOp::Send, &big) }]).unwrap_err();
+    let big = vec![0u8; granted.max_inline_data as usize + 1];
+    let e = cqp.post_send(&[SendWr { payload: Payload::Inline(&big), ..send_wr(3, SendOp::Send, &[]) }]).unwrap_err();
     assert_eq!(e.kind, FabricErrorKind::InvalidArgument, "{e}");
+    let read = read_op(&tx, 0);
+    let e = cqp.post_send(&[SendWr { payload: Payload::Inline(&big[..1]), ..send_wr(4, read, &[]) }]).unwrap_err();
+    assert_eq!(e.kind, FabricErrorKind::InvalidArgument, "inline RDMA READ: {e}");
     // REMOTE_WRITE without LOCAL_WRITE is refused at registration.
     let buf = AlignedBuf::new(PAGE, PAGE);
     // SAFETY: `buf` outlives any region (none is created).

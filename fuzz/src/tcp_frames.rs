@@ -56,8 +56,8 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{
-    Access, AlignedBuf, Completion, CompletionQueue, Fabric, FabricUrl, Listener, MemoryRegion, ProtectionDomain,
-    QpCaps, QpState, QueuePair, RecvWr, Rkey, SendOp, SendWr, WcOpcode, WcStatus, WrId,
+    Access, AlignedBuf, Completion, CompletionQueue, Fabric, FabricUrl, Listener, MemoryRegion, Payload,
+    ProtectionDomain, QpCaps, QpState, QueuePair, RecvWr, Rkey, SendOp, SendWr, WcOpcode, WcStatus, WrId,
 };
 
 /// Frame header length of the tcp provider (common/src/fabric/tcp/wire.rs).
@@ -534,7 +534,7 @@ fn open(ep: &mut Endpoint, qp: QueuePair, ctl: Control, ledger: &mut Ledger) {
             (WR_READ, SendOp::RdmaRead { remote_addr: CLIENT_READ_ADDR, rkey: Rkey(CLIENT_RKEY) }, &read_sge[..]),
         ];
         for (wr, op, sges) in wrs {
-            let req = SendWr { wr_id: WrId(wr), op, sges, signaled: true, inline: false };
+            let req = SendWr { wr_id: WrId(wr), op, payload: Payload::Sges(sges), signaled: true };
             if qp.post_send(&[req]).is_ok() {
                 ledger.posted_sends.push(wr);
             }

@@ -41,8 +41,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{
-    Access, Completion, CompletionQueue, Invalidation, MemoryWindow, QueuePair, RecvWr, Rkey, SendOp, SendWr, WcOpcode,
-    WcStatus, WrId,
+    Access, Completion, CompletionQueue, Invalidation, MemoryWindow, Payload, QueuePair, RecvWr, Rkey, SendOp, SendWr,
+    WcOpcode, WcStatus, WrId,
 };
 use rdmablk_common::protocol::{
     BlockCount, CommandCapsule, CommandId, DataDescriptor, Lba, Opcode, ResponseCapsule, Status, VolumeId, VolumeInfo,
@@ -515,9 +515,8 @@ impl Conn {
         let wr = SendWr {
             wr_id: WrId(TAG_SEND | index as u64),
             op: SendOp::Send,
-            sges: &sge,
+            payload: Payload::Sges(&sge),
             signaled: true,
-            inline: false,
         };
         if let Err(e) = self.qp.post_send(&[wr]) {
             self.fail(format!("posting a {} command failed: {e}", op_name(op)));
@@ -571,9 +570,8 @@ impl Conn {
             .map(|(&(i, _), sge)| SendWr {
                 wr_id: WrId(TAG_SEND | i as u64),
                 op: SendOp::Send,
-                sges: std::slice::from_ref(sge),
+                payload: Payload::Sges(std::slice::from_ref(sge)),
                 signaled: true,
-                inline: false,
             })
             .collect();
         let n = self.batch.len();

@@ -336,6 +336,27 @@ impl SlotBuf {
         unsafe { std::slice::from_raw_parts(self.buf.as_ptr().add(i * self.slot_size), self.slot_size) }
     }
 
+    /// The bytes named by an SGE from [`SlotBuf::lend`], while lent: for a
+    /// SEND whose provider copies them at post time (inline). Only for a
+    /// buffer registered without `LOCAL_WRITE`, which the provider never
+    /// writes (the response slots). Panics otherwise, or if the SGE is not
+    /// the start of a lent slot of this buffer.
+    pub fn lent_bytes(&self, sge: &Sge) -> &[u8] {
+        let mr = self.mr.as_ref().expect("slot buffer not registered");
+        assert!(!mr.access().contains(Access::LOCAL_WRITE), "the provider may write this slot buffer");
+        assert_eq!(sge.lkey, mr.lkey(), "SGE of another region");
+        let off = sge.addr.checked_sub(mr.addr()).expect("SGE before the slot buffer") as usize;
+        let i = off / self.slot_size;
+        assert!(off % self.slot_size == 0 && i < self.lent.len() && self.lent[i], "SGE is not a lent slot");
+        assert!(sge.length as usize <= self.slot_size);
+        // SAFETY: the range lies within slot `i` of the live buffer (checked
+        // above). The provider never writes this buffer: registered without
+        // LOCAL_WRITE, and REMOTE_WRITE requires it. The CPU writes only
+        // through `slot_mut`, which needs `&mut self`, excluded while the
+        // returned borrow lives.
+        unsafe { std::slice::from_raw_parts(self.buf.as_ptr().add(off), sge.length as usize) }
+    }
+
     /// Slot `i`'s bytes, mutably. Panics while it is lent.
     pub fn slot_mut(&mut self, i: usize) -> &mut [u8] {
         assert!(!self.lent[i], "slot {i} is lent to the provider");

@@ -1618,13 +1618,11 @@ impl Reactor {
         }
         let (status, detail) = Error::new(ErrorKind::QueueFull, "").wire_status();
         let bytes = ResponseCapsule::failure(cid, status, detail).to_bytes();
-        let sge = Sge { addr: bytes.as_ptr() as u64, length: bytes.len() as u32, lkey: rdmablk_common::fabric::Lkey(0) };
         let wr = SendWr {
             wr_id: wr_id(K_SEND_NOSLOT, gen, si, NONE16, NONE16),
             op: SendOp::Send,
-            sges: &[sge],
+            payload: rdmablk_common::fabric::Payload::Inline(&bytes),
             signaled: true,
-            inline: true,
         };
         // The capsule is on this stack (inline): post it now, after what
         // this turn queued before it.
@@ -2212,6 +2210,7 @@ impl Reactor {
     }
 
     fn flush_session_sends(&mut self, si: u16) {
+        use rdmablk_common::fabric::Payload;
         let Some(s) = self.sessions[si as usize].s.as_mut() else { return };
         let Some(res) = s.res.as_ref() else {
             s.tx.clear();
@@ -2219,15 +2218,12 @@ impl Reactor {
         };
         let mut failed = None;
         for chunk in s.tx.chunks(TX_CHUNK) {
-            let mut wrs = [SendWr { wr_id: WrId(0), op: SendOp::Send, sges: &[], signaled: true, inline: false }; TX_CHUNK];
+            let mut wrs = [SendWr { wr_id: WrId(0), op: SendOp::Send, payload: Payload::Sges(&[]), signaled: true }; TX_CHUNK];
             for (wr, q) in wrs.iter_mut().zip(chunk) {
-                *wr = SendWr {
-                    wr_id: q.wr_id,
-                    op: q.op,
-                    sges: std::slice::from_ref(&q.sge),
-                    signaled: true,
-                    inline: q.inline,
-                };
+                // An inline response is copied from its (lent) slot at post time.
+                let payload =
+                    if q.inline { Payload::Inline(res.resp.lent_bytes(&q.sge)) } else { Payload::Sges(std::slice::from_ref(&q.sge)) };
+                *wr = SendWr { wr_id: q.wr_id, op: q.op, payload, signaled: true };
             }
             if let Err(e) = res.qp.post_send(&wrs[..chunk.len()]) {
                 failed = Some(e);

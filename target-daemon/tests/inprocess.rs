@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{
-    Access, AlignedBuf, Completion, CompletionQueue, Fabric, FabricUrl, MemoryRegion, ProtectionDomain, QpCaps,
-    QpState, QueuePair, RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WrId,
+    Access, AlignedBuf, Completion, CompletionQueue, Fabric, FabricUrl, MemoryRegion, Payload, ProtectionDomain,
+    QpCaps, QpState, QueuePair, RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WrId,
 };
 use rdmablk_common::protocol::{
     BlockCount, CommandCapsule, CommandId, ConnectReply, DataDescriptor, Lba, Opcode, ResponseCapsule, Status,
@@ -115,7 +115,7 @@ impl Client {
         buf[COMMAND_CAPSULE_SIZE..].copy_from_slice(inline);
         let sge = self.send_mr.sge(slot * SEND_SLOT, len as u32);
         self.qp
-            .post_send(&[SendWr { wr_id: WrId(1000 + slot as u64), op: SendOp::Send, sges: &[sge], signaled: true, inline: false }])
+            .post_send(&[SendWr { wr_id: WrId(1000 + slot as u64), op: SendOp::Send, payload: Payload::Sges(&[sge]), signaled: true }])
             .unwrap();
         self.sends_outstanding += 1;
     }
@@ -368,7 +368,7 @@ fn connect_open_write_read_roundtrip() {
         let buf = unsafe { &mut c.send_buf.as_mut_slice()[SEND_SLOT..SEND_SLOT + 64] };
         buf.copy_from_slice(&bad);
         let sge = c.send_mr.sge(SEND_SLOT, 64);
-        c.qp.post_send(&[SendWr { wr_id: WrId(77), op: SendOp::Send, sges: &[sge], signaled: true, inline: false }]).unwrap();
+        c.qp.post_send(&[SendWr { wr_id: WrId(77), op: SendOp::Send, payload: Payload::Sges(&[sge]), signaled: true }]).unwrap();
         c.sends_outstanding += 1;
         let (r, _) = c.response();
         assert_eq!(r.status, Status::InvalidOpcode);

@@ -6,8 +6,8 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{
-    Access, AlignedBuf, Completion, CompletionQueue, Fabric, FabricUrl, MemoryRegion, ProtectionDomain, QpCaps,
-    QueuePair, RecvWr, Rkey, SendOp, SendWr, WcOpcode, WcStatus, WrId,
+    Access, AlignedBuf, Completion, CompletionQueue, Fabric, FabricUrl, MemoryRegion, Payload, ProtectionDomain,
+    QpCaps, QueuePair, RecvWr, Rkey, SendOp, SendWr, WcOpcode, WcStatus, WrId,
 };
 use rdmablk_common::protocol::{
     BlockCount, CommandCapsule, CommandId, ConnectReply, DataDescriptor, Lba, Opcode, ResponseCapsule, SessionId,
@@ -222,7 +222,7 @@ impl RawQueue {
         // SAFETY: no transfer reads this send slot now: its previous SEND completed.
         unsafe { self.send_buf.as_mut_slice()[slot * SEND_SLOT..slot * SEND_SLOT + bytes.len()].copy_from_slice(bytes) };
         let sge = self.send_mr.sge(slot * SEND_SLOT, bytes.len() as u32);
-        let wr = SendWr { wr_id: WrId(1 << 32 | slot as u64), op: SendOp::Send, sges: &[sge], signaled: true, inline: false };
+        let wr = SendWr { wr_id: WrId(1 << 32 | slot as u64), op: SendOp::Send, payload: Payload::Sges(&[sge]), signaled: true };
         self.send_busy[slot] = true;
         self.qp.post_send(&[wr]).expect("post_send");
     }
@@ -538,9 +538,8 @@ impl RawTarget {
         let wr = SendWr {
             wr_id: WrId(WRITE_WR_ID),
             op: SendOp::RdmaWrite { remote_addr, rkey: Rkey(rkey) },
-            sges: &[sge],
+            payload: Payload::Sges(&[sge]),
             signaled: true,
-            inline: false,
         };
         self.write_status = None;
         self.qp.post_send(&[wr]).expect("post_send");
@@ -575,7 +574,7 @@ impl RawTarget {
         // SAFETY: no transfer reads this send slot now: its previous SEND completed.
         unsafe { self.send_buf.as_mut_slice()[at..at + msg.len()].copy_from_slice(&msg) };
         let sge = self.send_mr.sge(at, msg.len() as u32);
-        let wr = SendWr { wr_id: WrId(slot as u64), op: SendOp::Send, sges: &[sge], signaled: true, inline: false };
+        let wr = SendWr { wr_id: WrId(slot as u64), op: SendOp::Send, payload: Payload::Sges(&[sge]), signaled: true };
         self.send_busy[slot] = true;
         self.qp.post_send(&[wr]).expect("post_send");
     }

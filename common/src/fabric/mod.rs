@@ -32,6 +32,11 @@
 //!   before the peer sees the SEND's receive completion.
 //! - A signaled send-queue work request completes when the peer has
 //!   acknowledged it; the local buffers may be reused after that.
+//! - A work request reaches only the local memory it names: inline bytes
+//!   ([`Payload::Inline`], copied at post time) or SGEs of registered
+//!   memory whose lkey, bounds and rights are checked ([`Payload::Sges`]).
+//!   The safe [`QueuePair::post_send`] cannot make a provider read
+//!   anything else.
 //! - One-sided operations (RDMA WRITE, RDMA READ) are served by the peer's
 //!   provider without involving the peer application's code.
 //! - Any protection violation (unknown rkey, out of bounds, missing access
@@ -150,17 +155,41 @@ pub enum SendOp {
     RdmaRead { remote_addr: u64, rkey: Rkey },
 }
 
-/// A send-queue work request (`ibv_send_wr`).
+/// The local memory of a send-queue work request: where a SEND's or an
+/// RDMA WRITE's bytes come from, where an RDMA READ's land.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Payload<'a> {
+    /// Registered memory. Every SGE is checked against its region (lkey,
+    /// bounds, `LOCAL_WRITE` for a READ's destination); a violation fails
+    /// the work request with [`WcStatus::LocalProtectionError`]. The memory
+    /// must be left alone until the work request completes.
+    Sges(&'a [Sge]),
+    /// Bytes copied at post time (`IBV_SEND_INLINE`), at most the queue
+    /// pair's `max_inline_data`: any memory, registered or not, reusable as
+    /// soon as `post_send` returns. SEND and RDMA WRITE only.
+    Inline(&'a [u8]),
+}
+
+impl Payload<'_> {
+    /// Total length in bytes.
+    pub(crate) fn byte_len(&self) -> u64 {
+        match self {
+            Payload::Sges(sges) => sges.iter().map(|s| s.length as u64).sum(),
+            Payload::Inline(bytes) => bytes.len() as u64,
+        }
+    }
+}
+
+/// A send-queue work request (`ibv_send_wr`). A provider reads (or, for a
+/// READ, writes) only the memory its payload names: the inline bytes, or
+/// registered memory that passes the checks of [`Payload::Sges`].
 #[derive(Clone, Copy, Debug)]
 pub struct SendWr<'a> {
     pub wr_id: WrId,
     pub op: SendOp,
-    pub sges: &'a [Sge],
+    pub payload: Payload<'a>,
     /// Generate a completion on success. Errors always complete.
     pub signaled: bool,
-    /// Copy the payload at post time (`IBV_SEND_INLINE`); SGE lkeys are then
-    /// not checked and the buffers may be reused as soon as `post_send` returns.
-    pub inline: bool,
 }
 
 /// A receive work request (`ibv_recv_wr`).

@@ -28,8 +28,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{
-    Access, AlignedBuf, Completion, CompletionQueue, Fabric, FabricUrl, MemoryRegion, ProtectionDomain, QpCaps,
-    QueuePair, RecvWr, Rkey, SendOp, SendWr, WcOpcode, WcStatus, WrId,
+    Access, AlignedBuf, Completion, CompletionQueue, Fabric, FabricUrl, MemoryRegion, Payload, ProtectionDomain,
+    QpCaps, QueuePair, RecvWr, Rkey, SendOp, SendWr, WcOpcode, WcStatus, WrId,
 };
 use rdmablk_common::protocol::{
     CommandCapsule, ConnectReply, DecodeError, Opcode, ResponseCapsule, SessionId, Status, VolumeId, VolumeInfo,
@@ -742,9 +742,8 @@ impl<'a> FakeConn<'a> {
         let wr = SendWr {
             wr_id: WrId(tag),
             op: SendOp::RdmaRead { remote_addr, rkey: Rkey(rkey) },
-            sges: &sge,
+            payload: Payload::Sges(&sge),
             signaled: true,
-            inline: false,
         };
         self.qp.post_send(&[wr]).ok()?;
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -769,7 +768,7 @@ impl<'a> FakeConn<'a> {
             length: msg.len() as u32,
             lkey: self.send.mr.lkey(),
         }];
-        let send = SendWr { wr_id: WrId(i as u64), op: SendOp::Send, sges: &send_sge, signaled: true, inline: false };
+        let send = SendWr { wr_id: WrId(i as u64), op: SendOp::Send, payload: Payload::Sges(&send_sge), signaled: true };
         let result = match write {
             Some((off, len, remote_addr, rkey)) => {
                 let sge = [rdmablk_common::fabric::Sge {
@@ -780,9 +779,8 @@ impl<'a> FakeConn<'a> {
                 let w = SendWr {
                     wr_id: WrId(i as u64),
                     op: SendOp::RdmaWrite { remote_addr, rkey: Rkey(rkey) },
-                    sges: &sge,
+                    payload: Payload::Sges(&sge),
                     signaled: false,
-                    inline: false,
                 };
                 self.qp.post_send(&[w, send])
             }

@@ -54,7 +54,8 @@
 //! straight into the registered memory together with the next header, and
 //! READ responses are sent with `sendmsg` straight from it. Local SGEs are
 //! checked (lkey, bounds, `LOCAL_WRITE` where written) at post time and again
-//! at placement. Every region is pinned around each syscall that touches it,
+//! at placement; an inline payload is a slice the caller lends for the
+//! `post_send` call, so no SGE escapes the checks. Every region is pinned around each syscall that touches it,
 //! so deregistration waits for a placement in progress and the provider never
 //! touches a region after its [`TcpMr`] is dropped (see the `mr` module).
 //!
@@ -111,8 +112,6 @@
 //! queue pair → completion ring.
 //!
 //! # Deviations from verbs worth knowing
-//! - Inline SGEs are read from their addresses without any lkey check, as
-//!   verbs does; the facade's safe `post_send` trusts the caller there.
 //! - The CQ never overflows: `capacity` is a preallocation hint.
 //! - A failed `connect` leaves the queue pair in the error state with its
 //!   receives flushed.

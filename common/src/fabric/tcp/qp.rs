@@ -22,8 +22,8 @@ use super::wire::{
 };
 use super::{grant_caps, MAX_SGE};
 use crate::fabric::{
-    lock, Access, Completion, FabricError, FabricErrorKind, FabricUrl, QpCaps, QpNum, QpState, RecvWr, Result, Rkey,
-    SendOp, SendWr, Sge, WcOpcode, WcStatus, WrId,
+    lock, Access, Completion, FabricError, FabricErrorKind, FabricUrl, Payload, QpCaps, QpNum, QpState, RecvWr, Result,
+    Rkey, SendOp, SendWr, Sge, WcOpcode, WcStatus, WrId,
 };
 
 static NEXT_QP_NUM: AtomicU32 = AtomicU32::new(1);
@@ -868,22 +868,21 @@ fn opcode_of(op: &SendOp) -> WcOpcode {
 /// The verbs argument rules; returns the total length.
 fn validate_send(caps: &QpCaps, wr: &SendWr<'_>) -> Result<u32> {
     let invalid = |why: String| Err(err(FabricErrorKind::InvalidArgument, why));
-    if wr.sges.len() > caps.max_send_sge as usize {
-        return invalid(format!("{} SGEs in a send, max_send_sge is {}", wr.sges.len(), caps.max_send_sge));
+    if let Payload::Sges(sges) = wr.payload {
+        if sges.len() > caps.max_send_sge as usize {
+            return invalid(format!("{} SGEs in a send, max_send_sge is {}", sges.len(), caps.max_send_sge));
+        }
     }
-    let total: u64 = wr.sges.iter().map(|s| s.length as u64).sum();
+    let total = wr.payload.byte_len();
     if total > MAX_PAYLOAD as u64 {
         return invalid(format!("work request of {total} bytes exceeds {MAX_PAYLOAD}"));
     }
-    if wr.inline {
+    if let Payload::Inline(_) = wr.payload {
         if matches!(wr.op, SendOp::RdmaRead { .. }) {
             return invalid("inline RDMA READ".to_owned());
         }
         if total > caps.max_inline_data as u64 {
             return invalid(format!("{total} inline bytes, max_inline_data is {}", caps.max_inline_data));
-        }
-        if wr.sges.iter().any(|s| s.length > 0 && s.addr == 0) {
-            return invalid("inline SGE at address 0".to_owned());
         }
     }
     Ok(total as u32)
@@ -1074,7 +1073,7 @@ impl QpInner {
     ///
     /// # Safety
     /// Every payload iovec must describe memory valid for reads during the
-    /// call: a pinned region, or a buffer the caller vouches for (inline).
+    /// call: a pinned region, or a buffer the caller vouches for.
     unsafe fn tx_frame(&mut self, hdr: &mut Header, payload: &[libc::iovec]) -> bool {
         hdr.ack = self.rx_processed;
         self.last_ack_sent = self.rx_processed;
@@ -1159,7 +1158,11 @@ impl QpInner {
     /// [`QpInner::tx_batch`] at the end of the `post_send` call, or earlier
     /// when the batch is full).
     fn post_one<'t>(&mut self, sh: &QpShared, table: &'t RegionTable, batch: &mut TxBatch<'t>, wr: &SendWr<'_>, total: u32) {
-        if !batch.has_room(wr.sges.len()) {
+        let (sges, inline): (&[Sge], &[u8]) = match wr.payload {
+            Payload::Sges(sges) => (sges, &[]),
+            Payload::Inline(bytes) => (&[], bytes),
+        };
+        if !batch.has_room(if inline.is_empty() { sges.len() } else { 1 }) {
             self.tx_batch(sh, batch);
             if self.state == QpState::Error {
                 sh.complete(wr.wr_id, opcode_of(&wr.op), WcStatus::WrFlushError, 0);
@@ -1171,7 +1174,7 @@ impl QpInner {
         let mut n = 0;
         let mut fault = false;
         let is_read = matches!(wr.op, SendOp::RdmaRead { .. });
-        for sge in wr.sges {
+        for sge in sges {
             if sge.length == 0 {
                 continue;
             }
@@ -1183,18 +1186,22 @@ impl QpInner {
                     break;
                 }
             } else {
-                if !wr.inline {
-                    match table.local(sge.lkey.0, sge.addr, len, Access::NONE) {
-                        Some(r) if pins.pin(r) => {}
-                        _ => {
-                            fault = true;
-                            break;
-                        }
+                match table.local(sge.lkey.0, sge.addr, len, Access::NONE) {
+                    Some(r) if pins.pin(r) => {}
+                    _ => {
+                        fault = true;
+                        break;
                     }
                 }
                 iov[n] = sys::iov(sge.addr, sge.length as usize);
                 n += 1;
             }
+        }
+        if !inline.is_empty() {
+            // The caller's slice, borrowed for this `post_send` call, which
+            // sends the batch (or copies it to the backlog) before it returns.
+            iov[0] = sys::iov(inline.as_ptr() as usize as u64, inline.len());
+            n = 1;
         }
         let seq = if fault {
             0
@@ -1212,7 +1219,7 @@ impl QpInner {
         e.len = total;
         e.sges.clear();
         if is_read {
-            e.sges.extend_from_slice(wr.sges);
+            e.sges.extend_from_slice(sges);
         }
         if fault {
             // The work requests before this one leave first, as they would
@@ -1247,9 +1254,9 @@ impl QpInner {
         let n = batch.iovecs(&mut iov);
         // SAFETY: the iovecs are the batch's headers (alive in `batch` during
         // the call), payload SGEs checked against their regions (lkey,
-        // bounds) and pinned by `batch.pins`, and inline SGEs, read from the
-        // caller's addresses during its `post_send` call as verbs does
-        // (IBV_SEND_INLINE).
+        // bounds) and pinned by `batch.pins`, and inline payloads: slices
+        // borrowed by the `post_send` call this batch belongs to, which
+        // sends it (or copies it to the backlog) before returning.
         let ok = unsafe { self.tx_iov(&iov[..n]) };
         batch.clear();
         if !ok {

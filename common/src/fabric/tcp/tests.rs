@@ -11,7 +11,7 @@ use super::listener::TcpListener;
 use super::wire::{self, decode_hello_body, encode_hello, seq_le, seq_next, DecodeError, FrameType, Header, HDR_LEN};
 use super::{TcpCq, TcpFabric, TcpMr, TcpPd, TcpQp, TcpWindow};
 use crate::fabric::{
-    Access, AlignedBuf, Completion, FabricErrorKind, FabricUrl, QpCaps, QpState, RecvWr, SendOp, SendWr, WcOpcode,
+    Access, AlignedBuf, Completion, FabricErrorKind, FabricUrl, Payload, QpCaps, QpState, RecvWr, SendOp, SendWr, WcOpcode,
     WcStatus, WrId,
 };
 
@@ -413,7 +413,7 @@ fn a_held_ack_rides_on_the_answer_across_polls_or_leaves_at_arm() {
         std::thread::sleep(Duration::from_millis(1));
     }
     rig.qp
-        .post_send(&[SendWr { wr_id: WrId(1), op: SendOp::Send, sges: &[tx.mr_sge(0, 8)], signaled: true, inline: false }])
+        .post_send(&[SendWr { wr_id: WrId(1), op: SendOp::Send, payload: Payload::Sges(&[tx.mr_sge(0, 8)]), signaled: true }])
         .unwrap();
     let (h, body) = read_frame(&mut rig.raw);
     assert_eq!((h.ty, h.ack, body.len()), (FrameType::Send, 1, 8), "the answer comes first and carries the ack");
@@ -462,9 +462,8 @@ fn a_chain_leaves_in_order_with_every_frame_whole() {
             } else {
                 SendOp::Send
             },
-            sges: std::slice::from_ref(&sges[i as usize]),
+            payload: Payload::Sges(std::slice::from_ref(&sges[i as usize])),
             signaled: i == 39,
-            inline: false,
         })
         .collect();
     rig.qp.post_send(&wrs).unwrap();
@@ -552,7 +551,7 @@ fn peer_eof_gives_transport_error() {
     qp.connect(b"", DEADLINE).unwrap();
     let s = server.join().unwrap();
     let sge = [buf.mr_sge(0, 16)];
-    let wr = |id: u64| SendWr { wr_id: WrId(id), op: SendOp::Send, sges: &sge, signaled: true, inline: false };
+    let wr = |id: u64| SendWr { wr_id: WrId(id), op: SendOp::Send, payload: Payload::Sges(&sge), signaled: true };
     qp.post_send(&[wr(1), wr(2)]).unwrap();
     drop(s); // EOF (or RST) without a word
     let mut comps = Vec::new();
@@ -657,9 +656,8 @@ fn backlog_is_flushed_by_later_polls() {
     let wr = SendWr {
         wr_id: WrId(1),
         op: SendOp::RdmaWrite { remote_addr: remote.mr.addr(), rkey: remote.mr.rkey() },
-        sges: &sge,
+        payload: Payload::Sges(&sge),
         signaled: true,
-        inline: false,
     };
     cqp.post_send(&[wr]).unwrap();
     // The local buffer may be reused at once: the rest sits in the backlog.
@@ -811,7 +809,7 @@ fn read_destination_deregistered_before_the_response() {
     let local = unsafe { p.cpd.register(local_buf.as_ptr(), 1 << 20, Access::LOCAL_WRITE) }.unwrap();
     let sge = [crate::fabric::Sge { addr: local.addr(), length: 1 << 20, lkey: local.lkey() }];
     let op = SendOp::RdmaRead { remote_addr: remote.mr.addr(), rkey: remote.mr.rkey() };
-    p.cqp.post_send(&[SendWr { wr_id: WrId(1), op, sges: &sge, signaled: true, inline: false }]).unwrap();
+    p.cqp.post_send(&[SendWr { wr_id: WrId(1), op, payload: Payload::Sges(&sge), signaled: true }]).unwrap();
     // Manual progress: the server has not served the READ yet.
     drop(local);
     // SAFETY: deregistered: the memory is ours alone.
@@ -892,7 +890,7 @@ fn many_outstanding_operations_complete_in_order() {
             1 => (SendOp::RdmaRead { remote_addr: smem.mr.addr() + 16384, rkey: smem.mr.rkey() }, &rsge),
             _ => (SendOp::RdmaWrite { remote_addr: smem.mr.addr() + 32768, rkey: smem.mr.rkey() }, &wsge),
         };
-        let wr = SendWr { wr_id: WrId(posted), op, sges, signaled, inline: false };
+        let wr = SendWr { wr_id: WrId(posted), op, payload: Payload::Sges(sges), signaled };
         match p.cqp.post_send(&[wr]) {
             Ok(()) => posted += 1,
             Err(e) => assert_eq!(e.kind, FabricErrorKind::QueueFull),
@@ -1341,7 +1339,7 @@ fn requests_staged_behind_an_rnr_nak_are_dropped() {
 /// raw peer.
 fn send_and_read(rig: &mut PassiveRig, tx: &Mem, wr: u64, seq: u32) {
     let sge = [tx.mr_sge(0, 8)];
-    rig.qp.post_send(&[SendWr { wr_id: WrId(wr), op: SendOp::Send, sges: &sge, signaled: true, inline: false }]).unwrap();
+    rig.qp.post_send(&[SendWr { wr_id: WrId(wr), op: SendOp::Send, payload: Payload::Sges(&sge), signaled: true }]).unwrap();
     let (h, _) = read_frame(&mut rig.raw);
     assert_eq!((h.ty, h.seq), (FrameType::Send, seq));
 }
@@ -1409,9 +1407,8 @@ fn a_late_send_completion_waits_for_the_next_send_not_for_the_ack() {
     let write = |id: u64| SendWr {
         wr_id: WrId(id),
         op: SendOp::RdmaWrite { remote_addr: 0x1000, rkey: crate::fabric::Rkey(7) },
-        sges: &sge,
+        payload: Payload::Sges(&sge),
         signaled: true,
-        inline: false,
     };
     send_and_read(&mut rig, &tx, 1, 1);
     // A WRITE behind the held SEND waits with it: one send queue completes
@@ -1516,4 +1513,72 @@ fn turning_late_send_completions_off_releases_them() {
     let mut comps = Vec::new();
     poll_until(&rig.cq, &mut comps, "the SEND", |c| !c.is_empty());
     assert_eq!(order(&comps), [(WcOpcode::Send, 1, WcStatus::Success)]);
+}
+
+// ---------------------------------------------------------------- inline --
+
+#[test]
+fn an_inline_payload_is_exactly_the_given_bytes() {
+    let mut rig = passive_rig();
+    // Never registered: inline bytes need no region.
+    let bytes: Vec<u8> = (0..37u8).map(|i| i.wrapping_mul(7) ^ 0x5a).collect();
+    let write = SendOp::RdmaWrite { remote_addr: 0x2000, rkey: crate::fabric::Rkey(9) };
+    rig.qp
+        .post_send(&[
+            SendWr { wr_id: WrId(1), op: SendOp::Send, payload: Payload::Inline(&bytes), signaled: true },
+            SendWr { wr_id: WrId(2), op: write, payload: Payload::Inline(&bytes[..5]), signaled: false },
+            SendWr { wr_id: WrId(3), op: SendOp::Send, payload: Payload::Inline(&[]), signaled: true },
+        ])
+        .unwrap();
+    let (h, body) = read_frame(&mut rig.raw);
+    assert_eq!((h.ty, h.seq, h.length), (FrameType::Send, 1, 37));
+    assert_eq!(body, bytes);
+    let (h, body) = read_frame(&mut rig.raw);
+    assert_eq!((h.ty, h.seq, h.length, h.remote_addr, h.rkey), (FrameType::Write, 2, 5, 0x2000, 9));
+    assert_eq!(body, &bytes[..5]);
+    let (h, body) = read_frame(&mut rig.raw);
+    assert_eq!((h.ty, h.seq, h.length), (FrameType::Send, 3, 0));
+    assert!(body.is_empty());
+
+    // The argument rules: no more than max_inline_data, no inline READ.
+    let big = vec![0u8; rig.qp.caps().max_inline_data as usize + 1];
+    let e = rig
+        .qp
+        .post_send(&[SendWr { wr_id: WrId(4), op: SendOp::Send, payload: Payload::Inline(&big), signaled: true }])
+        .unwrap_err();
+    assert_eq!(e.kind, FabricErrorKind::InvalidArgument, "{e}");
+    let read = SendOp::RdmaRead { remote_addr: 0x2000, rkey: crate::fabric::Rkey(9) };
+    let e =
+        rig.qp.post_send(&[SendWr { wr_id: WrId(5), op: read, payload: Payload::Inline(&big[..8]), signaled: true }]).unwrap_err();
+    assert_eq!(e.kind, FabricErrorKind::InvalidArgument, "{e}");
+    assert_eq!(rig.qp.state(), QpState::Ready);
+}
+
+#[test]
+fn an_sge_send_outside_registered_memory_fails_with_a_local_protection_error() {
+    let outside = [0xAAu8; 64];
+    for what in ["a bad lkey", "memory its region does not cover"] {
+        let mut rig = passive_rig();
+        let tx = mem(&rig.pd, 4096, Access::LOCAL_WRITE);
+        let sges = [if what == "a bad lkey" {
+            crate::fabric::Sge { addr: tx.mr.addr(), length: 64, lkey: crate::fabric::Lkey(tx.mr.lkey().0 ^ 0x4000_0100) }
+        } else {
+            crate::fabric::Sge { addr: outside.as_ptr() as u64, length: outside.len() as u32, lkey: tx.mr.lkey() }
+        }];
+        let wr = SendWr { wr_id: WrId(1), op: SendOp::Send, payload: Payload::Sges(&sges), signaled: true };
+        rig.qp.post_send(&[wr]).unwrap();
+        let mut comps = Vec::new();
+        poll_until(&rig.cq, &mut comps, what, |c| c.len() == 2);
+        assert_eq!(status_of(&comps, 1), Some(WcStatus::LocalProtectionError), "{what}");
+        assert_eq!(status_of(&comps, 100), Some(WcStatus::WrFlushError), "{what}");
+        assert_eq!(rig.qp.state(), QpState::Error, "{what}");
+        // Nothing left for the peer: a local fault is not its business.
+        rig.raw.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let mut b = [0u8; 1];
+        let got = rig.raw.read(&mut b);
+        assert!(
+            matches!(&got, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)),
+            "{what}: {got:?}"
+        );
+    }
 }

@@ -41,8 +41,8 @@ use super::mr::VerbsPd;
 use super::mw::WindowPool;
 use super::{MAX_MESSAGE, MIN_RNR_TIMER, QP_TIMEOUT, RETRY_CNT, RNR_RETRY};
 use crate::fabric::{
-    lock, Access, Completion, FabricError, FabricErrorKind, FabricUrl, QpCaps, QpNum, QpState, RecvWr, Result, Rkey, SendOp,
-    SendWr, WcOpcode, WcStatus, WrId,
+    lock, Access, Completion, FabricError, FabricErrorKind, FabricUrl, Payload, QpCaps, QpNum, QpState, RecvWr, Result, Rkey,
+    SendOp, SendWr, WcOpcode, WcStatus, WrId,
 };
 
 fn err(kind: FabricErrorKind, context: impl Into<String>) -> FabricError {
@@ -399,21 +399,32 @@ impl SendBatch {
             self.first_abs = abs;
         }
         let start = self.nsge;
-        for s in wr.sges.iter().filter(|s| s.length > 0) {
-            self.sges[self.nsge] = sys::ibv_sge { addr: s.addr, length: s.length, lkey: s.lkey.0 };
-            self.nsge += 1;
+        let mut flags = 0u32;
+        match wr.payload {
+            Payload::Sges(sges) => {
+                for s in sges.iter().filter(|s| s.length > 0) {
+                    self.sges[self.nsge] = sys::ibv_sge { addr: s.addr, length: s.length, lkey: s.lkey.0 };
+                    self.nsge += 1;
+                }
+            }
+            Payload::Inline(bytes) => {
+                // The device copies the bytes during ibv_post_send (lkey
+                // unused); the slice is borrowed for the whole call.
+                flags |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
+                if !bytes.is_empty() {
+                    let (addr, length) = (bytes.as_ptr() as usize as u64, bytes.len() as u32);
+                    self.sges[self.nsge] = sys::ibv_sge { addr, length, lkey: 0 };
+                    self.nsge += 1;
+                }
+            }
         }
         self.sge_at[self.n] = (start, self.nsge - start);
         // SAFETY: ibv_send_wr is plain old data (integers, raw pointers and
         // unions of them); all-zero is valid.
         let mut w: sys::ibv_send_wr = unsafe { MaybeUninit::zeroed().assume_init() };
         w.wr_id = abs;
-        let mut flags = 0u32;
         if wr.signaled {
             flags |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
-        }
-        if wr.inline {
-            flags |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
         }
         w.send_flags = flags;
         match wr.op {
@@ -451,7 +462,9 @@ impl SendBatch {
         }
         let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
         // SAFETY: a live QP and a well-formed, null-terminated chain whose SGEs
-        // name memory the caller registered (or, inline, passed for copying).
+        // name registered memory, which the device checks against the lkey,
+        // or inline bytes: a slice the caller's `post_send` call borrows,
+        // copied by the device within this call.
         let rc = unsafe { sys::ibv_post_send(qp, base, &mut bad) };
         let (n, first) = (self.n, self.first_abs);
         self.n = 0;
@@ -888,7 +901,7 @@ impl VerbsQp {
             }
             let abs = sh.sq_tail;
             let cap = sh.sq.len() as u64;
-            let total: u64 = wr.sges.iter().map(|s| s.length as u64).sum();
+            let total = wr.payload.byte_len();
             sh.sq[(abs % cap) as usize] = SqSlot { wr_id: wr.wr_id, opcode: opcode_of(&wr.op), len: total as u32 };
             sh.sq_tail += 1;
             batch.add(abs, wr);
@@ -905,27 +918,25 @@ impl VerbsQp {
         let caps = &self.core.caps;
         let invalid = |why: String| Err(err(FabricErrorKind::InvalidArgument, why));
         let read = matches!(wr.op, SendOp::RdmaRead { .. });
-        let max_sge = if read { self.core.max_read_sge } else { caps.max_send_sge };
-        if wr.sges.len() > max_sge as usize {
-            let what = if read { "an RDMA READ" } else { "a send" };
-            return invalid(format!("{} SGEs in {what}, the limit is {max_sge}", wr.sges.len()));
+        if let Payload::Sges(sges) = wr.payload {
+            let max_sge = if read { self.core.max_read_sge } else { caps.max_send_sge };
+            if sges.len() > max_sge as usize {
+                let what = if read { "an RDMA READ" } else { "a send" };
+                return invalid(format!("{} SGEs in {what}, the limit is {max_sge}", sges.len()));
+            }
         }
-        let total: u64 = wr.sges.iter().map(|s| s.length as u64).sum();
+        let total = wr.payload.byte_len();
         if total > MAX_MESSAGE {
             return invalid(format!("work request of {total} bytes exceeds {MAX_MESSAGE}"));
         }
-        if wr.inline {
-            if read {
-                return invalid("inline RDMA READ".to_owned());
+        match wr.payload {
+            Payload::Sges(sges) => Ok(sges.iter().filter(|s| s.length > 0).count()),
+            Payload::Inline(_) if read => invalid("inline RDMA READ".to_owned()),
+            Payload::Inline(_) if total > caps.max_inline_data as u64 => {
+                invalid(format!("{total} inline bytes, max_inline_data is {}", caps.max_inline_data))
             }
-            if total > caps.max_inline_data as u64 {
-                return invalid(format!("{total} inline bytes, max_inline_data is {}", caps.max_inline_data));
-            }
-            if wr.sges.iter().any(|s| s.length > 0 && s.addr == 0) {
-                return invalid("inline SGE at address 0".to_owned());
-            }
+            Payload::Inline(bytes) => Ok(usize::from(!bytes.is_empty())),
         }
-        Ok(wr.sges.iter().filter(|s| s.length > 0).count())
     }
 
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
