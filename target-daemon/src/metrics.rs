@@ -171,6 +171,9 @@ pub struct ReactorStats {
     pub pool_waiting: Counter,
     /// Times it blocked in epoll because it had nothing to do.
     pub idle_waits: Counter,
+    /// Answers that waited for a response slot: every slot held an answer
+    /// whose send completion had not come back yet.
+    pub answers_delayed: Counter,
     /// Loop turns; the control thread checks it advances (watchdog).
     pub heartbeat: Counter,
     /// Nanoseconds spent in loop turns that found work. With `busy_poll`
@@ -190,6 +193,7 @@ impl Default for ReactorStats {
             pool_in_use: Counter::default(),
             pool_waiting: Counter::default(),
             idle_waits: Counter::default(),
+            answers_delayed: Counter::default(),
             heartbeat: Counter::default(),
             busy_ns: Counter::default(),
         }
@@ -338,13 +342,19 @@ pub fn render(s: &Scrape<'_>) -> String {
     let _ = writeln!(out, "rdmablk_queue_pairs_connected {qps}");
 
     type Gauge = (&'static str, &'static str, &'static str, fn(&ReactorStats) -> u64);
-    let per_reactor: [Gauge; 6] = [
+    let per_reactor: [Gauge; 7] = [
         ("rdmablk_reactor_queue_pairs", "gauge", "Queue pairs served by each reactor.", |r| r.queue_pairs.get()),
         ("rdmablk_reactor_commands_total", "counter", "Commands received by each reactor.", |r| r.commands.get()),
         ("rdmablk_buffer_pool_chunks", "gauge", "Registered pool chunks owned by each reactor.", |r| r.pool_chunks.get()),
         ("rdmablk_buffer_pool_chunks_in_use", "gauge", "Pool chunks in use (CPU, kernel or fabric).", |r| r.pool_in_use.get()),
         ("rdmablk_buffer_pool_waiting_commands", "gauge", "Commands queued for a free pool chunk.", |r| r.pool_waiting.get()),
         ("rdmablk_reactor_idle_waits_total", "counter", "Times each reactor blocked in epoll with nothing to do.", |r| r.idle_waits.get()),
+        (
+            "rdmablk_reactor_answers_delayed_total",
+            "counter",
+            "Answers that waited for a response slot (every slot's send completion was still outstanding).",
+            |r| r.answers_delayed.get(),
+        ),
     ];
     for (name, kind, help, f) in per_reactor {
         header(&mut out, name, kind, help);

@@ -26,8 +26,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{
-    Access, Completion, CompletionQueue, ConnectRequest, Fabric, ProtectionDomain, QpCaps, QpNum, QpState,
-    QueuePair, RecvWr, SendOp, SendWr, Sge, WcStatus, WrId, Rkey,
+    Access, Completion, CompletionQueue, ConnectRequest, Fabric, Payload, ProtectionDomain, QpCaps, QpNum, QpState,
+    QueuePair, RecvWr, Rkey, SendOp, SendWr, Sge, WcStatus, WrId,
 };
 use rdmablk_common::protocol::{
     CommandId, ConnectReply, DataDescriptor, ResponseCapsule, SessionId, Status, COMMAND_CAPSULE_SIZE, CONNECT_INLINE_MAX, MAX_NAME_LEN,
@@ -1621,7 +1621,7 @@ impl Reactor {
         let wr = SendWr {
             wr_id: wr_id(K_SEND_NOSLOT, gen, si, NONE16, NONE16),
             op: SendOp::Send,
-            payload: rdmablk_common::fabric::Payload::Inline(&bytes),
+            payload: Payload::Inline(&bytes),
             signaled: true,
         };
         // The capsule is on this stack (inline): post it now, after what
@@ -2084,6 +2084,7 @@ impl Reactor {
             // depth, as the initiator has not seen its answer.
             s.resp_wait.push_back(WaitingResponse { ci, data: data.to_vec(), chain });
             self.cmd(ci).answer_waits = true;
+            self.stats.answers_delayed.add(1);
             return;
         }
         self.post_response(ci, data, chain);
@@ -2210,7 +2211,6 @@ impl Reactor {
     }
 
     fn flush_session_sends(&mut self, si: u16) {
-        use rdmablk_common::fabric::Payload;
         let Some(s) = self.sessions[si as usize].s.as_mut() else { return };
         let Some(res) = s.res.as_ref() else {
             s.tx.clear();

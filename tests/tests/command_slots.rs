@@ -17,19 +17,44 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdmablk_initiator::{ConnectOptions, MemDevice, Session};
-use rdmablk_system_tests::{file_volume, sparse_file, target_section, TargetProcess};
+use rdmablk_system_tests::{file_volume, sample_sum, scrape, sparse_file, target_section, TargetProcess};
 use workload::LoadConfig;
 
 const VOLUME: u64 = 16 << 20;
 
 #[test]
 fn late_send_completions_never_turn_a_legal_queue_depth_into_queue_full() {
+    // Each completion waits for the initiator's second SEND after it.
+    let target = load_at_depths("2", 128, &[4, 8, 16, 32]);
+    let log = target.log();
+    assert!(!log.iter().any(|l| l.contains("QueueFull") || l.contains("exceeds the queue depth")), "{}", log.join("\n"));
+}
+
+/// Completions held until the 50 ms bound: answers pile up faster than
+/// their send completions return, every response slot fills, and answers
+/// wait for one (the metrics count them) instead of failing the queue pair.
+#[test]
+fn answers_wait_for_a_response_slot_when_completions_lag_far_behind() {
+    // The target's queue depth is the initiator's: 64 response slots.
+    let target = load_at_depths("1000000", 32, &[32]);
+    let delayed = sample_sum(&scrape(&target.metrics_addr()), "rdmablk_reactor_answers_delayed_total");
+    assert!(delayed > 0.0, "no answer had to wait for a response slot: the test did not reach the case it is for");
+}
+
+/// Runs a verifying load at each queue depth against a target whose tcp
+/// provider holds send completions (`RDMABLK_TCP_LATE_SEND_COMPLETIONS`).
+fn load_at_depths(late: &str, target_depth: u32, depths: &[u32]) -> TargetProcess {
     let dir = tempfile::tempdir().unwrap();
     let image = sparse_file(dir.path(), "vol0.img", VOLUME);
-    let config = format!("{}{}", target_section(), file_volume("vol0", &image, VOLUME, false));
-    let target = TargetProcess::start_with_env(&config, &[("RDMABLK_TCP_LATE_SEND_COMPLETIONS", "2")], &[]);
+    let config =
+        format!(
+        "{}queue_depth = {target_depth}\nmetrics = \"127.0.0.1:0\"\n{}",
+        target_section(),
+        file_volume("vol0", &image, VOLUME, false)
+    );
+    let target = TargetProcess::start_with_env(&config, &[("RDMABLK_TCP_LATE_SEND_COMPLETIONS", late)], &[]);
     let model = Arc::new(MemDevice::new(VOLUME, 4096).unwrap());
-    for depth in [4u32, 8, 16, 32] {
+    for &depth in depths {
         let options = ConnectOptions {
             host_id: format!("slots-qd{depth}"),
             queues: 1,
@@ -62,6 +87,5 @@ fn late_send_completions_never_turn_a_legal_queue_depth_into_queue_full() {
         session.close();
     }
     target.assert_no_panic();
-    let log = target.log();
-    assert!(!log.iter().any(|l| l.contains("QueueFull") || l.contains("exceeds the queue depth")), "{}", log.join("\n"));
+    target
 }
