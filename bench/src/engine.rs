@@ -63,8 +63,15 @@ pub trait Engine: Send {
     /// Starts the I/Os; their slots must be idle. Errors are fatal for the job.
     fn submit(&mut self, reqs: &[IoReq]) -> Result<(), String>;
     /// Waits until at least `min` I/Os have completed (fewer if fewer are in
-    /// flight) and appends every completed one to `out`.
+    /// flight) and appends every completed one to `out`. While the session
+    /// reconnects it waits; the I/Os in flight are re-issued after the
+    /// reconnection and complete then.
     fn reap(&mut self, min: usize, out: &mut Vec<IoDone>) -> Result<(), String>;
+    /// Times the session reconnected to the target so far.
+    fn reconnects(&self) -> u64;
+    /// The session is lost for good: reconnection is off
+    /// (`ctrl_loss_tmo=0`) or gave up.
+    fn is_lost(&self) -> bool;
 }
 
 /// Which engine (`ioengine=`).
@@ -110,6 +117,9 @@ pub struct Tuning {
     pub hipri: bool,
     /// A memory window per command (`rkey_scoping`, default on).
     pub rkey_scoping: bool,
+    /// How long to keep reconnecting to a lost target (`ctrl_loss_tmo`;
+    /// zero: the first loss fails the I/O in flight).
+    pub ctrl_loss_timeout: Duration,
 }
 
 /// Connects a session of one queue pair to `url` as `who`, opens `volume`
@@ -129,8 +139,9 @@ pub fn open(
         // One slot of a queue pair is kept for keep-alives.
         queue_depth: (depth + 1).min(65535),
         max_io_size: max_io,
-        // A benchmark reports a lost connection instead of riding it out.
-        ctrl_loss_timeout: Duration::ZERO,
+        // By default (ctrl_loss_tmo=0) a benchmark reports a lost
+        // connection instead of riding it out.
+        ctrl_loss_timeout: tuning.ctrl_loss_timeout,
         bounce_pool_size: 1 << 20,
         busy_poll: if tuning.hipri { HIPRI_BUSY_POLL } else { Duration::ZERO },
         rkey_scoping: tuning.rkey_scoping,
@@ -159,7 +170,7 @@ pub fn open(
         }
         EngineKind::Sync => {
             let buf = alloc(slot_size * depth as usize)?;
-            Ok(Box::new(SyncEngine { buf, slot_size, vol, pending: VecDeque::new(), _session: session }))
+            Ok(Box::new(SyncEngine { buf, slot_size, vol, pending: VecDeque::new(), session }))
         }
     }
 }
@@ -231,6 +242,14 @@ impl Engine for QueueEngine {
         }
         Ok(())
     }
+
+    fn reconnects(&self) -> u64 {
+        self.session.stats().reconnects
+    }
+
+    fn is_lost(&self) -> bool {
+        self.session.is_lost()
+    }
 }
 
 /// The blocking engine: requests run one at a time, in submission order,
@@ -240,7 +259,7 @@ struct SyncEngine {
     slot_size: usize,
     vol: Volume,
     pending: VecDeque<IoReq>,
-    _session: Session,
+    session: Session,
 }
 
 impl Engine for SyncEngine {
@@ -288,5 +307,13 @@ impl Engine for SyncEngine {
             out.push(IoDone { tag: r.tag, error: result.err().map(|e| e.one_line()) });
         }
         Ok(())
+    }
+
+    fn reconnects(&self) -> u64 {
+        self.session.stats().reconnects
+    }
+
+    fn is_lost(&self) -> bool {
+        self.session.is_lost()
     }
 }

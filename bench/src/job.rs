@@ -330,7 +330,17 @@ pub fn run(plan: &JobPlan, engine: &mut dyn Engine, progress: &JobProgress, stop
             cx.phase(Source::ReadBack { next: 0, list, exact: true }, &mut gens, start, None, [true, false]);
         }
     }
+    let (reconnects, lost) = (cx.engine.reconnects(), cx.engine.is_lost());
     st.cpu = cpu::thread_usage().since(&cpu0);
+    st.reconnects = reconnects;
+    if lost && st.io_errors > 0 {
+        let summary = loss_summary(plan, o.ctrl_loss_tmo);
+        eprintln!("{}: {summary}", o.name);
+        st.error_msg = Some(match st.error_msg.take() {
+            Some(first) => format!("{summary}; first failed I/O: {first}"),
+            None => summary,
+        });
+    }
     if st.verify_errors > 0 && st.error == 0 {
         st.error = EILSEQ;
     }
@@ -344,6 +354,20 @@ pub fn run(plan: &JobPlan, engine: &mut dyn Engine, progress: &JobProgress, stop
     }
     progress.set_phase(Phase::Done);
     st
+}
+
+/// What a job that lost its target says, with what to do about it.
+fn loss_summary(plan: &JobPlan, ctrl_loss_tmo: Duration) -> String {
+    let url = &plan.url;
+    if ctrl_loss_tmo.is_zero() {
+        format!(
+            "lost the connection to the target {url}; not reconnecting (ctrl_loss_tmo=0): \
+             --ctrl_loss_tmo=SECONDS waits that long for the target to come back"
+        )
+    } else {
+        let tmo = crate::units::duration_short(ctrl_loss_tmo);
+        format!("lost the target {url}: no connection within ctrl_loss_tmo={tmo}")
+    }
 }
 
 fn region(plan: &JobPlan, engine: &dyn Engine) -> Result<Region, String> {
@@ -655,6 +679,203 @@ impl Ctx<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::options::SizeSpec;
+
+    const BS: usize = 4096;
+
+    /// A volume in memory behind the engine interface, with the failures a
+    /// reconnection brings scripted in.
+    struct MemEngine {
+        vol: Vec<u8>,
+        bufs: Vec<Vec<u8>>,
+        inflight: Vec<IoReq>,
+        reaps: u64,
+        /// Every this many reaps the session "reconnects": the I/Os in
+        /// flight were executed by the target that died (at submission),
+        /// their read buffers got part of a transfer that never finished,
+        /// and they are executed again, re-issued to the new target.
+        reconnect_every: Option<u64>,
+        reconnects: u64,
+        /// Writes to this block after its first are acknowledged and
+        /// dropped (a target that lost acknowledged writes).
+        drop_writes_to: Option<u64>,
+        writes_to: Vec<u64>,
+        /// Reads complete without placing any data.
+        reads_place_nothing: bool,
+        /// At this reap the session is lost: what is in flight fails.
+        lose_at_reap: Option<u64>,
+        /// ... but only the I/Os fail; the session says it is not lost.
+        errors_only: bool,
+        lost: bool,
+    }
+
+    impl MemEngine {
+        fn new(blocks: usize, depth: usize) -> MemEngine {
+            MemEngine {
+                vol: vec![0; blocks * BS],
+                bufs: vec![vec![0; BS]; depth],
+                inflight: Vec::new(),
+                reaps: 0,
+                reconnect_every: None,
+                reconnects: 0,
+                drop_writes_to: None,
+                writes_to: vec![0; blocks],
+                reads_place_nothing: false,
+                lose_at_reap: None,
+                errors_only: false,
+                lost: false,
+            }
+        }
+
+        fn execute(&mut self, r: IoReq) {
+            let at = r.offset as usize;
+            let len = r.len as usize;
+            match r.dir {
+                Dir::Write => {
+                    let block = r.offset / BS as u64;
+                    if self.drop_writes_to == Some(block) && self.writes_to[block as usize] > 0 {
+                        return;
+                    }
+                    self.vol[at..at + len].copy_from_slice(&self.bufs[r.tag as usize][..len]);
+                }
+                Dir::Read if self.reads_place_nothing => {}
+                Dir::Read => self.bufs[r.tag as usize][..len].copy_from_slice(&self.vol[at..at + len]),
+            }
+        }
+    }
+
+    impl Engine for MemEngine {
+        fn name(&self) -> &'static str {
+            "mem"
+        }
+        fn depth(&self) -> usize {
+            self.bufs.len()
+        }
+        fn volume_size(&self) -> u64 {
+            self.vol.len() as u64
+        }
+        fn block_size(&self) -> u32 {
+            512
+        }
+        fn buf(&self, tag: u32) -> &[u8] {
+            &self.bufs[tag as usize]
+        }
+        fn buf_mut(&mut self, tag: u32) -> &mut [u8] {
+            &mut self.bufs[tag as usize]
+        }
+        fn submit(&mut self, reqs: &[IoReq]) -> Result<(), String> {
+            for &r in reqs {
+                self.execute(r);
+            }
+            self.inflight.extend_from_slice(reqs);
+            Ok(())
+        }
+        fn reap(&mut self, _min: usize, out: &mut Vec<IoDone>) -> Result<(), String> {
+            self.reaps += 1;
+            let reqs = std::mem::take(&mut self.inflight);
+            if self.lose_at_reap == Some(self.reaps) {
+                self.lost = true;
+            }
+            if self.lost {
+                let error = Some("connection to the target is closed: the connection was closed by the target or lost");
+                out.extend(reqs.iter().map(|r| IoDone { tag: r.tag, error: error.map(str::to_owned) }));
+                return Ok(());
+            }
+            if self.reconnect_every.is_some_and(|n| self.reaps % n == 0) && !reqs.is_empty() {
+                self.reconnects += 1;
+                for &r in &reqs {
+                    if r.dir == Dir::Read {
+                        // Half of a transfer on the dead connection.
+                        self.bufs[r.tag as usize][..r.len as usize / 2].fill(0xee);
+                    }
+                }
+                for &r in &reqs {
+                    self.execute(r);
+                }
+            }
+            for r in &reqs {
+                if r.dir == Dir::Write {
+                    self.writes_to[(r.offset / BS as u64) as usize] += 1;
+                }
+                out.push(IoDone { tag: r.tag, error: None });
+            }
+            Ok(())
+        }
+        fn reconnects(&self) -> u64 {
+            self.reconnects
+        }
+        fn is_lost(&self) -> bool {
+            self.lost && !self.errors_only
+        }
+    }
+
+    fn plan(rw: RwMode, blocks: usize, ios: usize, depth: u32) -> JobPlan {
+        let mut o = JobOptions::new("mem");
+        o.rw = rw;
+        o.iodepth = depth;
+        o.size = Some(SizeSpec::Bytes((blocks * BS) as u64));
+        o.io_size = Some((ios * BS) as u64);
+        o.verify = VerifyMode::Crc32c;
+        JobPlan { opts: o, index: 0, clone: 0, groupid: 0, url: "tcp://127.0.0.1:1".into(), volume: "v".into() }
+    }
+
+    fn run_on(plan: &JobPlan, e: &mut MemEngine) -> JobStats {
+        run(plan, e, &JobProgress::default(), &AtomicBool::new(false))
+    }
+
+    #[test]
+    fn reissued_writes_and_reads_verify_clean_and_reconnects_are_counted() {
+        for rw in [RwMode::RandRw, RwMode::RandWrite] {
+            let p = plan(rw, 256, 4096, 16);
+            let mut e = MemEngine::new(256, 16);
+            e.reconnect_every = Some(5);
+            let st = run_on(&p, &mut e);
+            assert_eq!((st.io_errors, st.verify_errors, st.error), (0, 0, 0), "{rw:?}: {:?}", st.error_msg);
+            assert!(e.reconnects > 50, "{rw:?}: only {} reconnects", e.reconnects);
+            assert_eq!(st.reconnects, e.reconnects, "{rw:?}");
+            assert_eq!(st.dirs[1].total_ios + st.dirs[0].total_ios, if rw == RwMode::RandWrite { 4096 + 256 } else { 4096 });
+            // The checks ran: the same run with reads that place nothing fails.
+            let mut e = MemEngine::new(256, 16);
+            e.reconnect_every = Some(5);
+            e.reads_place_nothing = true;
+            let st = run_on(&p, &mut e);
+            assert!(st.verify_errors > 100, "{rw:?}: {} verify errors", st.verify_errors);
+        }
+    }
+
+    #[test]
+    fn a_lost_session_says_what_ctrl_loss_tmo_would_do() {
+        let mut p = plan(RwMode::RandRw, 64, 4096, 8);
+        let mut e = MemEngine::new(64, 8);
+        e.lose_at_reap = Some(10);
+        let st = run_on(&p, &mut e);
+        assert_eq!(st.error, EIO);
+        assert_eq!(st.io_errors, 8, "every I/O in flight failed");
+        assert_eq!(st.verify_errors, 0);
+        let msg = st.error_msg.unwrap();
+        assert!(
+            msg.starts_with("lost the connection to the target tcp://127.0.0.1:1; not reconnecting (ctrl_loss_tmo=0)"),
+            "{msg}"
+        );
+        assert!(msg.contains("--ctrl_loss_tmo=SECONDS"), "{msg}");
+        assert!(msg.contains("; first failed I/O: ") && msg.contains("connection to the target is closed"), "{msg}");
+
+        p.opts.ctrl_loss_tmo = Duration::from_secs(30);
+        let mut e = MemEngine::new(64, 8);
+        e.lose_at_reap = Some(10);
+        let msg = run_on(&p, &mut e).error_msg.unwrap();
+        assert!(msg.starts_with("lost the target tcp://127.0.0.1:1: no connection within ctrl_loss_tmo=30s"), "{msg}");
+
+        // I/O errors of a session that is not lost keep their own message.
+        let mut e = MemEngine::new(64, 8);
+        e.lose_at_reap = Some(10);
+        e.errors_only = true;
+        let st = run_on(&p, &mut e);
+        assert_eq!((st.error, st.io_errors), (EIO, 8));
+        let msg = st.error_msg.unwrap();
+        assert!(msg.starts_with("read of 4096 bytes at offset ") || msg.starts_with("write of 4096 bytes at offset "), "{msg}");
+        assert!(!msg.contains("ctrl_loss_tmo"), "{msg}");
+    }
 
     #[test]
     fn permutation_visits_every_block_once_per_pass() {

@@ -247,7 +247,8 @@ fn run_batch(
             let o = &plan.opts;
             let slot = o.max_bs() as usize;
             let who = engine::Identity { host_id: o.host_id.as_deref(), key_file: o.key_file.as_deref() };
-            let engine = engine::open(o.ioengine, &plan.url, &plan.volume, o.iodepth, slot, who, engine::Tuning { hipri: o.hipri, rkey_scoping: o.rkey_scoping });
+            let tuning = engine::Tuning { hipri: o.hipri, rkey_scoping: o.rkey_scoping, ctrl_loss_timeout: o.ctrl_loss_tmo };
+            let engine = engine::open(o.ioengine, &plan.url, &plan.volume, o.iodepth, slot, who, tuning);
             barrier.wait();
             match engine {
                 Ok(mut e) => job::run(&plan, e.as_mut(), &prog, &STOP),

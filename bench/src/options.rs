@@ -26,6 +26,28 @@ use std::time::Duration;
 use crate::engine::EngineKind;
 use crate::units::{parse_bool, parse_size, parse_time, parse_u64};
 
+/// The longest `ctrl_loss_tmo` (10^9 s, as the `rdmablk` CLI's durations):
+/// the bound only keeps deadlines computable.
+pub const MAX_CTRL_LOSS_TMO: Duration = Duration::from_secs(1_000_000_000);
+
+/// Parses `ctrl_loss_tmo`: seconds (`30`), or a fio time (`30s`, `500ms`,
+/// `2m`); `0` turns reconnection off. nvme-cli's `-1` (reconnect forever)
+/// is refused with a message saying so.
+pub fn parse_ctrl_loss_tmo(input: &str) -> Result<Duration, String> {
+    let s = input.trim();
+    if s.starts_with('-') {
+        return Err(format!(
+            "{input:?} is negative: give the seconds to keep reconnecting to a lost target, or 0 to report the \
+             loss (nvme-cli's -1, reconnect forever, is not supported)"
+        ));
+    }
+    let d = parse_time(s)?;
+    if d > MAX_CTRL_LOSS_TMO {
+        return Err(format!("{input:?} is longer than {} seconds", MAX_CTRL_LOSS_TMO.as_secs()));
+    }
+    Ok(d)
+}
+
 /// fio's `rw=`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RwMode {
@@ -218,6 +240,11 @@ pub struct JobOptions {
     pub key_file: Option<String>,
     /// `ioengine`: `rdmablk` (the submission API) or `rdmablk-sync`.
     pub ioengine: EngineKind,
+    /// `ctrl_loss_tmo` (nvme-cli's name): how long the job's session keeps
+    /// reconnecting to a lost target, its I/O waiting and re-issued after
+    /// the reconnection. Zero (the default): the first loss ends the job
+    /// with an error.
+    pub ctrl_loss_tmo: Duration,
     /// Options as given (key, value), for `"job options"` in the JSON.
     pub given: Vec<(String, String)>,
 }
@@ -261,6 +288,7 @@ impl JobOptions {
             host_id: None,
             key_file: None,
             ioengine: EngineKind::Queue,
+            ctrl_loss_tmo: Duration::ZERO,
             given: Vec::new(),
         }
     }
@@ -463,6 +491,7 @@ const DEFS: &[Def] = &[
     job("host_id", "host id sent to --target (default: this machine's host name)"),
     job("key_file", "pre-shared key file of the host id (rdmablk keygen): authenticate with --target"),
     job("ioengine", "rdmablk (submission API, default) or rdmablk-sync (blocking calls); fio's engines mean rdmablk"),
+    job("ctrl_loss_tmo", "seconds to keep reconnecting to a lost target, I/O waiting and re-issued after (nvme-cli's option; default 0: report the loss)"),
     run("output_format", "normal|json (default normal)"),
     run("output", "write the report to FILE"),
     run("eta", "auto|always|never: the live status line (default auto: on a terminal, normal output)"),
@@ -607,6 +636,7 @@ pub fn set_job_option(o: &mut JobOptions, key: &str, value: Option<&str>) -> Res
         "host_id" => o.host_id = Some(need()?.to_owned()),
         "key_file" => o.key_file = Some(need()?.to_owned()),
         "ioengine" => o.ioengine = EngineKind::from_ioengine(Some(need()?.trim())),
+        "ctrl_loss_tmo" => o.ctrl_loss_tmo = parse_ctrl_loss_tmo(need()?).map_err(bad)?,
         other => unreachable!("job option {other} without a setter"),
     }
     if def.name != "name" {
@@ -853,6 +883,73 @@ mod tests {
         assert_eq!(j[0].rwmixread, 70);
         assert_eq!(j[0].bs, [4096, 65536]);
         assert_eq!(j[0].max_bs(), 65536);
+    }
+
+    #[test]
+    fn ctrl_loss_tmo_takes_seconds_or_a_time_and_defaults_to_zero() {
+        let j = jobs(&["--name=a", "--backend=null", "--size=1M"]);
+        assert_eq!(j[0].ctrl_loss_tmo, Duration::ZERO, "default: report the loss");
+        let j = jobs(&["--ctrl_loss_tmo=30", "--name=a", "--backend=null", "--size=1M", "--name=b"]);
+        assert_eq!(j[0].ctrl_loss_tmo, Duration::from_secs(30), "a global applies to every job");
+        assert_eq!(j[1].ctrl_loss_tmo, Duration::from_secs(30));
+        assert!(j[0].given.iter().any(|(k, v)| k == "ctrl_loss_tmo" && v == "30"), "{:?}", j[0].given);
+        let j = jobs(&["--name=a", "--ctrl-loss-tmo", "500ms", "--backend=null", "--size=1M"]);
+        assert_eq!(j[0].ctrl_loss_tmo, Duration::from_millis(500));
+        let j = jobs(&["--name=a", "--ctrl_loss_tmo=2m", "--backend=null", "--size=1M", "--name=b", "--ctrl_loss_tmo=0"]);
+        assert_eq!(j[0].ctrl_loss_tmo, Duration::from_secs(120));
+        assert_eq!(j[1].ctrl_loss_tmo, Duration::ZERO);
+    }
+
+    #[test]
+    fn bad_ctrl_loss_tmo_values_are_named() {
+        let err = |v: &str| parse_args(&args(&["--name=a", "--backend=null", "--size=1M", v])).unwrap_err();
+        let e = err("--ctrl_loss_tmo=-1");
+        assert!(e.starts_with("ctrl_loss_tmo: ") && e.contains("\"-1\" is negative") && e.contains("forever"), "{e}");
+        let e = parse_args(&args(&["--name=a", "--ctrl_loss_tmo", "-1"])).unwrap_err();
+        assert!(e.contains("negative"), "the value after a space is the value, not an option: {e}");
+        let e = err("--ctrl_loss_tmo=soon");
+        assert!(e.starts_with("ctrl_loss_tmo: invalid time \"soon\""), "{e}");
+        let e = err("--ctrl_loss_tmo=30parsecs");
+        assert!(e.contains("unknown unit"), "{e}");
+        let e = err("--ctrl_loss_tmo=1.5");
+        assert!(e.starts_with("ctrl_loss_tmo: "), "{e}");
+        let e = err("--ctrl_loss_tmo=99999999999");
+        assert!(e.contains("longer than 1000000000 seconds"), "{e}");
+        let e = err("--ctrl_loss_tmo=");
+        assert!(e.starts_with("ctrl_loss_tmo: "), "{e}");
+        let e = parse_args(&args(&["--name=a", "--ctrl_loss_tmo"])).unwrap_err();
+        assert!(e.contains("needs a value"), "{e}");
+        assert_eq!(parse_ctrl_loss_tmo("1000000000"), Ok(MAX_CTRL_LOSS_TMO));
+    }
+
+    #[test]
+    fn ctrl_loss_tmo_in_a_job_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("jobs.fio");
+        std::fs::write(
+            &path,
+            "[global]\nbackend=null\nsize=1M\nctrl_loss_tmo=45\n[a]\n[b]\nctrl_loss_tmo=0\n[c]\nctrl_loss_tmo=-1\n",
+        )
+        .unwrap();
+        let file = path.to_str().unwrap();
+        let e = parse_args(&args(&[file])).unwrap_err();
+        assert!(e.contains("line 9") && e.contains("ctrl_loss_tmo") && e.contains("negative"), "{e}");
+        let text = std::fs::read_to_string(&path).unwrap().replace("[c]\nctrl_loss_tmo=-1\n", "");
+        std::fs::write(&path, text).unwrap();
+        let j = jobs(&[file]);
+        assert_eq!(j.len(), 2);
+        assert_eq!(j[0].ctrl_loss_tmo, Duration::from_secs(45), "from [global]");
+        assert_eq!(j[1].ctrl_loss_tmo, Duration::ZERO, "the job's section overrides [global]");
+        // A command-line global applies over the file.
+        let j = jobs(&["--ctrl_loss_tmo=7", file]);
+        assert!(j.iter().all(|j| j.ctrl_loss_tmo == Duration::from_secs(7)), "{j:?}");
+    }
+
+    #[test]
+    fn help_documents_ctrl_loss_tmo() {
+        let h = help();
+        let line = h.lines().find(|l| l.trim_start().starts_with("--ctrl_loss_tmo=VALUE")).expect("in --help");
+        assert!(line.contains("default 0"), "{line}");
     }
 
     #[test]

@@ -351,6 +351,9 @@ pub fn normal(r: &Report) -> String {
         );
         let _ = writeln!(out, "     latency   : target=0, window=0, percentile=100.00%, depth={}", e.opts.iodepth);
         let _ = writeln!(out, "     errors    : io={}, verify={}", s.io_errors, s.verify_errors);
+        if s.reconnects > 0 {
+            let _ = writeln!(out, "     reconnects: {} (the I/O in flight waited and was re-issued)", s.reconnects);
+        }
         if let Some(m) = &s.error_msg {
             let _ = writeln!(out, "     first error: {m}");
         }
@@ -390,6 +393,10 @@ pub fn normal(r: &Report) -> String {
                 cpu.sys.as_secs_f64(),
                 per_sec(cpu.total().as_secs_f64(), g.wall) * 100.0
             );
+        }
+        let reconnects: u64 = g.jobs.iter().map(|j| j.reconnects).sum();
+        if reconnects > 0 {
+            let _ = writeln!(out, " RECONNECTS: {reconnects} (sessions re-established after losing the target)");
         }
     }
     out
@@ -576,6 +583,7 @@ pub fn json(r: &Report) -> J {
                         ("volume", J::S(e.volume.clone())),
                         ("io_errors", J::U(s.io_errors)),
                         ("verify_errors", J::U(s.verify_errors)),
+                        ("reconnects", J::U(s.reconnects)),
                         ("error_message", s.error_msg.clone().map_or(J::Null, J::S)),
                     ]),
                 ),
@@ -611,6 +619,7 @@ pub fn json(r: &Report) -> J {
             obj(vec![
                 ("target", J::A(r.target_lines.iter().cloned().map(J::S).collect())),
                 ("groups", J::A(groups)),
+                ("reconnects", J::U(r.entries.iter().map(|e| e.stats.reconnects).sum())),
             ]),
         ),
     ])
@@ -641,6 +650,50 @@ mod tests {
         assert!(lines[1].ends_with(','), "{}", lines[1]);
         assert!(lines[5].contains("99.99th="), "{s}");
         assert_eq!(lines.len(), 6);
+    }
+
+    #[test]
+    fn reconnects_are_counted_per_job_and_in_total_and_printed_when_non_zero() {
+        let job = |name: &str, reconnects| JobStats { name: name.into(), jobs: 1, reconnects, ..JobStats::default() };
+        let entry = |stats: JobStats| Entry {
+            opts: JobOptions::new(&stats.name),
+            stats,
+            url: "tcp://127.0.0.1:1".into(),
+            volume: "v".into(),
+        };
+        let report = |a: u64, b: u64| Report {
+            entries: vec![entry(job("a", a)), entry(job("b", b))],
+            groups: vec![Group {
+                groupid: 0,
+                jobs: vec![job("a", a), job("b", b)],
+                target_cpu: None,
+                wall: Duration::from_secs(1),
+            }],
+            target_lines: Vec::new(),
+            started: SystemTime::UNIX_EPOCH,
+        };
+        let r = report(2, 1);
+        let v = serde_json::to_value(json(&r)).unwrap();
+        assert_eq!(v["jobs"][0]["rdmablk"]["reconnects"], 2);
+        assert_eq!(v["jobs"][1]["rdmablk"]["reconnects"], 1);
+        assert_eq!(v["rdmablk"]["reconnects"], 3, "the total over every job");
+        let text = normal(&r);
+        let b_at = text.find("b: (groupid=0").expect("job b's section");
+        assert!(text[..b_at].contains("     reconnects: 2 "), "{text}");
+        assert!(text[b_at..].contains("     reconnects: 1 "), "{text}");
+        assert!(text.contains(" RECONNECTS: 3 "), "{text}");
+
+        let r = report(0, 0);
+        let v = serde_json::to_value(json(&r)).unwrap();
+        assert_eq!(v["jobs"][0]["rdmablk"]["reconnects"], 0, "always in the JSON");
+        assert_eq!(v["rdmablk"]["reconnects"], 0);
+        let text = normal(&r);
+        assert!(!text.to_lowercase().contains("reconnects"), "printed only when non-zero:\n{text}");
+
+        // Group reporting adds them up.
+        let mut merged = job("a", 2);
+        merged.merge(&job("b", 1));
+        assert_eq!(merged.reconnects, 3);
     }
 
     #[test]

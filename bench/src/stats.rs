@@ -268,6 +268,9 @@ pub struct JobStats {
     pub io_errors: u64,
     /// Blocks that failed verification.
     pub verify_errors: u64,
+    /// Times the job's session reconnected to the target (the library's
+    /// `SessionStats::reconnects`; see `ctrl_loss_tmo`).
+    pub reconnects: u64,
     /// Reads (0) and writes (1).
     pub dirs: [DirStats; 2],
     /// Time the job ran (after ramp).
@@ -292,6 +295,7 @@ impl JobStats {
         }
         self.io_errors += o.io_errors;
         self.verify_errors += o.verify_errors;
+        self.reconnects += o.reconnects;
         for d in 0..2 {
             self.dirs[d].merge(&o.dirs[d]);
         }

@@ -121,6 +121,18 @@ pub fn bytes_plain(v: u64) -> String {
     format!("{v}B")
 }
 
+/// A duration in the units [`parse_time`] reads back: `30s`, `1500ms`,
+/// `250us` (the largest that is exact).
+pub fn duration_short(d: Duration) -> String {
+    if d.subsec_nanos() == 0 {
+        format!("{}s", d.as_secs())
+    } else if d.subsec_nanos() % 1_000_000 == 0 {
+        format!("{}ms", d.as_millis())
+    } else {
+        format!("{}us", d.as_micros())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,6 +159,9 @@ mod tests {
         assert_eq!(parse_time("1h").unwrap(), Duration::from_secs(3600));
         assert_eq!(parse_time("100us").unwrap(), Duration::from_micros(100));
         assert!(parse_time("5y").is_err());
+        for t in ["30s", "0s", "1500ms", "250us"] {
+            assert_eq!(duration_short(parse_time(t).unwrap()), t);
+        }
     }
 
     #[test]
