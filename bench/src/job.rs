@@ -19,6 +19,25 @@
 //! - Read workloads check every block they read on its own (magic, length,
 //!   offset, CRC), as does `verify_only`, which replaces the workload with
 //!   one sequential pass of reads over the job's region.
+//!
+//! A checked read's buffer is marked before it is submitted
+//! ([`verify::poison`]), so a read that completes without placing data
+//! fails instead of passing on what the slot held before.
+//!
+//! ## Across a reconnection (`ctrl_loss_tmo`)
+//! The I/Os in flight when the session loses the target wait, and the
+//! library re-issues those that had not completed once it has reconnected.
+//! A re-issued write sends the same buffer, stamped once at submission with
+//! the block's new generation, so it writes exactly what the bench last
+//! wrote to the block, however often it is executed (the dead target may
+//! have executed it before it died). The generation map only moves at
+//! submission, and no other I/O of the job touches the block until the
+//! write completes, so the check needs no exception for re-issues and
+//! makes none: a block that afterwards holds an older generation (a write
+//! the target acknowledged and then lost, or an old execution landing late)
+//! is a verify failure, as it is without a reconnection. An I/O that fails
+//! (reconnection off or given up) stops the job before anything reads the
+//! block it may or may not have written.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
@@ -533,6 +552,12 @@ impl Ctx<'_> {
                         }
                         *g |= IN_FLIGHT;
                     }
+                    if check != Check::None {
+                        // What the check sees must come from this read (or
+                        // its re-issue after a reconnection), not from what
+                        // the slot held before.
+                        verify::poison(&mut self.engine.buf_mut(tag)[..len as usize]);
+                    }
                     slots[tag as usize] = Slot { dir, block, offset, len, issued: 0, slat: 0, check };
                     reqs.push(IoReq { tag, dir, offset, len });
                 }
@@ -841,6 +866,41 @@ mod tests {
             let st = run_on(&p, &mut e);
             assert!(st.verify_errors > 100, "{rw:?}: {} verify errors", st.verify_errors);
         }
+    }
+
+    #[test]
+    fn a_write_the_target_lost_is_reported_across_reconnects() {
+        // randwrite over 64 blocks, each written about 4 times, then read
+        // back; block 5 keeps its first write.
+        let p = plan(RwMode::RandWrite, 64, 256, 4);
+        let mut e = MemEngine::new(64, 4);
+        e.reconnect_every = Some(3);
+        e.drop_writes_to = Some(5);
+        let st = run_on(&p, &mut e);
+        assert!(e.writes_to[5] >= 2, "block 5 was written {} times", e.writes_to[5]);
+        assert_eq!(st.verify_errors, 1, "{:?}", st.error_msg);
+        assert_eq!(st.error, EILSEQ);
+        let msg = st.error_msg.unwrap();
+        assert!(msg.starts_with(&format!("verify: stale block at offset {}", 5 * BS)), "{msg}");
+        assert!(msg.contains("generation 1, expected"), "{msg}");
+    }
+
+    #[test]
+    fn a_read_that_places_no_data_fails_even_when_its_slot_held_the_block() {
+        // One block, one slot: every read follows I/O of the same block
+        // from the same buffer, so without the marker the stale buffer
+        // would verify.
+        let p = plan(RwMode::RandRw, 1, 64, 1);
+        let mut e = MemEngine::new(1, 1);
+        let st = run_on(&p, &mut e);
+        assert_eq!((st.verify_errors, st.io_errors), (0, 0), "{:?}", st.error_msg);
+        assert!(st.dirs[0].total_ios > 10 && st.dirs[1].total_ios > 10, "{:?}", st.dirs);
+        let mut e = MemEngine::new(1, 1);
+        e.reads_place_nothing = true;
+        let st = run_on(&p, &mut e);
+        assert!(st.verify_errors > 0);
+        let msg = st.error_msg.unwrap();
+        assert!(msg.starts_with("verify: no data at offset 0"), "{msg}");
     }
 
     #[test]

@@ -23,6 +23,8 @@ use std::fmt;
 pub const HEADER_LEN: usize = 32;
 /// `RBV1`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"RBV1");
+/// `RBV?`: what a buffer holds before a checked read fills it ([`poison`]).
+pub const UNREAD: u32 = u32::from_le_bytes(*b"RBV?");
 
 /// A decoded header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,6 +40,9 @@ pub struct Header {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Failure {
     BadMagic { found: u32 },
+    /// The read completed but the buffer still holds [`UNREAD`]: no data
+    /// was placed in it.
+    Unread,
     BadLength { found: u32 },
     BadOffset { found: u64 },
     BadCrc { stored: u32, computed: u32 },
@@ -59,6 +64,9 @@ impl fmt::Display for VerifyError {
         match self.failure {
             Failure::BadMagic { found } => {
                 write!(f, "verify: bad magic header at offset {off} (found {found:#010x}, expected {MAGIC:#010x})")
+            }
+            Failure::Unread => {
+                write!(f, "verify: no data at offset {off}: the read completed without placing the block in the buffer")
             }
             Failure::BadLength { found } => {
                 write!(f, "verify: bad length at offset {off} (header says {found}, block is {})", self.len)
@@ -99,6 +107,18 @@ pub fn stamp(block: &mut [u8], offset: u64, seed: u64, generation: u32) {
     block[28..32].copy_from_slice(&crc.to_le_bytes());
 }
 
+/// Marks a buffer about to receive a checked read: its header becomes
+/// [`UNREAD`], so that the check cannot pass on what the buffer held
+/// before (an earlier write or read of the same block from this buffer)
+/// if the read completed without placing data.
+pub fn poison(block: &mut [u8]) {
+    let n = block.len().min(HEADER_LEN);
+    block[..n].fill(0);
+    if n >= 4 {
+        block[0..4].copy_from_slice(&UNREAD.to_le_bytes());
+    }
+}
+
 fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
 }
@@ -115,6 +135,9 @@ pub fn check(block: &[u8], offset: u64) -> Result<Header, VerifyError> {
         return Err(err(Failure::BadLength { found: 0 }));
     }
     let magic = u32_at(block, 0);
+    if magic == UNREAD {
+        return Err(err(Failure::Unread));
+    }
     if magic != MAGIC {
         return Err(err(Failure::BadMagic { found: magic }));
     }
@@ -181,6 +204,20 @@ mod tests {
         let e = check(&b, 8192).unwrap_err();
         assert!(matches!(e.failure, Failure::BadCrc { .. }));
         assert!(e.to_string().starts_with("verify: bad crc at offset 8192"), "{e}");
+    }
+
+    #[test]
+    fn a_poisoned_buffer_never_verifies() {
+        let mut b = block(4096);
+        stamp(&mut b, 8192, 42, 3);
+        poison(&mut b);
+        let e = check(&b, 8192).unwrap_err();
+        assert_eq!(e.failure, Failure::Unread);
+        assert!(e.to_string().starts_with("verify: no data at offset 8192"), "{e}");
+        assert!(check_exact(&b, 8192, 42, 3).is_err());
+        // A read that places the block overwrites the marker.
+        stamp(&mut b, 8192, 42, 3);
+        check_exact(&b, 8192, 42, 3).unwrap();
     }
 
     #[test]
