@@ -21,8 +21,9 @@
 //! `--progress always|never` overrides that.
 //!
 //! A connection that breaks during a command is re-established (the
-//! library's reconnection); `--ctrl-loss-timeout` bounds how long the tool
-//! keeps trying (0 disables reconnection).
+//! library's reconnection); `--ctrl-loss-timeout` (or nvme-cli's spelling,
+//! `--ctrl_loss_tmo`) bounds how long the tool keeps trying (0 disables
+//! reconnection; without either, the library's default, 60 s).
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -83,8 +84,16 @@ pub struct Cli {
     /// Connect and per-command timeout: 30, 30s, 500ms, 2m
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, global = true)]
     pub timeout: Option<Duration>,
-    /// How long to keep reconnecting after the connection breaks (0: do not reconnect)
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration_or_zero, global = true)]
+    /// How long to keep reconnecting after the connection breaks: 30, 30s, 2m (0: do not reconnect;
+    /// default 60s). --ctrl_loss_tmo is nvme-cli's spelling
+    #[arg(
+        long,
+        visible_alias = "ctrl_loss_tmo",
+        value_name = "DURATION",
+        value_parser = parse_ctrl_loss_timeout,
+        allow_hyphen_values = true,
+        global = true
+    )]
     pub ctrl_loss_timeout: Option<Duration>,
     /// Progress on standard error for read and write
     #[arg(long, value_enum, value_name = "WHEN", default_value_t, global = true)]
@@ -187,7 +196,10 @@ pub fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
         "h" => value * 3600.0,
         _ => return Err(format!("invalid duration {s:?}: unknown unit (use ms, s, m or h)")),
     };
-    if !secs.is_finite() || secs <= 0.0 || secs > 1e9 {
+    if !secs.is_finite() || secs > 1e9 {
+        return Err(format!("invalid duration {s:?}: longer than 1000000000 seconds"));
+    }
+    if secs <= 0.0 {
         return Err(format!("invalid duration {s:?}: must be positive"));
     }
     Ok(Duration::from_secs_f64(secs))
@@ -199,6 +211,19 @@ pub fn parse_duration_or_zero(s: &str) -> std::result::Result<Duration, String> 
         return Ok(Duration::ZERO);
     }
     parse_duration(s)
+}
+
+/// `--ctrl-loss-timeout` / `--ctrl_loss_tmo`: [`parse_duration_or_zero`],
+/// so plain seconds as with nvme-cli's `--ctrl-loss-tmo`; nvme-cli's `-1`
+/// (reconnect forever) is refused with a message saying so.
+pub fn parse_ctrl_loss_timeout(s: &str) -> std::result::Result<Duration, String> {
+    if s.trim().strip_prefix('-').is_some_and(|rest| parse_duration_or_zero(rest).is_ok()) {
+        return Err(format!(
+            "invalid duration {s:?}: negative; give how long to keep reconnecting (30, 30s, 2m) or 0 not to \
+             reconnect (nvme-cli's -1, reconnect forever, is not supported)"
+        ));
+    }
+    parse_duration_or_zero(s)
 }
 
 /// Runs the tool on `args` (including the program name), printing to the
@@ -709,6 +734,50 @@ mod tests {
         assert_eq!(c.key_file.as_deref(), Some(std::path::Path::new("/k")));
         let c = parse(&["keygen", "/tmp/h.key"]).unwrap();
         assert_eq!(c.command, Command::Keygen { path: "/tmp/h.key".into() });
+    }
+
+    #[test]
+    fn ctrl_loss_timeout_has_nvme_clis_spelling_too() {
+        let tmo = |args: &[&str]| parse(args).map(|c| c.ctrl_loss_timeout);
+        assert_eq!(tmo(&["-t", "tcp://h:1", "list"]).unwrap(), None, "absent: the library's default");
+        for (args, want) in [
+            (&["--ctrl_loss_tmo=30", "-t", "tcp://h:1", "list"][..], Duration::from_secs(30)),
+            (&["--ctrl_loss_tmo", "30", "-t", "tcp://h:1", "list"], Duration::from_secs(30)),
+            (&["-t", "tcp://h:1", "list", "--ctrl_loss_tmo=0"], Duration::ZERO),
+            (&["-t", "tcp://h:1", "info", "v", "--ctrl_loss_tmo", "2m"], Duration::from_secs(120)),
+            (&["-t", "tcp://h:1", "--ctrl_loss_tmo=1.5s", "list"], Duration::from_millis(1500)),
+            (&["--ctrl-loss-timeout=45", "-t", "tcp://h:1", "list"], Duration::from_secs(45)),
+            (&["--ctrl-loss-timeout", "500ms", "-t", "tcp://h:1", "list"], Duration::from_millis(500)),
+        ] {
+            assert_eq!(tmo(args).unwrap(), Some(want), "{args:?}");
+        }
+        // Bad values: one line naming the option and the value.
+        for (value, want) in [
+            ("-1", "negative"),
+            ("-5s", "negative"),
+            ("soon", "expected a number"),
+            ("30parsecs", "unknown unit"),
+            ("", "expected a number"),
+            ("1e12", "unknown unit"),
+            ("9999999999", "longer than 1000000000 seconds"),
+            ("--help", "expected a number"),
+        ] {
+            for spelling in ["--ctrl_loss_tmo", "--ctrl-loss-timeout"] {
+                for args in [vec![format!("{spelling}={value}")], vec![spelling.to_owned(), value.to_owned()]] {
+                    let mut all = vec!["-t".to_owned(), "tcp://h:1".to_owned(), "list".to_owned()];
+                    all.extend(args);
+                    let e = Cli::try_parse_from(std::iter::once("rdmablk".to_owned()).chain(all.clone())).unwrap_err();
+                    let line = clap_one_line(&e);
+                    assert!(line.contains(want) && line.contains("--ctrl-loss-timeout"), "{all:?}: {line}");
+                    assert!(line.contains(&format!("{value:?}")), "{all:?}: {line}");
+                }
+            }
+        }
+        // Both spellings at once are one option given twice.
+        assert!(parse(&["--ctrl_loss_tmo=1", "--ctrl-loss-timeout=2", "-t", "tcp://h:1", "list"]).is_err());
+        // --help shows both.
+        let help = <Cli as clap::CommandFactory>::command().render_long_help().to_string();
+        assert!(help.contains("--ctrl-loss-timeout <DURATION>") && help.contains("--ctrl_loss_tmo"), "{help}");
     }
 
     #[test]
