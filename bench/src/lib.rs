@@ -8,6 +8,16 @@
 //!
 //! The binary is a thin wrapper over [`main_with_args`].
 //!
+//! # A lost target
+//! Each job has its own session. `ctrl_loss_tmo` (nvme-cli's name, default
+//! 0) is how long it keeps reconnecting to a lost target: meanwhile its I/O
+//! waits, and the library re-issues what had not completed once it has
+//! reconnected (see [`job`] for what verify checks then). With 0, or once
+//! the time is up, the I/O in flight fails and the job stops with an error
+//! that says the target was lost. The JSON counts the reconnections,
+//! `"reconnects"`, in each job's `rdmablk` object and in total in the
+//! top-level `rdmablk` object; the text report prints them when non-zero.
+//!
 //! Modules:
 //! - [`options`]: the option table, the command line; [`jobfile`]: fio's INI job files.
 //! - [`engine`]: the slot-based engine trait and its two engines (submission API, blocking calls).
