@@ -106,6 +106,9 @@ fn json_of_an_embedded_run_has_fios_keys() {
         num(&j[key], key);
     }
     assert!(num(&j["usr_cpu"], "usr_cpu") + num(&j["sys_cpu"], "sys_cpu") > 0.0);
+    // No reconnection, counted all the same, per job and in total.
+    assert_eq!(j["rdmablk"]["reconnects"], 0, "{}", j["rdmablk"]);
+    assert_eq!(v["rdmablk"]["reconnects"], 0, "{}", v["rdmablk"]);
     // The embedded target's CPU time is reported per group.
     let g = &v["rdmablk"]["groups"][0];
     assert!(num(&g["iops_per_target_cpu_sec"], "iops_per_target_cpu_sec") > 0.0, "{g}");
@@ -202,11 +205,16 @@ fn verify_catches_a_corrupted_block() {
 fn help_version_and_bad_options() {
     let out = ok(&["--help"]);
     assert!(text(&out.stdout).contains("--iodepth"));
+    assert!(text(&out.stdout).contains("--ctrl_loss_tmo=VALUE"));
     let out = ok(&["--version"]);
     assert!(text(&out.stdout).starts_with("rdmablk-bench-"));
     let out = bench(&["--name=x", "--rw=sideways", "--backend=null", "--size=1M"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("sideways"));
+    let out = bench(&["--name=x", "--backend=null", "--size=1M", "--ctrl_loss_tmo=-1"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.starts_with("rdmablk-bench: ctrl_loss_tmo: \"-1\" is negative"), "{err}");
     let out = bench(&["--name=x", "--target=tcp://127.0.0.1:1", "--volume=v", "--runtime=1"]);
     assert_eq!(out.status.code(), Some(1), "an unreachable target is an error");
 }
