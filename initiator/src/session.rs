@@ -98,6 +98,9 @@ pub struct ConnectOptions {
     pub busy_poll: Duration,
 }
 
+/// Longest timeout or delay [`ConnectOptions`] takes (about 31 years).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
+
 impl Default for ConnectOptions {
     fn default() -> Self {
         ConnectOptions {
@@ -159,6 +162,17 @@ impl ConnectOptions {
         }
         if self.busy_poll > MAX_BUSY_POLL {
             return Err(Error::invalid(format!("busy_poll of {:?} is above the maximum, {MAX_BUSY_POLL:?}", self.busy_poll)));
+        }
+        // Deadlines are `Instant + timeout`: keep them far from overflowing.
+        let longest = [
+            ("connect_timeout", self.connect_timeout),
+            ("io_timeout", self.io_timeout),
+            ("keepalive_timeout", self.keepalive_timeout),
+            ("reconnect_delay", self.reconnect_delay),
+            ("ctrl_loss_timeout", self.ctrl_loss_timeout),
+        ];
+        if let Some((name, d)) = longest.iter().find(|(_, d)| *d > MAX_TIMEOUT) {
+            return Err(Error::invalid(format!("{name} of {d:?} is above the maximum, {MAX_TIMEOUT:?}")));
         }
         Ok(())
     }
@@ -885,6 +899,9 @@ mod tests {
         let bad = ConnectOptions { busy_poll: MAX_BUSY_POLL + Duration::from_micros(1), ..ConnectOptions::default() };
         assert!(bad.validate().unwrap_err().to_string().contains("busy_poll"));
         ConnectOptions { busy_poll: MAX_BUSY_POLL, ..ConnectOptions::default() }.validate().unwrap();
+        let bad = ConnectOptions { ctrl_loss_timeout: Duration::MAX, ..ConnectOptions::default() };
+        assert!(bad.validate().unwrap_err().to_string().contains("ctrl_loss_timeout"), "a deadline past Instant's range would panic");
+        ConnectOptions { ctrl_loss_timeout: MAX_TIMEOUT, ..ConnectOptions::default() }.validate().unwrap();
     }
 
     #[test]
