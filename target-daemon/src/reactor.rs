@@ -2369,7 +2369,12 @@ impl Reactor {
         tracing::debug!("queue pair {} freed", s.peer);
         if let Some(shared) = &s.shared {
             if self.registry.leave(shared, self.id) {
-                tracing::info!("session ended: host={} session={:#x} (its last queue pair is gone)", shared.host_id, shared.id.0);
+                tracing::info!(
+                    "session ended: host={} session={:#x} (its last queue pair is gone; {} commands dropped before reaching the disk)",
+                    shared.host_id,
+                    shared.id.0,
+                    shared.dropped()
+                );
             }
         }
         drop(s);

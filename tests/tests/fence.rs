@@ -170,3 +170,55 @@ fn stale_write_test_repeated() {
         stale_write_run(run, None);
     }
 }
+
+/// A queue pair that dies executes none of the commands it had queued: with
+/// two pool chunks and both writes holding them held at the "disk", the
+/// next fourteen inline WRITEs wait for a chunk; the connection then drops.
+/// Once the gate opens the two held writes land (they were at the disk) and
+/// the fourteen never do. Raw frames, so tcp:// only.
+#[test]
+fn a_dead_queue_pair_executes_none_of_its_queued_commands() {
+    use rdmablk_common::protocol::{BlockCount, CommandCapsule, CommandId, Lba, Opcode, FLAG_INLINE_DATA};
+    if rdmablk_system_tests::scheme() != "tcp" {
+        eprintln!("skipped: raw tcp frames");
+        return;
+    }
+    const BS: usize = 4096;
+    let dir = tempfile::tempdir().unwrap();
+    let image = sparse_file(dir.path(), "vol0.img", VOLUME);
+    let gate = dir.path().join("hold-writes");
+    let config = format!(
+        "{}reactors = 1\nbuffer_pool = \"256KiB\"\nsession_pool_share = \"100%\"\n{}",
+        target_section(),
+        file_volume("vol0", &image, VOLUME, false)
+    );
+    let target =
+        TargetProcess::start_with_env(&config, &[("RDMABLK_FAULT_HOLD_WRITES", gate.to_str().unwrap())], &[]);
+    let mut conn = rdmablk_system_tests::WireConn::hello(&target.url);
+    let reply = conn.connect("dead-qp", 32);
+    let vol = conn.open_volume("vol0");
+    std::fs::write(&gate, format!("{:#x}", reply.session_id.0)).unwrap();
+    for block in 0..16u64 {
+        let mut c = CommandCapsule::new(Opcode::Write, CommandId(0));
+        c.volume_id = vol.volume_id;
+        c.start_block = Lba(block);
+        c.block_count = BlockCount(1);
+        c.flags = FLAG_INLINE_DATA;
+        conn.post(c, &[0xa0 + block as u8; BS]);
+    }
+    // Let the target take all sixteen in (two at the disk, fourteen waiting).
+    std::thread::sleep(Duration::from_millis(500));
+    drop(conn);
+    target.wait_for_log("session disconnected: host=dead-qp", Duration::from_secs(10));
+    std::thread::sleep(Duration::from_millis(200));
+    std::fs::remove_file(&gate).unwrap();
+    let ended = target.wait_for_log("session ended: host=dead-qp", Duration::from_secs(10));
+    assert!(ended.contains("14 commands dropped before reaching the disk"), "{ended}");
+    let file = std::fs::read(&image).unwrap();
+    for block in 0..16usize {
+        let got = &file[block * BS..(block + 1) * BS];
+        let want = if block < 2 { 0xa0 + block as u8 } else { 0 };
+        assert!(got.iter().all(|&b| b == want), "block {block}: expected {want:#x}, found {:#x}", got[0]);
+    }
+    target.assert_no_panic();
+}
