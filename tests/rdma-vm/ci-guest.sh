@@ -17,8 +17,16 @@
 #   malicious-target-rdma     tests/tests/scoping.rs over rdma://: a fake target writes
 #                             outside the command, after the response and with an old
 #                             rkey; the initiator's memory windows refuse every write
-#   bench-verify-rdma         rdmablk-bench --verify=crc32c for 3 s (SKIPPED, and shown
-#                             as such, while rdmablk-bench is not built)
+#   fence-rdma                tests/tests/fence.rs over rdma://: a reconnected session
+#                             never sees a write of the session it replaced land
+#                             after its own (the old writes held at the "disk")
+#   command-slots-rdma        tests/tests/command_slots.rs over rdma://: a verifying
+#                             load at queue depths 4 to 32 never meets QueueFull (rxe
+#                             on Linux 6.12 reports send completions after the
+#                             initiator's next command)
+#   bench-verify-rdma         rdmablk-bench --verify=crc32c, 3 s at each queue depth
+#                             4, 8, 16 and 32 (SKIPPED, and shown as such, while
+#                             rdmablk-bench is not built)
 #   scoping-cost-rdma         4 KiB random reads with rkey_scoping on and off (figures)
 #   port-down-logged          taking the server's link down makes rdmablk-target log
 #                             the RDMA port going down (runs last: it breaks the link)
@@ -162,8 +170,11 @@ bench() {
     set -euo pipefail
     start_target
     trap 'kill $TPID 2>/dev/null' EXIT
-    "$BIN/rdmablk-bench" --target="$URL" --volume=vol0 --eta=never \
-        --name=verify --rw=randwrite --bs=4k --iodepth=8 --size=64M --runtime=3s --time_based --verify=crc32c
+    local qd
+    for qd in 4 8 16 32; do
+        "$BIN/rdmablk-bench" --target="$URL" --volume=vol0 --eta=never \
+            --name="verify-qd$qd" --rw=randwrite --bs=4k --iodepth="$qd" --size=64M --runtime=3s --time_based --verify=crc32c
+    done
     trap - EXIT
     stop_target bench
 }
@@ -200,6 +211,17 @@ counters >"$RES/counters.before"
 # the two window-bounds tests fail on it, as they would not on hardware. The
 # deviation is documented in SECURITY.md ("Providers").
 rxe_defects=(--skip window_refuses_a_byte_before --skip window_refuses_a_byte_past)
+# rxe from Linux 6.9 on ("RDMA/rxe: Fix multiple rxe_qp_error calls") moves
+# the queue pair to the error state on a local protection fault and reports
+# the faulting work request itself as flushed (WR_FLUSH_ERR), where hardware
+# and rxe on 6.1 report LOC_PROT_ERR (or LOC_QP_OP_ERR) for it. The two
+# tests pass on 6.1 and check the hardware behaviour; on later kernels they
+# are skipped, and the summary says so.
+case $(uname -r) in
+    6.1.*) ;;
+    *) rxe_defects+=(--skip invalid_local_lkey_in_send --skip local_sge_outside_its_region)
+       echo "rxe on $(uname -r): the faulting work request of a local protection error is reported flushed; skipping its two tests" ;;
+esac
 step conformance-verbs --timeout 600 env RDMABLK_FABRIC_URL="rdma://$SIP:0" \
     "$RDMABLK_CONFORMANCE" --test-threads=1 "${rxe_defects[@]}" || rc=1
 counters >"$RES/counters.after"
@@ -215,6 +237,11 @@ step bad-commands-rdma --timeout 600 "${sys[@]}" "$RDMABLK_BAD_COMMANDS" --test-
 # rxe's window check lets through (see rxe_defects above).
 step malicious-target-rdma --timeout 300 "${sys[@]}" "$RDMABLK_SCOPING" --test-threads=1 \
     --skip a_write_outside_the_command_fails_and_changes_nothing || rc=1
+step fence-rdma --timeout 300 "${sys[@]}" "$RDMABLK_FENCE" --test-threads=1 || rc=1
+# The tcp provider's late mode (the second test) does not exist on verbs;
+# the kernel's own order is what the first test meets there.
+step command-slots-rdma --timeout 300 "${sys[@]}" "$RDMABLK_COMMAND_SLOTS" --test-threads=1 \
+    --exact late_send_completions_never_turn_a_legal_queue_depth_into_queue_full || rc=1
 if [[ -x $BIN/rdmablk-bench ]]; then
     step bench-verify-rdma --timeout 300 bash "$SELF" bench || rc=1
     step scoping-cost-rdma --timeout 300 bash "$SELF" scoping_cost || rc=1

