@@ -55,6 +55,10 @@ pub const DEFAULT_MAX_SESSIONS: u32 = 256;
 pub const DEFAULT_MAX_QUEUES_PER_SESSION: u32 = 16;
 /// Default most connections accepted but not yet past CONNECT.
 pub const DEFAULT_MAX_HANDSHAKES: u32 = 64;
+/// Default `target.max_handshakes_per_address` (never above
+/// `max_handshakes`): half the default `max_handshakes`, so that one peer
+/// leaves the other half to everyone else.
+pub const DEFAULT_MAX_HANDSHAKES_PER_ADDRESS: u32 = 32;
 /// Default time a connection has to complete CONNECT.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default `target.fence_timeout`: below the initiator's default connect
@@ -144,6 +148,9 @@ pub struct TargetConfig {
     /// Most connections accepted but not yet past CONNECT; more are rejected
     /// at the fabric level.
     pub max_handshakes: u32,
+    /// Of those, most from one source address (default 32, or
+    /// `max_handshakes` if that is smaller).
+    pub max_handshakes_per_address: u32,
     /// Time a connection has from arriving until its CONNECT succeeds
     /// (applied to the fabric hello and again to CONNECT).
     pub handshake_timeout: Duration,
@@ -267,6 +274,7 @@ impl TargetConfig {
         check(self.max_sessions != other.max_sessions, "target.max_sessions");
         check(self.max_queues_per_session != other.max_queues_per_session, "target.max_queues_per_session");
         check(self.max_handshakes != other.max_handshakes, "target.max_handshakes");
+        check(self.max_handshakes_per_address != other.max_handshakes_per_address, "target.max_handshakes_per_address");
         check(self.handshake_timeout != other.handshake_timeout, "target.handshake_timeout");
         check(self.fence_timeout != other.fence_timeout, "target.fence_timeout");
         check(self.session_pool_share != other.session_pool_share, "target.session_pool_share");
@@ -347,6 +355,7 @@ struct RawTarget {
     max_sessions: Option<i64>,
     max_queues_per_session: Option<i64>,
     max_handshakes: Option<i64>,
+    max_handshakes_per_address: Option<i64>,
     handshake_timeout: Option<RawDuration>,
     fence_timeout: Option<RawDuration>,
     session_pool_share: Option<RawSize>,
@@ -586,6 +595,15 @@ impl RawConfig {
         let max_queues_per_session =
             cx.count("target.max_queues_per_session", t.max_queues_per_session, DEFAULT_MAX_QUEUES_PER_SESSION)?;
         let max_handshakes = cx.count("target.max_handshakes", t.max_handshakes, DEFAULT_MAX_HANDSHAKES)?;
+        let default_per_address = DEFAULT_MAX_HANDSHAKES_PER_ADDRESS.min(max_handshakes);
+        let max_handshakes_per_address =
+            cx.count("target.max_handshakes_per_address", t.max_handshakes_per_address, default_per_address)?;
+        if max_handshakes_per_address > max_handshakes {
+            return Err(cx.err(
+                "target.max_handshakes_per_address",
+                format!("{max_handshakes_per_address} is above target.max_handshakes ({max_handshakes})"),
+            ));
+        }
         let handshake_timeout = cx.duration("target.handshake_timeout", t.handshake_timeout, DEFAULT_HANDSHAKE_TIMEOUT)?;
         if handshake_timeout < Duration::from_millis(100) || handshake_timeout > Duration::from_secs(3600) {
             return Err(cx.err(
@@ -664,6 +682,7 @@ impl RawConfig {
             max_sessions,
             max_queues_per_session,
             max_handshakes,
+            max_handshakes_per_address,
             handshake_timeout,
             fence_timeout,
             session_pool_share,
@@ -1028,6 +1047,7 @@ read_only = true
         assert_eq!(c.target.max_sessions, DEFAULT_MAX_SESSIONS);
         assert_eq!(c.target.max_queues_per_session, DEFAULT_MAX_QUEUES_PER_SESSION);
         assert_eq!(c.target.max_handshakes, DEFAULT_MAX_HANDSHAKES);
+        assert_eq!(c.target.max_handshakes_per_address, DEFAULT_MAX_HANDSHAKES_PER_ADDRESS);
         assert_eq!(c.target.handshake_timeout, DEFAULT_HANDSHAKE_TIMEOUT);
         assert_eq!(c.target.session_pool_share, PoolShare::Percent(25));
         // 64 MiB of 128 KiB chunks: 512 chunks, a quarter each.
@@ -1047,6 +1067,11 @@ read_only = true
             (c.target.max_sessions, c.target.max_queues_per_session, c.target.max_handshakes),
             (3, 2, 5)
         );
+        assert_eq!(c.target.max_handshakes_per_address, 5, "never above max_handshakes by default");
+        let per = Config::parse(&with_target("max_handshakes_per_address = 4"), "l.toml").unwrap();
+        assert_eq!(per.target.max_handshakes_per_address, 4);
+        let e = err(&with_target("max_handshakes = 8\nmax_handshakes_per_address = 9"));
+        assert!(e.contains("target.max_handshakes_per_address: 9 is above target.max_handshakes (8)"), "{e}");
         assert_eq!(c.target.handshake_timeout, Duration::from_millis(1500));
         assert_eq!(c.target.fence_timeout, DEFAULT_FENCE_TIMEOUT);
         assert_eq!(c.target.session_pool_share, PoolShare::Bytes(1 << 20));
@@ -1061,7 +1086,7 @@ read_only = true
 
     #[test]
     fn bad_limits_are_named() {
-        for key in ["max_sessions", "max_queues_per_session", "max_handshakes"] {
+        for key in ["max_sessions", "max_queues_per_session", "max_handshakes", "max_handshakes_per_address"] {
             let e = err(&with_target(&format!("{key} = 0")));
             assert!(e.contains(&format!("test.toml: target.{key}: must be in 1..=")), "{e}");
             let e = err(&with_target(&format!("{key} = -3")));
@@ -1107,6 +1132,8 @@ read_only = true
                 "target.max_sessions",
                 "target.max_queues_per_session",
                 "target.max_handshakes",
+                // Its default follows max_handshakes when that is smaller.
+                "target.max_handshakes_per_address",
                 "target.handshake_timeout",
                 "target.session_pool_share"
             ]

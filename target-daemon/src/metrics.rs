@@ -331,6 +331,7 @@ pub fn render(s: &Scrape<'_>) -> String {
         header(&mut out, "rdmablk_connections_refused_total", "counter", "Connections and CONNECTs refused by a limit, by the limit.");
         for (reason, c) in [
             ("max_handshakes", &l.refused_handshakes),
+            ("max_handshakes_per_address", &l.refused_handshakes_per_address),
             ("max_sessions", &l.refused_sessions),
             ("max_queues_per_session", &l.refused_queues),
         ] {

@@ -106,11 +106,19 @@ const TOKEN_BLOCKING: u64 = (1 << 40) + 2;
 
 /// Messages from the control thread.
 pub(crate) enum Control {
-    /// A connection request to accept on fabric `fabric`; it holds one of
-    /// the `max_handshakes` slots until its CONNECT succeeds.
-    Connect { req: ConnectRequest, fabric: usize, handshake: HandshakeSlot },
+    /// A connection request to accept (boxed: it is much larger than the
+    /// other messages).
+    Connect(Box<Accept>),
     /// Finish in-flight commands (until `deadline`), disconnect everything, exit.
     Shutdown { deadline: Instant },
+}
+
+/// A connection request to accept on fabric `fabric`; it holds one of the
+/// `max_handshakes` slots until its CONNECT succeeds.
+pub(crate) struct Accept {
+    pub req: ConnectRequest,
+    pub fabric: usize,
+    pub handshake: HandshakeSlot,
 }
 
 /// What a reactor thread is started with.
@@ -805,7 +813,10 @@ impl Reactor {
         while let Ok(msg) = self.rx.try_recv() {
             n += 1;
             match msg {
-                Control::Connect { req, fabric, handshake } => self.add_session(req, fabric, handshake),
+                Control::Connect(a) => {
+                    let Accept { req, fabric, handshake } = *a;
+                    self.add_session(req, fabric, handshake)
+                }
                 Control::Shutdown { deadline } => {
                     if self.shutdown.is_none() {
                         tracing::debug!("reactor {}: shutting down", self.id);

@@ -10,6 +10,7 @@
 //! volume cannot interleave.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -180,12 +181,20 @@ pub struct SessionLimits {
     pub max_queues_per_session: u32,
     /// `target.max_handshakes`.
     pub max_handshakes: u32,
+    /// `target.max_handshakes_per_address`: of those, most from one source
+    /// address, so that one peer cannot keep every other from starting.
+    pub max_handshakes_per_address: u32,
 }
 
 impl SessionLimits {
     /// No limits (library use and unit tests).
     pub const NONE: SessionLimits =
-        SessionLimits { max_sessions: u32::MAX, max_queues_per_session: u32::MAX, max_handshakes: u32::MAX };
+        SessionLimits {
+            max_sessions: u32::MAX,
+            max_queues_per_session: u32::MAX,
+            max_handshakes: u32::MAX,
+            max_handshakes_per_address: u32::MAX,
+        };
 }
 
 /// Counters of the limits, for the metrics endpoint (several writers).
@@ -197,6 +206,9 @@ pub struct LimitCounters {
     pub handshakes_timed_out: AtomicU64,
     /// Connections refused because `max_handshakes` were in progress.
     pub refused_handshakes: AtomicU64,
+    /// Connections refused because `max_handshakes_per_address` from their
+    /// source address were in progress.
+    pub refused_handshakes_per_address: AtomicU64,
     /// CONNECTs refused by `max_sessions`.
     pub refused_sessions: AtomicU64,
     /// Joins refused by `max_queues_per_session`.
@@ -215,12 +227,32 @@ pub struct LimitCounters {
 #[derive(Debug)]
 pub struct HandshakeSlot {
     registry: Arc<Registry>,
+    /// The source address it counts against (`None`: not an IP peer).
+    address: Option<IpAddr>,
 }
 
 impl Drop for HandshakeSlot {
     fn drop(&mut self) {
         self.registry.counters.handshakes.fetch_sub(1, Ordering::AcqRel);
+        if let Some(a) = self.address {
+            let mut by = self.registry.handshakes_by_address.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = by.get_mut(&a) {
+                *n -= 1;
+                if *n == 0 {
+                    by.remove(&a);
+                }
+            }
+        }
     }
+}
+
+/// Why [`Registry::begin_handshake`] refused a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandshakeRefusal {
+    /// `max_handshakes` connections are in their handshake.
+    Total,
+    /// `max_handshakes_per_address` of them come from this address.
+    PerAddress,
 }
 
 struct SessionEntry {
@@ -297,6 +329,9 @@ pub struct Registry {
     /// The reactors' wake-up eventfds: a fence concerns queue pairs on any
     /// reactor, and whoever waits for it.
     wakers: Mutex<Vec<Arc<EventFd>>>,
+    /// Connections in their handshake, by source address (accepts and
+    /// handshake ends only, never the I/O path).
+    handshakes_by_address: Mutex<HashMap<IpAddr, u32>>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -318,6 +353,7 @@ impl Registry {
             counters: LimitCounters::default(),
             fence_generation: AtomicU64::new(0),
             wakers: Mutex::new(Vec::new()),
+            handshakes_by_address: Mutex::new(HashMap::new()),
         }
     }
 
@@ -371,15 +407,28 @@ impl Registry {
         self.limits
     }
 
-    /// Takes a handshake slot for a new connection, or `None` when
-    /// `max_handshakes` connections are in their handshake already.
-    pub fn begin_handshake(self: &Arc<Self>) -> Option<HandshakeSlot> {
-        let max = self.limits.max_handshakes as u64;
-        self.counters
-            .handshakes
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
-            .ok()
-            .map(|_| HandshakeSlot { registry: Arc::clone(self) })
+    /// Takes a handshake slot for a new connection from `from` (its source
+    /// address, when it has one), unless `max_handshakes` connections, or
+    /// `max_handshakes_per_address` from that address, are in their
+    /// handshake already. Counts the refusal.
+    pub fn begin_handshake(self: &Arc<Self>, from: Option<IpAddr>) -> std::result::Result<HandshakeSlot, HandshakeRefusal> {
+        // Slots are taken only here, under this lock, so the checks and the
+        // increments cannot interleave with another taker (drops only free).
+        let mut by = self.handshakes_by_address.lock().unwrap_or_else(|e| e.into_inner());
+        if self.counters.handshakes.load(Ordering::Acquire) >= self.limits.max_handshakes as u64 {
+            self.counters.refused_handshakes.fetch_add(1, Ordering::Relaxed);
+            return Err(HandshakeRefusal::Total);
+        }
+        if let Some(a) = from {
+            let n = by.entry(a).or_insert(0);
+            if *n >= self.limits.max_handshakes_per_address {
+                self.counters.refused_handshakes_per_address.fetch_add(1, Ordering::Relaxed);
+                return Err(HandshakeRefusal::PerAddress);
+            }
+            *n += 1;
+        }
+        self.counters.handshakes.fetch_add(1, Ordering::AcqRel);
+        Ok(HandshakeSlot { registry: Arc::clone(self), address: from })
     }
 
     /// Takes the admin lock (never on the per-I/O path).
@@ -555,7 +604,7 @@ mod tests {
 
     #[test]
     fn limits_refuse_with_their_own_kind() {
-        let limits = SessionLimits { max_sessions: 2, max_queues_per_session: 2, max_handshakes: 2 };
+        let limits = SessionLimits { max_sessions: 2, max_queues_per_session: 2, max_handshakes: 2, max_handshakes_per_address: 2 };
         let r = Arc::new(Registry::new(VolumeSet::new(1, Vec::new()), 2).with_limits(limits));
         let (a, _b) = {
             let mut admin = r.admin();
@@ -578,11 +627,11 @@ mod tests {
         assert!(r.join(&mut r.admin(), a.session.id, "a", 1).is_ok());
 
         // Handshake slots: two at once, released on drop.
-        let h1 = r.begin_handshake().expect("first");
-        let h2 = r.begin_handshake().expect("second");
-        assert!(r.begin_handshake().is_none(), "a third is over max_handshakes");
+        let h1 = r.begin_handshake(None).expect("first");
+        let h2 = r.begin_handshake(None).expect("second");
+        assert_eq!(r.begin_handshake(None).err(), Some(HandshakeRefusal::Total), "a third is over max_handshakes");
         drop(h1);
-        let h3 = r.begin_handshake().expect("a slot came back");
+        let h3 = r.begin_handshake(None).expect("a slot came back");
         assert_eq!(r.counters.handshakes.load(Ordering::Relaxed), 2);
         drop((h2, h3));
         assert_eq!(r.counters.handshakes.load(Ordering::Relaxed), 0);
@@ -611,6 +660,24 @@ mod tests {
         assert!(!old.has_ended());
         assert!(r.leave(&old, 1));
         assert!(old.has_ended() && r.fence_generation() > g1, "the end of a retired session wakes the fence's waiter");
+    }
+
+    #[test]
+    fn handshakes_are_bounded_per_source_address_too() {
+        let limits = SessionLimits { max_handshakes: 4, max_handshakes_per_address: 2, ..SessionLimits::NONE };
+        let r = Arc::new(Registry::new(VolumeSet::new(1, Vec::new()), 1).with_limits(limits));
+        let (a, b): (IpAddr, IpAddr) = ("127.0.0.2".parse().unwrap(), "127.0.0.1".parse().unwrap());
+        let a1 = r.begin_handshake(Some(a)).unwrap();
+        let _a2 = r.begin_handshake(Some(a)).unwrap();
+        assert_eq!(r.begin_handshake(Some(a)).err(), Some(HandshakeRefusal::PerAddress));
+        let _b1 = r.begin_handshake(Some(b)).expect("another address still starts");
+        drop(a1);
+        let _a3 = r.begin_handshake(Some(a)).expect("a slot of that address came back");
+        let _b2 = r.begin_handshake(Some(b)).unwrap();
+        let c: IpAddr = "10.0.0.3".parse().unwrap();
+        assert_eq!(r.begin_handshake(Some(c)).err(), Some(HandshakeRefusal::Total), "the total still holds");
+        assert_eq!(r.counters.refused_handshakes_per_address.load(Ordering::Relaxed), 1);
+        assert_eq!(r.counters.refused_handshakes.load(Ordering::Relaxed), 1);
     }
 
     #[test]

@@ -30,8 +30,8 @@ use crate::config::{Config, TargetConfig, MAX_VOLUMES};
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::{self, HttpServer, ReactorStats};
 use crate::notify::{self, Notifier};
-use crate::reactor::{self, Control, ReactorHandle, ReactorSpec};
-use crate::session::{Registry, SessionLimits, SessionSummary};
+use crate::reactor::{self, Accept, Control, ReactorHandle, ReactorSpec};
+use crate::session::{HandshakeRefusal, Registry, SessionLimits, SessionSummary};
 use crate::sys::{self, Epoll, EventFd, SignalFd};
 
 /// Entry point for starting targets.
@@ -213,6 +213,7 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
         max_sessions: cfg.max_sessions,
         max_queues_per_session: cfg.max_queues_per_session,
         max_handshakes: cfg.max_handshakes,
+        max_handshakes_per_address: cfg.max_handshakes_per_address,
     };
     let access = Arc::new(AccessPolicy::load(&config)?);
     log_access(&config);
@@ -526,21 +527,35 @@ impl ControlThread {
         loop {
             match self.listeners[li].poll_request() {
                 Ok(Some(req)) => {
-                    let Some(handshake) = self.registry.begin_handshake() else {
-                        let max = self.registry.limits().max_handshakes;
-                        self.registry.counters.refused_handshakes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        tracing::warn!(
-                            "refusing connection from {}: {max} connections are in their handshake (target.max_handshakes = {max})",
-                            req.peer()
-                        );
-                        req.reject(b"target busy: too many connections in their handshake");
-                        continue;
+                    let peer = req.peer();
+                    let from = peer.parse::<std::net::SocketAddr>().ok().map(|a| a.ip());
+                    let handshake = match self.registry.begin_handshake(from) {
+                        Ok(h) => h,
+                        Err(why) => {
+                            let limits = self.registry.limits();
+                            let (reason, reject): (String, &[u8]) = match why {
+                                HandshakeRefusal::Total => (
+                                    format!("{n} connections are in their handshake (target.max_handshakes = {n})", n = limits.max_handshakes),
+                                    b"target busy: too many connections in their handshake",
+                                ),
+                                HandshakeRefusal::PerAddress => (
+                                    format!(
+                                        "{n} connections from its address are in their handshake (target.max_handshakes_per_address = {n})",
+                                        n = limits.max_handshakes_per_address
+                                    ),
+                                    b"target busy: too many connections from this address in their handshake",
+                                ),
+                            };
+                            tracing::warn!("refusing connection from {peer}: {reason}");
+                            req.reject(reject);
+                            continue;
+                        }
                     };
                     let r = &self.reactors[*next % self.reactors.len()];
                     *next += 1;
                     tracing::debug!("connection request from {} → reactor {}", req.peer(), r.id);
-                    if let Err(Control::Connect { req, .. }) = r.send(Control::Connect { req, fabric: li, handshake }) {
-                        req.reject(b"target is shutting down");
+                    if let Err(Control::Connect(a)) = r.send(Control::Connect(Box::new(Accept { req, fabric: li, handshake }))) {
+                        a.req.reject(b"target is shutting down");
                     }
                 }
                 Ok(None) => return,

@@ -613,6 +613,40 @@ pub struct WireConn {
     faulted: bool,
 }
 
+/// A TCP connection to the daemon at `url` (IPv4) from the local address
+/// `source`, bound before it connects.
+pub fn tcp_from(url: &str, source: std::net::Ipv4Addr) -> std::net::TcpStream {
+    use std::os::fd::FromRawFd;
+    let std::net::SocketAddr::V4(dest) = socket_addr_of(url) else { panic!("{url}: an IPv4 address is needed") };
+    let sockaddr = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from(ip).to_be() },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: socket(2) takes plain integers; a valid descriptor it returns
+    // is owned by the TcpStream from here on (closed on drop).
+    let stream = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        std::net::TcpStream::from_raw_fd(fd)
+    };
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&stream);
+    let (src, dst) = (sockaddr(source, 0), sockaddr(*dest.ip(), dest.port()));
+    // SAFETY: the addresses are live sockaddr_in values of `len` bytes, and
+    // `fd` is the stream's open socket.
+    let (bound, connected) = unsafe {
+        let bound = libc::bind(fd, (&src as *const libc::sockaddr_in).cast(), len);
+        let connected = if bound == 0 { libc::connect(fd, (&dst as *const libc::sockaddr_in).cast(), len) } else { -1 };
+        (bound, connected)
+    };
+    assert_eq!(bound, 0, "bind to {source}: {}", std::io::Error::last_os_error());
+    assert_eq!(connected, 0, "connect from {source} to {dest}: {}", std::io::Error::last_os_error());
+    stream.set_nodelay(true).unwrap();
+    stream
+}
+
 /// The address `tcp://host:port` names.
 pub fn socket_addr_of(url: &str) -> std::net::SocketAddr {
     use std::net::ToSocketAddrs;
@@ -631,7 +665,16 @@ impl WireConn {
     /// A TCP connection with nothing sent yet, wrapped (for framing attacks
     /// that start before the HELLO).
     pub fn raw(url: &str) -> WireConn {
-        let stream = Self::tcp(url);
+        Self::on_stream(Self::tcp(url))
+    }
+
+    /// A TCP connection from the local address `source` (any of 127/8 on
+    /// loopback), nothing sent: another peer as the daemon sees it.
+    pub fn raw_from(url: &str, source: std::net::Ipv4Addr) -> WireConn {
+        Self::on_stream(tcp_from(url, source))
+    }
+
+    fn on_stream(stream: std::net::TcpStream) -> WireConn {
         let peer = stream.local_addr().unwrap().to_string();
         WireConn {
             stream,
@@ -907,4 +950,61 @@ pub fn nofile_limit() -> u64 {
 /// FNV-1a of bytes, the same digest [`file_digest`] computes of a file.
 pub fn bytes_digest(data: &[u8]) -> u64 {
     data.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+}
+
+/// A target on a fixed port of the test host with one file volume, `vol0`,
+/// that can be stopped and started again on the same config, port and
+/// backing file (failover tests).
+pub struct RestartableTarget {
+    _dir: tempfile::TempDir,
+    config: PathBuf,
+    image: PathBuf,
+    target: Option<TargetProcess>,
+}
+
+impl RestartableTarget {
+    /// Starts it; `extra` goes into `[target]` (lines ending in a newline).
+    pub fn start(extra: &str, volume_size: u64) -> RestartableTarget {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let image = sparse_file(dir.path(), "vol0.img", volume_size);
+        let config = dir.path().join("target.toml");
+        let text = format!("{}{extra}{}", target_section_at(free_port()), file_volume("vol0", &image, volume_size, false));
+        std::fs::write(&config, text).expect("write config");
+        let target = Some(TargetProcess::start_with_path(&config));
+        RestartableTarget { _dir: dir, config, image, target }
+    }
+
+    /// The running daemon.
+    pub fn target(&self) -> &TargetProcess {
+        self.target.as_ref().expect("running")
+    }
+
+    /// Its URL (the same after a restart).
+    pub fn url(&self) -> String {
+        self.target().url.clone()
+    }
+
+    /// The backing file of `vol0`.
+    pub fn image(&self) -> &Path {
+        &self.image
+    }
+
+    /// Sends `sig` and waits for the process to be gone.
+    pub fn stop(&mut self, sig: i32) {
+        let mut t = self.target.take().expect("running");
+        t.signal(sig);
+        t.wait_exit(Duration::from_secs(30));
+    }
+
+    /// SIGKILLs it and waits until it is reaped.
+    pub fn kill(&mut self) {
+        let mut t = self.target.take().expect("running");
+        t.kill_and_wait();
+    }
+
+    /// Starts it again on the same config.
+    pub fn restart(&mut self) {
+        assert!(self.target.is_none(), "still running");
+        self.target = Some(TargetProcess::start_with_path(&self.config));
+    }
 }

@@ -15,14 +15,13 @@
 //! written.
 
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rdmablk_system_tests::{
-    bin, file_volume, free_port, memory_volume, rdmablk, sample, scrape, sparse_file, target_section, target_section_at,
-    wait_until, TargetProcess,
+    bin, memory_volume, rdmablk, sample, scrape, target_section, wait_until, RestartableTarget, TargetProcess,
 };
 use serde_json::Value;
 
@@ -40,50 +39,11 @@ const DOWN: Duration = Duration::from_millis(500);
 /// A benchmark that has not finished by then is stuck.
 const BENCH_LIMIT: Duration = Duration::from_secs(RUNTIME_S + 90);
 
-/// A target on a fixed port with a file volume and a metrics endpoint,
-/// restartable on the same config.
-struct Restartable {
-    _dir: tempfile::TempDir,
-    config: PathBuf,
-    image: PathBuf,
-    target: Option<TargetProcess>,
-}
-
-impl Restartable {
-    fn start() -> Restartable {
-        let dir = tempfile::tempdir().unwrap();
-        let image = sparse_file(dir.path(), "vol0.img", VOLUME);
-        let config = dir.path().join("target.toml");
-        let text = format!(
-            "{}metrics = \"127.0.0.1:0\"\n{}",
-            target_section_at(free_port()),
-            file_volume("vol0", &image, VOLUME, false)
-        );
-        std::fs::write(&config, text).unwrap();
-        let target = Some(TargetProcess::start_with_path(&config));
-        Restartable { _dir: dir, config, image, target }
-    }
-
-    fn target(&self) -> &TargetProcess {
-        self.target.as_ref().expect("running")
-    }
-
-    /// Reads and writes the running target finished on vol0 (its metrics).
-    fn ops(&self) -> (f64, f64) {
-        let m = scrape(&self.target().metrics_addr());
-        let op = |op| sample(&m, "rdmablk_volume_ops_total", &[("volume", "vol0"), ("op", op)]).unwrap_or(0.0);
-        (op("read"), op("write"))
-    }
-
-    fn kill(&mut self) {
-        let mut t = self.target.take().expect("running");
-        t.kill_and_wait();
-    }
-
-    fn restart(&mut self) {
-        assert!(self.target.is_none());
-        self.target = Some(TargetProcess::start_with_path(&self.config));
-    }
+/// Reads and writes the running target finished on vol0 (its metrics).
+fn ops(target: &RestartableTarget) -> (f64, f64) {
+    let m = scrape(&target.target().metrics_addr());
+    let op = |op| sample(&m, "rdmablk_volume_ops_total", &[("volume", "vol0"), ("op", op)]).unwrap_or(0.0);
+    (op("read"), op("write"))
 }
 
 /// `rdmablk-bench` as a child process, its output collected.
@@ -178,8 +138,8 @@ impl Drop for Bench {
 /// last 100 ms while it runs), SIGKILLs the target, restarts it after
 /// [`DOWN`] on the same port and config, and returns the target, the
 /// benchmark, and the target's counters just before the kill.
-fn kill_and_restart_under_the_benchmark(extra: &[&str]) -> (Restartable, Bench, (f64, f64)) {
-    let mut target = Restartable::start();
+fn kill_and_restart_under_the_benchmark(extra: &[&str]) -> (RestartableTarget, Bench, (f64, f64)) {
+    let mut target = RestartableTarget::start("metrics = \"127.0.0.1:0\"\n", VOLUME);
     let url = target.target().url.clone();
     let mut bench = Bench::spawn(&url, extra);
     let t0 = Instant::now();
@@ -189,7 +149,7 @@ fn kill_and_restart_under_the_benchmark(extra: &[&str]) -> (Restartable, Bench, 
     wait_until("the benchmark's reads and writes flowing, 1.5 s in", Duration::from_secs(60), || {
         std::thread::sleep(Duration::from_millis(100));
         assert!(bench.running(), "rdmablk-bench exited before the kill");
-        before = target.ops();
+        before = ops(&target);
         let flowing = before.0 > last.0 && before.1 > last.1 && last.0 > 0.0;
         last = before;
         flowing && t0.elapsed() >= Duration::from_millis(1500)
@@ -285,14 +245,14 @@ fn the_benchmark_with_ctrl_loss_tmo_rides_out_a_sigkill_and_restart_of_the_targe
     // Reads and writes went on after the reconnection: far more of each
     // than the re-issued ones (at most the queue depth, 16) reached the
     // new target.
-    let after = target.ops();
+    let after = ops(&target);
     eprintln!("the restarted target finished {after:?} reads/writes; the first {before:?}");
     assert!(after.0 >= 100.0 && after.1 >= 100.0, "after the reconnection: {after:?} reads/writes");
     let (reads, writes) = total_ios(job);
     assert!(reads as f64 >= before.0 && writes as f64 >= before.1, "the report ({reads}, {writes}) misses I/O the target saw: {before:?}, {after:?}");
 
     // On disk: no torn or misplaced block, and most of the region written.
-    let stamped = stamped_blocks(&target.image);
+    let stamped = stamped_blocks(target.image());
     eprintln!("{stamped} of {} blocks written", REGION / BS);
     assert!(stamped >= REGION / BS / 2, "only {stamped} blocks written");
     target.target().assert_no_panic();
@@ -318,9 +278,9 @@ fn without_ctrl_loss_tmo_the_benchmark_reports_the_lost_target() {
     // It stopped at the loss: the restarted target never saw it.
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(target.target().count_log("session connected"), 0, "{}", target.target().log().join("\n"));
-    assert_eq!(target.ops(), (0.0, 0.0));
+    assert_eq!(ops(&target), (0.0, 0.0));
     // What was written before the loss is intact.
-    assert!(stamped_blocks(&target.image) > 0);
+    assert!(stamped_blocks(target.image()) > 0);
 }
 
 #[test]

@@ -11,61 +11,16 @@
 #[path = "../../initiator/tests/support/workload.rs"]
 mod workload;
 
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdmablk_initiator::{BlockDevice, ConnectOptions, ErrorKind, MemDevice, Session};
-use rdmablk_system_tests::{file_volume, free_port, sparse_file, target_section_at, TargetProcess};
+use rdmablk_system_tests::RestartableTarget;
 use workload::LoadConfig;
 
 const MIB: u64 = 1 << 20;
 const VOLUME: u64 = 64 * MIB;
-
-/// A target on a fixed port, so that a restarted one is found again.
-struct Restartable {
-    _dir: tempfile::TempDir,
-    config: PathBuf,
-    image: PathBuf,
-    target: Option<TargetProcess>,
-}
-
-impl Restartable {
-    fn start(extra: &str) -> Restartable {
-        let dir = tempfile::tempdir().unwrap();
-        let image = sparse_file(dir.path(), "vol0.img", VOLUME);
-        let config = dir.path().join("target.toml");
-        let text = format!(
-            "{}max_io_size = \"256KiB\"\n{extra}\n{}",
-            target_section_at(free_port()),
-            file_volume("vol0", &image, VOLUME, false)
-        );
-        std::fs::write(&config, text).unwrap();
-        let target = Some(TargetProcess::start_with_path(&config));
-        Restartable { _dir: dir, config, image, target }
-    }
-
-    fn url(&self) -> String {
-        self.target.as_ref().expect("running").url.clone()
-    }
-
-    /// Sends `sig` and waits for the process to be gone.
-    fn stop(&mut self, sig: i32) {
-        let mut t = self.target.take().expect("running");
-        t.signal(sig);
-        t.wait_exit(Duration::from_secs(30));
-    }
-
-    fn restart(&mut self) {
-        assert!(self.target.is_none());
-        self.target = Some(TargetProcess::start_with_path(&self.config));
-    }
-
-    fn image(&self) -> &Path {
-        &self.image
-    }
-}
 
 fn options() -> ConnectOptions {
     ConnectOptions {
@@ -92,7 +47,7 @@ fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) -> Durat
 /// Runs the QD-32 load, stops the target with `sig` while it runs, restarts
 /// it, and checks that the load saw nothing and every byte verifies.
 fn restart_under_load(sig: i32) {
-    let mut target = Restartable::start("");
+    let mut target = RestartableTarget::start("max_io_size = \"256KiB\"\n", VOLUME);
     let session = Session::connect(target.url(), options()).expect("connect");
     eprintln!("session with {} queue pair(s)", session.queue_count());
     let first_session = session.session_id();
@@ -150,7 +105,7 @@ fn sigterm_and_restart_under_a_qd32_write_verify_load_is_invisible() {
 
 #[test]
 fn a_hung_target_is_found_by_the_keep_alive_and_lost_after_ctrl_loss_timeout() {
-    let target = Restartable::start("");
+    let target = RestartableTarget::start("max_io_size = \"256KiB\"\n", VOLUME);
     let ka = Duration::from_secs(1);
     let ctrl_loss = Duration::from_secs(3);
     let session = Session::connect(
@@ -167,7 +122,7 @@ fn a_hung_target_is_found_by_the_keep_alive_and_lost_after_ctrl_loss_timeout() {
     vol.write_at(&[5u8; 8192], 0).unwrap();
     std::thread::sleep(Duration::from_millis(500));
     // SIGSTOP: the connections stay up, nothing answers; no I/O in flight.
-    target.target.as_ref().unwrap().signal(libc::SIGSTOP);
+    target.target().signal(libc::SIGSTOP);
     let noticed = wait_until("the hung target noticed", Duration::from_secs(10), || !session.is_connected());
     eprintln!("hung target noticed after {noticed:?}");
     assert!(noticed <= ka + Duration::from_millis(500), "noticed after {noticed:?} with keepalive_timeout {ka:?}");
@@ -177,12 +132,12 @@ fn a_hung_target_is_found_by_the_keep_alive_and_lost_after_ctrl_loss_timeout() {
     assert_eq!(e.kind(), ErrorKind::TargetLost, "{e}");
     assert!(t0.elapsed() < ctrl_loss + Duration::from_secs(2), "{:?}", t0.elapsed());
     assert!(session.is_lost());
-    target.target.as_ref().unwrap().signal(libc::SIGCONT);
+    target.target().signal(libc::SIGCONT);
 }
 
 #[test]
 fn requests_fail_with_target_lost_when_the_target_does_not_come_back() {
-    let mut target = Restartable::start("");
+    let mut target = RestartableTarget::start("max_io_size = \"256KiB\"\n", VOLUME);
     let ctrl_loss = Duration::from_secs(2);
     let session = Session::connect(target.url(), ConnectOptions { ctrl_loss_timeout: ctrl_loss, ..options() }).unwrap();
     let vol = Arc::new(session.open("vol0").unwrap());

@@ -160,6 +160,57 @@ fn max_handshakes_refuses_extra_connections_until_connect_or_timeout_frees_a_slo
     t.assert_no_panic();
 }
 
+/// One peer that starts handshakes and goes quiet cannot keep everyone
+/// else out: before `max_handshakes_per_address`, 64 connections that sent
+/// their HELLO and nothing more (every `max_handshakes` slot, for
+/// `handshake_timeout`) locked every other initiator out; now one address
+/// holds at most 32 of them and the rest are refused at once.
+#[test]
+fn one_address_cannot_take_every_handshake_slot() {
+    let attacker: std::net::Ipv4Addr = "127.0.0.2".parse().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // The defaults: max_handshakes 64, 32 per address, handshake_timeout 10s.
+    let (t, _file) = target("", dir.path());
+    let pid = t.pid();
+    legit_io(&t.url, 0);
+    wait_until("the first session is gone", Duration::from_secs(10), || metric(&t, "rdmablk_sessions_connected", &[]) == 0.0);
+    let (fds_base, rss_base) = (open_fds(pid), rss_bytes(pid));
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for _ in 0..64 {
+        let mut c = WireConn::raw_from(&t.url, attacker);
+        c.send(&wire::hello());
+        let (h, body) = c.read_frame(Duration::from_secs(10)).expect("a HELLO_REPLY");
+        assert_eq!(h.ty, wire::HELLO_REPLY);
+        if u32::from_le_bytes(body[8..12].try_into().unwrap()) == 0 {
+            held.push(c);
+        } else {
+            assert_eq!(&body[32..], b"target busy: too many connections from this address in their handshake");
+            refused += 1;
+        }
+    }
+    eprintln!("attacker: {} handshakes held, {refused} refused", held.len());
+    // While they are held, a legitimate initiator (another address) lists,
+    // writes and reads back within a couple of seconds.
+    let t0 = Instant::now();
+    let session = Session::connect(t.url.as_str(), options("legit-host", 2)).expect("the legitimate initiator connects");
+    assert_eq!(session.list_volumes().expect("list").len(), 1);
+    session.close();
+    legit_io(&t.url, 8 * MIB);
+    let took = t0.elapsed();
+    eprintln!("the legitimate initiator listed, wrote and read back in {took:?} during the attack");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    assert_eq!((held.len(), refused), (32, 32), "one address holds at most max_handshakes_per_address");
+    t.wait_for_log_all(&["refusing connection from 127.0.0.2", "target.max_handshakes_per_address = 32"], Duration::from_secs(5));
+    assert_eq!(metric(&t, "rdmablk_connections_refused_total", &[("reason", "max_handshakes_per_address")]), 32.0);
+    eprintln!("daemon: {} fds and {} KiB before, {} fds and {} KiB during", fds_base, rss_base / 1024, open_fds(pid), rss_bytes(pid) / 1024);
+    // When the attack ends its descriptors go.
+    drop(held);
+    wait_until("the attack's descriptors are gone", Duration::from_secs(15), || open_fds(pid) <= fds_base + 2);
+    assert_eq!(metric(&t, "rdmablk_handshakes_in_progress", &[]), 0.0);
+    t.assert_no_panic();
+}
+
 #[test]
 fn max_sessions_refuses_a_new_session_with_limit_reached() {
     let dir = tempfile::tempdir().unwrap();
