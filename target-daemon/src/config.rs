@@ -64,6 +64,9 @@ pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default `target.fence_timeout`: below the initiator's default connect
 /// timeout (10 s), so that a CONNECT kept waiting is answered in time.
 pub const DEFAULT_FENCE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default `target.idle_timeout`: far above the keep-alive interval of the
+/// initiator library (a quarter of its 5 s `keepalive_timeout`).
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default share of a reactor's pool one session may hold: 25 %.
 pub const DEFAULT_SESSION_POOL_SHARE: PoolShare = PoolShare::Percent(25);
 /// Upper bound of the count limits (sessions, queues, handshakes).
@@ -158,6 +161,9 @@ pub struct TargetConfig {
     /// fence) may wait for that session's disk I/O to finish before it is
     /// answered `FenceTimeout` (the initiator then retries).
     pub fence_timeout: Duration,
+    /// A connected queue pair with nothing outstanding that has received no
+    /// command (a keep-alive included) for this long is torn down.
+    pub idle_timeout: Duration,
     /// Most pool buffers one session may hold at once on one reactor;
     /// commands beyond it wait for the session's own buffers to return.
     pub session_pool_share: PoolShare,
@@ -277,6 +283,7 @@ impl TargetConfig {
         check(self.max_handshakes_per_address != other.max_handshakes_per_address, "target.max_handshakes_per_address");
         check(self.handshake_timeout != other.handshake_timeout, "target.handshake_timeout");
         check(self.fence_timeout != other.fence_timeout, "target.fence_timeout");
+        check(self.idle_timeout != other.idle_timeout, "target.idle_timeout");
         check(self.session_pool_share != other.session_pool_share, "target.session_pool_share");
         v
     }
@@ -358,6 +365,7 @@ struct RawTarget {
     max_handshakes_per_address: Option<i64>,
     handshake_timeout: Option<RawDuration>,
     fence_timeout: Option<RawDuration>,
+    idle_timeout: Option<RawDuration>,
     session_pool_share: Option<RawSize>,
 }
 
@@ -615,6 +623,10 @@ impl RawConfig {
         if fence_timeout < Duration::from_millis(100) || fence_timeout > Duration::from_secs(3600) {
             return Err(cx.err("target.fence_timeout", format!("must be between 100ms and 1h (got {fence_timeout:?})")));
         }
+        let idle_timeout = cx.duration("target.idle_timeout", t.idle_timeout, DEFAULT_IDLE_TIMEOUT)?;
+        if idle_timeout < Duration::from_secs(1) || idle_timeout > Duration::from_secs(86400) {
+            return Err(cx.err("target.idle_timeout", format!("must be between 1s and 24h (got {idle_timeout:?})")));
+        }
         let session_pool_share = match t.session_pool_share {
             None => DEFAULT_SESSION_POOL_SHARE,
             Some(RawSize::Str(s)) if s.trim().ends_with('%') => {
@@ -685,6 +697,7 @@ impl RawConfig {
             max_handshakes_per_address,
             handshake_timeout,
             fence_timeout,
+            idle_timeout,
             session_pool_share,
         };
 
@@ -1074,6 +1087,11 @@ read_only = true
         assert!(e.contains("target.max_handshakes_per_address: 9 is above target.max_handshakes (8)"), "{e}");
         assert_eq!(c.target.handshake_timeout, Duration::from_millis(1500));
         assert_eq!(c.target.fence_timeout, DEFAULT_FENCE_TIMEOUT);
+        assert_eq!(c.target.idle_timeout, DEFAULT_IDLE_TIMEOUT);
+        let idle = Config::parse(&with_target("idle_timeout = \"90s\""), "l.toml").unwrap();
+        assert_eq!(idle.target.idle_timeout, Duration::from_secs(90));
+        let e = err(&with_target("idle_timeout = \"500ms\""));
+        assert!(e.contains("target.idle_timeout: must be between 1s and 24h"), "{e}");
         assert_eq!(c.target.session_pool_share, PoolShare::Bytes(1 << 20));
         assert_eq!(c.target.session_pool_share.chunks(512, 128 << 10), 8);
         let c = Config::parse(&with_target("session_pool_share = \"100%\"\nhandshake_timeout = 2"), "l.toml").unwrap();

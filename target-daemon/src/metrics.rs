@@ -322,6 +322,8 @@ pub fn render(s: &Scrape<'_>) -> String {
         let _ = writeln!(out, "rdmablk_handshakes_in_progress {}", get(&l.handshakes));
         header(&mut out, "rdmablk_handshakes_timed_out_total", "counter", "Connections dropped by target.handshake_timeout.");
         let _ = writeln!(out, "rdmablk_handshakes_timed_out_total {}", get(&l.handshakes_timed_out));
+        header(&mut out, "rdmablk_idle_timeouts_total", "counter", "Connected queue pairs torn down by target.idle_timeout (no command, no keep-alive).");
+        let _ = writeln!(out, "rdmablk_idle_timeouts_total {}", get(&l.idle_timeouts));
         header(&mut out, "rdmablk_fences_total", "counter", "Sessions retired by the reconnect fence (a newer session of the host replaced them).");
         let _ = writeln!(out, "rdmablk_fences_total {}", get(&l.fences));
         header(&mut out, "rdmablk_fence_timeouts_total", "counter", "CONNECTs answered FenceTimeout: the replaced session's disk I/O outlasted target.fence_timeout.");

@@ -261,6 +261,9 @@ struct Session {
     live_cmds: u32,
     /// Answers waiting for a response slot or send-queue room, in order.
     resp_wait: VecDeque<WaitingResponse>,
+    /// When its last command (a keep-alive included) arrived, or it was
+    /// accepted: for `target.idle_timeout`.
+    last_heard: Instant,
 }
 
 /// An answer that found every response slot busy.
@@ -437,6 +440,8 @@ struct Reactor {
     last_work: Instant,
     /// `target.fence_timeout`.
     fence_timeout: Duration,
+    /// `target.idle_timeout`.
+    idle_timeout: Duration,
     /// The registry's fence generation this reactor has acted on.
     fence_generation: u64,
     /// Queue pairs with a CONNECT held by the fence.
@@ -575,6 +580,7 @@ impl Reactor {
             busy_poll: cfg.busy_poll,
             last_work: Instant::now(),
             fence_timeout: cfg.fence_timeout,
+            idle_timeout: cfg.idle_timeout,
             fence_generation: 0,
             fences_waiting: 0,
         };
@@ -780,6 +786,13 @@ impl Reactor {
         r.map_err(|e| Error::os("epoll_wait", e))
     }
 
+    /// Whether `target.idle_timeout` applies to a queue pair: connected (a
+    /// handshake has its own deadline), live, and nothing of it in flight
+    /// (a command waiting for the disk or a chunk is not the peer's silence).
+    fn may_idle_out(s: &Session) -> bool {
+        s.closing.is_none() && s.handshake.is_none() && s.fence.is_none() && s.live_cmds == 0
+    }
+
     /// The earliest moment `check_deadlines` has something to do.
     fn next_deadline(&self) -> Option<Instant> {
         let mut d = None;
@@ -793,6 +806,8 @@ impl Reactor {
                     min(f.deadline);
                 } else if let Some((_, hd)) = &s.handshake {
                     min(*hd);
+                } else if Self::may_idle_out(s) {
+                    min(s.last_heard + self.idle_timeout);
                 }
             } else if s.res.is_some() && (s.sq_used > 0 || s.recv_posted > 0) {
                 if let Some(cd) = s.close_deadline {
@@ -855,6 +870,16 @@ impl Reactor {
                 let why = format!("no successful CONNECT within {:?} (target.handshake_timeout)", self.handshake_timeout);
                 tracing::warn!("reactor {}: dropping connection from {}: {why}", self.id, s.peer);
                 self.registry.counters.handshakes_timed_out.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.fail_session(si as u16, why);
+                continue;
+            }
+            if Self::may_idle_out(s) && now.saturating_duration_since(s.last_heard) >= self.idle_timeout {
+                let why = format!(
+                    "idle: no command and no keep-alive for {:?} (target.idle_timeout)",
+                    now.saturating_duration_since(s.last_heard)
+                );
+                tracing::warn!("reactor {}: dropping connection from {} host={}: {why}", self.id, s.peer, s.host());
+                self.registry.counters.idle_timeouts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 self.fail_session(si as u16, why);
                 continue;
             }
@@ -1002,6 +1027,7 @@ impl Reactor {
             fence: None,
             live_cmds: 0,
             resp_wait: VecDeque::new(),
+            last_heard: Instant::now(),
         };
         self.sessions[si as usize].s = Some(session);
         self.stats.queue_pairs.add(1);
@@ -1066,6 +1092,7 @@ impl Reactor {
         let start = Instant::now();
         let s = self.sessions[si as usize].s.as_mut().expect("live session");
         s.recv_posted -= 1;
+        s.last_heard = start;
         let res = s.res.as_mut().expect("live queue pair");
         res.recv.reclaim(slot as usize);
         if wc.status != WcStatus::Success {

@@ -204,6 +204,8 @@ pub struct LimitCounters {
     pub handshakes: AtomicU64,
     /// Connections dropped because CONNECT did not succeed in time.
     pub handshakes_timed_out: AtomicU64,
+    /// Connected queue pairs torn down by `target.idle_timeout`.
+    pub idle_timeouts: AtomicU64,
     /// Connections refused because `max_handshakes` were in progress.
     pub refused_handshakes: AtomicU64,
     /// Connections refused because `max_handshakes_per_address` from their

@@ -211,6 +211,52 @@ fn one_address_cannot_take_every_handshake_slot() {
     t.assert_no_panic();
 }
 
+/// Connected sessions that go quiet (here: CONNECT, then half a capsule and
+/// nothing more) held their queue pairs forever; `idle_timeout` tears them
+/// down, while a library session that is idle but sends its keep-alives
+/// stays up.
+#[test]
+fn connected_sessions_that_go_quiet_are_torn_down_after_idle_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let (t, _file) = target("idle_timeout = \"2s\"", dir.path());
+    let pid = t.pid();
+    legit_io(&t.url, 0);
+    wait_until("the first session is gone", Duration::from_secs(10), || metric(&t, "rdmablk_sessions_connected", &[]) == 0.0);
+    let fds_base = open_fds(pid);
+    let quiet: Vec<WireConn> = (0..10)
+        .map(|i| {
+            let mut c = WireConn::hello(&t.url);
+            c.connect(&format!("quiet-{i}"), 8);
+            // A SEND frame announcing a 64-byte capsule, and 32 bytes of it.
+            let seq = c.take_seq();
+            let h = wire::Frame { ty: wire::SEND, seq, length: 64, ..Default::default() };
+            c.send_frame(h, &[0u8; 32], false);
+            c
+        })
+        .collect();
+    // The library's keep-alives (a quarter of its 5 s keepalive_timeout)
+    // keep an idle session well inside the 2 s.
+    let session = Session::connect(t.url.as_str(), options("legit-host", 2)).expect("connect");
+    let vol = session.open("vol").unwrap();
+    vol.write_at(&[0x5a; 4096], 0).unwrap();
+    assert_eq!(metric(&t, "rdmablk_sessions_connected", &[]), 11.0);
+    for c in &quiet {
+        t.wait_for_log_all(&[&c.peer, "no command and no keep-alive for", "target.idle_timeout"], Duration::from_secs(10));
+    }
+    assert_eq!(metric(&t, "rdmablk_idle_timeouts_total", &[]), 10.0);
+    std::thread::sleep(Duration::from_secs(3));
+    let mut back = [0u8; 4096];
+    vol.read_at(&mut back, 0).unwrap();
+    assert_eq!(back, [0x5a; 4096]);
+    assert_eq!(session.stats().reconnects, 0, "the idle library session was kept");
+    assert_eq!(metric(&t, "rdmablk_sessions_connected", &[]), 1.0);
+    drop(vol);
+    session.close();
+    drop(quiet);
+    wait_until("the quiet connections' descriptors are gone", Duration::from_secs(10), || open_fds(pid) <= fds_base + 2);
+    t.assert_no_panic();
+}
+
 #[test]
 fn max_sessions_refuses_a_new_session_with_limit_reached() {
     let dir = tempfile::tempdir().unwrap();
