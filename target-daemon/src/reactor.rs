@@ -218,6 +218,9 @@ struct FabricCtx {
     _fabric: Arc<Fabric>,
     /// Completion queue entries reserved by live queue pairs.
     cq_reserved: u32,
+    /// Entries the completion queue really holds (a device may allow fewer
+    /// than asked for: rxe's `max_cqe` is 32767).
+    cq_capacity: u32,
 }
 
 /// A queue pair and its registered buffers. Field order is drop order: the
@@ -423,7 +426,6 @@ struct Reactor {
     /// `target.session_pool_share` in chunks of this reactor's pool.
     pool_share: u32,
     recv_slot_size: usize,
-    cq_capacity: u32,
     cmds: Vec<Option<Cmd>>,
     free_cmds: Vec<u16>,
     waitq: VecDeque<u16>,
@@ -525,7 +527,16 @@ impl Reactor {
             cq.set_ack_coalescing(Some(ACK_HOLD));
             let pool_mr = pool.register(&pd).map_err(|e| Error::fabric(format!("{url}: cannot register the buffer pool"), e))?;
             epoll.add(cq.fd(), i as u64).map_err(|e| Error::os("epoll_ctl", e))?;
-            fabrics.push(FabricCtx { pool_mr, cq, pd, _fabric: Arc::clone(f), cq_reserved: 0 });
+            let cq_capacity = cq.capacity().min(cq_capacity);
+            if cq_capacity < chunks + CQ_ENTRIES_PER_DEPTH * cfg.queue_depth {
+                return Err(Error::new(
+                    ErrorKind::Fabric,
+                    format!(
+                        "{url}: a completion queue of {cq_capacity} entries has no room for one queue pair beside {chunks} pool chunks; lower target.queue_depth or target.buffer_pool"
+                    ),
+                ));
+            }
+            fabrics.push(FabricCtx { pool_mr, cq, pd, _fabric: Arc::clone(f), cq_reserved: 0, cq_capacity });
         }
         epoll.add(uring.eventfd(), TOKEN_URING).map_err(|e| Error::os("epoll_ctl", e))?;
         epoll.add(wake.fd(), TOKEN_CTRL).map_err(|e| Error::os("epoll_ctl", e))?;
@@ -566,7 +577,6 @@ impl Reactor {
             handshake_timeout: cfg.handshake_timeout,
             pool_share: cfg.session_pool_share.chunks(chunks, cfg.chunk_size),
             recv_slot_size: recv_slot_size(cfg.inline_data_size),
-            cq_capacity,
             cmds: Vec::new(),
             free_cmds: Vec::new(),
             waitq: VecDeque::new(),
@@ -942,7 +952,10 @@ impl Reactor {
         let qd = self.queue_depth;
         let chunks = self.pool.capacity() as u32;
         let reserve = CQ_ENTRIES_PER_DEPTH * qd;
-        if self.fabrics[fi].cq_reserved + reserve > self.cq_capacity.saturating_sub(chunks) {
+        // Admission by what the device's completion queue really holds, so
+        // that it can never overrun.
+        let f = &self.fabrics[fi];
+        if f.cq_reserved + reserve > f.cq_capacity.saturating_sub(chunks) {
             tracing::warn!("reactor {}: refusing connection from {peer}: too many queue pairs", self.id);
             req.reject(b"target busy: too many connections");
             return;
