@@ -59,6 +59,9 @@ pub const DEFAULT_MAX_HANDSHAKES: u32 = 64;
 /// `max_handshakes`): half the default `max_handshakes`, so that one peer
 /// leaves the other half to everyone else.
 pub const DEFAULT_MAX_HANDSHAKES_PER_ADDRESS: u32 = 32;
+/// Default `target.max_connections_per_address`: one peer's share of the
+/// queue pairs a default target serves (64 per reactor).
+pub const DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: u32 = 64;
 /// Default time a connection has to complete CONNECT.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default `target.fence_timeout`: below the initiator's default connect
@@ -154,6 +157,9 @@ pub struct TargetConfig {
     /// Of those, most from one source address (default 32, or
     /// `max_handshakes` if that is smaller).
     pub max_handshakes_per_address: u32,
+    /// Most connections (queue pairs, in their handshake or connected) from
+    /// one source address at once.
+    pub max_connections_per_address: u32,
     /// Time a connection has from arriving until its CONNECT succeeds
     /// (applied to the fabric hello and again to CONNECT).
     pub handshake_timeout: Duration,
@@ -281,6 +287,7 @@ impl TargetConfig {
         check(self.max_queues_per_session != other.max_queues_per_session, "target.max_queues_per_session");
         check(self.max_handshakes != other.max_handshakes, "target.max_handshakes");
         check(self.max_handshakes_per_address != other.max_handshakes_per_address, "target.max_handshakes_per_address");
+        check(self.max_connections_per_address != other.max_connections_per_address, "target.max_connections_per_address");
         check(self.handshake_timeout != other.handshake_timeout, "target.handshake_timeout");
         check(self.fence_timeout != other.fence_timeout, "target.fence_timeout");
         check(self.idle_timeout != other.idle_timeout, "target.idle_timeout");
@@ -363,6 +370,7 @@ struct RawTarget {
     max_queues_per_session: Option<i64>,
     max_handshakes: Option<i64>,
     max_handshakes_per_address: Option<i64>,
+    max_connections_per_address: Option<i64>,
     handshake_timeout: Option<RawDuration>,
     fence_timeout: Option<RawDuration>,
     idle_timeout: Option<RawDuration>,
@@ -627,6 +635,11 @@ impl RawConfig {
         if idle_timeout < Duration::from_secs(1) || idle_timeout > Duration::from_secs(86400) {
             return Err(cx.err("target.idle_timeout", format!("must be between 1s and 24h (got {idle_timeout:?})")));
         }
+        let max_connections_per_address = cx.count(
+            "target.max_connections_per_address",
+            t.max_connections_per_address,
+            DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
+        )?;
         let session_pool_share = match t.session_pool_share {
             None => DEFAULT_SESSION_POOL_SHARE,
             Some(RawSize::Str(s)) if s.trim().ends_with('%') => {
@@ -695,6 +708,7 @@ impl RawConfig {
             max_queues_per_session,
             max_handshakes,
             max_handshakes_per_address,
+            max_connections_per_address,
             handshake_timeout,
             fence_timeout,
             idle_timeout,
@@ -1061,6 +1075,7 @@ read_only = true
         assert_eq!(c.target.max_queues_per_session, DEFAULT_MAX_QUEUES_PER_SESSION);
         assert_eq!(c.target.max_handshakes, DEFAULT_MAX_HANDSHAKES);
         assert_eq!(c.target.max_handshakes_per_address, DEFAULT_MAX_HANDSHAKES_PER_ADDRESS);
+        assert_eq!(c.target.max_connections_per_address, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS);
         assert_eq!(c.target.handshake_timeout, DEFAULT_HANDSHAKE_TIMEOUT);
         assert_eq!(c.target.session_pool_share, PoolShare::Percent(25));
         // 64 MiB of 128 KiB chunks: 512 chunks, a quarter each.
@@ -1104,7 +1119,7 @@ read_only = true
 
     #[test]
     fn bad_limits_are_named() {
-        for key in ["max_sessions", "max_queues_per_session", "max_handshakes", "max_handshakes_per_address"] {
+        for key in ["max_sessions", "max_queues_per_session", "max_handshakes", "max_handshakes_per_address", "max_connections_per_address"] {
             let e = err(&with_target(&format!("{key} = 0")));
             assert!(e.contains(&format!("test.toml: target.{key}: must be in 1..=")), "{e}");
             let e = err(&with_target(&format!("{key} = -3")));

@@ -334,6 +334,7 @@ pub fn render(s: &Scrape<'_>) -> String {
         for (reason, c) in [
             ("max_handshakes", &l.refused_handshakes),
             ("max_handshakes_per_address", &l.refused_handshakes_per_address),
+            ("max_connections_per_address", &l.refused_connections_per_address),
             ("max_sessions", &l.refused_sessions),
             ("max_queues_per_session", &l.refused_queues),
         ] {

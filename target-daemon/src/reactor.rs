@@ -41,7 +41,7 @@ use crate::config::{TargetConfig, MAX_VOLUMES};
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::{self, ReactorStats};
 use crate::pool::{ChunkId, Pool, PoolRegion, SlotBuf};
-use crate::session::{HandshakeSlot, OpenSet, Registry, SharedSession};
+use crate::session::{Admission, ConnectionSlot, HandshakeSlot, OpenSet, Registry, SharedSession};
 use crate::sys::{self, Epoll, EventFd};
 use crate::uring::{Uring, UringOptions};
 
@@ -118,7 +118,7 @@ pub(crate) enum Control {
 pub(crate) struct Accept {
     pub req: ConnectRequest,
     pub fabric: usize,
-    pub handshake: HandshakeSlot,
+    pub admission: Admission,
 }
 
 /// What a reactor thread is started with.
@@ -254,6 +254,8 @@ struct Session {
     close_deadline: Option<Instant>,
     /// Until CONNECT succeeds: the handshake slot and when it expires.
     handshake: Option<(HandshakeSlot, Instant)>,
+    /// Counts against `max_connections_per_address` while it lives.
+    _connection: ConnectionSlot,
     /// Send work requests of this turn, posted together at its end (one
     /// `post_send`: one `sendmsg` on tcp, one doorbell on verbs).
     tx: Vec<QueuedWr>,
@@ -839,8 +841,8 @@ impl Reactor {
             n += 1;
             match msg {
                 Control::Connect(a) => {
-                    let Accept { req, fabric, handshake } = *a;
-                    self.add_session(req, fabric, handshake)
+                    let Accept { req, fabric, admission } = *a;
+                    self.add_session(req, fabric, admission)
                 }
                 Control::Shutdown { deadline } => {
                     if self.shutdown.is_none() {
@@ -943,7 +945,8 @@ impl Reactor {
         self.maybe_free_session(si);
     }
 
-    fn add_session(&mut self, req: ConnectRequest, fi: usize, handshake: HandshakeSlot) {
+    fn add_session(&mut self, req: ConnectRequest, fi: usize, admission: Admission) {
+        let Admission { handshake, connection } = admission;
         let peer = req.peer();
         if self.shutdown.is_some() {
             req.reject(b"target shutting down");
@@ -1036,6 +1039,7 @@ impl Reactor {
             closing: None,
             close_deadline: None,
             handshake: Some((handshake, Instant::now() + self.handshake_timeout)),
+            _connection: connection,
             tx: Vec::new(),
             fence: None,
             live_cmds: 0,

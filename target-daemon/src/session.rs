@@ -184,6 +184,9 @@ pub struct SessionLimits {
     /// `target.max_handshakes_per_address`: of those, most from one source
     /// address, so that one peer cannot keep every other from starting.
     pub max_handshakes_per_address: u32,
+    /// `target.max_connections_per_address`: connections (queue pairs, in
+    /// their handshake or connected) from one source address at once.
+    pub max_connections_per_address: u32,
 }
 
 impl SessionLimits {
@@ -194,6 +197,7 @@ impl SessionLimits {
             max_queues_per_session: u32::MAX,
             max_handshakes: u32::MAX,
             max_handshakes_per_address: u32::MAX,
+            max_connections_per_address: u32::MAX,
         };
 }
 
@@ -211,6 +215,9 @@ pub struct LimitCounters {
     /// Connections refused because `max_handshakes_per_address` from their
     /// source address were in progress.
     pub refused_handshakes_per_address: AtomicU64,
+    /// Connections refused because `max_connections_per_address` from their
+    /// source address were open.
+    pub refused_connections_per_address: AtomicU64,
     /// CONNECTs refused by `max_sessions`.
     pub refused_sessions: AtomicU64,
     /// Joins refused by `max_queues_per_session`.
@@ -248,6 +255,36 @@ impl Drop for HandshakeSlot {
     }
 }
 
+/// One open connection from a source address: counts against
+/// `max_connections_per_address` until dropped (with its queue pair).
+#[derive(Debug)]
+pub struct ConnectionSlot {
+    registry: Arc<Registry>,
+    address: Option<IpAddr>,
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        if let Some(a) = self.address {
+            let mut by = self.registry.connections_by_address.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = by.get_mut(&a) {
+                *n -= 1;
+                if *n == 0 {
+                    by.remove(&a);
+                }
+            }
+        }
+    }
+}
+
+/// What a new connection takes: a handshake slot (given back at its first
+/// successful CONNECT) and a connection slot (given back with the queue pair).
+#[derive(Debug)]
+pub struct Admission {
+    pub handshake: HandshakeSlot,
+    pub connection: ConnectionSlot,
+}
+
 /// Why [`Registry::begin_handshake`] refused a connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HandshakeRefusal {
@@ -255,6 +292,8 @@ pub enum HandshakeRefusal {
     Total,
     /// `max_handshakes_per_address` of them come from this address.
     PerAddress,
+    /// `max_connections_per_address` connections from this address are open.
+    ConnectionsPerAddress,
 }
 
 struct SessionEntry {
@@ -334,6 +373,8 @@ pub struct Registry {
     /// Connections in their handshake, by source address (accepts and
     /// handshake ends only, never the I/O path).
     handshakes_by_address: Mutex<HashMap<IpAddr, u32>>,
+    /// Open connections by source address (accepts and teardowns only).
+    connections_by_address: Mutex<HashMap<IpAddr, u32>>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -356,6 +397,7 @@ impl Registry {
             fence_generation: AtomicU64::new(0),
             wakers: Mutex::new(Vec::new()),
             handshakes_by_address: Mutex::new(HashMap::new()),
+            connections_by_address: Mutex::new(HashMap::new()),
         }
     }
 
@@ -413,10 +455,17 @@ impl Registry {
     /// address, when it has one), unless `max_handshakes` connections, or
     /// `max_handshakes_per_address` from that address, are in their
     /// handshake already. Counts the refusal.
-    pub fn begin_handshake(self: &Arc<Self>, from: Option<IpAddr>) -> std::result::Result<HandshakeSlot, HandshakeRefusal> {
-        // Slots are taken only here, under this lock, so the checks and the
-        // increments cannot interleave with another taker (drops only free).
+    pub fn begin_handshake(self: &Arc<Self>, from: Option<IpAddr>) -> std::result::Result<Admission, HandshakeRefusal> {
+        // Slots are taken only here, under these locks, so the checks and
+        // the increments cannot interleave with another taker (drops only free).
         let mut by = self.handshakes_by_address.lock().unwrap_or_else(|e| e.into_inner());
+        let mut open = self.connections_by_address.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(a) = from {
+            if open.get(&a).copied().unwrap_or(0) >= self.limits.max_connections_per_address {
+                self.counters.refused_connections_per_address.fetch_add(1, Ordering::Relaxed);
+                return Err(HandshakeRefusal::ConnectionsPerAddress);
+            }
+        }
         if self.counters.handshakes.load(Ordering::Acquire) >= self.limits.max_handshakes as u64 {
             self.counters.refused_handshakes.fetch_add(1, Ordering::Relaxed);
             return Err(HandshakeRefusal::Total);
@@ -430,7 +479,13 @@ impl Registry {
             *n += 1;
         }
         self.counters.handshakes.fetch_add(1, Ordering::AcqRel);
-        Ok(HandshakeSlot { registry: Arc::clone(self), address: from })
+        if let Some(a) = from {
+            *open.entry(a).or_insert(0) += 1;
+        }
+        Ok(Admission {
+            handshake: HandshakeSlot { registry: Arc::clone(self), address: from },
+            connection: ConnectionSlot { registry: Arc::clone(self), address: from },
+        })
     }
 
     /// Takes the admin lock (never on the per-I/O path).
@@ -606,7 +661,7 @@ mod tests {
 
     #[test]
     fn limits_refuse_with_their_own_kind() {
-        let limits = SessionLimits { max_sessions: 2, max_queues_per_session: 2, max_handshakes: 2, max_handshakes_per_address: 2 };
+        let limits = SessionLimits { max_sessions: 2, max_queues_per_session: 2, max_handshakes: 2, ..SessionLimits::NONE };
         let r = Arc::new(Registry::new(VolumeSet::new(1, Vec::new()), 2).with_limits(limits));
         let (a, _b) = {
             let mut admin = r.admin();
@@ -629,11 +684,11 @@ mod tests {
         assert!(r.join(&mut r.admin(), a.session.id, "a", 1).is_ok());
 
         // Handshake slots: two at once, released on drop.
-        let h1 = r.begin_handshake(None).expect("first");
-        let h2 = r.begin_handshake(None).expect("second");
+        let h1 = r.begin_handshake(None).expect("first").handshake;
+        let h2 = r.begin_handshake(None).expect("second").handshake;
         assert_eq!(r.begin_handshake(None).err(), Some(HandshakeRefusal::Total), "a third is over max_handshakes");
         drop(h1);
-        let h3 = r.begin_handshake(None).expect("a slot came back");
+        let h3 = r.begin_handshake(None).expect("a slot came back").handshake;
         assert_eq!(r.counters.handshakes.load(Ordering::Relaxed), 2);
         drop((h2, h3));
         assert_eq!(r.counters.handshakes.load(Ordering::Relaxed), 0);
@@ -667,6 +722,7 @@ mod tests {
     #[test]
     fn handshakes_are_bounded_per_source_address_too() {
         let limits = SessionLimits { max_handshakes: 4, max_handshakes_per_address: 2, ..SessionLimits::NONE };
+        // (An admission's connection slot is held with its handshake slot here.)
         let r = Arc::new(Registry::new(VolumeSet::new(1, Vec::new()), 1).with_limits(limits));
         let (a, b): (IpAddr, IpAddr) = ("127.0.0.2".parse().unwrap(), "127.0.0.1".parse().unwrap());
         let a1 = r.begin_handshake(Some(a)).unwrap();
@@ -680,6 +736,22 @@ mod tests {
         assert_eq!(r.begin_handshake(Some(c)).err(), Some(HandshakeRefusal::Total), "the total still holds");
         assert_eq!(r.counters.refused_handshakes_per_address.load(Ordering::Relaxed), 1);
         assert_eq!(r.counters.refused_handshakes.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn connections_are_bounded_per_source_address_for_as_long_as_they_live() {
+        let limits = SessionLimits { max_connections_per_address: 2, ..SessionLimits::NONE };
+        let r = Arc::new(Registry::new(VolumeSet::new(1, Vec::new()), 1).with_limits(limits));
+        let a: IpAddr = "127.0.0.2".parse().unwrap();
+        let first = r.begin_handshake(Some(a)).unwrap();
+        let second = r.begin_handshake(Some(a)).unwrap();
+        // Past their handshakes (a CONNECT succeeded), they still count.
+        drop((first.handshake, second.handshake));
+        assert_eq!(r.begin_handshake(Some(a)).err(), Some(HandshakeRefusal::ConnectionsPerAddress));
+        assert!(r.begin_handshake(Some("127.0.0.1".parse().unwrap())).is_ok(), "another address connects");
+        drop(first.connection);
+        assert!(r.begin_handshake(Some(a)).is_ok(), "a closed connection gives its slot back");
+        assert_eq!(r.counters.refused_connections_per_address.load(Ordering::Relaxed), 1);
     }
 
     #[test]

@@ -214,6 +214,7 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
         max_queues_per_session: cfg.max_queues_per_session,
         max_handshakes: cfg.max_handshakes,
         max_handshakes_per_address: cfg.max_handshakes_per_address,
+        max_connections_per_address: cfg.max_connections_per_address,
     };
     let access = Arc::new(AccessPolicy::load(&config)?);
     log_access(&config);
@@ -529,7 +530,7 @@ impl ControlThread {
                 Ok(Some(req)) => {
                     let peer = req.peer();
                     let from = peer.parse::<std::net::SocketAddr>().ok().map(|a| a.ip());
-                    let handshake = match self.registry.begin_handshake(from) {
+                    let admission = match self.registry.begin_handshake(from) {
                         Ok(h) => h,
                         Err(why) => {
                             let limits = self.registry.limits();
@@ -545,6 +546,13 @@ impl ControlThread {
                                     ),
                                     b"target busy: too many connections from this address in their handshake",
                                 ),
+                                HandshakeRefusal::ConnectionsPerAddress => (
+                                    format!(
+                                        "{n} connections from its address are open (target.max_connections_per_address = {n})",
+                                        n = limits.max_connections_per_address
+                                    ),
+                                    b"target busy: too many connections from this address",
+                                ),
                             };
                             tracing::warn!("refusing connection from {peer}: {reason}");
                             req.reject(reject);
@@ -554,7 +562,7 @@ impl ControlThread {
                     let r = &self.reactors[*next % self.reactors.len()];
                     *next += 1;
                     tracing::debug!("connection request from {} → reactor {}", req.peer(), r.id);
-                    if let Err(Control::Connect(a)) = r.send(Control::Connect(Box::new(Accept { req, fabric: li, handshake }))) {
+                    if let Err(Control::Connect(a)) = r.send(Control::Connect(Box::new(Accept { req, fabric: li, admission }))) {
                         a.req.reject(b"target is shutting down");
                     }
                 }

@@ -211,6 +211,54 @@ fn one_address_cannot_take_every_handshake_slot() {
     t.assert_no_panic();
 }
 
+/// One peer cannot take every connected queue pair either: 128 connections
+/// from one address that CONNECT (each with its own host id) and then send
+/// half a capsule took every queue pair a default target on two reactors
+/// serves, and a legitimate initiator got "target busy"; now one address
+/// holds at most `max_connections_per_address` (64).
+#[test]
+fn one_address_cannot_take_every_connection() {
+    let attacker: std::net::Ipv4Addr = "127.0.0.2".parse().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (t, _file) = target("", dir.path());
+    let pid = t.pid();
+    legit_io(&t.url, 0);
+    wait_until("the first session is gone", Duration::from_secs(10), || metric(&t, "rdmablk_sessions_connected", &[]) == 0.0);
+    let (fds_base, rss_base) = (open_fds(pid), rss_bytes(pid));
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for i in 0..128 {
+        let mut c = WireConn::raw_from(&t.url, attacker);
+        c.send(&wire::hello());
+        let (h, body) = c.read_frame(Duration::from_secs(10)).expect("a HELLO_REPLY");
+        assert_eq!(h.ty, wire::HELLO_REPLY);
+        if u32::from_le_bytes(body[8..12].try_into().unwrap()) != 0 {
+            assert_eq!(String::from_utf8_lossy(&body[32..]), "target busy: too many connections from this address");
+            refused += 1;
+            continue;
+        }
+        c.connect(&format!("attacker-{i}"), 8);
+        let seq = c.take_seq();
+        c.send_frame(wire::Frame { ty: wire::SEND, seq, length: 64, ..Default::default() }, &[0u8; 32], false);
+        held.push(c);
+    }
+    eprintln!("attacker: {} connections held, {refused} refused", held.len());
+    let t0 = Instant::now();
+    let session = Session::connect(t.url.as_str(), options("legit-host", 2)).expect("the legitimate initiator connects");
+    assert_eq!(session.list_volumes().expect("list").len(), 1);
+    session.close();
+    legit_io(&t.url, 8 * MIB);
+    let took = t0.elapsed();
+    eprintln!("the legitimate initiator listed, wrote and read back in {took:?} during the attack");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    assert_eq!((held.len(), refused), (64, 64), "one address holds at most max_connections_per_address");
+    assert_eq!(metric(&t, "rdmablk_connections_refused_total", &[("reason", "max_connections_per_address")]), 64.0);
+    eprintln!("daemon: {} fds and {} KiB before, {} fds and {} KiB during", fds_base, rss_base / 1024, open_fds(pid), rss_bytes(pid) / 1024);
+    drop(held);
+    wait_until("the attack's descriptors are gone", Duration::from_secs(15), || open_fds(pid) <= fds_base + 2);
+    t.assert_no_panic();
+}
+
 /// Connected sessions that go quiet (here: CONNECT, then half a capsule and
 /// nothing more) held their queue pairs forever; `idle_timeout` tears them
 /// down, while a library session that is idle but sends its keep-alives
