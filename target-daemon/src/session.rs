@@ -244,13 +244,7 @@ impl Drop for HandshakeSlot {
     fn drop(&mut self) {
         self.registry.counters.handshakes.fetch_sub(1, Ordering::AcqRel);
         if let Some(a) = self.address {
-            let mut by = self.registry.handshakes_by_address.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(n) = by.get_mut(&a) {
-                *n -= 1;
-                if *n == 0 {
-                    by.remove(&a);
-                }
-            }
+            self.registry.handshakes_by_address.release(a);
         }
     }
 }
@@ -266,12 +260,28 @@ pub struct ConnectionSlot {
 impl Drop for ConnectionSlot {
     fn drop(&mut self) {
         if let Some(a) = self.address {
-            let mut by = self.registry.connections_by_address.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(n) = by.get_mut(&a) {
-                *n -= 1;
-                if *n == 0 {
-                    by.remove(&a);
-                }
+            self.registry.connections_by_address.release(a);
+        }
+    }
+}
+
+/// Counts by source address, for the per-address limits (taken and given
+/// back at accepts and teardowns only, never on the I/O path).
+#[derive(Debug, Default)]
+struct AddressCounts(Mutex<HashMap<IpAddr, u32>>);
+
+impl AddressCounts {
+    fn lock(&self) -> MutexGuard<'_, HashMap<IpAddr, u32>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Gives back one count of `a` (an address with none left is forgotten).
+    fn release(&self, a: IpAddr) {
+        let mut by = self.lock();
+        if let Some(n) = by.get_mut(&a) {
+            *n -= 1;
+            if *n == 0 {
+                by.remove(&a);
             }
         }
     }
@@ -370,11 +380,10 @@ pub struct Registry {
     /// The reactors' wake-up eventfds: a fence concerns queue pairs on any
     /// reactor, and whoever waits for it.
     wakers: Mutex<Vec<Arc<EventFd>>>,
-    /// Connections in their handshake, by source address (accepts and
-    /// handshake ends only, never the I/O path).
-    handshakes_by_address: Mutex<HashMap<IpAddr, u32>>,
-    /// Open connections by source address (accepts and teardowns only).
-    connections_by_address: Mutex<HashMap<IpAddr, u32>>,
+    /// Connections in their handshake, by source address.
+    handshakes_by_address: AddressCounts,
+    /// Open connections by source address.
+    connections_by_address: AddressCounts,
 }
 
 impl std::fmt::Debug for Registry {
@@ -396,8 +405,8 @@ impl Registry {
             counters: LimitCounters::default(),
             fence_generation: AtomicU64::new(0),
             wakers: Mutex::new(Vec::new()),
-            handshakes_by_address: Mutex::new(HashMap::new()),
-            connections_by_address: Mutex::new(HashMap::new()),
+            handshakes_by_address: AddressCounts::default(),
+            connections_by_address: AddressCounts::default(),
         }
     }
 
@@ -458,8 +467,8 @@ impl Registry {
     pub fn begin_handshake(self: &Arc<Self>, from: Option<IpAddr>) -> std::result::Result<Admission, HandshakeRefusal> {
         // Slots are taken only here, under these locks, so the checks and
         // the increments cannot interleave with another taker (drops only free).
-        let mut by = self.handshakes_by_address.lock().unwrap_or_else(|e| e.into_inner());
-        let mut open = self.connections_by_address.lock().unwrap_or_else(|e| e.into_inner());
+        let mut by = self.handshakes_by_address.lock();
+        let mut open = self.connections_by_address.lock();
         if let Some(a) = from {
             if open.get(&a).copied().unwrap_or(0) >= self.limits.max_connections_per_address {
                 self.counters.refused_connections_per_address.fetch_add(1, Ordering::Relaxed);
