@@ -2090,7 +2090,10 @@ impl Reactor {
     fn progress(&mut self, ci: u16) {
         let Some(cmd) = self.cmds.get(ci as usize).and_then(|c| c.as_ref()) else { return };
         let si = cmd.sess;
-        if cmd.responded || self.session_closing(si) {
+        // An answer waiting for a response slot is decided already: a late
+        // completion of the same command (an earlier chunk's RDMA WRITE
+        // failing) must not answer it a second time.
+        if cmd.responded || cmd.answer_waits || self.session_closing(si) {
             self.maybe_free_cmd(ci);
             return;
         }
