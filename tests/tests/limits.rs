@@ -46,6 +46,48 @@ fn legit_io(url: &str, offset: u64) {
     session.close();
 }
 
+/// One verified session, then until it is gone: the target's rings, pools
+/// and first session are set up, so descriptors and memory measured after
+/// this are the idle baseline. Returns the daemon's pid.
+fn settle(t: &TargetProcess) -> u32 {
+    legit_io(&t.url, 0);
+    wait_until("the first session is gone", Duration::from_secs(10), || metric(t, "rdmablk_sessions_connected", &[]) == 0.0);
+    t.pid()
+}
+
+/// A connection from `source` that sends its HELLO: the connection when the
+/// daemon accepts it, the daemon's reason when it refuses.
+fn hello_from(url: &str, source: std::net::Ipv4Addr) -> Result<WireConn, String> {
+    let mut c = WireConn::raw_from(url, source);
+    c.send(&wire::hello());
+    let (h, body) = c.read_frame(Duration::from_secs(10)).expect("a HELLO_REPLY");
+    assert_eq!(h.ty, wire::HELLO_REPLY);
+    if u32::from_le_bytes(body[8..12].try_into().unwrap()) == 0 {
+        Ok(c)
+    } else {
+        Err(String::from_utf8_lossy(&body[32..]).into_owned())
+    }
+}
+
+/// A SEND frame announcing a 64-byte capsule, and 32 bytes of it.
+fn send_half_a_capsule(c: &mut WireConn) {
+    let seq = c.take_seq();
+    c.send_frame(wire::Frame { ty: wire::SEND, seq, length: 64, ..Default::default() }, &[0u8; 32], false);
+}
+
+/// During an attack, a legitimate initiator (from 127.0.0.1) lists, writes
+/// and reads back within a couple of seconds.
+fn legit_during_attack(url: &str) {
+    let t0 = Instant::now();
+    let session = Session::connect(url, options("legit-host", 2)).expect("the legitimate initiator connects");
+    assert_eq!(session.list_volumes().expect("list").len(), 1);
+    session.close();
+    legit_io(url, 8 * MIB);
+    let took = t0.elapsed();
+    eprintln!("the legitimate initiator listed, wrote and read back in {took:?} during the attack");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+}
+
 fn metric(t: &TargetProcess, name: &str, labels: &[(&str, &str)]) -> f64 {
     sample(&scrape(&t.metrics_addr()), name, labels).unwrap_or_else(|| panic!("metric {name}{labels:?} missing"))
 }
@@ -171,35 +213,23 @@ fn one_address_cannot_take_every_handshake_slot() {
     let dir = tempfile::tempdir().unwrap();
     // The defaults: max_handshakes 64, 32 per address, handshake_timeout 10s.
     let (t, _file) = target("", dir.path());
-    let pid = t.pid();
-    legit_io(&t.url, 0);
-    wait_until("the first session is gone", Duration::from_secs(10), || metric(&t, "rdmablk_sessions_connected", &[]) == 0.0);
+    let pid = settle(&t);
     let (fds_base, rss_base) = (open_fds(pid), rss_bytes(pid));
     let mut held = Vec::new();
     let mut refused = 0;
     for _ in 0..64 {
-        let mut c = WireConn::raw_from(&t.url, attacker);
-        c.send(&wire::hello());
-        let (h, body) = c.read_frame(Duration::from_secs(10)).expect("a HELLO_REPLY");
-        assert_eq!(h.ty, wire::HELLO_REPLY);
-        if u32::from_le_bytes(body[8..12].try_into().unwrap()) == 0 {
-            held.push(c);
-        } else {
-            assert_eq!(&body[32..], b"target busy: too many connections from this address in their handshake");
-            refused += 1;
+        match hello_from(&t.url, attacker) {
+            Ok(c) => held.push(c),
+            Err(why) => {
+                assert_eq!(why, "target busy: too many connections from this address in their handshake");
+                refused += 1;
+            }
         }
     }
     eprintln!("attacker: {} handshakes held, {refused} refused", held.len());
     // While they are held, a legitimate initiator (another address) lists,
     // writes and reads back within a couple of seconds.
-    let t0 = Instant::now();
-    let session = Session::connect(t.url.as_str(), options("legit-host", 2)).expect("the legitimate initiator connects");
-    assert_eq!(session.list_volumes().expect("list").len(), 1);
-    session.close();
-    legit_io(&t.url, 8 * MIB);
-    let took = t0.elapsed();
-    eprintln!("the legitimate initiator listed, wrote and read back in {took:?} during the attack");
-    assert!(took < Duration::from_secs(3), "{took:?}");
+    legit_during_attack(&t.url);
     assert_eq!((held.len(), refused), (32, 32), "one address holds at most max_handshakes_per_address");
     t.wait_for_log_all(&["refusing connection from 127.0.0.2", "target.max_handshakes_per_address = 32"], Duration::from_secs(5));
     assert_eq!(metric(&t, "rdmablk_connections_refused_total", &[("reason", "max_handshakes_per_address")]), 32.0);
@@ -221,36 +251,25 @@ fn one_address_cannot_take_every_connection() {
     let attacker: std::net::Ipv4Addr = "127.0.0.2".parse().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (t, _file) = target("", dir.path());
-    let pid = t.pid();
-    legit_io(&t.url, 0);
-    wait_until("the first session is gone", Duration::from_secs(10), || metric(&t, "rdmablk_sessions_connected", &[]) == 0.0);
+    let pid = settle(&t);
     let (fds_base, rss_base) = (open_fds(pid), rss_bytes(pid));
     let mut held = Vec::new();
     let mut refused = 0;
     for i in 0..128 {
-        let mut c = WireConn::raw_from(&t.url, attacker);
-        c.send(&wire::hello());
-        let (h, body) = c.read_frame(Duration::from_secs(10)).expect("a HELLO_REPLY");
-        assert_eq!(h.ty, wire::HELLO_REPLY);
-        if u32::from_le_bytes(body[8..12].try_into().unwrap()) != 0 {
-            assert_eq!(String::from_utf8_lossy(&body[32..]), "target busy: too many connections from this address");
-            refused += 1;
-            continue;
-        }
+        let mut c = match hello_from(&t.url, attacker) {
+            Ok(c) => c,
+            Err(why) => {
+                assert_eq!(why, "target busy: too many connections from this address");
+                refused += 1;
+                continue;
+            }
+        };
         c.connect(&format!("attacker-{i}"), 8);
-        let seq = c.take_seq();
-        c.send_frame(wire::Frame { ty: wire::SEND, seq, length: 64, ..Default::default() }, &[0u8; 32], false);
+        send_half_a_capsule(&mut c);
         held.push(c);
     }
     eprintln!("attacker: {} connections held, {refused} refused", held.len());
-    let t0 = Instant::now();
-    let session = Session::connect(t.url.as_str(), options("legit-host", 2)).expect("the legitimate initiator connects");
-    assert_eq!(session.list_volumes().expect("list").len(), 1);
-    session.close();
-    legit_io(&t.url, 8 * MIB);
-    let took = t0.elapsed();
-    eprintln!("the legitimate initiator listed, wrote and read back in {took:?} during the attack");
-    assert!(took < Duration::from_secs(3), "{took:?}");
+    legit_during_attack(&t.url);
     assert_eq!((held.len(), refused), (64, 64), "one address holds at most max_connections_per_address");
     assert_eq!(metric(&t, "rdmablk_connections_refused_total", &[("reason", "max_connections_per_address")]), 64.0);
     eprintln!("daemon: {} fds and {} KiB before, {} fds and {} KiB during", fds_base, rss_base / 1024, open_fds(pid), rss_bytes(pid) / 1024);
@@ -267,18 +286,13 @@ fn one_address_cannot_take_every_connection() {
 fn connected_sessions_that_go_quiet_are_torn_down_after_idle_timeout() {
     let dir = tempfile::tempdir().unwrap();
     let (t, _file) = target("idle_timeout = \"2s\"", dir.path());
-    let pid = t.pid();
-    legit_io(&t.url, 0);
-    wait_until("the first session is gone", Duration::from_secs(10), || metric(&t, "rdmablk_sessions_connected", &[]) == 0.0);
+    let pid = settle(&t);
     let fds_base = open_fds(pid);
     let quiet: Vec<WireConn> = (0..10)
         .map(|i| {
             let mut c = WireConn::hello(&t.url);
             c.connect(&format!("quiet-{i}"), 8);
-            // A SEND frame announcing a 64-byte capsule, and 32 bytes of it.
-            let seq = c.take_seq();
-            let h = wire::Frame { ty: wire::SEND, seq, length: 64, ..Default::default() };
-            c.send_frame(h, &[0u8; 32], false);
+            send_half_a_capsule(&mut c);
             c
         })
         .collect();
