@@ -59,8 +59,9 @@ pub const DEFAULT_MAX_HANDSHAKES: u32 = 64;
 /// `max_handshakes`): half the default `max_handshakes`, so that one peer
 /// leaves the other half to everyone else.
 pub const DEFAULT_MAX_HANDSHAKES_PER_ADDRESS: u32 = 32;
-/// Default `target.max_connections_per_address`: one peer's share of the
-/// queue pairs a default target serves (64 per reactor).
+/// Default `target.max_connections_per_address`: a quarter of the default
+/// `max_sessions` single-queue sessions, so that one peer leaves most of
+/// the target to everyone else.
 pub const DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: u32 = 64;
 /// Default time a connection has to complete CONNECT.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);

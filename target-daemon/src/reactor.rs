@@ -47,8 +47,12 @@ use crate::uring::{Uring, UringOptions};
 
 /// Most pool chunks one command may have in flight at once.
 pub const CHUNK_WINDOW: u32 = 8;
-/// Most queue pairs one reactor serves (bounds its completion queue).
-pub const MAX_QPS_PER_REACTOR: u32 = 64;
+/// Queue pairs one completion queue is sized for. A reactor creates
+/// another completion queue when its queues are full, so this bounds the
+/// size of each (and a device's `max_cqe`), not how many queue pairs a
+/// reactor serves: that is up to `target.max_sessions` and
+/// `target.max_queues_per_session`.
+pub const QPS_PER_CQ: u32 = 64;
 /// How long a failed queue pair may take to flush its work requests
 /// before it is destroyed regardless.
 pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
@@ -98,6 +102,16 @@ fn ud(kind: u64, cmd: u16, chunk: u16) -> u64 {
 
 fn split_ud(u: u64) -> (u64, u16, u16) {
     (u >> 60, (u >> 16) as u16, u as u16)
+}
+
+/// The epoll token of completion queue `ci` of fabric `fi` (below
+/// `TOKEN_URING`).
+fn cq_token(fi: usize, ci: usize) -> u64 {
+    (fi as u64) << 20 | ci as u64
+}
+
+fn split_cq_token(t: u64) -> (usize, usize) {
+    ((t >> 20) as usize, (t & 0xf_ffff) as usize)
 }
 
 const TOKEN_URING: u64 = 1 << 40;
@@ -213,14 +227,23 @@ impl Drop for NotifyOnDrop {
 /// region before the protection domain.
 struct FabricCtx {
     pool_mr: PoolRegion,
-    cq: CompletionQueue,
+    /// Created as queue pairs arrive (`Reactor::cq_with_room`); never fewer
+    /// than one.
+    cqs: Vec<CqCtx>,
     pd: ProtectionDomain,
-    _fabric: Arc<Fabric>,
-    /// Completion queue entries reserved by live queue pairs.
-    cq_reserved: u32,
-    /// Entries the completion queue really holds (a device may allow fewer
-    /// than asked for: rxe's `max_cqe` is 32767).
-    cq_capacity: u32,
+    fabric: Arc<Fabric>,
+}
+
+/// One completion queue of a fabric and the entries its queue pairs may
+/// fill. Every completion queue also keeps room for an RDMA operation of
+/// every pool chunk, since any one queue pair may have all of them.
+struct CqCtx {
+    cq: CompletionQueue,
+    /// Entries reserved by live queue pairs.
+    reserved: u32,
+    /// Entries it really holds (a device may allow fewer than asked for:
+    /// rxe's `max_cqe` is 32767).
+    capacity: u32,
 }
 
 /// A queue pair and its registered buffers. Field order is drop order: the
@@ -235,6 +258,8 @@ struct QpRes {
 struct Session {
     res: Option<QpRes>,
     fabric: usize,
+    /// Index of its completion queue in `FabricCtx::cqs`.
+    cq: usize,
     peer: String,
     qp_num: QpNum,
     state: SessionState,
@@ -479,7 +504,53 @@ pub fn send_queue_depth(queue_depth: u32, pool_chunks: u32) -> u32 {
     response_slots(queue_depth) + queue_depth + pool_chunks.min(queue_depth * CHUNK_WINDOW)
 }
 
+/// Creates completion queue `ci` of fabric `fi`, sized for `QPS_PER_CQ`
+/// queue pairs of queue depth `queue_depth` beside `chunks` pool chunks,
+/// and adds it to the reactor's epoll set. Fails if the device's largest
+/// completion queue has no room for even one queue pair.
+fn new_cq(f: &Fabric, epoll: &Epoll, fi: usize, ci: usize, chunks: u32, queue_depth: u32) -> Result<CqCtx> {
+    let url = f.url();
+    let want = (chunks + CQ_ENTRIES_PER_DEPTH * queue_depth * QPS_PER_CQ).min(1 << 20);
+    let cq = f.create_cq(want).map_err(|e| Error::fabric(format!("{url}: cannot create a completion queue"), e))?;
+    // The reactor keeps polling while it has work and arms before it
+    // sleeps, so acknowledgements can ride on its responses.
+    cq.set_ack_coalescing(Some(ACK_HOLD));
+    let capacity = cq.capacity().min(want);
+    if capacity < chunks + CQ_ENTRIES_PER_DEPTH * queue_depth {
+        return Err(Error::new(
+            ErrorKind::Fabric,
+            format!(
+                "{url}: a completion queue of {capacity} entries has no room for one queue pair beside {chunks} pool chunks; lower target.queue_depth or target.buffer_pool"
+            ),
+        ));
+    }
+    epoll.add(cq.fd(), cq_token(fi, ci)).map_err(|e| Error::os("epoll_ctl", e))?;
+    Ok(CqCtx { cq, reserved: 0, capacity })
+}
+
 impl Reactor {
+    /// A completion queue of fabric `fi` with room for `reserve` more
+    /// entries beside the pool's RDMA operations, created if none has.
+    fn cq_with_room(&mut self, fi: usize, reserve: u32) -> Result<usize> {
+        let chunks = self.pool.capacity() as u32;
+        let f = &self.fabrics[fi];
+        if let Some(ci) = f.cqs.iter().position(|c| c.reserved + reserve <= c.capacity.saturating_sub(chunks)) {
+            return Ok(ci);
+        }
+        let ci = f.cqs.len();
+        let cq = new_cq(&f.fabric, &self.epoll, fi, ci, chunks, self.queue_depth)?;
+        tracing::info!(
+            "reactor {}: {}: completion queue {} of {} entries created ({} queue pairs served)",
+            self.id,
+            f.fabric.url(),
+            ci + 1,
+            cq.capacity,
+            self.stats.queue_pairs.get()
+        );
+        self.fabrics[fi].cqs.push(cq);
+        Ok(ci)
+    }
+
     fn new(spec: ReactorSpec, rx: mpsc::Receiver<Control>, wake: Arc<EventFd>) -> Result<Reactor> {
         let cfg = &spec.cfg;
         spec.stats.tid.store(sys::gettid(), std::sync::atomic::Ordering::Relaxed);
@@ -517,29 +588,18 @@ impl Reactor {
         if !features.fallocate && !features.iopoll {
             tracing::warn!("io_uring has no FALLOCATE: DISCARD and WRITE_ZEROES of files and RAM volumes will fail with NOT_SUPPORTED");
         }
-        let cq_capacity = (chunks + CQ_ENTRIES_PER_DEPTH * cfg.queue_depth * MAX_QPS_PER_REACTOR).min(1 << 20);
         let epoll = Epoll::new().map_err(|e| Error::os("epoll_create", e))?;
         let mut fabrics = Vec::with_capacity(spec.fabrics.len());
-        for (i, f) in spec.fabrics.iter().enumerate() {
+        for (fi, f) in spec.fabrics.iter().enumerate() {
             let url = f.url().to_string();
             let pd = f.alloc_pd().map_err(|e| Error::fabric(format!("{url}: cannot allocate a protection domain"), e))?;
-            let cq = f.create_cq(cq_capacity).map_err(|e| Error::fabric(format!("{url}: cannot create a completion queue"), e))?;
-            // The reactor keeps polling while it has work and arms before it
-            // sleeps, so acknowledgements can ride on its responses.
-            cq.set_ack_coalescing(Some(ACK_HOLD));
             let pool_mr = pool.register(&pd).map_err(|e| Error::fabric(format!("{url}: cannot register the buffer pool"), e))?;
-            epoll.add(cq.fd(), i as u64).map_err(|e| Error::os("epoll_ctl", e))?;
-            let cq_capacity = cq.capacity().min(cq_capacity);
-            if cq_capacity < chunks + CQ_ENTRIES_PER_DEPTH * cfg.queue_depth {
-                return Err(Error::new(
-                    ErrorKind::Fabric,
-                    format!(
-                        "{url}: a completion queue of {cq_capacity} entries has no room for one queue pair beside {chunks} pool chunks; lower target.queue_depth or target.buffer_pool"
-                    ),
-                ));
-            }
-            fabrics.push(FabricCtx { pool_mr, cq, pd, _fabric: Arc::clone(f), cq_reserved: 0, cq_capacity });
+            // The first completion queue now, so that a device too small
+            // for one queue pair stops the daemon at start.
+            let first = new_cq(f, &epoll, fi, 0, chunks, cfg.queue_depth)?;
+            fabrics.push(FabricCtx { pool_mr, cqs: vec![first], pd, fabric: Arc::clone(f) });
         }
+        let cq_capacity = fabrics.first().map_or(0, |f| f.cqs[0].capacity);
         epoll.add(uring.eventfd(), TOKEN_URING).map_err(|e| Error::os("epoll_ctl", e))?;
         epoll.add(wake.fd(), TOKEN_CTRL).map_err(|e| Error::os("epoll_ctl", e))?;
         let set = spec.registry.volumes();
@@ -770,8 +830,8 @@ impl Reactor {
     }
 
     fn idle_wait(&mut self) -> Result<()> {
-        for f in &self.fabrics {
-            f.cq.arm().map_err(|e| Error::fabric("cannot arm completion queue", e))?;
+        for c in self.fabrics.iter().flat_map(|f| &f.cqs) {
+            c.cq.arm().map_err(|e| Error::fabric("cannot arm completion queue", e))?;
         }
         if self.poll_fabrics()? > 0 {
             return Ok(());
@@ -788,8 +848,9 @@ impl Reactor {
                 TOKEN_CTRL => {
                     self.wake.drain();
                 }
-                _ if (t as usize) < self.fabrics.len() => {
-                    self.fabrics[t as usize].cq.ack_event().map_err(|e| Error::fabric("cannot acknowledge CQ event", e))?;
+                _ if t < TOKEN_URING => {
+                    let (fi, ci) = split_cq_token(t);
+                    self.fabrics[fi].cqs[ci].cq.ack_event().map_err(|e| Error::fabric("cannot acknowledge CQ event", e))?;
                 }
                 _ => {}
             }
@@ -957,12 +1018,14 @@ impl Reactor {
         let reserve = CQ_ENTRIES_PER_DEPTH * qd;
         // Admission by what the device's completion queue really holds, so
         // that it can never overrun.
-        let f = &self.fabrics[fi];
-        if f.cq_reserved + reserve > f.cq_capacity.saturating_sub(chunks) {
-            tracing::warn!("reactor {}: refusing connection from {peer}: too many queue pairs", self.id);
-            req.reject(b"target busy: too many connections");
-            return;
-        }
+        let ci = match self.cq_with_room(fi, reserve) {
+            Ok(ci) => ci,
+            Err(e) => {
+                tracing::warn!("reactor {}: refusing connection from {peer}: {e}", self.id);
+                req.reject(b"target busy: cannot create a completion queue");
+                return;
+            }
+        };
         if self.free_sessions.is_empty() && self.sessions.len() >= u16::MAX as usize {
             req.reject(b"target busy");
             return;
@@ -970,7 +1033,7 @@ impl Reactor {
         let sq_cap = send_queue_depth(qd, chunks);
         let caps = QpCaps { max_send_wr: sq_cap, max_recv_wr: qd, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 256 };
         let f = &self.fabrics[fi];
-        let qp = match req.into_queue_pair(&f.pd, &f.cq, caps) {
+        let qp = match req.into_queue_pair(&f.pd, &f.cqs[ci].cq, caps) {
             Ok(qp) => qp,
             Err(e) => {
                 tracing::warn!("cannot create a queue pair for {peer}: {e}");
@@ -1019,12 +1082,13 @@ impl Reactor {
             discard(self);
             return;
         }
-        self.fabrics[fi].cq_reserved += reserve;
+        self.fabrics[fi].cqs[ci].reserved += reserve;
         let session = Session {
             qp_num: res.qp.qp_num(),
             max_inline: got.max_inline_data,
             res: Some(res),
             fabric: fi,
+            cq: ci,
             peer: peer.clone(),
             state: SessionState { shutting_down: self.shutdown.is_some(), ..SessionState::new() },
             shared: None,
@@ -1056,15 +1120,18 @@ impl Reactor {
     fn poll_fabrics(&mut self) -> Result<usize> {
         let mut total = 0;
         for fi in 0..self.fabrics.len() {
-            for _ in 0..CQ_ROUNDS {
-                let n = self.fabrics[fi].cq.poll(&mut self.wcs).map_err(|e| Error::fabric("completion queue poll failed", e))?;
-                for i in 0..n {
-                    let wc = self.wcs[i];
-                    self.on_completion(wc);
-                }
-                total += n;
-                if n < self.wcs.len() {
-                    break;
+            for ci in 0..self.fabrics[fi].cqs.len() {
+                for _ in 0..CQ_ROUNDS {
+                    let cq = &self.fabrics[fi].cqs[ci].cq;
+                    let n = cq.poll(&mut self.wcs).map_err(|e| Error::fabric("completion queue poll failed", e))?;
+                    for i in 0..n {
+                        let wc = self.wcs[i];
+                        self.on_completion(wc);
+                    }
+                    total += n;
+                    if n < self.wcs.len() {
+                        break;
+                    }
                 }
             }
         }
@@ -2421,7 +2488,7 @@ impl Reactor {
         if s.fence.is_some() {
             self.fences_waiting -= 1;
         }
-        self.fabrics[s.fabric].cq_reserved -= s.cq_reserved;
+        self.fabrics[s.fabric].cqs[s.cq].reserved -= s.cq_reserved;
         self.free_sessions.push(si);
         self.stats.queue_pairs.set(self.stats.queue_pairs.get().saturating_sub(1));
         tracing::debug!("queue pair {} freed", s.peer);

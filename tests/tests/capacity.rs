@@ -9,7 +9,9 @@
 use std::time::Duration;
 
 use rdmablk_initiator::{BlockDevice, ConnectOptions, Session};
-use rdmablk_system_tests::{file_volume, sample, scrape, sparse_file, target_section, wait_until, TargetProcess};
+use rdmablk_system_tests::{
+    file_volume, rss_bytes, sample, scrape, sparse_file, target_section, wait_until, TargetProcess,
+};
 
 const MIB: u64 = 1 << 20;
 /// More than a two-reactor target could serve before (64 queue pairs per
@@ -39,6 +41,7 @@ fn max_sessions_single_queue_sessions_are_all_served_and_the_next_is_refused() {
         file_volume("vol", &file, 64 * MIB, false)
     );
     let t = TargetProcess::start(&config);
+    let rss_base = rss_bytes(t.pid());
     let mut sessions = Vec::with_capacity(SESSIONS);
     for i in 0..SESSIONS {
         match small_session(&t.url, i) {
@@ -48,6 +51,17 @@ fn max_sessions_single_queue_sessions_are_all_served_and_the_next_is_refused() {
     }
     let connected = sample(&scrape(&t.metrics_addr()), "rdmablk_sessions_connected", &[]).unwrap();
     assert_eq!(connected, SESSIONS as f64);
+    let rss = rss_bytes(t.pid());
+    eprintln!(
+        "{SESSIONS} sessions: daemon RSS {} MiB before, {} MiB with them ({} KiB per queue pair)",
+        rss_base >> 20,
+        rss >> 20,
+        rss.saturating_sub(rss_base) / 1024 / SESSIONS as u64
+    );
+
+    // At least one reactor serves more queue pairs than one completion
+    // queue is sized for, and grew a second one.
+    t.wait_for_log("completion queue 2 of", Duration::from_secs(5));
 
     // One more is refused by the configured limit, not by a table size.
     let Err(e) = small_session(&t.url, SESSIONS) else { panic!("session {} beyond max_sessions was accepted", SESSIONS + 1) };
