@@ -41,7 +41,7 @@ cargo build --workspace --bins --locked --quiet
 tests_json=$(
     cargo test --locked --no-run --message-format=json -p rdmablk-common --test fabric_conformance 2>/dev/null
     cargo test --locked --no-run --message-format=json -p rdmablk-system-tests --test data_path --test bad_commands --test scoping \
-        --test fence --test command_slots 2>/dev/null
+        --test fence --test command_slots --test capacity 2>/dev/null
 )
 test_executable() { # test target name -> its executable
     grep '"reason":"compiler-artifact"' <<<"$tests_json" | grep "\"name\":\"$1\"" |
@@ -53,9 +53,10 @@ ci_bad_commands=$(test_executable bad_commands)
 ci_scoping=$(test_executable scoping)
 ci_fence=$(test_executable fence)
 ci_command_slots=$(test_executable command_slots)
+ci_capacity=$(test_executable capacity)
 ci_target_dir=$(cargo metadata --format-version 1 --no-deps | grep -o '"target_directory":"[^"]*"' | sed 's/.*:"\(.*\)"/\1/')
 ci_bin=$ci_target_dir/debug
-for f in "$ci_conformance" "$ci_data_path" "$ci_bad_commands" "$ci_scoping" "$ci_fence" "$ci_command_slots" \
+for f in "$ci_conformance" "$ci_data_path" "$ci_bad_commands" "$ci_scoping" "$ci_fence" "$ci_command_slots" "$ci_capacity" \
     "$ci_bin/rdmablk-target" "$ci_bin/rdmablk"; do
     [[ -n $f && -x $f ]] || { echo "run.sh: missing build output: '$f'" >&2; exit 1; }
 done
@@ -71,6 +72,7 @@ NAME=rdmablk-ci
 SCRIPTS+=("$HERE/ci-guest.sh")
 ENVS+=("RDMABLK_BIN_DIR=$ci_bin" "RDMABLK_CONFORMANCE=$ci_conformance"
        "RDMABLK_DATA_PATH=$ci_data_path" "RDMABLK_BAD_COMMANDS=$ci_bad_commands"
-       "RDMABLK_SCOPING=$ci_scoping" "RDMABLK_FENCE=$ci_fence" "RDMABLK_COMMAND_SLOTS=$ci_command_slots")
+       "RDMABLK_SCOPING=$ci_scoping" "RDMABLK_FENCE=$ci_fence" "RDMABLK_COMMAND_SLOTS=$ci_command_slots"
+       "RDMABLK_CAPACITY=$ci_capacity")
 # The time limit covers the VM, not the build.
 T_START=$(date +%s.%N)

@@ -24,6 +24,9 @@
 #                             load at queue depths 4 to 32 never meets QueueFull (rxe
 #                             on Linux 6.12 reports send completions after the
 #                             initiator's next command)
+#   capacity-rdma             tests/tests/capacity.rs over rdma://: 160 sessions on a
+#                             two-reactor target (more than one rxe completion queue
+#                             holds per reactor) are all served, the 161st is refused
 #   bench-verify-rdma         rdmablk-bench --verify=crc32c, 3 s at each queue depth
 #                             4, 8, 16 and 32 (SKIPPED, and shown as such, while
 #                             rdmablk-bench is not built)
@@ -242,6 +245,7 @@ step fence-rdma --timeout 300 "${sys[@]}" "$RDMABLK_FENCE" --test-threads=1 || r
 # the kernel's own order is what the first test meets there.
 step command-slots-rdma --timeout 300 "${sys[@]}" "$RDMABLK_COMMAND_SLOTS" --test-threads=1 \
     --exact late_send_completions_never_turn_a_legal_queue_depth_into_queue_full || rc=1
+step capacity-rdma --timeout 300 "${sys[@]}" "$RDMABLK_CAPACITY" --test-threads=1 || rc=1
 if [[ -x $BIN/rdmablk-bench ]]; then
     step bench-verify-rdma --timeout 300 bash "$SELF" bench || rc=1
     step scoping-cost-rdma --timeout 300 bash "$SELF" scoping_cost || rc=1
