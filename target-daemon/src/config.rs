@@ -73,6 +73,11 @@ pub const DEFAULT_FENCE_TIMEOUT: Duration = Duration::from_secs(5);
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default share of a reactor's pool one session may hold: 25 %.
 pub const DEFAULT_SESSION_POOL_SHARE: PoolShare = PoolShare::Percent(25);
+/// Default share of a reactor's pool one host (source address) may hold,
+/// all its sessions together: half, so that one peer, however many
+/// sessions it opens, leaves the other half to everyone else (as
+/// `max_handshakes_per_address` leaves half the handshake slots).
+pub const DEFAULT_HOST_POOL_SHARE: PoolShare = PoolShare::Percent(50);
 /// Upper bound of the count limits (sessions, queues, handshakes).
 pub const MAX_COUNT_LIMIT: u32 = 1 << 20;
 
@@ -174,6 +179,11 @@ pub struct TargetConfig {
     /// Most pool buffers one session may hold at once on one reactor;
     /// commands beyond it wait for the session's own buffers to return.
     pub session_pool_share: PoolShare,
+    /// Most pool buffers the connections of one source address (all its
+    /// sessions together) may hold at once on one reactor; never below
+    /// `session_pool_share` (the default follows it when that is larger,
+    /// a smaller setting is refused).
+    pub host_pool_share: PoolShare,
 }
 
 /// `target.session_pool_share`: a fraction of each reactor's pool, or bytes.
@@ -293,6 +303,7 @@ impl TargetConfig {
         check(self.fence_timeout != other.fence_timeout, "target.fence_timeout");
         check(self.idle_timeout != other.idle_timeout, "target.idle_timeout");
         check(self.session_pool_share != other.session_pool_share, "target.session_pool_share");
+        check(self.host_pool_share != other.host_pool_share, "target.host_pool_share");
         v
     }
 }
@@ -376,6 +387,7 @@ struct RawTarget {
     fence_timeout: Option<RawDuration>,
     idle_timeout: Option<RawDuration>,
     session_pool_share: Option<RawSize>,
+    host_pool_share: Option<RawSize>,
 }
 
 #[derive(Deserialize)]
@@ -512,6 +524,37 @@ impl Ctx<'_> {
         }
     }
 
+    /// A pool share (`session_pool_share`, `host_pool_share`): a percentage
+    /// in 1%..=100%, or a size between one chunk and the whole pool.
+    fn pool_share(&self, key: &str, raw: Option<RawSize>, chunk_size: u32, buffer_pool: u64) -> Result<Option<PoolShare>> {
+        let share = match raw {
+            None => return Ok(None),
+            Some(RawSize::Str(s)) if s.trim().ends_with('%') => {
+                let digits = s.trim().trim_end_matches('%').trim();
+                match digits.parse::<u8>() {
+                    Ok(p) if (1..=100).contains(&p) => PoolShare::Percent(p),
+                    _ => return Err(self.err(key, format!("{s:?} is not a percentage in 1%..=100%"))),
+                }
+            }
+            Some(raw) => {
+                let b = self.size(key, Some(raw), 0)?;
+                if b < chunk_size as u64 || b > buffer_pool {
+                    return Err(self.err(
+                        key,
+                        format!(
+                            "{} must lie between target.chunk_size {} and target.buffer_pool {} (or be a percentage such as \"25%\")",
+                            ByteSize(b),
+                            ByteSize(chunk_size as u64),
+                            ByteSize(buffer_pool)
+                        ),
+                    ));
+                }
+                PoolShare::Bytes(b)
+            }
+        };
+        Ok(Some(share))
+    }
+
     fn name(&self, key: &str, name: &str) -> Result<()> {
         if name.is_empty() {
             return Err(self.err(key, "must not be empty"));
@@ -641,35 +684,24 @@ impl RawConfig {
             t.max_connections_per_address,
             DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
         )?;
-        let session_pool_share = match t.session_pool_share {
-            None => DEFAULT_SESSION_POOL_SHARE,
-            Some(RawSize::Str(s)) if s.trim().ends_with('%') => {
-                let digits = s.trim().trim_end_matches('%').trim();
-                match digits.parse::<u8>() {
-                    Ok(p) if (1..=100).contains(&p) => PoolShare::Percent(p),
-                    _ => {
-                        return Err(cx.err(
-                            "target.session_pool_share",
-                            format!("{s:?} is not a percentage in 1%..=100%"),
-                        ))
-                    }
-                }
+        let pool_chunks = chunks as u32;
+        let session_pool_share =
+            cx.pool_share("target.session_pool_share", t.session_pool_share, chunk_size, buffer_pool)?.unwrap_or(DEFAULT_SESSION_POOL_SHARE);
+        let session_chunks = session_pool_share.chunks(pool_chunks, chunk_size);
+        let host_pool_share = match cx.pool_share("target.host_pool_share", t.host_pool_share, chunk_size, buffer_pool)? {
+            Some(h) if h.chunks(pool_chunks, chunk_size) < session_chunks => {
+                return Err(cx.err(
+                    "target.host_pool_share",
+                    format!(
+                        "{h} ({} chunks of each reactor's {pool_chunks}) is below target.session_pool_share {session_pool_share} ({session_chunks} chunks): one session of a host would be held to the host's share",
+                        h.chunks(pool_chunks, chunk_size)
+                    ),
+                ))
             }
-            Some(raw) => {
-                let b = cx.size("target.session_pool_share", Some(raw), 0)?;
-                if b < chunk_size as u64 || b > buffer_pool {
-                    return Err(cx.err(
-                        "target.session_pool_share",
-                        format!(
-                            "{} must lie between target.chunk_size {} and target.buffer_pool {} (or be a percentage such as \"25%\")",
-                            ByteSize(b),
-                            ByteSize(chunk_size as u64),
-                            ByteSize(buffer_pool)
-                        ),
-                    ));
-                }
-                PoolShare::Bytes(b)
-            }
+            Some(h) => h,
+            // The default never falls below the session share.
+            None if DEFAULT_HOST_POOL_SHARE.chunks(pool_chunks, chunk_size) < session_chunks => session_pool_share,
+            None => DEFAULT_HOST_POOL_SHARE,
         };
 
         let busy_poll = match t.busy_poll {
@@ -714,6 +746,7 @@ impl RawConfig {
             fence_timeout,
             idle_timeout,
             session_pool_share,
+            host_pool_share,
         };
 
         if self.volume.is_empty() {
@@ -1081,6 +1114,37 @@ read_only = true
         assert_eq!(c.target.session_pool_share, PoolShare::Percent(25));
         // 64 MiB of 128 KiB chunks: 512 chunks, a quarter each.
         assert_eq!(c.target.session_pool_share.chunks(512, 128 << 10), 128);
+        assert_eq!(c.target.host_pool_share, PoolShare::Percent(50));
+    }
+
+    #[test]
+    fn host_pool_share_is_never_below_the_session_share() {
+        let c = Config::parse(&with_target("host_pool_share = \"40MiB\""), "h.toml").unwrap();
+        assert_eq!(c.target.host_pool_share, PoolShare::Bytes(40 << 20));
+        assert_eq!(c.target.host_pool_share.chunks(512, 128 << 10), 320);
+        // Below the default session share (25 %) without setting it lower.
+        let e = err(&with_target("host_pool_share = \"8MiB\""));
+        assert!(e.contains("target.host_pool_share: 8MiB (64 chunks of each reactor's 512) is below target.session_pool_share 25% (128 chunks)"), "{e}");
+        let c = Config::parse(&with_target("session_pool_share = \"10%\"\nhost_pool_share = \"10%\""), "h.toml").unwrap();
+        assert_eq!(c.target.host_pool_share, PoolShare::Percent(10));
+        // Compared in chunks, whatever the units.
+        let c = Config::parse(&with_target("session_pool_share = \"16MiB\"\nhost_pool_share = \"25%\""), "h.toml").unwrap();
+        assert_eq!(c.target.host_pool_share, PoolShare::Percent(25));
+        let e = err(&with_target("session_pool_share = \"16MiB\"\nhost_pool_share = \"24%\""));
+        assert!(
+            e.contains("target.host_pool_share: 24% (122 chunks of each reactor's 512) is below target.session_pool_share 16MiB (128 chunks)"),
+            "{e}"
+        );
+        // Unset, it follows a session share above its default.
+        let c = Config::parse(&with_target("session_pool_share = \"75%\""), "h.toml").unwrap();
+        assert_eq!(c.target.host_pool_share, PoolShare::Percent(75));
+        for (bad, why) in [("0%", "is not a percentage"), ("101%", "is not a percentage"), ("4KiB", "must lie between"), ("soon", "invalid size")] {
+            let e = err(&with_target(&format!("host_pool_share = \"{bad}\"")));
+            assert!(e.contains("target.host_pool_share") && e.contains(why), "{bad}: {e}");
+        }
+        let a = Config::parse(&with_target(""), "a").unwrap();
+        let b = Config::parse(&with_target("host_pool_share = \"100%\""), "b").unwrap();
+        assert_eq!(a.target.changed_keys(&b.target), vec!["target.host_pool_share"]);
     }
 
     #[test]

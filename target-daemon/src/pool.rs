@@ -89,8 +89,8 @@ enum ChunkState {
     Fabric,
 }
 
-/// The chunks one holder (a session, on one reactor) has taken from a pool
-/// and not returned. Only that reactor's pool changes it.
+/// The chunks one holder (a session, or a host, on one reactor) has taken
+/// from a pool and not returned. Only that reactor's pool changes it.
 #[derive(Debug, Default)]
 pub struct PoolAccount(AtomicU32);
 
@@ -108,15 +108,18 @@ impl PoolAccount {
     }
 }
 
+/// The accounts one chunk is charged to: its session's and its host's.
+pub type Charge<'a> = [Option<&'a Arc<PoolAccount>>; 2];
+
 /// A reactor's buffer pool: free list of chunk indices (O(1), no allocation
-/// per I/O) plus the ownership state of each chunk and the account it is
+/// per I/O) plus the ownership state of each chunk and the accounts it is
 /// charged to.
 #[derive(Debug)]
 pub struct Pool {
     mem: Arc<PoolMemory>,
     free: Vec<u16>,
     state: Vec<ChunkState>,
-    owner: Vec<Option<Arc<PoolAccount>>>,
+    owner: Vec<[Option<Arc<PoolAccount>>; 2]>,
 }
 
 impl Pool {
@@ -130,7 +133,7 @@ impl Pool {
         let mem = Arc::new(PoolMemory { buf: AlignedBuf::new(size + chunk_size, ALIGN), chunk_size, chunks });
         // Hand out low indices first (pop from the end).
         let free = (0..chunks as u32).rev().map(|i| i as u16).collect();
-        Pool { mem, free, state: vec![ChunkState::Free; chunks], owner: vec![None; chunks] }
+        Pool { mem, free, state: vec![ChunkState::Free; chunks], owner: vec![[None, None]; chunks] }
     }
 
     /// The shared memory, for io_uring and fabric registration.
@@ -161,20 +164,23 @@ impl Pool {
         Some(ChunkId(i))
     }
 
-    /// Takes a free chunk charged to `account` until it is released.
-    pub fn alloc_charged(&mut self, account: Option<&Arc<PoolAccount>>) -> Option<ChunkId> {
+    /// Takes a free chunk charged to each account of `charge` until it is
+    /// released.
+    pub fn alloc_charged(&mut self, charge: Charge<'_>) -> Option<ChunkId> {
         let c = self.alloc()?;
-        if let Some(a) = account {
-            a.add(1);
-            self.owner[c.0 as usize] = Some(Arc::clone(a));
+        for (owner, a) in self.owner[c.0 as usize].iter_mut().zip(charge) {
+            if let Some(a) = a {
+                a.add(1);
+                *owner = Some(Arc::clone(a));
+            }
         }
         Some(c)
     }
 
-    /// Returns a chunk the CPU holds to the free list (and uncharges its account).
+    /// Returns a chunk the CPU holds to the free list (and uncharges its accounts).
     pub fn release(&mut self, c: ChunkId) {
         self.transition(c, ChunkState::Cpu, ChunkState::Free);
-        if let Some(a) = self.owner[c.0 as usize].take() {
+        for a in self.owner[c.0 as usize].iter_mut().filter_map(Option::take) {
             a.add(-1);
         }
         self.free.push(c.0);
@@ -373,11 +379,13 @@ mod tests {
     fn charged_chunks_count_against_their_account_until_released() {
         let mut p = Pool::new(8 * 4096, 4096);
         let (a, b) = (Arc::new(PoolAccount::default()), Arc::new(PoolAccount::default()));
-        let c1 = p.alloc_charged(Some(&a)).unwrap();
-        let c2 = p.alloc_charged(Some(&a)).unwrap();
-        let c3 = p.alloc_charged(Some(&b)).unwrap();
-        let c4 = p.alloc_charged(None).unwrap();
-        assert_eq!((a.held(), b.held()), (2, 1));
+        // Sessions a and b of one host h.
+        let h = Arc::new(PoolAccount::default());
+        let c1 = p.alloc_charged([Some(&a), Some(&h)]).unwrap();
+        let c2 = p.alloc_charged([Some(&a), Some(&h)]).unwrap();
+        let c3 = p.alloc_charged([Some(&b), Some(&h)]).unwrap();
+        let c4 = p.alloc_charged([None, None]).unwrap();
+        assert_eq!((a.held(), b.held(), h.held()), (2, 1, 3));
         // Lending to the kernel or the fabric keeps the charge.
         p.lend_to_fabric(c1);
         p.return_from_fabric(c1);
@@ -385,13 +393,13 @@ mod tests {
         p.release(c1);
         p.release(c3);
         p.release(c4);
-        assert_eq!((a.held(), b.held()), (1, 0));
+        assert_eq!((a.held(), b.held(), h.held()), (1, 0, 1));
         // A chunk reused by someone else is charged to them only.
-        let c5 = p.alloc_charged(Some(&b)).unwrap();
-        assert_eq!((a.held(), b.held()), (1, 1));
+        let c5 = p.alloc_charged([Some(&b), None]).unwrap();
+        assert_eq!((a.held(), b.held(), h.held()), (1, 1, 1));
         p.release(c2);
         p.release(c5);
-        assert_eq!((a.held(), b.held()), (0, 0));
+        assert_eq!((a.held(), b.held(), h.held()), (0, 0, 0));
         assert_eq!(p.free_count(), 8);
     }
 

@@ -279,7 +279,8 @@ struct Session {
     close_deadline: Option<Instant>,
     /// Until CONNECT succeeds: the handshake slot and when it expires.
     handshake: Option<(HandshakeSlot, Instant)>,
-    /// Counts against `max_connections_per_address` while it lives.
+    /// Counts against `max_connections_per_address` while it lives, and
+    /// holds its source address's pool accounts (`host_pool_share`).
     _connection: ConnectionSlot,
     /// Send work requests of this turn, posted together at its end (one
     /// `post_send`: one `sendmsg` on tcp, one doorbell on verbs).
@@ -452,6 +453,8 @@ struct Reactor {
     handshake_timeout: Duration,
     /// `target.session_pool_share` in chunks of this reactor's pool.
     pool_share: u32,
+    /// `target.host_pool_share` in chunks of this reactor's pool.
+    host_pool_share: u32,
     recv_slot_size: usize,
     cmds: Vec<Option<Cmd>>,
     free_cmds: Vec<u16>,
@@ -638,6 +641,7 @@ impl Reactor {
             queue_depth: cfg.queue_depth,
             handshake_timeout: cfg.handshake_timeout,
             pool_share: cfg.session_pool_share.chunks(chunks, cfg.chunk_size),
+            host_pool_share: cfg.host_pool_share.chunks(chunks, cfg.chunk_size),
             recv_slot_size: recv_slot_size(cfg.inline_data_size),
             cmds: Vec::new(),
             free_cmds: Vec::new(),
@@ -1972,24 +1976,26 @@ impl Reactor {
         }
     }
 
-    /// The pool account of a command's session on this reactor, and whether
-    /// the session holds its whole `session_pool_share` already.
-    fn pool_account(&self, ci: u16) -> (Option<Arc<crate::pool::PoolAccount>>, bool) {
+    /// The pool accounts a command's chunks are charged to on this reactor
+    /// (its session's and its host's, the peer's source address), and
+    /// whether either holds its whole share already (`session_pool_share`,
+    /// `host_pool_share`).
+    fn pool_accounts(&self, ci: u16) -> ([Option<Arc<crate::pool::PoolAccount>>; 2], bool) {
         let si = self.cmds[ci as usize].as_ref().expect("live command").sess;
-        let shared = self.sessions[si as usize].s.as_ref().and_then(|s| s.shared.as_ref());
-        match shared.and_then(|sh| sh.pool_account(self.id)) {
-            Some(a) => (Some(Arc::clone(a)), a.held() >= self.pool_share),
-            None => (None, false),
-        }
+        let Some(s) = self.sessions[si as usize].s.as_ref() else { return ([None, None], false) };
+        let session = s.shared.as_ref().and_then(|sh| sh.pool_account(self.id));
+        let host = s._connection.host_pool_account(self.id);
+        let at_share = session.is_some_and(|a| a.held() >= self.pool_share) || host.is_some_and(|a| a.held() >= self.host_pool_share);
+        ([session.cloned(), host.cloned()], at_share)
     }
 
     /// Issues chunks for a command while it wants them, the pool has them
-    /// and its session is under its share; otherwise queues it (FIFO) for
-    /// the next free chunk.
+    /// and its session and host are under their shares; otherwise queues it
+    /// (FIFO) for the next free chunk.
     fn pump(&mut self, ci: u16) {
         while self.wants_chunk(ci) {
             let first_in_line = self.waitq.is_empty() || self.waitq.front() == Some(&ci);
-            let (account, at_share) = self.pool_account(ci);
+            let (accounts, at_share) = self.pool_accounts(ci);
             if !first_in_line || self.pool.free_count() == 0 || at_share {
                 let cmd = self.cmd(ci);
                 if !cmd.in_waitq {
@@ -2002,14 +2008,15 @@ impl Reactor {
                 self.waitq.pop_front();
                 self.cmd(ci).in_waitq = false;
             }
-            let c = self.pool.alloc_charged(account.as_ref()).expect("free chunk");
+            let [session, host] = &accounts;
+            let c = self.pool.alloc_charged([session.as_ref(), host.as_ref()]).expect("free chunk");
             self.issue(ci, c);
         }
     }
 
     /// Hands free chunks to waiting commands in order. A command whose
-    /// session holds its whole share goes to the back of the line, so it
-    /// never holds up other sessions' commands behind it.
+    /// session or host holds its whole share goes to the back of the line,
+    /// so it never holds up other sessions' or hosts' commands behind it.
     fn pump_waitq(&mut self) {
         let mut passed_over = 0;
         while self.pool.free_count() > 0 && passed_over < self.waitq.len() {
@@ -2019,7 +2026,7 @@ impl Reactor {
             if !self.wants_chunk(ci) {
                 continue;
             }
-            let (account, at_share) = self.pool_account(ci);
+            let (accounts, at_share) = self.pool_accounts(ci);
             if at_share {
                 self.cmd(ci).in_waitq = true;
                 self.waitq.push_back(ci);
@@ -2027,7 +2034,8 @@ impl Reactor {
                 continue;
             }
             passed_over = 0;
-            let c = self.pool.alloc_charged(account.as_ref()).expect("free chunk");
+            let [session, host] = &accounts;
+            let c = self.pool.alloc_charged([session.as_ref(), host.as_ref()]).expect("free chunk");
             self.issue(ci, c);
             if self.cmds[ci as usize].is_some() && self.wants_chunk(ci) {
                 self.cmd(ci).in_waitq = true;

@@ -249,18 +249,57 @@ impl Drop for HandshakeSlot {
     }
 }
 
+/// The pool chunks one host (a source address) holds, one account per
+/// reactor, for `target.host_pool_share`: every connection from that
+/// address shares it, whatever host id its sessions declare.
+#[derive(Debug)]
+pub struct HostPool {
+    accounts: Box<[Arc<PoolAccount>]>,
+}
+
+impl HostPool {
+    fn new(reactors: usize) -> HostPool {
+        HostPool { accounts: (0..reactors).map(|_| Arc::new(PoolAccount::default())).collect() }
+    }
+
+    /// The host's account on `reactor`.
+    #[inline]
+    pub fn account(&self, reactor: usize) -> Option<&Arc<PoolAccount>> {
+        self.accounts.get(reactor)
+    }
+}
+
 /// One open connection from a source address: counts against
-/// `max_connections_per_address` until dropped (with its queue pair).
+/// `max_connections_per_address` until dropped (with its queue pair), and
+/// carries that address's pool accounts.
 #[derive(Debug)]
 pub struct ConnectionSlot {
     registry: Arc<Registry>,
     address: Option<IpAddr>,
+    /// `None` when the peer has no IP address.
+    host_pool: Option<Arc<HostPool>>,
+}
+
+impl ConnectionSlot {
+    /// The pool account of this connection's host (source address) on
+    /// `reactor`; `None` for a peer without an IP address.
+    #[inline]
+    pub fn host_pool_account(&self, reactor: usize) -> Option<&Arc<PoolAccount>> {
+        self.host_pool.as_ref().and_then(|h| h.account(reactor))
+    }
 }
 
 impl Drop for ConnectionSlot {
     fn drop(&mut self) {
         if let Some(a) = self.address {
             self.registry.connections_by_address.release(a);
+            // The address's accounts are forgotten with its last connection
+            // (a newer one holds a clone, taken under the same lock).
+            drop(self.host_pool.take());
+            let mut pools = self.registry.host_pools.lock().unwrap_or_else(|e| e.into_inner());
+            if pools.get(&a).is_some_and(|p| Arc::strong_count(p) == 1) {
+                pools.remove(&a);
+            }
         }
     }
 }
@@ -384,6 +423,8 @@ pub struct Registry {
     handshakes_by_address: AddressCounts,
     /// Open connections by source address.
     connections_by_address: AddressCounts,
+    /// The pool accounts of each source address with open connections.
+    host_pools: Mutex<HashMap<IpAddr, Arc<HostPool>>>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -407,6 +448,7 @@ impl Registry {
             wakers: Mutex::new(Vec::new()),
             handshakes_by_address: AddressCounts::default(),
             connections_by_address: AddressCounts::default(),
+            host_pools: Mutex::new(HashMap::new()),
         }
     }
 
@@ -488,12 +530,14 @@ impl Registry {
             *n += 1;
         }
         self.counters.handshakes.fetch_add(1, Ordering::AcqRel);
-        if let Some(a) = from {
+        let host_pool = from.map(|a| {
             *open.entry(a).or_insert(0) += 1;
-        }
+            let mut pools = self.host_pools.lock().unwrap_or_else(|e| e.into_inner());
+            Arc::clone(pools.entry(a).or_insert_with(|| Arc::new(HostPool::new(self.reactors))))
+        });
         Ok(Admission {
             handshake: HandshakeSlot { registry: Arc::clone(self), address: from },
-            connection: ConnectionSlot { registry: Arc::clone(self), address: from },
+            connection: ConnectionSlot { registry: Arc::clone(self), address: from, host_pool },
         })
     }
 
@@ -761,6 +805,29 @@ mod tests {
         drop(first.connection);
         assert!(r.begin_handshake(Some(a)).is_ok(), "a closed connection gives its slot back");
         assert_eq!(r.counters.refused_connections_per_address.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn connections_from_one_address_share_its_pool_accounts_while_any_is_open() {
+        let r = Arc::new(Registry::new(VolumeSet::new(1, Vec::new()), 2));
+        let (a, b): (IpAddr, IpAddr) = ("127.0.0.2".parse().unwrap(), "127.0.0.1".parse().unwrap());
+        let a1 = r.begin_handshake(Some(a)).unwrap().connection;
+        let a2 = r.begin_handshake(Some(a)).unwrap().connection;
+        let b1 = r.begin_handshake(Some(b)).unwrap().connection;
+        let none = r.begin_handshake(None).unwrap().connection;
+        assert!(Arc::ptr_eq(a1.host_pool_account(1).unwrap(), a2.host_pool_account(1).unwrap()), "one address, one account");
+        assert!(!Arc::ptr_eq(a1.host_pool_account(0).unwrap(), a1.host_pool_account(1).unwrap()), "one per reactor");
+        assert!(!Arc::ptr_eq(a1.host_pool_account(0).unwrap(), b1.host_pool_account(0).unwrap()), "another address, another");
+        assert!(a1.host_pool_account(2).is_none() && none.host_pool_account(0).is_none());
+        let before = Arc::clone(a1.host_pool_account(0).unwrap());
+        drop(a1);
+        let a3 = r.begin_handshake(Some(a)).unwrap().connection;
+        assert!(Arc::ptr_eq(&before, a3.host_pool_account(0).unwrap()), "kept while a connection of the address is open");
+        drop((a2, a3));
+        assert!(!r.host_pools.lock().unwrap().contains_key(&a), "forgotten with the address's last connection");
+        assert!(r.host_pools.lock().unwrap().contains_key(&b));
+        drop(b1);
+        assert!(r.host_pools.lock().unwrap().is_empty());
     }
 
     #[test]
