@@ -219,6 +219,12 @@ wire_enum! {
         /// target could not retire it in time: a disk I/O of that session
         /// has not completed. Nothing was created; retry the CONNECT.
         FenceTimeout = 26,
+        /// The target is out of buffers: the command waited longer than the
+        /// target's `chunk_wait_timeout` for a buffer-pool chunk and was
+        /// given up; detail = the milliseconds it waited. A READ or LIST
+        /// answered so delivered no data; a WRITE may have written part of
+        /// its range, as any failed write.
+        OutOfBuffers = 27,
     }
 }
 
@@ -255,6 +261,7 @@ impl Status {
             Status::FenceTimeout => {
                 "the target could not yet retire the session this one replaces (a disk I/O of it is still in flight); retry"
             }
+            Status::OutOfBuffers => "target out of buffers",
         }
     }
 }
@@ -1159,5 +1166,7 @@ mod tests {
         raw[8] = 1;
         assert_eq!(CommandCapsule::decode(&raw), Err(DecodeError::InvalidField { field: "block range" }));
         assert_eq!(Status::from_wire(26), Some(Status::FenceTimeout));
+        assert_eq!(Status::from_wire(27), Some(Status::OutOfBuffers));
+        assert_eq!(Status::from_wire(28), None);
     }
 }

@@ -217,6 +217,7 @@ impl From<Error> for std::io::Error {
             ErrorKind::ReadOnly | ErrorKind::Authentication => K::PermissionDenied,
             ErrorKind::UnknownVolume => K::NotFound,
             ErrorKind::Timeout => K::TimedOut,
+            ErrorKind::Target if e.status() == Some(Status::OutOfBuffers) => K::ResourceBusy,
             ErrorKind::Disconnected | ErrorKind::TargetLost => K::NotConnected,
             ErrorKind::Io => match &e {
                 Error::Io { source, .. } => source.kind(),
@@ -251,6 +252,11 @@ fn target_message(
         Status::IoError if detail != 0 => {
             s.push_str(&format!(", errno {detail} ({})", std::io::Error::from_raw_os_error(detail as i32)))
         }
+        // The pool could not serve it: not retried here (the caller decides).
+        Status::OutOfBuffers => s.push_str(&format!(
+            ": waited {} for a pool chunk (the target's chunk_wait_timeout); its pool is held by other I/O",
+            fmt_duration(Duration::from_millis(u64::from(detail)))
+        )),
         Status::Success => {}
         _ if detail != 0 => s.push_str(&format!(", detail {detail}")),
         _ => {}
@@ -318,6 +324,23 @@ mod tests {
         );
         assert!(m.contains("errno 5"), "{m}");
         assert_eq!(e.status(), Some(Status::IoError));
+    }
+
+    #[test]
+    fn out_of_buffers_says_how_long_the_command_waited() {
+        let e = Error::Target {
+            op: Opcode::ListVolumes,
+            status: Status::OutOfBuffers,
+            detail: 5003,
+            volume: None,
+            offset: None,
+            length: None,
+        };
+        assert_eq!(
+            e.to_string(),
+            "list-volumes failed: target reported target out of buffers (OutOfBuffers): waited 5.003s for a pool chunk (the target's chunk_wait_timeout); its pool is held by other I/O"
+        );
+        assert_eq!(std::io::Error::from(e).kind(), std::io::ErrorKind::ResourceBusy);
     }
 
     #[test]
