@@ -71,6 +71,12 @@ pub const DEFAULT_FENCE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default `target.idle_timeout`: far above the keep-alive interval of the
 /// initiator library (a quarter of its 5 s `keepalive_timeout`).
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default `target.chunk_wait_timeout`: below the initiator's default I/O
+/// timeout (30 s) and connect timeout (10 s, which a LIST at connect
+/// counts against), so that a command the pool cannot serve is answered
+/// `OutOfBuffers` before the initiator gives up on the connection; far
+/// above what a turning pool makes a command wait (milliseconds).
+pub const DEFAULT_CHUNK_WAIT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default share of a reactor's pool one session may hold: 25 %.
 pub const DEFAULT_SESSION_POOL_SHARE: PoolShare = PoolShare::Percent(25);
 /// Default share of a reactor's pool one host (source address) may hold,
@@ -184,6 +190,9 @@ pub struct TargetConfig {
     /// `session_pool_share` (the default follows it when that is larger,
     /// a smaller setting is refused).
     pub host_pool_share: PoolShare,
+    /// A command that has waited this long for a pool chunk (since it
+    /// queued, or since its last chunk) is answered `OutOfBuffers`.
+    pub chunk_wait_timeout: Duration,
 }
 
 /// `target.session_pool_share`: a fraction of each reactor's pool, or bytes.
@@ -304,6 +313,7 @@ impl TargetConfig {
         check(self.idle_timeout != other.idle_timeout, "target.idle_timeout");
         check(self.session_pool_share != other.session_pool_share, "target.session_pool_share");
         check(self.host_pool_share != other.host_pool_share, "target.host_pool_share");
+        check(self.chunk_wait_timeout != other.chunk_wait_timeout, "target.chunk_wait_timeout");
         v
     }
 }
@@ -388,6 +398,7 @@ struct RawTarget {
     idle_timeout: Option<RawDuration>,
     session_pool_share: Option<RawSize>,
     host_pool_share: Option<RawSize>,
+    chunk_wait_timeout: Option<RawDuration>,
 }
 
 #[derive(Deserialize)]
@@ -704,6 +715,11 @@ impl RawConfig {
             None => DEFAULT_HOST_POOL_SHARE,
         };
 
+        let chunk_wait_timeout = cx.duration("target.chunk_wait_timeout", t.chunk_wait_timeout, DEFAULT_CHUNK_WAIT_TIMEOUT)?;
+        if chunk_wait_timeout < Duration::from_millis(100) || chunk_wait_timeout > Duration::from_secs(3600) {
+            return Err(cx.err("target.chunk_wait_timeout", format!("must be between 100ms and 1h (got {chunk_wait_timeout:?})")));
+        }
+
         let busy_poll = match t.busy_poll {
             None => Duration::ZERO,
             Some(RawDuration::Int(n)) if n >= 0 => Duration::from_secs(n as u64),
@@ -747,6 +763,7 @@ impl RawConfig {
             idle_timeout,
             session_pool_share,
             host_pool_share,
+            chunk_wait_timeout,
         };
 
         if self.volume.is_empty() {
@@ -1115,6 +1132,21 @@ read_only = true
         // 64 MiB of 128 KiB chunks: 512 chunks, a quarter each.
         assert_eq!(c.target.session_pool_share.chunks(512, 128 << 10), 128);
         assert_eq!(c.target.host_pool_share, PoolShare::Percent(50));
+        assert_eq!(c.target.chunk_wait_timeout, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn chunk_wait_timeout_parses_within_bounds() {
+        let c = Config::parse(&with_target("chunk_wait_timeout = \"750ms\""), "w.toml").unwrap();
+        assert_eq!(c.target.chunk_wait_timeout, Duration::from_millis(750));
+        let c = Config::parse(&with_target("chunk_wait_timeout = 20"), "w.toml").unwrap();
+        assert_eq!(c.target.chunk_wait_timeout, Duration::from_secs(20));
+        for bad in ["\"50ms\"", "\"2h\"", "0", "-1", "\"soon\""] {
+            let e = err(&with_target(&format!("chunk_wait_timeout = {bad}")));
+            assert!(e.contains("target.chunk_wait_timeout"), "{bad}: {e}");
+        }
+        let a = Config::parse(&with_target(""), "a").unwrap();
+        assert_eq!(a.target.changed_keys(&c.target), vec!["target.chunk_wait_timeout"]);
     }
 
     #[test]

@@ -72,6 +72,9 @@ pub enum ErrorKind {
     /// Host authentication failed. The context (log only) says why; the
     /// wire status is the same whatever the reason.
     AuthFailed,
+    /// The command waited longer than `target.chunk_wait_timeout` for a
+    /// buffer-pool chunk: this many milliseconds.
+    OutOfBuffers(u32),
     /// A bug or broken invariant in the target.
     Internal,
 }
@@ -155,6 +158,7 @@ impl Error {
             ErrorKind::AuthFailed => (Status::AuthFailed, 0),
             ErrorKind::LimitReached => (Status::LimitReached, 0),
             ErrorKind::FenceTimeout => (Status::FenceTimeout, 0),
+            ErrorKind::OutOfBuffers(waited_ms) => (Status::OutOfBuffers, waited_ms),
             ErrorKind::Config
             | ErrorKind::Volume
             | ErrorKind::Uring
@@ -231,6 +235,7 @@ mod tests {
             ErrorKind::AuthFailed,
             ErrorKind::LimitReached,
             ErrorKind::FenceTimeout,
+            ErrorKind::OutOfBuffers(5000),
             ErrorKind::Internal,
         ];
         let mut seen = std::collections::HashSet::new();
@@ -248,6 +253,7 @@ mod tests {
             Error::new(ErrorKind::VersionMismatch, "").wire_status(),
             (Status::VersionMismatch, PROTOCOL_VERSION as u32)
         );
+        assert_eq!(Error::new(ErrorKind::OutOfBuffers(5003), "").wire_status(), (Status::OutOfBuffers, 5003));
         let e: Error = DecodeError::UnknownOpcode(0x7f).into();
         assert_eq!(e.wire_status().0, Status::InvalidOpcode);
         let e: Error = DecodeError::ReservedNotZero { offset: 42 }.into();

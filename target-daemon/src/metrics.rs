@@ -174,6 +174,9 @@ pub struct ReactorStats {
     /// Answers that waited for a response slot: every slot held an answer
     /// whose send completion had not come back yet.
     pub answers_delayed: Counter,
+    /// Commands answered `OutOfBuffers`: they waited longer than
+    /// `target.chunk_wait_timeout` for a pool chunk.
+    pub chunk_wait_timeouts: Counter,
     /// Loop turns; the control thread checks it advances (watchdog).
     pub heartbeat: Counter,
     /// Nanoseconds spent in loop turns that found work. With `busy_poll`
@@ -194,6 +197,7 @@ impl Default for ReactorStats {
             pool_waiting: Counter::default(),
             idle_waits: Counter::default(),
             answers_delayed: Counter::default(),
+            chunk_wait_timeouts: Counter::default(),
             heartbeat: Counter::default(),
             busy_ns: Counter::default(),
         }
@@ -346,7 +350,7 @@ pub fn render(s: &Scrape<'_>) -> String {
     let _ = writeln!(out, "rdmablk_queue_pairs_connected {qps}");
 
     type Gauge = (&'static str, &'static str, &'static str, fn(&ReactorStats) -> u64);
-    let per_reactor: [Gauge; 7] = [
+    let per_reactor: [Gauge; 8] = [
         ("rdmablk_reactor_queue_pairs", "gauge", "Queue pairs served by each reactor.", |r| r.queue_pairs.get()),
         ("rdmablk_reactor_commands_total", "counter", "Commands received by each reactor.", |r| r.commands.get()),
         ("rdmablk_buffer_pool_chunks", "gauge", "Registered pool chunks owned by each reactor.", |r| r.pool_chunks.get()),
@@ -358,6 +362,12 @@ pub fn render(s: &Scrape<'_>) -> String {
             "counter",
             "Answers that waited for a response slot (every slot's send completion was still outstanding).",
             |r| r.answers_delayed.get(),
+        ),
+        (
+            "rdmablk_chunk_wait_timeouts_total",
+            "counter",
+            "Commands answered OutOfBuffers: they waited longer than target.chunk_wait_timeout for a pool chunk.",
+            |r| r.chunk_wait_timeouts.get(),
         ),
     ];
     for (name, kind, help, f) in per_reactor {
@@ -634,6 +644,7 @@ mod tests {
         vs.reactor(0).ops[1].record(4096, true, Duration::from_micros(3));
         let reactors = vec![std::sync::Arc::new(ReactorStats::default())];
         reactors[0].queue_pairs.set(2);
+        reactors[0].chunk_wait_timeouts.add(3);
         let limits = crate::session::LimitCounters::default();
         limits.refused_sessions.fetch_add(3, Relaxed);
         limits.handshakes.fetch_add(2, Relaxed);
@@ -662,6 +673,7 @@ mod tests {
         assert!(text.contains("rdmablk_volume_latency_seconds_count{volume=\"v0\",op=\"write\"} 1"));
         assert!(text.contains("rdmablk_session_queue_pairs{session=\"0x00000000000000ab\",host=\"h\",reactor=\"0\"} 2"));
         assert!(text.contains("rdmablk_queue_pairs_connected 2"));
+        assert!(text.contains("rdmablk_chunk_wait_timeouts_total{reactor=\"0\"} 3"), "{text}");
         // Every sample line is `name{labels} value` or `name value` with a number.
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let v = line.rsplit(' ').next().unwrap();

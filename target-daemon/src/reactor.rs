@@ -64,6 +64,10 @@ pub const RING_FILE_SLOTS: u32 = 2 * MAX_VOLUMES as u32;
 /// reactor does not send an ACK frame of its own for every command that
 /// waits for the disk. (A sleeping reactor sends them when it arms.)
 const ACK_HOLD: Duration = Duration::from_micros(200);
+/// Least time between two sweeps of the wait line for commands past
+/// `target.chunk_wait_timeout` (each is a pass over the line and a log
+/// line): the first one due is answered on time, later ones within this.
+const CHUNK_SWEEP_INTERVAL: Duration = Duration::from_millis(250);
 const CQ_BATCH: usize = 64;
 const CQ_ROUNDS: usize = 4;
 const NONE16: u16 = u16::MAX;
@@ -390,6 +394,9 @@ struct Cmd {
     /// freed unanswered without this was dropped before the disk.
     at_disk: bool,
     in_waitq: bool,
+    /// While `in_waitq`: since when it has been waiting for a chunk (it
+    /// queued, or got its last chunk), for `target.chunk_wait_timeout`.
+    waiting_since: Instant,
     /// Answered (or given up with its queue pair): no longer counted
     /// against the queue depth.
     responded: bool,
@@ -459,6 +466,15 @@ struct Reactor {
     cmds: Vec<Option<Cmd>>,
     free_cmds: Vec<u16>,
     waitq: VecDeque<u16>,
+    /// No command in `waitq` has waited since before this (a lower bound:
+    /// exact after each sweep, `None` when none waits for a deadline).
+    waitq_oldest: Option<Instant>,
+    /// `target.chunk_wait_timeout`.
+    chunk_wait_timeout: Duration,
+    /// The next sweep for commands past the timeout runs no earlier.
+    chunk_sweep_after: Instant,
+    /// Scratch list of the commands a sweep gives up (kept for its capacity).
+    chunk_expired: Vec<u16>,
     chunk_use: Vec<ChunkUse>,
     rx: mpsc::Receiver<Control>,
     wake: Arc<EventFd>,
@@ -646,6 +662,10 @@ impl Reactor {
             cmds: Vec::new(),
             free_cmds: Vec::new(),
             waitq: VecDeque::new(),
+            waitq_oldest: None,
+            chunk_wait_timeout: cfg.chunk_wait_timeout,
+            chunk_sweep_after: Instant::now(),
+            chunk_expired: Vec::new(),
             rx,
             wake,
             epoll,
@@ -892,6 +912,9 @@ impl Reactor {
                 }
             }
         }
+        if let Some(due) = self.chunk_wait_due() {
+            min(due);
+        }
         d
     }
 
@@ -927,6 +950,7 @@ impl Reactor {
 
     fn check_deadlines(&mut self) {
         let now = Instant::now();
+        self.expire_chunk_waits(now);
         if let Some(deadline) = self.shutdown {
             let idle = self.sessions.iter().all(|s| s.s.as_ref().is_none_or(|s| s.live_cmds == 0));
             if idle || now >= deadline {
@@ -1948,6 +1972,7 @@ impl Reactor {
             held_recv: None,
             at_disk: false,
             in_waitq: false,
+            waiting_since: start,
             responded: false,
             answer_waits: false,
             send_inflight: false,
@@ -1997,10 +2022,8 @@ impl Reactor {
             let first_in_line = self.waitq.is_empty() || self.waitq.front() == Some(&ci);
             let (accounts, at_share) = self.pool_accounts(ci);
             if !first_in_line || self.pool.free_count() == 0 || at_share {
-                let cmd = self.cmd(ci);
-                if !cmd.in_waitq {
-                    cmd.in_waitq = true;
-                    self.waitq.push_back(ci);
+                if !self.cmd(ci).in_waitq {
+                    self.wait_for_chunk(ci, Instant::now());
                 }
                 return;
             }
@@ -2018,6 +2041,10 @@ impl Reactor {
     /// session or host holds its whole share goes to the back of the line,
     /// so it never holds up other sessions' or hosts' commands behind it.
     fn pump_waitq(&mut self) {
+        if self.waitq.is_empty() || self.pool.free_count() == 0 {
+            return;
+        }
+        let now = Instant::now();
         let mut passed_over = 0;
         while self.pool.free_count() > 0 && passed_over < self.waitq.len() {
             let Some(ci) = self.waitq.pop_front() else { break };
@@ -2028,8 +2055,8 @@ impl Reactor {
             }
             let (accounts, at_share) = self.pool_accounts(ci);
             if at_share {
-                self.cmd(ci).in_waitq = true;
-                self.waitq.push_back(ci);
+                let since = self.cmd(ci).waiting_since;
+                self.wait_for_chunk(ci, since);
                 passed_over += 1;
                 continue;
             }
@@ -2038,10 +2065,96 @@ impl Reactor {
             let c = self.pool.alloc_charged([session.as_ref(), host.as_ref()]).expect("free chunk");
             self.issue(ci, c);
             if self.cmds[ci as usize].is_some() && self.wants_chunk(ci) {
-                self.cmd(ci).in_waitq = true;
-                self.waitq.push_back(ci);
+                // It got a chunk: its wait for the next starts now.
+                self.wait_for_chunk(ci, now);
             }
         }
+    }
+
+    /// Puts a command at the back of the line for a chunk, waiting since `since`.
+    fn wait_for_chunk(&mut self, ci: u16, since: Instant) {
+        let was_empty = self.waitq.is_empty();
+        let cmd = self.cmd(ci);
+        cmd.in_waitq = true;
+        cmd.waiting_since = since;
+        self.waitq.push_back(ci);
+        self.waitq_oldest = match self.waitq_oldest {
+            Some(oldest) if !was_empty => Some(oldest.min(since)),
+            _ => Some(since),
+        };
+    }
+
+    /// When the next sweep for commands past `target.chunk_wait_timeout`
+    /// is due, if any command waits for a chunk.
+    fn chunk_wait_due(&self) -> Option<Instant> {
+        if self.waitq.is_empty() {
+            return None;
+        }
+        self.waitq_oldest.map(|oldest| (oldest + self.chunk_wait_timeout).max(self.chunk_sweep_after))
+    }
+
+    /// Gives up every command that has waited for a chunk longer than
+    /// `target.chunk_wait_timeout` (since it queued, or since its last
+    /// chunk): it is answered `OutOfBuffers`, once, after the chunks it
+    /// has in flight have finished (`progress`, as any failed command).
+    /// The pool cannot serve it in time: its session's or host's chunks
+    /// do not come back (a peer that stopped reading), or others hold the
+    /// whole pool.
+    fn expire_chunk_waits(&mut self, now: Instant) {
+        if self.chunk_wait_due().is_none_or(|due| now < due) {
+            return;
+        }
+        let timeout = self.chunk_wait_timeout;
+        let mut q = std::mem::take(&mut self.waitq);
+        let mut expired = std::mem::take(&mut self.chunk_expired);
+        let mut oldest: Option<Instant> = None;
+        q.retain(|&ci| {
+            // One that no longer wants a chunk (failed, answered, its queue
+            // pair closing) waits for no deadline; `pump_waitq` drops it.
+            let Some(cmd) = self.cmds.get(ci as usize).and_then(|c| c.as_ref()).filter(|_| self.wants_chunk(ci)) else {
+                return true;
+            };
+            if now.saturating_duration_since(cmd.waiting_since) >= timeout {
+                expired.push(ci);
+                return false;
+            }
+            oldest = Some(oldest.map_or(cmd.waiting_since, |o| o.min(cmd.waiting_since)));
+            true
+        });
+        self.waitq = q;
+        self.waitq_oldest = oldest;
+        self.chunk_sweep_after = now + CHUNK_SWEEP_INTERVAL;
+        let Some(&first) = expired.first() else {
+            self.chunk_expired = expired;
+            return;
+        };
+        let (si, cid, kind, since) = {
+            let cmd = self.cmds[first as usize].as_ref().expect("live command");
+            (cmd.sess, cmd.cid, cmd.kind, cmd.waiting_since)
+        };
+        let s = self.sessions[si as usize].s.as_ref().expect("live session");
+        tracing::warn!(
+            "reactor {}: {} commands waited more than {timeout:?} for a pool chunk (target.chunk_wait_timeout) and are answered OutOfBuffers; {} of {} chunks in use, {} commands still waiting; the first: command {} ({kind:?}, waited {:?}) of host={} peer={}",
+            self.id,
+            expired.len(),
+            self.pool.capacity() - self.pool.free_count(),
+            self.pool.capacity(),
+            self.waitq.len(),
+            cid.0,
+            now.saturating_duration_since(since),
+            s.host(),
+            s.peer
+        );
+        self.stats.chunk_wait_timeouts.add(expired.len() as u64);
+        for &ci in &expired {
+            let cmd = self.cmd(ci);
+            cmd.in_waitq = false;
+            let waited = now.saturating_duration_since(cmd.waiting_since).as_millis().min(u32::MAX as u128) as u32;
+            cmd.error.get_or_insert(ErrorKind::OutOfBuffers(waited));
+            self.progress(ci);
+        }
+        expired.clear();
+        self.chunk_expired = expired;
     }
 
     fn issue(&mut self, ci: u16, c: ChunkId) {

@@ -12,10 +12,12 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use rand::RngCore;
-use rdmablk_common::protocol::{BlockCount, CommandCapsule, CommandId, Lba, Opcode};
+use rdmablk_common::protocol::{BlockCount, CommandCapsule, CommandId, Lba, Opcode, Status};
 use rdmablk_initiator::{BlockDevice, ConnectOptions, Session};
-use rdmablk_system_tests::wire;
-use rdmablk_system_tests::{file_volume, open_fds, rss_bytes, sample, scrape, sparse_file, wait_until, TargetProcess, WireConn};
+use rdmablk_system_tests::raw::{io_command, RawQueue};
+use rdmablk_system_tests::{
+    file_bytes, file_volume, open_fds, rss_bytes, sample, scrape, sparse_file, wait_until, wire, TargetProcess, WireConn, WireEvent,
+};
 
 const MIB: u64 = 1 << 20;
 /// Attacking connections, all from one address.
@@ -168,5 +170,127 @@ fn readers_that_stop_reading_do_not_hold_the_whole_pool() {
     eprintln!("after the attack: daemon fds {fds_after} (base {fds_base}), RSS {} KiB (base {} KiB)", rss_after / 1024, rss_base / 1024);
     assert!(rss_after <= rss_base + 8 * MIB, "daemon RSS {} KiB after the attack, {} KiB before", rss_after / 1024, rss_base / 1024);
     legit_io(&t.url, 16 * MIB);
+    t.assert_no_panic();
+}
+
+/// A command the pool cannot serve is not kept waiting forever: after
+/// `chunk_wait_timeout` it is answered `OutOfBuffers`, once, after the
+/// chunks it has in flight (a READ that got part of its chunks) finished;
+/// the reactor wakes for that deadline by itself; a WRITE so answered
+/// wrote nothing; the library says what happened.
+#[test]
+fn a_command_that_waits_too_long_for_a_chunk_is_answered_out_of_buffers() {
+    const KIB: u32 = 1024;
+    let dir = tempfile::tempdir().unwrap();
+    let file = sparse_file(dir.path(), "vol.img", 64 * MIB);
+    let gate = dir.path().join("hold-writes");
+    // One reactor with three chunks; one session may take them all.
+    let config = format!(
+        "[target]\nlisten = [\"tcp://127.0.0.1:0\"]\nreactors = 1\npin_reactors = false\nmetrics = \"127.0.0.1:0\"\n\
+         buffer_pool = \"384KiB\"\nchunk_size = \"128KiB\"\nsession_pool_share = \"100%\"\nchunk_wait_timeout = \"1s\"\n{}",
+        file_volume("vol", &file, 64 * MIB, false)
+    );
+    let t = TargetProcess::start_with_env(&config, &[("RDMABLK_FAULT_HOLD_WRITES", gate.to_str().unwrap())], &[]);
+    let m = |name: &str| sample(&scrape(&t.metrics_addr()), name, &[("reactor", "0")]).unwrap_or_else(|| panic!("{name} missing"));
+
+    // The holder's 256 KiB write reaches the disk and is held there: two chunks.
+    let (mut holder, reply) = RawQueue::connected(&t.url, MIB as usize);
+    std::fs::write(&gate, format!("{:#x}", reply.session_id.0)).unwrap();
+    let hvol = holder.open_volume("vol").unwrap();
+    holder.data_mut().fill(0xab);
+    let held = holder.post(io_command(Opcode::Write, hvol.volume_id, 0, 64, holder.descriptor(0, 256 * KIB)), &[]);
+    wait_until("the holder's write is at the disk", Duration::from_secs(10), || {
+        let _ = holder.next_response(Duration::from_millis(20));
+        m("rdmablk_buffer_pool_chunks_in_use") == 2.0
+    });
+
+    // A reader that does not read its socket: its 256 KiB READ gets the
+    // third chunk (read, then sent and never acknowledged) and waits for another.
+    let mut reader = WireConn::hello(&t.url);
+    reader.connect("reader", 8);
+    let rvol = reader.open_volume("vol");
+    let mut read = CommandCapsule::new(Opcode::Read, CommandId(0));
+    read.volume_id = rvol.volume_id;
+    read.block_count = BlockCount(64);
+    read.descriptor = reader.descriptor(0, 256 * KIB);
+    let read = reader.post(read, &[]);
+    wait_until("the READ holds the last chunk and waits", Duration::from_secs(10), || {
+        m("rdmablk_buffer_pool_chunks_in_use") == 3.0 && m("rdmablk_buffer_pool_waiting_commands") == 1.0
+    });
+
+    // A 128 KiB WRITE of another session waits for a chunk too.
+    let (mut writer, _) = RawQueue::connected(&t.url, MIB as usize);
+    let wvol = writer.open_volume("vol").unwrap();
+    writer.data_mut().fill(0xcd);
+    let t0 = Instant::now();
+    let write = writer.post(io_command(Opcode::Write, wvol.volume_id, 256, 32, writer.descriptor(0, 128 * KIB)), &[]);
+    wait_until("the WRITE waits", Duration::from_secs(5), || m("rdmablk_buffer_pool_waiting_commands") == 2.0);
+    // Waiting, the reactor sleeps (nothing else wakes it: no keep-alives here).
+    let waits = m("rdmablk_reactor_idle_waits_total");
+    std::thread::sleep(Duration::from_millis(300));
+    let slept = m("rdmablk_reactor_idle_waits_total") - waits;
+    assert!(slept <= 5.0, "the reactor woke {slept} times in 300 ms with commands waiting");
+
+    // It wakes for the deadline and answers.
+    let r = writer.wait_response(write, Duration::from_secs(10)).expect("the WRITE's answer");
+    let took = t0.elapsed();
+    eprintln!("the waiting WRITE was answered {:?} after {took:?} (detail {} ms)", r.capsule.status, r.capsule.detail);
+    assert_eq!(r.capsule.status, Status::OutOfBuffers);
+    assert!(r.capsule.detail >= 1000, "detail: the milliseconds it waited, {}", r.capsule.detail);
+    assert!(took >= Duration::from_secs(1) && took < Duration::from_millis(2500), "answered after {took:?}");
+    assert_eq!(file_bytes(&file, MIB, (128 * KIB) as usize), vec![0u8; (128 * KIB) as usize], "the WRITE wrote nothing");
+
+    // The READ was given up too, but its answer waits for its chunk in
+    // flight: it comes once the reader reads (and acknowledges) the data.
+    t.wait_for_log_all(&["answered OutOfBuffers", "target.chunk_wait_timeout", "host=reader"], Duration::from_secs(5));
+    let mut answers = Vec::new();
+    loop {
+        match reader.next_event(Duration::from_millis(500)) {
+            WireEvent::Response(r, _) => answers.push((r.command_id, r.status)),
+            WireEvent::Silence => break,
+            other => panic!("the reader got {other:?}"),
+        }
+    }
+    assert_eq!(answers, vec![(read, Status::OutOfBuffers)], "one answer to the READ");
+    assert_eq!(m("rdmablk_chunk_wait_timeouts_total"), 2.0);
+
+    // With the pool full again (another write of the holder, held), the
+    // library's LIST waits and reports it.
+    let more = holder.post(io_command(Opcode::Write, hvol.volume_id, 128, 32, holder.descriptor(0, 128 * KIB)), &[]);
+    wait_until("the holder holds every chunk", Duration::from_secs(10), || {
+        let _ = holder.next_response(Duration::from_millis(20));
+        m("rdmablk_buffer_pool_chunks_in_use") == 3.0
+    });
+    let session = Session::connect(t.url.as_str(), options("lister")).expect("connect");
+    let e = session.list_volumes().expect_err("LIST cannot get a chunk");
+    eprintln!("the library's LIST: {e}");
+    assert_eq!(e.status(), Some(Status::OutOfBuffers));
+    assert!(e.to_string().contains("target out of buffers") && e.to_string().contains("for a pool chunk"), "{e}");
+    session.close();
+    assert_eq!(m("rdmablk_chunk_wait_timeouts_total"), 3.0);
+
+    // The held writes land when the gate opens, and succeed.
+    std::fs::remove_file(&gate).unwrap();
+    for id in [held, more] {
+        let r = holder.wait_response(id, Duration::from_secs(10)).expect("the holder's answer");
+        assert_eq!(r.capsule.status, Status::Success);
+    }
+    assert!(file_bytes(&file, 0, (256 * KIB) as usize).iter().all(|&b| b == 0xab));
+    assert!(file_bytes(&file, 512 * KIB as u64, (128 * KIB) as usize).iter().all(|&b| b == 0xab));
+    assert_eq!(file_bytes(&file, MIB, (128 * KIB) as usize), vec![0u8; (128 * KIB) as usize]);
+    wait_until("every chunk is back", Duration::from_secs(5), || m("rdmablk_buffer_pool_chunks_in_use") == 0.0);
+    // The other sessions still work.
+    let r = writer.command(io_command(Opcode::Write, wvol.volume_id, 256, 32, writer.descriptor(0, 128 * KIB)), &[]).unwrap();
+    assert_eq!(r.capsule.status, Status::Success);
+    assert!(file_bytes(&file, MIB, (128 * KIB) as usize).iter().all(|&b| b == 0xcd));
+
+    // Idle, with nothing waiting: no wake-ups.
+    drop((holder, writer, reader));
+    wait_until("the sessions are gone", Duration::from_secs(10), || {
+        sample(&scrape(&t.metrics_addr()), "rdmablk_sessions_connected", &[]) == Some(0.0)
+    });
+    let waits = m("rdmablk_reactor_idle_waits_total");
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(m("rdmablk_reactor_idle_waits_total") - waits <= 1.0, "an idle reactor woke up");
     t.assert_no_panic();
 }
