@@ -82,12 +82,21 @@ pub fn check_invariants(c: &Config) {
         "handshake_timeout = {handshake:?}"
     );
     assert!(t.busy_poll <= MAX_BUSY_POLL, "busy_poll = {:?}", t.busy_poll);
-    match t.session_pool_share {
-        PoolShare::Percent(p) => assert!((1..=100).contains(&p), "session_pool_share = {p}%"),
-        PoolShare::Bytes(b) => {
-            assert!((chunk as u64..=pool).contains(&b), "session_pool_share = {b} (chunk {chunk}, pool {pool})")
+    for (key, share) in [("session_pool_share", t.session_pool_share), ("host_pool_share", t.host_pool_share)] {
+        match share {
+            PoolShare::Percent(p) => assert!((1..=100).contains(&p), "{key} = {p}%"),
+            PoolShare::Bytes(b) => assert!((chunk as u64..=pool).contains(&b), "{key} = {b} (chunk {chunk}, pool {pool})"),
         }
     }
+    let chunks = (pool / chunk as u64) as u32;
+    assert!(
+        t.host_pool_share.chunks(chunks, chunk) >= t.session_pool_share.chunks(chunks, chunk),
+        "host_pool_share {} below session_pool_share {}",
+        t.host_pool_share,
+        t.session_pool_share
+    );
+    let wait = t.chunk_wait_timeout;
+    assert!((Duration::from_millis(100)..=Duration::from_secs(3600)).contains(&wait), "chunk_wait_timeout = {wait:?}");
 
     let mut host_ids = HashSet::new();
     for (i, h) in c.hosts.iter().enumerate() {
@@ -147,7 +156,7 @@ mod tests {
     /// late.
     #[test]
     fn seeds_parse_as_named() {
-        let valid = ["good.toml", "minimal.toml", "memory-and-null.toml", "limits.toml", "pool-share-bytes.toml", "hosts.toml"];
+        let valid = ["good.toml", "minimal.toml", "memory-and-null.toml", "limits.toml", "pool-share-bytes.toml", "pool-shares-and-wait.toml", "hosts.toml"];
         for seed in crate::seeds::all().into_iter().filter(|s| s.target == "config_parse") {
             let text = String::from_utf8(seed.bytes).expect("seeds are UTF-8");
             let parsed = Config::parse(&text, SOURCE);

@@ -276,6 +276,10 @@ fn configs() -> Vec<(String, Vec<u8>)> {
         ("memory-and-null.toml", "[target]\nlisten = [\"rdma://10.0.0.1:7420\"]\n\n[[volume]]\nname = \"ram0\"\nbackend = \"memory\"\nsize = \"64MiB\"\nblock_size = \"512\"\n\n[[volume]]\nname = \"null0\"\nbackend = \"null\"\nsize = \"1TiB\"\nread_only = true\n".to_owned()),
         ("limits.toml", format!("{GOOD_TARGET}max_sessions = 8\nmax_queues_per_session = 4\nmax_handshakes = 16\nhandshake_timeout = \"500ms\"\nsession_pool_share = \"50%\"\nmetrics = \"[::1]:9420\"\npin_reactors = false\nsqpoll = true\n{file_volume}")),
         ("pool-share-bytes.toml", format!("{GOOD_TARGET}session_pool_share = \"1MiB\"\n{file_volume}")),
+        (
+            "pool-shares-and-wait.toml",
+            format!("{GOOD_TARGET}session_pool_share = \"1MiB\"\nhost_pool_share = \"50%\"\nchunk_wait_timeout = \"750ms\"\n{file_volume}"),
+        ),
         ("iopoll-memory.toml", format!("{GOOD_TARGET}iopoll = true\n[[volume]]\nname = \"m\"\nbackend = \"memory\"\nsize = \"1MiB\"\n")),
         ("duplicate-volume.toml", format!("{GOOD_TARGET}{file_volume}{file_volume}")),
         ("size-not-multiple.toml", format!("{GOOD_TARGET}\n[[volume]]\nname = \"v\"\nbackend = \"null\"\nsize = 1000\nblock_size = 512\n")),
