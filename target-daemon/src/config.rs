@@ -71,12 +71,6 @@ pub const DEFAULT_FENCE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default `target.idle_timeout`: far above the keep-alive interval of the
 /// initiator library (a quarter of its 5 s `keepalive_timeout`).
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
-/// Default `target.chunk_wait_timeout`: below the initiator's default I/O
-/// timeout (30 s) and connect timeout (10 s, which a LIST at connect
-/// counts against), so that a command the pool cannot serve is answered
-/// `OutOfBuffers` before the initiator gives up on the connection; far
-/// above what a turning pool makes a command wait (milliseconds).
-pub const DEFAULT_CHUNK_WAIT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default share of a reactor's pool one session may hold: 25 %.
 pub const DEFAULT_SESSION_POOL_SHARE: PoolShare = PoolShare::Percent(25);
 /// Default share of a reactor's pool one host (source address) may hold,
@@ -84,6 +78,12 @@ pub const DEFAULT_SESSION_POOL_SHARE: PoolShare = PoolShare::Percent(25);
 /// sessions it opens, leaves the other half to everyone else (as
 /// `max_handshakes_per_address` leaves half the handshake slots).
 pub const DEFAULT_HOST_POOL_SHARE: PoolShare = PoolShare::Percent(50);
+/// Default `target.chunk_wait_timeout`: below the initiator's default I/O
+/// timeout (30 s) and connect timeout (10 s, which a LIST at connect
+/// counts against), so that a command the pool cannot serve is answered
+/// `OutOfBuffers` before the initiator gives up on the connection; far
+/// above what a turning pool makes a command wait (milliseconds).
+pub const DEFAULT_CHUNK_WAIT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Upper bound of the count limits (sessions, queues, handshakes).
 pub const MAX_COUNT_LIMIT: u32 = 1 << 20;
 
