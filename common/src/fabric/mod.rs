@@ -467,6 +467,70 @@ enum QpImpl {
     Verbs(verbs::VerbsQp),
 }
 
+/// Default [`FabricOptions::transport_timeout`]: 4 s.
+///
+/// An RC NIC gives up on a silent peer after its local ACK timeout times
+/// its retries: the verbs provider sets `timeout` 14 (67 ms) and
+/// `retry_cnt` 6, about half a second, for a peer whose NIC acknowledges
+/// in hardware within microseconds. A tcp peer acknowledges from its
+/// owner's thread (manual progress), so its acknowledgement waits for
+/// that thread to be scheduled and to poll, and for TCP's own
+/// retransmissions when a segment is lost (200 ms, 400 ms, 800 ms...: three
+/// of them take 1.4 s). The longest a healthy peer normally leaves it is
+/// the initiator library's monitor visiting an idle queue, at most once a
+/// second, and the target's ACK hold (200 µs, about one disk read; a frame
+/// is acknowledged when it is received, never after the disk). Eight times
+/// verbs' bound, four times the monitor's period and above three TCP
+/// retransmissions: a peer that stops acknowledging is found within
+/// seconds, and a slow one that still reads is never mistaken for it.
+pub const DEFAULT_TRANSPORT_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// Default [`FabricOptions::frame_timeout`]: 10 s, as long as a tcp
+/// listener gives a new connection for its whole hello (the default
+/// `ListenOptions::handshake_timeout`); a frame's payload gets one more
+/// second per MiB on top.
+pub const DEFAULT_FRAME_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Options of an opened fabric, for every queue pair made from it
+/// ([`Fabric::open_with`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FabricOptions {
+    /// tcp: how long a send-queue work request may go without progress
+    /// from the peer (an acknowledgement, READ response bytes, or the peer
+    /// taking bytes off the stream) before the queue pair gives up on the
+    /// peer, as an RC NIC does after its retries: that work request
+    /// completes with [`WcStatus::TransportError`], the queue pair moves
+    /// to [`QpState::Error`], everything else is flushed and the
+    /// connection is reset so the peer sees it too. `Duration::MAX`:
+    /// never. verbs: ignored (the NIC's `timeout` × `retry_cnt` applies).
+    pub transport_timeout: Duration,
+    /// tcp: how long a frame may take from its first byte to its last,
+    /// plus one second per MiB of its payload; a peer that stops in the
+    /// middle of a frame fails the queue pair as a lost connection does
+    /// (the frame is never delivered, the first outstanding send-queue
+    /// work request completes with [`WcStatus::TransportError`], the rest
+    /// flush) and the connection is reset. `Duration::MAX`: never. verbs:
+    /// ignored (a partial message never arrives on RC).
+    pub frame_timeout: Duration,
+}
+
+impl Default for FabricOptions {
+    fn default() -> Self {
+        FabricOptions { transport_timeout: DEFAULT_TRANSPORT_TIMEOUT, frame_timeout: DEFAULT_FRAME_TIMEOUT }
+    }
+}
+
+impl FabricOptions {
+    fn check(&self) -> Result<()> {
+        for (name, d) in [("transport_timeout", self.transport_timeout), ("frame_timeout", self.frame_timeout)] {
+            if d.is_zero() {
+                return Err(FabricError::new(FabricErrorKind::InvalidArgument, format!("{name} must be positive")));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// How a listener treats peers that are still connecting.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ListenOptions {
@@ -527,10 +591,19 @@ macro_rules! dispatch {
 }
 
 impl Fabric {
-    /// Opens the provider named by the URL's scheme, for that address.
+    /// Opens the provider named by the URL's scheme, for that address,
+    /// with the default [`FabricOptions`].
     pub fn open(url: &FabricUrl) -> Result<Fabric> {
+        Fabric::open_with(url, FabricOptions::default())
+    }
+
+    /// Opens the provider named by the URL's scheme, for that address;
+    /// the queue pairs made from it (and from its listeners' requests)
+    /// follow `options`.
+    pub fn open_with(url: &FabricUrl, options: FabricOptions) -> Result<Fabric> {
+        options.check()?;
         match url.provider {
-            ProviderKind::Tcp => Ok(Fabric { inner: FabricImpl::Tcp(tcp::TcpFabric::open(url)?) }),
+            ProviderKind::Tcp => Ok(Fabric { inner: FabricImpl::Tcp(tcp::TcpFabric::open_with(url, options)?) }),
             #[cfg(feature = "verbs")]
             ProviderKind::Rdma => Ok(Fabric { inner: FabricImpl::Verbs(verbs::VerbsFabric::open(url)?) }),
             #[cfg(not(feature = "verbs"))]

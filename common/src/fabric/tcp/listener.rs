@@ -13,7 +13,7 @@ use super::mr::TcpPd;
 use super::qp::TcpQp;
 use super::sys;
 use super::wire::{self, FrameType, Header, HDR_LEN, HELLO_MAX};
-use crate::fabric::{lock, FabricError, FabricUrl, ProviderKind, QpCaps, Result};
+use crate::fabric::{lock, FabricError, FabricOptions, FabricUrl, ProviderKind, QpCaps, Result};
 
 /// A client must complete its hello within this time.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -54,11 +54,13 @@ pub struct TcpListener {
     timerfd: OwnedFd,
     readyfd: OwnedFd,
     handshake_timeout: Duration,
+    /// For the queue pairs made from its requests.
+    options: FabricOptions,
     inner: Mutex<Inner>,
 }
 
 impl TcpListener {
-    pub(crate) fn bind(url: &FabricUrl, handshake_timeout: Duration) -> Result<TcpListener> {
+    pub(crate) fn bind(url: &FabricUrl, handshake_timeout: Duration, options: FabricOptions) -> Result<TcpListener> {
         let sock = std::net::TcpListener::bind(url.host_port())
             .map_err(|e| FabricError::io(format!("listening on {url}"), e))?;
         sock.set_nonblocking(true).map_err(|e| FabricError::io("O_NONBLOCK on the listener", e))?;
@@ -77,6 +79,7 @@ impl TcpListener {
             timerfd,
             readyfd,
             handshake_timeout,
+            options,
             inner: Mutex::new(Inner { sock, pending: HashMap::new(), next_token: FIRST_PENDING_TOKEN, ready: VecDeque::new() }),
         })
     }
@@ -151,7 +154,7 @@ impl TcpListener {
                     let p = inner.pending.remove(&token).expect("present");
                     sys::epoll_del(epfd, p.stream.as_raw_fd());
                     let peer = p.peer;
-                    match finish(p) {
+                    match finish(p, self.options) {
                         Ok(req) => inner.ready.push_back(req),
                         Err(why) => tracing::warn!(%peer, "refusing a connection: {why}"),
                     }
@@ -215,13 +218,14 @@ fn advance(p: &mut Pending) -> std::result::Result<bool, String> {
     }
 }
 
-fn finish(p: Pending) -> std::result::Result<TcpConnectRequest, String> {
+fn finish(p: Pending, options: FabricOptions) -> std::result::Result<TcpConnectRequest, String> {
     let body = wire::decode_hello_body(&p.buf[HDR_LEN..p.need])?;
     Ok(TcpConnectRequest {
         private_data: body.private.to_vec(),
         peer_caps: body.caps,
         peer: p.peer.to_string(),
         stream: p.stream,
+        options,
     })
 }
 
@@ -232,6 +236,7 @@ pub struct TcpConnectRequest {
     private_data: Vec<u8>,
     #[allow(dead_code)]
     peer_caps: QpCaps,
+    options: FabricOptions,
 }
 
 impl TcpConnectRequest {
@@ -244,7 +249,7 @@ impl TcpConnectRequest {
     }
 
     pub fn into_queue_pair(self, pd: &TcpPd, cq: &TcpCq, caps: QpCaps) -> Result<TcpQp> {
-        TcpQp::new(pd, cq, caps, None, Some((self.stream, self.peer)))
+        TcpQp::new(pd, cq, caps, None, Some((self.stream, self.peer)), self.options)
     }
 
     /// Sends HELLO_REPLY(reject) and closes. Best effort: the socket is

@@ -133,7 +133,7 @@ pub use listener::{TcpConnectRequest, TcpListener};
 pub use mr::{TcpMr, TcpPd, TcpWindow};
 pub use qp::TcpQp;
 
-use super::{FabricError, FabricErrorKind, FabricUrl, QpCaps, Result};
+use super::{FabricError, FabricErrorKind, FabricOptions, FabricUrl, QpCaps, Result};
 
 /// Most work requests per queue.
 pub(crate) const MAX_WR: u32 = 16 * 1024;
@@ -175,11 +175,18 @@ pub(crate) fn grant_caps(c: QpCaps) -> Result<QpCaps> {
 /// The tcp provider opened for one URL.
 pub struct TcpFabric {
     url: FabricUrl,
+    options: FabricOptions,
 }
 
 impl TcpFabric {
     pub fn open(url: &FabricUrl) -> Result<Self> {
-        Ok(TcpFabric { url: url.clone() })
+        TcpFabric::open_with(url, FabricOptions::default())
+    }
+
+    /// Opens the provider; its queue pairs follow `options` (checked by
+    /// the caller, [`crate::fabric::Fabric::open_with`]).
+    pub fn open_with(url: &FabricUrl, options: FabricOptions) -> Result<Self> {
+        Ok(TcpFabric { url: url.clone(), options })
     }
 
     pub fn url(&self) -> &FabricUrl {
@@ -196,15 +203,15 @@ impl TcpFabric {
 
     /// An active-side queue pair that will connect to this fabric's URL.
     pub fn create_qp(&self, pd: &TcpPd, cq: &TcpCq, caps: QpCaps) -> Result<TcpQp> {
-        TcpQp::new(pd, cq, caps, Some(self.url.clone()), None)
+        TcpQp::new(pd, cq, caps, Some(self.url.clone()), None, self.options)
     }
 
     pub fn listen(&self) -> Result<TcpListener> {
-        TcpListener::bind(&self.url, listener::HANDSHAKE_TIMEOUT)
+        TcpListener::bind(&self.url, listener::HANDSHAKE_TIMEOUT, self.options)
     }
 
     /// Listens, dropping peers whose HELLO is not complete within `handshake_timeout`.
     pub fn listen_with(&self, handshake_timeout: std::time::Duration) -> Result<TcpListener> {
-        TcpListener::bind(&self.url, handshake_timeout)
+        TcpListener::bind(&self.url, handshake_timeout, self.options)
     }
 }

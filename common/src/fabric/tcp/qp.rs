@@ -22,8 +22,8 @@ use super::wire::{
 };
 use super::{grant_caps, MAX_SGE};
 use crate::fabric::{
-    lock, Access, Completion, FabricError, FabricErrorKind, FabricUrl, Payload, QpCaps, QpNum, QpState, RecvWr, Result,
-    Rkey, SendOp, SendWr, Sge, WcOpcode, WcStatus, WrId,
+    lock, Access, Completion, FabricError, FabricErrorKind, FabricOptions, FabricUrl, Payload, QpCaps, QpNum, QpState,
+    RecvWr, Result, Rkey, SendOp, SendWr, Sge, WcOpcode, WcStatus, WrId,
 };
 
 static NEXT_QP_NUM: AtomicU32 = AtomicU32::new(1);
@@ -550,6 +550,8 @@ pub(crate) struct QpShared {
     cq: Arc<CqShared>,
     /// Active side: where `connect` goes.
     url: Option<FabricUrl>,
+    /// The transport and frame timeouts.
+    options: FabricOptions,
     inner: Mutex<QpInner>,
 }
 
@@ -627,6 +629,7 @@ impl TcpQp {
         caps: QpCaps,
         url: Option<FabricUrl>,
         stream: Option<(TcpStream, String)>,
+        options: FabricOptions,
     ) -> Result<TcpQp> {
         let caps = grant_caps(caps)?;
         let passive = stream.is_some();
@@ -678,6 +681,7 @@ impl TcpQp {
                 pd: pd.shared().clone(),
                 cq: cq.shared().clone(),
                 url,
+                options,
                 inner: Mutex::new(inner),
             }),
         })

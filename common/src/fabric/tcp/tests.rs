@@ -11,8 +11,8 @@ use super::listener::TcpListener;
 use super::wire::{self, decode_hello_body, encode_hello, seq_le, seq_next, DecodeError, FrameType, Header, HDR_LEN};
 use super::{TcpCq, TcpFabric, TcpMr, TcpPd, TcpQp, TcpWindow};
 use crate::fabric::{
-    Access, AlignedBuf, Completion, FabricErrorKind, FabricUrl, Payload, QpCaps, QpState, RecvWr, SendOp, SendWr, WcOpcode,
-    WcStatus, WrId,
+    Access, AlignedBuf, Completion, FabricErrorKind, FabricOptions, FabricUrl, Payload, QpCaps, QpState, RecvWr, Rkey,
+    SendOp, SendWr, WcOpcode, WcStatus, WrId,
 };
 
 // ------------------------------------------------------------- decoder --
@@ -245,7 +245,12 @@ struct PassiveRig {
 }
 
 fn passive_rig() -> PassiveRig {
-    let fabric = TcpFabric::open(&url()).unwrap();
+    passive_rig_with(FabricOptions::default())
+}
+
+/// [`passive_rig`] with queue pairs that follow `options`.
+fn passive_rig_with(options: FabricOptions) -> PassiveRig {
+    let fabric = TcpFabric::open_with(&url(), options).unwrap();
     let pd = fabric.alloc_pd().unwrap();
     let cq = fabric.create_cq(64).unwrap();
     let listener = fabric.listen().unwrap();
@@ -588,7 +593,7 @@ fn listener_is_not_blocked_by_bad_or_silent_clients() {
     let fabric = TcpFabric::open(&url()).unwrap();
     let pd = fabric.alloc_pd().unwrap();
     let cq = fabric.create_cq(16).unwrap();
-    let listener = TcpListener::bind(&url(), Duration::from_millis(300)).unwrap();
+    let listener = TcpListener::bind(&url(), Duration::from_millis(300), FabricOptions::default()).unwrap();
     let addr = listener.local_url().host_port();
     let mut silent = TcpStream::connect(&addr).unwrap();
     let mut garbage = TcpStream::connect(&addr).unwrap();
@@ -1600,5 +1605,132 @@ fn an_sge_send_outside_registered_memory_fails_with_a_local_protection_error() {
             matches!(&got, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)),
             "{what}: {got:?}"
         );
+    }
+}
+
+// ------------------------------------------------------------- timeouts --
+
+/// The transport timeout of the timeout tests.
+const TRANSPORT_TIMEOUT: Duration = Duration::from_secs(1);
+/// The frame timeout of the timeout tests.
+const FRAME_TIMEOUT: Duration = Duration::from_secs(1);
+/// How late past its timeout a failure may be noticed on a loaded machine.
+const SLACK: Duration = Duration::from_secs(10);
+
+fn short_timeouts() -> FabricOptions {
+    FabricOptions { transport_timeout: TRANSPORT_TIMEOUT, frame_timeout: FRAME_TIMEOUT }
+}
+
+/// Drives `cq` as a reactor does until `pred` holds: polls while there is
+/// work, and when a poll finds nothing, arms the CQ, polls once more and
+/// sleeps on its fd (up to [`DEADLINE`]) until it is woken.
+fn sleep_on_cq_until(cq: &TcpCq, comps: &mut Vec<Completion>, what: &str, pred: impl Fn(&[Completion]) -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let mut out = [Completion::EMPTY; 16];
+        let n = cq.poll(&mut out).unwrap();
+        comps.extend_from_slice(&out[..n]);
+        if pred(comps) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}: {comps:?}");
+        if n > 0 {
+            continue;
+        }
+        cq.arm().unwrap();
+        let n = cq.poll(&mut out).unwrap();
+        comps.extend_from_slice(&out[..n]);
+        if n == 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut pfd = libc::pollfd { fd: cq.fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: valid pollfd for the call.
+            let rc = unsafe { libc::poll(&mut pfd, 1, left.as_millis() as i32) };
+            assert_eq!(rc, 1, "nothing woke the owner asleep on the CQ while waiting for {what}: {comps:?}");
+        }
+        cq.ack_event().unwrap();
+    }
+}
+
+/// Reads what the peer still finds in its socket, up to the end of the
+/// stream: EOF, or the reset of a connection given up on.
+fn expect_end(s: &mut TcpStream) {
+    let mut b = vec![0u8; 1 << 16];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => return,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return,
+            Err(e) => panic!("expected the end of the stream, got {e}"),
+        }
+    }
+}
+
+#[test]
+fn a_peer_that_stops_reading_fails_the_write_with_a_transport_error_after_the_timeout() {
+    // A peer that takes nothing off its socket: RDMA WRITEs far larger than
+    // the socket buffers stay queued in the provider. The owner sleeps on
+    // the CQ between polls, as a reactor does: the timeout must wake it.
+    let mut rig = passive_rig_with(short_timeouts());
+    const LEN: usize = 8 << 20;
+    let src = mem(&rig.pd, LEN, Access::LOCAL_WRITE);
+    let sge = [src.mr_sge(0, LEN as u32)];
+    let write = |id: u64| SendWr {
+        wr_id: WrId(id),
+        op: SendOp::RdmaWrite { remote_addr: 0x1000, rkey: Rkey(7) },
+        payload: Payload::Sges(&sge),
+        signaled: true,
+    };
+    let posted = Instant::now();
+    rig.qp.post_send(&[write(1)]).unwrap();
+    rig.qp.post_send(&[write(2)]).unwrap();
+    let mut comps = Vec::new();
+    sleep_on_cq_until(&rig.cq, &mut comps, "the transport timeout", |c| c.len() == 3);
+    let took = posted.elapsed();
+    assert_eq!(
+        order(&comps),
+        [
+            (WcOpcode::RdmaWrite, 1, WcStatus::TransportError),
+            (WcOpcode::RdmaWrite, 2, WcStatus::WrFlushError),
+            (WcOpcode::Recv, 100, WcStatus::WrFlushError)
+        ]
+    );
+    assert_eq!(rig.qp.state(), QpState::Error);
+    assert!(took >= TRANSPORT_TIMEOUT, "failed after {took:?}, before the timeout");
+    assert!(took < TRANSPORT_TIMEOUT + SLACK, "failed after {took:?}");
+    // What is posted later is flushed.
+    rig.qp.post_send(&[write(3)]).unwrap();
+    let mut comps = Vec::new();
+    poll_until(&rig.cq, &mut comps, "the flush", |c| !c.is_empty());
+    assert_eq!(order(&comps), [(WcOpcode::RdmaWrite, 3, WcStatus::WrFlushError)]);
+    // The peer sees the connection end too.
+    expect_end(&mut rig.raw);
+}
+
+#[test]
+fn a_send_or_read_the_peer_takes_but_never_answers_fails_after_the_timeout() {
+    for (op, opcode) in [
+        (SendOp::Send, WcOpcode::Send),
+        (SendOp::RdmaRead { remote_addr: 0x1000, rkey: Rkey(7) }, WcOpcode::RdmaRead),
+    ] {
+        let mut rig = passive_rig_with(short_timeouts());
+        let buf = mem(&rig.pd, 4096, Access::LOCAL_WRITE);
+        let sge = [buf.mr_sge(0, 64)];
+        let posted = Instant::now();
+        rig.qp.post_send(&[SendWr { wr_id: WrId(1), op, payload: Payload::Sges(&sge), signaled: true }]).unwrap();
+        // The peer reads the request; a READ's it even acknowledges, but
+        // the response never comes.
+        let (h, _) = read_frame(&mut rig.raw);
+        assert_eq!(h.seq, 1);
+        if opcode == WcOpcode::RdmaRead {
+            rig.raw.write_all(&standalone_ack(1)).unwrap();
+        }
+        let mut comps = Vec::new();
+        sleep_on_cq_until(&rig.cq, &mut comps, "the transport timeout", |c| c.len() == 2);
+        let took = posted.elapsed();
+        assert_eq!(order(&comps), [(opcode, 1, WcStatus::TransportError), (WcOpcode::Recv, 100, WcStatus::WrFlushError)]);
+        assert!(took >= TRANSPORT_TIMEOUT, "{opcode:?} failed after {took:?}, before the timeout");
+        assert!(took < TRANSPORT_TIMEOUT + SLACK, "{opcode:?} failed after {took:?}");
+        assert_eq!(rig.qp.state(), QpState::Error);
+        expect_end(&mut rig.raw);
     }
 }
