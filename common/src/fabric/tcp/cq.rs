@@ -1,7 +1,8 @@
 //! Completion queues: a completion ring, the epoll set over the sockets of
 //! the attached queue pairs, and the eventfd used as completion channel.
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -15,6 +16,8 @@ use crate::fabric::{lock, Completion, FabricError, Result};
 const EVENTFD_TOKEN: u64 = u64::MAX;
 /// Epoll token of the timerfd of late send completions.
 const TIMERFD_TOKEN: u64 = u64::MAX - 1;
+/// Epoll token of the timerfd of queue pair deadlines.
+const DEADLINE_TOKEN: u64 = u64::MAX - 2;
 
 /// The environment variable that turns on late send completions for every
 /// CQ the process creates (test-only; see [`TcpCq::set_late_send_completions`]).
@@ -72,7 +75,22 @@ pub(crate) struct CqShared {
     /// Fires at the end of the oldest hold, so an owner asleep on the
     /// channel wakes to release it. Created when the late mode is first on.
     late_timer: OnceLock<OwnedFd>,
+    /// When the attached queue pairs want their deadlines checked (the
+    /// transport and frame timeouts, see `qp::check_deadlines`).
+    checks: Mutex<Checks>,
+    /// Fires at the earliest check, so an owner asleep on the channel
+    /// wakes for it. Armed only while some queue pair waits for its peer.
+    check_timer: OwnedFd,
     capacity: u32,
+}
+
+/// The deadline checks the queue pairs of a CQ asked for.
+struct Checks {
+    /// `(when, qp_num)`, earliest first. An entry whose queue pair no
+    /// longer expects a check at that time is stale and skipped.
+    queue: BinaryHeap<Reverse<(Instant, u32)>>,
+    /// What the timer is armed for (`None`: disarmed, or fired).
+    armed: Option<Instant>,
 }
 
 impl CqShared {
@@ -192,6 +210,58 @@ impl CqShared {
         Ok(())
     }
 
+    /// Queue pair `qp_num` wants its deadlines checked at `at` (the
+    /// queue pair remembers `at`; an earlier entry it forgot is stale).
+    /// Rearms the timer only when `at` is earlier than what it waits for.
+    pub(crate) fn schedule_check(&self, qp_num: u32, at: Instant) {
+        let mut checks = lock(&self.checks);
+        checks.queue.push(Reverse((at, qp_num)));
+        if checks.armed.is_none_or(|armed| at < armed) {
+            checks.armed = Some(at);
+            self.set_check_timer(Some(at));
+        }
+    }
+
+    fn set_check_timer(&self, at: Option<Instant>) {
+        let after = at.map(|t| t.saturating_duration_since(Instant::now()));
+        if let Err(e) = sys::timerfd_set(self.check_timer.as_raw_fd(), after) {
+            tracing::warn!(error = %e, "timerfd_settime for queue pair deadlines failed");
+        }
+    }
+
+    /// The check timer fired: runs the checks that are due, then arms the
+    /// timer for the next one (or leaves it disarmed when none is left).
+    fn run_checks(&self) {
+        sys::counter_drain(self.check_timer.as_raw_fd());
+        let now = Instant::now();
+        lock(&self.checks).armed = None;
+        loop {
+            // One entry at a time: a check takes the queue pair's lock and
+            // may schedule the next one.
+            let next = {
+                let mut checks = lock(&self.checks);
+                match checks.queue.peek() {
+                    Some(&Reverse((at, qp_num))) if at <= now => {
+                        checks.queue.pop();
+                        Some((at, qp_num))
+                    }
+                    _ => None,
+                }
+            };
+            let Some((at, qp_num)) = next else { break };
+            let qp = lock(&self.qps).get(&qp_num).and_then(Weak::upgrade);
+            if let Some(qp) = qp {
+                qp::check_deadlines(&qp, at, now);
+            }
+        }
+        let mut checks = lock(&self.checks);
+        let next = checks.queue.peek().map(|&Reverse((at, _))| at);
+        if next != checks.armed {
+            checks.armed = next;
+            self.set_check_timer(next);
+        }
+    }
+
     /// Releases the send completions held past their hold (all of them
     /// with `all`), and re-arms the timer for the next hold.
     fn release_held_sends(&self, all: bool) {
@@ -228,6 +298,9 @@ impl TcpCq {
         let evfd = sys::eventfd().map_err(|e| FabricError::io("eventfd for a completion queue", e))?;
         sys::epoll_add_in(epfd.as_raw_fd(), evfd.as_raw_fd(), EVENTFD_TOKEN)
             .map_err(|e| FabricError::io("adding the completion eventfd to epoll", e))?;
+        let check_timer = sys::timerfd().map_err(|e| FabricError::io("timerfd for queue pair deadlines", e))?;
+        sys::epoll_add_in(epfd.as_raw_fd(), check_timer.as_raw_fd(), DEADLINE_TOKEN)
+            .map_err(|e| FabricError::io("adding the deadline timerfd to epoll", e))?;
         let cq = TcpCq {
             shared: Arc::new(CqShared {
                 epfd,
@@ -243,6 +316,8 @@ impl TcpCq {
                 late_hold_ns: AtomicU64::new(LATE_SEND_HOLD.as_nanos() as u64),
                 held_sends: Mutex::new(VecDeque::new()),
                 late_timer: OnceLock::new(),
+                checks: Mutex::new(Checks { queue: BinaryHeap::new(), armed: None }),
+                check_timer,
                 capacity,
             }),
         };
@@ -270,6 +345,7 @@ impl TcpCq {
         let mut events = [sys::EMPTY_EVENT; EVENTS_PER_POLL];
         let n = sys::epoll_wait(sh.epfd(), &mut events, 0)
             .map_err(|e| FabricError::io("epoll_wait on a completion queue", e))?;
+        let mut checks_due = false;
         for ev in &events[..n] {
             // Copy out of the (packed) struct before use.
             let (token, flags) = (ev.u64, ev.events);
@@ -278,6 +354,12 @@ impl TcpCq {
                 // drained here so that a fired channel does not make every
                 // later epoll_wait report it again.
                 sh.drain_channel();
+                continue;
+            }
+            if token == DEADLINE_TOKEN {
+                // Checked below, after the sockets: what they brought may
+                // be the progress that meets a deadline.
+                checks_due = true;
                 continue;
             }
             if token == TIMERFD_TOKEN {
@@ -295,6 +377,9 @@ impl TcpCq {
         if sh.late_send_completions() {
             // After the sockets: a SEND that arrived in time releases first.
             sh.release_held_sends(false);
+        }
+        if checks_due {
+            sh.run_checks();
         }
         let k = {
             let mut queue = lock(&sh.queue);

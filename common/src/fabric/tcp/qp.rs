@@ -385,6 +385,9 @@ enum Failure {
     Disconnected,
     /// The stream broke: EOF, reset or another socket error.
     Transport,
+    /// The peer made no progress on an outstanding work request for the
+    /// transport timeout (a NIC's RETRY_EXC_ERR): the connection is reset.
+    Timeout,
     /// The application called `disconnect`.
     User,
     /// This side failed on its own (a bad local SGE): as on RC hardware the
@@ -615,6 +618,17 @@ pub(crate) struct QpInner {
     held_until: Option<Instant>,
     /// The peer's SENDs delivered since the hold began.
     held_recvs: u32,
+
+    /// While the peer owes us progress (`awaiting_peer`): when it last
+    /// made some (acknowledged a request, sent READ response bytes), or
+    /// when the wait began. The transport timeout runs from here.
+    tx_since: Instant,
+    /// The peer made progress in this round (`tx_since` moves at its end).
+    tx_progress: bool,
+    /// When this queue pair's next deadline check is queued on the CQ
+    /// (`None`: none is): earlier entries are stale, and a deadline no
+    /// earlier than this one needs no entry of its own.
+    check_at: Option<Instant>,
 }
 
 /// A reliable-connected queue pair of the tcp provider.
@@ -667,6 +681,9 @@ impl TcpQp {
             rnr_nakked: false,
             held_until: None,
             held_recvs: 0,
+            tx_since: Instant::now(),
+            tx_progress: false,
+            check_at: None,
         };
         let qp_num = loop {
             let n = NEXT_QP_NUM.fetch_add(1, Ordering::Relaxed);
@@ -774,6 +791,7 @@ impl TcpQp {
         let table = sh.pd.table.load();
         let mut batch = TxBatch::new();
         let mut res = Ok(());
+        let was_awaiting = q.awaiting_peer();
         for wr in wrs {
             let total = match validate_send(&sh.caps, wr) {
                 Ok(t) => t,
@@ -797,6 +815,11 @@ impl TcpQp {
         }
         q.tx_batch(sh, &mut batch);
         q.update_interest(sh);
+        if !was_awaiting && q.awaiting_peer() {
+            // The transport timeout starts.
+            q.tx_since = Instant::now();
+            q.schedule_tx_check(sh);
+        }
         res
     }
 
@@ -980,34 +1003,35 @@ fn handshake(
 /// flush the backlog, receive and process frames, acknowledge.
 pub(crate) fn progress(sh: &QpShared, _events: u32) {
     let mut g = sh.lock();
+    g.progress(sh);
+}
+
+/// The CQ's deadline check that this queue pair queued for `at` is due
+/// (`now`). Stale checks (the queue pair queued another since) do nothing.
+/// The socket is served first: an owner that did not poll for a while must
+/// not blame the peer for what is waiting in it. Then a queue pair whose
+/// peer still owes progress past the transport timeout fails.
+pub(crate) fn check_deadlines(sh: &QpShared, at: Instant, now: Instant) {
+    let mut g = sh.lock();
     let q = &mut *g;
-    if q.sock.is_none() || !q.attached {
+    if q.check_at != Some(at) {
         return;
     }
-    if q.tx_open && !q.backlog.is_empty() && q.backlog.flush(q.fd).is_err() {
-        q.tx_broken(sh);
+    q.check_at = None;
+    if q.state != QpState::Ready || q.sock.is_none() {
+        return;
     }
-    if q.rx_open {
-        q.rx_pump(sh);
+    q.progress(sh);
+    if !q.awaiting_peer() {
+        return;
     }
-    if q.state == QpState::Ready && q.ack_needed && q.last_ack_sent != q.rx_processed && !q.ack_deferred {
-        if sh.cq.coalesces_acks() {
-            // Not sent now: the application usually answers what it just
-            // received soon, and its frame carries the ack. The CQ sends
-            // the ACK if nothing did within its hold, or when armed.
-            q.ack_deferred = true;
-            sh.cq.defer_ack(sh.qp_num);
-        } else {
-            let mut h = Header::new(FrameType::Ack);
-            if !q.tx_ctrl(&mut h) {
-                q.tx_broken(sh);
-            }
-        }
+    match q.tx_deadline(sh) {
+        Some(deadline) if deadline <= now => q.fail(sh, Failure::Timeout),
+        Some(deadline) => q.schedule_check(sh, deadline),
+        None => {}
     }
-    q.ack_needed = false;
-    q.maybe_shutdown_wr();
-    q.update_interest(sh);
 }
+
 
 /// Late send completions: completes the send completions `sh` holds back
 /// if their hold ended by `now` (any hold with `None`).
@@ -1038,6 +1062,68 @@ pub(crate) fn send_deferred_ack(sh: &QpShared) {
 }
 
 impl QpInner {
+    /// One progress round: flush the backlog, receive and process frames,
+    /// acknowledge.
+    fn progress(&mut self, sh: &QpShared) {
+        if self.sock.is_none() || !self.attached {
+            return;
+        }
+        if self.tx_open && !self.backlog.is_empty() && self.backlog.flush(self.fd).is_err() {
+            self.tx_broken(sh);
+        }
+        if self.rx_open {
+            self.rx_pump(sh);
+        }
+        if self.state == QpState::Ready && self.ack_needed && self.last_ack_sent != self.rx_processed && !self.ack_deferred {
+            if sh.cq.coalesces_acks() {
+                // Not sent now: the application usually answers what it just
+                // received soon, and its frame carries the ack. The CQ sends
+                // the ACK if nothing did within its hold, or when armed.
+                self.ack_deferred = true;
+                sh.cq.defer_ack(sh.qp_num);
+            } else {
+                let mut h = Header::new(FrameType::Ack);
+                if !self.tx_ctrl(&mut h) {
+                    self.tx_broken(sh);
+                }
+            }
+        }
+        self.ack_needed = false;
+        self.maybe_shutdown_wr();
+        self.update_interest(sh);
+        if std::mem::take(&mut self.tx_progress) && self.awaiting_peer() {
+            // The transport timeout starts again (the check queued for the
+            // old deadline finds the new one).
+            self.tx_since = Instant::now();
+            self.schedule_tx_check(sh);
+        }
+    }
+
+    /// Whether the peer owes this queue pair progress: a work request it
+    /// has not acknowledged, or a READ it has not answered.
+    fn awaiting_peer(&self) -> bool {
+        self.state == QpState::Ready && (self.peer_acked != self.last_sent_seq || !self.pending_reads.is_empty())
+    }
+
+    /// When the transport timeout expires (`None`: never).
+    fn tx_deadline(&self, sh: &QpShared) -> Option<Instant> {
+        self.tx_since.checked_add(sh.options.transport_timeout)
+    }
+
+    fn schedule_tx_check(&mut self, sh: &QpShared) {
+        if let Some(deadline) = self.tx_deadline(sh) {
+            self.schedule_check(sh, deadline);
+        }
+    }
+
+    /// Makes sure a deadline check runs by `at`.
+    fn schedule_check(&mut self, sh: &QpShared, at: Instant) {
+        if self.check_at.is_none_or(|queued| at < queued) {
+            self.check_at = Some(at);
+            sh.cq.schedule_check(sh.qp_num, at);
+        }
+    }
+
     // ------------------------------------------------------------ tx --
 
     /// Sends iovecs in order after any backlog; what the socket does not take
@@ -1116,6 +1202,26 @@ impl QpInner {
         }
         self.maybe_shutdown_wr();
         self.update_interest(sh);
+    }
+
+    /// Gives up on the connection: closes the socket with a reset
+    /// (SO_LINGER 0), so that the peer sees the end at once, however much
+    /// is still queued for it (it would arrive after the failure), and the
+    /// kernel frees the connection without waiting for the peer to read.
+    fn reset(&mut self, sh: &QpShared) {
+        self.backlog.clear();
+        self.rx_open = false;
+        self.tx_open = false;
+        if self.interest != 0 {
+            sys::epoll_del(sh.cq.epfd(), self.fd);
+            self.interest = 0;
+        }
+        if let Some(s) = self.sock.take() {
+            if let Err(e) = sys::set_linger_zero(s.as_raw_fd()) {
+                tracing::debug!(qp = sh.qp_num, error = %e, "SO_LINGER on a socket being reset failed");
+            }
+        }
+        self.fd = -1;
     }
 
     /// In the error state, sends FIN once the last frame (TERMINATE or
@@ -1331,13 +1437,20 @@ impl QpInner {
                 "peer request refused ({}): queue pair terminated",
                 wire::term_name(code)
             ),
+            Failure::Timeout => tracing::warn!(
+                qp = sh.qp_num,
+                peer = %self.peer,
+                timeout = ?sh.options.transport_timeout,
+                "the peer made no progress on an outstanding request within the transport timeout: \
+                 queue pair fails, connection reset"
+            ),
             _ => tracing::debug!(qp = sh.qp_num, peer = %self.peer, ?why, "queue pair enters the error state"),
         }
         let named = match why {
             Failure::Terminated { code, seq } if seq != 0 => Some((seq, wire::remote_status(code))),
             _ => None,
         };
-        let mut first = matches!(why, Failure::Transport) && connected;
+        let mut first = matches!(why, Failure::Transport | Failure::Timeout) && connected;
         let mut abs = self.sq.cursor;
         // Late send completions: the SEND at `cursor` was acknowledged and
         // its completion held back, and so may be some behind it. They are
@@ -1396,6 +1509,7 @@ impl QpInner {
                     self.rx_open = false;
                     self.tx_open = false;
                 }
+                Failure::Timeout => self.reset(sh),
             }
             self.maybe_shutdown_wr();
         }
@@ -1546,6 +1660,7 @@ impl QpInner {
         }
         self.staging.consume(n);
         self.job.advance(n as u32);
+        self.tx_progress |= matches!(self.job, Job::ReadResp { .. });
         if done as usize + n == len as usize {
             self.finish_job(sh);
         }
@@ -1580,6 +1695,7 @@ impl QpInner {
         let placed = n.min(want);
         self.staging.commit(n - placed);
         self.job.advance(placed as u32);
+        self.tx_progress |= placed > 0 && matches!(self.job, Job::ReadResp { .. });
         if placed == want {
             self.finish_job(sh);
         }
@@ -1697,7 +1813,10 @@ impl QpInner {
             let (lo, hi) = (self.peer_acked, self.last_sent_seq);
             return self.protocol_error(sh, wr_seq, format!("ack {} outside [{lo}, {hi}]", h.ack));
         }
-        self.peer_acked = h.ack;
+        if h.ack != self.peer_acked {
+            self.peer_acked = h.ack;
+            self.tx_progress = true;
+        }
         self.advance_sq(sh);
         if h.ty.carries_wr() {
             self.rx_expected = seq_next(h.seq);
@@ -1765,6 +1884,7 @@ impl QpInner {
                     return self.fail(sh, Failure::Fault { code: wire::TERM_INVALID_REQUEST, seq: 0 });
                 }
                 self.job = Job::ReadResp { abs, len: h.length, done: 0 };
+                self.tx_progress = true;
                 if h.length == 0 {
                     self.finish_job(sh);
                 }

@@ -123,6 +123,23 @@ pub(crate) fn timerfd_set(fd: RawFd, after: Option<Duration>) -> io::Result<()> 
     Ok(())
 }
 
+/// `SO_LINGER` with a zero timeout: closing the socket then resets the
+/// connection (RST) and drops whatever is still queued for the peer.
+pub(crate) fn set_linger_zero(fd: RawFd) -> io::Result<()> {
+    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: `linger` is valid for reads of its size during the call.
+    cvt(unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    })?;
+    Ok(())
+}
+
 /// `read` retrying `EINTR`.
 pub(crate) fn read(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
     loop {
