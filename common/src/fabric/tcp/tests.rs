@@ -1734,3 +1734,147 @@ fn a_send_or_read_the_peer_takes_but_never_answers_fails_after_the_timeout() {
         expect_end(&mut rig.raw);
     }
 }
+
+/// A connected pair whose queue pairs follow `options`.
+fn pair_with(options: FabricOptions) -> Pair {
+    let fabric = TcpFabric::open_with(&url(), options).unwrap();
+    let listener = fabric.listen().unwrap();
+    let spd = fabric.alloc_pd().unwrap();
+    let scq = fabric.create_cq(64).unwrap();
+    let cfab = TcpFabric::open_with(&listener.local_url(), options).unwrap();
+    let cpd = cfab.alloc_pd().unwrap();
+    let ccq = cfab.create_cq(64).unwrap();
+    let cqp = cfab.create_qp(&cpd, &ccq, QpCaps::default()).unwrap();
+    let connecting = std::thread::spawn(move || {
+        let r = cqp.connect(b"", DEADLINE);
+        (cqp, r)
+    });
+    let deadline = Instant::now() + DEADLINE;
+    let req = loop {
+        if let Some(r) = listener.poll_request().unwrap() {
+            break r;
+        }
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let sqp = req.into_queue_pair(&spd, &scq, QpCaps::default()).unwrap();
+    sqp.accept(b"").unwrap();
+    let (cqp, r) = connecting.join().unwrap();
+    r.unwrap();
+    Pair { cpd, ccq, cqp, spd, scq, sqp, _listener: listener }
+}
+
+#[test]
+fn a_peer_that_polls_only_every_500_ms_never_trips_the_transport_timeout() {
+    // The server's owner polls twice a second, so its provider takes the
+    // client's RDMA WRITEs and SENDs off the socket and acknowledges them
+    // only then; for six seconds the client keeps four 1 MiB WRITEs and a
+    // SEND outstanding. A slow peer that keeps up is not a dead one.
+    let timeout = Duration::from_secs(2);
+    let p = pair_with(FabricOptions { transport_timeout: timeout, ..short_timeouts() });
+    const LEN: usize = 1 << 20;
+    let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+    let src = mem(&p.cpd, LEN, Access::LOCAL_WRITE);
+    let dst = mem(&p.spd, LEN, all);
+    for i in 0..8 {
+        p.sqp.post_recv(&[RecvWr { wr_id: WrId(1000 + i), sges: &[dst.mr_sge(0, 64)] }]).unwrap();
+    }
+    let (raddr, rkey) = (dst.mr.addr(), dst.mr.rkey());
+    let Pair { ccq, cqp, scq, sqp, .. } = p;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let server = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut sc = Vec::new();
+            let mut next_recv = 1008;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(500));
+                let mut out = [Completion::EMPTY; 64];
+                let n = scq.poll(&mut out).unwrap();
+                for c in &out[..n] {
+                    // Each delivered SEND gets its receive back.
+                    if c.opcode == WcOpcode::Recv && c.status == WcStatus::Success {
+                        sqp.post_recv(&[RecvWr { wr_id: WrId(next_recv), sges: &[dst.mr_sge(0, 64)] }]).unwrap();
+                        next_recv += 1;
+                    }
+                }
+                sc.extend_from_slice(&out[..n]);
+            }
+            (sc, sqp.state(), dst)
+        })
+    };
+    let sge = [src.mr_sge(0, LEN as u32)];
+    let send_sge = [src.mr_sge(0, 64)];
+    let (mut cc, mut next, mut outstanding) = (Vec::new(), 0u64, 0usize);
+    let end = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < end {
+        while outstanding < 5 {
+            let (op, payload) = if next % 5 == 4 {
+                (SendOp::Send, Payload::Sges(&send_sge))
+            } else {
+                (SendOp::RdmaWrite { remote_addr: raddr, rkey }, Payload::Sges(&sge))
+            };
+            cqp.post_send(&[SendWr { wr_id: WrId(next), op, payload, signaled: true }]).unwrap();
+            next += 1;
+            outstanding += 1;
+        }
+        let mut out = [Completion::EMPTY; 16];
+        let n = ccq.poll(&mut out).unwrap();
+        cc.extend_from_slice(&out[..n]);
+        outstanding -= n;
+        assert!(cc.iter().all(|c| c.status == WcStatus::Success), "{cc:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (sc, server_state, _dst) = server.join().unwrap();
+    assert!(cc.len() >= 10, "only {} completions in 6 s", cc.len());
+    assert_eq!(cqp.state(), QpState::Ready);
+    assert_eq!(server_state, QpState::Ready, "{sc:?}");
+    assert!(sc.iter().all(|c| c.status == WcStatus::Success), "{sc:?}");
+}
+
+#[test]
+fn a_peer_that_reads_slowly_never_trips_the_transport_timeout() {
+    // A peer that takes 64 KiB off its socket every 200 ms: one 2 MiB RDMA
+    // WRITE takes more than six transport timeouts to reach it whole, and
+    // is acknowledged only then. It is reading all along, so the queue
+    // pair must wait for it.
+    let mut rig = passive_rig_with(short_timeouts());
+    const LEN: usize = 2 << 20;
+    let src = mem(&rig.pd, LEN, Access::LOCAL_WRITE);
+    let sge = [src.mr_sge(0, LEN as u32)];
+    let mut r = rig.raw.try_clone().unwrap();
+    let reader = std::thread::spawn(move || {
+        let total = HDR_LEN + LEN;
+        let mut buf = vec![0u8; 64 << 10];
+        let (mut got, mut first) = (0, Vec::new());
+        while got < total {
+            std::thread::sleep(Duration::from_millis(200));
+            let n = r.read(&mut buf[..(64 << 10).min(total - got)]).unwrap();
+            assert!(n > 0, "EOF after {got} bytes");
+            if first.len() < HDR_LEN {
+                first.extend_from_slice(&buf[..n.min(HDR_LEN - first.len())]);
+            }
+            got += n;
+        }
+        let h = Header::decode(first[..HDR_LEN].try_into().unwrap()).unwrap();
+        assert_eq!((h.ty, h.seq, h.length as usize), (FrameType::Write, 1, LEN));
+        r.write_all(&standalone_ack(1)).unwrap();
+    });
+    let posted = Instant::now();
+    rig.qp
+        .post_send(&[SendWr {
+            wr_id: WrId(1),
+            op: SendOp::RdmaWrite { remote_addr: 0x1000, rkey: Rkey(7) },
+            payload: Payload::Sges(&sge),
+            signaled: true,
+        }])
+        .unwrap();
+    let mut comps = Vec::new();
+    sleep_on_cq_until(&rig.cq, &mut comps, "the WRITE", |c| !c.is_empty());
+    let took = posted.elapsed();
+    assert_eq!(order(&comps), [(WcOpcode::RdmaWrite, 1, WcStatus::Success)], "after {took:?}");
+    assert!(took > 3 * TRANSPORT_TIMEOUT, "the reader was not slow: {took:?}");
+    reader.join().unwrap();
+    assert_eq!(rig.qp.state(), QpState::Ready);
+}
