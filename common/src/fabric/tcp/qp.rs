@@ -186,6 +186,11 @@ impl Backlog {
         self.off == self.buf.len()
     }
 
+    /// Bytes not sent yet.
+    fn len(&self) -> usize {
+        self.buf.len() - self.off
+    }
+
     fn clear(&mut self) {
         self.buf.clear();
         self.off = 0;
@@ -625,6 +630,10 @@ pub(crate) struct QpInner {
     tx_since: Instant,
     /// The peer made progress in this round (`tx_since` moves at its end).
     tx_progress: bool,
+    /// How many bytes of the stream the peer's TCP had acknowledged at the
+    /// last transport deadline that found bytes still queued to the peer:
+    /// if it acknowledged more by the next one, the peer is reading.
+    tcp_mark: Option<u64>,
     /// When this queue pair's next deadline check is queued on the CQ
     /// (`None`: none is): earlier entries are stale, and a deadline no
     /// earlier than this one needs no entry of its own.
@@ -683,6 +692,7 @@ impl TcpQp {
             held_recvs: 0,
             tx_since: Instant::now(),
             tx_progress: false,
+            tcp_mark: None,
             check_at: None,
         };
         let qp_num = loop {
@@ -817,8 +827,7 @@ impl TcpQp {
         q.update_interest(sh);
         if !was_awaiting && q.awaiting_peer() {
             // The transport timeout starts.
-            q.tx_since = Instant::now();
-            q.schedule_tx_check(sh);
+            q.peer_progressed(sh, Instant::now());
         }
         res
     }
@@ -1008,9 +1017,6 @@ pub(crate) fn progress(sh: &QpShared, _events: u32) {
 
 /// The CQ's deadline check that this queue pair queued for `at` is due
 /// (`now`). Stale checks (the queue pair queued another since) do nothing.
-/// The socket is served first: an owner that did not poll for a while must
-/// not blame the peer for what is waiting in it. Then a queue pair whose
-/// peer still owes progress past the transport timeout fails.
 pub(crate) fn check_deadlines(sh: &QpShared, at: Instant, now: Instant) {
     let mut g = sh.lock();
     let q = &mut *g;
@@ -1021,17 +1027,8 @@ pub(crate) fn check_deadlines(sh: &QpShared, at: Instant, now: Instant) {
     if q.state != QpState::Ready || q.sock.is_none() {
         return;
     }
-    q.progress(sh);
-    if !q.awaiting_peer() {
-        return;
-    }
-    match q.tx_deadline(sh) {
-        Some(deadline) if deadline <= now => q.fail(sh, Failure::Timeout),
-        Some(deadline) => q.schedule_check(sh, deadline),
-        None => {}
-    }
+    q.check_transport_timeout(sh, now);
 }
-
 
 /// Late send completions: completes the send completions `sh` holds back
 /// if their hold ended by `now` (any hold with `None`).
@@ -1092,10 +1089,58 @@ impl QpInner {
         self.maybe_shutdown_wr();
         self.update_interest(sh);
         if std::mem::take(&mut self.tx_progress) && self.awaiting_peer() {
-            // The transport timeout starts again (the check queued for the
-            // old deadline finds the new one).
-            self.tx_since = Instant::now();
-            self.schedule_tx_check(sh);
+            self.peer_progressed(sh, Instant::now());
+        }
+    }
+
+    /// The peer made progress at `now` (or the wait for it began): the
+    /// transport timeout starts again. The check queued for the old
+    /// deadline finds the new one.
+    fn peer_progressed(&mut self, sh: &QpShared, now: Instant) {
+        self.tx_since = now;
+        self.tcp_mark = None;
+        if let Some(deadline) = self.tx_deadline(sh) {
+            self.schedule_check(sh, deadline);
+        }
+    }
+
+    /// The transport timeout, checked at `now`. At the deadline the socket
+    /// is served first (an owner that did not poll for a while must not
+    /// blame the peer for what is waiting in it). A peer that still made
+    /// no progress fails the queue pair, unless bytes are still queued to
+    /// it and its TCP acknowledged more of them since the last deadline: it
+    /// is reading, slowly (a payload is acknowledged only when it is whole).
+    /// Without a mark from the last deadline the peer gets one more timeout
+    /// to show that.
+    fn check_transport_timeout(&mut self, sh: &QpShared, now: Instant) {
+        if !self.awaiting_peer() {
+            return;
+        }
+        let Some(deadline) = self.tx_deadline(sh) else { return };
+        if now < deadline {
+            return self.schedule_check(sh, deadline);
+        }
+        self.progress(sh);
+        if !self.awaiting_peer() || self.tx_deadline(sh).is_some_and(|d| d > now) {
+            // Served, or progress came in: `progress` queued the next check.
+            return;
+        }
+        let queued = self.backlog.len() + sys::unacked_bytes(self.fd).unwrap_or(0);
+        match (queued, self.tcp_mark, sys::tcp_bytes_acked(self.fd)) {
+            // Everything sent is with the peer's TCP: only the peer's
+            // provider can progress, and it did not.
+            (0, _, _) => self.fail(sh, Failure::Timeout),
+            (_, Some(mark), Some(acked)) if acked > mark => {
+                self.peer_progressed(sh, now);
+                self.tcp_mark = Some(acked);
+            }
+            (_, None, Some(acked)) => {
+                self.tcp_mark = Some(acked);
+                if let Some(probe) = now.checked_add(sh.options.transport_timeout) {
+                    self.schedule_check(sh, probe);
+                }
+            }
+            _ => self.fail(sh, Failure::Timeout),
         }
     }
 
@@ -1108,12 +1153,6 @@ impl QpInner {
     /// When the transport timeout expires (`None`: never).
     fn tx_deadline(&self, sh: &QpShared) -> Option<Instant> {
         self.tx_since.checked_add(sh.options.transport_timeout)
-    }
-
-    fn schedule_tx_check(&mut self, sh: &QpShared) {
-        if let Some(deadline) = self.tx_deadline(sh) {
-            self.schedule_check(sh, deadline);
-        }
     }
 
     /// Makes sure a deadline check runs by `at`.

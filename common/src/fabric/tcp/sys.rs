@@ -140,6 +140,33 @@ pub(crate) fn set_linger_zero(fd: RawFd) -> io::Result<()> {
     Ok(())
 }
 
+/// How many bytes of the stream the peer's TCP has acknowledged so far
+/// (`tcpi_bytes_acked`, Linux 4.2 and later; `None` where it is missing).
+/// It grows as the peer takes bytes off its socket once its receive
+/// buffer is full, so it tells a peer that reads slowly from one that
+/// does not read.
+pub(crate) fn tcp_bytes_acked(fd: RawFd) -> Option<u64> {
+    // SAFETY: tcp_info is a plain C struct; all-zero is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `info` is valid for writes of `len` bytes, and `len` for a
+    // read and a write, during the call.
+    let rc = unsafe {
+        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, (&mut info as *mut libc::tcp_info).cast(), &mut len)
+    };
+    let end = std::mem::offset_of!(libc::tcp_info, tcpi_bytes_acked) + std::mem::size_of::<u64>();
+    (rc == 0 && len as usize >= end).then_some(info.tcpi_bytes_acked)
+}
+
+/// Bytes of the stream the peer's TCP has not acknowledged yet, sent or
+/// not (`SIOCOUTQ`).
+pub(crate) fn unacked_bytes(fd: RawFd) -> Option<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ (SIOCOUTQ) writes one int through the pointer.
+    let rc = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut n as *mut libc::c_int) };
+    (rc == 0).then_some(n.max(0) as usize)
+}
+
 /// `read` retrying `EINTR`.
 pub(crate) fn read(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
     loop {

@@ -1838,8 +1838,23 @@ fn a_peer_that_reads_slowly_never_trips_the_transport_timeout() {
     // A peer that takes 64 KiB off its socket every 200 ms: one 2 MiB RDMA
     // WRITE takes more than six transport timeouts to reach it whole, and
     // is acknowledged only then. It is reading all along, so the queue
-    // pair must wait for it.
-    let mut rig = passive_rig_with(short_timeouts());
+    // pair must wait for it. Its receive buffer is fixed at 128 KiB (no
+    // autotuning), so that its reads keep opening its TCP window and TCP
+    // acknowledges more of the stream: what the provider can see of a
+    // peer's reading (with a large autotuned buffer that shows in bursts).
+    let rig = passive_rig_with(short_timeouts());
+    let rcvbuf: libc::c_int = 64 << 10; // the kernel doubles it
+    // SAFETY: `rcvbuf` is valid for reads of its size during the call.
+    let rc = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&rig.raw),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&rcvbuf as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0);
     const LEN: usize = 2 << 20;
     let src = mem(&rig.pd, LEN, Access::LOCAL_WRITE);
     let sge = [src.mr_sge(0, LEN as u32)];
