@@ -1893,3 +1893,119 @@ fn a_peer_that_reads_slowly_never_trips_the_transport_timeout() {
     reader.join().unwrap();
     assert_eq!(rig.qp.state(), QpState::Ready);
 }
+
+#[test]
+fn a_peer_that_stops_in_the_middle_of_a_frame_fails_the_queue_pair_after_the_frame_timeout() {
+    // Half a header, or a whole header and part of its payload, and then
+    // nothing: on RC such a message never arrives. The connection is lost:
+    // our outstanding SEND fails with TransportError, the receive flushes,
+    // and the peer sees the connection end. The transport timeout is long,
+    // so only the frame timeout can fire.
+    let options = FabricOptions { transport_timeout: Duration::from_secs(3600), frame_timeout: FRAME_TIMEOUT };
+    let mut rig = passive_rig_with(options);
+    let write = Header {
+        seq: 1,
+        flags: wire::FLAG_ACK_REQUESTED,
+        length: 4096,
+        rkey: rig._rx.mr.rkey().0,
+        remote_addr: rig._rx.mr.addr(),
+        ..Header::new(FrameType::Write)
+    }
+    .encode();
+    for (what, bytes) in [("half a header", write[..16].to_vec()), ("a header and 1000 bytes of its 4096", {
+        let mut b = write.to_vec();
+        b.extend_from_slice(&[0xAB; 1000]);
+        b
+    })] {
+        let tx = tx_of(&rig);
+        send_and_read(&mut rig, &tx, 1, 1);
+        rig.raw.write_all(&bytes).unwrap();
+        let sent = Instant::now();
+        let mut comps = Vec::new();
+        sleep_on_cq_until(&rig.cq, &mut comps, what, |c| c.len() == 2);
+        let took = sent.elapsed();
+        assert_eq!(
+            order(&comps),
+            [(WcOpcode::Send, 1, WcStatus::TransportError), (WcOpcode::Recv, 100, WcStatus::WrFlushError)],
+            "{what}"
+        );
+        assert!(took >= FRAME_TIMEOUT, "{what}: failed after {took:?}, before the timeout");
+        assert!(took < FRAME_TIMEOUT + SLACK, "{what}: failed after {took:?}");
+        assert_eq!(rig.qp.state(), QpState::Error);
+        expect_end(&mut rig.raw);
+        rig = passive_rig_with(options);
+    }
+}
+
+#[test]
+fn a_peer_idle_between_whole_frames_or_slow_within_one_keeps_its_queue_pair() {
+    // Whole frames with pauses of twice the frame timeout between them, and
+    // a frame that arrives in parts over half of it: nothing is late.
+    let mut rig = passive_rig_with(short_timeouts());
+    rig.qp.post_recv(&[RecvWr { wr_id: WrId(101), sges: &[rig._rx.mr_sge(64, 64)] }]).unwrap();
+    rig.qp.post_recv(&[RecvWr { wr_id: WrId(102), sges: &[rig._rx.mr_sge(128, 64)] }]).unwrap();
+    let mut comps = Vec::new();
+    let mut frame = Vec::new();
+    push_send(&mut frame, 1, true, b"first");
+    rig.raw.write_all(&frame).unwrap();
+    sleep_on_cq_until(&rig.cq, &mut comps, "the first SEND", |c| status_of(c, 100).is_some());
+    let until = Instant::now() + 2 * FRAME_TIMEOUT;
+    while Instant::now() < until {
+        let mut out = [Completion::EMPTY; 4];
+        let n = rig.cq.poll(&mut out).unwrap();
+        comps.extend_from_slice(&out[..n]);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut frame = Vec::new();
+    push_send(&mut frame, 2, true, b"second, in parts");
+    for part in frame.chunks(7) {
+        rig.raw.write_all(part).unwrap();
+        let mut out = [Completion::EMPTY; 4];
+        let n = rig.cq.poll(&mut out).unwrap();
+        comps.extend_from_slice(&out[..n]);
+        std::thread::sleep(FRAME_TIMEOUT / 16);
+    }
+    sleep_on_cq_until(&rig.cq, &mut comps, "the second SEND", |c| status_of(c, 101).is_some());
+    std::thread::sleep(2 * FRAME_TIMEOUT);
+    let mut frame = Vec::new();
+    push_send(&mut frame, 3, true, b"third");
+    rig.raw.write_all(&frame).unwrap();
+    sleep_on_cq_until(&rig.cq, &mut comps, "the third SEND", |c| status_of(c, 102).is_some());
+    assert_eq!(
+        order(&comps),
+        [(WcOpcode::Recv, 100, WcStatus::Success), (WcOpcode::Recv, 101, WcStatus::Success), (WcOpcode::Recv, 102, WcStatus::Success)]
+    );
+    assert_eq!(rig.qp.state(), QpState::Ready);
+}
+
+#[test]
+fn an_idle_queue_pair_does_not_wake_its_owner() {
+    // After an exchange, the owner sleeps on the CQ: the deadline check
+    // queued while the peer owed an acknowledgement may wake it once, and
+    // then nothing does.
+    let mut rig = passive_rig_with(short_timeouts());
+    let tx = tx_of(&rig);
+    send_and_read(&mut rig, &tx, 1, 1);
+    rig.raw.write_all(&standalone_ack(1)).unwrap();
+    let mut comps = Vec::new();
+    sleep_on_cq_until(&rig.cq, &mut comps, "the SEND", |c| !c.is_empty());
+    let mut wakes = 0;
+    let until = Instant::now() + 3 * TRANSPORT_TIMEOUT;
+    loop {
+        let mut out = [Completion::EMPTY; 4];
+        assert_eq!(rig.cq.poll(&mut out).unwrap(), 0);
+        rig.cq.arm().unwrap();
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        let mut pfd = libc::pollfd { fd: rig.cq.fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: valid pollfd for the call.
+        if unsafe { libc::poll(&mut pfd, 1, left.as_millis() as i32) } == 1 {
+            wakes += 1;
+        }
+        rig.cq.ack_event().unwrap();
+    }
+    assert!(wakes <= 1, "an idle queue pair woke its owner {wakes} times in {:?}", 3 * TRANSPORT_TIMEOUT);
+    assert_eq!(rig.qp.state(), QpState::Ready);
+}
