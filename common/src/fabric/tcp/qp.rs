@@ -393,6 +393,9 @@ enum Failure {
     /// The peer made no progress on an outstanding work request for the
     /// transport timeout (a NIC's RETRY_EXC_ERR): the connection is reset.
     Timeout,
+    /// The peer stopped in the middle of a frame for the frame timeout:
+    /// the connection is treated as lost, and reset.
+    FrameTimeout,
     /// The application called `disconnect`.
     User,
     /// This side failed on its own (a bad local SGE): as on RC hardware the
@@ -634,6 +637,11 @@ pub(crate) struct QpInner {
     /// last transport deadline that found bytes still queued to the peer:
     /// if it acknowledged more by the next one, the peer is reading.
     tcp_mark: Option<u64>,
+    /// Frame headers taken so far: numbers the frame being received.
+    rx_headers: u64,
+    /// The frame a progress round ended in the middle of: its number, and
+    /// when its first byte was received. The frame timeout runs from here.
+    rx_partial: Option<(u64, Instant)>,
     /// When this queue pair's next deadline check is queued on the CQ
     /// (`None`: none is): earlier entries are stale, and a deadline no
     /// earlier than this one needs no entry of its own.
@@ -693,6 +701,8 @@ impl TcpQp {
             tx_since: Instant::now(),
             tx_progress: false,
             tcp_mark: None,
+            rx_headers: 0,
+            rx_partial: None,
             check_at: None,
         };
         let qp_num = loop {
@@ -1027,7 +1037,19 @@ pub(crate) fn check_deadlines(sh: &QpShared, at: Instant, now: Instant) {
     if q.state != QpState::Ready || q.sock.is_none() {
         return;
     }
-    q.check_transport_timeout(sh, now);
+    q.check_frame_timeout(sh, now);
+    if q.state == QpState::Ready {
+        q.check_transport_timeout(sh, now);
+    }
+}
+
+/// When a frame whose first byte arrived at `since`, with a payload of
+/// `len` bytes (0 while its header is incomplete), is late: `timeout`
+/// after its first byte, plus one second per MiB of payload (a 1 GiB frame
+/// may arrive at 1 MiB/s). `None`: never.
+pub(crate) fn frame_deadline(since: Instant, timeout: Duration, len: u32) -> Option<Instant> {
+    let allowance = Duration::from_nanos((len as u64 * 1_000_000_000) >> 20);
+    since.checked_add(timeout)?.checked_add(allowance)
 }
 
 /// Late send completions: completes the send completions `sh` holds back
@@ -1090,6 +1112,50 @@ impl QpInner {
         self.update_interest(sh);
         if std::mem::take(&mut self.tx_progress) && self.awaiting_peer() {
             self.peer_progressed(sh, Instant::now());
+        }
+        self.note_partial_frame(sh);
+    }
+
+    /// At the end of a round: whether the stream stopped in the middle of a
+    /// frame (its payload pending, or part of the next header staged), and
+    /// if that frame is new, when it began.
+    fn note_partial_frame(&mut self, sh: &QpShared) {
+        let pending = !matches!(self.job, Job::None);
+        if self.state != QpState::Ready || (!pending && self.staging.is_empty()) {
+            self.rx_partial = None;
+            return;
+        }
+        // The frame whose header came last, or the next one, whose header
+        // is partly staged.
+        let frame = if pending { self.rx_headers } else { self.rx_headers + 1 };
+        if self.rx_partial.is_some_and(|(f, _)| f == frame) {
+            return;
+        }
+        self.rx_partial = Some((frame, Instant::now()));
+        if let Some(deadline) = self.frame_deadline(sh) {
+            self.schedule_check(sh, deadline);
+        }
+    }
+
+    /// When the frame the stream stopped in is late (`None`: no such
+    /// frame, or never).
+    fn frame_deadline(&self, sh: &QpShared) -> Option<Instant> {
+        let (_, since) = self.rx_partial?;
+        frame_deadline(since, sh.options.frame_timeout, self.job.len_done().0)
+    }
+
+    /// The frame timeout, checked at `now`: a frame still partial after
+    /// serving the socket, and late, fails the queue pair.
+    fn check_frame_timeout(&mut self, sh: &QpShared, now: Instant) {
+        let Some(deadline) = self.frame_deadline(sh) else { return };
+        if now < deadline {
+            return self.schedule_check(sh, deadline);
+        }
+        self.progress(sh);
+        match self.frame_deadline(sh) {
+            Some(deadline) if deadline <= now => self.fail(sh, Failure::FrameTimeout),
+            Some(deadline) => self.schedule_check(sh, deadline),
+            None => {}
         }
     }
 
@@ -1483,13 +1549,20 @@ impl QpInner {
                 "the peer made no progress on an outstanding request within the transport timeout: \
                  queue pair fails, connection reset"
             ),
+            Failure::FrameTimeout => tracing::warn!(
+                qp = sh.qp_num,
+                peer = %self.peer,
+                timeout = ?sh.options.frame_timeout,
+                "the peer stopped in the middle of a frame for longer than the frame timeout: \
+                 queue pair fails, connection reset"
+            ),
             _ => tracing::debug!(qp = sh.qp_num, peer = %self.peer, ?why, "queue pair enters the error state"),
         }
         let named = match why {
             Failure::Terminated { code, seq } if seq != 0 => Some((seq, wire::remote_status(code))),
             _ => None,
         };
-        let mut first = matches!(why, Failure::Transport | Failure::Timeout) && connected;
+        let mut first = matches!(why, Failure::Transport | Failure::Timeout | Failure::FrameTimeout) && connected;
         let mut abs = self.sq.cursor;
         // Late send completions: the SEND at `cursor` was acknowledged and
         // its completion held back, and so may be some behind it. They are
@@ -1548,7 +1621,7 @@ impl QpInner {
                     self.rx_open = false;
                     self.tx_open = false;
                 }
-                Failure::Timeout => self.reset(sh),
+                Failure::Timeout | Failure::FrameTimeout => self.reset(sh),
             }
             self.maybe_shutdown_wr();
         }
@@ -1658,6 +1731,7 @@ impl QpInner {
         while self.state == QpState::Ready {
             if matches!(self.job, Job::None) {
                 let Some(raw) = self.staging.take_header() else { return };
+                self.rx_headers += 1;
                 self.on_header(sh, &raw);
             } else if self.staging.is_empty() || self.rx_place_staged(sh) == Step::Stop {
                 return;

@@ -1902,21 +1902,21 @@ fn a_peer_that_stops_in_the_middle_of_a_frame_fails_the_queue_pair_after_the_fra
     // and the peer sees the connection end. The transport timeout is long,
     // so only the frame timeout can fire.
     let options = FabricOptions { transport_timeout: Duration::from_secs(3600), frame_timeout: FRAME_TIMEOUT };
-    let mut rig = passive_rig_with(options);
-    let write = Header {
-        seq: 1,
-        flags: wire::FLAG_ACK_REQUESTED,
-        length: 4096,
-        rkey: rig._rx.mr.rkey().0,
-        remote_addr: rig._rx.mr.addr(),
-        ..Header::new(FrameType::Write)
-    }
-    .encode();
-    for (what, bytes) in [("half a header", write[..16].to_vec()), ("a header and 1000 bytes of its 4096", {
-        let mut b = write.to_vec();
-        b.extend_from_slice(&[0xAB; 1000]);
-        b
-    })] {
+    for (what, payload) in [("half a header", None), ("a header and 1000 bytes of its 4096", Some(1000))] {
+        let mut rig = passive_rig_with(options);
+        let write = Header {
+            seq: 1,
+            flags: wire::FLAG_ACK_REQUESTED,
+            length: 4096,
+            rkey: rig._rx.mr.rkey().0,
+            remote_addr: rig._rx.mr.addr(),
+            ..Header::new(FrameType::Write)
+        }
+        .encode();
+        let bytes = match payload {
+            None => write[..16].to_vec(),
+            Some(n) => [&write[..], &vec![0xAB; n]].concat(),
+        };
         let tx = tx_of(&rig);
         send_and_read(&mut rig, &tx, 1, 1);
         rig.raw.write_all(&bytes).unwrap();
@@ -1933,7 +1933,6 @@ fn a_peer_that_stops_in_the_middle_of_a_frame_fails_the_queue_pair_after_the_fra
         assert!(took < FRAME_TIMEOUT + SLACK, "{what}: failed after {took:?}");
         assert_eq!(rig.qp.state(), QpState::Error);
         expect_end(&mut rig.raw);
-        rig = passive_rig_with(options);
     }
 }
 
@@ -2008,4 +2007,15 @@ fn an_idle_queue_pair_does_not_wake_its_owner() {
     }
     assert!(wakes <= 1, "an idle queue pair woke its owner {wakes} times in {:?}", 3 * TRANSPORT_TIMEOUT);
     assert_eq!(rig.qp.state(), QpState::Ready);
+}
+
+#[test]
+fn a_frames_deadline_grows_with_its_payload() {
+    use super::qp::frame_deadline;
+    let t0 = Instant::now();
+    let ten = Duration::from_secs(10);
+    assert_eq!(frame_deadline(t0, ten, 0), Some(t0 + ten));
+    assert_eq!(frame_deadline(t0, ten, 1 << 20), Some(t0 + ten + Duration::from_secs(1)));
+    assert_eq!(frame_deadline(t0, ten, wire::MAX_PAYLOAD), Some(t0 + ten + Duration::from_secs(1024)));
+    assert_eq!(frame_deadline(t0, Duration::MAX, 64), None, "Duration::MAX is never");
 }
