@@ -71,6 +71,11 @@ pub const DEFAULT_FENCE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default `target.idle_timeout`: far above the keep-alive interval of the
 /// initiator library (a quarter of its 5 s `keepalive_timeout`).
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default `target.transport_timeout`: the fabric's (4 s, see
+/// [`rdmablk_common::fabric::DEFAULT_TRANSPORT_TIMEOUT`] for why).
+pub const DEFAULT_TRANSPORT_TIMEOUT: Duration = rdmablk_common::fabric::DEFAULT_TRANSPORT_TIMEOUT;
+/// Default `target.frame_timeout`: the fabric's (10 s, as the handshake).
+pub const DEFAULT_FRAME_TIMEOUT: Duration = rdmablk_common::fabric::DEFAULT_FRAME_TIMEOUT;
 /// Default share of a reactor's pool one session may hold: 25 %.
 pub const DEFAULT_SESSION_POOL_SHARE: PoolShare = PoolShare::Percent(25);
 /// Default share of a reactor's pool one host (source address) may hold,
@@ -182,6 +187,14 @@ pub struct TargetConfig {
     /// A connected queue pair with nothing outstanding that has received no
     /// command (a keep-alive included) for this long is torn down.
     pub idle_timeout: Duration,
+    /// tcp:// listeners: a queue pair whose initiator makes no progress on
+    /// an outstanding transfer or response for this long fails with a
+    /// transport error and is torn down (`FabricOptions::transport_timeout`).
+    pub transport_timeout: Duration,
+    /// tcp:// listeners: an initiator that stops in the middle of a frame
+    /// for this long (plus one second per MiB of its payload) loses the
+    /// connection (`FabricOptions::frame_timeout`).
+    pub frame_timeout: Duration,
     /// Most pool buffers one session may hold at once on one reactor;
     /// commands beyond it wait for the session's own buffers to return.
     pub session_pool_share: PoolShare,
@@ -311,6 +324,8 @@ impl TargetConfig {
         check(self.handshake_timeout != other.handshake_timeout, "target.handshake_timeout");
         check(self.fence_timeout != other.fence_timeout, "target.fence_timeout");
         check(self.idle_timeout != other.idle_timeout, "target.idle_timeout");
+        check(self.transport_timeout != other.transport_timeout, "target.transport_timeout");
+        check(self.frame_timeout != other.frame_timeout, "target.frame_timeout");
         check(self.session_pool_share != other.session_pool_share, "target.session_pool_share");
         check(self.host_pool_share != other.host_pool_share, "target.host_pool_share");
         check(self.chunk_wait_timeout != other.chunk_wait_timeout, "target.chunk_wait_timeout");
@@ -396,6 +411,8 @@ struct RawTarget {
     handshake_timeout: Option<RawDuration>,
     fence_timeout: Option<RawDuration>,
     idle_timeout: Option<RawDuration>,
+    transport_timeout: Option<RawDuration>,
+    frame_timeout: Option<RawDuration>,
     session_pool_share: Option<RawSize>,
     host_pool_share: Option<RawSize>,
     chunk_wait_timeout: Option<RawDuration>,
@@ -690,6 +707,20 @@ impl RawConfig {
         if idle_timeout < Duration::from_secs(1) || idle_timeout > Duration::from_secs(86400) {
             return Err(cx.err("target.idle_timeout", format!("must be between 1s and 24h (got {idle_timeout:?})")));
         }
+        // Below a second, an initiator's idle queue, polled by its monitor
+        // about once a second, would be cut off (see the fabric's default).
+        let transport_timeout =
+            cx.duration("target.transport_timeout", t.transport_timeout, DEFAULT_TRANSPORT_TIMEOUT)?;
+        if transport_timeout < Duration::from_secs(1) || transport_timeout > Duration::from_secs(3600) {
+            return Err(cx.err(
+                "target.transport_timeout",
+                format!("must be between 1s and 1h (got {transport_timeout:?})"),
+            ));
+        }
+        let frame_timeout = cx.duration("target.frame_timeout", t.frame_timeout, DEFAULT_FRAME_TIMEOUT)?;
+        if frame_timeout < Duration::from_secs(1) || frame_timeout > Duration::from_secs(3600) {
+            return Err(cx.err("target.frame_timeout", format!("must be between 1s and 1h (got {frame_timeout:?})")));
+        }
         let max_connections_per_address = cx.count(
             "target.max_connections_per_address",
             t.max_connections_per_address,
@@ -761,6 +792,8 @@ impl RawConfig {
             handshake_timeout,
             fence_timeout,
             idle_timeout,
+            transport_timeout,
+            frame_timeout,
             session_pool_share,
             host_pool_share,
             chunk_wait_timeout,
@@ -1128,6 +1161,8 @@ read_only = true
         assert_eq!(c.target.max_handshakes_per_address, DEFAULT_MAX_HANDSHAKES_PER_ADDRESS);
         assert_eq!(c.target.max_connections_per_address, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS);
         assert_eq!(c.target.handshake_timeout, DEFAULT_HANDSHAKE_TIMEOUT);
+        assert_eq!(c.target.transport_timeout, Duration::from_secs(4));
+        assert_eq!(c.target.frame_timeout, Duration::from_secs(10));
         assert_eq!(c.target.session_pool_share, PoolShare::Percent(25));
         // 64 MiB of 128 KiB chunks: 512 chunks, a quarter each.
         assert_eq!(c.target.session_pool_share.chunks(512, 128 << 10), 128);
@@ -1204,6 +1239,19 @@ read_only = true
         assert_eq!(idle.target.idle_timeout, Duration::from_secs(90));
         let e = err(&with_target("idle_timeout = \"500ms\""));
         assert!(e.contains("target.idle_timeout: must be between 1s and 24h"), "{e}");
+        let fabric = Config::parse(&with_target("transport_timeout = \"1500ms\"\nframe_timeout = 3"), "l.toml").unwrap();
+        assert_eq!(fabric.target.transport_timeout, Duration::from_millis(1500));
+        assert_eq!(fabric.target.frame_timeout, Duration::from_secs(3));
+        for key in ["transport_timeout", "frame_timeout"] {
+            for bad in ["\"500ms\"", "0", "\"2h\""] {
+                let e = err(&with_target(&format!("{key} = {bad}")));
+                assert!(e.contains(&format!("target.{key}: must be between 1s and 1h")), "{e}");
+            }
+            let e = err(&with_target(&format!("{key} = -4")));
+            assert!(e.contains(&format!("target.{key}: must not be negative")), "{e}");
+            let e = err(&with_target(&format!("{key} = \"soon\"")));
+            assert!(e.contains(&format!("target.{key}: invalid duration")), "{e}");
+        }
         assert_eq!(c.target.session_pool_share, PoolShare::Bytes(1 << 20));
         assert_eq!(c.target.session_pool_share.chunks(512, 128 << 10), 8);
         let c = Config::parse(&with_target("session_pool_share = \"100%\"\nhandshake_timeout = 2"), "l.toml").unwrap();
@@ -1252,7 +1300,7 @@ read_only = true
     fn limits_need_a_restart() {
         let a = Config::parse(&with_target(""), "a").unwrap();
         let b = Config::parse(
-            &with_target("max_sessions = 2\nmax_queues_per_session = 2\nmax_handshakes = 2\nhandshake_timeout = 2\nsession_pool_share = \"50%\""),
+            &with_target("max_sessions = 2\nmax_queues_per_session = 2\nmax_handshakes = 2\nhandshake_timeout = 2\ntransport_timeout = 8\nframe_timeout = \"20s\"\nsession_pool_share = \"50%\""),
             "b",
         )
         .unwrap();
@@ -1265,6 +1313,8 @@ read_only = true
                 // Its default follows max_handshakes when that is smaller.
                 "target.max_handshakes_per_address",
                 "target.handshake_timeout",
+                "target.transport_timeout",
+                "target.frame_timeout",
                 "target.session_pool_share"
             ]
         );

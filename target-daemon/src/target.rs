@@ -21,7 +21,7 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rdmablk_common::fabric::{Fabric, FabricUrl, ListenOptions, Listener};
+use rdmablk_common::fabric::{Fabric, FabricOptions, FabricUrl, ListenOptions, Listener};
 use rdmablk_common::protocol::VolumeId;
 
 use crate::auth::AccessPolicy;
@@ -224,7 +224,8 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
     let mut listeners = Vec::with_capacity(cfg.listen.len());
     let mut urls = Vec::with_capacity(cfg.listen.len());
     for url in &cfg.listen {
-        let f = Fabric::open(url).map_err(|e| Error::fabric(format!("{url}: cannot open the fabric"), e))?;
+        let options = FabricOptions { transport_timeout: cfg.transport_timeout, frame_timeout: cfg.frame_timeout };
+        let f = Fabric::open_with(url, options).map_err(|e| Error::fabric(format!("{url}: cannot open the fabric"), e))?;
         let l = f
             .listen_with(ListenOptions { handshake_timeout: cfg.handshake_timeout })
             .map_err(|e| Error::fabric(format!("{url}: cannot listen"), e))?;
