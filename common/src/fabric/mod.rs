@@ -51,7 +51,19 @@
 //!   bad local SGE) and when a SEND found no receive (receiver not ready:
 //!   the responder only answers with a NAK), as RC hardware does. Either
 //!   side learns that its peer is gone when the peer disconnects or drops
-//!   its queue pair.
+//!   its queue pair, or when the peer stops responding.
+//! - A peer that stops responding fails the requester's queue pair as
+//!   RC's retry limit does (`IBV_WC_RETRY_EXC_ERR`): the send-queue work
+//!   request it left unacknowledged (or, for a READ, unanswered) completes
+//!   with [`WcStatus::TransportError`], every other outstanding one is
+//!   flushed, and the peer's side of the connection breaks too. verbs: the
+//!   NIC's `timeout` × `retry_cnt` (about half a second). tcp: no progress
+//!   for [`FabricOptions::transport_timeout`] (4 s), and a peer stopped in
+//!   the middle of a frame for [`FabricOptions::frame_timeout`] is a lost
+//!   connection. The tcp provider acknowledges from its owner's polls
+//!   (manual progress, see [`CompletionQueue::poll`]), so an owner must
+//!   poll each CQ well within its peers' transport timeout while they may
+//!   have work outstanding on its queue pairs, or they give up on it.
 
 pub mod memory;
 pub mod tcp;
@@ -496,12 +508,15 @@ pub const DEFAULT_FRAME_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FabricOptions {
     /// tcp: how long a send-queue work request may go without progress
-    /// from the peer (an acknowledgement, READ response bytes, or the peer
-    /// taking bytes off the stream) before the queue pair gives up on the
-    /// peer, as an RC NIC does after its retries: that work request
-    /// completes with [`WcStatus::TransportError`], the queue pair moves
-    /// to [`QpState::Error`], everything else is flushed and the
-    /// connection is reset so the peer sees it too. `Duration::MAX`:
+    /// from the peer (an acknowledgement, READ response bytes, or, while
+    /// bytes are still queued to the peer, its TCP taking more of them)
+    /// before the queue pair gives up on the peer, as an RC NIC does after
+    /// its retries: the oldest outstanding work request completes with
+    /// [`WcStatus::TransportError`], the queue pair moves to
+    /// [`QpState::Error`], everything else is flushed and the connection is
+    /// reset so the peer sees it too. A peer that stopped is found one
+    /// timeout after its last progress, or two when bytes were still queued
+    /// to it (the second shows whether it still reads). `Duration::MAX`:
     /// never. verbs: ignored (the NIC's `timeout` × `retry_cnt` applies).
     pub transport_timeout: Duration,
     /// tcp: how long a frame may take from its first byte to its last,
@@ -758,12 +773,18 @@ impl MemoryRegion {
 impl CompletionQueue {
     /// Polls up to `out.len()` completions; returns how many were written.
     /// For providers without their own progress engine (tcp) this call also
-    /// drives the queue pairs attached to this CQ.
+    /// drives the queue pairs attached to this CQ: it receives, places and
+    /// acknowledges what their peers sent, and checks their transport and
+    /// frame timeouts. Peers wait for that: see the transport timeout in
+    /// the module documentation.
     pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
         dispatch!(CqImpl, &self.inner, cq => cq.poll(out))
     }
     /// A file descriptor that becomes readable when the CQ, after [`arm`],
-    /// may have new completions. Put it in the caller's epoll set.
+    /// may have new completions. Put it in the caller's epoll set. tcp: it
+    /// is also readable while a socket has input to process and when a
+    /// queue pair's timeout is due, so an owner asleep on it wakes for
+    /// both; an idle CQ is not readable.
     ///
     /// [`arm`]: CompletionQueue::arm
     pub fn fd(&self) -> RawFd {

@@ -30,7 +30,9 @@
 //! activity (flushes inside `post_send`/`post_recv` on an errored queue
 //! pair, `disconnect`): after [`TcpCq::arm`] the next completion pushed to
 //! the CQ signals it, and `arm` signals it at once if completions are already
-//! queued. [`TcpCq::ack_event`] drains it.
+//! queued. [`TcpCq::ack_event`] drains it. A timerfd armed for the earliest
+//! deadline check of the attached queue pairs (see Timeouts) is in the set
+//! too, so that a sleeping owner wakes for it.
 //!
 //! # Reliability and acknowledgements
 //!
@@ -45,6 +47,44 @@
 //! Slot accounting follows verbs: an unsignaled work request keeps its slot
 //! until a later signaled one completes; a receive frees its slot when it
 //! completes. Slots are released when the completion is queued on the CQ.
+//!
+//! # Timeouts
+//!
+//! As an RC NIC gives up on a peer after `timeout` × `retry_cnt`, a queue
+//! pair gives up on a peer that makes no progress on what it owes: while a
+//! SEND or RDMA WRITE is unacknowledged or an RDMA READ unanswered, each
+//! acknowledgement that moves and each READ_RESP byte restarts
+//! [`FabricOptions::transport_timeout`] (4 s by default; the reasoning is
+//! at [`crate::fabric::DEFAULT_TRANSPORT_TIMEOUT`]). At the deadline the
+//! socket is served first, so an owner that did not poll for a while does
+//! not blame the peer for what is waiting in it. If bytes are still queued
+//! to the peer (in the backlog, or unacknowledged by its TCP: `SIOCOUTQ`),
+//! the peer may be reading slowly a payload it acknowledges only whole: its
+//! TCP acknowledging more of the stream since the last deadline
+//! (`tcpi_bytes_acked`) counts as progress, and without a mark from a last
+//! deadline it gets one more timeout to show it. So a peer that stopped
+//! is found within one timeout when everything reached its socket, two
+//! when bytes were still queued. The queue pair then fails as on
+//! RETRY_EXC_ERR: the oldest outstanding work request completes with
+//! `TransportError`, the rest flush, and the connection is reset (RST,
+//! `SO_LINGER` 0: what is still queued would arrive after the failure, and
+//! the peer sees the end whether or not it reads).
+//!
+//! A progress round that ends in the middle of a frame (part of a header
+//! staged, or a payload pending) notes when that frame's first byte came.
+//! A frame still partial [`FabricOptions::frame_timeout`] later (10 s by
+//! default), plus a second per MiB of its payload, is a lost connection (on
+//! RC a partial message never arrives): the queue pair fails as above.
+//!
+//! Deadlines cost nothing per operation beyond a clock read when a wait
+//! starts or progresses, or a frame spans progress rounds: each queue pair keeps one entry in its CQ's check
+//! queue, no later than its earliest deadline, and a check that finds a
+//! deadline moved queues the next. The CQ's timerfd is armed for the
+//! earliest entry; a queue pair that owes and is owed nothing queues no
+//! more, so an idle CQ is woken at most once, by the last stale check.
+//! Manual progress means the peer's acknowledgements come from its owner's
+//! polls: an owner must poll well within its peers' transport timeout
+//! while they may have work outstanding on its queue pairs.
 //!
 //! # Protection
 //!
@@ -83,8 +123,9 @@
 //! - A queue pair that failed that way, or was told by a TERMINATE, keeps the
 //!   stream open ("lingers") until the application disconnects or drops it;
 //!   only then does the peer see DISCONNECT or EOF. A peer that stays Ready
-//!   and sends to it gets no acknowledgement until then (a NIC would fail
-//!   that work request with RETRY_EXC_ERR after its retries).
+//!   and sends to it gets no acknowledgement, and fails that work request
+//!   with `TransportError` after its transport timeout, as a NIC does with
+//!   RETRY_EXC_ERR after its retries.
 //!
 //! # Late send completions (test-only)
 //!
