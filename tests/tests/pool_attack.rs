@@ -178,6 +178,43 @@ fn readers_that_stop_reading_do_not_hold_the_whole_pool() {
 /// chunks it has in flight (a READ that got part of its chunks) finished;
 /// the reactor wakes for that deadline by itself; a WRITE so answered
 /// wrote nothing; the library says what happened.
+/// The same attack, held: the attackers keep their sockets open and never
+/// read them. The tcp provider's transport timeout (the analog of an RC
+/// NIC's retry limit) fails their queue pairs, which gives every chunk back
+/// while they still hold their connections; the target logs why.
+#[test]
+fn a_held_attack_loses_its_chunks_at_the_transport_timeout() {
+    let attacker: std::net::Ipv4Addr = "127.0.0.2".parse().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let t = target("transport_timeout = \"1s\"", dir.path());
+    legit_io(&t.url, 0);
+    wait_until("the first session is gone", Duration::from_secs(10), || sessions(&t) == 0.0);
+    let t0 = Instant::now();
+    let held = attack(&t, attacker);
+    // One timeout, or two while bytes stay queued to a peer that reads
+    // nothing (the first deadline only takes a mark of its progress), plus
+    // slack for a loaded machine.
+    let took = wait_until("the attackers' chunks are back while they hold their sockets", Duration::from_secs(10), || {
+        pool(&t).iter().all(|&p| p == (0, 0))
+    });
+    eprintln!("the held attack's chunks were back {:?} after it started ({took:?} of waiting)", t0.elapsed());
+    assert_eq!(sessions(&t), 0.0, "the attackers' sessions ended");
+    t.wait_for_log("no progress on an outstanding request within the transport timeout", Duration::from_secs(5));
+    // The target reset them: each attacker finds its connection gone.
+    for mut c in held {
+        c.stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut buf = [0u8; 1 << 16];
+        loop {
+            match std::io::Read::read(&mut c.stream, &mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => continue,
+            }
+        }
+    }
+    legit_io(&t.url, 16 * MIB);
+    t.assert_no_panic();
+}
+
 #[test]
 fn a_command_that_waits_too_long_for_a_chunk_is_answered_out_of_buffers() {
     const KIB: u32 = 1024;
