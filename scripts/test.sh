@@ -18,6 +18,8 @@ echo "==> build"
 cargo build --workspace --all-targets --locked
 echo "==> systemd unit"
 ./scripts/verify-systemd.sh
+echo "==> Debian package (cargo-deb, from the debug build; checked, not installed)"
+./scripts/verify-deb.sh
 echo "==> clippy (warnings are errors; every unsafe block needs a SAFETY comment)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "==> tests"
