@@ -16,7 +16,7 @@ pub use device::{check_request, BlockDevice, FileDevice, MemDevice, WriteFlags};
 pub use error::{op_name, Error, ErrorKind, Result};
 pub use session::{default_host_id, ConnectOptions, IntoTargetUrl, NegotiatedLimits, Session, SessionStats, Volume};
 pub use stream::BlockStream;
-pub use submit::{IoCompletion, IoQueue, IoRequest};
+pub use submit::{IoCompletion, IoQueue, IoRequest, IoWaker};
 
 /// The wire types a caller meets in this API (volume info, statuses, ids).
 pub use rdmablk_common::auth::{generate_key_file, AuthKey, KeyError};

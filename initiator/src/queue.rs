@@ -54,6 +54,7 @@ use crate::buffer::Region;
 use crate::device::{max_piece, split, WriteFlags};
 use crate::error::{fmt_duration, op_name, Error, Result};
 use crate::session::Domain;
+use crate::submit::Wake;
 
 const TAG_SEND: u64 = 1 << 32;
 const TAG_RECV: u64 = 2 << 32;
@@ -660,6 +661,12 @@ impl Conn {
     /// gets, closed: by the peer, by a missed deadline (then
     /// [`timed_out`](Conn::timed_out) names the command) or by the session.
     pub(crate) fn progress(&mut self) -> Result<bool> {
+        self.progress_or(None)
+    }
+
+    /// [`progress`](Conn::progress), except that a sleep on the completion
+    /// channel also ends when `wake` is woken (see [`crate::IoWaker`]).
+    pub(crate) fn progress_or(&mut self, wake: Option<&Wake>) -> Result<bool> {
         self.check_usable()?;
         if self.poll_once()? > 0 {
             return Ok(true);
@@ -694,7 +701,15 @@ impl Conn {
             return Ok(true);
         }
         let slice = (deadline - now).min(self.params.wait_slice).max(Duration::from_millis(1));
-        if let Err(e) = self.cq.wait(Some(slice)) {
+        let waited = match wake {
+            None => self.cq.wait(Some(slice)).map(|_| ()),
+            Some(w) => self.cq.wait_or(Some(slice), w.fd()).map(|woken| {
+                if woken {
+                    w.drain();
+                }
+            }),
+        };
+        if let Err(e) = waited {
             self.fail(format!("waiting on the completion channel failed: {e}"));
             return Err(Error::fabric("waiting on the completion channel", e));
         }

@@ -21,6 +21,12 @@
 //! [`IoQueue::wait`]. The number of commands on the wire never exceeds the
 //! negotiated queue depth. Use [`IoQueue::outstanding`] for back-pressure.
 //!
+//! # Waking a waiting queue
+//! [`IoQueue::waker`] gives an [`IoWaker`] that another thread uses to make
+//! a [`IoQueue::wait`] in progress (or the next one) return early, so one
+//! thread can sleep on the queue's completions and still take new work
+//! that other threads hand it (the NBD server's I/O thread does).
+//!
 //! # Failures
 //! After a connection failure the pieces that had not completed are sent
 //! again once the session has reconnected; a piece that missed
@@ -29,7 +35,8 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::sync::atomic::Ordering;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -79,6 +86,8 @@ pub struct IoRequest {
     len: u64,
     buffer: Option<IoBuffer>,
     buf_offset: usize,
+    /// WRITE_ZEROES that must leave the range allocated.
+    no_hole: bool,
 }
 
 impl IoRequest {
@@ -91,6 +100,7 @@ impl IoRequest {
             len,
             buffer,
             buf_offset: 0,
+            no_hole: false,
         }
     }
 
@@ -135,6 +145,16 @@ impl IoRequest {
         if let Kind::Write { fua } = &mut self.kind {
             *fua = true;
         }
+        self
+    }
+
+    /// For a write-zeroes request: the range must stay allocated (NBD's
+    /// `NO_HOLE`, a thick zeroing). The target's WRITE_ZEROES may punch a
+    /// hole on some backends (a memory volume, a file system without
+    /// zero-range), so such a request is carried out as writes from the
+    /// session's registered zero region instead. No effect on other kinds.
+    pub fn with_no_hole(mut self) -> IoRequest {
+        self.no_hole = self.kind == Kind::WriteZeroes;
         self
     }
 
@@ -284,6 +304,8 @@ pub struct IoQueue {
     /// The queue every piece on the wire was sent on (all on one
     /// connection); chosen afresh only when nothing is on the wire.
     bound: usize,
+    /// Set up by the first [`IoQueue::waker`].
+    wake: Option<Arc<Wake>>,
 }
 
 impl IoQueue {
@@ -300,7 +322,24 @@ impl IoQueue {
             outstanding: 0,
             draining: false,
             bound: 0,
+            wake: None,
         }
+    }
+
+    /// A handle that makes a [`wait`](IoQueue::wait) of this queue return
+    /// early from another thread: the wait in progress, or the next one if
+    /// none is. Waking costs one `write` to an eventfd that the waiting
+    /// thread sleeps on together with the completion channel.
+    pub fn waker(&mut self) -> Result<IoWaker> {
+        if self.wake.is_none() {
+            self.wake = Some(Arc::new(Wake::new()?));
+        }
+        Ok(IoWaker { wake: Arc::clone(self.wake.as_ref().expect("just set")) })
+    }
+
+    /// Consumes a pending wake-up; true if there was one.
+    fn take_wake(&self) -> bool {
+        self.wake.as_ref().is_some_and(|w| w.take())
     }
 
     /// Requests submitted whose completion has not been handed back yet.
@@ -352,7 +391,7 @@ impl IoQueue {
             self.done.push_back(IoCompletion { tag, result: Err(e), buffer: request.buffer });
             return false;
         }
-        let IoRequest { kind, entry, offset, len, buffer, buf_offset, .. } = request;
+        let IoRequest { kind, entry, offset, len, buffer, buf_offset, no_hole, .. } = request;
         let info = &entry.info;
         let flags_ok = match kind {
             Kind::Discard => info.flags & rdmablk_common::protocol::VOLUME_FLAG_DISCARD != 0,
@@ -363,8 +402,8 @@ impl IoQueue {
             self.done.push_back(IoCompletion { tag, result: Ok(()), buffer });
             return false;
         }
-        let emulated =
-            kind == Kind::WriteZeroes && info.flags & rdmablk_common::protocol::VOLUME_FLAG_WRITE_ZEROES == 0;
+        let emulated = kind == Kind::WriteZeroes
+            && (no_hole || info.flags & rdmablk_common::protocol::VOLUME_FLAG_WRITE_ZEROES == 0);
         let (addr, rkey) = match &buffer {
             Some(b) => (b.region().addr() + buf_offset as u64, b.region().rkey()),
             None => (0, Rkey(0)),
@@ -396,8 +435,8 @@ impl IoQueue {
     /// requests are outstanding) or `timeout` passes (roughly: checked every
     /// wait slice of at most 100 ms; `None`: no timeout, though requests
     /// themselves end within `io_timeout`, or `ctrl_loss_timeout` while the
-    /// session reconnects). Moves every ready completion into `out`; returns
-    /// how many.
+    /// session reconnects), or an [`IoWaker`] of this queue wakes it. Moves
+    /// every ready completion into `out`; returns how many.
     pub fn wait(&mut self, out: &mut Vec<IoCompletion>, min: usize, timeout: Option<Duration>) -> usize {
         let want = min.min(self.outstanding);
         let until = timeout.map_or_else(|| Instant::now() + Duration::from_secs(365 * 86400), |t| Instant::now() + t);
@@ -495,7 +534,7 @@ impl IoQueue {
                 }
                 return;
             };
-            if finished || Instant::now() >= until {
+            if finished || Instant::now() >= until || self.take_wake() {
                 drop(q);
                 if reaped {
                     slot.notify_freed();
@@ -508,7 +547,7 @@ impl IoQueue {
                 drop(slot.wait_freed(q, wait));
                 continue;
             }
-            let _ = conn.progress();
+            let _ = conn.progress_or(self.wake.as_deref());
             drop(q);
             if reaped {
                 slot.notify_freed();
@@ -775,6 +814,62 @@ impl IoQueue {
             let req = self.reqs[p.req].as_mut().expect("checked");
             req.error.get_or_insert(err);
             self.piece_done(p.req);
+        }
+    }
+}
+
+/// Wakes an [`IoQueue`] that waits (see [`IoQueue::waker`]). `Send +
+/// Sync + Clone`; waking a queue that is not waiting makes its next
+/// [`wait`](IoQueue::wait) return at once.
+#[derive(Clone, Debug)]
+pub struct IoWaker {
+    wake: Arc<Wake>,
+}
+
+impl IoWaker {
+    /// Makes the queue's wait return (after taking the completions that
+    /// are ready).
+    pub fn wake(&self) {
+        self.wake.pending.store(true, Ordering::Release);
+        // A full counter (2^64 - 2 wake-ups unread) is still readable: nothing is lost.
+        let _ = rustix::io::write(&self.wake.fd, &1u64.to_ne_bytes());
+    }
+}
+
+/// The eventfd behind [`IoWaker`]: `pending` says a wake-up is due; the fd
+/// makes a sleep on the completion channel end. Whoever sees the fd
+/// readable drains it, so a wake-up that raced with a drain costs at most
+/// one early return, never a busy loop.
+#[derive(Debug)]
+pub(crate) struct Wake {
+    fd: OwnedFd,
+    pending: AtomicBool,
+}
+
+impl Wake {
+    fn new() -> Result<Wake> {
+        use rustix::event::{eventfd, EventfdFlags};
+        let fd = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+            .map_err(|e| Error::io("creating the I/O queue's wake-up eventfd", e.into()))?;
+        Ok(Wake { fd, pending: AtomicBool::new(false) })
+    }
+
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Empties the eventfd (it is nonblocking: nothing to read is fine).
+    pub(crate) fn drain(&self) {
+        let mut b = [0u8; 8];
+        let _ = rustix::io::read(&self.fd, &mut b);
+    }
+
+    fn take(&self) -> bool {
+        if self.pending.swap(false, Ordering::AcqRel) {
+            self.drain();
+            true
+        } else {
+            false
         }
     }
 }

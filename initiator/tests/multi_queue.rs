@@ -401,3 +401,64 @@ fn stress_four_threads_at_depth_16_against_a_model() {
     workload::verify_all(&vol, &model).unwrap();
     assert_eq!(target.volume_data(0), model.contents());
 }
+
+#[test]
+fn a_waker_ends_a_wait_early_from_another_thread() {
+    let target = one_volume(FakeConfig::default(), 4 * MIB);
+    let s = Session::connect(&target.url, options(1)).unwrap();
+    let vol = s.open("vol0").unwrap();
+    let mut q = s.io_queue();
+    let waker = q.waker().unwrap();
+    // Nothing answers: only the waker can end the wait before its timeout.
+    target.set_hang(true);
+    q.submit(IoRequest::read(&vol, 0, s.alloc_buffer(4096).unwrap()), 1);
+    let w = waker.clone();
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        w.wake();
+    });
+    let start = std::time::Instant::now();
+    let mut out = Vec::new();
+    assert_eq!(q.wait(&mut out, 1, Some(Duration::from_secs(8))), 0);
+    let took = start.elapsed();
+    t.join().unwrap();
+    assert!(took >= Duration::from_millis(250) && took < Duration::from_secs(3), "the wait took {took:?}");
+    // A wake-up while nobody waits: the next wait returns at once.
+    waker.wake();
+    let start = std::time::Instant::now();
+    assert_eq!(q.wait(&mut out, 1, Some(Duration::from_secs(8))), 0);
+    assert!(start.elapsed() < Duration::from_secs(1), "a pending wake-up was lost: {:?}", start.elapsed());
+    // And it is consumed: the wait after that sleeps until the timeout.
+    let start = std::time::Instant::now();
+    q.wait(&mut out, 1, Some(Duration::from_millis(400)));
+    assert!(start.elapsed() >= Duration::from_millis(350), "a consumed wake-up ended a wait: {:?}", start.elapsed());
+    target.set_hang(false);
+    let done = wait_all(&mut q);
+    assert_eq!(done.len(), 1);
+    done.into_iter().for_each(|c| c.result.unwrap());
+}
+
+#[test]
+fn write_zeroes_with_no_hole_is_written_from_the_zero_region() {
+    let target = one_volume(FakeConfig::default(), 4 * MIB);
+    let s = Session::connect(&target.url, options(1)).unwrap();
+    let vol = s.open("vol0").unwrap();
+    vol.write_at(&pattern(256 << 10, 5), 0).unwrap();
+    let mut q = s.io_queue();
+    q.submit(IoRequest::write_zeroes(&vol, 64 << 10, 128 << 10).with_no_hole(), 1);
+    q.submit(IoRequest::write_zeroes(&vol, 0, 4096), 2);
+    for c in wait_all(&mut q) {
+        c.result.unwrap();
+    }
+    let data = target.volume_data(0);
+    assert!(data[64 << 10..192 << 10].iter().all(|&b| b == 0));
+    assert!(data[..4096].iter().all(|&b| b == 0));
+    assert_eq!(data[4096..64 << 10], pattern(256 << 10, 5)[4096..64 << 10]);
+    let ops: Vec<Opcode> = target.commands().iter().map(|c| c.opcode).collect();
+    assert_eq!(
+        ops.iter().filter(|&&o| o == Opcode::WriteZeroes).count(),
+        1,
+        "only the plain one is a WRITE_ZEROES: {ops:?}"
+    );
+    assert!(ops.iter().filter(|&&o| o == Opcode::Write).count() >= 2, "NO_HOLE went out as writes: {ops:?}");
+}

@@ -846,6 +846,33 @@ impl CompletionQueue {
         self.ack_event()?;
         Ok(true)
     }
+    /// As [`wait`](CompletionQueue::wait), but also returns when `other`
+    /// is readable: an eventfd that another thread writes to wake the owner
+    /// (the owner reads it). Returns whether `other` was readable; the CQ's
+    /// notification, if it came, is acknowledged as by `wait`.
+    pub fn wait_or(&self, timeout: Option<Duration>, other: std::os::fd::BorrowedFd<'_>) -> Result<bool> {
+        use std::os::fd::AsRawFd;
+        self.arm()?;
+        let mut pfds = [
+            libc::pollfd { fd: self.fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: other.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        ];
+        let ms = timeout.map(|t| t.as_millis().min(i32::MAX as u128) as i32).unwrap_or(-1);
+        // SAFETY: `pfds` is a valid array of two pollfds for the duration of
+        // the call, and its length is passed with it.
+        let rc = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
+        if rc < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                return Ok(false);
+            }
+            return Err(FabricError::io("poll on completion channel", err));
+        }
+        if pfds[0].revents != 0 {
+            self.ack_event()?;
+        }
+        Ok(pfds[1].revents != 0)
+    }
 }
 
 impl QueuePair {
