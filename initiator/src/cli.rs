@@ -9,6 +9,7 @@
 //! rdmablk --target URL flush VOL
 //! rdmablk --target URL discard VOL --offset N --length N
 //! rdmablk --target URL write-zeroes VOL --offset N --length N
+//! rdmablk --target URL nbd VOL (--socket PATH | --listen 127.0.0.1:PORT) [--queues N]
 //! ```
 //!
 //! Sizes take suffixes (`4k`, `1MiB`, binary multiples). Errors print one
@@ -176,6 +177,21 @@ pub enum Command {
         #[arg(long, value_parser = parse_size)]
         length: u64,
     },
+    /// Serve a volume as an NBD export (fixed newstyle) until SIGINT or SIGTERM;
+    /// prints its URI on standard output when ready
+    Nbd {
+        /// Volume name (also the export name; the empty default name selects it too)
+        volume: String,
+        /// Listen on a unix socket at PATH (a stale socket is replaced, any other file refused)
+        #[arg(long, value_name = "PATH", required_unless_present = "listen", conflicts_with = "listen")]
+        socket: Option<PathBuf>,
+        /// Listen on a TCP address, e.g. 127.0.0.1:10809 (NBD has no authentication)
+        #[arg(long, value_name = "ADDR:PORT")]
+        listen: Option<std::net::SocketAddr>,
+        /// Queue pairs of the session, shared round-robin by the NBD connections (default: one per CPU)
+        #[arg(long, value_name = "N")]
+        queues: Option<usize>,
+    },
 }
 
 /// Parses a size with an optional suffix (`4k`, `1MiB`).
@@ -279,10 +295,13 @@ pub fn clap_one_line(e: &clap::Error) -> String {
 }
 
 fn connect(cli: &Cli) -> Result<Session> {
+    // One thread: one queue pair.
+    connect_with(cli, ConnectOptions { queues: 1, ..ConnectOptions::default() })
+}
+
+fn connect_with(cli: &Cli, mut options: ConnectOptions) -> Result<Session> {
     let target =
         cli.target.as_deref().ok_or_else(|| Error::invalid("no target given: use --target tcp://HOST:PORT"))?;
-    // One thread: one queue pair.
-    let mut options = ConnectOptions { queues: 1, ..ConnectOptions::default() };
     if let Some(id) = &cli.host_id {
         options.host_id = id.clone();
     }
@@ -306,9 +325,12 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
         rdmablk_common::auth::generate_key_file(path).map_err(|e| Error::invalid(e.to_string()))?;
         return writeln!(out, "wrote a new key to {} (mode 0600)", path.display()).map_err(write_err);
     }
+    if let Command::Nbd { volume, socket, listen, queues } = &cli.command {
+        return serve_nbd(cli, volume, socket.as_deref(), *listen, *queues, out);
+    }
     let session = connect(cli)?;
     match &cli.command {
-        Command::Keygen { .. } => unreachable!("handled above"),
+        Command::Keygen { .. } | Command::Nbd { .. } => unreachable!("handled above"),
         Command::List => {
             for v in session.list_volumes()? {
                 writeln!(
@@ -428,6 +450,42 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `rdmablk nbd`: serves `volume` until SIGINT or SIGTERM (see [`crate::nbd`]).
+fn serve_nbd(
+    cli: &Cli,
+    volume: &str,
+    socket: Option<&std::path::Path>,
+    listen: Option<std::net::SocketAddr>,
+    queues: Option<usize>,
+    out: &mut dyn Write,
+) -> Result<()> {
+    use crate::nbd::{Listen, Server, StopSignals};
+    // A server logs what it does (RDMABLK_LOG overrides the level).
+    let filter = std::env::var("RDMABLK_LOG").unwrap_or_else(|_| "info".to_owned());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
+    // Before the session starts its threads, so that they inherit the mask.
+    let signals = StopSignals::block().map_err(|e| Error::io("blocking SIGINT and SIGTERM", e))?;
+    let mut options = ConnectOptions::default();
+    if let Some(q) = queues {
+        options.queues = q;
+    }
+    let session = connect_with(cli, options)?;
+    let vol = session.open(volume)?;
+    let listen = match (socket, listen) {
+        (Some(path), _) => Listen::Unix(path.to_owned()),
+        (None, Some(addr)) => Listen::Tcp(addr),
+        (None, None) => return Err(Error::invalid("give --socket PATH or --listen ADDR:PORT")),
+    };
+    let server = Server::bind(&session, vol, &listen)?;
+    signals.stop_on_signal(server.stopper()).map_err(|e| Error::io("starting the signal thread", e))?;
+    writeln!(out, "{}", server.uri()).and_then(|()| out.flush()).map_err(|e| Error::io("writing the output", e))?;
+    server.run()
 }
 
 /// Reads `[offset, offset + length)` (checked) into `out`, in order, with
@@ -732,6 +790,23 @@ mod tests {
         assert_eq!(c.ctrl_loss_timeout, Some(Duration::ZERO));
         let c = parse(&["-t", "tcp://h:1", "--host-id", "h1", "--key-file", "/k", "list"]).unwrap();
         assert_eq!(c.key_file.as_deref(), Some(std::path::Path::new("/k")));
+        let c = parse(&["-t", "tcp://h:1", "nbd", "v", "--socket", "/run/v.sock"]).unwrap();
+        assert_eq!(
+            c.command,
+            Command::Nbd { volume: "v".into(), socket: Some("/run/v.sock".into()), listen: None, queues: None }
+        );
+        let c = parse(&["-t", "tcp://h:1", "nbd", "v", "--listen", "127.0.0.1:10809", "--queues", "4"]).unwrap();
+        assert_eq!(
+            c.command,
+            Command::Nbd {
+                volume: "v".into(),
+                socket: None,
+                listen: Some("127.0.0.1:10809".parse().unwrap()),
+                queues: Some(4)
+            }
+        );
+        assert!(parse(&["-t", "tcp://h:1", "nbd", "v"]).is_err(), "a socket or an address is required");
+        assert!(parse(&["-t", "tcp://h:1", "nbd", "v", "--socket", "/s", "--listen", "127.0.0.1:1"]).is_err());
         let c = parse(&["keygen", "/tmp/h.key"]).unwrap();
         assert_eq!(c.command, Command::Keygen { path: "/tmp/h.key".into() });
     }

@@ -5,6 +5,7 @@ mod buffer;
 pub mod cli;
 mod device;
 mod error;
+pub mod nbd;
 mod queue;
 mod session;
 mod shared;

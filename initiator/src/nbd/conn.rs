@@ -1,0 +1,534 @@
+//! Transmission: the reader, I/O and writer threads of one connection.
+//!
+//! ```text
+//!  socket ─▶ reader ──jobs──▶ I/O thread (IoQueue) ──replies──▶ writer ─▶ socket
+//!              └────────── refused requests: replies ──────────────┘
+//! ```
+//!
+//! The reader takes a slot (at most the queue depth of requests between
+//! their header and their reply) and, for a READ or WRITE, a registered
+//! buffer from the connection's pool (bounded by a byte budget), reads a
+//! WRITE's payload into it, and hands the request to the I/O thread, waking
+//! it. The I/O thread submits to its `IoQueue` and sleeps on the queue's
+//! completions (or a wake-up); each completion becomes a reply. The writer
+//! sends each reply, a READ's data from its buffer, gives the buffer back
+//! and frees the slot. A connection ends when the reader stops (NBD_CMD_DISC,
+//! EOF, an error, a bad request, or the server stopping): the requests in
+//! flight are still answered, then a FLUSH makes the connection's writes
+//! durable if it left any unflushed.
+
+use std::collections::BTreeMap;
+use std::io::{self, IoSlice, Read, Write};
+use std::net::Shutdown;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use super::handshake::read_or_eof;
+use super::server::{Export, Stream};
+use super::wire::{Command, Request, SimpleReply, CMD_FLAG_FUA, CMD_FLAG_NO_HOLE};
+use super::{errno, Failure};
+use crate::buffer::IoBuffer;
+use crate::device::BlockDevice;
+use crate::error::Result;
+use crate::session::{Session, Volume};
+use crate::submit::{IoCompletion, IoQueue, IoRequest, IoWaker};
+
+/// What every connection of a server shares.
+pub(crate) struct Shared {
+    pub session: Session,
+    pub volume: Arc<Volume>,
+    pub export: Export,
+    /// Requests one connection has between header and reply.
+    pub depth: usize,
+    /// Registered bytes one connection's buffers may take.
+    pub buffer_budget: usize,
+}
+
+/// A request on its way to the I/O thread.
+struct Job {
+    request: Request,
+    buffer: Option<IoBuffer>,
+}
+
+/// A reply on its way to the writer; a successful READ carries its data
+/// (the first `len` bytes of the buffer).
+struct Reply {
+    cookie: u64,
+    error: u32,
+    data: Option<(IoBuffer, usize)>,
+}
+
+/// Serves one negotiated connection until it ends; logs how it ended.
+pub(crate) fn serve(shared: &Shared, stream: Stream, peer: &str) {
+    let writer_stream = match stream.try_clone() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("{peer}: closing, cannot duplicate its socket: {e}");
+            return;
+        }
+    };
+    let mut queue = shared.session.io_queue();
+    let waker = match queue.waker() {
+        Ok(w) => w,
+        Err(e) => {
+            tracing::warn!("{peer}: closing: {e}");
+            return;
+        }
+    };
+    let pool = Pool::new(shared.session.clone(), shared.buffer_budget);
+    let slots = Slots::new(shared.depth);
+    let broken = AtomicBool::new(false);
+    let (job_tx, job_rx) = mpsc::channel::<Job>();
+    let (reply_tx, reply_rx) = mpsc::channel::<Reply>();
+    let ended = std::thread::scope(|scope| {
+        let (pool, slots, broken, volume) = (&pool, &slots, &broken, &*shared.volume);
+        let io_replies = reply_tx.clone();
+        let writer = std::thread::Builder::new()
+            .name("nbd-writer".into())
+            .spawn_scoped(scope, move || write_replies(&writer_stream, reply_rx, pool, slots, broken, peer));
+        if let Err(e) = writer {
+            tracing::warn!("{peer}: closing, no thread for it: {e}");
+            return "no thread".to_owned();
+        }
+        let io = std::thread::Builder::new()
+            .name("nbd-io".into())
+            .spawn_scoped(scope, move || run_io(queue, volume, job_rx, io_replies, pool, peer));
+        if let Err(e) = io {
+            tracing::warn!("{peer}: closing, no thread for it: {e}");
+            return "no thread".to_owned();
+        }
+        let ended = read_requests(shared, &stream, job_tx, &waker, reply_tx, pool, slots, broken, peer);
+        // The writer may be blocked on a client that stopped reading.
+        if broken.load(Ordering::Acquire) {
+            stream.shutdown(Shutdown::Both);
+        }
+        ended
+    });
+    stream.shutdown(Shutdown::Both);
+    tracing::info!("{peer}: disconnected ({ended})");
+}
+
+/// The reader: decodes requests until the connection ends; returns why.
+#[allow(clippy::too_many_arguments)]
+fn read_requests(
+    shared: &Shared,
+    stream: &Stream,
+    jobs: Sender<Job>,
+    waker: &IoWaker,
+    replies: Sender<Reply>,
+    pool: &Pool,
+    slots: &Slots,
+    broken: &AtomicBool,
+    peer: &str,
+) -> String {
+    let export = &shared.export;
+    let max = export.sizes.maximum;
+    let ended = loop {
+        if broken.load(Ordering::Acquire) {
+            break "sending a reply failed".to_owned();
+        }
+        let mut h = [0u8; Request::SIZE];
+        match read_or_eof(stream, &mut h) {
+            Ok(true) => {}
+            Ok(false) => break "closed by the client without NBD_CMD_DISC, or the server is stopping".to_owned(),
+            Err(e) => break format!("reading a request failed: {e}"),
+        }
+        let request = match Request::decode(&h) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("{peer}: {e}: the stream is out of step, disconnecting");
+                break format!("{e}");
+            }
+        };
+        if let Err(e) = request.validate(max) {
+            if e.is_fatal() {
+                tracing::warn!("{peer}: {e}: disconnecting");
+                break format!("{e}");
+            }
+            // Refused, but the connection stays in step: a WRITE's payload
+            // is read and thrown away.
+            if let Err(err) = discard(stream, request.payload_len()) {
+                break format!("reading the payload of a refused request failed: {err}");
+            }
+            refuse(&request, Failure::Request(e), &replies, slots, peer);
+            continue;
+        }
+        match request.command {
+            Command::Disc => break "NBD_CMD_DISC".to_owned(),
+            Command::Read | Command::Write if request.length == 0 => {
+                slots.acquire();
+                let _ = replies.send(Reply { cookie: request.cookie, error: 0, data: None });
+                continue;
+            }
+            _ => {}
+        }
+        slots.acquire();
+        let buffer = match request.command {
+            Command::Read | Command::Write => match pool.take(request.length as usize) {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    if let Err(err) = discard(stream, request.payload_len()) {
+                        slots.release();
+                        break format!("reading the payload of a refused request failed: {err}");
+                    }
+                    slots.release();
+                    refuse(&request, Failure::Io(e), &replies, slots, peer);
+                    continue;
+                }
+            },
+            _ => None,
+        };
+        let mut buffer = buffer;
+        if request.command == Command::Write {
+            let buf = buffer.as_mut().expect("writes have a buffer");
+            let mut s = stream;
+            if let Err(e) = s.read_exact(&mut buf.as_mut_slice()[..request.length as usize]) {
+                pool.give(buffer.take().expect("taken above"));
+                slots.release();
+                break format!("reading the payload of a {}-byte write failed: {e}", request.length);
+            }
+        }
+        if jobs.send(Job { request, buffer }).is_err() {
+            slots.release();
+            break "the I/O thread ended".to_owned();
+        }
+        waker.wake();
+    };
+    drop(jobs);
+    waker.wake();
+    ended
+}
+
+/// Answers a request refused before it reached the I/O thread, logged.
+fn refuse(request: &Request, failure: Failure, replies: &Sender<Reply>, slots: &Slots, peer: &str) {
+    let error = errno(request.command, &failure);
+    log_failure(peer, request, &failure, error);
+    slots.acquire();
+    let _ = replies.send(Reply { cookie: request.cookie, error, data: None });
+}
+
+fn log_failure(peer: &str, r: &Request, failure: &Failure, error: u32) {
+    let why = match failure {
+        Failure::Request(e) => e.to_string(),
+        Failure::Io(e) => e.one_line(),
+    };
+    tracing::warn!(
+        "{peer}: {} of {} bytes at offset {} (cookie {:#x}) refused with NBD errno {error}: {why}",
+        r.command,
+        r.length,
+        r.offset,
+        r.cookie
+    );
+}
+
+/// Reads and drops `len` bytes (a refused WRITE's payload).
+fn discard(mut s: &Stream, len: u32) -> io::Result<()> {
+    let mut scratch = vec![0u8; (len as usize).min(64 << 10)];
+    let mut left = len as usize;
+    while left > 0 {
+        let n = left.min(scratch.len());
+        s.read_exact(&mut scratch[..n])?;
+        left -= n;
+    }
+    Ok(())
+}
+
+/// A request in the I/O thread.
+struct Pending {
+    request: Request,
+    /// FUA on TRIM or WRITE_ZEROES: a FLUSH follows before the reply.
+    flush_after: bool,
+    /// The FLUSH of `flush_after` is the one in flight.
+    flushing: bool,
+}
+
+/// The I/O thread: submits the reader's requests to the connection's
+/// `IoQueue`, keeps them in flight together, and turns completions into
+/// replies. Ends when the reader is gone and nothing is in flight, after a
+/// FLUSH if the connection's writes were not flushed.
+fn run_io(mut queue: IoQueue, volume: &Volume, jobs: Receiver<Job>, replies: Sender<Reply>, pool: &Pool, peer: &str) {
+    let mut pending = Slab::default();
+    let mut batch: Vec<(IoRequest, u64)> = Vec::new();
+    let mut done: Vec<IoCompletion> = Vec::new();
+    let mut open = true;
+    let mut unflushed = false;
+    loop {
+        loop {
+            match jobs.try_recv() {
+                Ok(job) => {
+                    let (request, p) = build(volume, job);
+                    batch.push((request, pending.insert(p)));
+                }
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    open = false;
+                    break;
+                }
+            }
+        }
+        if !batch.is_empty() {
+            queue.submit_batch(batch.drain(..));
+        }
+        if queue.outstanding() == 0 {
+            if !open {
+                break;
+            }
+            match jobs.recv() {
+                Ok(job) => {
+                    let (request, p) = build(volume, job);
+                    batch.push((request, pending.insert(p)));
+                }
+                Err(_) => open = false,
+            }
+            continue;
+        }
+        queue.wait(&mut done, 1, Some(Duration::from_millis(500)));
+        for c in done.drain(..) {
+            let p = pending.get_mut(c.tag);
+            let command = p.request.command;
+            match (&c.result, command) {
+                (Ok(()), Command::Write | Command::Trim | Command::WriteZeroes) => unflushed = true,
+                (Ok(()), Command::Flush) => unflushed = false,
+                _ => {}
+            }
+            if c.result.is_ok() && p.flush_after && !p.flushing {
+                p.flushing = true;
+                queue.submit(IoRequest::flush(volume), c.tag);
+                continue;
+            }
+            let p = pending.remove(c.tag);
+            let (error, data) = match c.result {
+                Ok(()) => {
+                    let data = match (command, c.buffer) {
+                        (Command::Read, Some(b)) => Some((b, p.request.length as usize)),
+                        (_, Some(b)) => {
+                            pool.give(b);
+                            None
+                        }
+                        (_, None) => None,
+                    };
+                    (0, data)
+                }
+                Err(e) => {
+                    if let Some(b) = c.buffer {
+                        pool.give(b);
+                    }
+                    let failure = Failure::Io(e);
+                    let error = errno(command, &failure);
+                    log_failure(peer, &p.request, &failure, error);
+                    (error, None)
+                }
+            };
+            if let Err(mpsc::SendError(r)) = replies.send(Reply { cookie: p.request.cookie, error, data }) {
+                if let Some((b, _)) = r.data {
+                    pool.give(b);
+                }
+            }
+        }
+    }
+    if unflushed && !volume.read_only() {
+        queue.submit(IoRequest::flush(volume), u64::MAX);
+        while queue.outstanding() > 0 {
+            queue.wait(&mut done, 1, None);
+        }
+        for c in done.drain(..) {
+            if let Err(e) = c.result {
+                tracing::warn!("{peer}: the flush after the connection's last writes failed: {}", e.one_line());
+            }
+        }
+    }
+}
+
+/// The I/O thread's requests by tag.
+#[derive(Default)]
+struct Slab {
+    entries: Vec<Option<Pending>>,
+    free: Vec<usize>,
+}
+
+impl Slab {
+    fn insert(&mut self, p: Pending) -> u64 {
+        match self.free.pop() {
+            Some(i) => {
+                self.entries[i] = Some(p);
+                i as u64
+            }
+            None => {
+                self.entries.push(Some(p));
+                (self.entries.len() - 1) as u64
+            }
+        }
+    }
+
+    fn get_mut(&mut self, tag: u64) -> &mut Pending {
+        self.entries[tag as usize].as_mut().expect("a pending request")
+    }
+
+    fn remove(&mut self, tag: u64) -> Pending {
+        self.free.push(tag as usize);
+        self.entries[tag as usize].take().expect("a pending request")
+    }
+}
+
+/// The `IoRequest` of a job and its bookkeeping.
+fn build(volume: &Volume, job: Job) -> (IoRequest, Pending) {
+    let r = job.request;
+    let fua = r.flags & CMD_FLAG_FUA != 0;
+    let (offset, len) = (r.offset, u64::from(r.length));
+    let request = match r.command {
+        Command::Read => {
+            IoRequest::read(volume, offset, job.buffer.expect("reads have a buffer")).with_range(0, len as usize)
+        }
+        Command::Write => {
+            let w =
+                IoRequest::write(volume, offset, job.buffer.expect("writes have a buffer")).with_range(0, len as usize);
+            if fua {
+                w.with_fua()
+            } else {
+                w
+            }
+        }
+        Command::Flush => IoRequest::flush(volume),
+        Command::Trim => IoRequest::discard(volume, offset, len),
+        Command::WriteZeroes => {
+            let z = IoRequest::write_zeroes(volume, offset, len);
+            if r.flags & CMD_FLAG_NO_HOLE != 0 {
+                z.with_no_hole()
+            } else {
+                z
+            }
+        }
+        Command::Disc | Command::Other(_) => unreachable!("the reader keeps {} from the I/O thread", r.command),
+    };
+    let flush_after = fua && matches!(r.command, Command::Trim | Command::WriteZeroes);
+    (request, Pending { request: r, flush_after, flushing: false })
+}
+
+/// The writer: sends each reply, gives buffers back and frees slots. After
+/// a failed send it keeps doing the latter (and ends the reader).
+fn write_replies(
+    stream: &Stream,
+    replies: Receiver<Reply>,
+    pool: &Pool,
+    slots: &Slots,
+    broken: &AtomicBool,
+    peer: &str,
+) {
+    for reply in replies {
+        if !broken.load(Ordering::Acquire) {
+            let header = SimpleReply { error: reply.error, cookie: reply.cookie }.encode();
+            let data = reply.data.as_ref().map_or(&[][..], |(b, len)| &b.as_slice()[..*len]);
+            if let Err(e) = write_all_vectored(stream, &header, data) {
+                tracing::warn!("{peer}: sending a reply failed: {e}; closing");
+                broken.store(true, Ordering::Release);
+                stream.shutdown(Shutdown::Both);
+            }
+        }
+        if let Some((b, _)) = reply.data {
+            pool.give(b);
+        }
+        slots.release();
+    }
+}
+
+/// Writes `header` then `data` with as few system calls as the socket allows.
+fn write_all_vectored(mut s: &Stream, header: &[u8], data: &[u8]) -> io::Result<()> {
+    let mut bufs = [IoSlice::new(header), IoSlice::new(data)];
+    let mut slices = &mut bufs[..];
+    while !slices.is_empty() && slices.iter().any(|b| !b.is_empty()) {
+        match s.write_vectored(slices) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "the socket took no bytes")),
+            Ok(n) => IoSlice::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// A counting semaphore: requests between their header and their reply.
+struct Slots {
+    used: Mutex<usize>,
+    freed: Condvar,
+    max: usize,
+}
+
+impl Slots {
+    fn new(max: usize) -> Slots {
+        Slots { used: Mutex::new(0), freed: Condvar::new(), max: max.max(1) }
+    }
+
+    fn acquire(&self) {
+        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        while *used >= self.max {
+            used = self.freed.wait(used).unwrap_or_else(|e| e.into_inner());
+        }
+        *used += 1;
+    }
+
+    fn release(&self) {
+        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        *used -= 1;
+        self.freed.notify_one();
+    }
+}
+
+/// The connection's registered buffers, by size class (powers of two from
+/// 4 KiB), allocated on first use and reused; at most `budget` bytes.
+struct Pool {
+    session: Session,
+    state: Mutex<PoolState>,
+    freed: Condvar,
+    budget: usize,
+}
+
+struct PoolState {
+    free: BTreeMap<usize, Vec<IoBuffer>>,
+    /// Bytes allocated (free and in use).
+    bytes: usize,
+}
+
+impl Pool {
+    fn new(session: Session, budget: usize) -> Pool {
+        Pool {
+            session,
+            state: Mutex::new(PoolState { free: BTreeMap::new(), bytes: 0 }),
+            freed: Condvar::new(),
+            budget,
+        }
+    }
+
+    /// A buffer of at least `len` bytes; waits while the budget is taken by
+    /// buffers in use. Idle buffers of other sizes are freed to make room.
+    fn take(&self, len: usize) -> Result<IoBuffer> {
+        let class = len.max(4096).next_power_of_two();
+        let budget = self.budget.max(class);
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(b) = st.free.get_mut(&class).and_then(Vec::pop) {
+                return Ok(b);
+            }
+            if st.bytes + class <= budget {
+                st.bytes += class;
+                drop(st);
+                return self.session.alloc_buffer(class).inspect_err(|_| {
+                    self.state.lock().unwrap_or_else(|e| e.into_inner()).bytes -= class;
+                });
+            }
+            if let Some((&size, list)) = st.free.iter_mut().find(|(_, l)| !l.is_empty()) {
+                list.pop();
+                st.bytes -= size;
+                continue;
+            }
+            st = self.freed.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn give(&self, b: IoBuffer) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.free.entry(b.len()).or_default().push(b);
+        self.freed.notify_one();
+    }
+}
