@@ -1,0 +1,680 @@
+//! `rdmablk nbd` end to end: the real `rdmablk-target`, the real `rdmablk nbd`
+//! process, and real NBD clients from Debian (libnbd-bin: nbdinfo, nbdcopy,
+//! nbdfuse; qemu-utils: qemu-io, qemu-img), plus a raw client for what no
+//! real client sends. Every check ends with the backing file's bytes.
+//!
+//! A test whose tool is missing says so and passes (`scripts/test.sh`
+//! installs them: libnbd-bin, qemu-utils).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::{RngCore, SeedableRng};
+use rdmablk_initiator::nbd::wire::{
+    self, Command as Cmd, InfoRequest, OptionHeader, OptionReply, Request, SimpleReply,
+};
+use rdmablk_system_tests::{bin, file_bytes, file_volume, sparse_file, target_section, TargetProcess};
+
+const MIB: u64 = 1 << 20;
+const SIZE: u64 = 64 * MIB;
+
+/// The path of `tool`, or None after saying that the test is skipped.
+fn need(tool: &str, package: &str) -> bool {
+    let found =
+        std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file())).unwrap_or(false);
+    if !found {
+        eprintln!("skipping: {tool} is not installed (apt-get install {package}; scripts/test.sh does)");
+    }
+    found
+}
+
+/// A target with a 64 MiB file volume `vol0`, a read-only memory volume
+/// `ro` and (for FUSE) a 128 MiB file volume `v512` with 512-byte blocks.
+struct Setup {
+    dir: tempfile::TempDir,
+    img: PathBuf,
+    target: TargetProcess,
+}
+
+fn setup() -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_file(dir.path(), "vol0.img", SIZE);
+    let img512 = sparse_file(dir.path(), "v512.img", 128 * MIB);
+    let config = format!(
+        "{}\n{}\n[[volume]]\nname = \"ro\"\nbackend = \"memory\"\nsize = \"16MiB\"\nread_only = true\nallow_any_host = true\n\n{}block_size = 512\n",
+        target_section(),
+        file_volume("vol0", &img, SIZE, false),
+        file_volume("v512", &img512, 128 * MIB, false),
+    );
+    let target = TargetProcess::start(&config);
+    Setup { dir, img, target }
+}
+
+/// A running `rdmablk nbd` process on a unix socket.
+struct NbdProcess {
+    child: Child,
+    uri: String,
+    socket: PathBuf,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl NbdProcess {
+    fn start(target: &TargetProcess, volume: &str, socket: &Path) -> NbdProcess {
+        let mut child = Command::new(bin("rdmablk"))
+            .args(["--target", &target.url, "nbd", volume, "--socket"])
+            .arg(socket)
+            .env("RDMABLK_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn rdmablk nbd");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&log);
+        let stderr = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if std::env::var_os("RDMABLK_TEST_ECHO").is_some() {
+                    eprintln!("[nbd] {line}");
+                }
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stdout = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(line)) = lines.next() {
+                let _ = tx.send(line);
+            }
+            for _ in lines {}
+        });
+        let uri = match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(uri) => uri,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("rdmablk nbd printed no URI; log:\n{}", log.lock().unwrap().join("\n"));
+            }
+        };
+        assert_eq!(uri, format!("nbd+unix:///{volume}?socket={}", socket.display()));
+        NbdProcess { child, uri, socket: socket.to_owned(), log }
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+
+    fn wait_for_log(&self, needle: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(l) = self.log.lock().unwrap().iter().find(|l| l.contains(needle)) {
+                return l.clone();
+            }
+            assert!(Instant::now() < deadline, "no log line containing {needle:?}; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGTERM, then the exit code.
+    fn stop(mut self) -> (Option<i32>, String) {
+        if self.child.try_wait().unwrap().is_none() {
+            // SAFETY: kill(2) takes plain integers; the pid is our own child.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "rdmablk nbd did not exit after SIGTERM; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        let log = self.log();
+        assert!(!log.contains("panicked"), "rdmablk nbd panicked:\n{log}");
+        (status.code(), log)
+    }
+}
+
+impl Drop for NbdProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn run(cmd: &mut Command) -> std::process::Output {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn random_file(path: &Path, len: usize, seed: u64) -> Vec<u8> {
+    let mut data = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut data);
+    std::fs::write(path, &data).unwrap();
+    data
+}
+
+// ------------------------------------------------------------------ raw client
+
+/// A minimal NBD client for what real clients never send.
+struct Raw {
+    s: UnixStream,
+}
+
+impl Raw {
+    /// Connects and reads the greeting; sends fixed newstyle + no zeroes.
+    fn connect(socket: &Path) -> Raw {
+        let s = UnixStream::connect(socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut r = Raw { s };
+        let mut g = [0u8; wire::Greeting::SIZE];
+        r.s.read_exact(&mut g).unwrap();
+        let greeting = wire::Greeting::decode(&g).unwrap();
+        assert_eq!(greeting.flags, wire::FLAG_FIXED_NEWSTYLE | wire::FLAG_NO_ZEROES);
+        r.s.write_all(&(wire::FLAG_C_FIXED_NEWSTYLE | wire::FLAG_C_NO_ZEROES).to_be_bytes()).unwrap();
+        r
+    }
+
+    fn option(&mut self, option: u32, data: &[u8]) {
+        self.s.write_all(&OptionHeader { option, length: data.len() as u32 }.encode()).unwrap();
+        self.s.write_all(data).unwrap();
+    }
+
+    fn option_reply(&mut self) -> (OptionReply, Vec<u8>) {
+        let mut h = [0u8; OptionReply::SIZE];
+        self.s.read_exact(&mut h).unwrap();
+        let r = OptionReply::decode(&h).unwrap();
+        let mut data = vec![0u8; r.length as usize];
+        self.s.read_exact(&mut data).unwrap();
+        (r, data)
+    }
+
+    /// NBD_OPT_GO for `name`; returns the export's size and flags and the block sizes.
+    fn go(&mut self, name: &str) -> (wire::ExportInfo, wire::BlockSizes) {
+        let req = InfoRequest { name: name.as_bytes().to_vec(), requests: vec![wire::INFO_BLOCK_SIZE] };
+        self.option(wire::OPT_GO, &req.encode());
+        let (mut info, mut sizes) = (None, None);
+        loop {
+            let (r, data) = self.option_reply();
+            assert!(!r.is_error(), "NBD_OPT_GO {name:?} failed: {:#x} {}", r.reply, String::from_utf8_lossy(&data));
+            match r.reply {
+                wire::REP_INFO => {
+                    info = info.or(wire::ExportInfo::decode_info(&data));
+                    sizes = sizes.or(wire::BlockSizes::decode_info(&data));
+                }
+                wire::REP_ACK => break,
+                other => panic!("unexpected reply {other:#x}"),
+            }
+        }
+        (info.expect("NBD_INFO_EXPORT"), sizes.expect("NBD_INFO_BLOCK_SIZE"))
+    }
+
+    fn request(&mut self, command: Cmd, flags: u16, cookie: u64, offset: u64, length: u32, payload: &[u8]) {
+        let r = Request { flags, command, cookie, offset, length };
+        self.s.write_all(&[&r.encode()[..], payload].concat()).unwrap();
+    }
+
+    fn reply(&mut self) -> SimpleReply {
+        let mut h = [0u8; SimpleReply::SIZE];
+        self.s.read_exact(&mut h).unwrap();
+        SimpleReply::decode(&h).unwrap()
+    }
+
+    /// One request, its reply's error (and a READ's data).
+    fn call(&mut self, command: Cmd, flags: u16, offset: u64, length: u32, payload: &[u8]) -> (u32, Vec<u8>) {
+        self.request(command, flags, 7, offset, length, payload);
+        let r = self.reply();
+        assert_eq!(r.cookie, 7);
+        let mut data = Vec::new();
+        if command == Cmd::Read && r.error == 0 {
+            data = vec![0u8; length as usize];
+            self.s.read_exact(&mut data).unwrap();
+        }
+        (r.error, data)
+    }
+
+    /// True once the server closed the connection (anything it sends
+    /// first is read and dropped); false if it stays open for 20 s.
+    fn closed(&mut self) -> bool {
+        let mut b = [0u8; 4096];
+        loop {
+            match self.s.read(&mut b) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+                Err(_) => return false,
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------ tests
+
+#[test]
+fn nbdinfo_shows_size_block_sizes_and_flags() {
+    if !need("nbdinfo", "libnbd-bin") {
+        return;
+    }
+    let s = setup();
+    let nbd = NbdProcess::start(&s.target, "vol0", &s.dir.path().join("vol0.sock"));
+    let out = run(Command::new("nbdinfo").args(["--json", &nbd.uri]));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let e = &json["exports"][0];
+    assert_eq!(json["protocol"], "newstyle-fixed");
+    assert_eq!(e["export-name"], "vol0");
+    assert_eq!(e["export-size"], SIZE);
+    assert_eq!((e["block_size_minimum"].as_u64(), e["block_size_preferred"].as_u64()), (Some(4096), Some(4096)));
+    assert_eq!(e["block_size_maximum"], 1 << 20);
+    for (key, want) in [
+        ("is_read_only", false),
+        ("can_flush", true),
+        ("can_fua", true),
+        ("can_trim", true),
+        ("can_zero", true),
+        ("can_multi_conn", true),
+        ("can_df", false),
+        ("can_cache", false),
+    ] {
+        assert_eq!(e[key], want, "{key} in {e}");
+    }
+    // The default name selects the volume too, and NBD_OPT_LIST names it.
+    let default = nbd.uri.replace("///vol0?", "///?");
+    let out = run(Command::new("nbdinfo").args(["--size", &default]));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), SIZE.to_string());
+    let out = run(Command::new("nbdinfo").args(["--list", "--json", &nbd.uri]));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["exports"].as_array().map(Vec::len), Some(1));
+    assert_eq!(json["exports"][0]["export-name"], "vol0");
+
+    // A read-only volume says so, and offers no trim, zero or FUA.
+    let ro = NbdProcess::start(&s.target, "ro", &s.dir.path().join("ro.sock"));
+    let out = run(Command::new("nbdinfo").args(["--json", &ro.uri]));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let e = &json["exports"][0];
+    assert_eq!((&e["is_read_only"], &e["can_trim"], &e["can_zero"]), (&true.into(), &false.into(), &false.into()));
+    assert_eq!(nbd.stop().0, Some(0));
+    assert_eq!(ro.stop().0, Some(0));
+}
+
+#[test]
+fn nbdcopy_in_and_out_is_byte_identical_with_the_backing_file() {
+    if !need("nbdcopy", "libnbd-bin") {
+        return;
+    }
+    let s = setup();
+    let nbd = NbdProcess::start(&s.target, "vol0", &s.dir.path().join("vol0.sock"));
+    let input = s.dir.path().join("input.img");
+    let data = random_file(&input, SIZE as usize, 19);
+    // nbdcopy opens several connections (the export allows multi-conn),
+    // each with its own IoQueue, each with requests in flight.
+    run(Command::new("nbdcopy").args(["--flush", "--requests=16"]).arg(&input).arg(&nbd.uri));
+    assert!(std::fs::read(&s.img).unwrap() == data, "the backing file differs from what nbdcopy wrote");
+    let output = s.dir.path().join("output.img");
+    run(Command::new("nbdcopy").arg(&nbd.uri).arg(&output));
+    assert!(std::fs::read(&output).unwrap() == data, "nbdcopy read back other bytes");
+    let connections = nbd.log().matches("NBD_OPT_GO: serving").count();
+    assert!(connections >= 3, "nbdcopy made {connections} connections; log:\n{}", nbd.log());
+    if need("qemu-img", "qemu-utils") {
+        run(Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "raw"]).arg(&input).arg(&nbd.uri));
+    }
+    let (code, log) = nbd.stop();
+    assert_eq!(code, Some(0), "{log}");
+    assert!(!log.contains("WARN"), "a clean copy logged warnings:\n{log}");
+}
+
+#[test]
+fn qemu_io_reads_writes_discards_and_zeroes() {
+    if !need("qemu-io", "qemu-utils") {
+        return;
+    }
+    let s = setup();
+    let nbd = NbdProcess::start(&s.target, "vol0", &s.dir.path().join("vol0.sock"));
+    let q = |cmds: &[&str]| {
+        let mut c = Command::new("qemu-io");
+        c.args(["-f", "raw"]);
+        for cmd in cmds {
+            c.args(["-c", cmd]);
+        }
+        run(c.arg(&nbd.uri))
+    };
+    q(&["write -P 0xab 1M 2M", "write -P 0xcd 8M 64k", "flush", "read -P 0xab 1M 2M", "read -P 0xcd 8M 64k"]);
+    assert!(file_bytes(&s.img, MIB, 2 * MIB as usize).iter().all(|&b| b == 0xab));
+    assert!(file_bytes(&s.img, 8 * MIB, 65536).iter().all(|&b| b == 0xcd));
+    // FUA, write-zeroes (with and without unmap), discard.
+    q(&["write -f -P 0x11 16M 128k", "write -z 1M 512k", "write -z -u 2M 256k", "discard 8M 64k", "read -P 0 1M 512k"]);
+    assert!(file_bytes(&s.img, 16 * MIB, 128 << 10).iter().all(|&b| b == 0x11));
+    assert!(file_bytes(&s.img, MIB, 512 << 10).iter().all(|&b| b == 0));
+    assert!(file_bytes(&s.img, 2 * MIB, 256 << 10).iter().all(|&b| b == 0));
+    assert!(file_bytes(&s.img, 2 * MIB + (256 << 10), 768 << 10).iter().all(|&b| b == 0xab));
+    // qemu honours the 4 KiB minimum itself: it reads, modifies and writes
+    // whole blocks around an unaligned write.
+    q(&["write -P 0x5a 4097 100", "read -P 0x5a 4097 100"]);
+    assert!(file_bytes(&s.img, 4097, 100).iter().all(|&b| b == 0x5a));
+    assert!(file_bytes(&s.img, 4096, 1) == [0] && file_bytes(&s.img, 4197, 1) == [0]);
+    let (code, log) = nbd.stop();
+    assert_eq!(code, Some(0), "{log}");
+}
+
+#[test]
+fn qemu_img_convert_and_compare_over_nbd_unix() {
+    if !need("qemu-img", "qemu-utils") {
+        return;
+    }
+    let s = setup();
+    let nbd = NbdProcess::start(&s.target, "vol0", &s.dir.path().join("vol0.sock"));
+    let input = s.dir.path().join("input.img");
+    let mut data = random_file(&input, SIZE as usize, 23);
+    // Holes in the input: qemu-img writes zeroes (or skips them) there.
+    data[(10 * MIB) as usize..(20 * MIB) as usize].fill(0);
+    std::fs::write(&input, &data).unwrap();
+    run(Command::new("qemu-img").args(["convert", "-n", "-f", "raw", "-O", "raw"]).arg(&input).arg(&nbd.uri));
+    run(Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "raw"]).arg(&input).arg(&nbd.uri));
+    assert!(std::fs::read(&s.img).unwrap() == data, "the backing file differs from the converted image");
+    let out = run(Command::new("qemu-img").args(["info", "--output=json"]).arg(&nbd.uri));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["virtual-size"], SIZE);
+    let (code, log) = nbd.stop();
+    assert_eq!(code, Some(0), "{log}");
+}
+
+#[test]
+fn a_read_only_volume_refuses_writes_with_eperm() {
+    let s = setup();
+    let nbd = NbdProcess::start(&s.target, "ro", &s.dir.path().join("ro.sock"));
+    let mut c = Raw::connect(&nbd.socket);
+    let (info, _) = c.go("ro");
+    assert_ne!(info.flags & wire::TFLAG_READ_ONLY, 0);
+    assert_eq!(c.call(Cmd::Write, 0, 0, 4096, &[1u8; 4096]).0, wire::NBD_EPERM);
+    assert_eq!(c.call(Cmd::Trim, 0, 0, 4096, &[]).0, wire::NBD_EPERM);
+    assert_eq!(c.call(Cmd::WriteZeroes, 0, 0, 4096, &[]).0, wire::NBD_EPERM);
+    let (e, data) = c.call(Cmd::Read, 0, 0, 4096, &[]);
+    assert_eq!(e, 0);
+    assert!(data.iter().all(|&b| b == 0));
+    assert_eq!(c.call(Cmd::Flush, 0, 0, 0, &[]).0, 0);
+    nbd.wait_for_log("NBD_CMD_WRITE of 4096 bytes at offset 0 (cookie 0x7) refused with NBD errno 1");
+    if need("qemu-io", "qemu-utils") {
+        let out = Command::new("qemu-io").args(["-f", "raw", "-c", "write 0 4k", &nbd.uri]).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() || text.contains("not permitted") || text.contains("failed"), "{text}");
+        eprintln!("qemu-io on the read-only export: {}", text.trim());
+    }
+    drop(c);
+    assert_eq!(nbd.stop().0, Some(0));
+}
+
+#[test]
+fn a_bad_export_name_is_refused() {
+    let s = setup();
+    let nbd = NbdProcess::start(&s.target, "vol0", &s.dir.path().join("vol0.sock"));
+    let mut c = Raw::connect(&nbd.socket);
+    for option in [wire::OPT_INFO, wire::OPT_GO] {
+        c.option(option, &InfoRequest { name: b"nope".to_vec(), requests: vec![] }.encode());
+        let (r, msg) = c.option_reply();
+        assert_eq!(r.reply, wire::REP_ERR_UNKNOWN);
+        assert!(String::from_utf8_lossy(&msg).contains("\"nope\""));
+    }
+    // The connection goes on: the default name works.
+    let (info, sizes) = c.go("");
+    assert_eq!(info.size, SIZE);
+    assert_eq!(sizes, wire::BlockSizes { minimum: 4096, preferred: 4096, maximum: 1 << 20 });
+    c.request(Cmd::Disc, 0, 1, 0, 0, &[]);
+    assert!(c.closed());
+    // NBD_OPT_EXPORT_NAME cannot be answered with an error: the server closes.
+    let mut c = Raw::connect(&nbd.socket);
+    c.option(wire::OPT_EXPORT_NAME, b"nope");
+    assert!(c.closed());
+    nbd.wait_for_log("NBD_OPT_EXPORT_NAME asks for export \"nope\"");
+    if need("nbdinfo", "libnbd-bin") {
+        let out = Command::new("nbdinfo").arg(nbd.uri.replace("///vol0?", "///nope?")).output().unwrap();
+        assert!(!out.status.success());
+    }
+    assert_eq!(nbd.stop().0, Some(0));
+}
+
+#[test]
+fn misbehaving_clients_get_errors_or_are_disconnected_and_others_keep_working() {
+    let s = setup();
+    let nbd = NbdProcess::start(&s.target, "vol0", &s.dir.path().join("vol0.sock"));
+    let mut good = Raw::connect(&nbd.socket);
+    good.go("vol0");
+    assert_eq!(good.call(Cmd::Write, 0, 0, 8192, &[0x77; 8192]).0, 0);
+    let before = std::fs::read(&s.img).unwrap();
+
+    // Negotiation: unknown options and bad option data are answered, not fatal.
+    let mut c = Raw::connect(&nbd.socket);
+    c.option(12345, b"junk");
+    assert_eq!(c.option_reply().0.reply, wire::REP_ERR_UNSUP);
+    c.option(wire::OPT_STRUCTURED_REPLY, &[]);
+    assert_eq!(c.option_reply().0.reply, wire::REP_ERR_UNSUP);
+    c.option(wire::OPT_LIST, b"x");
+    assert_eq!(c.option_reply().0.reply, wire::REP_ERR_INVALID);
+    c.option(wire::OPT_GO, &[0, 0, 0, 9, b'v']);
+    assert_eq!(c.option_reply().0.reply, wire::REP_ERR_INVALID);
+    let (_, sizes) = c.go("vol0");
+    let max = sizes.maximum;
+
+    // Transmission: each bad request gets the spec's error and the connection goes on.
+    assert_eq!(c.call(Cmd::Read, 0, SIZE, 4096, &[]).0, wire::NBD_EINVAL, "read beyond the end");
+    assert_eq!(c.call(Cmd::Read, 0, SIZE - 4096, 8192, &[]).0, wire::NBD_EINVAL, "read across the end");
+    assert_eq!(c.call(Cmd::Write, 0, SIZE - 4096, 8192, &[1; 8192]).0, wire::NBD_ENOSPC, "write across the end");
+    assert_eq!(c.call(Cmd::Write, 0, u64::MAX - 4095, 4096, &[1; 4096]).0, wire::NBD_ENOSPC, "offset overflow");
+    assert_eq!(c.call(Cmd::WriteZeroes, 0, SIZE, 4096, &[]).0, wire::NBD_ENOSPC, "zeroes beyond the end");
+    assert_eq!(c.call(Cmd::Trim, 0, SIZE, 4096, &[]).0, wire::NBD_EINVAL, "trim beyond the end");
+    assert_eq!(c.call(Cmd::Read, 0, 512, 4096, &[]).0, wire::NBD_EINVAL, "misaligned offset");
+    assert_eq!(c.call(Cmd::Write, 0, 0, 512, &[1; 512]).0, wire::NBD_EINVAL, "misaligned length");
+    assert_eq!(c.call(Cmd::Read, 0, 0, max + 4096, &[]).0, wire::NBD_EINVAL, "read above the maximum payload");
+    let big = vec![2u8; 2 * max as usize];
+    assert_eq!(c.call(Cmd::Write, 0, 0, big.len() as u32, &big).0, wire::NBD_EINVAL, "write above the maximum");
+    assert_eq!(c.call(Cmd::Other(5), 0, 0, 4096, &[]).0, wire::NBD_EINVAL, "NBD_CMD_CACHE is not served");
+    assert_eq!(c.call(Cmd::Other(99), 0, 0, 0, &[]).0, wire::NBD_EINVAL, "unknown command");
+    assert_eq!(c.call(Cmd::Read, wire::CMD_FLAG_DF, 0, 4096, &[]).0, wire::NBD_EINVAL, "DF was not offered");
+    assert_eq!(
+        c.call(Cmd::Write, wire::CMD_FLAG_NO_HOLE, 0, 4096, &[3; 4096]).0,
+        wire::NBD_EINVAL,
+        "NO_HOLE on a write"
+    );
+    let (e, data) = c.call(Cmd::Read, wire::CMD_FLAG_FUA, 0, 8192, &[]);
+    assert_eq!((e, data), (0, vec![0x77; 8192]), "the connection still works after all that");
+    nbd.wait_for_log("NBD_CMD_WRITE of 8192 bytes at offset 67104768 (cookie 0x7) refused with NBD errno 28");
+
+    // Fatal: a bad request magic, a write too long to read and discard.
+    let mut bad = Raw::connect(&nbd.socket);
+    bad.go("vol0");
+    let mut h = Request { flags: 0, command: Cmd::Read, cookie: 1, offset: 0, length: 4096 }.encode();
+    h[0] ^= 0xff;
+    bad.s.write_all(&h).unwrap();
+    assert!(bad.closed(), "a bad request magic must end the connection");
+    nbd.wait_for_log("bad request magic 0xda609513");
+    let mut huge = Raw::connect(&nbd.socket);
+    huge.go("vol0");
+    huge.request(Cmd::Write, 0, 2, 0, u32::MAX, &[9u8; 65536]);
+    assert!(huge.closed(), "a 4 GiB write must end the connection");
+    nbd.wait_for_log("write of 4294967295 bytes is longer than");
+    // A client that vanishes mid-request.
+    let mut gone = Raw::connect(&nbd.socket);
+    gone.go("vol0");
+    gone.request(Cmd::Write, 0, 3, 0, 1 << 20, &[5u8; 1000]);
+    drop(gone);
+    // A bad handshake: unknown client flags; a bad option magic.
+    let mut s1 = UnixStream::connect(&nbd.socket).unwrap();
+    s1.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut g = [0u8; wire::Greeting::SIZE];
+    s1.read_exact(&mut g).unwrap();
+    s1.write_all(&0x80u32.to_be_bytes()).unwrap();
+    assert!(matches!(s1.read(&mut g), Ok(0) | Err(_)));
+    let mut s2 = Raw::connect(&nbd.socket);
+    s2.s.write_all(&[0u8; 16]).unwrap();
+    assert!(s2.closed());
+    nbd.wait_for_log("unknown client flags 0x80");
+    nbd.wait_for_log("bad option magic 0x0");
+
+    // The well-behaved client never noticed, and nothing was written.
+    let (e, data) = good.call(Cmd::Read, 0, 0, 8192, &[]);
+    assert_eq!((e, data), (0, vec![0x77; 8192]));
+    assert_eq!(good.call(Cmd::Write, wire::CMD_FLAG_FUA, 4 * MIB, 4096, &[0x42; 4096]).0, 0);
+    let mut after = std::fs::read(&s.img).unwrap();
+    assert!(after[(4 * MIB) as usize..(4 * MIB + 4096) as usize].iter().all(|&b| b == 0x42));
+    after[(4 * MIB) as usize..(4 * MIB + 4096) as usize]
+        .copy_from_slice(&before[(4 * MIB) as usize..(4 * MIB + 4096) as usize]);
+    assert!(after == before, "a refused request changed the volume");
+    drop((good, c));
+    assert_eq!(nbd.stop().0, Some(0));
+}
+
+#[test]
+fn requests_of_one_connection_are_in_flight_together_and_sigterm_answers_them_then_exits_zero() {
+    let s = setup();
+    let nbd = NbdProcess::start(&s.target, "vol0", &s.dir.path().join("vol0.sock"));
+    let mut c = Raw::connect(&nbd.socket);
+    c.go("vol0");
+    // 64 writes of 64 KiB sent before any reply is read: they overlap on the
+    // target (replies come back in any order, matched by cookie).
+    for i in 0..64u64 {
+        c.request(Cmd::Write, 0, 1000 + i, i * 65536, 65536, &vec![i as u8; 65536]);
+    }
+    let mut cookies: Vec<u64> = (0..64)
+        .map(|_| c.reply())
+        .map(|r| {
+            assert_eq!(r.error, 0);
+            r.cookie
+        })
+        .collect();
+    cookies.sort();
+    assert_eq!(cookies, (1000..1064).collect::<Vec<_>>());
+    // Now 32 more, then SIGTERM before reading a reply: all are answered.
+    for i in 0..32u64 {
+        c.request(Cmd::Write, 0, 2000 + i, (64 + i) * 65536, 65536, &vec![0x80 | i as u8; 65536]);
+    }
+    c.request(Cmd::Flush, 0, 3000, 0, 0, &[]);
+    std::thread::sleep(Duration::from_millis(200));
+    let socket = nbd.socket.clone();
+    // SAFETY: kill(2) takes plain integers; the pid is our own child.
+    assert_eq!(unsafe { libc::kill(nbd.child.id() as i32, libc::SIGTERM) }, 0);
+    let mut answered = 0;
+    while answered < 33 {
+        let r = c.reply();
+        assert_eq!(r.error, 0, "cookie {}", r.cookie);
+        answered += 1;
+    }
+    assert!(c.closed(), "the connection ends once its requests are answered");
+    let (code, log) = nbd.stop();
+    assert_eq!(code, Some(0), "{log}");
+    assert!(log.contains("SIGTERM: stopping") && log.contains("flushed"), "{log}");
+    assert!(!socket.exists(), "the socket file was left behind");
+    let file = std::fs::read(&s.img).unwrap();
+    for i in 0..96usize {
+        let want = if i < 64 { i as u8 } else { 0x80 | (i - 64) as u8 };
+        assert!(file[i * 65536..(i + 1) * 65536].iter().all(|&b| b == want), "block {i}");
+    }
+}
+
+#[test]
+fn the_socket_path_never_replaces_another_file() {
+    let s = setup();
+    let path = s.dir.path().join("precious");
+    std::fs::write(&path, b"data").unwrap();
+    let out = Command::new(bin("rdmablk"))
+        .args(["--target", &s.target.url, "nbd", "vol0", "--socket"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("exists and is not a socket"), "{err}");
+    assert_eq!(std::fs::read(&path).unwrap(), b"data");
+}
+
+#[test]
+fn a_file_system_through_nbdfuse_and_a_loop_device_survives_a_remount() {
+    if !need("nbdfuse", "libnbd-bin") || !need("mkfs.ext4", "e2fsprogs") || !need("losetup", "mount") {
+        return;
+    }
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !Path::new("/dev/fuse").exists() || !root {
+        eprintln!("skipping: needs /dev/fuse and root (for mount)");
+        return;
+    }
+    let s = setup();
+    // libnbd refuses requests below the minimum block size itself, and the
+    // kernel sends 512-byte ones through FUSE: a volume with 512-byte blocks.
+    let nbd = NbdProcess::start(&s.target, "v512", &s.dir.path().join("v512.sock"));
+    let fuse_dir = s.dir.path().join("fuse");
+    let mnt = s.dir.path().join("mnt");
+    std::fs::create_dir_all(&fuse_dir).unwrap();
+    std::fs::create_dir_all(&mnt).unwrap();
+    let pidfile = s.dir.path().join("nbdfuse.pid");
+    let disk = fuse_dir.join("disk");
+    let mut fuse = Command::new("nbdfuse")
+        .arg("-P")
+        .arg(&pidfile)
+        .arg(&disk)
+        .arg(&nbd.uri)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    struct Unmount(Vec<PathBuf>);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            for p in &self.0 {
+                let _ = Command::new("umount").arg(p).status();
+            }
+        }
+    }
+    let _cleanup = Unmount(vec![mnt.clone(), fuse_dir.clone()]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !pidfile.exists() {
+        assert!(Instant::now() < deadline, "nbdfuse did not start");
+        assert!(fuse.try_wait().unwrap().is_none(), "nbdfuse exited");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(std::fs::metadata(&disk).unwrap().len(), 128 * MIB);
+    run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&disk));
+    run(Command::new("mount").args(["-o", "loop"]).arg(&disk).arg(&mnt));
+    let mut files = Vec::new();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(29);
+    for (i, len) in [0usize, 1, 4095, 4096, 65537, 1 << 20, 5 << 20].into_iter().enumerate() {
+        let mut data = vec![0u8; len];
+        rng.fill_bytes(&mut data);
+        let path = mnt.join(format!("f{i}"));
+        std::fs::write(&path, &data).unwrap();
+        files.push((format!("f{i}"), data));
+    }
+    std::fs::create_dir(mnt.join("dir")).unwrap();
+    std::fs::write(mnt.join("dir/nested"), b"nested file").unwrap();
+    run(Command::new("umount").arg(&mnt));
+    run(Command::new("mount").args(["-o", "loop"]).arg(&disk).arg(&mnt));
+    for (name, data) in &files {
+        assert!(std::fs::read(mnt.join(name)).unwrap() == *data, "{name} differs after the remount");
+    }
+    assert_eq!(std::fs::read(mnt.join("dir/nested")).unwrap(), b"nested file");
+    run(Command::new("umount").arg(&mnt));
+    if need("e2fsck", "e2fsprogs") {
+        run(Command::new("e2fsck").args(["-fn"]).arg(&disk));
+    }
+    run(Command::new("umount").arg(&fuse_dir));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while fuse.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "nbdfuse did not exit after the unmount");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut err = String::new();
+    fuse.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(err.is_empty(), "nbdfuse complained:\n{err}");
+    let (code, log) = nbd.stop();
+    assert_eq!(code, Some(0), "{log}");
+    assert!(!log.contains("WARN"), "the file system round trip logged warnings:\n{log}");
+}
