@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use super::handshake::read_or_eof;
 use super::server::{Export, Stream};
-use super::wire::{Command, Request, SimpleReply, CMD_FLAG_FUA, CMD_FLAG_NO_HOLE};
+use super::wire::{self, Command, Request, SimpleReply, CMD_FLAG_FUA, CMD_FLAG_NO_HOLE};
 use super::{errno, Failure};
 use crate::buffer::IoBuffer;
 use crate::device::BlockDevice;
@@ -99,7 +99,7 @@ pub(crate) fn serve(shared: &Shared, stream: Stream, peer: &str) {
             tracing::warn!("{peer}: closing, no thread for it: {e}");
             return "no thread".to_owned();
         }
-        let ended = read_requests(shared, &stream, job_tx, &waker, reply_tx, pool, slots, broken, peer);
+        let ended = read_requests(&stream, job_tx, &waker, reply_tx, pool, slots, broken, peer);
         // The writer may be blocked on a client that stopped reading.
         if broken.load(Ordering::Acquire) {
             stream.shutdown(Shutdown::Both);
@@ -113,7 +113,6 @@ pub(crate) fn serve(shared: &Shared, stream: Stream, peer: &str) {
 /// The reader: decodes requests until the connection ends; returns why.
 #[allow(clippy::too_many_arguments)]
 fn read_requests(
-    shared: &Shared,
     stream: &Stream,
     jobs: Sender<Job>,
     waker: &IoWaker,
@@ -123,8 +122,7 @@ fn read_requests(
     broken: &AtomicBool,
     peer: &str,
 ) -> String {
-    let export = &shared.export;
-    let max = export.sizes.maximum;
+    let max = wire::MAX_PAYLOAD;
     let ended = loop {
         if broken.load(Ordering::Acquire) {
             break "sending a reply failed".to_owned();

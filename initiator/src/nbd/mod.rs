@@ -18,7 +18,10 @@
 //! connection covers every write any connection had been answered for.
 //! `NBD_INFO_BLOCK_SIZE` is sent to every `NBD_OPT_INFO`/`NBD_OPT_GO`:
 //! minimum the volume's block size, preferred the larger of that and
-//! 4 KiB, maximum the session's max I/O size.
+//! 4 KiB, maximum the session's max I/O size. READs and WRITEs up to 32 MiB
+//! (the spec's default maximum, which clients that do not ask for block
+//! sizes use: the kernel's `nbd-client` sends 1.25 MiB writes) are served
+//! all the same, split by the I/O path.
 //!
 //! # Unaligned requests are refused
 //! A request whose offset or length is not a multiple of the volume's block
@@ -46,7 +49,8 @@
 //! Every failed request gets one NBD errno, chosen in one place
 //! ([`errno`]), and a log line naming the client, the command, the range
 //! and the reason. A request that cannot be parsed (bad magic), a WRITE
-//! payload too long to read and discard, or a protocol violation during
+//! longer than 32 MiB (its payload is too long to read and discard), or a
+//! protocol violation during
 //! negotiation ends that connection, logged; other connections go on.
 
 mod conn;

@@ -93,10 +93,13 @@ pub const NBD_ESHUTDOWN: u32 = 108;
 /// anything longer is a client to disconnect.
 pub const MAX_OPTION_DATA: u32 = 8192;
 
-/// The longest write payload the server reads and throws away when it
-/// refuses a write: the spec says a payload up to 2^25 bytes should not be
-/// taken for a denial of service. A longer one ends the connection.
-pub const MAX_DISCARDED_PAYLOAD: u32 = 1 << 25;
+/// The longest READ or WRITE this server serves: the spec's default
+/// maximum payload (2^25 bytes), which clients that do not ask for block
+/// sizes may use (the kernel's `nbd-client` sends writes above the
+/// advertised maximum); the I/O path splits them at the session's max I/O
+/// size. A longer READ is refused; a longer WRITE ends the connection,
+/// since its payload is too long to read and throw away.
+pub const MAX_PAYLOAD: u32 = 1 << 25;
 
 /// What is wrong with bytes received from a client. Each message names the
 /// field and the value.
@@ -124,10 +127,10 @@ pub enum RequestError {
     UnknownCommand(u16),
     #[error("command flags {flags:#x} are not valid for {command}")]
     BadFlags { command: Command, flags: u16 },
-    #[error("{command} of {length} bytes is longer than the maximum payload of {max} bytes")]
+    #[error("{command} of {length} bytes is longer than the {max} bytes this server serves")]
     TooLong { command: Command, length: u32, max: u32 },
-    #[error("write of {length} bytes is longer than the maximum payload of {max} bytes and than the {limit} bytes a server reads and discards")]
-    PayloadTooLong { length: u32, max: u32, limit: u32 },
+    #[error("write of {length} bytes is longer than the {max} bytes this server serves or reads and discards")]
+    PayloadTooLong { length: u32, max: u32 },
 }
 
 impl RequestError {
@@ -518,20 +521,17 @@ impl Request {
     }
 
     /// The command and its flags must be ones this server serves, and a
-    /// READ or WRITE must fit in `max_payload`. Alignment and the range
-    /// are the volume's checks (the I/O path makes them).
+    /// READ or WRITE at most `max_payload` bytes long (a longer WRITE is
+    /// fatal: its payload cannot be skipped). Alignment and the range are
+    /// the volume's checks (the I/O path makes them).
     pub fn validate(&self, max_payload: u32) -> Result<(), RequestError> {
         let command = self.command;
         if let Command::Other(t) = command {
             return Err(RequestError::UnknownCommand(t));
         }
         if matches!(command, Command::Read | Command::Write) && self.length > max_payload {
-            if command == Command::Write && self.length > MAX_DISCARDED_PAYLOAD {
-                return Err(RequestError::PayloadTooLong {
-                    length: self.length,
-                    max: max_payload,
-                    limit: MAX_DISCARDED_PAYLOAD,
-                });
+            if command == Command::Write {
+                return Err(RequestError::PayloadTooLong { length: self.length, max: max_payload });
             }
             return Err(RequestError::TooLong { command, length: self.length, max: max_payload });
         }
@@ -770,12 +770,13 @@ mod tests {
         assert!(req(Command::Read, 1 << 15, 4096).validate(max).is_err());
         let e = req(Command::Read, 0, max + 1).validate(max).unwrap_err();
         assert!(!e.is_fatal());
-        assert_eq!(e.to_string(), "NBD_CMD_READ of 1048577 bytes is longer than the maximum payload of 1048576 bytes");
-        let e = req(Command::Write, 0, MAX_DISCARDED_PAYLOAD).validate(max).unwrap_err();
-        assert!(!e.is_fatal(), "a payload up to 32 MiB is read and thrown away");
-        let e = req(Command::Write, 0, MAX_DISCARDED_PAYLOAD + 1).validate(max).unwrap_err();
-        assert!(e.is_fatal(), "{e}");
-        assert!(req(Command::Write, 0, u32::MAX).validate(max).unwrap_err().is_fatal());
+        assert_eq!(e.to_string(), "NBD_CMD_READ of 1048577 bytes is longer than the 1048576 bytes this server serves");
+        let e = req(Command::Write, 0, max + 1).validate(max).unwrap_err();
+        assert!(e.is_fatal(), "a write's payload that is not served cannot be skipped: {e}");
+        assert!(req(Command::Write, 0, u32::MAX).validate(MAX_PAYLOAD).unwrap_err().is_fatal());
+        req(Command::Write, 0, MAX_PAYLOAD).validate(MAX_PAYLOAD).unwrap();
+        // Refused for its flags, a write stays in step: its payload is read and dropped.
+        assert!(!req(Command::Write, CMD_FLAG_NO_HOLE, MAX_PAYLOAD).validate(MAX_PAYLOAD).unwrap_err().is_fatal());
     }
 
     #[test]
