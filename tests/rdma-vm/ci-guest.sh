@@ -27,6 +27,10 @@
 #   capacity-rdma             tests/tests/capacity.rs over rdma://: 160 sessions on a
 #                             two-reactor target (more than one rxe completion queue
 #                             holds per reactor) are all served, the 161st is refused
+#   nbd-fs-rdma               rdmablk nbd over rdma:// on a unix socket, the kernel's
+#                             nbd-client on /dev/nbd0: mkfs.ext4, mount, files with
+#                             sha256 sums, unmount, disconnect, reconnect, mount,
+#                             verify, e2fsck -fn clean; SIGTERM ends rdmablk nbd with 0
 #   bench-verify-rdma         rdmablk-bench --verify=crc32c, 3 s at each queue depth
 #                             4, 8, 16 and 32 (SKIPPED, and shown as such, while
 #                             rdmablk-bench is not built)
@@ -182,6 +186,56 @@ bench() {
     stop_target bench
 }
 
+# The kernel's NBD client on rdmablk nbd over rdma://: a file system round
+# trip through /dev/nbd0, with a disconnect and a reconnect in the middle.
+nbd_fs() {
+    set -euo pipefail
+    command -v nbd-client >/dev/null || { echo "nbd-client is not installed on the host (run.sh installs it)"; exit 1; }
+    start_target
+    sock=$WORK/nbd.sock mnt=$WORK/mnt dev=/dev/nbd0
+    mkdir -p "$mnt"
+    "$BIN/rdmablk" --target "$URL" nbd vol0 --socket "$sock" >"$WORK/nbd.uri" 2>"$WORK/nbd.log" &
+    npid=$!
+    trap 'umount "$mnt" 2>/dev/null; nbd-client -d '"$dev"' 2>/dev/null; kill $npid $TPID 2>/dev/null; cat "$WORK/nbd.log"' EXIT
+    for _ in $(seq 1 300); do [[ -s $WORK/nbd.uri ]] && break; sleep 0.1; done
+    echo "rdmablk nbd serves $(cat "$WORK/nbd.uri")"
+    modprobe nbd nbds_max=2
+    # nbd-client asks for no block sizes: it must be told the volume's.
+    connect() {
+        nbd-client -u "$sock" "$dev" -N vol0 -b 4096
+        for _ in $(seq 1 100); do [[ $(cat /sys/block/nbd0/size) -gt 0 ]] && break; sleep 0.1; done
+        echo "$dev: $(($(cat /sys/block/nbd0/size) * 512)) bytes, logical block $(cat /sys/block/nbd0/queue/logical_block_size)"
+    }
+    connect
+    mkfs.ext4 -q -F "$dev"
+    mount "$dev" "$mnt"
+    local i
+    for i in 0 1 4095 4096 65537 1048576 5242880 16777216; do
+        head -c "$i" /dev/urandom >"$mnt/f$i"
+    done
+    mkdir "$mnt/dir" && echo nested >"$mnt/dir/nested"
+    (cd "$mnt" && sha256sum f* dir/nested) >"$WORK/sums"
+    umount "$mnt"
+    nbd-client -d "$dev"
+    echo "disconnected; reconnecting"
+    connect
+    mount "$dev" "$mnt"
+    (cd "$mnt" && sha256sum -c "$WORK/sums")
+    umount "$mnt"
+    e2fsck -fn "$dev"
+    nbd-client -d "$dev"
+    kill -TERM "$npid"
+    local rc=0
+    wait "$npid" || rc=$?
+    trap 'kill $TPID 2>/dev/null' EXIT
+    echo "--- rdmablk nbd log"; cat "$WORK/nbd.log"
+    cp "$WORK/nbd.log" "$RES/nbd-fs-nbd.log" 2>/dev/null || true
+    [[ $rc -eq 0 ]] || { echo "rdmablk nbd exited with $rc after SIGTERM"; exit 1; }
+    if grep -q 'panicked\| WARN ' "$WORK/nbd.log"; then echo "rdmablk nbd logged a warning or panicked"; exit 1; fi
+    trap - EXIT
+    stop_target nbd-fs
+}
+
 # The cost of per-command memory windows on rxe: the same 4 KiB random-read
 # run with scoping on and off. Figures only (TCG-emulated, not a benchmark);
 # the step fails only if a run fails.
@@ -246,6 +300,7 @@ step fence-rdma --timeout 300 "${sys[@]}" "$RDMABLK_FENCE" --test-threads=1 || r
 step command-slots-rdma --timeout 300 "${sys[@]}" "$RDMABLK_COMMAND_SLOTS" --test-threads=1 \
     --exact late_send_completions_never_turn_a_legal_queue_depth_into_queue_full || rc=1
 step capacity-rdma --timeout 300 "${sys[@]}" "$RDMABLK_CAPACITY" --test-threads=1 || rc=1
+step nbd-fs-rdma --timeout 600 bash "$SELF" nbd_fs || rc=1
 if [[ -x $BIN/rdmablk-bench ]]; then
     step bench-verify-rdma --timeout 300 bash "$SELF" bench || rc=1
     step scoping-cost-rdma --timeout 300 bash "$SELF" scoping_cost || rc=1

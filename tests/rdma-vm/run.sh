@@ -102,8 +102,10 @@ exec 9>"$OUT/.lock"
 if ! flock -n 9; then log "another run.sh is using $OUT, waiting"; flock 9; fi
 
 # ---------------------------------------------------------------- packages
+# nbd-client: the guest sees this root read-only, so the kernel NBD step's
+# client comes from here.
 PKGS=(qemu-system-x86 linux-image-amd64 rdma-core ibverbs-utils ibverbs-providers perftest
-      rdmacm-utils busybox-static iproute2 kmod cpio)
+      rdmacm-utils busybox-static iproute2 kmod cpio nbd-client)
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg -s "$p" 2>/dev/null | grep -q '^Status: install ok installed' || missing+=("$p")
