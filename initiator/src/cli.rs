@@ -470,7 +470,7 @@ fn serve_nbd(
         .with_ansi(std::io::stderr().is_terminal())
         .try_init();
     // Before the session starts its threads, so that they inherit the mask.
-    let signals = StopSignals::block().map_err(|e| Error::io("blocking SIGINT and SIGTERM", e))?;
+    let signals = StopSignals::catch().map_err(|e| Error::io("catching SIGINT and SIGTERM", e))?;
     let mut options = ConnectOptions::default();
     if let Some(q) = queues {
         options.queues = q;
