@@ -6,5 +6,6 @@
 
 pub mod auth;
 pub mod fabric;
+pub mod notify;
 pub mod protocol;
 pub mod size;

@@ -64,7 +64,8 @@ pub mod command;
 pub mod config;
 pub mod error;
 pub mod metrics;
-pub mod notify;
+/// systemd notifications live in `rdmablk-common`, shared with the `rdmablk` CLI.
+pub use rdmablk_common::notify;
 pub mod pool;
 pub mod reactor;
 pub mod session;

@@ -2,6 +2,9 @@
 //! datagram per message to the `AF_UNIX` socket named by `NOTIFY_SOCKET`
 //! (a path, or an abstract name written with a leading `@`).
 //!
+//! Shared by the target and the `rdmablk` CLI (`rdmablk attach` under
+//! `rdmablk-attach@.service`).
+//!
 //! The target sends `READY=1` once every listener is up, `STATUS=` lines,
 //! `RELOADING=1` ... `READY=1` around a reload, `STOPPING=1` at shutdown, and
 //! `WATCHDOG=1` every half `WATCHDOG_USEC` while every reactor keeps turning
