@@ -17,7 +17,9 @@ dpkg-deb -x "$deb" "$tmp/root"
 dpkg-deb -e "$deb" "$tmp/control"
 for f in usr/bin/rdmablk-target usr/bin/rdmablk usr/bin/rdmablk-bench \
     usr/lib/systemd/system/rdmablk-target.service \
-    usr/share/doc/rdmablk/examples/target.toml usr/share/doc/rdmablk/README.md \
+    usr/lib/systemd/system/rdmablk-attach@.service \
+    usr/share/doc/rdmablk/examples/target.toml usr/share/doc/rdmablk/examples/attach.toml \
+    usr/share/doc/rdmablk/README.md \
     usr/share/doc/rdmablk/copyright; do
     [ -e "$tmp/root/$f" ] || fail "missing /$f"
 done

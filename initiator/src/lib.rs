@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+pub mod attach_file;
 mod auth;
 mod buffer;
 pub mod cli;
