@@ -167,7 +167,32 @@ struct Tag {
     op: VolumeOp,
 }
 
+/// Tells libublk's `start_dev`, which waits for every queue to report its
+/// buffers, that this queue's are in place, or (dropped unreported) that
+/// the queue failed: libublk 0.4 has only the mlock failure for that, so
+/// `start_dev` fails with EPERM and the device is deleted.
+struct Registration<'a> {
+    dev: &'a UblkDev,
+    reported: bool,
+}
+
+impl Registration<'_> {
+    fn done(&mut self) {
+        self.dev.notify_buffer_registration_complete(false);
+        self.reported = true;
+    }
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        if !self.reported {
+            self.dev.notify_buffer_registration_complete(true);
+        }
+    }
+}
+
 fn serve_queue(qid: u16, dev: &UblkDev, session: &Session, volume: &Volume) -> Result<()> {
+    let mut registration = Registration { dev, reported: false };
     let q = UblkQueue::new(qid, dev).map_err(|e| ublk_err("setting up the ublk queue", e))?;
     let mut ioq = session.io_queue();
     let waker = ioq.waker()?;
@@ -200,6 +225,9 @@ fn serve_queue(qid: u16, dev: &UblkDev, session: &Session, volume: &Volume) -> R
         let _ = q.submit_io_cmd(tag, libublk::sys::UBLK_U_IO_FETCH_REQ, tags[tag as usize].addr, -1);
     }
 
+    // Our buffers go to the kernel with each FETCH, not through libublk's
+    // registration, which start_dev waits for.
+    registration.done();
     let mut arrived: Vec<u16> = Vec::new();
     let mut done: Vec<IoCompletion> = Vec::new();
     let result = loop {
