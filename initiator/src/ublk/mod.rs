@@ -250,6 +250,34 @@ mod tests {
     }
 
     #[test]
+    fn attach_and_detach_parse() {
+        use crate::cli::{Cli, Command};
+        use clap::Parser;
+        let cli = Cli::try_parse_from(["rdmablk", "--target", "rdma://h:1", "attach", "vol0", "--queues", "2", "--depth", "32"])
+            .unwrap();
+        assert_eq!(cli.command, Command::Attach { volume: "vol0".into(), queues: 2, depth: 32 });
+        let cli = Cli::try_parse_from(["rdmablk", "--target", "tcp://h:1", "attach", "vol0"]).unwrap();
+        assert_eq!(cli.command, Command::Attach { volume: "vol0".into(), queues: 1, depth: 64 });
+        assert!(Cli::try_parse_from(["rdmablk", "attach", "vol0", "--queues", "0"]).is_err());
+        assert!(Cli::try_parse_from(["rdmablk", "attach", "vol0", "--depth", "0"]).is_err());
+        let cli = Cli::try_parse_from(["rdmablk", "detach", "/dev/ublkb0"]).unwrap();
+        assert_eq!(cli.command, Command::Detach { device: "/dev/ublkb0".into() });
+    }
+
+    #[test]
+    fn without_the_ublk_driver_attach_and_detach_say_so() {
+        if std::path::Path::new("/dev/ublk-control").exists() {
+            return; // a kernel with ublk: the VM step covers it
+        }
+        let e = check_machine().unwrap_err().one_line();
+        assert!(e.contains("the kernel has no ublk driver (modprobe ublk_drv)"), "{e}");
+        let e = detach("/dev/ublkb0", &mut Vec::new()).unwrap_err().one_line();
+        assert!(e.contains("modprobe ublk_drv"), "{e}");
+        let e = detach("/dev/sda", &mut Vec::new()).unwrap_err().one_line();
+        assert!(e.contains("not a ublk block device"), "{e}");
+    }
+
+    #[test]
     fn device_paths_and_mounts() {
         assert_eq!(parse_dev_path("/dev/ublkb0").unwrap(), 0);
         assert_eq!(parse_dev_path("ublkb12").unwrap(), 12);
