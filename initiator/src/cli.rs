@@ -192,6 +192,24 @@ pub enum Command {
         #[arg(long, value_name = "N")]
         queues: Option<usize>,
     },
+    // ublk: rdmablk attach / detach (initiator/src/ublk/).
+    /// Serve a volume as a kernel block device, /dev/ublkbN (ublk; root, modprobe ublk_drv),
+    /// until SIGINT, SIGTERM or `rdmablk detach`; prints the device path when ready
+    Attach {
+        /// Volume name
+        volume: String,
+        /// ublk queues, one session queue pair and one thread each
+        #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=32))]
+        queues: u16,
+        /// Requests in flight per queue (each holds a registered buffer of the max I/O size)
+        #[arg(long, value_name = "D", default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=4096))]
+        depth: u16,
+    },
+    /// Stop and remove a device made by `rdmablk attach` (refused while a file system on it is mounted)
+    Detach {
+        /// The device, e.g. /dev/ublkb0
+        device: String,
+    },
 }
 
 /// Parses a size with an optional suffix (`4k`, `1MiB`).
@@ -328,9 +346,26 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
     if let Command::Nbd { volume, socket, listen, queues } = &cli.command {
         return serve_nbd(cli, volume, socket.as_deref(), *listen, *queues, out);
     }
+    // ublk: rdmablk attach / detach.
+    if let Command::Attach { volume, queues, depth } = &cli.command {
+        crate::ublk::check_machine()?;
+        let session = connect_with(cli, ConnectOptions { queues: usize::from(*queues), ..ConnectOptions::default() })?;
+        let vol = session.open(volume)?;
+        let opts = crate::ublk::AttachOptions { queues: *queues, depth: *depth };
+        // The path goes to standard output from the thread that starts the device.
+        return crate::ublk::attach(session, vol, &opts, |path| {
+            let mut stdout = std::io::stdout();
+            let _ = writeln!(stdout, "{path}");
+            let _ = stdout.flush();
+        });
+    }
+    if let Command::Detach { device } = &cli.command {
+        return crate::ublk::detach(device, out);
+    }
     let session = connect(cli)?;
     match &cli.command {
         Command::Keygen { .. } | Command::Nbd { .. } => unreachable!("handled above"),
+        Command::Attach { .. } | Command::Detach { .. } => unreachable!("handled above"),
         Command::List => {
             for v in session.list_volumes()? {
                 writeln!(

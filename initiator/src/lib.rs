@@ -12,6 +12,7 @@ mod session;
 mod shared;
 mod stream;
 mod submit;
+pub mod ublk;
 
 pub use buffer::IoBuffer;
 pub use device::{check_request, BlockDevice, FileDevice, MemDevice, WriteFlags};

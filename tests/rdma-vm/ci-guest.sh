@@ -31,6 +31,15 @@
 #                             nbd-client on /dev/nbd0: mkfs.ext4, mount, files with
 #                             sha256 sums, unmount, disconnect, reconnect, mount,
 #                             verify, e2fsck -fn clean; SIGTERM ends rdmablk nbd with 0
+#   ublk-fs-rdma              rdmablk attach over rdma:// (ublk, /dev/ublkb0): mkfs.ext4,
+#                             mount, files with sha256 sums, fio --direct=1 verify on a
+#                             file, detach refused while mounted, unmount, detach,
+#                             attach again, mount, verify, e2fsck -fn clean
+#   ublk-reconnect-rdma       rdmablk attach --ctrl_loss_tmo=90 with ext4 mounted: the
+#                             target is SIGKILLed during an O_DIRECT dd and restarted
+#                             5 s later; dd ends 0, the file is identical after a
+#                             remount, e2fsck -fn clean. Then with --ctrl_loss_tmo=3s
+#                             a killed target makes reads fail with EIO; detach works
 #   bench-verify-rdma         rdmablk-bench --verify=crc32c, 3 s at each queue depth
 #                             4, 8, 16 and 32 (SKIPPED, and shown as such, while
 #                             rdmablk-bench is not built)
@@ -236,6 +245,150 @@ nbd_fs() {
     stop_target nbd-fs
 }
 
+# rdmablk attach (ublk) over rdma://: a file system round trip through
+# /dev/ublkb0, with a detach and a second attach in the middle.
+ublk_fs() {
+    set -euo pipefail
+    modprobe ublk_drv
+    start_target
+    mnt=$WORK/umnt
+    mkdir -p "$mnt"
+    attach() {
+        "$BIN/rdmablk" --target "$URL" attach vol0 --queues 2 --depth 32 >"$WORK/ublk.dev" 2>>"$WORK/ublk.log" &
+        upid=$!
+        for _ in $(seq 1 300); do [[ -s $WORK/ublk.dev ]] && break; kill -0 $upid || break; sleep 0.1; done
+        dev=$(cat "$WORK/ublk.dev")
+        [[ -b $dev ]] || { echo "rdmablk attach gave no device"; cat "$WORK/ublk.log"; exit 1; }
+        local sysd=/sys/block/${dev#/dev/}
+        echo "$dev: $(($(cat $sysd/size) * 512)) bytes, logical block $(cat $sysd/queue/logical_block_size)," \
+            "max $(cat $sysd/queue/max_hw_sectors_kb) KiB, discard max $(cat $sysd/queue/discard_max_bytes)"
+    }
+    trap 'umount "$mnt" 2>/dev/null; kill $upid $TPID 2>/dev/null; cat "$WORK/ublk.log"' EXIT
+    attach
+    mkfs.ext4 -q -F "$dev"
+    mount "$dev" "$mnt"
+    local i
+    for i in 0 1 4095 4096 65537 1048576 5242880 16777216; do
+        head -c "$i" /dev/urandom >"$mnt/f$i"
+    done
+    mkdir "$mnt/dir" && echo nested >"$mnt/dir/nested"
+    if command -v fio >/dev/null; then
+        (cd "$WORK" && fio --name=verify --filename="$mnt/fio.dat" --size=32M --rw=randwrite --bs=4k --iodepth=16 \
+            --ioengine=io_uring --direct=1 --verify=crc32c --do_verify=1 --verify_state_save=0 --output-format=terse >/dev/null)
+        echo "fio --direct=1 randwrite + crc32c verify on $mnt/fio.dat: ok"
+    fi
+    (cd "$mnt" && sha256sum f* dir/nested) >"$WORK/usums"
+    sync
+    if "$BIN/rdmablk" detach "$dev" 2>"$WORK/detach.err"; then
+        echo "detach of a device with a mounted file system succeeded"; exit 1
+    fi
+    cat "$WORK/detach.err"
+    grep -q mounted "$WORK/detach.err"
+    umount "$mnt"
+    "$BIN/rdmablk" detach "$dev"
+    local rc=0
+    wait "$upid" || rc=$?
+    [[ $rc -eq 0 ]] || { echo "rdmablk attach exited with $rc after detach"; exit 1; }
+    [[ ! -e $dev ]] || { echo "$dev still exists after detach"; exit 1; }
+    echo "detached; attaching again"
+    attach
+    mount "$dev" "$mnt"
+    (cd "$mnt" && sha256sum -c "$WORK/usums")
+    umount "$mnt"
+    e2fsck -fn "$dev"
+    kill -TERM "$upid"
+    rc=0
+    wait "$upid" || rc=$?
+    trap 'kill $TPID 2>/dev/null' EXIT
+    echo "--- rdmablk attach log"; cat "$WORK/ublk.log"
+    cp "$WORK/ublk.log" "$RES/ublk-fs-attach.log" 2>/dev/null || true
+    [[ $rc -eq 0 ]] || { echo "rdmablk attach exited with $rc after SIGTERM"; exit 1; }
+    [[ ! -e $dev ]] || { echo "$dev still exists after SIGTERM"; exit 1; }
+    if grep -q 'panicked\| WARN \|ERROR' "$WORK/ublk.log"; then echo "rdmablk attach logged a warning or panicked"; exit 1; fi
+    trap - EXIT
+    stop_target ublk-fs
+}
+
+# rdmablk attach across a target restart (I/O waits), and past
+# ctrl_loss_timeout (I/O fails with EIO). The target listens on a fixed port
+# so that the restarted one is where the session reconnects.
+ublk_reconnect() {
+    set -euo pipefail
+    modprobe ublk_drv
+    mkdir -p "$WORK/rmnt"
+    local mnt=$WORK/rmnt url=rdma://$SIP:4421 conf=$WORK/reconnect.toml
+    cat >"$conf" <<EOF
+[target]
+name = "ci"
+listen = ["$url"]
+reactors = 2
+
+[[volume]]
+name = "vol0"
+backend = "file"
+path = "$WORK/rvol0.img"
+size = "256MiB"
+allow_any_host = true
+EOF
+    target() {
+        RUST_LOG=info "$BIN/rdmablk-target" --config "$conf" 2>>"$WORK/rtarget.log" &
+        TPID=$!
+        for _ in $(seq 1 300); do grep -q "listening on rdma" "$WORK/rtarget.log" && break; sleep 0.1; done
+    }
+    attach() { # CTRL_LOSS_TMO
+        : >"$WORK/rdev"
+        RDMABLK_LOG=info "$BIN/rdmablk" --target "$url" --ctrl_loss_tmo="$1" attach vol0 --queues 2 --depth 16 \
+            >"$WORK/rdev" 2>>"$WORK/rattach.log" &
+        upid=$!
+        for _ in $(seq 1 300); do [[ -s $WORK/rdev ]] && break; kill -0 $upid || break; sleep 0.1; done
+        dev=$(cat "$WORK/rdev")
+        [[ -b $dev ]] || { echo "rdmablk attach gave no device"; exit 1; }
+    }
+    trap 'umount "$mnt" 2>/dev/null; kill $upid $TPID 2>/dev/null; cat "$WORK/rattach.log"' EXIT
+    target
+    attach 90
+    mkfs.ext4 -q -F "$dev"
+    mount "$dev" "$mnt"
+    head -c 48M /dev/urandom >"$WORK/rsrc"
+    dd if="$WORK/rsrc" of="$mnt/big" bs=1M oflag=direct status=none &
+    local dd=$!
+    sleep 2
+    kill -KILL "$TPID"; wait "$TPID" || true
+    echo "target killed at $(date +%T.%N) while dd writes"
+    sleep 5
+    target
+    echo "target restarted at $(date +%T.%N)"
+    wait "$dd"
+    echo "dd ended 0 at $(date +%T.%N)"
+    grep -q "reconnected" "$WORK/rattach.log" || { echo "the session never reconnected"; exit 1; }
+    if grep -q "ublk request failed" "$WORK/rattach.log"; then echo "a request failed across the restart"; exit 1; fi
+    umount "$mnt"
+    mount "$dev" "$mnt"
+    cmp "$WORK/rsrc" "$mnt/big"
+    echo "the file written across the restart is identical after a remount"
+    umount "$mnt"
+    e2fsck -fn "$dev"
+    "$BIN/rdmablk" detach "$dev"
+    wait "$upid"
+    # Past ctrl_loss_timeout: EIO, and the device can still be detached.
+    attach 3s
+    kill -KILL "$TPID"; wait "$TPID" || true
+    echo "target killed at $(date +%T.%N), not restarted"
+    if dd if="$dev" of=/dev/null bs=4096 count=1 iflag=direct 2>"$WORK/rdd.err"; then
+        echo "a read succeeded with the target gone"; exit 1
+    fi
+    echo "read failed at $(date +%T.%N): $(cat "$WORK/rdd.err")"
+    grep -q "Input/output error" "$WORK/rdd.err"
+    grep -q "ublk request failed" "$WORK/rattach.log"
+    "$BIN/rdmablk" detach "$dev"
+    local rc=0
+    wait "$upid" || rc=$?
+    echo "rdmablk attach exited with $rc after the detach of a lost session's device"
+    [[ ! -e $dev ]] || { echo "$dev still exists after detach"; exit 1; }
+    trap - EXIT
+    cp "$WORK/rattach.log" "$RES/ublk-reconnect-attach.log" 2>/dev/null || true
+}
+
 # The cost of per-command memory windows on rxe: the same 4 KiB random-read
 # run with scoping on and off. Figures only (TCG-emulated, not a benchmark);
 # the step fails only if a run fails.
@@ -301,6 +454,8 @@ step command-slots-rdma --timeout 300 "${sys[@]}" "$RDMABLK_COMMAND_SLOTS" --tes
     --exact late_send_completions_never_turn_a_legal_queue_depth_into_queue_full || rc=1
 step capacity-rdma --timeout 300 "${sys[@]}" "$RDMABLK_CAPACITY" --test-threads=1 || rc=1
 step nbd-fs-rdma --timeout 600 bash "$SELF" nbd_fs || rc=1
+step ublk-fs-rdma --timeout 600 bash "$SELF" ublk_fs || rc=1
+step ublk-reconnect-rdma --timeout 600 bash "$SELF" ublk_reconnect || rc=1
 if [[ -x $BIN/rdmablk-bench ]]; then
     step bench-verify-rdma --timeout 300 bash "$SELF" bench || rc=1
     step scoping-cost-rdma --timeout 300 bash "$SELF" scoping_cost || rc=1

@@ -106,6 +106,8 @@ if ! flock -n 9; then log "another run.sh is using $OUT, waiting"; flock 9; fi
 # client comes from here.
 PKGS=(qemu-system-x86 linux-image-amd64 rdma-core ibverbs-utils ibverbs-providers perftest
       rdmacm-utils busybox-static iproute2 kmod cpio nbd-client)
+# fio and e2fsprogs: the ublk step's file system and its verify run.
+PKGS+=(fio e2fsprogs)
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg -s "$p" 2>/dev/null | grep -q '^Status: install ok installed' || missing+=("$p")
