@@ -6,8 +6,8 @@
 //! volume = "vol0"                   # required
 //! host_id = "db1"                   # default: the machine's host name
 //! key_file = "/etc/rdmablk/db1.key" # with [[host]] on the target
-//! queues = 2                        # default: one per CPU
-//! depth = 128                       # default: 128
+//! queues = 2                        # default: 1
+//! depth = 64                        # default: 64
 //! ctrl_loss_timeout = "60s"         # "0": do not reconnect
 //! connect_retry = "5s"              # until the target first answers
 //! ```
@@ -74,8 +74,8 @@ impl AttachFile {
         }
         let queues = match raw.queues {
             None => None,
-            Some(n) if (1..=256).contains(&n) => Some(n as usize),
-            Some(n) => return Err(bad("queues", format!("must be in 1..=256 (got {n})"))),
+            Some(n) if (1..=32).contains(&n) => Some(n as usize),
+            Some(n) => return Err(bad("queues", format!("must be in 1..=32 (got {n})"))),
         };
         let depth = match raw.depth {
             None => None,
@@ -126,7 +126,7 @@ mod tests {
         let cases = [
             ("volume = \"v\"\n", "target: missing"),
             ("target = \"tcp://h:1\"\n", "volume: missing"),
-            ("target = \"tcp://h:1\"\nvolume = \"v\"\nqueues = 0\n", "queues: must be in 1..=256 (got 0)"),
+            ("target = \"tcp://h:1\"\nvolume = \"v\"\nqueues = 0\n", "queues: must be in 1..=32 (got 0)"),
             ("target = \"tcp://h:1\"\nvolume = \"v\"\ndepth = 5000\n", "depth: must be in 1..=4096 (got 5000)"),
             ("target = \"tcp://h:1\"\nvolume = \"v\"\nctrl_loss_timeout = \"-1\"\n", "ctrl_loss_timeout: invalid duration"),
             ("target = \"tcp://h:1\"\nvolume = \"v\"\nconnect_retry = \"soon\"\n", "connect_retry: invalid duration"),

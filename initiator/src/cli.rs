@@ -196,14 +196,20 @@ pub enum Command {
     /// Serve a volume as a kernel block device, /dev/ublkbN (ublk; root, modprobe ublk_drv),
     /// until SIGINT, SIGTERM or `rdmablk detach`; prints the device path when ready
     Attach {
-        /// Volume name
-        volume: String,
+        /// Volume name (or `volume` in --config)
+        #[arg(required_unless_present = "config")]
+        volume: Option<String>,
         /// ublk queues, one session queue pair and one thread each
         #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=32))]
         queues: u16,
         /// Requests in flight per queue (each holds a registered buffer of the max I/O size)
         #[arg(long, value_name = "D", default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=4096))]
         depth: u16,
+        /// An attach file (/etc/rdmablk/attach/NAME.toml, see rdmablk-attach@.service): target,
+        /// volume and options from it; waits for the target to answer instead of failing, and tells
+        /// systemd READY=1 once the device exists
+        #[arg(long, value_name = "FILE", conflicts_with_all = ["volume", "queues", "depth", "target", "host_id", "key_file", "ctrl_loss_timeout"])]
+        config: Option<PathBuf>,
     },
     /// Stop and remove a device made by `rdmablk attach` (refused while a file system on it is mounted)
     Detach {
@@ -336,6 +342,77 @@ fn connect_with(cli: &Cli, mut options: ConnectOptions) -> Result<Session> {
     Session::connect(target, options)
 }
 
+/// `rdmablk attach`: from the command line, or from an attach file
+/// (`--config`, the boot unit's way), which also waits for the target.
+fn run_attach(cli: &Cli, volume: Option<&str>, queues: u16, depth: u16, config: Option<&std::path::Path>) -> Result<()> {
+    crate::ublk::check_machine()?;
+    let notifier = rdmablk_common::notify::Notifier::from_env();
+    let (session, volume, opts) = match config {
+        None => {
+            let session = connect_with(cli, ConnectOptions { queues: usize::from(queues), ..ConnectOptions::default() })?;
+            (session, volume.expect("clap: a volume unless --config").to_owned(), crate::ublk::AttachOptions { queues, depth })
+        }
+        Some(path) => {
+            let file = crate::attach_file::AttachFile::load(path)?;
+            let opts = crate::ublk::AttachOptions {
+                queues: file.queues.map_or(queues, |q| q as u16),
+                depth: file.depth.map_or(depth, |d| d as u16),
+            };
+            let mut options = ConnectOptions { queues: usize::from(opts.queues), ..ConnectOptions::default() };
+            if let Some(id) = &file.host_id {
+                options.host_id = id.clone();
+            }
+            if let Some(key) = &file.key_file {
+                options = options.with_key_file(key)?;
+            }
+            if let Some(t) = file.ctrl_loss_timeout {
+                options.ctrl_loss_timeout = t;
+            }
+            let session = connect_until_answered(&file.target, &options, file.connect_retry, &notifier)?;
+            (session, file.volume, opts)
+        }
+    };
+    let vol = session.open(&volume)?;
+    // The path goes to standard output from the thread that starts the device.
+    crate::ublk::attach(session, vol, &opts, move |path| {
+        let mut stdout = std::io::stdout();
+        let _ = writeln!(stdout, "{path}");
+        let _ = stdout.flush();
+        notifier.notify(&format!("READY=1\nSTATUS=volume {volume} as {path}"));
+    })
+}
+
+/// Connects, trying again every `retry` while the target cannot be reached
+/// at all (at boot the network or the target may not be up yet); any other
+/// failure (authentication, a refused CONNECT, a bad key file) is final.
+pub fn connect_until_answered(
+    target: &str,
+    options: &ConnectOptions,
+    retry: Duration,
+    notifier: &rdmablk_common::notify::Notifier,
+) -> Result<Session> {
+    use crate::ErrorKind as K;
+    let mut attempts = 0u64;
+    loop {
+        match Session::connect(target, options.clone()) {
+            Ok(s) => {
+                if attempts > 0 {
+                    eprintln!("rdmablk: connected to {target} after {} failed attempts", attempts);
+                }
+                return Ok(s);
+            }
+            Err(e) if matches!(e.kind(), K::Fabric | K::Timeout | K::Disconnected | K::TargetLost) => {
+                attempts += 1;
+                let line = format!("waiting for the target {target}: {} (attempt {attempts}, next in {retry:?})", e.one_line());
+                eprintln!("rdmablk: {line}");
+                notifier.notify(&format!("STATUS={line}"));
+                std::thread::sleep(retry);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Runs a parsed command; normal output goes to `out`.
 pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
     let write_err = |e| Error::io("writing the output", e);
@@ -347,17 +424,8 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
         return serve_nbd(cli, volume, socket.as_deref(), *listen, *queues, out);
     }
     // ublk: rdmablk attach / detach.
-    if let Command::Attach { volume, queues, depth } = &cli.command {
-        crate::ublk::check_machine()?;
-        let session = connect_with(cli, ConnectOptions { queues: usize::from(*queues), ..ConnectOptions::default() })?;
-        let vol = session.open(volume)?;
-        let opts = crate::ublk::AttachOptions { queues: *queues, depth: *depth };
-        // The path goes to standard output from the thread that starts the device.
-        return crate::ublk::attach(session, vol, &opts, |path| {
-            let mut stdout = std::io::stdout();
-            let _ = writeln!(stdout, "{path}");
-            let _ = stdout.flush();
-        });
+    if let Command::Attach { volume, queues, depth, config } = &cli.command {
+        return run_attach(cli, volume.as_deref(), *queues, *depth, config.as_deref());
     }
     if let Command::Detach { device } = &cli.command {
         return crate::ublk::detach(device, out);

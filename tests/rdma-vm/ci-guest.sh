@@ -35,6 +35,9 @@
 #                             mount, files with sha256 sums, fio --direct=1 verify on a
 #                             file, detach refused while mounted, unmount, detach,
 #                             attach again, mount, verify, e2fsck -fn clean
+#   ublk-boot-rdma            rdmablk attach --config (the boot unit's command) started
+#                             before its target: retries, attaches once the target is
+#                             up, says READY=1 on NOTIFY_SOCKET, I/O through the device
 #   ublk-reconnect-rdma       rdmablk attach --ctrl_loss_tmo=90 with ext4 mounted: the
 #                             target is SIGKILLed during an O_DIRECT dd and restarted
 #                             5 s later; dd ends 0, the file is identical after a
@@ -389,6 +392,53 @@ EOF
     cp "$WORK/rattach.log" "$RES/ublk-reconnect-attach.log" 2>/dev/null || true
 }
 
+# The boot path of rdmablk-attach@.service: `rdmablk attach --config FILE`
+# started before its target exists keeps trying, attaches once the target
+# is up (within a retry), and says READY=1 on systemd's notification socket
+# (a datagram socket this step listens on, as systemd would).
+ublk_boot() {
+    set -euo pipefail
+    modprobe ublk_drv
+    local url=rdma://$SIP:4422 conf=$WORK/boot-target.toml afile=$WORK/boot-attach.toml
+    printf '[target]\nname = "ci"\nlisten = ["%s"]\nreactors = 1\n\n[[volume]]\nname = "bootvol"\nbackend = "memory"\nsize = "64MiB"\nallow_any_host = true\n' \
+        "$url" >"$conf"
+    printf 'target = "%s"\nvolume = "bootvol"\nqueues = 1\ndepth = 16\nconnect_retry = "1s"\n' "$url" >"$afile"
+    # systemd's side of sd_notify: a datagram socket whose messages we keep.
+    /usr/bin/python3 -c 'import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.bind(sys.argv[1])
+out = open(sys.argv[2], "ab", buffering=0)
+while True:
+    out.write(s.recv(4096) + b"\n")' "$WORK/notify.sock" "$WORK/notify.log" &
+    local npid=$! tpid=
+    for _ in $(seq 1 50); do [[ -S $WORK/notify.sock ]] && break; sleep 0.1; done
+    : >"$WORK/bdev"
+    NOTIFY_SOCKET=$WORK/notify.sock "$BIN/rdmablk" attach --config "$afile" >"$WORK/bdev" 2>"$WORK/battach.log" &
+    local upid=$!
+    trap 'kill $upid $tpid $npid 2>/dev/null; cat "$WORK/battach.log"' EXIT
+    sleep 4
+    [[ ! -s $WORK/bdev ]] || { echo "attached with no target"; exit 1; }
+    grep -q "waiting for the target $url" "$WORK/battach.log" || { echo "no retry line"; exit 1; }
+    echo "no target yet: $(grep -c 'waiting for the target' "$WORK/battach.log") attempts logged"
+    RUST_LOG=info "$BIN/rdmablk-target" --config "$conf" 2>"$WORK/btarget.log" &
+    tpid=$!
+    for _ in $(seq 1 300); do [[ -s $WORK/bdev ]] && break; kill -0 $upid || break; sleep 0.1; done
+    local dev; dev=$(cat "$WORK/bdev")
+    [[ -b $dev ]] || { echo "rdmablk attach --config gave no device"; exit 1; }
+    echo "attached as $dev once the target came up"
+    for _ in $(seq 1 50); do grep -q "READY=1" "$WORK/notify.log" 2>/dev/null && break; sleep 0.1; done
+    grep -q "READY=1" "$WORK/notify.log" || { echo "no READY=1 notification"; exit 1; }
+    grep -a "STATUS=" "$WORK/notify.log" | tail -n 2
+    head -c 4M /dev/urandom >"$WORK/bsrc"
+    dd if="$WORK/bsrc" of="$dev" bs=1M oflag=direct status=none
+    cmp <(dd if="$dev" bs=1M count=4 iflag=direct status=none) "$WORK/bsrc"
+    echo "4 MiB written and read back through $dev"
+    "$BIN/rdmablk" detach "$dev"
+    wait "$upid"
+    trap - EXIT
+    kill $tpid $npid 2>/dev/null || true
+}
+
 # The cost of per-command memory windows on rxe: the same 4 KiB random-read
 # run with scoping on and off. Figures only (TCG-emulated, not a benchmark);
 # the step fails only if a run fails.
@@ -456,6 +506,7 @@ step capacity-rdma --timeout 300 "${sys[@]}" "$RDMABLK_CAPACITY" --test-threads=
 step nbd-fs-rdma --timeout 600 bash "$SELF" nbd_fs || rc=1
 step ublk-fs-rdma --timeout 600 bash "$SELF" ublk_fs || rc=1
 step ublk-reconnect-rdma --timeout 600 bash "$SELF" ublk_reconnect || rc=1
+step ublk-boot-rdma --timeout 300 bash "$SELF" ublk_boot || rc=1
 if [[ -x $BIN/rdmablk-bench ]]; then
     step bench-verify-rdma --timeout 300 bash "$SELF" bench || rc=1
     step scoping-cost-rdma --timeout 300 bash "$SELF" scoping_cost || rc=1

@@ -108,6 +108,8 @@ PKGS=(qemu-system-x86 linux-image-amd64 rdma-core ibverbs-utils ibverbs-provider
       rdmacm-utils busybox-static iproute2 kmod cpio nbd-client)
 # fio and e2fsprogs: the ublk step's file system and its verify run.
 PKGS+=(fio e2fsprogs)
+# python3: the ublk boot step plays systemd's notification socket.
+PKGS+=(python3)
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg -s "$p" 2>/dev/null | grep -q '^Status: install ok installed' || missing+=("$p")
