@@ -798,31 +798,7 @@ struct Pair {
 }
 
 fn pair() -> Pair {
-    let fabric = TcpFabric::open(&url()).unwrap();
-    let listener = fabric.listen().unwrap();
-    let spd = fabric.alloc_pd().unwrap();
-    let scq = fabric.create_cq(64).unwrap();
-    let cfab = TcpFabric::open(&listener.local_url()).unwrap();
-    let cpd = cfab.alloc_pd().unwrap();
-    let ccq = cfab.create_cq(64).unwrap();
-    let cqp = cfab.create_qp(&cpd, &ccq, QpCaps::default()).unwrap();
-    let connecting = std::thread::spawn(move || {
-        let r = cqp.connect(b"", DEADLINE);
-        (cqp, r)
-    });
-    let deadline = Instant::now() + DEADLINE;
-    let req = loop {
-        if let Some(r) = listener.poll_request().unwrap() {
-            break r;
-        }
-        assert!(Instant::now() < deadline);
-        std::thread::sleep(Duration::from_millis(1));
-    };
-    let sqp = req.into_queue_pair(&spd, &scq, QpCaps::default()).unwrap();
-    sqp.accept(b"").unwrap();
-    let (cqp, r) = connecting.join().unwrap();
-    r.unwrap();
-    Pair { cpd, ccq, cqp, spd, scq, sqp, _listener: listener }
+    pair_with(FabricOptions::default())
 }
 
 #[test]
