@@ -216,6 +216,24 @@ pub fn file_volume(name: &str, path: &Path, size: u64, read_only: bool) -> Strin
     )
 }
 
+/// A legitimate initiator's verified 1 MiB write and read of volume `vol`
+/// at `offset`, as host `legit-host` with two queues, through the real
+/// library: what the attack tests (`limits.rs`, `pool_attack.rs`) check
+/// still works while they run.
+pub fn legit_io(url: &str, offset: u64) {
+    use rdmablk_initiator::BlockDevice;
+    let options = rdmablk_initiator::ConnectOptions { host_id: "legit-host".into(), queues: 2, ..Default::default() };
+    let session = rdmablk_initiator::Session::connect(url, options).expect("the legitimate initiator connects");
+    let vol = session.open("vol").expect("open");
+    let mut data = vec![0u8; 1 << 20];
+    rand::RngCore::fill_bytes(&mut rand::thread_rng(), &mut data);
+    vol.write_at(&data, offset).expect("write");
+    let mut back = vec![0u8; data.len()];
+    vol.read_at(&mut back, offset).expect("read");
+    assert!(back == data, "the legitimate initiator read back other bytes");
+    session.close();
+}
+
 /// A `[target]` section listening on port 0 of the test host.
 pub fn target_section() -> String {
     format!("[target]\nlisten = [\"{}://{}:0\"]\n", scheme(), listen_host())

@@ -14,7 +14,7 @@ use rdmablk_initiator::{BlockDevice, ConnectOptions, Session};
 use rdmablk_system_tests::raw::RawQueue;
 use rdmablk_system_tests::wire;
 use rdmablk_system_tests::{
-    bin, file_volume, nofile_limit, open_fds, rss_bytes, sample, scrape, sparse_file, wait_until, TargetProcess,
+    bin, file_volume, legit_io, nofile_limit, open_fds, rss_bytes, sample, scrape, sparse_file, wait_until, TargetProcess,
     WireConn,
 };
 
@@ -31,19 +31,6 @@ fn target(extra: &str, dir: &std::path::Path) -> (TargetProcess, std::path::Path
 
 fn options(host: &str, queues: usize) -> ConnectOptions {
     ConnectOptions { host_id: host.into(), queues, ..ConnectOptions::default() }
-}
-
-/// A verified 1 MiB write and read through the real initiator library.
-fn legit_io(url: &str, offset: u64) {
-    let session = Session::connect(url, options("legit-host", 2)).expect("the legitimate initiator connects");
-    let vol = session.open("vol").expect("open");
-    let mut data = vec![0u8; MIB as usize];
-    rand::thread_rng().fill_bytes(&mut data);
-    vol.write_at(&data, offset).expect("write");
-    let mut back = vec![0u8; data.len()];
-    vol.read_at(&mut back, offset).expect("read");
-    assert!(back == data, "the legitimate initiator read back other bytes");
-    session.close();
 }
 
 /// One verified session, then until it is gone: the target's rings, pools

@@ -11,12 +11,12 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use rand::RngCore;
 use rdmablk_common::protocol::{BlockCount, CommandCapsule, CommandId, Lba, Opcode, Status};
-use rdmablk_initiator::{BlockDevice, ConnectOptions, Session};
+use rdmablk_initiator::{ConnectOptions, Session};
 use rdmablk_system_tests::raw::{io_command, RawQueue};
 use rdmablk_system_tests::{
-    file_bytes, file_volume, open_fds, rss_bytes, sample, scrape, sparse_file, wait_until, wire, TargetProcess, WireConn, WireEvent,
+    file_bytes, file_volume, legit_io, open_fds, rss_bytes, sample, scrape, sparse_file, wait_until, wire, TargetProcess, WireConn,
+    WireEvent,
 };
 
 const MIB: u64 = 1 << 20;
@@ -36,19 +36,6 @@ fn target(extra: &str, dir: &std::path::Path) -> TargetProcess {
 
 fn options(host: &str) -> ConnectOptions {
     ConnectOptions { host_id: host.into(), queues: 2, ..ConnectOptions::default() }
-}
-
-/// A verified 1 MiB write and read through the real initiator library.
-fn legit_io(url: &str, offset: u64) {
-    let session = Session::connect(url, options("legit-host")).expect("the legitimate initiator connects");
-    let vol = session.open("vol").expect("open");
-    let mut data = vec![0u8; MIB as usize];
-    rand::thread_rng().fill_bytes(&mut data);
-    vol.write_at(&data, offset).expect("write");
-    let mut back = vec![0u8; data.len()];
-    vol.read_at(&mut back, offset).expect("read");
-    assert!(back == data, "the legitimate initiator read back other bytes");
-    session.close();
 }
 
 /// What `rdmablk list` does, then a verified write and read: in a thread,
