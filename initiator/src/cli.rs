@@ -35,13 +35,13 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::{ColorChoice, Parser, Subcommand, ValueEnum};
-use rdmablk_common::protocol::Opcode;
+use rdmablk_common::protocol::{Opcode, SessionId};
 use rdmablk_common::size::ByteSize;
 
 use crate::buffer::IoBuffer;
 use crate::device::{check_request, BlockDevice};
 use crate::error::{Error, Result};
-use crate::session::{ConnectOptions, Session, Volume};
+use crate::session::{ConnectOptions, IntoTargetUrl, Session, Volume};
 use crate::submit::{IoCompletion, IoRequest};
 
 /// Largest transfer one CLI step moves through its registered buffer.
@@ -323,9 +323,15 @@ fn connect(cli: &Cli) -> Result<Session> {
     connect_with(cli, ConnectOptions { queues: 1, ..ConnectOptions::default() })
 }
 
-fn connect_with(cli: &Cli, mut options: ConnectOptions) -> Result<Session> {
+fn connect_with(cli: &Cli, options: ConnectOptions) -> Result<Session> {
+    let (target, options) = connect_options(cli, options)?;
+    Session::connect(target, options)
+}
+
+/// The target and the connect options the command line gives.
+fn connect_options(cli: &Cli, mut options: ConnectOptions) -> Result<(String, ConnectOptions)> {
     let target =
-        cli.target.as_deref().ok_or_else(|| Error::invalid("no target given: use --target tcp://HOST:PORT"))?;
+        cli.target.clone().ok_or_else(|| Error::invalid("no target given: use --target tcp://HOST:PORT"))?;
     if let Some(id) = &cli.host_id {
         options.host_id = id.clone();
     }
@@ -339,18 +345,23 @@ fn connect_with(cli: &Cli, mut options: ConnectOptions) -> Result<Session> {
     if let Some(t) = cli.ctrl_loss_timeout {
         options.ctrl_loss_timeout = t;
     }
-    Session::connect(target, options)
+    Ok((target, options))
 }
 
 /// `rdmablk attach`: from the command line, or from an attach file
 /// (`--config`, the boot unit's way), which also waits for the target.
+/// A device of the same target and volume whose `rdmablk attach` died is
+/// taken back (ublk user recovery) instead of a new one being made.
 fn run_attach(cli: &Cli, volume: Option<&str>, queues: u16, depth: u16, config: Option<&std::path::Path>) -> Result<()> {
+    use crate::ublk::{AttachRecord, RECORD_DIR};
     crate::ublk::check_machine()?;
     let notifier = rdmablk_common::notify::Notifier::from_env();
-    let (session, volume, opts) = match config {
+    let (target, volume, opts, options, retry) = match config {
         None => {
-            let session = connect_with(cli, ConnectOptions { queues: usize::from(queues), ..ConnectOptions::default() })?;
-            (session, volume.expect("clap: a volume unless --config").to_owned(), crate::ublk::AttachOptions { queues, depth })
+            let (target, options) =
+                connect_options(cli, ConnectOptions { queues: usize::from(queues), ..ConnectOptions::default() })?;
+            let volume = volume.expect("clap: a volume unless --config").to_owned();
+            (target, volume, crate::ublk::AttachOptions { queues, depth }, options, None)
         }
         Some(path) => {
             let file = crate::attach_file::AttachFile::load(path)?;
@@ -368,13 +379,37 @@ fn run_attach(cli: &Cli, volume: Option<&str>, queues: u16, depth: u16, config: 
             if let Some(t) = file.ctrl_loss_timeout {
                 options.ctrl_loss_timeout = t;
             }
-            let session = connect_until_answered(&file.target, &options, file.connect_retry, &notifier)?;
-            (session, file.volume, opts)
+            (file.target, file.volume, opts, options, Some(file.connect_retry))
         }
+    };
+    let url = target.as_str().into_target_url()?.to_string();
+    let orphan =
+        AttachRecord::orphans_in(std::path::Path::new(RECORD_DIR), &url, &volume, crate::ublk::pid_alive).into_iter().next();
+    let replaced = match &orphan {
+        None => SessionId(0),
+        Some(r) => {
+            eprintln!(
+                "rdmablk: taking back /dev/ublkb{} ({} on {}): its rdmablk attach (pid {}) has ended",
+                r.dev_id, r.volume, r.target, r.pid
+            );
+            if r.host_id == options.host_id {
+                r.session_id()?
+            } else {
+                eprintln!(
+                    "rdmablk: its session was host {:?}'s, not {:?}'s: the target cannot retire it for this one",
+                    r.host_id, options.host_id
+                );
+                SessionId(0)
+            }
+        }
+    };
+    let session = match retry {
+        None => Session::connect_replacing(target.as_str(), options, replaced)?,
+        Some(retry) => connect_until_answered(&target, &options, replaced, retry, &notifier)?,
     };
     let vol = session.open(&volume)?;
     // The path goes to standard output from the thread that starts the device.
-    crate::ublk::attach(session, vol, &opts, move |path| {
+    crate::ublk::attach(session, vol, &opts, orphan, move |path| {
         let mut stdout = std::io::stdout();
         let _ = writeln!(stdout, "{path}");
         let _ = stdout.flush();
@@ -388,13 +423,14 @@ fn run_attach(cli: &Cli, volume: Option<&str>, queues: u16, depth: u16, config: 
 pub fn connect_until_answered(
     target: &str,
     options: &ConnectOptions,
+    replaced: SessionId,
     retry: Duration,
     notifier: &rdmablk_common::notify::Notifier,
 ) -> Result<Session> {
     use crate::ErrorKind as K;
     let mut attempts = 0u64;
     loop {
-        match Session::connect(target, options.clone()) {
+        match Session::connect_replacing(target, options.clone(), replaced) {
             Ok(s) => {
                 if attempts > 0 {
                     eprintln!("rdmablk: connected to {target} after {} failed attempts", attempts);

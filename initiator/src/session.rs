@@ -353,7 +353,27 @@ impl Session {
     pub fn connect(url: impl IntoTargetUrl, options: ConnectOptions) -> Result<Session> {
         let url = url.into_target_url()?;
         options.validate()?;
-        Ok(Session { shared: Shared::connect(url, options)? })
+        Ok(Session { shared: Shared::connect(url, options, SessionId(0))? })
+    }
+
+    /// Like [`Session::connect`], for a process that takes over the work of
+    /// an earlier one (a restarted `rdmablk attach`): the new session names
+    /// `replaced`, a session of the same host id, and the target retires it
+    /// (drops what had not reached the disk, waits for what had) before it
+    /// answers, as at a reconnection (docs/PROTOCOL.md, "The reconnect
+    /// fence"). An id the target no longer knows is nothing to wait for.
+    pub fn connect_replacing(url: impl IntoTargetUrl, options: ConnectOptions, replaced: SessionId) -> Result<Session> {
+        let url = url.into_target_url()?;
+        options.validate()?;
+        Ok(Session { shared: Shared::connect(url, options, replaced)? })
+    }
+
+    /// Calls `watch` with the id of every session a reconnection creates,
+    /// before anything is re-issued on it: a process that records its
+    /// session id (for a successor's [`Session::connect_replacing`]) keeps
+    /// the record current with it. Replaces an earlier watch.
+    pub fn watch_session_id(&self, watch: impl Fn(SessionId) + Send + 'static) {
+        *crate::shared::lock(&self.shared.session_watch) = Some(Box::new(watch));
     }
 
     /// The target's name from the CONNECT reply.

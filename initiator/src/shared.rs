@@ -238,7 +238,13 @@ pub(crate) struct Shared {
     /// The target refuses DISCARD / WRITE_ZEROES above the max I/O size.
     pub(crate) small_zeroes: AtomicBool,
     params: ConnParams,
+    /// Told each new session id a reconnection creates, before anything is
+    /// re-issued on it ([`crate::Session::watch_session_id`]).
+    pub(crate) session_watch: Mutex<Option<SessionWatch>>,
 }
+
+/// A callback given each new session id.
+pub(crate) type SessionWatch = Box<dyn Fn(SessionId) + Send>;
 
 /// Timing derived from the options.
 fn conn_params(options: &ConnectOptions) -> ConnParams {
@@ -277,7 +283,9 @@ struct ConnSet {
 
 impl Shared {
     /// Connects the first set of queue pairs and builds the session state.
-    pub(crate) fn connect(url: FabricUrl, options: ConnectOptions) -> Result<Arc<Shared>> {
+    /// `replaces`: a session of this host (of an earlier process) that the
+    /// new one replaces, fenced like a reconnection's (0: none).
+    pub(crate) fn connect(url: FabricUrl, options: ConnectOptions, mut replaces: SessionId) -> Result<Arc<Shared>> {
         let ctx = |what: &str| format!("{what} for {url}");
         let fabric = Fabric::open(&url).map_err(|e| Error::fabric(ctx("opening the fabric"), e))?;
         let pd = fabric.alloc_pd().map_err(|e| Error::fabric(ctx("allocating a protection domain"), e))?;
@@ -287,7 +295,7 @@ impl Shared {
         let params = conn_params(&options);
         let alarms: Vec<Arc<Alarm>> = (0..options.queues).map(|_| Arc::new(Alarm::default())).collect();
         let deadline = Instant::now() + options.connect_timeout;
-        let set = connect_set(&domain, &url, &options, params, &alarms, &queue_stats, 1, deadline, &mut SessionId(0))?;
+        let set = connect_set(&domain, &url, &options, params, &alarms, &queue_stats, 1, deadline, &mut replaces)?;
 
         let chunk = set.limits.max_io_size as usize;
         let per_queue = options.bounce_pool_size / options.queues;
@@ -336,6 +344,7 @@ impl Shared {
             next_home: AtomicUsize::new(0),
             small_zeroes: AtomicBool::new(false),
             params,
+            session_watch: Mutex::new(None),
         });
         let weak = Arc::downgrade(&shared);
         let tick = monitor_tick(&shared.options);
@@ -680,6 +689,12 @@ impl Shared {
         let stats: Vec<Arc<Stats>> = self.queues.iter().map(|s| Arc::clone(&s.stats)).collect();
         let set = connect_set(&self.domain, &self.url, &self.options, self.params, &alarms, &stats, gen, deadline, replaces)?;
         let ConnSet { mut conns, reply, limits } = set;
+        // Before any request can reach the new session (its connections
+        // are installed below), so a watcher's record never lags behind a
+        // session that has writes in flight.
+        if let Some(watch) = lock(&self.session_watch).as_ref() {
+            watch(reply.session_id);
+        }
         let vols = lock(&self.volumes);
         for slot in vols.values() {
             let e = &slot.entry;

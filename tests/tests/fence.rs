@@ -223,3 +223,59 @@ fn a_dead_queue_pair_executes_none_of_its_queued_commands() {
     }
     target.assert_no_panic();
 }
+
+/// A process that takes over the work of a dead one (a restarted `rdmablk
+/// attach`) names the dead one's session: the target answers its CONNECT
+/// only when the writes the dead session had at the disk have landed, so
+/// none of them can land after the new session's.
+#[test]
+fn a_session_that_replaces_a_dead_processes_session_waits_for_its_disk_writes() {
+    use rdmablk_common::protocol::{BlockCount, CommandCapsule, CommandId, Lba, Opcode, FLAG_INLINE_DATA};
+    if rdmablk_system_tests::scheme() != "tcp" {
+        eprintln!("skipped: raw tcp frames");
+        return;
+    }
+    const BS: usize = 4096;
+    const HOLD: Duration = Duration::from_millis(1500);
+    let dir = tempfile::tempdir().unwrap();
+    let image = sparse_file(dir.path(), "vol0.img", VOLUME);
+    let gate = dir.path().join("hold-writes");
+    let config = format!("{}reactors = 1\n{}", target_section(), file_volume("vol0", &image, VOLUME, false));
+    let target =
+        TargetProcess::start_with_env(&config, &[("RDMABLK_FAULT_HOLD_WRITES", gate.to_str().unwrap())], &[]);
+    // The "dead process": its write of block 0 is held at the disk when it dies.
+    let mut conn = rdmablk_system_tests::WireConn::hello(&target.url);
+    let reply = conn.connect("takeover", 8);
+    let vol = conn.open_volume("vol0");
+    std::fs::write(&gate, format!("{:#x}", reply.session_id.0)).unwrap();
+    let mut c = CommandCapsule::new(Opcode::Write, CommandId(0));
+    c.volume_id = vol.volume_id;
+    c.start_block = Lba(0);
+    c.block_count = BlockCount(1);
+    c.flags = FLAG_INLINE_DATA;
+    conn.post(c, &[0xa0; BS]);
+    std::thread::sleep(Duration::from_millis(300));
+    drop(conn);
+    target.wait_for_log("session disconnected: host=takeover", Duration::from_secs(10));
+    let released = Instant::now() + HOLD;
+    let opener = {
+        let gate = gate.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(released.saturating_duration_since(Instant::now()));
+            std::fs::remove_file(&gate).unwrap();
+        })
+    };
+    let opts = ConnectOptions { host_id: "takeover".into(), queues: 1, ..ConnectOptions::default() };
+    let session = Session::connect_replacing(target.url.as_str(), opts, reply.session_id).unwrap();
+    let answered = Instant::now();
+    assert!(answered >= released, "the CONNECT was answered {:?} before the old write landed", released - answered);
+    opener.join().unwrap();
+    let v = session.open("vol0").unwrap();
+    v.write_at(&[0xbb; BS], 0).unwrap();
+    v.flush().unwrap();
+    let file = std::fs::read(&image).unwrap();
+    assert!(file[..BS].iter().all(|&b| b == 0xbb), "block 0 holds {:#x}: the dead session's write landed last", file[0]);
+    let line = target.wait_for_log("fence: session", Duration::from_secs(5));
+    assert!(line.contains("retired"), "{line}");
+    target.assert_no_panic();
+}

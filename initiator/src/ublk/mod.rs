@@ -8,8 +8,10 @@
 //! parameters the volume gives ([`DeviceParams`]); both are unit-tested on
 //! a host without ublk.
 
+mod record;
 mod serve;
 
+pub use record::{pid_alive, AttachRecord, RECORD_DIR};
 pub use serve::{attach, detach, AttachOptions};
 pub(crate) use serve::check_machine;
 

@@ -28,6 +28,7 @@ use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
 use libublk::io::{UblkDev, UblkQueue};
 use libublk::{UblkError, UblkFlags, UblkIORes};
 
+use super::record::{pid_alive, AttachRecord, RECORD_DIR};
 use super::{result_code, translate, DeviceParams, VolumeOp};
 use crate::error::{Error, Result};
 use crate::session::{Session, Volume};
@@ -62,13 +63,24 @@ fn ublk_err(what: &str, e: UblkError) -> Error {
     Error::invalid(format!("{what}: {e}"))
 }
 
+/// The ublk control flags of every device: user recovery, with the
+/// requests the dead server had taken re-issued to the next one (the
+/// reconnect fence makes that safe: the next server's session retires the
+/// dead one's before anything is re-issued).
+const CTRL_FLAGS: u64 = (libublk::sys::UBLK_F_USER_RECOVERY | libublk::sys::UBLK_F_USER_RECOVERY_REISSUE) as u64;
+
 /// Serves `volume` as `/dev/ublkbN`: calls `on_ready` with the path when
 /// the device is ready and returns when the device is stopped (SIGINT,
 /// SIGTERM, `rdmablk detach`), after deleting it.
+///
+/// With `recover` (the record of a device whose `rdmablk attach` died, see
+/// [`AttachRecord`]), takes that device back instead of creating one: the
+/// kernel has held its requests since, and re-issues them to this process.
 pub fn attach(
     session: Session,
     volume: Volume,
     opts: &AttachOptions,
+    recover: Option<AttachRecord>,
     on_ready: impl FnOnce(&str) + Send + Sync + 'static,
 ) -> Result<()> {
     let info = volume.info().clone();
@@ -80,16 +92,35 @@ pub fn attach(
         volume.supports_discard(),
         volume.supports_write_zeroes(),
     )?;
-    let ctrl = UblkCtrlBuilder::default()
-        .name("rdmablk")
-        .id(-1)
-        .nr_queues(opts.queues)
-        .depth(opts.depth)
-        .io_buf_bytes(params.io_buf_bytes)
-        .dev_flags(UblkFlags::UBLK_DEV_F_ADD_DEV)
-        .build()
-        .map_err(|e| ublk_err("creating the ublk device (/dev/ublk-control)", e))?;
+    let ctrl = match &recover {
+        None => UblkCtrlBuilder::default()
+            .name("rdmablk")
+            .id(-1)
+            .nr_queues(opts.queues)
+            .depth(opts.depth)
+            .io_buf_bytes(params.io_buf_bytes)
+            .ctrl_flags(CTRL_FLAGS)
+            .dev_flags(UblkFlags::UBLK_DEV_F_ADD_DEV)
+            .build()
+            .map_err(|e| ublk_err("creating the ublk device (/dev/ublk-control)", e))?,
+        Some(record) => start_recovery(record, &params)?,
+    };
     let dev_id = ctrl.dev_info().dev_id;
+    let record = AttachRecord {
+        dev_id,
+        target: session.url().to_string(),
+        volume: info.name.clone(),
+        host_id: session.host_id().to_string(),
+        session: String::new(),
+        pid: std::process::id(),
+    };
+    let record_dir = Path::new(RECORD_DIR);
+    record.with_session(session.session_id()).save_in(record_dir)?;
+    session.watch_session_id(move |id| {
+        if let Err(e) = record.with_session(id).save_in(Path::new(RECORD_DIR)) {
+            tracing::error!("updating the attach record: {}", e.one_line());
+        }
+    });
     let stop = stop_on_signals(dev_id)?;
 
     let volume = Arc::new(volume);
@@ -108,21 +139,76 @@ pub fn attach(
         Ok(())
     };
     let name = info.name.clone();
+    let recovered = recover.is_some();
     let dev_fn = move |ctrl: &UblkCtrl| {
         let path = ctrl.get_bdev_path();
-        tracing::info!(device = %path, volume = %name, "ublk device ready");
+        if recovered {
+            tracing::info!(device = %path, volume = %name, "ublk device taken back (user recovery)");
+        } else {
+            tracing::info!(device = %path, volume = %name, "ublk device ready");
+        }
         on_ready(&path);
     };
     // libublk keeps the control ring per thread: run_target must run on the
     // thread that built `ctrl`. It returns when the queues have ended.
     let result = ctrl.run_target(tgt_fn, q_fn, dev_fn);
     stop.store(true, Ordering::Relaxed);
-    drop(ctrl); // deletes the device
+    if recovered {
+        // libublk deletes only the devices it added.
+        let _ = ctrl.del_dev();
+    }
+    drop(ctrl); // deletes an added device
+    AttachRecord::remove_in(record_dir, dev_id);
     result.map_err(|e| ublk_err("serving the ublk device", e))?;
     if failed.load(Ordering::Relaxed) {
         return Err(Error::invalid("a ublk queue failed (see the log); the device was removed"));
     }
     Ok(())
+}
+
+/// Checks that the device of `record` is one this volume can take back
+/// (its server gone, the same block size, capacity and buffer size), starts
+/// its user recovery and returns its control for `run_target`.
+fn start_recovery(record: &AttachRecord, params: &DeviceParams) -> Result<UblkCtrl> {
+    let id = record.dev_id;
+    let dev = format!("/dev/ublkb{id}");
+    let old = UblkCtrl::new_simple(id as i32).map_err(|e| ublk_err(&format!("opening {dev} to take it back"), e))?;
+    let info = old.dev_info();
+    if info.ublksrv_pid > 0 && pid_alive(info.ublksrv_pid as u32) && info.ublksrv_pid as u32 != std::process::id() {
+        return Err(Error::invalid(format!("{dev} is served by process {}: not taking it back", info.ublksrv_pid)));
+    }
+    if info.flags & CTRL_FLAGS != CTRL_FLAGS {
+        return Err(Error::invalid(format!("{dev} was made without user recovery: detach it and attach again")));
+    }
+    let mut p = libublk::sys::ublk_params { len: std::mem::size_of::<libublk::sys::ublk_params>() as u32, ..Default::default() };
+    old.get_params(&mut p).map_err(|e| ublk_err(&format!("reading {dev}'s parameters"), e))?;
+    let (shift, sectors) = (p.basic.logical_bs_shift, p.basic.dev_sectors);
+    if shift != params.block_shift || sectors != params.dev_sectors || info.max_io_buf_bytes != params.io_buf_bytes {
+        return Err(Error::invalid(format!(
+            "{dev} does not fit the volume any more: it has blocks of {} bytes, {} sectors and {}-byte buffers; \
+             the volume now gives {}, {} and {} (detach it and attach again)",
+            1u32 << shift,
+            sectors,
+            info.max_io_buf_bytes,
+            1u32 << params.block_shift,
+            params.dev_sectors,
+            params.io_buf_bytes
+        )));
+    }
+    // Waits (EBUSY, up to 30 s) until the kernel has noticed the old
+    // server's end and quiesced the device.
+    old.start_user_recover().map_err(|e| ublk_err(&format!("starting the recovery of {dev}"), e))?;
+    drop(old);
+    UblkCtrlBuilder::default()
+        .name("rdmablk")
+        .id(id as i32)
+        .nr_queues(info.nr_hw_queues)
+        .depth(info.queue_depth)
+        .io_buf_bytes(info.max_io_buf_bytes)
+        .ctrl_flags(CTRL_FLAGS)
+        .dev_flags(UblkFlags::UBLK_DEV_F_RECOVER_DEV)
+        .build()
+        .map_err(|e| ublk_err(&format!("taking back {dev}"), e))
 }
 
 /// A thread that stops device `dev_id` on SIGINT or SIGTERM.
@@ -333,6 +419,15 @@ pub fn detach(path: &str, out: &mut dyn Write) -> Result<()> {
         )));
     }
     let ctrl = UblkCtrl::new_simple(id as i32).map_err(|e| ublk_err(&format!("opening ublk device {id}"), e))?;
+    let server = ctrl.dev_info().ublksrv_pid;
+    if server <= 0 || !pid_alive(server as u32) {
+        // Its rdmablk attach died (the kernel holds the device's requests
+        // for a successor): nobody else will delete it.
+        ctrl.del_dev().map_err(|e| ublk_err(&format!("deleting {path}"), e))?;
+        AttachRecord::remove_in(Path::new(RECORD_DIR), id);
+        return writeln!(out, "detached {path} (its rdmablk attach had ended; requests it held failed)")
+            .map_err(|e| Error::io("writing the output", e));
+    }
     ctrl.kill_dev().map_err(|e| ublk_err(&format!("stopping {path}"), e))?;
     // Its rdmablk attach deletes it when its queues have ended.
     let deadline = Instant::now() + Duration::from_secs(30);
