@@ -43,6 +43,10 @@
 #                             5 s later; dd ends 0, the file is identical after a
 #                             remount, e2fsck -fn clean. Then with --ctrl_loss_tmo=3s
 #                             a killed target makes reads fail with EIO; detach works
+#   ublk-recover-rdma         ublk user recovery: rdmablk attach SIGKILLed while fio writes
+#                             (verify=crc32c) through ext4; a restarted attach takes the
+#                             same device back, fio ends 0, e2fsck -fn clean; an attach
+#                             killed and not restarted: detach deletes the device
 #   bench-verify-rdma         rdmablk-bench --verify=crc32c, 3 s at each queue depth
 #                             4, 8, 16 and 32 (SKIPPED, and shown as such, while
 #                             rdmablk-bench is not built)
@@ -392,6 +396,73 @@ EOF
     cp "$WORK/rattach.log" "$RES/ublk-reconnect-attach.log" 2>/dev/null || true
 }
 
+# ublk user recovery: rdmablk attach is SIGKILLed while fio writes (with
+# verify) through ext4 on the device; a new rdmablk attach of the same
+# target and volume takes the same device back (the kernel held the
+# requests meanwhile and re-issues them); fio ends 0 with no verify error,
+# e2fsck -fn is clean. Then an attach killed and not restarted: detach
+# deletes the orphaned device.
+ublk_recover() {
+    set -euo pipefail
+    modprobe ublk_drv
+    start_target
+    mkdir -p "$WORK/cmnt"
+    local mnt=$WORK/cmnt upid=0 fpid=0 dev first log=$WORK/cattach.log
+    attach() {
+        : >"$WORK/cdev"
+        RDMABLK_LOG=info "$BIN/rdmablk" --target "$URL" attach vol0 --queues 2 --depth 16 >"$WORK/cdev" 2>>"$log" &
+        upid=$!
+        for _ in $(seq 1 600); do [[ -s $WORK/cdev ]] && break; kill -0 $upid || break; sleep 0.1; done
+        dev=$(cat "$WORK/cdev")
+        [[ -b $dev ]] || { echo "rdmablk attach gave no device"; exit 1; }
+        echo "$dev served by rdmablk attach pid $upid"
+    }
+    trap 'kill $fpid 2>/dev/null; umount "$mnt" 2>/dev/null; kill $upid $TPID 2>/dev/null; cat "$log"' EXIT
+    attach
+    first=$dev
+    mkfs.ext4 -q -F "$dev"
+    mount "$dev" "$mnt"
+    fio --name=recover --directory="$mnt" --rw=randwrite --bs=4k-128k --size=96M --ioengine=io_uring \
+        --direct=1 --iodepth=16 --verify=crc32c --verify_fatal=1 >"$WORK/cfio.out" 2>&1 &
+    fpid=$!
+    sleep 4
+    kill -0 "$fpid" || { echo "fio ended before the kill: nothing was in flight"; cat "$WORK/cfio.out"; exit 1; }
+    kill -KILL "$upid"; wait "$upid" || true
+    echo "rdmablk attach killed at $(date +%T.%N) while fio writes"
+    local rec=/run/rdmablk/ublk/${dev##*/}.toml
+    [[ -s $rec ]] || { echo "no attach record $rec"; exit 1; }
+    cat "$rec"
+    sleep 2
+    attach
+    echo "taken back at $(date +%T.%N)"
+    [[ $dev == "$first" ]] || { echo "a new device $dev instead of $first"; exit 1; }
+    grep -q "taking back $dev" "$log"
+    grep -q "ublk device taken back" "$log"
+    local frc=0
+    wait "$fpid" || frc=$?
+    fpid=0
+    cat "$WORK/cfio.out"
+    [[ $frc -eq 0 ]] || { echo "fio exited with $frc across the takeover"; exit 1; }
+    grep -q "err= 0" "$WORK/cfio.out"
+    if grep -qi "verify.*fail\|bad magic\|crc32c: verify" "$WORK/cfio.out"; then echo "fio found bad data"; exit 1; fi
+    umount "$mnt"
+    e2fsck -fn "$dev"
+    "$BIN/rdmablk" detach "$dev"
+    wait "$upid"
+    [[ ! -e $rec ]] || { echo "the record outlived a normal detach"; exit 1; }
+    # Killed and never restarted: the orphan is deleted by detach.
+    attach
+    kill -KILL "$upid"; wait "$upid" || true
+    sleep 1
+    "$BIN/rdmablk" detach "$dev" | tee "$WORK/cdetach.out"
+    grep -q "had ended" "$WORK/cdetach.out"
+    [[ ! -e $dev ]] || { echo "$dev still exists after detach"; exit 1; }
+    if grep -q 'panicked' "$log"; then echo "rdmablk attach panicked"; exit 1; fi
+    trap - EXIT
+    cp "$log" "$RES/ublk-recover-attach.log" 2>/dev/null || true
+    stop_target ublk-recover
+}
+
 # The boot path of rdmablk-attach@.service: `rdmablk attach --config FILE`
 # started before its target exists keeps trying, attaches once the target
 # is up (within a retry), and says READY=1 on systemd's notification socket
@@ -507,6 +578,7 @@ step nbd-fs-rdma --timeout 600 bash "$SELF" nbd_fs || rc=1
 step ublk-fs-rdma --timeout 600 bash "$SELF" ublk_fs || rc=1
 step ublk-reconnect-rdma --timeout 600 bash "$SELF" ublk_reconnect || rc=1
 step ublk-boot-rdma --timeout 300 bash "$SELF" ublk_boot || rc=1
+step ublk-recover-rdma --timeout 300 bash "$SELF" ublk_recover || rc=1
 if [[ -x $BIN/rdmablk-bench ]]; then
     step bench-verify-rdma --timeout 300 bash "$SELF" bench || rc=1
     step scoping-cost-rdma --timeout 300 bash "$SELF" scoping_cost || rc=1
