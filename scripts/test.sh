@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 # rdma-mummy-sys: cmake for its C part, libclang for bindgen; the unit check
 # needs systemd-analyze.
 . scripts/lib/build-deps.sh
-install_build_deps systemd-analyze:systemd nbdinfo:libnbd-bin qemu-img:qemu-utils mkfs.ext4:e2fsprogs
+install_build_deps systemd-analyze:systemd nbdinfo:libnbd-bin qemu-img:qemu-utils mkfs.ext4:e2fsprogs fio:fio
 if ! cargo nextest --version >/dev/null 2>&1; then
     echo "==> installing cargo-nextest"
     cargo install --locked cargo-nextest

@@ -1,10 +1,11 @@
 //! `rdmablk nbd` end to end: the real `rdmablk-target`, the real `rdmablk nbd`
 //! process, and real NBD clients from Debian (libnbd-bin: nbdinfo, nbdcopy,
-//! nbdfuse; qemu-utils: qemu-io, qemu-img), plus a raw client for what no
-//! real client sends. Every check ends with the backing file's bytes.
+//! nbdfuse; qemu-utils: qemu-io, qemu-img; fio's nbd engine), plus a raw
+//! client for what no real client sends. Every check ends with the backing
+//! file's bytes.
 //!
 //! A test whose tool is missing says so and passes (`scripts/test.sh`
-//! installs them: libnbd-bin, qemu-utils).
+//! installs them: libnbd-bin, qemu-utils, fio).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -350,6 +351,88 @@ fn nbdcopy_in_and_out_is_byte_identical_with_the_backing_file() {
     let (code, log) = nbd.stop();
     assert_eq!(code, Some(0), "{log}");
     assert!(!log.contains("WARN"), "a clean copy logged warnings:\n{log}");
+}
+
+/// fio's job file for the verify test: two jobs, one NBD connection each,
+/// 32 MiB of 4 KiB random writes at offset 0 and 32 MiB of random writes
+/// of 4 KiB to 128 KiB at offset 32 MiB, 32 in flight, each block written
+/// once (fio's random map) with a crc32c verify header, then read back and
+/// checked (and no verify state file left in the working directory when
+/// that fails). `target` is the ioengine's lines (`ioengine=nbd` and
+/// `uri=`, or `ioengine=psync` and `filename=` with `verify_only=1`).
+fn fio_verify_job(target: &str) -> String {
+    format!(
+        "[global]\n{target}\nrw=randwrite\niodepth=32\nverify=crc32c\nverify_fatal=1\ndo_verify=1\nverify_state_save=0\n\
+         \n[bs4k]\nbs=4k\noffset=0\nsize=32m\n\
+         \n[bs4k-128k]\nbsrange=4k-128k\noffset=32m\nsize=32m\n"
+    )
+}
+
+/// Runs fio on `job`, asserts it succeeded, and returns its JSON's jobs.
+fn run_fio(dir: &Path, name: &str, job: &str) -> Vec<serde_json::Value> {
+    let job_path = dir.join(format!("{name}.fio"));
+    let json_path = dir.join(format!("{name}.json"));
+    std::fs::write(&job_path, job).unwrap();
+    let out =
+        Command::new("fio").args(["--output-format=json", "--output"]).arg(&json_path).arg(&job_path).output().unwrap();
+    let json = std::fs::read_to_string(&json_path).unwrap_or_default();
+    // fio's notes (verify failures among them) surround its JSON document,
+    // whose own lines are indented or braces.
+    let notes: Vec<&str> = json.lines().filter(|l| !l.starts_with([' ', '{', '}'])).collect();
+    assert!(
+        out.status.success(),
+        "fio ({name}) failed ({}):\n{}\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        notes.join("\n")
+    );
+    let doc: serde_json::Value = serde_json::from_str(&json[json.find('{').expect("fio wrote JSON")..]).unwrap();
+    let jobs = doc["jobs"].as_array().expect("fio's jobs").clone();
+    assert_eq!(jobs.len(), 2, "{doc}");
+    jobs
+}
+
+#[test]
+fn fio_nbd_random_writes_verify_crc32c_and_the_backing_file_holds_them() {
+    if !need("fio", "fio") {
+        return;
+    }
+    let engines = run(Command::new("fio").arg("--enghelp"));
+    assert!(
+        String::from_utf8_lossy(&engines.stdout).split_whitespace().any(|e| e == "nbd"),
+        "this fio has no nbd ioengine (Debian's fio has it)"
+    );
+    let s = setup();
+    let nbd = NbdProcess::start(&s.target, "vol0", &s.dir.path().join("vol0.sock"));
+    let jobs = run_fio(s.dir.path(), "nbd", &fio_verify_job(&format!("ioengine=nbd\nuri={}", nbd.uri)));
+    for j in &jobs {
+        let name = j["jobname"].as_str().unwrap();
+        assert_eq!(j["error"], 0, "fio job {name}: {j}");
+        assert_eq!(j["write"]["io_bytes"], 32 * MIB, "fio job {name} wrote all of its 32 MiB: {j}");
+        // The verify phase read every block back and checked its crc32c
+        // (verify_fatal: a mismatch ends fio with an error, caught above).
+        assert_eq!(j["read"]["io_bytes"], 32 * MIB, "fio job {name} verified all of its 32 MiB: {j}");
+    }
+    let small = jobs[0]["write"]["total_ios"].as_u64().unwrap();
+    let mixed = jobs[1]["write"]["total_ios"].as_u64().unwrap();
+    assert_eq!(small, 32 * MIB / 4096);
+    assert!(mixed < small / 4, "bsrange=4k-128k wrote {mixed} blocks: the sizes did not vary");
+    let connections = nbd.log().matches("NBD_OPT_GO: serving").count();
+    assert!(connections >= 2, "fio's two jobs made {connections} connections; log:\n{}", nbd.log());
+    let (code, log) = nbd.stop();
+    assert_eq!(code, Some(0), "{log}");
+    assert!(!log.contains("WARN"), "fio's verify run logged warnings:\n{log}");
+    // The same jobs, verify only, on the backing file itself: every block is
+    // where fio wrote it, with the bytes fio wrote (a server that misplaced
+    // writes and read them back from the same wrong place fails here).
+    let img = s.img.display();
+    let job = fio_verify_job(&format!("ioengine=psync\nfilename={img}\nverify_only=1"));
+    let jobs = run_fio(s.dir.path(), "file", &job);
+    for j in &jobs {
+        assert_eq!(j["error"], 0, "fio verify_only on the backing file: {j}");
+        assert_eq!(j["read"]["io_bytes"], 32 * MIB, "fio verify_only read the whole backing file: {j}");
+    }
 }
 
 #[test]
