@@ -6,6 +6,11 @@
 #   2. rdmablk-bench against a separately started rdmablk-target
 #      (tcp://127.0.0.1) serving that file;
 #   3. fio's nbd engine against nbdkit serving the same file (cache=none);
+#   4. fio's nbd engine against `rdmablk nbd` (the rdmablk CLI's NBD server)
+#      listening on TCP 127.0.0.1 — as nbdkit does, so that fio's libnbd
+#      client pays the same loopback TCP on both — whose volume is vol0 of
+#      the rdmablk-target of 2 (tcp://127.0.0.1): the same file, through
+#      one more hop (rows "fio nbd -> rdmablk nbd -> rdmablk-target");
 # then the null case: rdmablk's null backend against nbdkit's null plugin,
 # and one iperf3 loopback stream, the fabric's ceiling.
 #
@@ -25,12 +30,15 @@
 # Cases: 4 KiB randread QD1, 4 KiB randread QD32, 4 KiB randwrite QD32,
 # 128 KiB sequential read QD16. Prints a markdown table (IOPS, bandwidth,
 # p50/p99 latency, ratios against the ceiling and the peer, CPU time of
-# the serving process and IOPS per CPU-second of it) and the performance
-# targets of the issue with PASS/MISS.
+# the serving side and IOPS per CPU-second of it) and the performance
+# targets of the issue with PASS/MISS. The serving side of the rdmablk nbd
+# rows is rdmablk nbd and rdmablk-target together (both serve each request,
+# as nbdkit alone does on its rows); their CPU seconds are summed.
 #
 # usage: bench/compare.sh [--json FILE] [--runtime SECONDS] [--ramp SECONDS]
 #                         [--size SIZE] [--dir DIR] [--keep] [--no-build]
 #                         [--repeat N] [--case NAME]... [--guest-halt-poll NS]
+#                         [--only nbd]
 #   --json FILE     also write the rows (and the targets) as JSON
 #   --runtime S     seconds per measurement (default 10)
 #   --ramp S        warm-up seconds before each measurement (default 1)
@@ -46,6 +54,11 @@
 #   --case NAME     run only this case (repeatable): randread-4k-qd1,
 #                   randread-4k-qd32, randwrite-4k-qd32, read-128k-qd16;
 #                   iperf3 runs only with read-128k-qd16
+#   --only nbd      run only the NBD comparison: fio nbd against nbdkit file
+#                   and against rdmablk nbd (no local ceiling, no
+#                   rdmablk-bench, no bound, no null rows, no iperf3; the
+#                   polled target and nbdkit null are not started); target 5
+#                   is the only one judged. A few minutes with --runtime 10
 #   --guest-halt-poll NS
 #                   in a KVM guest with the haltpoll cpuidle driver: let an
 #                   idle vCPU poll up to NS ns before it halts (the kernel's
@@ -53,9 +66,10 @@
 #                   run, and restore the old value after. Applies to every
 #                   system measured; the header reports the value in force.
 #
-# BIN=DIR takes rdmablk-bench and rdmablk-target from DIR (relative to the
-# repository) instead of target/release, with --no-build; scripts/test.sh
-# smoke-runs the debug build this way.
+# BIN=DIR takes rdmablk-bench, rdmablk-target, tcp-ceiling and rdmablk (the
+# CLI, for rdmablk nbd) from DIR (relative to the repository) instead of
+# target/release, with --no-build; scripts/test.sh smoke-runs the debug
+# build this way.
 #
 # Needs root for apt-get only when fio, nbdkit, iperf3 or python3 are missing.
 set -euo pipefail
@@ -71,6 +85,7 @@ KEEP=0
 BUILD=1
 REPEAT=1
 ONLY=()
+ONLY_NBD=0
 HALT_POLL_SET=""
 HALT_POLL_PARAM=/sys/module/haltpoll/parameters/guest_halt_poll_ns
 while [ $# -gt 0 ]; do
@@ -84,6 +99,8 @@ while [ $# -gt 0 ]; do
         --no-build) BUILD=0; shift ;;
         --repeat) REPEAT=$2; shift 2 ;;
         --case) ONLY+=("$2"); shift 2 ;;
+        --only) [ "${2:-}" = nbd ] || { echo "compare.sh: --only takes nbd" >&2; exit 2; }
+            ONLY_NBD=1; shift 2 ;;
         --guest-halt-poll) HALT_POLL_SET=$2; shift 2
             [[ "$HALT_POLL_SET" =~ ^[0-9]+$ ]] || { echo "compare.sh: --guest-halt-poll takes nanoseconds, e.g. 200000" >&2; exit 2; } ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
@@ -117,18 +134,19 @@ fio --enghelp 2>/dev/null | grep -qw nbd || { echo "compare.sh: this fio has no 
 
 if [ "$BUILD" = 1 ]; then
     log "building release binaries"
-    cargo build --release -q -p rdmablk-bench -p rdmablk-target
+    cargo build --release -q -p rdmablk-bench -p rdmablk-target -p rdmablk-initiator
 fi
 
 mkdir -p "$DIR"
 WORK=$(mktemp -d "$DIR/run.XXXXXX")
 # Private copies: a rebuild of target/ during the run cannot swap them.
 mkdir -p "$WORK/bin"
-BIN_DIR=$(bin_dir rdmablk-bench rdmablk-target tcp-ceiling)
-cp "$BIN_DIR/rdmablk-bench" "$BIN_DIR/rdmablk-target" "$BIN_DIR/tcp-ceiling" "$WORK/bin/"
+BIN_DIR=$(bin_dir rdmablk-bench rdmablk-target tcp-ceiling rdmablk)
+cp "$BIN_DIR/rdmablk-bench" "$BIN_DIR/rdmablk-target" "$BIN_DIR/tcp-ceiling" "$BIN_DIR/rdmablk" "$WORK/bin/"
 BENCH="$WORK/bin/rdmablk-bench"
 TARGET="$WORK/bin/rdmablk-target"
 CEIL="$WORK/bin/tcp-ceiling"
+RDMABLK="$WORK/bin/rdmablk"
 FILE="$DIR/compare.img"
 PIDS=()
 HALT_POLL_OLD=""
@@ -191,6 +209,10 @@ wait_port "$RDMA_PORT" "$TPID"
 # Two pollers on one CPU would take turns by the scheduler's time slice, so
 # the target runs (one reactor) on the CPU that takes the disk's interrupts
 # and the bench on the others, as CPUAffinity= would place it in production.
+PPID_POLLED=""
+PLACEMENT="polled target not started (--only nbd)"
+PIN_BENCH=()
+if [ "$ONLY_NBD" = 0 ]; then  # not with --only nbd
 POLL_PORT=$(free_port)
 sed -e "s/:$RDMA_PORT\"/:$POLL_PORT\"/" -e 's/^name = "compare"$/name = "compare-polled"\nbusy_poll = "1ms"/' \
     "$WORK/target.toml" >"$WORK/target-polled.toml"
@@ -209,6 +231,17 @@ log "starting rdmablk-target (busy_poll) on tcp://127.0.0.1:$POLL_PORT; $PLACEME
 RUST_LOG=warn "${PIN_TARGET[@]}" "$TARGET" --config "$WORK/target-polled.toml" 2>"$WORK/target-polled.log" &
 PPID_POLLED=$!; PIDS+=("$PPID_POLLED")
 wait_port "$POLL_PORT" "$PPID_POLLED"
+fi
+
+# rdmablk nbd: the CLI's NBD server for vol0 of the first (sleeping) target,
+# on TCP 127.0.0.1 like nbdkit. Default queues (one per CPU); each fio job
+# is one NBD connection with its own reader, I/O and writer threads.
+RNBD_PORT=$(free_port)
+log "starting rdmablk nbd vol0 on nbd://127.0.0.1:$RNBD_PORT (-> tcp://127.0.0.1:$RDMA_PORT)"
+RDMABLK_LOG=warn "$RDMABLK" --target "tcp://127.0.0.1:$RDMA_PORT" nbd vol0 --listen "127.0.0.1:$RNBD_PORT" \
+    >"$WORK/rdmablk-nbd.out" 2>"$WORK/rdmablk-nbd.log" &
+RNPID=$!; PIDS+=("$RNPID")
+wait_port "$RNBD_PORT" "$RNPID"
 
 NBD_PORT=$(free_port)
 log "starting nbdkit file on nbd://127.0.0.1:$NBD_PORT"
@@ -216,11 +249,14 @@ nbdkit -f -i 127.0.0.1 -p "$NBD_PORT" file file="$FILE" cache=none 2>"$WORK/nbdk
 NPID=$!; PIDS+=("$NPID")
 wait_port "$NBD_PORT" "$NPID"
 
+NNPID=""
+if [ "$ONLY_NBD" = 0 ]; then  # not with --only nbd
 NBDNULL_PORT=$(free_port)
 log "starting nbdkit null on nbd://127.0.0.1:$NBDNULL_PORT"
 nbdkit -f -i 127.0.0.1 -p "$NBDNULL_PORT" null size="$SIZE_BYTES" 2>"$WORK/nbdkit-null.log" &
 NNPID=$!; PIDS+=("$NNPID")
 wait_port "$NBDNULL_PORT" "$NNPID"
+fi
 
 # --- runs ----------------------------------------------------------------------
 COMMON=(--runtime="$RUNTIME" --time_based --ramp_time="$RAMP" --output-format=json)
@@ -239,15 +275,24 @@ for p in os.listdir('/proc'):
         out[p]=[('[%s]' % comm) if kernel else comm,(int(f[11])+int(f[12]))/os.sysconf('SC_CLK_TCK')]
     except Exception: pass
 json.dump(out,open('$1','w'))"; }
-# measure NAME SERVER_PID -- COMMAND...: runs COMMAND with its JSON on
-# $WORK/NAME.json and the server's CPU seconds on $WORK/NAME.cpu.
+# CPU seconds of the serving side: the sum over PIDS (comma-separated), or
+# 0 for -.
+server_cpu() { # PIDS
+    local p t=0
+    [ "$1" = - ] && { echo 0; return; }
+    for p in ${1//,/ }; do t=$(python3 -c "print($t + $(cpu_secs "$p"))"); done
+    echo "$t"
+}
+# measure NAME SERVER_PIDS -- COMMAND...: runs COMMAND with its JSON on
+# $WORK/NAME.json and the serving side's CPU seconds (SERVER_PIDS: one pid,
+# several joined by commas, or -) on $WORK/NAME.cpu.
 measure() {
     local name=$1 spid=$2; shift 3
     local c0 c1
     snapshot "$WORK/$name.procs0"
-    c0=$( [ "$spid" = - ] && echo 0 || cpu_secs "$spid")
+    c0=$(server_cpu "$spid")
     "$@" >"$WORK/$name.json" 2>"$WORK/$name.err" || { echo "compare.sh: $name failed:" >&2; cat "$WORK/$name.err" >&2; }
-    c1=$( [ "$spid" = - ] && echo 0 || cpu_secs "$spid")
+    c1=$(server_cpu "$spid")
     snapshot "$WORK/$name.procs1"
     python3 -c "print($c1 - $c0)" >"$WORK/$name.cpu"
     echo "$*" >"$WORK/$name.cmd"
@@ -262,6 +307,15 @@ for rep in $(seq 1 "$REPEAT"); do
 for c in "${CASES[@]}"; do
     read -r name rw bs qd <<<"$c"
     job=(--name="$name" --rw="$rw" --bs="$bs" --iodepth="$qd")
+    if [ "$ONLY_NBD" = 1 ]; then
+        log "[$rep/$REPEAT] $name: fio nbd -> nbdkit file"
+        measure "$name.nbd.$rep" "$NPID" -- fio "${job[@]}" --ioengine=nbd --uri="nbd://127.0.0.1:$NBD_PORT" \
+            --lat_percentiles=1 "${COMMON[@]}"
+        log "[$rep/$REPEAT] $name: fio nbd -> rdmablk nbd -> rdmablk-target (file)"
+        measure "$name.rdmablk-nbd.$rep" "$RNPID,$TPID" -- fio "${job[@]}" --ioengine=nbd \
+            --uri="nbd://127.0.0.1:$RNBD_PORT/vol0" --lat_percentiles=1 "${COMMON[@]}"
+        continue
+    fi
     log "[$rep/$REPEAT] $name: fio io_uring on the local file"
     measure "$name.local.$rep" - -- fio "${job[@]}" --filename="$FILE" --size="$SIZE_BYTES" --direct=1 \
         --ioengine=io_uring --lat_percentiles=1 "${COMMON[@]}"
@@ -282,6 +336,9 @@ for c in "${CASES[@]}"; do
     log "[$rep/$REPEAT] $name: fio nbd -> nbdkit file"
     measure "$name.nbd.$rep" "$NPID" -- fio "${job[@]}" --ioengine=nbd --uri="nbd://127.0.0.1:$NBD_PORT" \
         --lat_percentiles=1 "${COMMON[@]}"
+    log "[$rep/$REPEAT] $name: fio nbd -> rdmablk nbd -> rdmablk-target (file)"
+    measure "$name.rdmablk-nbd.$rep" "$RNPID,$TPID" -- fio "${job[@]}" --ioengine=nbd \
+        --uri="nbd://127.0.0.1:$RNBD_PORT/vol0" --lat_percentiles=1 "${COMMON[@]}"
     log "[$rep/$REPEAT] $name: rdmablk-bench -> rdmablk-target (null)"
     measure "$name.rdmablk-null.$rep" "$TPID" -- "$BENCH" "${job[@]}" --target="tcp://127.0.0.1:$RDMA_PORT" \
         --volume=null0 --target_pid="$TPID" "${COMMON[@]}"
@@ -294,7 +351,7 @@ for c in "${CASES[@]}"; do
     measure "$name.nbd-null.$rep" "$NNPID" -- fio "${job[@]}" --ioengine=nbd --uri="nbd://127.0.0.1:$NBDNULL_PORT" \
         --lat_percentiles=1 "${COMMON[@]}"
 done
-if [[ " $CASE_NAMES " == *" read-128k-qd16 "* ]]; then
+if [ "$ONLY_NBD" = 0 ] && [[ " $CASE_NAMES " == *" read-128k-qd16 "* ]]; then
     IPERF_PORT=$(free_port)
     log "[$rep/$REPEAT] iperf3: one loopback stream"
     iperf3 -s -1 -B 127.0.0.1 -p "$IPERF_PORT" >/dev/null 2>&1 &
@@ -308,14 +365,15 @@ LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 snapshot "$WORK/procs1.json"
 
 # --- table ---------------------------------------------------------------------
-OURS="$TPID $PPID_POLLED $NPID $NNPID $$ $BASHPID" PLACEMENT="$PLACEMENT" HALT_POLL="$HALT_POLL" CASE_NAMES="$CASE_NAMES" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
-RUNTIME="$RUNTIME" RAMP="$RAMP" SIZE_BYTES="$SIZE_BYTES" python3 - <<'PY'
+OURS="$TPID $PPID_POLLED $NPID $NNPID $RNPID $$ $BASHPID" PLACEMENT="$PLACEMENT" HALT_POLL="$HALT_POLL" CASE_NAMES="$CASE_NAMES" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
+RUNTIME="$RUNTIME" RAMP="$RAMP" SIZE_BYTES="$SIZE_BYTES" ONLY_NBD="$ONLY_NBD" python3 - <<'PY'
 import functools, json, os
 
 work = os.environ["WORK"]
 cases = os.environ["CASE_NAMES"].split()
 
 REPEAT = int(os.environ.get("REPEAT", "1"))
+ONLY_NBD = os.environ.get("ONLY_NBD") == "1"
 WALL = int(os.environ["RUNTIME"]) + int(os.environ["RAMP"])
 
 # Each run's files are read once: the medians and the per-repeat pairs share them.
@@ -430,19 +488,23 @@ def row(case, system, r, ceiling, peer, metric):
         "ratio_metric": metric,
     })
 
+RDMABLK_NBD = "fio nbd -> rdmablk nbd -> rdmablk-target, file"
 for c in cases:
     local, rb, nbd = load(f"{c}.local"), load(f"{c}.rdmablk"), load(f"{c}.nbd")
-    row(c, "fio io_uring, local file (ceiling)", local, None, None, "iops")
-    row(c, "rdmablk-bench -> rdmablk-target, file", rb, local, nbd, "iops")
-    polled = load(f"{c}.rdmablk-polled")
-    if polled:
-        row(c, "rdmablk-bench --hipri -> rdmablk-target busy_poll, file", polled, local, nbd, "iops")
-    row(c, "fio nbd -> nbdkit file", nbd, local, rb, "iops")
+    rnbd = load(f"{c}.rdmablk-nbd")
+    if not ONLY_NBD:
+        row(c, "fio io_uring, local file (ceiling)", local, None, None, "iops")
+        row(c, "rdmablk-bench -> rdmablk-target, file", rb, local, nbd, "iops")
+        polled = load(f"{c}.rdmablk-polled")
+        if polled:
+            row(c, "rdmablk-bench --hipri -> rdmablk-target busy_poll, file", polled, local, nbd, "iops")
+    row(c, "fio nbd -> nbdkit file", nbd, local, rnbd if ONLY_NBD else rb, "iops")
+    row(c, RDMABLK_NBD, rnbd, local, nbd, "iops")
     for kind, system in (("bound", BOUND), ("bound-polled", BOUND_POLLED)):
         bound = load(f"{c}.{kind}")
         if bound:
             row(c, system, bound, local, None, "iops")
-for c in cases:
+for c in ([] if ONLY_NBD else cases):
     rbn, nbdn = load(f"{c}.rdmablk-null"), load(f"{c}.nbd-null")
     metric = "bw_mib" if c.startswith("read-128k") else "iops"
     ceil = {"bw_mib": iperf / 1048576.0} if (iperf and metric == "bw_mib") else None
@@ -509,11 +571,13 @@ elif flagged:
                     for r in flagged))
     print()
 print("client CPU % = the client's job (fio or rdmablk-bench) in usr+sys, of one CPU; server CPU % = the whole "
-      "serving process (rdmablk-target or nbdkit, all threads), of one CPU, over ramp + runtime; IOPS per server "
-      "CPU-s = IOPS / (server CPU % / 100).")
+      "serving side (rdmablk-target or nbdkit, all threads; on the rdmablk nbd rows rdmablk nbd and rdmablk-target "
+      "together), of one CPU, over ramp + runtime; IOPS per server CPU-s = IOPS / (server CPU % / 100).")
 print()
 print("Ratios: vs ceiling = this row / local fio (file rows) or / iperf3 (null 128k, bandwidth); "
-      "vs peer = rdmablk / nbd (and nbd / rdmablk on nbd rows). Null rows compare bandwidth for 128k, IOPS otherwise.")
+      "vs peer = rdmablk / nbdkit (rdmablk-bench and rdmablk nbd rows) and nbdkit / rdmablk-bench on nbdkit rows "
+      "(nbdkit / rdmablk nbd with --only nbd). "
+      "Null rows compare bandwidth for 128k, IOPS otherwise.")
 if any(r["system"] in (BOUND, BOUND_POLLED) for r in rows):
     print()
     print("Bound rows: tcp-ceiling --file, a server with no protocol that reads each request's block from the same "
@@ -539,12 +603,12 @@ def target(name, ok, detail, paired=None, bound=None):
 # The host's speed drifts over minutes, so with --repeat each rdmablk run is
 # also set against the fio run of the same repeat (they ran back to back).
 # The verdict stays on the medians; this shows how often single pairs pass.
-def paired(case, name, metric, passes, fmt, always=False):
+def paired(case, name, metric, passes, fmt, always=False, base="local"):
     if REPEAT < 2 and not always:
         return None
     vals = []
     for i in range(1, REPEAT + 1):
-        a, b = load1(f"{case}.{name}.{i}"), load1(f"{case}.local.{i}")
+        a, b = load1(f"{case}.{name}.{i}"), load1(f"{case}.{base}.{i}")
         if not (a and b) or max(a["foreign_cpu_s"] or 0.0, b["foreign_cpu_s"] or 0.0) >= FOREIGN_LIMIT:
             continue
         if a.get(metric) is not None and b.get(metric):
@@ -590,6 +654,25 @@ a = get("read-128k-qd16", "rdmablk-bench -> rdmablk-target, null")
 if a.get("bw_mib") and iperf:
     ib = iperf / 1048576.0
     target("4. null read 128k QD16 >= 0.6x iperf3 stream", a["bw_mib"] >= 0.6 * ib, f"{a['bw_mib']:,.0f} MiB/s vs {ib:,.0f} MiB/s ({a['bw_mib']/ib:.2f}x)")
+# 5: the NBD server against nbdkit on the same file, both behind fio's nbd
+# engine over loopback TCP; IOPS at QD32, reads and writes, each not below.
+nbd_parts, nbd_oks, nbd_pairs = [], [], {}
+for case in ("randread-4k-qd32", "randwrite-4k-qd32"):
+    a, b = get(case, RDMABLK_NBD), get(case, "fio nbd -> nbdkit file")
+    if a.get("iops") and b.get("iops"):
+        nbd_oks.append(a["iops"] >= b["iops"])
+        part = f"{case}: {a['iops']:,.0f} vs {b['iops']:,.0f} ({a['iops']/b['iops']:.2f}x)"
+        pr = paired(case, "rdmablk-nbd", "iops", lambda v: v >= 1.0, ".2f", base="nbd")
+        if pr:
+            nbd_pairs[case] = pr
+            part += f", per run: {pr['summary']}"
+        nbd_parts.append(part)
+if nbd_oks:
+    t = {"target": "5. rdmablk nbd at QD32 is not slower than nbdkit file (4k randread and randwrite, IOPS)",
+         "met": all(nbd_oks), "detail": "; ".join(nbd_parts)}
+    if nbd_pairs:
+        t["per_run"] = nbd_pairs
+    targets.append(t)
 print()
 print("| target | met | measured |")
 print("|---|---|---|")

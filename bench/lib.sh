@@ -27,7 +27,7 @@ bin_dir() { # BINARY...
     local dir b
     dir=$(realpath -m "${BIN:-target/release}")
     for b in "$@"; do
-        [ -x "$dir/$b" ] || { echo "${0##*/}: $dir/$b missing: cargo build --release -p rdmablk-bench -p rdmablk-target, or BIN=DIR" >&2; return 1; }
+        [ -x "$dir/$b" ] || { echo "${0##*/}: $dir/$b missing: cargo build --release -p rdmablk-bench -p rdmablk-target -p rdmablk-initiator, or BIN=DIR" >&2; return 1; }
     done
     echo "$dir"
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Smoke runs of the benchmark scripts on the debug build: bench/compare.sh
-# (every row of one short case measured, the no-protocol bound included;
+# (every row of one short case measured, the no-protocol bound and rdmablk
+# nbd included;
 # the JSON carries the targets with their per-repeat pairs and bounds),
 # bench/ceiling.sh (every measurement made) and bench/per-io.sh (one null
 # case). No figure is judged (timing does not
@@ -22,6 +23,7 @@ missing = [r["system"] for r in doc["rows"] if r.get("iops") is None]
 assert not missing, f"compare.sh rows without a measurement: {missing}"
 for want in ("fio io_uring, local file", "rdmablk-bench -> rdmablk-target, file",
              "rdmablk-bench --hipri -> rdmablk-target busy_poll, file", "fio nbd -> nbdkit file",
+             "fio nbd -> rdmablk nbd -> rdmablk-target, file",
              "rdmablk-bench -> rdmablk-target, null", "fio nbd -> nbdkit null",
              "tcp-ceiling --file: disk over TCP", "tcp-ceiling --file --busy: the same"):
     assert any(s.startswith(want) for s in systems), f"no row {want!r} in {systems}"
