@@ -28,25 +28,41 @@
 #                             two-reactor target (more than one rxe completion queue
 #                             holds per reactor) are all served, the 161st is refused
 #   nbd-fs-rdma               rdmablk nbd over rdma:// on a unix socket, the kernel's
-#                             nbd-client on /dev/nbd0: mkfs.ext4, mount, files with
-#                             sha256 sums, unmount, disconnect, reconnect, mount,
-#                             verify, e2fsck -fn clean; SIGTERM ends rdmablk nbd with 0
+#                             nbd-client on /dev/nbd0: mkfs.ext4, mount, the small
+#                             file tree (tree_write), unmount, disconnect, reconnect,
+#                             mount, every sha256 checked, e2fsck -fn clean; SIGTERM
+#                             ends rdmablk nbd with 0
 #   ublk-fs-rdma              rdmablk attach over rdma:// (ublk, /dev/ublkb0): mkfs.ext4,
-#                             mount, files with sha256 sums, fio --direct=1 verify on a
-#                             file, detach refused while mounted, unmount, detach,
-#                             attach again, mount, verify, e2fsck -fn clean
+#                             mount, a tree of about 210 MiB (0 B to 48 MiB, odd sizes,
+#                             a sparse file, 300 small files in nested directories),
+#                             sync, detach refused while mounted, unmount, e2fsck -fn
+#                             clean, detach, attach again, mount, every sha256 checked;
+#                             then fio on the raw device (io_uring, direct=1, random
+#                             writes of 4 KiB to 1 MiB at QD32, crc32c verify of
+#                             64 MiB) and fio --verify_only failing over a block
+#                             zeroed behind its back; SIGTERM ends attach with 0
+#   ublk-fs-tcp               the same round trip over tcp:// with the small tree
+#                             (about 42 MiB), no raw fio
 #   ublk-boot-rdma            rdmablk attach --config (the boot unit's command) started
 #                             before its target: retries, attaches once the target is
 #                             up, says READY=1 on NOTIFY_SOCKET, I/O through the device
-#   ublk-reconnect-rdma       rdmablk attach --ctrl_loss_tmo=90 with ext4 mounted: the
-#                             target is SIGKILLed during an O_DIRECT dd and restarted
-#                             5 s later; dd ends 0, the file is identical after a
-#                             remount, e2fsck -fn clean. Then with --ctrl_loss_tmo=3s
-#                             a killed target makes reads fail with EIO; detach works
+#   ublk-reconnect-rdma       rdmablk attach --ctrl_loss_tmo=90 with ext4 mounted: fio
+#                             (io_uring, direct=1, 4 KiB to 128 KiB random writes at
+#                             QD16 with crc32c verify, 96 MiB) writes a file while
+#                             the target is SIGKILLed and restarted 5 s later; fio
+#                             ends 0 with no verify failure and no request failed,
+#                             e2fsck -fn clean after unmount, fio --verify_only clean
+#                             after a remount. Then with --ctrl_loss_tmo=3s a killed
+#                             target makes reads fail with EIO; detach works
 #   ublk-recover-rdma         ublk user recovery: rdmablk attach SIGKILLed while fio writes
 #                             (verify=crc32c) through ext4; a restarted attach takes the
 #                             same device back, fio ends 0, e2fsck -fn clean; an attach
 #                             killed and not restarted: detach deletes the device
+#   ublk-vs-bench-rdma        fio on /dev/ublkb0 against rdmablk-bench on the same
+#                             volume and target, same queue depth and runtime: 4 KiB
+#                             randread QD1 and QD16, 128 KiB read QD16, two rounds;
+#                             the ratios (IOPS, mean latency) go to
+#                             $RES/ublk-vs-bench.txt (figures only, TCG)
 #   bench-verify-rdma         rdmablk-bench --verify=crc32c, 3 s at each queue depth
 #                             4, 8, 16 and 32 (SKIPPED, and shown as such, while
 #                             rdmablk-bench is not built)
@@ -116,9 +132,14 @@ link_used() {
 }
 
 # Starts rdmablk-target on rdma://$SIP:0 and tcp://$SIP:0 at once, with a
-# 256 MiB file volume in $WORK; sets URL (rdma), TCP_URL and TPID.
+# file volume vol0 in $WORK (256 MiB, or the size given: start_target 512MiB);
+# sets URL (rdma), TCP_URL and TPID.
 start_target() {
+    local size=${1:-256MiB}
     mkdir -p "$WORK"
+    # A fresh volume each time: the target refuses a file larger than the
+    # size, and a step's data must not come from an earlier step.
+    rm -f "$WORK/vol0.img"
     cat >"$WORK/target.toml" <<EOF
 [target]
 name = "ci"
@@ -129,7 +150,7 @@ reactors = 2
 name = "vol0"
 backend = "file"
 path = "$WORK/vol0.img"
-size = "256MiB"
+size = "$size"
 allow_any_host = true
 EOF
     RUST_LOG=info "$BIN/rdmablk-target" --config "$WORK/target.toml" 2>"$WORK/target.log" &
@@ -202,6 +223,85 @@ bench() {
     stop_target bench
 }
 
+# A tree of files for the file system round trips, written by one python3
+# process (a process start costs about 0.3 s under TCG):
+#   tree_write DIR SUMS [full|small]
+# writes files of many sizes under DIR: 0 B, 1 B, odd sizes around 512 and
+# 4096, 64 KiB, MiBs, odd MiBs, a sparse file with a hole, nested
+# directories of small files and (full) files of tens of MiB. full is about
+# 210 MiB, small about 42 MiB. The sums of what was written, relative to DIR,
+# go to SUMS in sha256sum's format.
+#   tree_check DIR SUMS
+# reads every file back with sha256sum -c and checks that DIR holds exactly
+# the files of SUMS.
+tree_write() {
+    /usr/bin/python3 - "$@" <<'PY'
+import hashlib, os, random, sys, time
+root, sums = sys.argv[1], sys.argv[2]
+scale = sys.argv[3] if len(sys.argv) > 3 else "full"
+seed = int.from_bytes(os.urandom(8), "little")
+rng = random.Random(seed)
+K, M = 1 << 10, 1 << 20
+files = [("f0", 0), ("f1", 1), ("f511", 511), ("f512", 512), ("f4095", 4095), ("f4096", 4096),
+         ("f4097", 4097), ("f65535", 65535), ("f65537", 65537), ("f128k", 128 * K),
+         ("f1000003", 1000003), ("f1m", M), ("f1m+1", M + 1), ("f2m+4097", 2 * M + 4097),
+         ("f3m-1", 3 * M - 1), ("f5m", 5 * M), ("f7m+3", 7 * M + 3), ("big/f16m", 16 * M)]
+if scale == "full":
+    files += [("big/f24m+4097", 24 * M + 4097), ("big/f32m-1", 32 * M - 1),
+              ("big/f40m+5", 40 * M + 5), ("big/f48m+3", 48 * M + 3)]
+    nsmall = 300
+else:
+    nsmall = 60
+for i in range(nsmall):
+    kind = i % 3
+    size = 0 if i % 29 == 0 else rng.randrange(1, 4 * K) if kind == 0 else \
+        rng.randrange(4 * K, 64 * K) if kind == 1 else rng.randrange(64 * K, 512 * K)
+    files.append((f"tree/d{i % 7}/e{i % 5}/s{i:03d}", size))
+t0 = time.monotonic()
+total = 0
+out = []
+for name, size in files:
+    path = os.path.join(root, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            chunk = rng.randbytes(min(left, 4 * M))
+            f.write(chunk)
+            h.update(chunk)
+            left -= len(chunk)
+    out.append(f"{h.hexdigest()}  {name}\n")
+    total += size
+# a sparse file: 4097 bytes after a hole of 10 MiB + 123
+h = hashlib.sha256()
+data = rng.randbytes(4097)
+with open(os.path.join(root, "sparse"), "wb") as f:
+    f.seek(10 * M + 123)
+    f.write(data)
+h.update(bytes(10 * M + 123))
+h.update(data)
+out.append(f"{h.hexdigest()}  sparse\n")
+total += 4097
+with open(sums, "w") as f:
+    f.writelines(out)
+print(f"tree_write: {len(out)} files, {total} bytes of data ({total / M:.1f} MiB), "
+      f"sizes {min(s for _, s in files)} to {max(s for _, s in files)}, seed {seed:#x}, "
+      f"{time.monotonic() - t0:.1f} s")
+PY
+}
+
+tree_check() {
+    local dir=$1 sums=$2 t0 want got
+    t0=$(date +%s.%N)
+    (cd "$dir" && sha256sum --quiet --strict -c "$sums") || { echo "tree_check: sha256 mismatch in $dir"; return 1; }
+    want=$(wc -l <"$sums")
+    got=$(cd "$dir" && find . -type f | wc -l)
+    [[ $got -eq $want ]] || { echo "tree_check: $dir holds $got files, $sums lists $want"; return 1; }
+    echo "tree_check: all $want files of $sums match their sha256 in $dir" \
+        "($(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}') s)"
+}
+
 # The kernel's NBD client on rdmablk nbd over rdma://: a file system round
 # trip through /dev/nbd0, with a disconnect and a reconnect in the middle.
 nbd_fs() {
@@ -225,18 +325,14 @@ nbd_fs() {
     connect
     mkfs.ext4 -q -F "$dev"
     mount "$dev" "$mnt"
-    local i
-    for i in 0 1 4095 4096 65537 1048576 5242880 16777216; do
-        head -c "$i" /dev/urandom >"$mnt/f$i"
-    done
-    mkdir "$mnt/dir" && echo nested >"$mnt/dir/nested"
-    (cd "$mnt" && sha256sum f* dir/nested) >"$WORK/sums"
+    tree_write "$mnt" "$WORK/sums" small
+    sync
     umount "$mnt"
     nbd-client -d "$dev"
     echo "disconnected; reconnecting"
     connect
     mount "$dev" "$mnt"
-    (cd "$mnt" && sha256sum -c "$WORK/sums")
+    tree_check "$mnt" "$WORK/sums"
     umount "$mnt"
     e2fsck -fn "$dev"
     nbd-client -d "$dev"
@@ -252,46 +348,50 @@ nbd_fs() {
     stop_target nbd-fs
 }
 
-# rdmablk attach (ublk) over rdma://: a file system round trip through
-# /dev/ublkb0, with a detach and a second attach in the middle.
-ublk_fs() {
-    set -euo pipefail
+# rdmablk attach (ublk) over SCHEME (rdma or tcp): a file system round trip
+# through /dev/ublkbN with a detach and a second attach in the middle:
+#   ublk_roundtrip SCHEME full|small
+# attach, mkfs.ext4, mount, tree_write, sync, `rdmablk detach` refused while
+# mounted, unmount, e2fsck -fn, detach (attach exits 0, the device is gone),
+# attach again, mount, tree_check, unmount. Leaves the device attached
+# ($dev, $upid) for the caller, which ends with ublk_end.
+ublk_roundtrip() {
+    local scheme=$1 scale=$2 url size=256MiB
+    [[ $scale == full ]] && size=512MiB
     modprobe ublk_drv
-    start_target
+    start_target "$size"
+    case $scheme in rdma) url=$URL ;; tcp) url=$TCP_URL ;; *) echo "bad scheme $scheme"; return 1 ;; esac
     mnt=$WORK/umnt
     mkdir -p "$mnt"
+    : >"$WORK/ublk.log"
     attach() {
-        "$BIN/rdmablk" --target "$URL" attach vol0 --queues 2 --depth 32 >"$WORK/ublk.dev" 2>>"$WORK/ublk.log" &
+        : >"$WORK/ublk.dev"
+        RDMABLK_LOG=info "$BIN/rdmablk" --target "$url" attach vol0 --queues 2 --depth 32 >"$WORK/ublk.dev" 2>>"$WORK/ublk.log" &
         upid=$!
         for _ in $(seq 1 300); do [[ -s $WORK/ublk.dev ]] && break; kill -0 $upid || break; sleep 0.1; done
         dev=$(cat "$WORK/ublk.dev")
         [[ -b $dev ]] || { echo "rdmablk attach gave no device"; cat "$WORK/ublk.log"; exit 1; }
         local sysd=/sys/block/${dev#/dev/}
-        echo "$dev: $(($(cat $sysd/size) * 512)) bytes, logical block $(cat $sysd/queue/logical_block_size)," \
+        echo "$dev over $url: $(($(cat $sysd/size) * 512)) bytes, logical block $(cat $sysd/queue/logical_block_size)," \
             "max $(cat $sysd/queue/max_hw_sectors_kb) KiB, discard max $(cat $sysd/queue/discard_max_bytes)"
     }
     trap 'umount "$mnt" 2>/dev/null; kill $upid $TPID 2>/dev/null; cat "$WORK/ublk.log"' EXIT
     attach
     mkfs.ext4 -q -F "$dev"
     mount "$dev" "$mnt"
-    local i
-    for i in 0 1 4095 4096 65537 1048576 5242880 16777216; do
-        head -c "$i" /dev/urandom >"$mnt/f$i"
-    done
-    mkdir "$mnt/dir" && echo nested >"$mnt/dir/nested"
-    if command -v fio >/dev/null; then
-        (cd "$WORK" && fio --name=verify --filename="$mnt/fio.dat" --size=32M --rw=randwrite --bs=4k --iodepth=16 \
-            --ioengine=io_uring --direct=1 --verify=crc32c --do_verify=1 --verify_state_save=0 --output-format=terse >/dev/null)
-        echo "fio --direct=1 randwrite + crc32c verify on $mnt/fio.dat: ok"
-    fi
-    (cd "$mnt" && sha256sum f* dir/nested) >"$WORK/usums"
+    tree_write "$mnt" "$WORK/usums" "$scale"
+    local t0; t0=$(date +%s.%N)
     sync
+    echo "sync: $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}') s; $(df -h "$mnt" | tail -n1)"
     if "$BIN/rdmablk" detach "$dev" 2>"$WORK/detach.err"; then
         echo "detach of a device with a mounted file system succeeded"; exit 1
     fi
     cat "$WORK/detach.err"
     grep -q mounted "$WORK/detach.err"
     umount "$mnt"
+    # e2fsck reads the device, not metadata blocks the page cache kept.
+    blockdev --flushbufs "$dev"
+    e2fsck -fn "$dev"
     "$BIN/rdmablk" detach "$dev"
     local rc=0
     wait "$upid" || rc=$?
@@ -300,20 +400,60 @@ ublk_fs() {
     echo "detached; attaching again"
     attach
     mount "$dev" "$mnt"
-    (cd "$mnt" && sha256sum -c "$WORK/usums")
+    tree_check "$mnt" "$WORK/usums"
     umount "$mnt"
-    e2fsck -fn "$dev"
+}
+
+# Ends what ublk_roundtrip left attached: SIGTERM ends rdmablk attach with 0,
+# the device is removed, its log has no warning; then the target stops.
+ublk_end() { # NAME
     kill -TERM "$upid"
-    rc=0
+    local rc=0
     wait "$upid" || rc=$?
     trap 'kill $TPID 2>/dev/null' EXIT
     echo "--- rdmablk attach log"; cat "$WORK/ublk.log"
-    cp "$WORK/ublk.log" "$RES/ublk-fs-attach.log" 2>/dev/null || true
+    cp "$WORK/ublk.log" "$RES/$1-attach.log" 2>/dev/null || true
     [[ $rc -eq 0 ]] || { echo "rdmablk attach exited with $rc after SIGTERM"; exit 1; }
     [[ ! -e $dev ]] || { echo "$dev still exists after SIGTERM"; exit 1; }
     if grep -q 'panicked\| WARN \|ERROR' "$WORK/ublk.log"; then echo "rdmablk attach logged a warning or panicked"; exit 1; fi
     trap - EXIT
-    stop_target ublk-fs
+    stop_target "$1"
+}
+
+# ublk over rdma://: the round trip with the full tree (about 210 MiB), then
+# fio on the raw device: io_uring, O_DIRECT, random writes of mixed sizes at
+# queue depth 32 with crc32c verify; then one 4 KiB block fio wrote is zeroed
+# behind fio's back and fio --verify_only must find it.
+ublk_fs() {
+    set -euo pipefail
+    ublk_roundtrip rdma full
+    command -v fio >/dev/null || { echo "fio is not installed on the host (run.sh installs it)"; exit 1; }
+    local job=(--name=raw --filename="$dev" --ioengine=io_uring --direct=1 --rw=randwrite
+        --bssplit=4k/30:8k/10:16k/15:64k/20:128k/20:1m/5 --iodepth=32 --size=64M
+        --verify=crc32c --verify_fatal=1 --verify_state_save=0 --randrepeat=1)
+    fio "${job[@]}" --do_verify=1 --output="$WORK/raw.fio"
+    cat "$WORK/raw.fio"
+    # The verify phase is the read half of the job: every byte written was read back and checked.
+    grep -q 'read: IOPS=' "$WORK/raw.fio" || { echo "fio shows no verify (read) phase"; exit 1; }
+    if grep -qi 'verify.*fail\|bad magic\|bad header' "$WORK/raw.fio"; then echo "fio reported a verify failure"; exit 1; fi
+    echo "fio randwrite 4k..1m QD32 + crc32c verify of 64 MiB on $dev: ok"
+    cp "$WORK/raw.fio" "$RES/ublk-fs-raw.fio" 2>/dev/null || true
+    # The verify is real: zero one block fio wrote and replay the job's verify.
+    dd if=/dev/zero of="$dev" bs=4096 seek=$((32 * 256)) count=1 oflag=direct status=none
+    if fio "${job[@]}" --verify_only >"$WORK/raw-corrupt.fio" 2>&1; then
+        cat "$WORK/raw-corrupt.fio"; echo "fio --verify_only passed over a zeroed block"; exit 1
+    fi
+    grep -i 'verify\|bad magic\|bad header' "$WORK/raw-corrupt.fio" | head -n 5
+    grep -qi 'bad magic\|verify.*fail\|crc32c' "$WORK/raw-corrupt.fio" || { cat "$WORK/raw-corrupt.fio"; exit 1; }
+    echo "fio --verify_only found the block zeroed at 32 MiB: the verify checks"
+    ublk_end ublk-fs
+}
+
+# ublk over tcp://: the same round trip with the small tree (about 42 MiB).
+ublk_fs_tcp() {
+    set -euo pipefail
+    ublk_roundtrip tcp small
+    ublk_end ublk-fs-tcp
 }
 
 # rdmablk attach across a target restart (I/O waits), and past
@@ -351,30 +491,48 @@ EOF
         dev=$(cat "$WORK/rdev")
         [[ -b $dev ]] || { echo "rdmablk attach gave no device"; exit 1; }
     }
-    trap 'umount "$mnt" 2>/dev/null; kill $upid $TPID 2>/dev/null; cat "$WORK/rattach.log"' EXIT
+    trap 'kill $fio 2>/dev/null; umount "$mnt" 2>/dev/null; kill $upid $TPID 2>/dev/null; cat "$WORK/rattach.log"' EXIT
+    fio=
     target
     attach 90
     mkfs.ext4 -q -F "$dev"
     mount "$dev" "$mnt"
-    head -c 48M /dev/urandom >"$WORK/rsrc"
-    dd if="$WORK/rsrc" of="$mnt/big" bs=1M oflag=direct status=none &
-    local dd=$!
+    # fio writes through the file system (io_uring, O_DIRECT, 4 KiB to 128 KiB
+    # at random, queue depth 16) and then reads every block back and checks
+    # its crc32c; the target dies and comes back during the writes.
+    local job=(--name=rc --directory="$mnt" --filename=rc.dat --size=96M --rw=randwrite --bsrange=4k-128k
+        --direct=1 --ioengine=io_uring --iodepth=16 --verify=crc32c --verify_fatal=1 --verify_state_save=0
+        --randrepeat=1)
+    fio "${job[@]}" --do_verify=1 --output="$WORK/rfio.out" &
+    fio=$!
+    local t0; t0=$(date +%s.%N)
+    for _ in $(seq 1 100); do [[ -s $mnt/rc.dat ]] && break; sleep 0.1; done
     sleep 2
+    kill -0 "$fio" 2>/dev/null || { cat "$WORK/rfio.out"; echo "fio ended before the target was killed"; exit 1; }
     kill -KILL "$TPID"; wait "$TPID" || true
-    echo "target killed at $(date +%T.%N) while dd writes"
+    echo "target killed at $(date +%T.%N) while fio writes"
     sleep 5
+    kill -0 "$fio" 2>/dev/null || { cat "$WORK/rfio.out"; echo "fio ended while the target was down"; exit 1; }
     target
     echo "target restarted at $(date +%T.%N)"
-    wait "$dd"
-    echo "dd ended 0 at $(date +%T.%N)"
+    local rc=0
+    wait "$fio" || rc=$?
+    cat "$WORK/rfio.out"
+    echo "fio ended $rc at $(date +%T.%N), $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}') s after its start"
+    [[ $rc -eq 0 ]] || { echo "fio failed across the restart"; exit 1; }
+    grep -q 'read: IOPS=' "$WORK/rfio.out" || { echo "fio shows no verify (read) phase"; exit 1; }
+    if grep -qi 'verify.*fail\|bad magic\|bad header' "$WORK/rfio.out"; then echo "fio reported a verify failure"; exit 1; fi
     grep -q "reconnected" "$WORK/rattach.log" || { echo "the session never reconnected"; exit 1; }
     if grep -q "ublk request failed" "$WORK/rattach.log"; then echo "a request failed across the restart"; exit 1; fi
     umount "$mnt"
-    mount "$dev" "$mnt"
-    cmp "$WORK/rsrc" "$mnt/big"
-    echo "the file written across the restart is identical after a remount"
-    umount "$mnt"
+    blockdev --flushbufs "$dev"
     e2fsck -fn "$dev"
+    mount "$dev" "$mnt"
+    fio "${job[@]}" --verify_only --output="$WORK/rfio-verify.out"
+    grep -q 'read: IOPS=' "$WORK/rfio-verify.out" || { cat "$WORK/rfio-verify.out"; exit 1; }
+    echo "after a remount, fio --verify_only checked every block written across the restart: ok"
+    cp "$WORK/rfio.out" "$RES/ublk-reconnect-fio.out" 2>/dev/null || true
+    umount "$mnt"
     "$BIN/rdmablk" detach "$dev"
     wait "$upid"
     # Past ctrl_loss_timeout: EIO, and the device can still be detached.
@@ -510,6 +668,83 @@ while True:
     kill $tpid $npid 2>/dev/null || true
 }
 
+# The cost of the block-layer path: fio on /dev/ublkbN (io_uring, O_DIRECT;
+# the kernel's block layer, ublk and rdmablk attach in the path) against
+# rdmablk-bench (the initiator library alone), on the same volume, target,
+# queue depth and runtime: 4 KiB random reads at QD1 and QD16 and 128 KiB
+# sequential reads at QD16 (rdmablk-bench's compare cases). Two rounds, the
+# order of the two swapped in the second. TCG-emulated: the table
+# ($RES/ublk-vs-bench.txt) gives ratios, not absolute figures; the step fails
+# only if a run fails.
+ublk_vs_bench() {
+    set -euo pipefail
+    modprobe ublk_drv
+    start_target
+    local out=$RES/ublk-vs-bench
+    mkdir -p "$out"
+    RDMABLK_LOG=info "$BIN/rdmablk" --target "$URL" attach vol0 --queues 1 --depth 32 >"$WORK/vdev" 2>"$WORK/vattach.log" &
+    upid=$!
+    trap 'kill $upid $TPID 2>/dev/null; cat "$WORK/vattach.log"' EXIT
+    for _ in $(seq 1 300); do [[ -s $WORK/vdev ]] && break; kill -0 $upid || break; sleep 0.1; done
+    dev=$(cat "$WORK/vdev")
+    [[ -b $dev ]] || { echo "rdmablk attach gave no device"; exit 1; }
+    echo "$dev attached over $URL (1 queue, depth 32)"
+    # A file volume's holes cost the target less than data: fill the region.
+    dd if=/dev/urandom of="$dev" bs=1M count=64 oflag=direct status=none
+    local common=(--size=64M --runtime=4s --ramp_time=1s --time_based)
+    local c name rw bs qd round sys
+    for round in 1 2; do
+        for c in "randread-4k-qd1 randread 4k 1" "randread-4k-qd16 randread 4k 16" "read-128k-qd16 read 128k 16"; do
+            read -r name rw bs qd <<<"$c"
+            local order=(ublk bench)
+            [[ $round -eq 2 ]] && order=(bench ublk)
+            for sys in "${order[@]}"; do
+                echo "round $round: $name on $sys"
+                if [[ $sys == ublk ]]; then
+                    fio --name="$name" --filename="$dev" --direct=1 --ioengine=io_uring --rw="$rw" --bs="$bs" \
+                        --iodepth="$qd" "${common[@]}" --output-format=json --output="$out/$name.ublk.$round.json"
+                else
+                    "$BIN/rdmablk-bench" --target="$URL" --volume=vol0 --eta=never --name="$name" --rw="$rw" --bs="$bs" \
+                        --iodepth="$qd" "${common[@]}" --output_format=json --output="$out/$name.bench.$round.json"
+                fi
+            done
+        done
+    done
+    /usr/bin/python3 - "$out" "$(uname -r)" >"$RES/ublk-vs-bench.txt" <<'PY'
+import json, os, sys
+out, kver = sys.argv[1], sys.argv[2]
+cases = ["randread-4k-qd1", "randread-4k-qd16", "read-128k-qd16"]
+def load(case, sys_, rnd):
+    with open(os.path.join(out, f"{case}.{sys_}.{rnd}.json")) as f:
+        j = json.load(f)["jobs"][0]
+    if j.get("error", 0):
+        raise SystemExit(f"{case} {sys_} round {rnd}: error {j['error']}")
+    r = j["read"]
+    return r["iops"], r["bw_bytes"] / 2**20, r["lat_ns"]["mean"] / 1000
+print(f"fio on /dev/ublkb0 (ublk) vs rdmablk-bench, same rdma:// target and volume, kernel {kver}, qemu TCG")
+print("ratio = ublk / bench; IOPS and latency are means of 2 rounds of 4 s (1 s ramp), alternated")
+print("TCG-emulated: read the ratios, not the absolute figures")
+print()
+hdr = f"{'case':<18} {'ublk IOPS':>10} {'bench IOPS':>10} {'IOPS ratio':>10} {'per round':>11} {'ublk MiB/s':>10} {'bench MiB/s':>11} {'ublk lat us':>11} {'bench lat us':>12} {'lat ratio':>9}"
+print(hdr)
+print("-" * len(hdr))
+for c in cases:
+    u = [load(c, "ublk", r) for r in (1, 2)]
+    b = [load(c, "bench", r) for r in (1, 2)]
+    m = lambda xs, i: sum(x[i] for x in xs) / len(xs)
+    per = "/".join(f"{u[k][0] / b[k][0]:.2f}" for k in range(2))
+    print(f"{c:<18} {m(u,0):>10.0f} {m(b,0):>10.0f} {m(u,0)/m(b,0):>10.2f} {per:>11} {m(u,1):>10.1f} {m(b,1):>11.1f} "
+          f"{m(u,2):>11.0f} {m(b,2):>12.0f} {m(u,2)/m(b,2):>9.2f}")
+PY
+    cat "$RES/ublk-vs-bench.txt"
+    "$BIN/rdmablk" detach "$dev"
+    wait "$upid"
+    trap 'kill $TPID 2>/dev/null' EXIT
+    echo "--- rdmablk attach log"; cat "$WORK/vattach.log"
+    trap - EXIT
+    stop_target ublk-vs-bench
+}
+
 # The cost of per-command memory windows on rxe: the same 4 KiB random-read
 # run with scoping on and off. Figures only (TCG-emulated, not a benchmark);
 # the step fails only if a run fails.
@@ -576,14 +811,17 @@ step command-slots-rdma --timeout 300 "${sys[@]}" "$RDMABLK_COMMAND_SLOTS" --tes
 step capacity-rdma --timeout 300 "${sys[@]}" "$RDMABLK_CAPACITY" --test-threads=1 || rc=1
 step nbd-fs-rdma --timeout 600 bash "$SELF" nbd_fs || rc=1
 step ublk-fs-rdma --timeout 600 bash "$SELF" ublk_fs || rc=1
+step ublk-fs-tcp --timeout 300 bash "$SELF" ublk_fs_tcp || rc=1
 step ublk-reconnect-rdma --timeout 600 bash "$SELF" ublk_reconnect || rc=1
 step ublk-boot-rdma --timeout 300 bash "$SELF" ublk_boot || rc=1
 step ublk-recover-rdma --timeout 300 bash "$SELF" ublk_recover || rc=1
 if [[ -x $BIN/rdmablk-bench ]]; then
     step bench-verify-rdma --timeout 300 bash "$SELF" bench || rc=1
     step scoping-cost-rdma --timeout 300 bash "$SELF" scoping_cost || rc=1
+    step ublk-vs-bench-rdma --timeout 400 bash "$SELF" ublk_vs_bench || rc=1
 else
     skip bench-verify-rdma "$BIN/rdmablk-bench is not built"
+    skip ublk-vs-bench-rdma "$BIN/rdmablk-bench is not built"
 fi
 step port-down-logged --timeout 120 bash "$SELF" port_down || rc=1
 return $rc
