@@ -20,6 +20,8 @@ set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 OUT=${RDMAVM_OUT:-$HERE/out}
 TIMEOUT=${RDMAVM_TIMEOUT:-900}
+# The CI stage (ci-build.sh) has a longer default unless a limit is given.
+TIMEOUT_GIVEN=${RDMAVM_TIMEOUT:+1}
 STEP_TIMEOUT=
 SMOKE=1
 SMOKE_ONLY=0
@@ -43,7 +45,8 @@ Exit status: 0 only if every step passed (and the guest finished in time);
 SKIPPED steps are shown and do not fail the run.
 
 options:
-  --timeout SECS       overall wall-clock limit; qemu is killed after it (default 900)
+  --timeout SECS       overall wall-clock limit; qemu is killed after it (default 900;
+                       1800 for the CI stage)
   --step-timeout SECS  limit for each payload/script step (default: the overall limit)
   --script FILE        run FILE (bash) in the guest as one step named after FILE;
                        may be given several times; the file is copied into the VM,
@@ -70,7 +73,7 @@ USAGE
 
 while [[ $# -gt 0 ]]; do
     case $1 in
-        --timeout) TIMEOUT=$2; shift 2 ;;
+        --timeout) TIMEOUT=$2; TIMEOUT_GIVEN=1; shift 2 ;;
         --step-timeout) STEP_TIMEOUT=$2; shift 2 ;;
         --script) SCRIPTS+=("$2"); shift 2 ;;
         --name) NAME=$2; shift 2 ;;
@@ -89,6 +92,7 @@ while [[ $# -gt 0 ]]; do
 done
 case $TOPOLOGY in auto|netns|routed|loopback) ;; *) echo "run.sh: bad --topology $TOPOLOGY" >&2; exit 2 ;; esac
 [[ $TIMEOUT =~ ^[0-9]+$ ]] || { echo "run.sh: bad --timeout" >&2; exit 2; }
+STEP_TIMEOUT_GIVEN=${STEP_TIMEOUT:+1}
 STEP_TIMEOUT=${STEP_TIMEOUT:-$TIMEOUT}
 for s in "${SCRIPTS[@]}"; do [[ -r $s ]] || { echo "run.sh: cannot read script $s" >&2; exit 2; }; done
 [[ $(id -u) -eq 0 ]] || { echo "run.sh: must run as root (installs packages, shares / into the VM)" >&2; exit 2; }
