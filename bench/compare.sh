@@ -27,6 +27,8 @@
 # busy-polled, placed as the polled target and bench are. What it reaches
 # against local fio bounds what a block protocol over loopback TCP can reach
 # in that run: the same reads and TCP, with no protocol work at all.
+# The page cache is dropped before every run (nbdkit file reads through it;
+# the others use O_DIRECT), or a warning says it could not be.
 # Cases: 4 KiB randread QD1, 4 KiB randread QD32, 4 KiB randwrite QD32,
 # 128 KiB sequential read QD16. Prints a markdown table (IOPS, bandwidth,
 # p50/p99 latency, ratios against the ceiling and the peer, CPU time of
@@ -286,9 +288,24 @@ server_cpu() { # PIDS
 # measure NAME SERVER_PIDS -- COMMAND...: runs COMMAND with its JSON on
 # $WORK/NAME.json and the serving side's CPU seconds (SERVER_PIDS: one pid,
 # several joined by commas, or -) on $WORK/NAME.cpu.
+# The file leaves the page cache before every run: nbdkit file reads
+# through it (cache=none only evicts what it touched afterwards), while
+# rdmablk-target and local fio use O_DIRECT; a file left cached by its
+# creation or by an earlier run would measure memory for one system and the
+# disk for another. Without a writable drop_caches (a container) the runs
+# say so once.
+DROP_CACHES_OK=1
+drop_page_cache() {
+    sync
+    if ! (echo 3 >/proc/sys/vm/drop_caches) 2>/dev/null; then
+        [ "$DROP_CACHES_OK" = 1 ] && log "warning: cannot drop the page cache (/proc/sys/vm/drop_caches not writable): nbdkit rows may read from memory"
+        DROP_CACHES_OK=0
+    fi
+}
 measure() {
     local name=$1 spid=$2; shift 3
     local c0 c1
+    drop_page_cache
     snapshot "$WORK/$name.procs0"
     c0=$(server_cpu "$spid")
     "$@" >"$WORK/$name.json" 2>"$WORK/$name.err" || { echo "compare.sh: $name failed:" >&2; cat "$WORK/$name.err" >&2; }
@@ -536,7 +553,7 @@ print()
 print(f"Runtime {os.environ['RUNTIME']} s per run after {os.environ['RAMP']} s ramp, {REPEAT} run(s) per row "
       f"(medians{', IOPS range in brackets' if REPEAT > 1 else ''}); file {int(os.environ['SIZE_BYTES'])>>20} MiB; "
       f"load average before {os.environ['LOAD_BEFORE']}, after {os.environ['LOAD_AFTER']}; "
-      f"{os.environ['PLACEMENT']}; {os.environ['HALT_POLL']}.")
+      f"{os.environ['PLACEMENT']}; {os.environ['HALT_POLL']}; page cache dropped before each run.")
 if others:
     print("Other long-lived processes that used CPU during the runs (CPU-seconds): " +
           ", ".join(f"{c} (pid {p}) {d:.1f}" for d, c, p in others[:6]) + ".")
