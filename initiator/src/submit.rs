@@ -830,9 +830,14 @@ impl IoWaker {
     /// Makes the queue's wait return (after taking the completions that
     /// are ready).
     pub fn wake(&self) {
-        self.wake.pending.store(true, Ordering::Release);
-        // A full counter (2^64 - 2 wake-ups unread) is still readable: nothing is lost.
-        let _ = rustix::io::write(&self.wake.fd, &1u64.to_ne_bytes());
+        // A wake-up already pending has written the eventfd (or is about
+        // to), and the waiter has not consumed it yet: its `take` comes
+        // after this call's work was made visible, so it will see that
+        // work too. Only the first wake-up of a cycle costs a system call.
+        if !self.wake.pending.swap(true, Ordering::AcqRel) {
+            // A full counter (2^64 - 2 wake-ups unread) is still readable: nothing is lost.
+            let _ = rustix::io::write(&self.wake.fd, &1u64.to_ne_bytes());
+        }
     }
 }
 

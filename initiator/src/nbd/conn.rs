@@ -25,7 +25,6 @@ use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use super::handshake::read_or_eof;
 use super::server::{Export, Stream};
 use super::wire::{self, Command, Request, SimpleReply, CMD_FLAG_FUA, CMD_FLAG_NO_HOLE};
 use super::{errno, Failure};
@@ -123,12 +122,13 @@ fn read_requests(
     peer: &str,
 ) -> String {
     let max = wire::MAX_PAYLOAD;
+    let mut input = RequestStream::new(stream);
     let ended = loop {
         if broken.load(Ordering::Acquire) {
             break "sending a reply failed".to_owned();
         }
         let mut h = [0u8; Request::SIZE];
-        match read_or_eof(stream, &mut h) {
+        match input.read_header(&mut h) {
             Ok(true) => {}
             Ok(false) => break "closed by the client without NBD_CMD_DISC, or the server is stopping".to_owned(),
             Err(e) => break format!("reading a request failed: {e}"),
@@ -147,7 +147,7 @@ fn read_requests(
             }
             // Refused, but the connection stays in step: a WRITE's payload
             // is read and thrown away.
-            if let Err(err) = discard(stream, request.payload_len()) {
+            if let Err(err) = input.discard(request.payload_len()) {
                 break format!("reading the payload of a refused request failed: {err}");
             }
             refuse(&request, Failure::Request(e), &replies, slots, peer);
@@ -167,7 +167,7 @@ fn read_requests(
             Command::Read | Command::Write => match pool.take(request.length as usize) {
                 Ok(b) => Some(b),
                 Err(e) => {
-                    if let Err(err) = discard(stream, request.payload_len()) {
+                    if let Err(err) = input.discard(request.payload_len()) {
                         slots.release();
                         break format!("reading the payload of a refused request failed: {err}");
                     }
@@ -181,8 +181,7 @@ fn read_requests(
         let mut buffer = buffer;
         if request.command == Command::Write {
             let buf = buffer.as_mut().expect("writes have a buffer");
-            let mut s = stream;
-            if let Err(e) = s.read_exact(&mut buf.as_mut_slice()[..request.length as usize]) {
+            if let Err(e) = input.read_payload(&mut buf.as_mut_slice()[..request.length as usize]) {
                 pool.give(buffer.take().expect("taken above"));
                 slots.release();
                 break format!("reading the payload of a {}-byte write failed: {e}", request.length);
@@ -197,6 +196,88 @@ fn read_requests(
     drop(jobs);
     waker.wake();
     ended
+}
+
+/// What the reader takes from the socket in one receive, at most: several
+/// request headers (28 bytes each) and small WRITE payloads arrive
+/// together instead of costing a system call each.
+const RECEIVE_BUFFER: usize = 16 << 10;
+
+/// The reader's side of the socket: headers come through a small receive
+/// buffer; a WRITE's payload is copied from it only for the bytes that
+/// arrived in the same receive, and the rest is read straight into the
+/// request's registered buffer.
+struct RequestStream<'a> {
+    stream: &'a Stream,
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl<'a> RequestStream<'a> {
+    fn new(stream: &'a Stream) -> Self {
+        RequestStream { stream, buf: vec![0u8; RECEIVE_BUFFER].into_boxed_slice(), start: 0, end: 0 }
+    }
+
+    /// Receives more into the buffer; the bytes received (0 at EOF).
+    fn fill(&mut self) -> io::Result<usize> {
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        } else if self.end == self.buf.len() {
+            self.buf.copy_within(self.start..self.end, 0);
+            (self.start, self.end) = (0, self.end - self.start);
+        }
+        let mut s = self.stream;
+        loop {
+            match s.read(&mut self.buf[self.end..]) {
+                Ok(n) => {
+                    self.end += n;
+                    return Ok(n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Fills `out` (a header); `Ok(false)` at EOF before its first byte.
+    fn read_header(&mut self, out: &mut [u8]) -> io::Result<bool> {
+        while self.end - self.start < out.len() {
+            if self.fill()? == 0 {
+                if self.start == self.end {
+                    return Ok(false);
+                }
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("closed after {} of {} bytes", self.end - self.start, out.len()),
+                ));
+            }
+        }
+        out.copy_from_slice(&self.buf[self.start..self.start + out.len()]);
+        self.start += out.len();
+        Ok(true)
+    }
+
+    /// Fills `out` (a payload): what is buffered, then straight from the socket.
+    fn read_payload(&mut self, out: &mut [u8]) -> io::Result<()> {
+        let n = out.len().min(self.end - self.start);
+        out[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
+        self.start += n;
+        let mut s = self.stream;
+        s.read_exact(&mut out[n..])
+    }
+
+    /// Reads and drops `len` bytes (a refused WRITE's payload).
+    fn discard(&mut self, len: u32) -> io::Result<()> {
+        let mut scratch = vec![0u8; (len as usize).min(64 << 10)];
+        let mut left = len as usize;
+        while left > 0 {
+            let n = left.min(scratch.len());
+            self.read_payload(&mut scratch[..n])?;
+            left -= n;
+        }
+        Ok(())
+    }
 }
 
 /// Answers a request refused before it reached the I/O thread, logged.
@@ -219,18 +300,6 @@ fn log_failure(peer: &str, r: &Request, failure: &Failure, error: u32) {
         r.offset,
         r.cookie
     );
-}
-
-/// Reads and drops `len` bytes (a refused WRITE's payload).
-fn discard(mut s: &Stream, len: u32) -> io::Result<()> {
-    let mut scratch = vec![0u8; (len as usize).min(64 << 10)];
-    let mut left = len as usize;
-    while left > 0 {
-        let n = left.min(scratch.len());
-        s.read_exact(&mut scratch[..n])?;
-        left -= n;
-    }
-    Ok(())
 }
 
 /// A request in the I/O thread.
@@ -404,8 +473,13 @@ fn build(volume: &Volume, job: Job) -> (IoRequest, Pending) {
     (request, Pending { request: r, flush_after, flushing: false })
 }
 
-/// The writer: sends each reply, gives buffers back and frees slots. After
-/// a failed send it keeps doing the latter (and ends the reader).
+/// Replies the writer sends with one `writev` at most: the replies waiting
+/// when it wakes (each is a header and, for a READ, its data).
+const REPLIES_PER_SEND: usize = 32;
+
+/// The writer: sends the replies, as many as are waiting in one system
+/// call, gives buffers back and frees slots. After a failed send it keeps
+/// doing the latter (and ends the reader).
 fn write_replies(
     stream: &Stream,
     replies: Receiver<Reply>,
@@ -414,27 +488,43 @@ fn write_replies(
     broken: &AtomicBool,
     peer: &str,
 ) {
-    for reply in replies {
+    let mut batch: Vec<Reply> = Vec::with_capacity(REPLIES_PER_SEND);
+    while let Ok(first) = replies.recv() {
+        batch.push(first);
+        while batch.len() < REPLIES_PER_SEND {
+            match replies.try_recv() {
+                Ok(r) => batch.push(r),
+                Err(_) => break,
+            }
+        }
         if !broken.load(Ordering::Acquire) {
-            let header = SimpleReply { error: reply.error, cookie: reply.cookie }.encode();
-            let data = reply.data.as_ref().map_or(&[][..], |(b, len)| &b.as_slice()[..*len]);
-            if let Err(e) = write_all_vectored(stream, &header, data) {
+            let headers: Vec<[u8; SimpleReply::SIZE]> =
+                batch.iter().map(|r| SimpleReply { error: r.error, cookie: r.cookie }.encode()).collect();
+            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * batch.len());
+            for (h, r) in headers.iter().zip(&batch) {
+                slices.push(IoSlice::new(h));
+                if let Some((b, len)) = &r.data {
+                    slices.push(IoSlice::new(&b.as_slice()[..*len]));
+                }
+            }
+            if let Err(e) = write_all_vectored(stream, &mut slices) {
                 tracing::warn!("{peer}: sending a reply failed: {e}; closing");
                 broken.store(true, Ordering::Release);
                 stream.shutdown(Shutdown::Both);
             }
         }
-        if let Some((b, _)) = reply.data {
-            pool.give(b);
+        let n = batch.len();
+        for reply in batch.drain(..) {
+            if let Some((b, _)) = reply.data {
+                pool.give(b);
+            }
         }
-        slots.release();
+        slots.release_many(n);
     }
 }
 
-/// Writes `header` then `data` with as few system calls as the socket allows.
-fn write_all_vectored(mut s: &Stream, header: &[u8], data: &[u8]) -> io::Result<()> {
-    let mut bufs = [IoSlice::new(header), IoSlice::new(data)];
-    let mut slices = &mut bufs[..];
+/// Writes every slice with as few system calls as the socket allows.
+fn write_all_vectored(mut s: &Stream, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
     while !slices.is_empty() && slices.iter().any(|b| !b.is_empty()) {
         match s.write_vectored(slices) {
             Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "the socket took no bytes")),
@@ -467,8 +557,12 @@ impl Slots {
     }
 
     fn release(&self) {
+        self.release_many(1);
+    }
+
+    fn release_many(&self, n: usize) {
         let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
-        *used -= 1;
+        *used -= n;
         self.freed.notify_one();
     }
 }
@@ -528,5 +622,70 @@ impl Pool {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         st.free.entry(b.len()).or_default().push(b);
         self.freed.notify_one();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn the_request_stream_splits_buffered_bytes_and_reads_the_rest_from_the_socket() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let a = Stream::Unix(a);
+        let mut input = RequestStream::new(&a);
+        // Two headers and the first 100 bytes of a payload in one write.
+        let payload: Vec<u8> = (0..40_000u32).map(|i| (i * 7) as u8).collect();
+        let mut first = vec![1u8; 28];
+        first.extend_from_slice(&[2u8; 28]);
+        first.extend_from_slice(&payload[..100]);
+        b.write_all(&first).unwrap();
+        let mut h = [0u8; 28];
+        assert!(input.read_header(&mut h).unwrap());
+        assert_eq!(h, [1u8; 28]);
+        assert!(input.read_header(&mut h).unwrap());
+        assert_eq!(h, [2u8; 28]);
+        // The payload: 100 bytes buffered, the rest (more than the buffer) from the socket.
+        let writer = std::thread::spawn(move || {
+            b.write_all(&payload[100..]).unwrap();
+            b.write_all(&[3u8; 20]).unwrap();
+            b
+        });
+        let mut got = vec![0u8; 40_000];
+        input.read_payload(&mut got).unwrap();
+        let mut b = writer.join().unwrap();
+        assert!(got.iter().enumerate().all(|(i, &x)| x == (i as u32 * 7) as u8));
+        // A header split across two receives, then EOF in the middle of the next.
+        b.write_all(&[3u8; 8]).unwrap();
+        let mut h3 = [0u8; 28];
+        assert!(input.read_header(&mut h3).unwrap());
+        assert_eq!(h3, [3u8; 28]);
+        b.write_all(&[4u8; 10]).unwrap();
+        drop(b);
+        let e = input.read_header(&mut h).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+        assert!(e.to_string().contains("closed after 10 of 28 bytes"), "{e}");
+    }
+
+    #[test]
+    fn the_request_stream_compacts_a_full_buffer_and_sees_a_clean_end() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let a = Stream::Unix(a);
+        let mut input = RequestStream::new(&a);
+        // More headers than the buffer holds: the last one straddles its end.
+        let n = RECEIVE_BUFFER / 28 + 3;
+        let writer = std::thread::spawn(move || {
+            for i in 0..n {
+                b.write_all(&[(i % 251) as u8; 28]).unwrap();
+            }
+        });
+        let mut h = [0u8; 28];
+        for i in 0..n {
+            assert!(input.read_header(&mut h).unwrap(), "header {i}");
+            assert_eq!(h, [(i % 251) as u8; 28], "header {i}");
+        }
+        writer.join().unwrap();
+        assert!(!input.read_header(&mut h).unwrap(), "EOF between requests is a clean end");
     }
 }
