@@ -320,17 +320,22 @@ LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 if python3 -c "import sys; sys.exit(0 if float('${LOAD_BEFORE%% *}') > 0.5 else 1)"; then
     log "warning: load average is ${LOAD_BEFORE} before the runs; other work on this machine skews the numbers"
 fi
+# The two NBD rows of a case (uses rep, name, job): nbdkit file, then
+# rdmablk nbd in front of the target.
+nbd_rows() {
+    log "[$rep/$REPEAT] $name: fio nbd -> nbdkit file"
+    measure "$name.nbd.$rep" "$NPID" -- fio "${job[@]}" --ioengine=nbd --uri="nbd://127.0.0.1:$NBD_PORT" \
+        --lat_percentiles=1 "${COMMON[@]}"
+    log "[$rep/$REPEAT] $name: fio nbd -> rdmablk nbd -> rdmablk-target (file)"
+    measure "$name.rdmablk-nbd.$rep" "$RNPID,$TPID" -- fio "${job[@]}" --ioengine=nbd \
+        --uri="nbd://127.0.0.1:$RNBD_PORT/vol0" --lat_percentiles=1 "${COMMON[@]}"
+}
 for rep in $(seq 1 "$REPEAT"); do
 for c in "${CASES[@]}"; do
     read -r name rw bs qd <<<"$c"
     job=(--name="$name" --rw="$rw" --bs="$bs" --iodepth="$qd")
     if [ "$ONLY_NBD" = 1 ]; then
-        log "[$rep/$REPEAT] $name: fio nbd -> nbdkit file"
-        measure "$name.nbd.$rep" "$NPID" -- fio "${job[@]}" --ioengine=nbd --uri="nbd://127.0.0.1:$NBD_PORT" \
-            --lat_percentiles=1 "${COMMON[@]}"
-        log "[$rep/$REPEAT] $name: fio nbd -> rdmablk nbd -> rdmablk-target (file)"
-        measure "$name.rdmablk-nbd.$rep" "$RNPID,$TPID" -- fio "${job[@]}" --ioengine=nbd \
-            --uri="nbd://127.0.0.1:$RNBD_PORT/vol0" --lat_percentiles=1 "${COMMON[@]}"
+        nbd_rows
         continue
     fi
     log "[$rep/$REPEAT] $name: fio io_uring on the local file"
@@ -350,12 +355,7 @@ for c in "${CASES[@]}"; do
         measure "$name.bound-polled.$rep" - -- tcp_ceiling "$CEIL" "$PLACE_SERVER_CPU" "$PLACE_CLIENT_CPUS" --busy \
             --bs "$bs" --qd "$qd" --file "$FILE" --runtime "$RUNTIME" --ramp "$RAMP"
     fi
-    log "[$rep/$REPEAT] $name: fio nbd -> nbdkit file"
-    measure "$name.nbd.$rep" "$NPID" -- fio "${job[@]}" --ioengine=nbd --uri="nbd://127.0.0.1:$NBD_PORT" \
-        --lat_percentiles=1 "${COMMON[@]}"
-    log "[$rep/$REPEAT] $name: fio nbd -> rdmablk nbd -> rdmablk-target (file)"
-    measure "$name.rdmablk-nbd.$rep" "$RNPID,$TPID" -- fio "${job[@]}" --ioengine=nbd \
-        --uri="nbd://127.0.0.1:$RNBD_PORT/vol0" --lat_percentiles=1 "${COMMON[@]}"
+    nbd_rows
     log "[$rep/$REPEAT] $name: rdmablk-bench -> rdmablk-target (null)"
     measure "$name.rdmablk-null.$rep" "$TPID" -- "$BENCH" "${job[@]}" --target="tcp://127.0.0.1:$RDMA_PORT" \
         --volume=null0 --target_pid="$TPID" "${COMMON[@]}"
