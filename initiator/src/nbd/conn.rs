@@ -498,16 +498,22 @@ fn write_replies(
             }
         }
         if !broken.load(Ordering::Acquire) {
-            let headers: Vec<[u8; SimpleReply::SIZE]> =
-                batch.iter().map(|r| SimpleReply { error: r.error, cookie: r.cookie }.encode()).collect();
-            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * batch.len());
+            // On the stack: a batch allocates nothing.
+            let mut headers = [[0u8; SimpleReply::SIZE]; REPLIES_PER_SEND];
+            for (h, r) in headers.iter_mut().zip(&batch) {
+                *h = SimpleReply { error: r.error, cookie: r.cookie }.encode();
+            }
+            let mut slices = [IoSlice::new(&[]); 2 * REPLIES_PER_SEND];
+            let mut n = 0;
             for (h, r) in headers.iter().zip(&batch) {
-                slices.push(IoSlice::new(h));
+                slices[n] = IoSlice::new(h);
+                n += 1;
                 if let Some((b, len)) = &r.data {
-                    slices.push(IoSlice::new(&b.as_slice()[..*len]));
+                    slices[n] = IoSlice::new(&b.as_slice()[..*len]);
+                    n += 1;
                 }
             }
-            if let Err(e) = write_all_vectored(stream, &mut slices) {
+            if let Err(e) = write_all_vectored(stream, &mut slices[..n]) {
                 tracing::warn!("{peer}: sending a reply failed: {e}; closing");
                 broken.store(true, Ordering::Release);
                 stream.shutdown(Shutdown::Both);
