@@ -332,20 +332,32 @@ fn connect_with(cli: &Cli, options: ConnectOptions) -> Result<Session> {
 fn connect_options(cli: &Cli, mut options: ConnectOptions) -> Result<(String, ConnectOptions)> {
     let target =
         cli.target.clone().ok_or_else(|| Error::invalid("no target given: use --target tcp://HOST:PORT"))?;
-    if let Some(id) = &cli.host_id {
-        options.host_id = id.clone();
-    }
-    if let Some(path) = &cli.key_file {
-        options = options.with_key_file(path)?;
-    }
+    options = with_identity(options, cli.host_id.as_deref(), cli.key_file.as_deref(), cli.ctrl_loss_timeout)?;
     if let Some(t) = cli.timeout {
         options.connect_timeout = t;
         options.io_timeout = t;
     }
-    if let Some(t) = cli.ctrl_loss_timeout {
+    Ok((target, options))
+}
+
+/// `options` with what the command line or an attach file gives: host id,
+/// key file and ctrl_loss_timeout, each where given.
+fn with_identity(
+    mut options: ConnectOptions,
+    host_id: Option<&str>,
+    key_file: Option<&std::path::Path>,
+    ctrl_loss_timeout: Option<Duration>,
+) -> Result<ConnectOptions> {
+    if let Some(id) = host_id {
+        options.host_id = id.to_owned();
+    }
+    if let Some(path) = key_file {
+        options = options.with_key_file(path)?;
+    }
+    if let Some(t) = ctrl_loss_timeout {
         options.ctrl_loss_timeout = t;
     }
-    Ok((target, options))
+    Ok(options)
 }
 
 /// `rdmablk attach`: from the command line, or from an attach file
@@ -369,16 +381,12 @@ fn run_attach(cli: &Cli, volume: Option<&str>, queues: u16, depth: u16, config: 
                 queues: file.queues.map_or(queues, |q| q as u16),
                 depth: file.depth.map_or(depth, |d| d as u16),
             };
-            let mut options = ConnectOptions { queues: usize::from(opts.queues), ..ConnectOptions::default() };
-            if let Some(id) = &file.host_id {
-                options.host_id = id.clone();
-            }
-            if let Some(key) = &file.key_file {
-                options = options.with_key_file(key)?;
-            }
-            if let Some(t) = file.ctrl_loss_timeout {
-                options.ctrl_loss_timeout = t;
-            }
+            let options = with_identity(
+                ConnectOptions { queues: usize::from(opts.queues), ..ConnectOptions::default() },
+                file.host_id.as_deref(),
+                file.key_file.as_deref(),
+                file.ctrl_loss_timeout,
+            )?;
             (file.target, file.volume, opts, options, Some(file.connect_retry))
         }
     };

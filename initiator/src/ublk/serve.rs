@@ -166,6 +166,13 @@ pub fn attach(
     Ok(())
 }
 
+/// The process serving a ublk device, if it still runs (none: never
+/// started, or its server died and the kernel holds its requests).
+fn live_server(info: &libublk::sys::ublksrv_ctrl_dev_info) -> Option<u32> {
+    let pid = u32::try_from(info.ublksrv_pid).ok().filter(|&p| p > 0)?;
+    pid_alive(pid).then_some(pid)
+}
+
 /// Checks that the device of `record` is one this volume can take back
 /// (its server gone, the same block size, capacity and buffer size), starts
 /// its user recovery and returns its control for `run_target`.
@@ -174,8 +181,8 @@ fn start_recovery(record: &AttachRecord, params: &DeviceParams) -> Result<UblkCt
     let dev = format!("/dev/ublkb{id}");
     let old = UblkCtrl::new_simple(id as i32).map_err(|e| ublk_err(&format!("opening {dev} to take it back"), e))?;
     let info = old.dev_info();
-    if info.ublksrv_pid > 0 && pid_alive(info.ublksrv_pid as u32) && info.ublksrv_pid as u32 != std::process::id() {
-        return Err(Error::invalid(format!("{dev} is served by process {}: not taking it back", info.ublksrv_pid)));
+    if let Some(pid) = live_server(&info) {
+        return Err(Error::invalid(format!("{dev} is served by process {pid}: not taking it back")));
     }
     if info.flags & CTRL_FLAGS != CTRL_FLAGS {
         return Err(Error::invalid(format!("{dev} was made without user recovery: detach it and attach again")));
@@ -419,8 +426,7 @@ pub fn detach(path: &str, out: &mut dyn Write) -> Result<()> {
         )));
     }
     let ctrl = UblkCtrl::new_simple(id as i32).map_err(|e| ublk_err(&format!("opening ublk device {id}"), e))?;
-    let server = ctrl.dev_info().ublksrv_pid;
-    if server <= 0 || !pid_alive(server as u32) {
+    if live_server(&ctrl.dev_info()).is_none() {
         // Its rdmablk attach died (the kernel holds the device's requests
         // for a successor): nobody else will delete it.
         ctrl.del_dev().map_err(|e| ublk_err(&format!("deleting {path}"), e))?;
