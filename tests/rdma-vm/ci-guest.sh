@@ -405,7 +405,8 @@ ublk_roundtrip() {
 }
 
 # Ends what ublk_roundtrip left attached: SIGTERM ends rdmablk attach with 0,
-# the device is removed, its log has no warning; then the target stops.
+# the device is removed, its log has no failed request, error or panic;
+# then the target stops.
 ublk_end() { # NAME
     kill -TERM "$upid"
     local rc=0

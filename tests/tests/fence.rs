@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rdmablk_common::protocol::VolumeId;
 use rdmablk_initiator::{BlockDevice, ConnectOptions, MemDevice, Session};
 use rdmablk_system_tests::{file_volume, sample, scrape, sparse_file, target_section, TargetProcess};
 use workload::LoadConfig;
@@ -49,6 +50,18 @@ fn within(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(10));
     }
     true
+}
+
+/// Sends (without waiting for its answer) an inline WRITE of one 4 KiB
+/// block filled with `fill` at `block` of volume `volume`.
+fn post_block_write(conn: &mut rdmablk_system_tests::WireConn, volume: VolumeId, block: u64, fill: u8) {
+    use rdmablk_common::protocol::{BlockCount, CommandCapsule, CommandId, Lba, Opcode, FLAG_INLINE_DATA};
+    let mut c = CommandCapsule::new(Opcode::Write, CommandId(0));
+    c.volume_id = volume;
+    c.start_block = Lba(block);
+    c.block_count = BlockCount(1);
+    c.flags = FLAG_INLINE_DATA;
+    conn.post(c, &[fill; 4096]);
 }
 
 /// One run; `fence_timeout` (seconds) shorter than the hold makes the
@@ -179,7 +192,6 @@ fn stale_write_test_repeated() {
 /// the fourteen never do. Raw frames, so tcp:// only.
 #[test]
 fn a_dead_queue_pair_executes_none_of_its_queued_commands() {
-    use rdmablk_common::protocol::{BlockCount, CommandCapsule, CommandId, Lba, Opcode, FLAG_INLINE_DATA};
     if rdmablk_system_tests::scheme() != "tcp" {
         eprintln!("skipped: raw tcp frames");
         return;
@@ -200,12 +212,7 @@ fn a_dead_queue_pair_executes_none_of_its_queued_commands() {
     let vol = conn.open_volume("vol0");
     std::fs::write(&gate, format!("{:#x}", reply.session_id.0)).unwrap();
     for block in 0..16u64 {
-        let mut c = CommandCapsule::new(Opcode::Write, CommandId(0));
-        c.volume_id = vol.volume_id;
-        c.start_block = Lba(block);
-        c.block_count = BlockCount(1);
-        c.flags = FLAG_INLINE_DATA;
-        conn.post(c, &[0xa0 + block as u8; BS]);
+        post_block_write(&mut conn, vol.volume_id, block, 0xa0 + block as u8);
     }
     // Let the target take all sixteen in (two at the disk, fourteen waiting).
     std::thread::sleep(Duration::from_millis(500));
@@ -230,7 +237,6 @@ fn a_dead_queue_pair_executes_none_of_its_queued_commands() {
 /// none of them can land after the new session's.
 #[test]
 fn a_session_that_replaces_a_dead_processes_session_waits_for_its_disk_writes() {
-    use rdmablk_common::protocol::{BlockCount, CommandCapsule, CommandId, Lba, Opcode, FLAG_INLINE_DATA};
     if rdmablk_system_tests::scheme() != "tcp" {
         eprintln!("skipped: raw tcp frames");
         return;
@@ -248,12 +254,7 @@ fn a_session_that_replaces_a_dead_processes_session_waits_for_its_disk_writes() 
     let reply = conn.connect("takeover", 8);
     let vol = conn.open_volume("vol0");
     std::fs::write(&gate, format!("{:#x}", reply.session_id.0)).unwrap();
-    let mut c = CommandCapsule::new(Opcode::Write, CommandId(0));
-    c.volume_id = vol.volume_id;
-    c.start_block = Lba(0);
-    c.block_count = BlockCount(1);
-    c.flags = FLAG_INLINE_DATA;
-    conn.post(c, &[0xa0; BS]);
+    post_block_write(&mut conn, vol.volume_id, 0, 0xa0);
     std::thread::sleep(Duration::from_millis(300));
     drop(conn);
     target.wait_for_log("session disconnected: host=takeover", Duration::from_secs(10));
