@@ -169,6 +169,19 @@ EOF
     echo "target at $URL and $TCP_URL (pid $TPID)"
 }
 
+# Stops a server process with SIGTERM and requires exit status 0; shows its
+# log and keeps a copy in the results. From here on only the target is left
+# for the EXIT trap to kill.
+sigterm_exits_zero() { # PID WHAT LOG RESULT_FILE
+    kill -TERM "$1"
+    local rc=0
+    wait "$1" || rc=$?
+    trap 'kill $TPID 2>/dev/null' EXIT
+    echo "--- $2 log"; cat "$3"
+    cp "$3" "$RES/$4" 2>/dev/null || true
+    [[ $rc -eq 0 ]] || { echo "$2 exited with $rc after SIGTERM"; exit 1; }
+}
+
 stop_target() {
     kill -TERM "$TPID" 2>/dev/null
     local rc=0
@@ -336,13 +349,7 @@ nbd_fs() {
     umount "$mnt"
     e2fsck -fn "$dev"
     nbd-client -d "$dev"
-    kill -TERM "$npid"
-    local rc=0
-    wait "$npid" || rc=$?
-    trap 'kill $TPID 2>/dev/null' EXIT
-    echo "--- rdmablk nbd log"; cat "$WORK/nbd.log"
-    cp "$WORK/nbd.log" "$RES/nbd-fs-nbd.log" 2>/dev/null || true
-    [[ $rc -eq 0 ]] || { echo "rdmablk nbd exited with $rc after SIGTERM"; exit 1; }
+    sigterm_exits_zero "$npid" "rdmablk nbd" "$WORK/nbd.log" nbd-fs-nbd.log
     if grep -q 'panicked\| WARN ' "$WORK/nbd.log"; then echo "rdmablk nbd logged a warning or panicked"; exit 1; fi
     trap - EXIT
     stop_target nbd-fs
@@ -408,13 +415,7 @@ ublk_roundtrip() {
 # the device is removed, its log has no failed request, error or panic;
 # then the target stops.
 ublk_end() { # NAME
-    kill -TERM "$upid"
-    local rc=0
-    wait "$upid" || rc=$?
-    trap 'kill $TPID 2>/dev/null' EXIT
-    echo "--- rdmablk attach log"; cat "$WORK/ublk.log"
-    cp "$WORK/ublk.log" "$RES/$1-attach.log" 2>/dev/null || true
-    [[ $rc -eq 0 ]] || { echo "rdmablk attach exited with $rc after SIGTERM"; exit 1; }
+    sigterm_exits_zero "$upid" "rdmablk attach" "$WORK/ublk.log" "$1-attach.log"
     [[ ! -e $dev ]] || { echo "$dev still exists after SIGTERM"; exit 1; }
     # A reconnection under the emulated VM's load is allowed (the data checks above
     # decide); a request that failed, an error or a panic is not.
