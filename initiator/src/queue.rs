@@ -902,7 +902,13 @@ impl Conn {
                 return;
             }
         }
-        self.last_rx = Instant::now();
+        // A keep-alive's own answer does not restart the idle clock: its
+        // send did. An idle queue's answers are taken only at the monitor's
+        // visits, so counting them would space keep-alives up to two visits
+        // further apart than `idle`, past a target's `idle_timeout`.
+        if self.ka_out != Some(CommandId(cid as u16)) {
+            self.last_rx = Instant::now();
+        }
         if let Err(e) = self.post_recv(index) {
             self.fail(format!("reposting a receive failed: {e}"));
         }
