@@ -261,10 +261,12 @@ fn conn_params(options: &ConnectOptions) -> ConnParams {
 }
 
 /// How often the monitor visits idle queues: an eighth of the keep-alive
-/// timeout, so a silent target is found within the timeout.
+/// timeout, so a silent target is found within the timeout, and at least
+/// twice within the shortest transport timeout a target allows (1 s): the
+/// visit also sends an idle queue's held-back acknowledgements.
 fn monitor_tick(options: &ConnectOptions) -> Option<Duration> {
     (!options.keepalive_timeout.is_zero())
-        .then(|| (options.keepalive_timeout / 8).clamp(Duration::from_millis(10), Duration::from_secs(1)))
+        .then(|| (options.keepalive_timeout / 8).clamp(Duration::from_millis(10), Duration::from_millis(500)))
 }
 
 static NEXT_UID: AtomicU64 = AtomicU64::new(1);
@@ -884,10 +886,13 @@ fn connect_queue(
     let cq = fabric
         .create_cq(depth + recv_count as u32 + 16)
         .map_err(|e| Error::fabric(ctx("creating a completion queue"), e))?;
-    // A polling client calls again right after it takes a response, usually
-    // to submit (whose frame then carries the ACK) or to poll (which sends
-    // it): no ACK frame of its own between a response and its delivery.
-    if !options.busy_poll.is_zero() {
+    // A caller usually submits again right after it takes a response (its
+    // command frame then carries the ACK) or polls (which sends it): no ACK
+    // frame of its own between a response and its delivery, and no wake-up
+    // of the target for one. A queue left idle sends it at the monitor's
+    // next visit (`monitor_tick`), well within the target's transport
+    // timeout; without keep-alives there is no monitor, so no hold.
+    if !options.busy_poll.is_zero() || monitor_tick(options).is_some() {
         cq.set_ack_coalescing(Some(Duration::ZERO));
     }
     // With scoping, a command may hold three send-queue slots on a

@@ -708,7 +708,7 @@ impl RawConfig {
             return Err(cx.err("target.idle_timeout", format!("must be between 1s and 24h (got {idle_timeout:?})")));
         }
         // Below a second, an initiator's idle queue, polled by its monitor
-        // about once a second, would be cut off (see the fabric's default).
+        // at least twice a second, would be cut off (see the fabric's default).
         let transport_timeout =
             cx.duration("target.transport_timeout", t.transport_timeout, DEFAULT_TRANSPORT_TIMEOUT)?;
         if transport_timeout < Duration::from_secs(1) || transport_timeout > Duration::from_secs(3600) {

@@ -60,10 +60,13 @@ pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// removed ones still finishing their last commands.
 pub const RING_FILE_SLOTS: u32 = 2 * MAX_VOLUMES as u32;
 /// How long the tcp provider may hold a command's acknowledgement back for
-/// the response to carry it: about a disk read's latency, so that a polling
-/// reactor does not send an ACK frame of its own for every command that
-/// waits for the disk. (A sleeping reactor sends them when it arms.)
-const ACK_HOLD: Duration = Duration::from_micros(200);
+/// the response to carry it: longer than a disk read usually takes, so that
+/// the reactor does not send an ACK frame of its own for every command that
+/// waits for the disk (and the initiator is not woken for it). A reactor
+/// asleep meanwhile is woken by the CQ's timer when the hold ends. The
+/// initiator needs the acknowledgement only to reuse the command's slot,
+/// which waits for the response anyway.
+const ACK_HOLD: Duration = Duration::from_millis(1);
 /// Least time between two sweeps of the wait line for commands past
 /// `target.chunk_wait_timeout` (each is a pass over the line and a log
 /// line): the first one due is answered on time, later ones within this.

@@ -805,10 +805,13 @@ impl CompletionQueue {
     /// frames for up to `hold`, so that the application's next frame on
     /// that queue pair (its answer) carries them instead of a frame of
     /// their own. Only for an owner that keeps polling while it has work and
-    /// arms the CQ before it sleeps (a reactor): a held-back ACK leaves at
-    /// the first `poll` after `hold`, or at `arm`, unless a frame carried it
-    /// first. The peer's sends complete that much later, so `hold` should be
-    /// about the time the owner takes to answer. `None` (the default) sends
+    /// arms the CQ before it sleeps on its fd (a reactor), or whose idle
+    /// queues someone polls well within the peer's transport timeout (the
+    /// initiator's monitor): a held-back ACK leaves at the first `poll`
+    /// after `hold`, unless a frame carried it first; an armed CQ's fd
+    /// becomes readable when the oldest hold ends, so a sleeping owner
+    /// polls then. The peer's sends complete that much later, so `hold`
+    /// should be about the time the owner takes to answer. `None` (the default) sends
     /// each ACK when its frame is processed. A NIC acknowledges in hardware;
     /// verbs ignores this.
     pub fn set_ack_coalescing(&self, hold: Option<Duration>) {

@@ -18,14 +18,30 @@ const EVENTFD_TOKEN: u64 = u64::MAX;
 const TIMERFD_TOKEN: u64 = u64::MAX - 1;
 /// Epoll token of the timerfd of queue pair deadlines.
 const DEADLINE_TOKEN: u64 = u64::MAX - 2;
+/// Epoll token of the timerfd that ends the hold of deferred ACKs.
+const ACK_TIMER_TOKEN: u64 = u64::MAX - 3;
 
 /// The environment variable that turns on late send completions for every
 /// CQ the process creates (test-only; see [`TcpCq::set_late_send_completions`]).
 pub const LATE_SEND_COMPLETIONS_ENV: &str = "RDMABLK_TCP_LATE_SEND_COMPLETIONS";
 
 /// Longest a send completion is held back in the late mode when no SEND
-/// arrives from the peer.
+/// arrives from the peer (unless [`LATE_SEND_HOLD_ENV`] says otherwise).
 const LATE_SEND_HOLD: Duration = Duration::from_millis(50);
+
+/// The environment variable that sets the late mode's hold, in
+/// milliseconds (test-only): a longer hold lets a slow or loaded run still
+/// fill every response slot of its peer within one hold.
+pub const LATE_SEND_HOLD_ENV: &str = "RDMABLK_TCP_LATE_SEND_HOLD_MS";
+
+/// `RDMABLK_TCP_LATE_SEND_HOLD_MS`, or [`LATE_SEND_HOLD`]. Read once per
+/// process.
+fn late_send_hold_from_env() -> Duration {
+    static FROM_ENV: OnceLock<Duration> = OnceLock::new();
+    *FROM_ENV.get_or_init(|| {
+        std::env::var(LATE_SEND_HOLD_ENV).ok().and_then(|v| v.trim().parse().ok()).map_or(LATE_SEND_HOLD, Duration::from_millis)
+    })
+}
 
 /// `RDMABLK_TCP_LATE_SEND_COMPLETIONS=N`: how many of the peer's SENDs a
 /// held send completion waits for (0 or unset: the mode is off). Read once
@@ -61,6 +77,11 @@ pub(crate) struct CqShared {
     /// Queue pairs owing a standalone ACK, oldest first, with the moment it
     /// was deferred (see `qp::progress`).
     deferred_acks: Mutex<VecDeque<(u32, Instant)>>,
+    /// Fires when the oldest deferred ACK's hold ends, so an owner asleep
+    /// on the channel wakes to send it (see [`TcpCq::arm`]).
+    ack_timer: OwnedFd,
+    /// What `ack_timer` is armed for (`None`: disarmed, or fired).
+    ack_timer_at: Mutex<Option<Instant>>,
     /// Test-only: send completions are held back (see
     /// [`TcpCq::set_late_send_completions`]).
     late_sends: AtomicBool,
@@ -156,6 +177,39 @@ impl CqShared {
             let qp = lock(&self.qps).get(&qp_num).and_then(Weak::upgrade);
             if let Some(qp) = qp {
                 qp::send_deferred_ack(&qp);
+            }
+        }
+    }
+
+    /// Makes sure the owner, asleep on the channel, wakes when the oldest
+    /// deferred ACK's hold ends. ACKs a frame carried meanwhile are dropped
+    /// from the front first, so an answered command sets no timer. The
+    /// timer is only moved earlier, never disarmed: one that fires after
+    /// its ACK was carried costs one wake-up, rarer than a timer call per
+    /// command.
+    fn wake_for_deferred_acks(&self) {
+        let hold = Duration::from_nanos(self.ack_hold_ns.load(Ordering::Relaxed));
+        let due = loop {
+            let front = lock(&self.deferred_acks).front().copied();
+            let Some((qp_num, since)) = front else { return };
+            let qp = lock(&self.qps).get(&qp_num).and_then(Weak::upgrade);
+            if qp.as_deref().is_some_and(qp::owes_deferred_ack) {
+                break since.checked_add(hold);
+            }
+            // Carried by a frame, or its queue pair is gone: forget it.
+            // (Only that entry: one pushed meanwhile stays behind it.)
+            let mut deferred = lock(&self.deferred_acks);
+            if deferred.front() == Some(&(qp_num, since)) {
+                deferred.pop_front();
+            }
+        };
+        let Some(due) = due else { return };
+        let mut at = lock(&self.ack_timer_at);
+        if at.is_none_or(|armed| due < armed) {
+            *at = Some(due);
+            let after = due.saturating_duration_since(Instant::now());
+            if let Err(e) = sys::timerfd_set(self.ack_timer.as_raw_fd(), Some(after)) {
+                tracing::warn!(error = %e, "timerfd_settime for deferred ACKs failed");
             }
         }
     }
@@ -301,6 +355,9 @@ impl TcpCq {
         let check_timer = sys::timerfd().map_err(|e| FabricError::io("timerfd for queue pair deadlines", e))?;
         sys::epoll_add_in(epfd.as_raw_fd(), check_timer.as_raw_fd(), DEADLINE_TOKEN)
             .map_err(|e| FabricError::io("adding the deadline timerfd to epoll", e))?;
+        let ack_timer = sys::timerfd().map_err(|e| FabricError::io("timerfd for deferred ACKs", e))?;
+        sys::epoll_add_in(epfd.as_raw_fd(), ack_timer.as_raw_fd(), ACK_TIMER_TOKEN)
+            .map_err(|e| FabricError::io("adding the deferred-ACK timerfd to epoll", e))?;
         let cq = TcpCq {
             shared: Arc::new(CqShared {
                 epfd,
@@ -311,9 +368,11 @@ impl TcpCq {
                 qps: Mutex::new(HashMap::new()),
                 ack_hold_ns: AtomicU64::new(ACKS_NOT_HELD),
                 deferred_acks: Mutex::new(VecDeque::new()),
+                ack_timer,
+                ack_timer_at: Mutex::new(None),
                 late_sends: AtomicBool::new(false),
                 late_sends_after: std::sync::atomic::AtomicU32::new(1),
-                late_hold_ns: AtomicU64::new(LATE_SEND_HOLD.as_nanos() as u64),
+                late_hold_ns: AtomicU64::new(late_send_hold_from_env().as_nanos() as u64),
                 held_sends: Mutex::new(VecDeque::new()),
                 late_timer: OnceLock::new(),
                 checks: Mutex::new(Checks { queue: BinaryHeap::new(), armed: None }),
@@ -338,7 +397,7 @@ impl TcpCq {
     /// Standalone ACKs held back longer than the hold leave at the start of
     /// the call (the application has had its time to answer with a frame
     /// that carries them). An application that stops polling arms the CQ
-    /// first, which sends all of them.
+    /// first, which sets a timer that wakes it when the oldest hold ends.
     pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
         let sh = &*self.shared;
         sh.send_deferred_acks(false);
@@ -360,6 +419,14 @@ impl TcpCq {
                 // Checked below, after the sockets: what they brought may
                 // be the progress that meets a deadline.
                 checks_due = true;
+                continue;
+            }
+            if token == ACK_TIMER_TOKEN {
+                // The hold ended: the ACKs due left at the start of this
+                // call (the owner polls after it wakes). `arm` sets the
+                // timer again for the next.
+                sys::counter_drain(sh.ack_timer.as_raw_fd());
+                *lock(&sh.ack_timer_at) = None;
                 continue;
             }
             if token == TIMERFD_TOKEN {
@@ -402,10 +469,15 @@ impl TcpCq {
     }
 
     /// Arms the channel for the next completion; fires it at once if
-    /// completions are already queued.
+    /// completions are already queued. Deferred ACKs whose hold ended
+    /// leave now; for the others a timer makes the channel readable when
+    /// the oldest hold ends, so an owner that sleeps while the answer is
+    /// at the disk still lets the answer carry the ACK, and one that has
+    /// nothing to answer sends it a hold later.
     pub fn arm(&self) -> Result<()> {
         let sh = &*self.shared;
-        sh.send_deferred_acks(true);
+        sh.send_deferred_acks(false);
+        sh.wake_for_deferred_acks();
         sh.armed.store(true, Ordering::Release);
         let pending = !lock(&sh.queue).is_empty();
         if pending && sh.armed.swap(false, Ordering::AcqRel) {

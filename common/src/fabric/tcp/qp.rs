@@ -1062,6 +1062,19 @@ pub(crate) fn release_held_sends(sh: &QpShared, now: Option<Instant>) {
     }
 }
 
+/// Whether the standalone ACK deferred by [`progress`] is still owed: no
+/// frame sent since carried the acknowledgement. One that was carried is
+/// forgotten here (the queue pair may defer the next one).
+pub(crate) fn owes_deferred_ack(sh: &QpShared) -> bool {
+    let mut g = sh.lock();
+    let q = &mut *g;
+    if q.ack_deferred && q.state == QpState::Ready && q.sock.is_some() && q.last_ack_sent != q.rx_processed {
+        return true;
+    }
+    q.ack_deferred = false;
+    false
+}
+
 /// Sends the standalone ACK deferred by [`progress`], unless a frame sent
 /// since then carried the acknowledgement.
 pub(crate) fn send_deferred_ack(sh: &QpShared) {

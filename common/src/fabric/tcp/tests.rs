@@ -426,32 +426,71 @@ fn rig_holding_an_ack(hold: Duration) -> PassiveRig {
 const FOREVER: Duration = Duration::from_secs(3600);
 
 #[test]
-fn a_held_ack_rides_on_the_answer_across_polls_or_leaves_at_arm() {
+fn a_held_ack_rides_on_the_answer_across_polls() {
     let mut rig = rig_holding_an_ack(FOREVER);
     let tx = mem(&rig.pd, 4096, Access::LOCAL_WRITE);
 
-    // A SEND the application answers only after several more polls: no
+    // A SEND the application answers only after several more polls, and
+    // after it armed the CQ (to sleep while the answer is at the disk): no
     // standalone ACK precedes the answer, which carries the ack.
     for _ in 0..5 {
         let mut out = [Completion::EMPTY; 4];
         rig.cq.poll(&mut out).unwrap();
         std::thread::sleep(Duration::from_millis(1));
     }
+    rig.cq.arm().unwrap();
     rig.qp
         .post_send(&[SendWr { wr_id: WrId(1), op: SendOp::Send, payload: Payload::Sges(&[tx.mr_sge(0, 8)]), signaled: true }])
         .unwrap();
     let (h, body) = read_frame(&mut rig.raw);
     assert_eq!((h.ty, h.ack, body.len()), (FrameType::Send, 1, 8), "the answer comes first and carries the ack");
+}
 
-    // A SEND the application does not answer: the ACK leaves when the CQ
-    // is armed (its owner is about to sleep).
-    rig.qp.post_recv(&[RecvWr { wr_id: WrId(101), sges: &[rig._rx.mr_sge(0, 64)] }]).unwrap();
-    rig.raw.write_all(&ack_requested_send(2)).unwrap();
-    poll_until(&rig.cq, &mut Vec::new(), "the second receive", |c| status_of(c, 101).is_some());
+/// Whether `fd` becomes readable within `timeout`.
+fn readable_within(fd: std::os::fd::RawFd, timeout: Duration) -> bool {
+    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: `pfd` is a valid pollfd for the duration of the call.
+    let rc = unsafe { libc::poll(&mut pfd, 1, timeout.as_millis() as i32) };
+    rc == 1
+}
+
+#[test]
+fn an_armed_cq_wakes_its_owner_when_the_hold_ends_and_the_ack_leaves() {
+    // A SEND the application does not answer, and an owner that arms the
+    // CQ and sleeps on its channel: the channel becomes readable when the
+    // hold ends (not at arm, which would send an ACK frame for every
+    // command that waits for the disk), and the owner's poll then sends it.
+    let hold = Duration::from_millis(300);
+    let mut rig = rig_holding_an_ack(hold);
+    let held_since = Instant::now();
     rig.cq.arm().unwrap();
+    rig.raw.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+    let mut byte = [0u8; 1];
+    assert!(rig.raw.read(&mut byte).is_err(), "nothing is sent at arm, within the hold");
+    assert!(readable_within(rig.cq.fd(), Duration::from_secs(5)), "the channel fires when the hold ends");
+    assert!(held_since.elapsed() >= hold - Duration::from_millis(60), "not before the hold ends: {:?}", held_since.elapsed());
+    rig.cq.ack_event().unwrap();
+    let mut out = [Completion::EMPTY; 4];
+    rig.cq.poll(&mut out).unwrap();
+    rig.raw.set_read_timeout(None).unwrap();
     let a = read_until(&mut rig.raw, FrameType::Ack);
-    assert_eq!(a.ack, 2);
+    assert_eq!(a.ack, 1);
     assert_eq!(rig.qp.state(), QpState::Ready);
+}
+
+#[test]
+fn an_ack_the_answer_carried_sets_no_timer() {
+    // The answer carried the ack before the owner armed: the channel stays
+    // quiet (no wake-up for an ACK nobody owes).
+    let mut rig = rig_holding_an_ack(Duration::from_millis(20));
+    let tx = mem(&rig.pd, 4096, Access::LOCAL_WRITE);
+    rig.qp
+        .post_send(&[SendWr { wr_id: WrId(1), op: SendOp::Send, payload: Payload::Sges(&[tx.mr_sge(0, 8)]), signaled: true }])
+        .unwrap();
+    let (h, _) = read_frame(&mut rig.raw);
+    assert_eq!((h.ty, h.ack), (FrameType::Send, 1));
+    rig.cq.arm().unwrap();
+    assert!(!readable_within(rig.cq.fd(), Duration::from_millis(200)), "no wake-up for a carried ACK");
 }
 
 #[test]
