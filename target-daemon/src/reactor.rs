@@ -597,6 +597,7 @@ impl Reactor {
                 sqpoll_idle_ms: cfg.sqpoll.then_some(100),
                 iopoll: cfg.iopoll,
                 file_slots: RING_FILE_SLOTS,
+                wake_fd: None,
             },
         )?;
         let features = uring.features();
@@ -622,7 +623,8 @@ impl Reactor {
             fabrics.push(FabricCtx { pool_mr, cqs: vec![first], pd, fabric: Arc::clone(f) });
         }
         let cq_capacity = fabrics.first().map_or(0, |f| f.cqs[0].capacity);
-        epoll.add(uring.eventfd(), TOKEN_URING).map_err(|e| Error::os("epoll_ctl", e))?;
+        let uring_eventfd = uring.eventfd().expect("a ring without wake_fd has an eventfd");
+        epoll.add(uring_eventfd, TOKEN_URING).map_err(|e| Error::os("epoll_ctl", e))?;
         epoll.add(wake.fd(), TOKEN_CTRL).map_err(|e| Error::os("epoll_ctl", e))?;
         let set = spec.registry.volumes();
         let limits = Limits {

@@ -65,6 +65,12 @@ impl Epoll {
         Ok(Epoll(unsafe { OwnedFd::from_raw_fd(fd) }))
     }
 
+    /// The epoll descriptor itself (readable when a watched descriptor is
+    /// ready; the io_uring's wake poll watches it).
+    pub fn fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+
     /// Watches `fd` for readability; `token` comes back from [`wait`](Epoll::wait).
     pub fn add(&self, fd: RawFd, token: u64) -> io::Result<()> {
         self.ctl(libc::EPOLL_CTL_ADD, fd, token, READABLE)

@@ -8,8 +8,24 @@
 //! iovec per chunk, `buf_index` = chunk index). The ring is created disabled,
 //! probed (ReadFixed, WriteFixed and Fsync are required; Fallocate is
 //! optional), restricted to exactly the opcodes it uses with fixed files
-//! only, and then enabled. An eventfd is registered so that the reactor can
-//! block on it in epoll.
+//! only, and then enabled.
+//!
+//! Where the caller sleeps. If the caller names a descriptor to watch
+//! ([`UringOptions::wake_fd`], the reactor's epoll fd) and the kernel can
+//! (PollAdd in the probe, `IORING_FEAT_EXT_ARG` for a timed wait, and not
+//! iopoll, whose rings cannot carry polls), the caller sleeps in the ring
+//! itself: the watched descriptor takes one more fixed-file slot past the
+//! volume slots, the caller arms a one-shot PollAdd on it (the *wake
+//! poll*, `user_data` `WAKE_POLL`, which no operation's slab index can
+//! equal) before it sleeps, and [`Uring::sleep`] submits and waits in one
+//! `io_uring_enter` for a completion, with a timeout. A disk completion
+//! ends the sleep, and so does the wake poll's completion when the watched
+//! descriptor becomes readable. [`Uring::reap`] consumes the wake poll's
+//! completion itself (callers never see it; [`Uring::take_wake_poll_fired`]
+//! says it came) and re-arming is the caller's choice. Otherwise
+//! ("eventfd mode") an eventfd is registered so that the caller can block
+//! on it in epoll. `UringFeatures::ring_sleep` says which mode a ring is
+//! in, and its Display (logged by the daemon) names where the caller sleeps.
 //!
 //! With `iopoll` (IORING_SETUP_IOPOLL, for NVMe namespaces with poll queues)
 //! the ring carries only ReadFixed and WriteFixed: the kernel refuses other
@@ -27,6 +43,7 @@ use std::collections::VecDeque;
 use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
+use std::time::Duration;
 
 use io_uring::{opcode, register::Restriction, squeue, types, IoUring, Probe};
 
@@ -42,6 +59,10 @@ pub const ZERO_RANGE: i32 = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SI
 /// `IORING_REGISTER_FILES_UPDATE`: the register opcode the restricted ring allows.
 const REGISTER_FILES_UPDATE: u8 = 6;
 
+/// `user_data` of the wake poll. Operations carry their slab index, a
+/// `u32`, so this value is never an operation's.
+const WAKE_POLL: u64 = u64::MAX;
+
 /// Ring options.
 #[derive(Clone, Copy, Debug)]
 pub struct UringOptions {
@@ -54,11 +75,16 @@ pub struct UringOptions {
     /// Size of the fixed-file table (at least the number of initial files);
     /// slots beyond the initial files start empty.
     pub file_slots: u32,
+    /// A descriptor (the reactor's epoll fd) whose readability should end a
+    /// [`Uring::sleep`]: with it, and if the kernel supports it, the caller
+    /// sleeps in the ring (`UringFeatures::ring_sleep`). The ring keeps its
+    /// own reference to the file from `Uring::new` on.
+    pub wake_fd: Option<RawFd>,
 }
 
 impl Default for UringOptions {
     fn default() -> Self {
-        UringOptions { entries: 64, sqpoll_idle_ms: None, iopoll: false, file_slots: 0 }
+        UringOptions { entries: 64, sqpoll_idle_ms: None, iopoll: false, file_slots: 0, wake_fd: None }
     }
 }
 
@@ -93,17 +119,23 @@ pub struct UringFeatures {
     pub sqpoll: bool,
     /// The ring was set up with IORING_SETUP_IOPOLL.
     pub iopoll: bool,
+    /// The caller sleeps in the ring ([`Uring::sleep`], woken by the wake
+    /// poll on `UringOptions::wake_fd`), and the ring carries PollAdd; else
+    /// it blocks in epoll on the ring's eventfd ([`Uring::eventfd`]).
+    pub ring_sleep: bool,
 }
 
 impl std::fmt::Display for UringFeatures {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "read_fixed write_fixed{}{}{}{}",
+            "read_fixed write_fixed{}{}{}{}{}; {}",
             if self.fsync { " fsync" } else { "" },
             if self.fallocate { " fallocate" } else { "" },
+            if self.ring_sleep { " poll_add" } else { "" },
             if self.sqpoll { " sqpoll" } else { "" },
-            if self.iopoll { " iopoll" } else { "" }
+            if self.iopoll { " iopoll" } else { "" },
+            if self.ring_sleep { "sleeps in io_uring_enter" } else { "sleeps in epoll_wait (ring eventfd)" }
         )
     }
 }
@@ -113,7 +145,8 @@ pub struct Uring {
     // Field order matters: the ring is closed (after `Drop` waited for every
     // in-flight op) before the pool memory can be freed.
     ring: IoUring,
-    eventfd: EventFd,
+    /// Registered in eventfd mode only (not `features.ring_sleep`).
+    eventfd: Option<EventFd>,
     ops: Vec<Option<Op>>,
     free_ops: Vec<u32>,
     inflight: usize,
@@ -122,6 +155,14 @@ pub struct Uring {
     pending_fail: Vec<(u32, i32)>,
     nfiles: u32,
     features: UringFeatures,
+    /// The wake poll's SQE was queued and its completion not reaped yet.
+    wake_poll_armed: bool,
+    /// The wake poll's completion was reaped and not yet taken by
+    /// [`Uring::take_wake_poll_fired`].
+    wake_poll_fired: bool,
+    /// A failed wake poll was logged (once: the caller may re-arm it on
+    /// every turn).
+    wake_poll_failure_logged: bool,
     mem: Arc<PoolMemory>,
 }
 
@@ -164,18 +205,32 @@ impl Uring {
                 format!("io_uring: this kernel lacks required opcodes {}; a kernel >= 5.6 is needed", missing.join(", ")),
             ));
         }
+        // Polls cannot ride on an IOPOLL ring, and a sleep with a timeout
+        // needs IORING_ENTER_EXT_ARG (5.11).
+        let ring_sleep = opts.wake_fd.is_some()
+            && !opts.iopoll
+            && probe.is_supported(opcode::PollAdd::CODE)
+            && ring.params().is_feature_ext_arg();
         let features = UringFeatures {
             fallocate: probe.is_supported(opcode::Fallocate::CODE) && !opts.iopoll,
             fsync: !opts.iopoll,
             sqpoll: opts.sqpoll_idle_ms.is_some(),
             iopoll: opts.iopoll,
+            ring_sleep,
         };
 
         // A sparse table: empty slots are -1, filled in later by `set_file`.
+        // In ring-sleep mode one more slot, `nfiles`, holds the watched
+        // descriptor; `set_file` cannot reach it.
         let nfiles = opts.file_slots.max(files.len() as u32);
-        if nfiles > 0 {
-            let mut table = vec![-1; nfiles as usize];
+        let wake_fd = opts.wake_fd.filter(|_| ring_sleep);
+        let table_len = nfiles + wake_fd.is_some() as u32;
+        if table_len > 0 {
+            let mut table = vec![-1; table_len as usize];
             table[..files.len()].copy_from_slice(files);
+            if let Some(fd) = wake_fd {
+                table[nfiles as usize] = fd;
+            }
             submitter.register_files(&table).map_err(|e| uring_err("cannot register files", e))?;
         }
         let mem = Arc::clone(pool.memory());
@@ -184,8 +239,13 @@ impl Uring {
         // keeps alive through `mem` until the ring is closed after all ops
         // completed (see `Drop`).
         unsafe { submitter.register_buffers(&iovecs) }.map_err(|e| uring_err("cannot register the buffer pool", e))?;
-        let eventfd = EventFd::new().map_err(|e| uring_err("cannot create eventfd", e))?;
-        submitter.register_eventfd(eventfd.fd()).map_err(|e| uring_err("cannot register eventfd", e))?;
+        let eventfd = if ring_sleep {
+            None
+        } else {
+            let eventfd = EventFd::new().map_err(|e| uring_err("cannot create eventfd", e))?;
+            submitter.register_eventfd(eventfd.fd()).map_err(|e| uring_err("cannot register eventfd", e))?;
+            Some(eventfd)
+        };
 
         let mut restrictions = vec![
             Restriction::sqe_op(opcode::ReadFixed::CODE),
@@ -198,6 +258,9 @@ impl Uring {
         }
         if features.fallocate {
             restrictions.push(Restriction::sqe_op(opcode::Fallocate::CODE));
+        }
+        if features.ring_sleep {
+            restrictions.push(Restriction::sqe_op(opcode::PollAdd::CODE));
         }
         submitter.register_restrictions(&mut restrictions).map_err(|e| uring_err("cannot register restrictions", e))?;
         submitter.register_enable_rings().map_err(|e| uring_err("cannot enable ring", e))?;
@@ -213,6 +276,9 @@ impl Uring {
             pending_fail: Vec::new(),
             nfiles,
             features,
+            wake_poll_armed: false,
+            wake_poll_fired: false,
+            wake_poll_failure_logged: false,
             mem,
         })
     }
@@ -240,19 +306,48 @@ impl Uring {
     }
 
     /// Whether the ring must be polled for completions (iopoll) rather than
-    /// waited on through its eventfd.
+    /// waited on (through its eventfd or in [`Uring::sleep`]).
     pub fn needs_polling(&self) -> bool {
         self.features.iopoll && self.inflight > 0
     }
 
-    /// The registered eventfd; readable when completions were posted.
-    pub fn eventfd(&self) -> RawFd {
-        self.eventfd.fd()
+    /// The registered eventfd, readable when completions were posted; only
+    /// in eventfd mode (`None` when the caller sleeps in the ring).
+    pub fn eventfd(&self) -> Option<RawFd> {
+        self.eventfd.as_ref().map(EventFd::fd)
     }
 
     /// Clears the eventfd. Call before reaping so no wake-up is lost.
     pub fn clear_eventfd(&self) {
-        self.eventfd.drain();
+        if let Some(e) = &self.eventfd {
+            e.drain();
+        }
+    }
+
+    /// Whether the wake poll is queued or waiting for its descriptor, its
+    /// completion not reaped yet.
+    pub fn wake_poll_armed(&self) -> bool {
+        self.wake_poll_armed
+    }
+
+    /// Queues the wake poll: a one-shot POLLIN on the watched descriptor,
+    /// whose completion ends a [`Uring::sleep`] once the descriptor is
+    /// readable (at once if it already is). It is submitted with the next
+    /// `submit` or `sleep`. Only in ring-sleep mode and when not armed.
+    pub fn arm_wake_poll(&mut self) {
+        assert!(self.features.ring_sleep, "wake poll on a ring without ring sleep");
+        assert!(!self.wake_poll_armed, "wake poll armed twice");
+        // The slot past the volume slots, filled in `new`.
+        let entry = opcode::PollAdd::new(types::Fixed(self.nfiles), libc::POLLIN as u32).build().user_data(WAKE_POLL);
+        self.wake_poll_armed = true;
+        self.push(entry);
+    }
+
+    /// Whether the wake poll's completion was reaped since the last call:
+    /// the watched descriptor became readable (or the poll failed, which
+    /// the caller cannot tell from a spurious wake-up either). Clears it.
+    pub fn take_wake_poll_fired(&mut self) -> bool {
+        std::mem::take(&mut self.wake_poll_fired)
     }
 
     /// Operations pushed and not yet reaped.
@@ -363,14 +458,19 @@ impl Uring {
 
     fn push_entry(&mut self, idx: u32) {
         let entry = self.entry(idx);
+        self.push(entry);
+    }
+
+    /// Queues an entry built by `entry` or `arm_wake_poll`, behind the backlog.
+    fn push(&mut self, entry: squeue::Entry) {
         if !self.backlog.is_empty() {
             self.backlog.push_back(entry);
             return;
         }
         // SAFETY: the buffer the entry points to (if any) is a chunk of the
         // registered pool memory kept alive by `self.mem`, lent to the kernel
-        // until the op's final completion is reaped; fixed files stay
-        // registered for the ring's lifetime.
+        // until the op's final completion is reaped (the wake poll points to
+        // no memory); fixed files stay registered for the ring's lifetime.
         if unsafe { self.ring.submission().push(&entry) }.is_err() {
             let _ = self.ring.submit();
             // SAFETY: as above.
@@ -380,16 +480,21 @@ impl Uring {
         }
     }
 
-    /// Submits everything pushed since the last call. Returns how many
-    /// entries the kernel consumed.
-    pub fn submit(&mut self) -> Result<usize> {
+    /// Moves backlog entries into the submission queue while it has room.
+    fn fill_from_backlog(&mut self) {
         while let Some(entry) = self.backlog.front() {
-            // SAFETY: see `push_entry`; backlog entries were built the same way.
+            // SAFETY: see `push`; backlog entries were built the same way.
             if unsafe { self.ring.submission().push(entry) }.is_err() {
                 break;
             }
             self.backlog.pop_front();
         }
+    }
+
+    /// Submits everything pushed since the last call. Returns how many
+    /// entries the kernel consumed.
+    pub fn submit(&mut self) -> Result<usize> {
+        self.fill_from_backlog();
         // Nothing queued: no io_uring_enter (an iopoll ring still needs one
         // to find its completions).
         if self.ring.submission().is_empty() && !self.needs_polling() {
@@ -399,6 +504,36 @@ impl Uring {
             Ok(n) => Ok(n),
             Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN | libc::EINTR)) => Ok(0),
             Err(e) => Err(uring_err("submit failed", e)),
+        }
+    }
+
+    /// Submits everything queued and sleeps until a completion is in the
+    /// completion queue (one posted before the call counts: the kernel
+    /// checks before it sleeps) or `timeout` passed (`None`: no limit), in
+    /// one `io_uring_enter`. A signal or a full completion queue also ends
+    /// it early; the caller reaps either way. Only in ring-sleep mode; arm
+    /// the wake poll first if the watched descriptor should end the sleep.
+    pub fn sleep(&mut self, timeout: Option<Duration>) -> Result<()> {
+        assert!(self.features.ring_sleep, "sleep on a ring without ring sleep");
+        self.fill_from_backlog();
+        if !self.backlog.is_empty() {
+            // The submission queue is full, and the wake poll may still be
+            // in the backlog: submit without sleeping, the caller comes back.
+            return self.submit().map(drop);
+        }
+        let submitter = self.ring.submitter();
+        let ts = timeout.map(types::Timespec::from);
+        let r = match &ts {
+            Some(ts) => submitter.submit_with_args(1, &types::SubmitArgs::new().timespec(ts)),
+            None => submitter.submit_with_args(1, &types::SubmitArgs::new()),
+        };
+        match r {
+            Ok(_) => Ok(()),
+            // ETIME: the timeout passed; EINTR: a signal; EBUSY/EAGAIN: the
+            // completion queue is full (or the kernel is short of memory),
+            // which reaping resolves.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME | libc::EINTR | libc::EBUSY | libc::EAGAIN)) => Ok(()),
+            Err(e) => Err(uring_err("sleep failed", e)),
         }
     }
 
@@ -421,8 +556,12 @@ impl Uring {
                 break;
             }
             for i in 0..self.cqes.len() {
-                let (idx, res) = self.cqes[i];
-                let idx = idx as u32;
+                let (user_data, res) = self.cqes[i];
+                if user_data == WAKE_POLL {
+                    self.wake_poll_reaped(res);
+                    continue;
+                }
+                let idx = user_data as u32;
                 let op = self.ops[idx as usize].as_mut().expect("completion for a live op");
                 let is_rw = matches!(op.kind, OpKind::Read | OpKind::Write { .. });
                 let result = if res < 0 {
@@ -450,6 +589,20 @@ impl Uring {
         reported
     }
 
+    /// The wake poll's completion: a mask of ready events, or an error
+    /// (-ECANCELED when the ring is torn down).
+    fn wake_poll_reaped(&mut self, res: i32) {
+        self.wake_poll_armed = false;
+        self.wake_poll_fired = true;
+        if res < 0 && res != -libc::ECANCELED && !self.wake_poll_failure_logged {
+            self.wake_poll_failure_logged = true;
+            tracing::warn!(
+                "io_uring: wake poll failed ({}); while it fails, a sleep ends at once when the poll is re-armed",
+                io::Error::from_raw_os_error(-res)
+            );
+        }
+    }
+
     fn finish(&mut self, idx: u32, pool: &mut Pool) -> Op {
         let op = self.ops[idx as usize].take().expect("live op");
         self.free_ops.push(idx);
@@ -461,12 +614,14 @@ impl Uring {
     }
 
     /// Blocks until every in-flight operation completed, discarding results
-    /// (chunks stay marked as lent: only for teardown).
+    /// (chunks stay marked as lent: only for teardown). The wake poll is not
+    /// an operation: it is not waited for (it may never fire; closing the
+    /// ring cancels it), and its completion, if it comes, is skipped.
     fn wait_idle(&mut self) {
         let mut stuck_rounds = 0;
         while self.inflight > 0 {
             while let Some(entry) = self.backlog.pop_front() {
-                // SAFETY: see `push_entry`.
+                // SAFETY: see `push`.
                 if unsafe { self.ring.submission().push(&entry) }.is_err() {
                     self.backlog.push_front(entry);
                     break;
@@ -494,6 +649,10 @@ impl Uring {
             }
             let cqes: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
             for (idx, res) in cqes {
+                if idx == WAKE_POLL {
+                    self.wake_poll_armed = false;
+                    continue;
+                }
                 let Some(op) = self.ops[idx as usize].as_mut() else { continue };
                 let is_rw = matches!(op.kind, OpKind::Read | OpKind::Write { .. });
                 if res > 0 && is_rw && op.done + (res as u64) < op.len {
@@ -677,7 +836,7 @@ mod tests {
         let mut ring = Uring::new(&[file.as_raw_fd()], &pool, UringOptions { iopoll: true, ..opts() }).unwrap();
         let f = ring.features();
         assert!(f.iopoll && !f.fsync && !f.fallocate, "{f}");
-        assert_eq!(f.to_string(), "read_fixed write_fixed iopoll");
+        assert_eq!(f.to_string(), "read_fixed write_fixed iopoll; sleeps in epoll_wait (ring eventfd)");
         // This disk has no poll queues: the kernel refuses polled I/O on it
         // (EOPNOTSUPP), or completes it if it can. Either way the completion
         // is found by polling, which `needs_polling` asks for.
@@ -702,5 +861,177 @@ mod tests {
         let _ = ring.ring.submit_and_wait(1);
         let res: Vec<_> = ring.ring.completion().map(|c| (c.user_data(), c.result())).collect();
         assert_eq!(res, vec![(99, -libc::EACCES)]);
+    }
+
+    /// An epoll set watching one eventfd, like the reactor's; the ring
+    /// watches the set.
+    fn watched_epoll() -> (crate::sys::Epoll, EventFd) {
+        let epoll = crate::sys::Epoll::new().unwrap();
+        let efd = EventFd::new().unwrap();
+        epoll.add(efd.fd(), 7).unwrap();
+        (epoll, efd)
+    }
+
+    fn sleeping_opts(epoll: &crate::sys::Epoll) -> UringOptions {
+        UringOptions { wake_fd: Some(epoll.fd()), ..opts() }
+    }
+
+    #[test]
+    fn ring_sleep_needs_a_wake_fd_and_no_iopoll() {
+        let (_path, file) = odirect_file(1 << 20);
+        let pool = Pool::new(4096, 4096);
+        let (epoll, _efd) = watched_epoll();
+        let ring = Uring::new(&[file.as_raw_fd()], &pool, sleeping_opts(&epoll)).unwrap();
+        let f = ring.features();
+        assert!(f.ring_sleep, "this kernel has PollAdd and EXT_ARG: {f}");
+        assert!(f.to_string().ends_with(" poll_add; sleeps in io_uring_enter"), "{f}");
+        assert_eq!(ring.eventfd(), None, "no eventfd in ring-sleep mode");
+        assert_eq!(ring.file_slots(), 1, "the watched fd's slot is not the caller's");
+        drop(ring);
+
+        let ring = Uring::new(&[file.as_raw_fd()], &pool, opts()).unwrap();
+        assert!(!ring.features().ring_sleep);
+        assert!(ring.eventfd().is_some());
+        drop(ring);
+
+        let ring = Uring::new(&[file.as_raw_fd()], &pool, UringOptions { iopoll: true, ..sleeping_opts(&epoll) }).unwrap();
+        assert!(!ring.features().ring_sleep, "an iopoll ring cannot carry the wake poll");
+        assert!(ring.eventfd().is_some());
+    }
+
+    #[test]
+    fn wake_poll_fires_when_the_watched_fd_is_readable_and_never_reaches_the_callback() {
+        let (_path, file) = odirect_file(1 << 20);
+        let mut pool = Pool::new(2 * 4096, 4096);
+        let (epoll, efd) = watched_epoll();
+        let mut ring = Uring::new(&[file.as_raw_fd()], &pool, sleeping_opts(&epoll)).unwrap();
+
+        // Nothing readable: the poll stays armed across a sleep.
+        ring.arm_wake_poll();
+        assert!(ring.wake_poll_armed());
+        ring.sleep(Some(Duration::from_millis(20))).unwrap();
+        assert_eq!(ring.reap(&mut pool, |u, r| panic!("unexpected completion ({u}, {r})")), 0);
+        assert!(!ring.take_wake_poll_fired());
+        assert!(ring.wake_poll_armed());
+
+        // A write to the watched eventfd makes the epoll set readable: the
+        // poll fires, ends the sleep, and `reap` keeps it to itself while
+        // reporting an operation completed alongside.
+        let c = pool.alloc().unwrap();
+        ring.read_fixed(&mut pool, 0, c, 0, 4096, 0, 1);
+        let efd = Arc::new(efd);
+        let notifier = {
+            let efd = Arc::clone(&efd);
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                efd.notify();
+            })
+        };
+        let mut got = Vec::new();
+        let start = std::time::Instant::now();
+        while !ring.take_wake_poll_fired() {
+            ring.sleep(Some(Duration::from_secs(10))).unwrap();
+            ring.reap(&mut pool, |u, r| got.push((u, r)));
+            assert!(start.elapsed() < Duration::from_secs(5), "the wake poll did not end the sleep");
+        }
+        notifier.join().unwrap();
+        assert!(!ring.wake_poll_armed(), "one-shot: re-arming is the caller's choice");
+        assert!(!ring.take_wake_poll_fired(), "taken once");
+        // The read may still be in flight (the poll can fire first).
+        got.extend(wait_all(&mut ring, &mut pool, 1 - got.len()));
+        assert_eq!(got, vec![(1, 4096)], "only the read reaches the callback");
+        assert_eq!(ring.inflight(), 0);
+
+        // Still readable (level-triggered): a new poll fires at once.
+        ring.arm_wake_poll();
+        ring.sleep(Some(Duration::from_secs(10))).unwrap();
+        assert_eq!(ring.reap(&mut pool, |u, r| panic!("unexpected completion ({u}, {r})")), 0);
+        assert!(ring.take_wake_poll_fired());
+        assert!(start.elapsed() < Duration::from_secs(5));
+        pool.release(c);
+    }
+
+    #[test]
+    fn a_sleep_with_nothing_pending_returns_after_its_timeout() {
+        let (_path, file) = odirect_file(1 << 20);
+        let mut pool = Pool::new(4096, 4096);
+        let (epoll, _efd) = watched_epoll();
+        let mut ring = Uring::new(&[file.as_raw_fd()], &pool, sleeping_opts(&epoll)).unwrap();
+        for arm in [false, true] {
+            if arm {
+                ring.arm_wake_poll();
+            }
+            let start = std::time::Instant::now();
+            ring.sleep(Some(Duration::from_millis(30))).unwrap();
+            let took = start.elapsed();
+            assert!(took >= Duration::from_millis(30), "woke after {took:?} (wake poll armed: {arm})");
+            assert!(took < Duration::from_secs(5), "slept {took:?} (wake poll armed: {arm})");
+            assert_eq!(ring.reap(&mut pool, |u, r| panic!("unexpected completion ({u}, {r})")), 0);
+            assert!(!ring.take_wake_poll_fired());
+        }
+        // A zero timeout (a deadline already past) does not sleep.
+        let start = std::time::Instant::now();
+        ring.sleep(Some(Duration::ZERO)).unwrap();
+        assert!(start.elapsed() < Duration::from_secs(1));
+    }
+
+    #[test]
+    fn a_read_completion_wakes_a_sleep() {
+        let (_path, file) = odirect_file(1 << 20);
+        let mut pool = Pool::new(4096, 4096);
+        let (epoll, _efd) = watched_epoll();
+        let mut ring = Uring::new(&[file.as_raw_fd()], &pool, sleeping_opts(&epoll)).unwrap();
+        ring.arm_wake_poll();
+        let c = pool.alloc().unwrap();
+        // Not submitted before: the sleep's io_uring_enter submits it.
+        ring.read_fixed(&mut pool, 0, c, 0, 4096, 4096, 1);
+        let start = std::time::Instant::now();
+        ring.sleep(Some(Duration::from_secs(10))).unwrap();
+        assert!(start.elapsed() < Duration::from_secs(5), "slept {:?}", start.elapsed());
+        let mut got = Vec::new();
+        assert_eq!(ring.reap(&mut pool, |u, r| got.push((u, r))), 1, "the sleep ended with the read's completion");
+        assert_eq!(got, vec![(1, 4096)]);
+        assert!(ring.wake_poll_armed() && !ring.take_wake_poll_fired());
+        pool.release(c);
+    }
+
+    /// Drops `ring` on another thread; fails if that does not return.
+    fn drop_within(ring: Uring, limit: Duration) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            drop(ring);
+            tx.send(()).unwrap();
+        });
+        rx.recv_timeout(limit).expect("dropping the ring did not return");
+    }
+
+    #[test]
+    fn drop_with_the_wake_poll_armed_returns() {
+        let (_path, file) = odirect_file(1 << 20);
+        let mut pool = Pool::new(4096, 4096);
+        let (epoll, efd) = watched_epoll();
+
+        // Armed and submitted, never fired.
+        let mut ring = Uring::new(&[file.as_raw_fd()], &pool, sleeping_opts(&epoll)).unwrap();
+        ring.arm_wake_poll();
+        ring.sleep(Some(Duration::from_millis(1))).unwrap();
+        assert!(ring.wake_poll_armed());
+        drop_within(ring, Duration::from_secs(10));
+
+        // Armed, queued but not submitted.
+        let mut ring = Uring::new(&[file.as_raw_fd()], &pool, sleeping_opts(&epoll)).unwrap();
+        ring.arm_wake_poll();
+        drop_within(ring, Duration::from_secs(10));
+
+        // Armed with a read in flight, and the poll fired: its completion
+        // is not reaped before the drop, so `Drop`'s wait for the read
+        // finds it and skips it.
+        let mut ring = Uring::new(&[file.as_raw_fd()], &pool, sleeping_opts(&epoll)).unwrap();
+        ring.arm_wake_poll();
+        ring.sleep(Some(Duration::from_millis(1))).unwrap();
+        efd.notify();
+        let c = pool.alloc().unwrap();
+        ring.read_fixed(&mut pool, 0, c, 0, 4096, 0, 1);
+        drop_within(ring, Duration::from_secs(10));
     }
 }

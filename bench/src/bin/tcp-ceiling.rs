@@ -302,7 +302,9 @@ fn serve_file(mut stream: TcpStream, o: &Options, path: &str) -> Side {
     let opts = UringOptions { entries: (o.qd as u32).next_power_of_two().clamp(8, 4096), ..UringOptions::default() };
     let mut ring = Uring::new(&[file.as_raw_fd()], &pool, opts).unwrap_or_else(|e| fail(&e.to_string()));
     let epoll = Epoll::new().unwrap_or_else(|e| fail(&format!("epoll: {e}")));
-    for (fd, token) in [(stream.as_raw_fd(), 0), (ring.eventfd(), 1)] {
+    // Without a `wake_fd` the ring signals completions through its eventfd.
+    let ring_eventfd = ring.eventfd().expect("a ring without wake_fd has an eventfd");
+    for (fd, token) in [(stream.as_raw_fd(), 0), (ring_eventfd, 1)] {
         epoll.add_events(fd, token, READABLE).unwrap_or_else(|e| fail(&format!("epoll: {e}")));
     }
     let read_limit = if o.batch == 0 { 64 * 1024 } else { o.batch * REQUEST_LEN };
