@@ -169,7 +169,8 @@ pub struct ReactorStats {
     pub pool_in_use: Counter,
     /// Commands waiting for a free chunk (back-pressure).
     pub pool_waiting: Counter,
-    /// Times it blocked in epoll because it had nothing to do.
+    /// Times it went to sleep (in the ring or in epoll) because it had
+    /// nothing to do.
     pub idle_waits: Counter,
     /// Answers that waited for a response slot: every slot held an answer
     /// whose send completion had not come back yet.
@@ -356,7 +357,7 @@ pub fn render(s: &Scrape<'_>) -> String {
         ("rdmablk_buffer_pool_chunks", "gauge", "Registered pool chunks owned by each reactor.", |r| r.pool_chunks.get()),
         ("rdmablk_buffer_pool_chunks_in_use", "gauge", "Pool chunks in use (CPU, kernel or fabric).", |r| r.pool_in_use.get()),
         ("rdmablk_buffer_pool_waiting_commands", "gauge", "Commands queued for a free pool chunk.", |r| r.pool_waiting.get()),
-        ("rdmablk_reactor_idle_waits_total", "counter", "Times each reactor blocked in epoll with nothing to do.", |r| r.idle_waits.get()),
+        ("rdmablk_reactor_idle_waits_total", "counter", "Times each reactor went to sleep with nothing to do.", |r| r.idle_waits.get()),
         (
             "rdmablk_reactor_answers_delayed_total",
             "counter",

@@ -8,9 +8,18 @@
 //! One loop turn: poll the fabric CQs in batches, reap io_uring (and
 //! blocking-worker) completions, hand free chunks to waiting commands, take
 //! control messages, submit the io_uring batch once. When nothing happened:
-//! arm the CQs, poll once more, then block in `epoll_wait` on the CQ fds, the
-//! ring's eventfd, the blocking worker's eventfd and the control eventfd. (On
-//! an iopoll ring the reactor keeps polling while disk I/O is in flight.)
+//! arm the CQs, poll once more, then sleep until a disk completion, a CQ
+//! event, a blocking-worker result, a control message or the next deadline.
+//! The reactor's epoll set watches the CQ fds, the blocking worker's
+//! eventfd and the control eventfd. Where the kernel allows it (see
+//! [`crate::uring`]) the reactor sleeps in the ring itself: a one-shot poll
+//! on the epoll fd (the wake poll) rides on the ring, so one
+//! `io_uring_enter` both submits and waits, a disk completion wakes it
+//! without an eventfd, and the epoll set is read (without blocking) only
+//! when the wake poll fired. Otherwise it blocks in `epoll_wait`, the
+//! ring's eventfd being in the set too. (On an iopoll ring, which cannot
+//! carry the wake poll, the reactor keeps polling while disk I/O is in
+//! flight.)
 //!
 //! Queue pairs of one session may live on different reactors. What they
 //! share (the opened volumes) is read lock-free through the session's
@@ -112,7 +121,8 @@ fn split_ud(u: u64) -> (u64, u16, u16) {
 }
 
 /// The epoll token of completion queue `ci` of fabric `fi` (below
-/// `TOKEN_URING`).
+/// `TOKEN_URING`, which is in the set only when the reactor sleeps in
+/// epoll rather than in the ring).
 fn cq_token(fi: usize, ci: usize) -> u64 {
     (fi as u64) << 20 | ci as u64
 }
@@ -589,6 +599,7 @@ impl Reactor {
         let chunks = pool.capacity() as u32;
         spec.stats.pool_chunks.set(chunks as u64);
         let entries = (chunks + 64).next_power_of_two().clamp(64, 4096);
+        let epoll = Epoll::new().map_err(|e| Error::os("epoll_create", e))?;
         let uring = Uring::new(
             &[],
             &pool,
@@ -597,7 +608,8 @@ impl Reactor {
                 sqpoll_idle_ms: cfg.sqpoll.then_some(100),
                 iopoll: cfg.iopoll,
                 file_slots: RING_FILE_SLOTS,
-                wake_fd: None,
+                // The ring watches the epoll set while the reactor sleeps in it.
+                wake_fd: Some(epoll.fd()),
             },
         )?;
         let features = uring.features();
@@ -611,7 +623,6 @@ impl Reactor {
         if !features.fallocate && !features.iopoll {
             tracing::warn!("io_uring has no FALLOCATE: DISCARD and WRITE_ZEROES of files and RAM volumes will fail with NOT_SUPPORTED");
         }
-        let epoll = Epoll::new().map_err(|e| Error::os("epoll_create", e))?;
         let mut fabrics = Vec::with_capacity(spec.fabrics.len());
         for (fi, f) in spec.fabrics.iter().enumerate() {
             let url = f.url().to_string();
@@ -623,8 +634,11 @@ impl Reactor {
             fabrics.push(FabricCtx { pool_mr, cqs: vec![first], pd, fabric: Arc::clone(f) });
         }
         let cq_capacity = fabrics.first().map_or(0, |f| f.cqs[0].capacity);
-        let uring_eventfd = uring.eventfd().expect("a ring without wake_fd has an eventfd");
-        epoll.add(uring_eventfd, TOKEN_URING).map_err(|e| Error::os("epoll_ctl", e))?;
+        // Only when the reactor sleeps in epoll: sleeping in the ring, a
+        // completion ends the sleep itself.
+        if let Some(fd) = uring.eventfd() {
+            epoll.add(fd, TOKEN_URING).map_err(|e| Error::os("epoll_ctl", e))?;
+        }
         epoll.add(wake.fd(), TOKEN_CTRL).map_err(|e| Error::os("epoll_ctl", e))?;
         let set = spec.registry.volumes();
         let limits = Limits {
@@ -858,15 +872,92 @@ impl Reactor {
         n
     }
 
+    /// Sleeps until there is something to do (or returns at once if the
+    /// last poll finds some), in the ring or in epoll (see the module docs).
     fn idle_wait(&mut self) -> Result<()> {
+        if self.uring.features().ring_sleep {
+            self.idle_wait_in_ring()
+        } else {
+            self.idle_wait_in_epoll()
+        }
+    }
+
+    fn arm_cqs(&self) -> Result<()> {
         for c in self.fabrics.iter().flat_map(|f| &f.cqs) {
             c.cq.arm().map_err(|e| Error::fabric("cannot arm completion queue", e))?;
         }
+        Ok(())
+    }
+
+    /// Sleeps in `io_uring_enter`, woken by a ring completion, by the wake
+    /// poll on the epoll fd, or at the timeout.
+    ///
+    /// Why nothing is missed. The ring: completions posted since the last
+    /// reap sit in the completion queue, and the kernel checks it before it
+    /// sleeps, so a disk completion at any moment ends the sleep. The CQs:
+    /// they are armed before the last poll, so a completion the poll missed
+    /// makes the CQ fd, and thereby the epoll fd, readable. The control
+    /// and blocking-worker eventfds are written after the message or result
+    /// is queued, and the channels are read on every turn after their
+    /// eventfd was drained (`wait_epoll` is always followed by a turn), so
+    /// a write the last turn did not see leaves the epoll fd readable.
+    /// The wake poll watches exactly that: armed now, the kernel checks the
+    /// epoll fd's readiness when it arms it (after hooking onto its wait
+    /// queue, so there is no gap) and completes at once if it is readable;
+    /// armed at an earlier sleep and not fired, it is still on the wait
+    /// queue; fired since, its completion is in the queue and ends the
+    /// sleep at once, or a busy turn reaped it and it is handled here
+    /// before anything is armed. The wake poll's SQE is submitted by the
+    /// same `io_uring_enter` that sleeps, before it sleeps.
+    fn idle_wait_in_ring(&mut self) -> Result<()> {
+        // A busy turn reaped the wake poll: handle what is ready before the
+        // CQs are armed again (acknowledging a CQ event after arming it
+        // would disarm it on tcp) and let a turn read the control channel
+        // after its eventfd is drained. The next idle turn sleeps.
+        if self.uring.take_wake_poll_fired() {
+            return self.wait_epoll(Some(Duration::ZERO));
+        }
+        self.arm_cqs()?;
         if self.poll_fabrics()? > 0 {
             return Ok(());
         }
         let timeout = self.next_deadline().map(|d| d.saturating_duration_since(Instant::now()));
         self.stats.idle_waits.add(1);
+        if !self.uring.wake_poll_armed() {
+            self.uring.arm_wake_poll();
+        }
+        self.uring.sleep(timeout)?;
+        let woke = Instant::now();
+        if self.reap_uring() > 0 {
+            // Work as a turn's would be: counted busy, and `busy_poll`
+            // runs from here.
+            let now = Instant::now();
+            self.stats.busy_ns.add(now.saturating_duration_since(woke).as_nanos() as u64);
+            self.last_work = now;
+        }
+        if self.uring.take_wake_poll_fired() {
+            // Something in the epoll set is ready: find out what, without
+            // blocking.
+            self.wait_epoll(Some(Duration::ZERO))?;
+        }
+        Ok(())
+    }
+
+    /// Blocks in `epoll_wait` on the CQ fds and the eventfds (the ring's too).
+    fn idle_wait_in_epoll(&mut self) -> Result<()> {
+        self.arm_cqs()?;
+        if self.poll_fabrics()? > 0 {
+            return Ok(());
+        }
+        let timeout = self.next_deadline().map(|d| d.saturating_duration_since(Instant::now()));
+        self.stats.idle_waits.add(1);
+        self.wait_epoll(timeout)
+    }
+
+    /// Waits up to `timeout` (`None`: no limit) for the epoll set and
+    /// handles what is ready: acknowledges CQ events, drains the control
+    /// eventfd and the ring's. The caller returns to a loop turn after it.
+    fn wait_epoll(&mut self, timeout: Option<Duration>) -> Result<()> {
         let mut tokens = std::mem::take(&mut self.tokens);
         let r = self.epoll.wait(&mut tokens, timeout);
         for &t in &tokens {
