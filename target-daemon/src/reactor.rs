@@ -1956,8 +1956,9 @@ impl Reactor {
     // ---------------------------------------------------------------- io_uring completions
 
     fn reap_uring(&mut self) -> usize {
-        // The ring's eventfd is cleared in `idle_wait` when it fired, not
-        // here: reading it every turn cost a syscall per turn.
+        // The ring's eventfd (sleeping in epoll; sleeping in the ring there
+        // is none) is cleared in `idle_wait` when it fired, not here:
+        // reading it every turn cost a syscall per turn.
         let mut done = std::mem::take(&mut self.uring_done);
         let n = self.uring.reap(&mut self.pool, |u, r| done.push((u, r)));
         for &(u, r) in &done {
