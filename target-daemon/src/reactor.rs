@@ -908,7 +908,9 @@ impl Reactor {
     /// queue; fired since, its completion is in the queue and ends the
     /// sleep at once, or a busy turn reaped it and it is handled here
     /// before anything is armed. The wake poll's SQE is submitted by the
-    /// same `io_uring_enter` that sleeps, before it sleeps.
+    /// same `io_uring_enter` that sleeps, before it sleeps (with `sqpoll`
+    /// the kernel's thread picks it up a little later, and the readiness
+    /// check when it arms covers whatever happened in between).
     fn idle_wait_in_ring(&mut self) -> Result<()> {
         // A busy turn reaped the wake poll: handle what is ready before the
         // CQs are armed again (acknowledging a CQ event after arming it
