@@ -108,6 +108,15 @@ impl BlockingWorker {
         self.wake.fd()
     }
 
+    /// Reads the eventfd if it was notified since the last reap. The
+    /// worker notifies after it sends a result, so a reap can take the
+    /// last result before its notification lands: with nothing left in
+    /// flight nobody reaps again, and the eventfd would stay readable and
+    /// end every sleep of the reactor at once.
+    pub fn clear_wake(&self) {
+        self.wake.drain_if_notified();
+    }
+
     /// Jobs submitted and not yet reaped.
     pub fn inflight(&self) -> usize {
         self.inflight + self.backlog.len()

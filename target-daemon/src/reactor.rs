@@ -15,8 +15,9 @@
 //! [`crate::uring`]) the reactor sleeps in the ring itself: a one-shot poll
 //! on the epoll fd (the wake poll) rides on the ring, so one
 //! `io_uring_enter` both submits and waits, a disk completion wakes it
-//! without an eventfd, and the epoll set is read (without blocking) only
-//! when the wake poll fired. Otherwise it blocks in `epoll_wait`, the
+//! without an eventfd, and a fired wake poll is answered by clearing every
+//! source (free on tcp, see `clear_wake_sources`) rather than by asking
+//! epoll which one fired. Otherwise it blocks in `epoll_wait`, the
 //! ring's eventfd being in the set too. (On an iopoll ring, which cannot
 //! carry the wake poll, the reactor keeps polling while disk I/O is in
 //! flight.)
@@ -726,11 +727,16 @@ impl Reactor {
             // An iopoll ring finds completions only when polled; with
             // busy_poll the reactor keeps polling for that long after its
             // last work, which saves two wake-ups per command at low depth.
+            // Without it (the default) a busy turn goes straight to the
+            // sleep: its arm-then-poll finds whatever came meanwhile, so a
+            // turn that would only find nothing (a poll of every CQ, a
+            // system call each) is saved.
             let now = Instant::now();
             if work > 0 {
                 self.stats.busy_ns.add(now.saturating_duration_since(turn_start).as_nanos() as u64);
                 self.last_work = now;
-            } else if !self.uring.needs_polling() && now.saturating_duration_since(self.last_work) >= self.busy_poll {
+            }
+            if !self.uring.needs_polling() && now.saturating_duration_since(self.last_work) >= self.busy_poll {
                 self.idle_wait()?;
                 turn_start = Instant::now();
                 continue;
@@ -889,6 +895,17 @@ impl Reactor {
         Ok(())
     }
 
+    /// The reactor stays awake after all (the poll after arming found
+    /// work): disarms the CQs, so that completions its next turns poll
+    /// anyway do not fire the channel (on tcp a write to an eventfd, and a
+    /// read to drain it).
+    fn disarm_cqs(&self) -> Result<()> {
+        for c in self.fabrics.iter().flat_map(|f| &f.cqs) {
+            c.cq.ack_event().map_err(|e| Error::fabric("cannot acknowledge CQ event", e))?;
+        }
+        Ok(())
+    }
+
     /// Sleeps in `io_uring_enter`, woken by a ring completion, by the wake
     /// poll on the epoll fd, or at the timeout.
     ///
@@ -899,8 +916,9 @@ impl Reactor {
     /// makes the CQ fd, and thereby the epoll fd, readable. The control
     /// and blocking-worker eventfds are written after the message or result
     /// is queued, and the channels are read on every turn after their
-    /// eventfd was drained (`wait_epoll` is always followed by a turn), so
-    /// a write the last turn did not see leaves the epoll fd readable.
+    /// eventfd was drained (`clear_wake_sources` is always followed by a
+    /// turn), so a write the last turn did not see leaves the epoll fd
+    /// readable.
     /// The wake poll watches exactly that: armed now, the kernel checks the
     /// epoll fd's readiness when it arms it (after hooking onto its wait
     /// queue, so there is no gap) and completes at once if it is readable;
@@ -917,11 +935,11 @@ impl Reactor {
         // would disarm it on tcp) and let a turn read the control channel
         // after its eventfd is drained. The next idle turn sleeps.
         if self.uring.take_wake_poll_fired() {
-            return self.wait_epoll(Some(Duration::ZERO));
+            return self.clear_wake_sources();
         }
         self.arm_cqs()?;
         if self.poll_fabrics()? > 0 {
-            return Ok(());
+            return self.disarm_cqs();
         }
         let timeout = self.next_deadline().map(|d| d.saturating_duration_since(Instant::now()));
         self.stats.idle_waits.add(1);
@@ -938,9 +956,24 @@ impl Reactor {
             self.last_work = now;
         }
         if self.uring.take_wake_poll_fired() {
-            // Something in the epoll set is ready: find out what, without
-            // blocking.
-            self.wait_epoll(Some(Duration::ZERO))?;
+            self.clear_wake_sources()?;
+        }
+        Ok(())
+    }
+
+    /// After the wake poll fired: makes every source in the epoll set
+    /// unready again, without asking epoll which one fired (an
+    /// `epoll_wait` per wake-up). Acknowledging a CQ costs no system call
+    /// on tcp (it disarms, and reads its channel only if it was written)
+    /// and one non-blocking read on verbs; the control eventfd is read
+    /// only when it was notified. What made a CQ's fd readable besides its
+    /// channel (a socket, a timer) is consumed by the next turn's poll,
+    /// and the blocking worker's eventfd by its reap.
+    fn clear_wake_sources(&mut self) -> Result<()> {
+        self.disarm_cqs()?;
+        self.wake.drain_if_notified();
+        if let Some(w) = &self.blocking {
+            w.clear_wake();
         }
         Ok(())
     }
@@ -949,7 +982,7 @@ impl Reactor {
     fn idle_wait_in_epoll(&mut self) -> Result<()> {
         self.arm_cqs()?;
         if self.poll_fabrics()? > 0 {
-            return Ok(());
+            return self.disarm_cqs();
         }
         let timeout = self.next_deadline().map(|d| d.saturating_duration_since(Instant::now()));
         self.stats.idle_waits.add(1);
@@ -973,6 +1006,11 @@ impl Reactor {
                 _ if t < TOKEN_URING => {
                     let (fi, ci) = split_cq_token(t);
                     self.fabrics[fi].cqs[ci].cq.ack_event().map_err(|e| Error::fabric("cannot acknowledge CQ event", e))?;
+                }
+                TOKEN_BLOCKING => {
+                    if let Some(w) = &self.blocking {
+                        w.clear_wake();
+                    }
                 }
                 _ => {}
             }

@@ -8,6 +8,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
@@ -18,9 +19,14 @@ fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-/// A non-blocking eventfd used as a wake-up counter.
+/// A non-blocking eventfd used as a wake-up counter, with a flag that says
+/// whether it may be readable, so that a reactor woken by something else
+/// need not read it (a system call) to find out.
 #[derive(Debug)]
-pub struct EventFd(OwnedFd);
+pub struct EventFd {
+    fd: OwnedFd,
+    notified: AtomicBool,
+}
 
 impl EventFd {
     /// Creates a non-blocking, close-on-exec eventfd.
@@ -28,27 +34,40 @@ impl EventFd {
         // SAFETY: eventfd has no pointer arguments; the result is checked.
         let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) })?;
         // SAFETY: `fd` is a fresh descriptor that nothing else owns.
-        Ok(EventFd(unsafe { OwnedFd::from_raw_fd(fd) }))
+        Ok(EventFd { fd: unsafe { OwnedFd::from_raw_fd(fd) }, notified: AtomicBool::new(false) })
     }
 
-    /// Adds one to the counter, waking any waiter.
+    /// Adds one to the counter, waking any waiter. The flag is set after
+    /// the write: whoever sees it set finds the counter non-zero (or
+    /// drained by an earlier read), and a counter written but not yet
+    /// flagged keeps the descriptor readable until the flag follows.
     pub fn notify(&self) {
         let one: u64 = 1;
         // SAFETY: writes 8 bytes from a live u64 to our own descriptor.
-        let _ = unsafe { libc::write(self.0.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        let _ = unsafe { libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        self.notified.store(true, Ordering::Release);
     }
 
     /// Resets the counter; returns whether it was non-zero.
     pub fn drain(&self) -> bool {
+        self.notified.store(false, Ordering::Release);
         let mut v: u64 = 0;
         // SAFETY: reads 8 bytes into a live u64 from our own non-blocking descriptor.
-        let n = unsafe { libc::read(self.0.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        let n = unsafe { libc::read(self.fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
         n == 8 && v != 0
+    }
+
+    /// Resets the counter if it was notified since the last drain; no
+    /// system call otherwise.
+    pub fn drain_if_notified(&self) {
+        if self.notified.swap(false, Ordering::AcqRel) {
+            self.drain();
+        }
     }
 
     /// The descriptor, for epoll and io_uring.
     pub fn fd(&self) -> RawFd {
-        self.0.as_raw_fd()
+        self.fd.as_raw_fd()
     }
 }
 
