@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Cost of one I/O: CPU microseconds of the target process and of the
-# rdmablk-bench job per I/O, and (with --syscalls) system calls per I/O of
-# each, counted with `perf stat -e 'syscalls:sys_enter_*'` over the middle
-# of the run. Starts its own rdmablk-target on tcp://127.0.0.1 with a null
-# volume and a file volume; uses the release binaries in target/release.
+# rdmablk-bench job per I/O, and (with --syscalls) system calls and context
+# switches per I/O of each, counted with `perf stat -e
+# 'syscalls:sys_enter_*,context-switches'` over each whole process (a
+# target per case) and divided by the I/Os the bench reports. Starts its
+# own rdmablk-target on tcp://127.0.0.1 with a null volume and a file
+# volume; uses the release binaries in target/release.
 #
 # usage: bench/per-io.sh [--syscalls] [--runtime S] [--file PATH] [--target-extra TOML]
 #                        [--bench-extra "ARGS"] [--target-cpus LIST] [--bench-cpus LIST] CASE...
 #   CASE          VOLUME:RW:BS:QD, VOLUME being null or file,
 #                 e.g. null:randread:4k:32 file:randread:4k:1
-#   --syscalls    also count system calls (needs perf: apt-get install linux-perf)
+#   --syscalls    also count system calls and context switches (needs perf:
+#                 apt-get install linux-perf)
 #   --runtime S   seconds per case (default 5)
 #   --file PATH   the file volume's backing file (default /var/tmp/rdmablk-per-io.img,
 #                 created with random data at 1 GiB; not on a tmpfs: O_DIRECT)
@@ -70,33 +73,42 @@ backend = "file"
 path = "$FILE"
 allow_any_host = true
 EOF
-RUST_LOG=warn "${TARGET_PIN[@]}" "$BIN/rdmablk-target" --config "$WORK/target.toml" 2>"$WORK/target.log" &
-TP=$!
-trap 'kill $TP 2>/dev/null; wait $TP 2>/dev/null; rm -rf "$WORK"' EXIT
-wait_port "$PORT" "$TP"
+TP=""
+trap 'if [ -n "$TP" ]; then kill "$TP" 2>/dev/null; fi; rm -rf "$WORK"' EXIT
 tick=$(getconf CLK_TCK)
 cpu() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# The counters: every system call by name, and context switches.
+EVENTS='syscalls:sys_enter_*,context-switches'
 
 for c in "${CASES[@]}"; do
     IFS=: read -r vol rw bs qd <<<"$c"
-    # shellcheck disable=SC2086 # BENCH_EXTRA is a list of options
-    "${BENCH_PIN[@]}" "$BIN/rdmablk-bench" --name=j --target="tcp://127.0.0.1:$PORT" --volume="$vol" --rw="$rw" --bs="$bs" \
-        --iodepth="$qd" --runtime="$RUNTIME" --time_based --output-format=json $BENCH_EXTRA >"$WORK/out.json" &
-    BP=$!
-    t0=$(cpu $TP)
+    # A target per case, so that with --syscalls perf counts it (every
+    # thread, from its start) exactly as long as this case runs: counts
+    # taken by attaching to a running process missed most calls.
     if [ "$SYSCALLS" = 1 ]; then
-        # The middle of the run: after connection set-up, before the end.
-        window=$(python3 -c "print(max(1, $RUNTIME - 2))")
-        sleep 1
-        perf stat -x, -e 'syscalls:sys_enter_*' -p "$TP" -o "$WORK/t.perf" -- sleep "$window" &
-        PP=$!
-        perf stat -x, -e 'syscalls:sys_enter_*' -p "$BP" -o "$WORK/c.perf" -- sleep "$window"
-        wait "$PP"
+        RUST_LOG=warn "${TARGET_PIN[@]}" perf stat -x, -e "$EVENTS" -o "$WORK/t.perf" -- \
+            "$BIN/rdmablk-target" --config "$WORK/target.toml" 2>"$WORK/target.log" &
+        PERF_PID=$!
+        for _ in $(seq 50); do TP=$(pgrep -P "$PERF_PID" -x rdmablk-target || true); [ -n "$TP" ] && break; sleep 0.1; done
+    else
+        RUST_LOG=warn "${TARGET_PIN[@]}" "$BIN/rdmablk-target" --config "$WORK/target.toml" 2>"$WORK/target.log" &
+        PERF_PID=$!
+        TP=$PERF_PID
     fi
-    wait "$BP"
-    t1=$(cpu $TP)
-    WORK="$WORK" CASE="$c" TCPU=$(python3 -c "print(($t1 - $t0) / $tick)") SYSCALLS="$SYSCALLS" \
-        WINDOW="${window:-0}" python3 - <<'PY'
+    [ -n "${TP:-}" ] || { echo "per-io.sh: the target did not start" >&2; cat "$WORK/target.log" >&2; exit 1; }
+    wait_port "$PORT" "$TP"
+    t0=$(cpu "$TP")
+    BENCH=("$BIN/rdmablk-bench" --name=j --target="tcp://127.0.0.1:$PORT" --volume="$vol" --rw="$rw" --bs="$bs"
+           --iodepth="$qd" --runtime="$RUNTIME" --time_based --output-format=json)
+    # shellcheck disable=SC2086 # BENCH_EXTRA is a list of options
+    if [ "$SYSCALLS" = 1 ]; then
+        "${BENCH_PIN[@]}" perf stat -x, -e "$EVENTS" -o "$WORK/c.perf" -- "${BENCH[@]}" $BENCH_EXTRA >"$WORK/out.json"
+    else
+        "${BENCH_PIN[@]}" "${BENCH[@]}" $BENCH_EXTRA >"$WORK/out.json"
+    fi
+    t1=$(cpu "$TP")
+    kill -INT "$TP"; wait "$PERF_PID" 2>/dev/null || true
+    WORK="$WORK" CASE="$c" TCPU=$(python3 -c "print(($t1 - $t0) / $tick)") SYSCALLS="$SYSCALLS" python3 - <<'PY'
 import json, os
 work = os.environ["WORK"]
 d = json.load(open(f"{work}/out.json"))
@@ -110,15 +122,19 @@ line = (f"{os.environ['CASE']:<22} {iops:9,.0f} IOPS  p50 {io['clat_ns']['percen
         f"CPU per I/O: target {float(os.environ['TCPU'])/ios*1e6:5.1f} us, client {client/ios*1e6:5.1f} us")
 print(line)
 if os.environ["SYSCALLS"] == "1":
-    n = iops * float(os.environ["WINDOW"])
+    # Whole-process counts (set-up and teardown included: a few hundred
+    # calls, against tens of thousands of I/Os), per I/O of the run.
     for who, name in (("t", "target"), ("c", "client")):
-        rows = []
+        rows, switches = [], 0
         for l in open(f"{work}/{who}.perf"):
             f = l.strip().split(",")
             if len(f) > 3 and f[0].isdigit() and int(f[0]) > 0:
-                rows.append((int(f[0]), f[2].replace("syscalls:sys_enter_", "")))
+                if f[2] == "context-switches":
+                    switches = int(f[0])
+                else:
+                    rows.append((int(f[0]), f[2].replace("syscalls:sys_enter_", "")))
         rows.sort(reverse=True)
-        print(f"    {name} syscalls per I/O {sum(r[0] for r in rows)/n:.2f}: " +
-              ", ".join(f"{c} {k/n:.2f}" for k, c in rows[:8]))
+        print(f"    {name}: {switches/ios:.2f} context switches, {sum(r[0] for r in rows)/ios:.2f} system calls per I/O: " +
+              ", ".join(f"{c} {k/ios:.2f}" for k, c in rows[:8]))
 PY
 done
