@@ -186,6 +186,30 @@ impl Pool {
         self.free.push(c.0);
     }
 
+    /// Moves the accounts chunk `from` is charged to over to chunk `to`,
+    /// which is charged to none: `to` takes `from`'s place (a chunk read
+    /// ahead handed to the command that allocated `from`), and releasing
+    /// `from` then uncharges nobody.
+    pub fn move_charge(&mut self, from: ChunkId, to: ChunkId) {
+        assert!(self.owner[to.0 as usize].iter().all(Option::is_none), "chunk {} is charged already", to.0);
+        self.owner[to.0 as usize] = std::mem::take(&mut self.owner[from.0 as usize]);
+    }
+
+    /// Copies `len` bytes from chunk `src` at `src_off` to chunk `dst` at
+    /// `dst_off`. Panics unless the CPU holds both and they differ.
+    pub fn copy_between(&mut self, src: ChunkId, src_off: usize, dst: ChunkId, dst_off: usize, len: usize) {
+        assert_ne!(src, dst, "copy within one chunk");
+        assert!(src_off + len <= self.mem.chunk_size && dst_off + len <= self.mem.chunk_size, "copy beyond a chunk");
+        for c in [src, dst] {
+            assert_eq!(self.state[c.0 as usize], ChunkState::Cpu, "chunk {} not held by the CPU", c.0);
+        }
+        // SAFETY: both ranges lie within their chunks of the live allocation
+        // (checked above); the chunks differ, so the ranges do not overlap;
+        // neither chunk is lent to the kernel or the fabric, and `&mut self`
+        // rules out a Rust reference into either.
+        unsafe { std::ptr::copy_nonoverlapping(self.mem.chunk_ptr(src).add(src_off), self.mem.chunk_ptr(dst).add(dst_off), len) }
+    }
+
     /// Whether the CPU holds the chunk (it is neither free nor lent).
     pub fn is_held(&self, c: ChunkId) -> bool {
         self.state[c.0 as usize] == ChunkState::Cpu
@@ -401,6 +425,23 @@ mod tests {
         p.release(c5);
         assert_eq!((a.held(), b.held(), h.held()), (0, 0, 0));
         assert_eq!(p.free_count(), 8);
+    }
+
+    #[test]
+    fn a_moved_charge_follows_the_chunk_that_takes_the_place() {
+        let mut p = Pool::new(4 * 4096, 4096);
+        let a = Arc::new(PoolAccount::default());
+        let own = p.alloc_charged([Some(&a), None]).unwrap();
+        let ahead = p.alloc().unwrap();
+        p.bytes_mut(ahead).fill(7);
+        p.copy_between(ahead, 100, own, 0, 50);
+        assert!(p.bytes(own)[..50].iter().all(|&b| b == 7));
+        p.move_charge(own, ahead);
+        p.release(own);
+        assert_eq!(a.held(), 1, "the chunk that took its place is charged");
+        p.release(ahead);
+        assert_eq!(a.held(), 0);
+        assert_eq!(p.free_count(), 4);
     }
 
     #[test]

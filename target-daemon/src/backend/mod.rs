@@ -21,6 +21,7 @@ pub mod memory;
 
 use std::fmt;
 use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use rdmablk_common::protocol::{
@@ -142,6 +143,55 @@ impl Backend {
     }
 }
 
+/// Stripes of a volume's write epochs (see [`WriteEpochs`]).
+const EPOCH_STRIPES: usize = 256;
+/// Bytes of a volume each stripe stands for: a default pool chunk, so that
+/// a write leaves the chunks read ahead beside it usable. Volume offsets
+/// wrap around the stripes every `EPOCH_STRIPES * EPOCH_STRIPE` (32 MiB).
+const EPOCH_STRIPE: u64 = 128 << 10;
+
+/// Counts the writes to a volume by region, for readahead: a chunk read
+/// ahead serves a READ only if the epoch of its range has not moved since
+/// its read was submitted. Every WRITE, WRITE_ZEROES and DISCARD bumps the
+/// epoch of its range when it starts (before its disk I/O is submitted)
+/// and again when its disk I/O is done (before it is answered), on
+/// whichever reactor serves it, so a chunk read before or during a write
+/// is never served after it. Regions are stripes, so that a write elsewhere
+/// in the volume leaves a sequential reader's readahead usable.
+#[derive(Debug)]
+pub struct WriteEpochs {
+    stripes: [AtomicU64; EPOCH_STRIPES],
+}
+
+impl Default for WriteEpochs {
+    fn default() -> Self {
+        WriteEpochs { stripes: std::array::from_fn(|_| AtomicU64::new(0)) }
+    }
+}
+
+impl WriteEpochs {
+    /// The stripes `len` bytes at `offset` touch (all of them for a long range).
+    fn stripes(offset: u64, len: u64) -> impl Iterator<Item = usize> {
+        let first = offset / EPOCH_STRIPE;
+        let last = offset.saturating_add(len.max(1) - 1) / EPOCH_STRIPE;
+        let n = (last - first + 1).min(EPOCH_STRIPES as u64);
+        (0..n).map(move |k| ((first + k) % EPOCH_STRIPES as u64) as usize)
+    }
+
+    /// A write of `len` bytes at `offset` starts or ends.
+    pub fn bump(&self, offset: u64, len: u64) {
+        for i in Self::stripes(offset, len) {
+            self.stripes[i].fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// The epoch of `len` bytes at `offset`: it changes with every bump of
+    /// an overlapping range.
+    pub fn of(&self, offset: u64, len: u32) -> u64 {
+        Self::stripes(offset, len as u64).fold(0u64, |sum, i| sum.wrapping_add(self.stripes[i].load(Ordering::SeqCst)))
+    }
+}
+
 /// An exported volume. Immutable: a reload that changes the read-only flag
 /// publishes a new `Volume` with the same id, stats and (when possible) backend.
 #[derive(Debug)]
@@ -157,6 +207,8 @@ pub struct Volume {
     pub size: u64,
     pub backend: Arc<Backend>,
     pub stats: Arc<VolumeStats>,
+    /// Shared with the same volume after a reload, as its stats.
+    pub writes: Arc<WriteEpochs>,
 }
 
 impl Volume {
@@ -173,6 +225,7 @@ impl Volume {
             size,
             backend: Arc::new(backend),
             stats: Arc::new(VolumeStats::new(reactors)),
+            writes: Arc::default(),
         };
         tracing::info!("{}", v.describe());
         Ok(v)
@@ -202,6 +255,7 @@ impl Volume {
             size: self.size,
             backend,
             stats: Arc::clone(&self.stats),
+            writes: Arc::clone(&self.writes),
         })
     }
 
@@ -401,5 +455,33 @@ impl VolumeSet {
     /// The volume named `name`.
     pub fn by_name(&self, name: &str) -> Option<&Arc<Volume>> {
         self.volumes.iter().find(|v| v.name == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_write_moves_the_epoch_of_every_range_it_overlaps_and_only_those() {
+        let w = WriteEpochs::default();
+        let stripe = EPOCH_STRIPE;
+        let chunk = stripe as u32;
+        let (before, at, after, far) = (w.of(0, chunk), w.of(stripe, chunk), w.of(2 * stripe, chunk), w.of(8 * stripe, chunk));
+        // The last block of stripe 0 and the first of stripe 1.
+        w.bump(stripe - 4096, 8192);
+        assert_ne!(w.of(0, chunk), before, "overlaps the first stripe");
+        assert_ne!(w.of(stripe, chunk), at, "and the second");
+        assert_eq!(w.of(2 * stripe, chunk), after, "not the next one");
+        assert_eq!(w.of(8 * stripe, chunk), far, "nor one further away");
+        // A range across two stripes moves with either.
+        let across = w.of(4 * stripe - 4096, 8192);
+        w.bump(4 * stripe + 12288, 4096);
+        assert_ne!(w.of(4 * stripe - 4096, 8192), across);
+        // A range as long as the volume moves everything.
+        let (x, y) = (w.of(0, chunk), w.of(1000 * stripe, chunk));
+        w.bump(0, 1 << 40);
+        assert_ne!(w.of(0, chunk), x);
+        assert_ne!(w.of(1000 * stripe, chunk), y);
     }
 }
