@@ -48,6 +48,7 @@
 //! - [`fault`]: test-only fault injection (disk writes held on demand).
 //! - [`session`]: state shared by reactors (volume set, sessions).
 //! - [`reactor`]: reactor threads (fabric CQ + io_uring + queue pairs).
+//! - [`readahead`]: sequential readahead bookkeeping (streams, cached chunks).
 //! - [`metrics`]: lock-free counters, Prometheus text, the HTTP responder.
 //! - [`notify`]: systemd notifications (READY, STATUS, WATCHDOG).
 //! - [`target`]: start/stop, the control thread, signals, reload.
@@ -68,6 +69,7 @@ pub mod metrics;
 pub use rdmablk_common::notify;
 pub mod pool;
 pub mod reactor;
+pub mod readahead;
 pub mod session;
 pub mod sys;
 pub mod target;
