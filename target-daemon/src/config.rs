@@ -89,6 +89,13 @@ pub const DEFAULT_HOST_POOL_SHARE: PoolShare = PoolShare::Percent(50);
 /// `OutOfBuffers` before the initiator gives up on the connection; far
 /// above what a turning pool makes a command wait (milliseconds).
 pub const DEFAULT_CHUNK_WAIT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default `target.readahead`: the most bytes read ahead of a sequential
+/// stream. Four MiB at 128 KiB chunks keeps 32 reads in flight ahead of a
+/// reader, enough to reach a fast disk's sequential bandwidth.
+pub const DEFAULT_READAHEAD: u64 = 4 << 20;
+/// Largest `target.readahead` (a reactor's readahead holds at most a
+/// quarter of its pool anyway).
+pub const MAX_READAHEAD: u64 = 256 << 20;
 /// Upper bound of the count limits (sessions, queues, handshakes).
 pub const MAX_COUNT_LIMIT: u32 = 1 << 20;
 
@@ -206,6 +213,9 @@ pub struct TargetConfig {
     /// A command that has waited this long for a pool chunk (since it
     /// queued, or since its last chunk) is answered `OutOfBuffers`.
     pub chunk_wait_timeout: Duration,
+    /// Most bytes read ahead of a sequential stream of READs on a file
+    /// volume (0: no readahead).
+    pub readahead: u64,
 }
 
 /// `target.session_pool_share`: a fraction of each reactor's pool, or bytes.
@@ -329,6 +339,7 @@ impl TargetConfig {
         check(self.session_pool_share != other.session_pool_share, "target.session_pool_share");
         check(self.host_pool_share != other.host_pool_share, "target.host_pool_share");
         check(self.chunk_wait_timeout != other.chunk_wait_timeout, "target.chunk_wait_timeout");
+        check(self.readahead != other.readahead, "target.readahead");
         v
     }
 }
@@ -416,6 +427,7 @@ struct RawTarget {
     session_pool_share: Option<RawSize>,
     host_pool_share: Option<RawSize>,
     chunk_wait_timeout: Option<RawDuration>,
+    readahead: Option<RawSize>,
 }
 
 #[derive(Deserialize)]
@@ -751,6 +763,19 @@ impl RawConfig {
             return Err(cx.err("target.chunk_wait_timeout", format!("must be between 100ms and 1h (got {chunk_wait_timeout:?})")));
         }
 
+        let readahead = cx.size("target.readahead", t.readahead, DEFAULT_READAHEAD)?;
+        if readahead != 0 && (readahead < chunk_size as u64 || readahead > MAX_READAHEAD) {
+            return Err(cx.err(
+                "target.readahead",
+                format!(
+                    "must be 0 (off) or between target.chunk_size {} and {} (got {})",
+                    ByteSize(chunk_size as u64),
+                    ByteSize(MAX_READAHEAD),
+                    ByteSize(readahead)
+                ),
+            ));
+        }
+
         let busy_poll = match t.busy_poll {
             None => Duration::ZERO,
             Some(RawDuration::Int(n)) if n >= 0 => Duration::from_secs(n as u64),
@@ -797,6 +822,7 @@ impl RawConfig {
             session_pool_share,
             host_pool_share,
             chunk_wait_timeout,
+            readahead,
         };
 
         if self.volume.is_empty() {
@@ -1182,6 +1208,22 @@ read_only = true
         }
         let a = Config::parse(&with_target(""), "a").unwrap();
         assert_eq!(a.target.changed_keys(&c.target), vec!["target.chunk_wait_timeout"]);
+    }
+
+    #[test]
+    fn readahead_is_on_by_default_off_with_zero_and_bounded() {
+        assert_eq!(Config::parse(&with_target(""), "r").unwrap().target.readahead, DEFAULT_READAHEAD);
+        assert_eq!(Config::parse(&with_target("readahead = \"0\""), "r").unwrap().target.readahead, 0);
+        assert_eq!(Config::parse(&with_target("readahead = 0"), "r").unwrap().target.readahead, 0);
+        let c = Config::parse(&with_target("readahead = \"16MiB\""), "r").unwrap();
+        assert_eq!(c.target.readahead, 16 << 20);
+        // Below one chunk (128 KiB by default), above the maximum, negative, garbage.
+        for bad in ["\"64KiB\"", "\"1GiB\"", "-1", "\"lots\""] {
+            let e = err(&with_target(&format!("readahead = {bad}")));
+            assert!(e.contains("target.readahead"), "{bad}: {e}");
+        }
+        let a = Config::parse(&with_target(""), "a").unwrap();
+        assert_eq!(a.target.changed_keys(&c.target), vec!["target.readahead"]);
     }
 
     #[test]

@@ -178,6 +178,17 @@ pub struct ReactorStats {
     /// Commands answered `OutOfBuffers`: they waited longer than
     /// `target.chunk_wait_timeout` for a pool chunk.
     pub chunk_wait_timeouts: Counter,
+    /// Chunks read ahead of sequential streams (`target.readahead`).
+    pub readahead_issued: Counter,
+    /// Pieces of READs served from chunks read ahead (no disk read of their own).
+    pub readahead_hits: Counter,
+    /// Chunks read ahead and dropped before they served anything (not read
+    /// within a second, given back to a short pool, volume gone, read failed).
+    pub readahead_unused: Counter,
+    /// Chunks read ahead and dropped because a write overlapped them.
+    pub readahead_invalidated: Counter,
+    /// Pool chunks readahead holds now (in flight or cached).
+    pub readahead_chunks: Counter,
     /// Loop turns; the control thread checks it advances (watchdog).
     pub heartbeat: Counter,
     /// Nanoseconds spent in loop turns that found work. With `busy_poll`
@@ -199,6 +210,11 @@ impl Default for ReactorStats {
             idle_waits: Counter::default(),
             answers_delayed: Counter::default(),
             chunk_wait_timeouts: Counter::default(),
+            readahead_issued: Counter::default(),
+            readahead_hits: Counter::default(),
+            readahead_unused: Counter::default(),
+            readahead_invalidated: Counter::default(),
+            readahead_chunks: Counter::default(),
             heartbeat: Counter::default(),
             busy_ns: Counter::default(),
         }
@@ -351,7 +367,7 @@ pub fn render(s: &Scrape<'_>) -> String {
     let _ = writeln!(out, "rdmablk_queue_pairs_connected {qps}");
 
     type Gauge = (&'static str, &'static str, &'static str, fn(&ReactorStats) -> u64);
-    let per_reactor: [Gauge; 8] = [
+    let per_reactor: [Gauge; 13] = [
         ("rdmablk_reactor_queue_pairs", "gauge", "Queue pairs served by each reactor.", |r| r.queue_pairs.get()),
         ("rdmablk_reactor_commands_total", "counter", "Commands received by each reactor.", |r| r.commands.get()),
         ("rdmablk_buffer_pool_chunks", "gauge", "Registered pool chunks owned by each reactor.", |r| r.pool_chunks.get()),
@@ -370,6 +386,23 @@ pub fn render(s: &Scrape<'_>) -> String {
             "Commands answered OutOfBuffers: they waited longer than target.chunk_wait_timeout for a pool chunk.",
             |r| r.chunk_wait_timeouts.get(),
         ),
+        ("rdmablk_readahead_chunks_issued_total", "counter", "Pool chunks read ahead of sequential READ streams.", |r| r.readahead_issued.get()),
+        ("rdmablk_readahead_hits_total", "counter", "READ pieces served from chunks read ahead, without a disk read of their own.", |r| {
+            r.readahead_hits.get()
+        }),
+        (
+            "rdmablk_readahead_chunks_unused_total",
+            "counter",
+            "Chunks read ahead and dropped unused (not read within a second, given back to a short pool, volume gone, read failed).",
+            |r| r.readahead_unused.get(),
+        ),
+        (
+            "rdmablk_readahead_chunks_invalidated_total",
+            "counter",
+            "Chunks read ahead and dropped because a write overlapped them.",
+            |r| r.readahead_invalidated.get(),
+        ),
+        ("rdmablk_readahead_chunks", "gauge", "Pool chunks readahead holds now (reading or cached).", |r| r.readahead_chunks.get()),
     ];
     for (name, kind, help, f) in per_reactor {
         header(&mut out, name, kind, help);
@@ -646,6 +679,7 @@ mod tests {
         let reactors = vec![std::sync::Arc::new(ReactorStats::default())];
         reactors[0].queue_pairs.set(2);
         reactors[0].chunk_wait_timeouts.add(3);
+        reactors[0].readahead_hits.add(5);
         let limits = crate::session::LimitCounters::default();
         limits.refused_sessions.fetch_add(3, Relaxed);
         limits.handshakes.fetch_add(2, Relaxed);
@@ -675,6 +709,7 @@ mod tests {
         assert!(text.contains("rdmablk_session_queue_pairs{session=\"0x00000000000000ab\",host=\"h\",reactor=\"0\"} 2"));
         assert!(text.contains("rdmablk_queue_pairs_connected 2"));
         assert!(text.contains("rdmablk_chunk_wait_timeouts_total{reactor=\"0\"} 3"), "{text}");
+        assert!(text.contains("rdmablk_readahead_hits_total{reactor=\"0\"} 5"), "{text}");
         // Every sample line is `name{labels} value` or `name value` with a number.
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let v = line.rsplit(' ').next().unwrap();

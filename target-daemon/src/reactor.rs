@@ -51,6 +51,7 @@ use crate::config::{TargetConfig, MAX_VOLUMES};
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::{self, ReactorStats};
 use crate::pool::{ChunkId, Pool, PoolRegion, SlotBuf};
+use crate::readahead::{self, Readahead, Serve};
 use crate::session::{Admission, ConnectionSlot, HandshakeSlot, OpenSet, Registry, SharedSession};
 use crate::sys::{self, Epoll, EventFd};
 use crate::uring::{Uring, UringOptions};
@@ -112,6 +113,9 @@ const U_BLKDEV: u64 = 5;
 /// A disk write held by fault injection (`crate::fault`), on the blocking
 /// worker; the write goes to the ring when the hold ends.
 const U_HOLD: u64 = 6;
+/// A read ahead (`crate::readahead`): no command; the command field holds
+/// the volume slot.
+const U_READAHEAD: u64 = 7;
 
 fn ud(kind: u64, cmd: u16, chunk: u16) -> u64 {
     kind << 60 | (cmd as u64) << 16 | chunk as u64
@@ -414,6 +418,10 @@ struct Cmd {
     /// Answered (or given up with its queue pair): no longer counted
     /// against the queue depth.
     responded: bool,
+    /// A WRITE, WRITE_ZEROES or DISCARD that bumped its range's write epoch
+    /// when it started and bumps it again once nothing of it is in flight
+    /// (`end_write`), before it is answered.
+    write_epoch_open: bool,
     /// Its answer waits for a response slot (`Session::resp_wait`).
     answer_waits: bool,
     send_inflight: bool,
@@ -508,6 +516,10 @@ struct Reactor {
     fence_generation: u64,
     /// Queue pairs with a CONNECT held by the fence.
     fences_waiting: u32,
+    /// Sequential streams and the chunks read ahead of them.
+    readahead: Readahead,
+    /// Scratch list of the pieces that waited for a read ahead (kept for its capacity).
+    readahead_waiters: Vec<ChunkId>,
 }
 
 /// Receive slot size: a capsule plus the largest inline payload any command may carry.
@@ -699,6 +711,11 @@ impl Reactor {
             idle_timeout: cfg.idle_timeout,
             fence_generation: 0,
             fences_waiting: 0,
+            readahead: Readahead::new(
+                readahead::Settings::new(cfg.chunk_size, cfg.readahead, chunks as usize),
+                RING_FILE_SLOTS as usize,
+            ),
+            readahead_waiters: Vec::new(),
         };
         r.registry.add_waker(Arc::clone(&r.wake));
         r.refresh_volumes();
@@ -720,6 +737,7 @@ impl Reactor {
             self.stats.heartbeat.add(1);
             self.stats.pool_in_use.set((self.pool.capacity() - self.pool.free_count()) as u64);
             self.stats.pool_waiting.set(self.waitq.len() as u64);
+            self.publish_readahead_stats();
             if self.finished() {
                 tracing::debug!("reactor {} done", self.id);
                 return Ok(());
@@ -774,6 +792,10 @@ impl Reactor {
             let slot = match existing {
                 Some(slot) => {
                     let lv = self.vols.slots[slot].as_mut().expect("live slot");
+                    if !Arc::ptr_eq(&lv.vol, v) || lv.retiring {
+                        // Reloaded: what was read ahead may be of another file.
+                        self.readahead.drop_volume(slot as u16);
+                    }
                     let same_backend = Arc::ptr_eq(&lv.vol.backend, &v.backend);
                     lv.vol = Arc::clone(v);
                     lv.retiring = false;
@@ -823,9 +845,11 @@ impl Reactor {
                 if !seen[slot] && !lv.retiring {
                     tracing::debug!("reactor {}: volume {} retiring ({} commands in flight)", self.id, lv.vol.name, lv.inflight);
                     lv.retiring = true;
+                    self.readahead.drop_volume(slot as u16);
                 }
             }
         }
+        self.release_readahead();
         self.vols.generation = set.generation;
         self.vols.set = set;
         self.vols.by_index = by_index;
@@ -1051,6 +1075,9 @@ impl Reactor {
         if let Some(due) = self.chunk_wait_due() {
             min(due);
         }
+        if let Some(due) = self.readahead.next_deadline() {
+            min(due);
+        }
         d
     }
 
@@ -1087,6 +1114,10 @@ impl Reactor {
     fn check_deadlines(&mut self) {
         let now = Instant::now();
         self.expire_chunk_waits(now);
+        if self.readahead.next_deadline().is_some_and(|due| now >= due) {
+            self.readahead.expire(now);
+            self.release_readahead();
+        }
         if let Some(deadline) = self.shutdown {
             let idle = self.sessions.iter().all(|s| s.s.as_ref().is_none_or(|s| s.live_cmds == 0));
             if idle || now >= deadline {
@@ -1814,6 +1845,11 @@ impl Reactor {
         }
         let file = vslot as u32;
         match kind {
+            CmdKind::Write | CmdKind::WriteInline | CmdKind::Range => self.begin_write(ci),
+            CmdKind::Read if matches!(*backend, Backend::File(_)) => self.read_ahead(vslot, offset, len, start),
+            _ => {}
+        }
+        match kind {
             CmdKind::Flush if !backend.needs_flush() => self.respond(ci, &[], None),
             CmdKind::Flush if self.uring.features().fsync => {
                 self.cmd(ci).inflight += 1;
@@ -2011,6 +2047,9 @@ impl Reactor {
 
     fn on_uring(&mut self, user_data: u64, res: i32) {
         let (kind, ci, c) = split_ud(user_data);
+        if kind == U_READAHEAD {
+            return self.readahead_done(ci, ChunkId(c), res);
+        }
         let Some(cmd) = self.cmds.get_mut(ci as usize).and_then(|x| x.as_mut()) else {
             tracing::error!("io_uring completion for a free command slot {ci}");
             return;
@@ -2111,6 +2150,7 @@ impl Reactor {
             in_waitq: false,
             waiting_since: start,
             responded: false,
+            write_epoch_open: false,
             answer_waits: false,
             send_inflight: false,
             result: 0,
@@ -2158,7 +2198,7 @@ impl Reactor {
         while self.wants_chunk(ci) {
             let first_in_line = self.waitq.is_empty() || self.waitq.front() == Some(&ci);
             let (accounts, at_share) = self.pool_accounts(ci);
-            if !first_in_line || self.pool.free_count() == 0 || at_share {
+            if !first_in_line || at_share || !self.chunk_for_command() {
                 if !self.cmd(ci).in_waitq {
                     self.wait_for_chunk(ci, Instant::now());
                 }
@@ -2178,12 +2218,12 @@ impl Reactor {
     /// session or host holds its whole share goes to the back of the line,
     /// so it never holds up other sessions' or hosts' commands behind it.
     fn pump_waitq(&mut self) {
-        if self.waitq.is_empty() || self.pool.free_count() == 0 {
+        if self.waitq.is_empty() || !self.chunk_for_command() {
             return;
         }
         let now = Instant::now();
         let mut passed_over = 0;
-        while self.pool.free_count() > 0 && passed_over < self.waitq.len() {
+        while passed_over < self.waitq.len() && self.chunk_for_command() {
             let Some(ci) = self.waitq.pop_front() else { break };
             let Some(cmd) = self.cmds.get_mut(ci as usize).and_then(|c| c.as_mut()) else { continue };
             cmd.in_waitq = false;
@@ -2303,16 +2343,14 @@ impl Reactor {
                 let off = cmd.next;
                 let len = chunk_size.min(cmd.len - off);
                 cmd.next += len;
-                let (kind, file, offset, null) = (cmd.kind, cmd.vslot as u32, cmd.offset + off as u64, cmd.null);
+                let (kind, null) = (cmd.kind, cmd.null);
                 self.chunk_use[c.0 as usize] = ChunkUse { cmd: ci, off, len, zero: null && kind == CmdKind::Read };
                 if kind == CmdKind::Read && null {
                     // Zeroes, sent from the zero chunk; the chunk only
                     // accounts for the work request (back-pressure, SQ room).
                     self.read_chunk_done(si, ci, c);
                 } else if kind == CmdKind::Read {
-                    self.cmd(ci).inflight += 1;
-                    self.cmd(ci).at_disk = true;
-                    self.uring.read_fixed(&mut self.pool, file, c, 0, len, offset, ud(U_READ, ci, c.0));
+                    self.read_piece(ci, c);
                 } else {
                     // Counted in flight once posted.
                     self.post_rdma(si, ci, c, true);
@@ -2444,6 +2482,7 @@ impl Reactor {
 
     /// Posts the response (after an optional RDMA WRITE of `chain` in the same post).
     fn respond(&mut self, ci: u16, data: &[u8], chain: Option<ChunkId>) {
+        self.end_write(ci);
         let (si, ok) = {
             let cmd = self.cmds[ci as usize].as_ref().expect("live command");
             (cmd.sess, cmd.error.is_none())
@@ -2626,6 +2665,8 @@ impl Reactor {
         if cmd.inflight > 0 || cmd.send_inflight || !(cmd.responded || closing) {
             return;
         }
+        self.end_write(ci);
+        let cmd = self.cmds[ci as usize].as_ref().expect("live command");
         if cmd.in_waitq {
             self.waitq.retain(|&x| x != ci);
         }
@@ -2681,6 +2722,160 @@ impl Reactor {
         } else {
             self.post_rdma(si, ci, chunk, false);
         }
+    }
+
+    // ---------------------------------------------------------------- readahead
+
+    /// Counts a READ of a file volume in its stream and, once the stream
+    /// is sequential, reads chunks ahead of it: never a chunk a command
+    /// waits for, and never the last quarter of the pool.
+    fn read_ahead(&mut self, vslot: u16, offset: u64, len: u32, now: Instant) {
+        if !self.readahead.on_read(vslot, offset, len, now) {
+            return;
+        }
+        let lv = self.vols.slots[vslot as usize].as_ref().expect("live volume slot");
+        if !lv.registered || lv.retiring {
+            return;
+        }
+        let size = lv.vol.size;
+        while self.waitq.is_empty() && self.pool.free_count() > self.pool.capacity() / 4 {
+            let Some((at, n)) = self.readahead.want(vslot, size) else { break };
+            let c = self.pool.alloc().expect("free chunk");
+            // Taken before the read is submitted: a write that starts
+            // later moves it.
+            let epoch = self.volume(vslot).writes.of(at, n);
+            self.readahead.issued(vslot, at, n, c, epoch);
+            // The read holds the volume's slot (its fixed file) until it completes.
+            self.vols.slots[vslot as usize].as_mut().expect("live volume slot").inflight += 1;
+            self.uring.read_fixed(&mut self.pool, vslot as u32, c, 0, n, at, ud(U_READAHEAD, vslot, c.0));
+        }
+    }
+
+    /// Reads a READ command's piece (`chunk_use[c]`) into its chunk `c`:
+    /// from chunks read ahead when they hold it (waiting for their read if
+    /// it is in flight), else from the disk.
+    fn read_piece(&mut self, ci: u16, c: ChunkId) {
+        let use_ = self.chunk_use[c.0 as usize];
+        let cmd = self.cmds[ci as usize].as_ref().expect("live command");
+        let (si, vslot, offset) = (cmd.sess, cmd.vslot, cmd.offset + use_.off as u64);
+        let writes = &self.vols.slots[vslot as usize].as_ref().expect("live volume slot").vol.writes;
+        let serve = self.readahead.lookup(vslot, offset, use_.len, c, |at, n| writes.of(at, n));
+        match serve {
+            Serve::Miss | Serve::Wait => {
+                let cmd = self.cmd(ci);
+                cmd.inflight += 1;
+                cmd.at_disk = true;
+                if serve == Serve::Miss {
+                    self.uring.read_fixed(&mut self.pool, vslot as u32, c, 0, use_.len, offset, ud(U_READ, ci, c.0));
+                }
+            }
+            Serve::Take(ahead) => {
+                // Zero copy: the chunk read ahead takes the place (and the
+                // pool charge) of the command's own.
+                self.pool.move_charge(c, ahead);
+                self.pool.release(c);
+                self.chunk_use[ahead.0 as usize] = use_;
+                self.read_chunk_done(si, ci, ahead);
+            }
+            Serve::Copy(parts) => {
+                for p in parts.into_iter().flatten() {
+                    self.pool.copy_between(p.chunk, p.from as usize, c, p.to as usize, p.len as usize);
+                }
+                self.read_chunk_done(si, ci, c);
+            }
+        }
+        // After the copy: chunks read through (or found stale) go back.
+        self.release_readahead();
+    }
+
+    /// A read ahead completed: its chunk is cached (or dropped if it failed
+    /// or became unusable meanwhile), and the pieces that waited for it are
+    /// served again, from it or from the disk.
+    fn readahead_done(&mut self, vslot: u16, c: ChunkId, res: i32) {
+        if res < 0 {
+            tracing::debug!("reactor {}: a read ahead failed: {}", self.id, std::io::Error::from_raw_os_error(-res));
+        }
+        let mut waiters = std::mem::take(&mut self.readahead_waiters);
+        self.readahead.completed(vslot, c, res, Instant::now(), &mut waiters);
+        self.release_readahead();
+        for &w in &waiters {
+            let ci = self.chunk_use[w.0 as usize].cmd;
+            let cmd = self.cmd(ci);
+            cmd.inflight -= 1;
+            let (si, failed) = (cmd.sess, cmd.error.is_some());
+            if failed || self.session_closing(si) {
+                self.pool.release(w);
+            } else {
+                self.read_piece(ci, w);
+            }
+            self.progress(ci);
+        }
+        waiters.clear();
+        self.readahead_waiters = waiters;
+        if let Some(lv) = self.vols.slots[vslot as usize].as_mut() {
+            lv.inflight -= 1;
+            if lv.retiring && lv.inflight == 0 {
+                self.maybe_release_volume(vslot);
+            }
+        }
+    }
+
+    /// Gives the chunks readahead let go of back to the pool.
+    fn release_readahead(&mut self) {
+        while let Some(c) = self.readahead.take_released() {
+            self.pool.release(c);
+        }
+    }
+
+    /// Whether the pool has a chunk for a command, after giving back the
+    /// oldest chunk cached by readahead if it had none.
+    fn chunk_for_command(&mut self) -> bool {
+        if self.pool.free_count() > 0 {
+            return true;
+        }
+        let evicted = self.readahead.evict();
+        self.release_readahead();
+        evicted
+    }
+
+    /// The range a WRITE, WRITE_ZEROES or DISCARD changes.
+    fn write_range(&self, ci: u16) -> (u16, u64, u64) {
+        let cmd = self.cmds[ci as usize].as_ref().expect("live command");
+        let len = if cmd.kind == CmdKind::Range { cmd.falloc_len } else { cmd.len as u64 };
+        (cmd.vslot, cmd.offset, len)
+    }
+
+    /// A write starts, before any of its disk I/O is submitted: what was
+    /// read ahead of its range, on this reactor or any other, is unusable
+    /// from now on (`backend::WriteEpochs`).
+    fn begin_write(&mut self, ci: u16) {
+        let (vslot, offset, len) = self.write_range(ci);
+        self.volume(vslot).writes.bump(offset, len);
+        self.cmd(ci).write_epoch_open = true;
+        self.readahead.invalidate(vslot, offset, len);
+        self.release_readahead();
+    }
+
+    /// A write has nothing in flight any more (answered, or given up with
+    /// its queue pair): its range's epoch moves again, so that what was
+    /// read ahead while it was in flight is not served after it.
+    fn end_write(&mut self, ci: u16) {
+        let cmd = self.cmds[ci as usize].as_ref().expect("live command");
+        if !cmd.write_epoch_open || cmd.inflight > 0 {
+            return;
+        }
+        let (vslot, offset, len) = self.write_range(ci);
+        self.volume(vslot).writes.bump(offset, len);
+        self.cmd(ci).write_epoch_open = false;
+    }
+
+    fn publish_readahead_stats(&self) {
+        let c = self.readahead.counters;
+        self.stats.readahead_issued.set(c.issued);
+        self.stats.readahead_hits.set(c.hits);
+        self.stats.readahead_unused.set(c.unused);
+        self.stats.readahead_invalidated.set(c.invalidated);
+        self.stats.readahead_chunks.set(self.readahead.held() as u64);
     }
 
     fn free_session_cmds(&mut self, si: u16) {
