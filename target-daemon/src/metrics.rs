@@ -165,7 +165,8 @@ pub struct ReactorStats {
     pub commands: Counter,
     /// Pool chunks it owns.
     pub pool_chunks: Counter,
-    /// Pool chunks in use (held, with the kernel or with the fabric).
+    /// Pool chunks in use by commands (held, with the kernel or with the
+    /// fabric); not those readahead holds (`readahead_chunks`).
     pub pool_in_use: Counter,
     /// Commands waiting for a free chunk (back-pressure).
     pub pool_waiting: Counter,
@@ -371,7 +372,12 @@ pub fn render(s: &Scrape<'_>) -> String {
         ("rdmablk_reactor_queue_pairs", "gauge", "Queue pairs served by each reactor.", |r| r.queue_pairs.get()),
         ("rdmablk_reactor_commands_total", "counter", "Commands received by each reactor.", |r| r.commands.get()),
         ("rdmablk_buffer_pool_chunks", "gauge", "Registered pool chunks owned by each reactor.", |r| r.pool_chunks.get()),
-        ("rdmablk_buffer_pool_chunks_in_use", "gauge", "Pool chunks in use (CPU, kernel or fabric).", |r| r.pool_in_use.get()),
+        (
+            "rdmablk_buffer_pool_chunks_in_use",
+            "gauge",
+            "Pool chunks in use by commands (CPU, kernel or fabric); readahead's are in rdmablk_readahead_chunks.",
+            |r| r.pool_in_use.get(),
+        ),
         ("rdmablk_buffer_pool_waiting_commands", "gauge", "Commands queued for a free pool chunk.", |r| r.pool_waiting.get()),
         ("rdmablk_reactor_idle_waits_total", "counter", "Times each reactor went to sleep with nothing to do.", |r| r.idle_waits.get()),
         (
@@ -410,7 +416,7 @@ pub fn render(s: &Scrape<'_>) -> String {
             let _ = writeln!(out, "{name}{{reactor=\"{i}\"}} {}", f(r));
         }
     }
-    header(&mut out, "rdmablk_buffer_pool_bytes_in_use", "gauge", "Bytes of the registered buffer pool in use, all reactors.");
+    header(&mut out, "rdmablk_buffer_pool_bytes_in_use", "gauge", "Bytes of the registered buffer pool in use by commands, all reactors (not readahead's).");
     let in_use: u64 = s.reactors.iter().map(|r| r.pool_in_use.get()).sum();
     let _ = writeln!(out, "rdmablk_buffer_pool_bytes_in_use {}", in_use * s.chunk_size);
     header(&mut out, "rdmablk_reactor_busy_seconds_total", "counter", "Time each reactor spent in loop turns that found work (with busy_poll, the CPU time less the empty polls).");

@@ -735,7 +735,9 @@ impl Reactor {
             self.flush_sends();
             self.uring.submit()?;
             self.stats.heartbeat.add(1);
-            self.stats.pool_in_use.set((self.pool.capacity() - self.pool.free_count()) as u64);
+            // Readahead's chunks are a cache it gives back on demand: counted apart.
+            let taken = self.pool.capacity() - self.pool.free_count();
+            self.stats.pool_in_use.set(taken.saturating_sub(self.readahead.held()) as u64);
             self.stats.pool_waiting.set(self.waitq.len() as u64);
             self.publish_readahead_stats();
             if self.finished() {
