@@ -184,6 +184,9 @@ pub struct Readahead {
     /// piece's chunk). One list for all (its capacity is reused: no
     /// allocation per I/O).
     waiters: Vec<(ChunkId, ChunkId)>,
+    /// No cached chunk expires before this (exact after each `expire`):
+    /// the reactor asks every turn, so it is not recomputed then.
+    expiry: Option<Instant>,
     pub counters: Counters,
 }
 
@@ -196,6 +199,7 @@ impl Readahead {
             held: 0,
             released: Vec::new(),
             waiters: Vec::new(),
+            expiry: None,
             counters: Counters::default(),
         }
     }
@@ -386,6 +390,8 @@ impl Readahead {
         let e = &mut v.entries[i];
         if e.state == State::Reading && res >= 0 && res as u32 == e.len {
             e.state = State::Cached(now);
+            let due = now + self.settings.ttl;
+            self.expiry = Some(self.expiry.map_or(due, |d| d.min(due)));
             return;
         }
         if e.state == State::Reading {
@@ -441,7 +447,11 @@ impl Readahead {
 
     /// Drops cached chunks nobody read within `ttl`.
     pub fn expire(&mut self, now: Instant) {
+        if self.expiry.is_none_or(|due| now < due) {
+            return;
+        }
         let ttl = self.settings.ttl;
+        let mut expiry: Option<Instant> = None;
         for vslot in 0..self.vols.len() {
             let mut i = 0;
             while i < self.vols[vslot].entries.len() {
@@ -453,24 +463,20 @@ impl Readahead {
                     self.drop_entry(vslot as u16, i);
                     continue;
                 }
+                if let State::Cached(since) = e.state {
+                    expiry = Some(expiry.map_or(since + ttl, |d| d.min(since + ttl)));
+                }
                 i += 1;
             }
         }
+        self.expiry = expiry;
     }
 
-    /// When the next cached chunk expires, if any is cached.
+    /// When [`Readahead::expire`] has something to do next, if a chunk is
+    /// cached (possibly earlier: a chunk read or dropped since is not
+    /// accounted for until then). O(1): the reactor asks every turn.
     pub fn next_deadline(&self) -> Option<Instant> {
-        if self.held == 0 {
-            return None;
-        }
-        self.vols
-            .iter()
-            .flat_map(|v| &v.entries)
-            .filter_map(|e| match e.state {
-                State::Cached(since) => Some(since + self.settings.ttl),
-                _ => None,
-            })
-            .min()
+        self.expiry
     }
 
     /// Gives up the cached chunk cached longest (for a command that found
