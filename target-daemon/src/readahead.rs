@@ -30,6 +30,11 @@ pub const SEQUENTIAL_READS: u32 = 3;
 pub const INITIAL_WINDOW: u64 = 1 << 20;
 /// How long a chunk read ahead waits for its reader before it is dropped.
 pub const TTL: Duration = Duration::from_secs(1);
+/// A stream's reads ahead start only once this part of its window is free,
+/// and then fill it: they reach the ring in one turn, and the block layer
+/// merges adjacent ones into large requests (a disk serves a few large
+/// reads much faster than as many bytes in 128 KiB reads).
+const BATCH_DIVISOR: u64 = 4;
 
 /// How far a READ may start before or after where its stream ended and
 /// still extend it: reads of one stream arrive a little out of order at
@@ -93,6 +98,8 @@ struct Stream {
     window: u64,
     /// The next chunk-aligned offset to read ahead.
     ahead: u64,
+    /// Its reads ahead of this turn have started (`BATCH_DIVISOR`).
+    filling: bool,
     /// `None`: the slot is unused.
     last_use: Option<Instant>,
 }
@@ -237,6 +244,7 @@ impl Readahead {
                 s.bytes += len as u64;
                 s.start = s.start.min(offset);
                 s.next = s.next.max(offset + len as u64);
+                s.filling = false;
                 if s.sequential() {
                     s.window = if s.window == 0 { initial } else { (s.window + len as u64).min(max_window) };
                 }
@@ -244,8 +252,16 @@ impl Readahead {
             }
             None => {
                 let i = (0..STREAMS).min_by_key(|&i| v.streams[i].last_use).expect("streams");
-                v.streams[i] =
-                    Stream { next: offset + len as u64, start: offset, bytes: len as u64, run: 1, window: 0, ahead: 0, last_use: None };
+                v.streams[i] = Stream {
+                    next: offset + len as u64,
+                    start: offset,
+                    bytes: len as u64,
+                    run: 1,
+                    window: 0,
+                    ahead: 0,
+                    filling: false,
+                    last_use: None,
+                };
                 i
             }
         };
@@ -257,7 +273,9 @@ impl Readahead {
     /// The next range to read ahead of the stream of the last READ on
     /// `vslot`, of a volume of `size` bytes, if it wants one and the limits
     /// allow it: chunk-aligned, a chunk long (less at the volume's end).
-    /// Submit it and record it with [`Readahead::issued`] before asking again.
+    /// Submit it and record it with [`Readahead::issued`] before asking
+    /// again. After a READ, a stream wants nothing until a quarter of its
+    /// window (or the rest up to the volume's end) is free, then all of it.
     pub fn want(&mut self, vslot: u16, size: u64) -> Option<(u64, u32)> {
         if !self.enabled() || self.held >= self.settings.max_chunks {
             return None;
@@ -274,7 +292,12 @@ impl Readahead {
         // From the chunk holding the next expected byte: the stream's own
         // READs cover what lies before it.
         s.ahead = s.ahead.max(s.next / cs * cs);
-        while s.ahead < size && s.ahead < s.next + s.window {
+        let end = (s.next + s.window).min(size);
+        if !s.filling && s.ahead + (s.window / BATCH_DIVISOR).max(cs) > end && end < size {
+            return None;
+        }
+        s.filling = true;
+        while s.ahead < end {
             let at = s.ahead;
             if v.entries.iter().any(|e| e.offset == at && e.usable()) {
                 s.ahead += cs;
@@ -282,6 +305,7 @@ impl Readahead {
             }
             return Some((at, cs.min(size - at) as u32));
         }
+        s.filling = false;
         None
     }
 
@@ -596,9 +620,14 @@ mod tests {
             ahead_of_stream.push(end.saturating_sub((k + 1) * cs));
         }
         assert_eq!(ahead_of_stream[2], 1 << 20, "starts at 1 MiB");
-        assert!(ahead_of_stream.windows(2).all(|w| w[0] <= w[1]), "grows: {ahead_of_stream:?}");
         assert!(ahead_of_stream.iter().all(|&a| a <= 4 << 20), "never beyond the maximum window");
-        assert_eq!(*ahead_of_stream.last().unwrap(), 4 << 20, "grown to the maximum");
+        // Refilled in batches of a quarter window: between 3 and 4 MiB ahead once grown.
+        let last = &ahead_of_stream[80..];
+        assert!(last.iter().all(|&a| a >= 3 << 20), "grown to the maximum: {last:?}");
+        assert!(last.contains(&(4 << 20)), "{last:?}");
+        // Each refill is a batch of at least a quarter window (8 chunks of 128 KiB at 4 MiB).
+        let refills: Vec<u64> = ahead_of_stream.windows(2).filter(|w| w[1] > w[0]).map(|w| w[1] + cs - w[0]).collect();
+        assert!(refills[refills.len() - 3..].iter().all(|&r| r >= 1 << 20), "{refills:?}");
     }
 
     #[test]
