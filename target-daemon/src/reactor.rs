@@ -927,7 +927,7 @@ impl Reactor {
     /// read to drain it).
     fn disarm_cqs(&self) -> Result<()> {
         for c in self.fabrics.iter().flat_map(|f| &f.cqs) {
-            c.cq.ack_event().map_err(|e| Error::fabric("cannot acknowledge CQ event", e))?;
+            c.cq.disarm();
         }
         Ok(())
     }
@@ -996,7 +996,9 @@ impl Reactor {
     /// channel (a socket, a timer) is consumed by the next turn's poll,
     /// and the blocking worker's eventfd by its reap.
     fn clear_wake_sources(&mut self) -> Result<()> {
-        self.disarm_cqs()?;
+        for c in self.fabrics.iter().flat_map(|f| &f.cqs) {
+            c.cq.ack_event().map_err(|e| Error::fabric("cannot acknowledge CQ event", e))?;
+        }
         self.wake.drain_if_notified();
         if let Some(w) = &self.blocking {
             w.clear_wake();

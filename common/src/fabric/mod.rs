@@ -828,6 +828,18 @@ impl CompletionQueue {
     pub fn ack_event(&self) -> Result<()> {
         dispatch!(CqImpl, &self.inner, cq => cq.ack_event())
     }
+    /// Takes back an `arm` whose owner stayed awake after all (its poll
+    /// after arming found completions), so that completions it polls anyway
+    /// do not fire the channel: on tcp that saves a write to the channel
+    /// and the read that drains it. A verbs CQ cannot be disarmed: its
+    /// event, if one comes, is consumed by the next wait.
+    pub fn disarm(&self) {
+        match &self.inner {
+            CqImpl::Tcp(cq) => cq.disarm(),
+            #[cfg(feature = "verbs")]
+            CqImpl::Verbs(_) => {}
+        }
+    }
     /// Blocks until the CQ may have completions or `timeout` passes.
     /// Returns `false` on timeout. Arms, waits on the fd and acknowledges.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<bool> {

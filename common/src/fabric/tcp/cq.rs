@@ -26,22 +26,8 @@ const ACK_TIMER_TOKEN: u64 = u64::MAX - 3;
 pub const LATE_SEND_COMPLETIONS_ENV: &str = "RDMABLK_TCP_LATE_SEND_COMPLETIONS";
 
 /// Longest a send completion is held back in the late mode when no SEND
-/// arrives from the peer (unless [`LATE_SEND_HOLD_ENV`] says otherwise).
+/// arrives from the peer.
 const LATE_SEND_HOLD: Duration = Duration::from_millis(50);
-
-/// The environment variable that sets the late mode's hold, in
-/// milliseconds (test-only): a longer hold lets a slow or loaded run still
-/// fill every response slot of its peer within one hold.
-pub const LATE_SEND_HOLD_ENV: &str = "RDMABLK_TCP_LATE_SEND_HOLD_MS";
-
-/// `RDMABLK_TCP_LATE_SEND_HOLD_MS`, or [`LATE_SEND_HOLD`]. Read once per
-/// process.
-fn late_send_hold_from_env() -> Duration {
-    static FROM_ENV: OnceLock<Duration> = OnceLock::new();
-    *FROM_ENV.get_or_init(|| {
-        std::env::var(LATE_SEND_HOLD_ENV).ok().and_then(|v| v.trim().parse().ok()).map_or(LATE_SEND_HOLD, Duration::from_millis)
-    })
-}
 
 /// `RDMABLK_TCP_LATE_SEND_COMPLETIONS=N`: how many of the peer's SENDs a
 /// held send completion waits for (0 or unset: the mode is off). Read once
@@ -372,7 +358,7 @@ impl TcpCq {
                 ack_timer_at: Mutex::new(None),
                 late_sends: AtomicBool::new(false),
                 late_sends_after: std::sync::atomic::AtomicU32::new(1),
-                late_hold_ns: AtomicU64::new(late_send_hold_from_env().as_nanos() as u64),
+                late_hold_ns: AtomicU64::new(LATE_SEND_HOLD.as_nanos() as u64),
                 held_sends: Mutex::new(VecDeque::new()),
                 late_timer: OnceLock::new(),
                 checks: Mutex::new(Checks { queue: BinaryHeap::new(), armed: None }),
@@ -538,6 +524,13 @@ impl TcpCq {
     #[cfg(test)]
     pub(crate) fn set_late_send_hold(&self, hold: Duration) {
         self.shared.late_hold_ns.store(hold.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Takes back an `arm`: the owner stays awake and polls.
+    pub fn disarm(&self) {
+        let sh = &*self.shared;
+        sh.armed.store(false, Ordering::Release);
+        sh.drain_channel();
     }
 
     /// Consumes a wake-up. It also disarms: the owner is awake now and
