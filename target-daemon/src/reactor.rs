@@ -508,6 +508,12 @@ struct Reactor {
     /// `[target] busy_poll`, and when the last turn with work ended.
     busy_poll: Duration,
     last_work: Instant,
+    /// The last sleep in the ring ended without the wake poll firing (a
+    /// disk completion, or the timeout): the CQs, armed before it, had
+    /// nothing, or the epoll fd would have been readable. The next turn
+    /// skips polling them; the sleep after it arms and polls them anyway,
+    /// so a completion that lands meanwhile is found there.
+    fabrics_quiet: bool,
     /// `target.fence_timeout`.
     fence_timeout: Duration,
     /// `target.idle_timeout`.
@@ -707,6 +713,7 @@ impl Reactor {
             uring_done: Vec::with_capacity(256),
             busy_poll: cfg.busy_poll,
             last_work: Instant::now(),
+            fabrics_quiet: false,
             fence_timeout: cfg.fence_timeout,
             idle_timeout: cfg.idle_timeout,
             fence_generation: 0,
@@ -725,7 +732,7 @@ impl Reactor {
     fn run(mut self) -> Result<()> {
         let mut turn_start = Instant::now();
         loop {
-            let mut work = self.poll_fabrics()?;
+            let mut work = if std::mem::take(&mut self.fabrics_quiet) { 0 } else { self.poll_fabrics()? };
             work += self.reap_uring();
             work += self.reap_blocking();
             self.pump_waitq();
@@ -733,7 +740,13 @@ impl Reactor {
             self.check_fences();
             self.check_deadlines();
             self.flush_sends();
-            self.uring.submit()?;
+            // A turn followed by a sleep in the ring leaves its SQEs to the
+            // sleep's io_uring_enter, a few microseconds later (its arm and
+            // poll), which submits and waits in one system call.
+            let sleeps_next = self.uring.features().ring_sleep && self.busy_poll.is_zero();
+            if !sleeps_next {
+                self.uring.submit()?;
+            }
             self.stats.heartbeat.add(1);
             // Readahead's chunks are a cache it gives back on demand: counted apart.
             let taken = self.pool.capacity() - self.pool.free_count();
@@ -961,10 +974,13 @@ impl Reactor {
         // would disarm it on tcp) and let a turn read the control channel
         // after its eventfd is drained. The next idle turn sleeps.
         if self.uring.take_wake_poll_fired() {
+            // The turn's SQEs wait for no sleep: submit them now.
+            self.uring.submit()?;
             return self.clear_wake_sources();
         }
         self.arm_cqs()?;
         if self.poll_fabrics()? > 0 {
+            self.uring.submit()?;
             return self.disarm_cqs();
         }
         let timeout = self.next_deadline().map(|d| d.saturating_duration_since(Instant::now()));
@@ -983,6 +999,8 @@ impl Reactor {
         }
         if self.uring.take_wake_poll_fired() {
             self.clear_wake_sources()?;
+        } else {
+            self.fabrics_quiet = true;
         }
         Ok(())
     }
