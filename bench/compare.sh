@@ -690,6 +690,25 @@ if nbd_oks:
     if nbd_pairs:
         t["per_run"] = nbd_pairs
     targets.append(t)
+# 6-8: the sleeping (default) configurations against nbdkit, where a user
+# first looks: low-depth latency and sequential reads.
+a, b, c = get("randread-4k-qd1", "rdmablk-bench -> rdmablk-target, file"), get("randread-4k-qd1", "fio nbd -> nbdkit file"), get("randread-4k-qd1", BOUND)
+if a.get("p50_us") and b.get("p50_us") and a.get("iops") and b.get("iops"):
+    ok = a["p50_us"] <= b["p50_us"] and a["iops"] >= b["iops"]
+    detail = f"p50 {a['p50_us']:.1f} us vs {b['p50_us']:.1f} us, IOPS {a['iops']/b['iops']:.2f}x"
+    if c.get("p50_us"):
+        ok = ok and a["p50_us"] <= c["p50_us"] + 10
+        detail += f"; sleeping bound p50 {c['p50_us']:.1f} us (+{a['p50_us']-c['p50_us']:.1f} us, within 10 us: {'yes' if a['p50_us'] <= c['p50_us'] + 10 else 'no'})"
+    target("6. file randread 4k QD1 p50 <= nbdkit file, IOPS >= 1.0x, p50 within 10 us of the sleeping bound", ok, detail,
+           paired("randread-4k-qd1", "rdmablk", "p50_us", lambda v: v <= 0, "+.1f", base="nbd"))
+a, b = get("randread-4k-qd1", "rdmablk-bench -> rdmablk-target, null"), get("randread-4k-qd1", "fio nbd -> nbdkit null")
+if a.get("p50_us") and b.get("p50_us"):
+    target("7. null randread 4k QD1 p50 <= nbdkit null", a["p50_us"] <= b["p50_us"], f"{a['p50_us']:.1f} us vs {b['p50_us']:.1f} us",
+           paired("randread-4k-qd1", "rdmablk-null", "p50_us", lambda v: v <= 0, "+.1f", base="nbd-null"))
+a, b = get("read-128k-qd16", "rdmablk-bench -> rdmablk-target, file"), get("read-128k-qd16", "fio nbd -> nbdkit file")
+if a.get("bw_mib") and b.get("bw_mib"):
+    target("8. file read 128k QD16 >= 1.0x nbdkit file", a["bw_mib"] >= b["bw_mib"], f"{a['bw_mib']:,.0f} MiB/s vs {b['bw_mib']:,.0f} MiB/s ({a['bw_mib']/b['bw_mib']:.2f}x)",
+           paired("read-128k-qd16", "rdmablk", "iops", lambda v: v >= 1.0, ".2f", base="nbd"))
 print()
 print("| target | met | measured |")
 print("|---|---|---|")
