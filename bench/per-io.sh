@@ -74,7 +74,7 @@ path = "$FILE"
 allow_any_host = true
 EOF
 TP=""
-trap 'if [ -n "$TP" ]; then kill "$TP" 2>/dev/null; fi; rm -rf "$WORK"' EXIT
+trap 'if [ -n "$TP" ]; then kill "$TP" 2>/dev/null || true; fi; rm -rf "$WORK"' EXIT
 tick=$(getconf CLK_TCK)
 cpu() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 # The counters: every system call by name, and context switches.
@@ -108,6 +108,7 @@ for c in "${CASES[@]}"; do
     fi
     t1=$(cpu "$TP")
     kill -INT "$TP"; wait "$PERF_PID" 2>/dev/null || true
+    TP=""
     WORK="$WORK" CASE="$c" TCPU=$(python3 -c "print(($t1 - $t0) / $tick)") SYSCALLS="$SYSCALLS" python3 - <<'PY'
 import json, os
 work = os.environ["WORK"]
