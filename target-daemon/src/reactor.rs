@@ -938,11 +938,10 @@ impl Reactor {
     /// work): disarms the CQs, so that completions its next turns poll
     /// anyway do not fire the channel (on tcp a write to an eventfd, and a
     /// read to drain it).
-    fn disarm_cqs(&self) -> Result<()> {
+    fn disarm_cqs(&self) {
         for c in self.fabrics.iter().flat_map(|f| &f.cqs) {
             c.cq.disarm();
         }
-        Ok(())
     }
 
     /// Sleeps in `io_uring_enter`, woken by a ring completion, by the wake
@@ -981,7 +980,8 @@ impl Reactor {
         self.arm_cqs()?;
         if self.poll_fabrics()? > 0 {
             self.uring.submit()?;
-            return self.disarm_cqs();
+            self.disarm_cqs();
+            return Ok(());
         }
         let timeout = self.next_deadline().map(|d| d.saturating_duration_since(Instant::now()));
         self.stats.idle_waits.add(1);
@@ -1028,7 +1028,8 @@ impl Reactor {
     fn idle_wait_in_epoll(&mut self) -> Result<()> {
         self.arm_cqs()?;
         if self.poll_fabrics()? > 0 {
-            return self.disarm_cqs();
+            self.disarm_cqs();
+            return Ok(());
         }
         let timeout = self.next_deadline().map(|d| d.saturating_duration_since(Instant::now()));
         self.stats.idle_waits.add(1);

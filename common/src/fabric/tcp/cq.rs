@@ -538,9 +538,7 @@ impl TcpCq {
     /// write the eventfd at the owner's first completion and make its next
     /// poll read it back: two system calls for a wake-up nobody waits for.
     pub fn ack_event(&self) -> Result<()> {
-        let sh = &*self.shared;
-        sh.armed.store(false, Ordering::Release);
-        sh.drain_channel();
+        self.disarm();
         Ok(())
     }
 }
