@@ -1,8 +1,9 @@
 //! Registered memory: the per-reactor chunk pool and the per-queue-pair slot
 //! buffers (receive capsules, responses).
 //!
-//! The pool is one [`AlignedBuf`] (4096-aligned) cut into `chunk_size`
-//! chunks. It is registered once with io_uring as fixed buffers (one iovec
+//! The pool is one [`AlignedBuf`] (backed by transparent huge pages where
+//! the kernel allows: the disk reads into it, see
+//! [`AlignedBuf::new_huge_backed`]) cut into `chunk_size` chunks. It is registered once with io_uring as fixed buffers (one iovec
 //! per chunk, `buf_index` = chunk index) and once per fabric protection
 //! domain as one memory region with `LOCAL_WRITE` only: the target never
 //! exposes its memory, RDMA READ sinks need only local write.
@@ -129,8 +130,8 @@ impl Pool {
         assert!(size >= chunk_size && size % chunk_size == 0, "pool size must be a multiple of the chunk size");
         let chunks = size / chunk_size;
         assert!(chunks < u16::MAX as usize, "too many chunks");
-        // One more chunk for the zero chunk; alloc_zeroed makes it zero.
-        let mem = Arc::new(PoolMemory { buf: AlignedBuf::new(size + chunk_size, ALIGN), chunk_size, chunks });
+        // One more chunk for the zero chunk; the allocation is zeroed.
+        let mem = Arc::new(PoolMemory { buf: AlignedBuf::new_huge_backed(size + chunk_size), chunk_size, chunks });
         // Hand out low indices first (pop from the end).
         let free = (0..chunks as u32).rev().map(|i| i as u16).collect();
         Pool { mem, free, state: vec![ChunkState::Free; chunks], owner: vec![[None, None]; chunks] }
