@@ -669,8 +669,9 @@ impl Conn {
     pub(crate) fn progress_or(&mut self, wake: Option<&Wake>) -> Result<bool> {
         self.check_usable()?;
         // A caller that will sleep need not poll before it arms: the poll
-        // after arming finds the same completions, one system call fewer
-        // per wait. One that spins polls first.
+        // after arming finds the same completions (tcp: the wait after it
+        // returns at once for them), one system call fewer per wait. One
+        // that spins polls first.
         let sleeper = self.params.busy_poll.is_zero() && self.invalidations_pending == 0;
         if !sleeper && self.poll_once()? > 0 {
             return Ok(true);
@@ -701,7 +702,7 @@ impl Conn {
             self.fail(format!("arming the completion queue failed: {e}"));
             return Err(Error::fabric("arming the completion queue", e));
         }
-        if self.poll_once()? > 0 {
+        if self.cq.needs_poll_after_arm() && self.poll_once()? > 0 {
             self.cq.disarm();
             return Ok(true);
         }

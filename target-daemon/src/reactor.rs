@@ -927,11 +927,16 @@ impl Reactor {
         }
     }
 
-    fn arm_cqs(&self) -> Result<()> {
+    /// Arms every CQ; returns whether one of them must be polled once more
+    /// before the reactor sleeps (verbs; tcp's fd misses nothing after
+    /// `arm`, see `CompletionQueue::needs_poll_after_arm`).
+    fn arm_cqs(&self) -> Result<bool> {
+        let mut poll_after = false;
         for c in self.fabrics.iter().flat_map(|f| &f.cqs) {
             c.cq.arm().map_err(|e| Error::fabric("cannot arm completion queue", e))?;
+            poll_after |= c.cq.needs_poll_after_arm();
         }
-        Ok(())
+        Ok(poll_after)
     }
 
     /// The reactor stays awake after all (the poll after arming found
@@ -951,7 +956,9 @@ impl Reactor {
     /// reap sit in the completion queue, and the kernel checks it before it
     /// sleeps, so a disk completion at any moment ends the sleep. The CQs:
     /// they are armed before the last poll, so a completion the poll missed
-    /// makes the CQ fd, and thereby the epoll fd, readable. The control
+    /// makes the CQ fd, and thereby the epoll fd, readable (tcp CQs are not
+    /// polled after the arm: their fd is level-triggered on what a poll
+    /// would find, and `arm` fires it for completions already queued). The control
     /// and blocking-worker eventfds are written after the message or result
     /// is queued, and the channels are read on every turn after their
     /// eventfd was drained (`clear_wake_sources` is always followed by a
@@ -977,8 +984,7 @@ impl Reactor {
             self.uring.submit()?;
             return self.clear_wake_sources();
         }
-        self.arm_cqs()?;
-        if self.poll_fabrics()? > 0 {
+        if self.arm_cqs()? && self.poll_fabrics()? > 0 {
             self.uring.submit()?;
             self.disarm_cqs();
             return Ok(());
@@ -1026,8 +1032,7 @@ impl Reactor {
 
     /// Blocks in `epoll_wait` on the CQ fds and the eventfds (the ring's too).
     fn idle_wait_in_epoll(&mut self) -> Result<()> {
-        self.arm_cqs()?;
-        if self.poll_fabrics()? > 0 {
+        if self.arm_cqs()? && self.poll_fabrics()? > 0 {
             self.disarm_cqs();
             return Ok(());
         }

@@ -791,9 +791,27 @@ impl CompletionQueue {
         dispatch!(CqImpl, &self.inner, cq => cq.fd())
     }
     /// Requests a notification on the fd for the next completion. Poll once
-    /// more after arming to close the race, as with `ibv_req_notify_cq`.
+    /// more after arming to close the race, as with `ibv_req_notify_cq`,
+    /// where [`CompletionQueue::needs_poll_after_arm`] says so.
     pub fn arm(&self) -> Result<()> {
         dispatch!(CqImpl, &self.inner, cq => cq.arm())
+    }
+    /// Whether the owner must poll once more after [`arm`] before it
+    /// sleeps on the fd (verbs, as with `ibv_req_notify_cq`: a completion
+    /// that arrived between its last poll and the arm fires nothing).
+    /// tcp: no. Its fd is level-triggered on socket input and on its
+    /// timers, and `arm` fires it at once when completions are already
+    /// queued, so nothing can slip in between: a sleep right after `arm`
+    /// returns at once if there is work, and the owner saves the poll's
+    /// `epoll_wait` on every sleep that finds none.
+    ///
+    /// [`arm`]: CompletionQueue::arm
+    pub fn needs_poll_after_arm(&self) -> bool {
+        match &self.inner {
+            CqImpl::Tcp(_) => false,
+            #[cfg(feature = "verbs")]
+            CqImpl::Verbs(_) => true,
+        }
     }
     /// Completions the queue holds before it overruns: the capacity asked
     /// for, or less where the device allows less (verbs: `max_cqe`; the tcp
