@@ -3,7 +3,8 @@
 #
 #   scripts/fuzz.sh [seconds-per-target] [target...]
 #
-# Default: 30 seconds for each of capsule_decode, tcp_frames, config_parse.
+# Default: 30 seconds for each of capsule_decode, tcp_frames, nvme_tcp_pdus,
+# config_parse.
 # Installs what is missing (g++ for libFuzzer, cargo-fuzz), builds the
 # targets with AddressSanitizer and debug assertions (integer overflow
 # panics), replays every crash kept in fuzz/regressions/<target>/, then
@@ -18,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-all_targets=(capsule_decode tcp_frames config_parse)
+all_targets=(capsule_decode tcp_frames nvme_tcp_pdus config_parse)
 seconds=${1:-30}
 shift || true
 targets=("$@")

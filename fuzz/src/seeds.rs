@@ -38,6 +38,7 @@ pub fn all() -> Vec<Seed> {
     };
     add("capsule_decode", capsules());
     add("tcp_frames", frames());
+    add("nvme_tcp_pdus", nvme_tcp_pdus());
     add("config_parse", configs());
     seeds
 }
@@ -289,4 +290,82 @@ fn configs() -> Vec<(String, Vec<u8>)> {
         ("bad-toml.toml", "[target\nlisten = [\"tcp://127.0.0.1:0\"\n".to_owned()),
     ];
     texts.into_iter().map(|(name, text)| (name.to_owned(), text.into_bytes())).collect()
+}
+
+/// NVMe/TCP PDU streams (`nvme_tcp_pdus`): byte 0 is the harness's control
+/// byte (bit 0 initialized, bit 1 header digests, bit 2 data digests).
+fn nvme_tcp_pdus() -> Vec<(String, Vec<u8>)> {
+    use rdmablk_common::nvme::cqe::CompletionEntry;
+    use rdmablk_common::nvme::fabrics::{Connect, ConnectData, ANY_CONTROLLER, CONNECT_DATA_SIZE};
+    use rdmablk_common::nvme::sqe::{io_opcode, Sgl, SubmissionEntry};
+    use rdmablk_common::nvme::status::Status;
+    use rdmablk_common::nvme::tcp::{digest, DataPdu, Digests, IcReq, IcResp, Pdu, R2t, TermReq, MAX_HEADER};
+
+    fn pdu(out: &mut Vec<u8>, p: Pdu, digests: Digests, data: &[u8]) {
+        let mut h = [0u8; MAX_HEADER];
+        let start = out.len();
+        let (at, plen) = p.encode(digests, data.len() as u32, 0, &mut h);
+        out.extend_from_slice(&h[..at]);
+        out.extend_from_slice(data);
+        if digests.data && !data.is_empty() && p.pdu_type().digested() {
+            out.extend_from_slice(&digest(data).to_le_bytes());
+        }
+        assert_eq!(out.len() - start, plen as usize, "{p:?}");
+    }
+    let none = Digests::default();
+    let both = Digests { header: true, data: true };
+    let mut seeds = Vec::new();
+
+    // A host's opening: ICReq, then the admin queue's Connect with its data.
+    let mut s = vec![0x00];
+    pdu(&mut s, Pdu::IcReq(IcReq { pfv: 0, hpda: 0, digests: none, maxr2t: 0 }), none, &[]);
+    let mut connect = Connect { recfmt: 0, qid: 0, sqsize: 31, cattr: 0, kato_ms: 5000 }.to_entry(1);
+    connect.set_sgl(Sgl::InCapsule { offset: 0, length: CONNECT_DATA_SIZE as u32 });
+    let mut data = [0u8; CONNECT_DATA_SIZE];
+    ConnectData {
+        host_id: [0x11; 16],
+        controller_id: ANY_CONTROLLER,
+        subsystem_nqn: "nqn.2026-11.io.rdmablk:seed".into(),
+        host_nqn: "nqn.2014-08.org.nvmexpress:uuid:seed".into(),
+    }
+    .encode(&mut data)
+    .expect("valid connect data");
+    pdu(&mut s, Pdu::CapsuleCmd(connect), none, &data);
+    seeds.push(("icreq-connect".to_string(), s));
+
+    // A controller's answer, granting both digests, which its next PDU carries.
+    let mut s = vec![0x00];
+    pdu(&mut s, Pdu::IcResp(IcResp { pfv: 0, cpda: 0, digests: both, maxh2cdata: 131072 }), none, &[]);
+    pdu(&mut s, Pdu::CapsuleResp(CompletionEntry { result: 1, ..CompletionEntry::new(1, Status::SUCCESS) }), both, &[]);
+    seeds.push(("icresp-connected".to_string(), s));
+
+    // A WRITE with in-capsule data, one through R2T and H2CData, and a READ
+    // answered by C2HData with SUCCESS, all with both digests.
+    let mut s = vec![0x07];
+    let mut w = SubmissionEntry::new(io_opcode::WRITE, 2);
+    w.nsid = 1;
+    w.set_rw(8, 1, false);
+    w.set_sgl(Sgl::InCapsule { offset: 0, length: 512 });
+    pdu(&mut s, Pdu::CapsuleCmd(w), both, &[0x5a; 512]);
+    let mut w2 = w;
+    w2.cid = 3;
+    w2.set_sgl(Sgl::Transport { length: 4096 });
+    pdu(&mut s, Pdu::CapsuleCmd(w2), both, &[]);
+    pdu(&mut s, Pdu::R2T(R2t { cccid: 3, ttag: 1, offset: 0, length: 4096 }), both, &[]);
+    pdu(&mut s, Pdu::H2CData(DataPdu { cccid: 3, ttag: 1, offset: 0, length: 4096, last: true, success: false }), both, &[0xa5; 4096]);
+    pdu(&mut s, Pdu::CapsuleResp(CompletionEntry::new(3, Status::SUCCESS)), both, &[]);
+    let mut r = SubmissionEntry::new(io_opcode::READ, 4);
+    r.nsid = 1;
+    r.set_rw(0, 8, false);
+    r.set_sgl(Sgl::Transport { length: 4096 });
+    pdu(&mut s, Pdu::CapsuleCmd(r), both, &[]);
+    pdu(&mut s, Pdu::C2HData(DataPdu { cccid: 4, ttag: 0, offset: 0, length: 4096, last: true, success: true }), both, &[0x3c; 4096]);
+    pdu(&mut s, Pdu::CapsuleResp(CompletionEntry::new(5, Status::LBA_OUT_OF_RANGE)), both, &[]);
+    seeds.push(("io-digests".to_string(), s));
+
+    // A termination with the offending header as its data.
+    let mut s = vec![0x01];
+    pdu(&mut s, Pdu::C2HTermReq(TermReq { fes: 0x01, fei: 2 }), none, &[0x04, 0, 99, 0, 72, 0, 0, 0]);
+    seeds.push(("c2h-termreq".to_string(), s));
+    seeds
 }

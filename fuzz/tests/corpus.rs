@@ -54,6 +54,11 @@ fn tcp_frames_inputs_replay_cleanly() {
 }
 
 #[test]
+fn nvme_tcp_pdus_inputs_replay_cleanly() {
+    assert!(replay("nvme_tcp_pdus") > 0, "no nvme_tcp_pdus inputs found");
+}
+
+#[test]
 fn config_parse_inputs_replay_cleanly() {
     assert!(replay("config_parse") > 0, "no config_parse inputs found");
 }
