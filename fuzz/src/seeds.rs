@@ -299,18 +299,10 @@ fn nvme_tcp_pdus() -> Vec<(String, Vec<u8>)> {
     use rdmablk_common::nvme::fabrics::{Connect, ConnectData, ANY_CONTROLLER, CONNECT_DATA_SIZE};
     use rdmablk_common::nvme::sqe::{io_opcode, Sgl, SubmissionEntry};
     use rdmablk_common::nvme::status::Status;
-    use rdmablk_common::nvme::tcp::{digest, DataPdu, Digests, IcReq, IcResp, Pdu, R2t, TermReq, MAX_HEADER};
+    use rdmablk_common::nvme::tcp::{DataPdu, Digests, IcReq, IcResp, Pdu, R2t, TermReq};
 
     fn pdu(out: &mut Vec<u8>, p: Pdu, digests: Digests, data: &[u8]) {
-        let mut h = [0u8; MAX_HEADER];
-        let start = out.len();
-        let (at, plen) = p.encode(digests, data.len() as u32, 0, &mut h);
-        out.extend_from_slice(&h[..at]);
-        out.extend_from_slice(data);
-        if digests.data && !data.is_empty() && p.pdu_type().digested() {
-            out.extend_from_slice(&digest(data).to_le_bytes());
-        }
-        assert_eq!(out.len() - start, plen as usize, "{p:?}");
+        out.extend_from_slice(&p.to_wire(digests, data, 0));
     }
     let none = Digests::default();
     let both = Digests { header: true, data: true };

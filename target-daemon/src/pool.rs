@@ -3,7 +3,8 @@
 //!
 //! The pool is one [`AlignedBuf`] (backed by transparent huge pages where
 //! the kernel allows: the disk reads into it, see
-//! [`AlignedBuf::new_huge_backed`]) cut into `chunk_size` chunks. It is registered once with io_uring as fixed buffers (one iovec
+//! [`AlignedBuf::new_huge_backed`]) cut into `chunk_size` chunks. It is
+//! registered once with io_uring as fixed buffers (one iovec
 //! per chunk, `buf_index` = chunk index) and once per fabric protection
 //! domain as one memory region with `LOCAL_WRITE` only: the target never
 //! exposes its memory, RDMA READ sinks need only local write.

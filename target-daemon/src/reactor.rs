@@ -511,8 +511,9 @@ struct Reactor {
     /// The last sleep in the ring ended without the wake poll firing (a
     /// disk completion, or the timeout): the CQs, armed before it, had
     /// nothing, or the epoll fd would have been readable. The next turn
-    /// skips polling them; the sleep after it arms and polls them anyway,
-    /// so a completion that lands meanwhile is found there.
+    /// skips polling them; the sleep after it arms them (and polls those
+    /// that need it, see `arm_cqs`), so a completion that lands meanwhile
+    /// ends that sleep at once or is found by that poll.
     fabrics_quiet: bool,
     /// `target.fence_timeout`.
     fence_timeout: Duration,

@@ -566,6 +566,14 @@ mod tests {
         out
     }
 
+    /// Three chunk-sized READs from offset 0 of `vslot`: its stream is
+    /// sequential after them.
+    fn start_stream(ra: &mut Readahead, vslot: u16, now: Instant) {
+        for k in 0..3u64 {
+            assert_eq!(ra.on_read(vslot, k * CS as u64, CS, now), k == 2);
+        }
+    }
+
     /// `completed`, returning the waiters.
     fn done(ra: &mut Readahead, vslot: u16, chunk: ChunkId, res: i32, now: Instant) -> Vec<ChunkId> {
         let mut w = Vec::new();
@@ -668,9 +676,7 @@ mod tests {
         let now = Instant::now();
         // A volume of 5.5 chunks (a whole number of 4 KiB blocks).
         let size = 5 * CS as u64 + (CS as u64) / 2;
-        for k in 0..3u64 {
-            ra.on_read(0, k * CS as u64, CS, now);
-        }
+        start_stream(&mut ra, 0, now);
         let mut c = 0;
         let issued = issue_all(&mut ra, 0, size, &mut c, 0);
         assert_eq!(issued, vec![(3 * CS as u64, CS), (4 * CS as u64, CS), (5 * CS as u64, CS / 2)]);
@@ -683,9 +689,7 @@ mod tests {
     fn a_whole_chunk_is_handed_over_and_a_part_is_copied() {
         let mut ra = Readahead::new(settings(), 1);
         let now = Instant::now();
-        for k in 0..3u64 {
-            ra.on_read(0, k * CS as u64, CS, now);
-        }
+        start_stream(&mut ra, 0, now);
         let mut c = 100;
         issue_all(&mut ra, 0, SIZE, &mut c, 7);
         let cs = CS as u64;
@@ -737,9 +741,7 @@ mod tests {
     fn a_changed_epoch_makes_a_chunk_unusable_cached_or_in_flight() {
         let mut ra = Readahead::new(settings(), 1);
         let now = Instant::now();
-        for k in 0..3u64 {
-            ra.on_read(0, k * CS as u64, CS, now);
-        }
+        start_stream(&mut ra, 0, now);
         let mut c = 100;
         issue_all(&mut ra, 0, SIZE, &mut c, 5);
         let cs = CS as u64;
@@ -764,9 +766,7 @@ mod tests {
     fn a_local_write_drops_what_it_overlaps_only() {
         let mut ra = Readahead::new(settings(), 1);
         let now = Instant::now();
-        for k in 0..3u64 {
-            ra.on_read(0, k * CS as u64, CS, now);
-        }
+        start_stream(&mut ra, 0, now);
         let mut c = 100;
         issue_all(&mut ra, 0, SIZE, &mut c, 0);
         let cs = CS as u64;
@@ -789,9 +789,7 @@ mod tests {
     fn a_failed_or_short_read_drops_the_chunk_and_its_waiters_read_the_disk() {
         let mut ra = Readahead::new(settings(), 1);
         let now = Instant::now();
-        for k in 0..3u64 {
-            ra.on_read(0, k * CS as u64, CS, now);
-        }
+        start_stream(&mut ra, 0, now);
         let mut c = 100;
         issue_all(&mut ra, 0, SIZE, &mut c, 0);
         let cs = CS as u64;
@@ -808,9 +806,7 @@ mod tests {
     fn cached_chunks_expire_after_the_ttl_and_an_idle_reactor_holds_none() {
         let mut ra = Readahead::new(settings(), 2);
         let t0 = Instant::now();
-        for k in 0..3u64 {
-            ra.on_read(1, k * CS as u64, CS, t0);
-        }
+        start_stream(&mut ra, 1, t0);
         let mut c = 0;
         let n = issue_all(&mut ra, 1, SIZE, &mut c, 0).len();
         assert_eq!(ra.next_deadline(), None, "nothing cached yet");
@@ -831,9 +827,7 @@ mod tests {
     fn eviction_gives_up_the_oldest_cached_chunk() {
         let mut ra = Readahead::new(settings(), 1);
         let t0 = Instant::now();
-        for k in 0..3u64 {
-            ra.on_read(0, k * CS as u64, CS, t0);
-        }
+        start_stream(&mut ra, 0, t0);
         let mut c = 0;
         issue_all(&mut ra, 0, SIZE, &mut c, 0);
         assert!(!ra.evict(), "nothing cached: reads in flight are not evicted");
@@ -866,9 +860,7 @@ mod tests {
     fn a_dropped_volume_keeps_nothing_and_off_means_off() {
         let mut ra = Readahead::new(settings(), 1);
         let now = Instant::now();
-        for k in 0..3u64 {
-            ra.on_read(0, k * CS as u64, CS, now);
-        }
+        start_stream(&mut ra, 0, now);
         let mut c = 0;
         let n = issue_all(&mut ra, 0, SIZE, &mut c, 0).len();
         done(&mut ra, 0, ChunkId(0), CS as i32, now);

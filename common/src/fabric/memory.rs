@@ -47,18 +47,18 @@ impl AlignedBuf {
     /// pages under the pool"). Where THP is off (`never`) this is
     /// [`AlignedBuf::new`] with a larger alignment.
     pub fn new_huge_backed(len: usize) -> Self {
-        assert!(len > 0, "AlignedBuf of zero length");
-        let align = if len >= HUGE_PAGE { HUGE_PAGE } else { 4096 };
-        let layout = Layout::from_size_align(len, align).expect("valid alignment");
+        if len < HUGE_PAGE {
+            // Not one huge page long: nothing to advise.
+            return Self::new(len, 4096);
+        }
+        let layout = Layout::from_size_align(len, HUGE_PAGE).expect("valid alignment");
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { alloc(layout) };
         let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        if align == HUGE_PAGE {
-            // SAFETY: the range is the allocation just made, page-aligned;
-            // MADV_HUGEPAGE only changes how its pages are backed (an error,
-            // e.g. a kernel without THP, leaves it as it was).
-            unsafe { libc::madvise(raw.cast(), len, libc::MADV_HUGEPAGE) };
-        }
+        // SAFETY: the range is the allocation just made, page-aligned;
+        // MADV_HUGEPAGE only changes how its pages are backed (an error,
+        // e.g. a kernel without THP, leaves it as it was).
+        unsafe { libc::madvise(raw.cast(), len, libc::MADV_HUGEPAGE) };
         // SAFETY: the allocation is `len` bytes long and not yet shared; the
         // first touch happens here, after the advice.
         unsafe { std::ptr::write_bytes(raw, 0, len) };

@@ -190,6 +190,8 @@ impl CommonHeader {
     pub fn layout(&self, digests: Option<Digests>, max_plen: u32) -> Result<Layout, WireError> {
         const WHAT: &str = "PDU common header";
         let bad = |field: &'static str, value: u64| WireError::InvalidField { what: WHAT, field, value };
+        // A PDU that may carry no data here has PDO 0 and ends after its header.
+        let bad_pdo_or_plen = || if self.pdo != 0 { bad("PDO", self.pdo as u64) } else { bad("PLEN", self.plen as u64) };
         let t = self.pdu_type;
         let initializing = matches!(t, PduType::IcReq | PduType::IcResp);
         let Some(digests) = (if initializing { Some(Digests::default()) } else { digests }) else {
@@ -211,7 +213,7 @@ impl CommonHeader {
         let header_with_digest = hlen + if hd { DIGEST_SIZE } else { 0 };
         if initializing {
             if self.pdo != 0 || plen != IC_SIZE {
-                return Err(bad(if self.pdo != 0 { "PDO" } else { "PLEN" }, if self.pdo != 0 { self.pdo as u64 } else { plen as u64 }));
+                return Err(bad_pdo_or_plen());
             }
             return Ok(Layout { hlen, header_with_digest, data_offset: 0, data_len: 0, data_digest: false, plen });
         }
@@ -221,7 +223,7 @@ impl CommonHeader {
         let has_data = plen > header_with_digest;
         if !has_data || !t.has_data() {
             if has_data || self.pdo != 0 || self.flags & flags::DDGSTF != 0 {
-                return Err(bad(if self.pdo != 0 { "PDO" } else { "PLEN" }, if self.pdo != 0 { self.pdo as u64 } else { plen as u64 }));
+                return Err(bad_pdo_or_plen());
             }
             return Ok(Layout { hlen, header_with_digest, data_offset: 0, data_len: 0, data_digest: false, plen });
         }
@@ -487,6 +489,25 @@ impl Pdu {
     }
 }
 
+impl Pdu {
+    /// The whole PDU as it goes on the wire: header (with its digest and
+    /// padding, see [`Pdu::encode`]), `data`, and the data digest where
+    /// `digests.data` and the type call for one. For test clients and
+    /// seeds; a transport sends the parts without joining them.
+    pub fn to_wire(&self, digests: Digests, data: &[u8], data_align: usize) -> Vec<u8> {
+        let mut header = [0u8; MAX_HEADER];
+        let (at, plen) = self.encode(digests, data.len() as u32, data_align, &mut header);
+        let mut out = Vec::with_capacity(plen as usize);
+        out.extend_from_slice(&header[..at]);
+        out.extend_from_slice(data);
+        if digests.data && !data.is_empty() && self.pdu_type().digested() {
+            out.extend_from_slice(&digest(data).to_le_bytes());
+        }
+        debug_assert_eq!(out.len(), plen as usize);
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::sqe::{io_opcode, Sgl};
@@ -498,16 +519,10 @@ mod tests {
     /// Encodes `pdu` with `data`, then decodes the bytes as a receiver
     /// would: common header, layout, header; returns the PDU and its data.
     fn round_trip(pdu: &Pdu, digests: Digests, data: &[u8], align: usize) -> (Vec<u8>, Pdu, Layout) {
-        let mut h = [0; MAX_HEADER];
-        let (at, plen) = pdu.encode(digests, data.len() as u32, align, &mut h);
-        let mut wire = h[..at].to_vec();
-        wire.extend_from_slice(data);
-        if digests.data && !data.is_empty() && pdu.pdu_type().digested() {
-            wire.extend_from_slice(&digest(data).to_le_bytes());
-        }
-        assert_eq!(wire.len(), plen as usize);
+        let wire = pdu.to_wire(digests, data, align);
         let ch = CommonHeader::decode(&wire).unwrap();
         let l = ch.layout(Some(digests), MAX).unwrap();
+        assert_eq!(wire.len(), l.plen);
         let back = Pdu::decode(&ch, &l, &wire).unwrap();
         assert_eq!(&wire[l.data_offset..l.data_offset + l.data_len], data);
         (wire, back, l)
