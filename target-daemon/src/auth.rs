@@ -95,6 +95,8 @@ impl From<&VolumeAccess> for VolumeGrants {
 pub struct AccessPolicy {
     keys: HashMap<String, AuthKey>,
     volumes: HashMap<String, VolumeGrants>,
+    /// NVMe host NQN to `[[host]]` id (`nqn =`).
+    host_nqns: HashMap<String, String>,
 }
 
 impl AccessPolicy {
@@ -109,19 +111,29 @@ impl AccessPolicy {
             keys.insert(h.id.clone(), key);
         }
         let volumes = config.access.iter().map(|a| (a.volume.clone(), VolumeGrants::from(a))).collect();
-        Ok(AccessPolicy { keys, volumes })
+        let host_nqns = config.hosts.iter().filter_map(|h| Some((h.nqn.clone()?, h.id.clone()))).collect();
+        Ok(AccessPolicy { keys, volumes, host_nqns })
     }
 
     /// A policy from parts (tests, library use).
     pub fn new(keys: HashMap<String, AuthKey>, volumes: HashMap<String, VolumeGrants>) -> AccessPolicy {
-        AccessPolicy { keys, volumes }
+        AccessPolicy { keys, volumes, host_nqns: HashMap::new() }
+    }
+
+    /// The `[[host]]` id whose `nqn` is `nqn`.
+    pub fn host_for_nqn(&self, nqn: &str) -> Option<&str> {
+        self.host_nqns.get(nqn).map(String::as_str)
     }
 
     /// Every volume open to any host and no `[[host]]`: how a target without
     /// access keys behaved before access control.
     pub fn open_to_all<'a>(volume_names: impl IntoIterator<Item = &'a str>) -> AccessPolicy {
         let all = VolumeGrants { allow_any_host: true, ..VolumeGrants::default() };
-        AccessPolicy { keys: HashMap::new(), volumes: volume_names.into_iter().map(|n| (n.to_owned(), all.clone())).collect() }
+        AccessPolicy {
+            keys: HashMap::new(),
+            volumes: volume_names.into_iter().map(|n| (n.to_owned(), all.clone())).collect(),
+            host_nqns: HashMap::new(),
+        }
     }
 
     /// Whether CONNECT requires authentication (there are `[[host]]` entries).

@@ -182,6 +182,7 @@ mod tests {
             size: Some(1 << 20),
             block_size: None,
             read_only: false,
+            nsid: None,
         };
         let backend = Arc::new(Backend::Memory(MemoryBackend::open("t", &vc, 1 << 20).unwrap()));
         let mut w = BlockingWorker::start(0).unwrap();

@@ -21,6 +21,11 @@ use crate::error::{Error, Result};
 
 /// Default target name sent in the CONNECT reply.
 pub const DEFAULT_TARGET_NAME: &str = "rdmablk";
+/// `[target] nqn` by default: this prefix and the target's name.
+pub const DEFAULT_NQN_PREFIX: &str = "nqn.2014-08.io.rdmablk:";
+/// The largest namespace id (`[[volume]] nsid`, and the default, the volume
+/// id); Identify Controller reports it as NN.
+pub const MAX_NSID: u32 = 65535;
 /// Default maximum queue depth per queue pair.
 pub const DEFAULT_QUEUE_DEPTH: u32 = 128;
 /// Largest queue depth the configuration may set.
@@ -123,6 +128,9 @@ pub struct HostConfig {
     /// The key file (one line of hex; see `rdmablk keygen`). Read when the
     /// configuration is applied, refused if group or others may read it.
     pub key_file: PathBuf,
+    /// The NVMe host NQN that stands for this host on NVMe-oF listeners
+    /// (`nqn =`): its grants are this host's.
+    pub nqn: Option<String>,
 }
 
 /// The access keys of one `[[volume]]`.
@@ -146,6 +154,10 @@ pub struct TargetConfig {
     pub name: String,
     /// Fabric URLs to listen on (port 0 picks a free port).
     pub listen: Vec<FabricUrl>,
+    /// `nvme+tcp://` entries of `listen`: NVMe-oF listeners (see `nvmf`).
+    pub nvme_listen: Vec<NvmeListen>,
+    /// The NVMe subsystem NQN this target serves its namespaces under.
+    pub nqn: String,
     /// Number of reactor threads.
     pub reactors: usize,
     /// Maximum queue depth negotiated per queue pair.
@@ -277,6 +289,36 @@ impl fmt::Display for BackendKind {
     }
 }
 
+/// NVMe-oF transports a `listen` entry can name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum NvmeTransport {
+    /// `nvme+tcp://`: NVMe/TCP (TCP Transport Specification 1.0).
+    Tcp,
+}
+
+/// An `nvme+tcp://host:port` entry of `listen` (4420 by convention).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct NvmeListen {
+    pub transport: NvmeTransport,
+    /// The address, parsed as a `tcp://` URL is.
+    pub url: FabricUrl,
+}
+
+impl NvmeListen {
+    /// Parses `nvme+tcp://host:port`; the error says why not.
+    pub fn parse(s: &str) -> std::result::Result<NvmeListen, String> {
+        let rest = s.strip_prefix("nvme+tcp://").ok_or_else(|| format!("{s:?}: unknown NVMe-oF transport (use nvme+tcp://)"))?;
+        let url = FabricUrl::parse(&format!("tcp://{rest}")).map_err(|e| format!("{s:?}: {}", e.context))?;
+        Ok(NvmeListen { transport: NvmeTransport::Tcp, url })
+    }
+}
+
+impl std::fmt::Display for NvmeListen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "nvme+tcp://{}", self.url.host_port())
+    }
+}
+
 /// `[[volume]]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VolumeConfig {
@@ -291,6 +333,9 @@ pub struct VolumeConfig {
     /// Block size, if given.
     pub block_size: Option<u32>,
     pub read_only: bool,
+    /// NVMe namespace id, if given (default: the volume id, which is never
+    /// reused while the target runs).
+    pub nsid: Option<u32>,
 }
 
 impl VolumeConfig {
@@ -307,6 +352,7 @@ impl VolumeConfig {
             && self.path == other.path
             && self.size == other.size
             && self.block_size == other.block_size
+            && self.nsid == other.nsid
     }
 }
 
@@ -321,7 +367,8 @@ impl TargetConfig {
             }
         };
         check(self.name != other.name, "target.name");
-        check(self.listen != other.listen, "target.listen");
+        check(self.listen != other.listen || self.nvme_listen != other.nvme_listen, "target.listen");
+        check(self.nqn != other.nqn, "target.nqn");
         check(self.reactors != other.reactors, "target.reactors");
         check(self.queue_depth != other.queue_depth, "target.queue_depth");
         check(self.max_io_size != other.max_io_size, "target.max_io_size");
@@ -401,6 +448,7 @@ struct RawConfig {
 struct RawHost {
     id: String,
     key_file: Option<PathBuf>,
+    nqn: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -408,6 +456,7 @@ struct RawHost {
 struct RawTarget {
     name: Option<String>,
     listen: Vec<String>,
+    nqn: Option<String>,
     reactors: Option<i64>,
     queue_depth: Option<i64>,
     max_io_size: Option<RawSize>,
@@ -448,6 +497,7 @@ struct RawVolume {
     block_size: Option<RawSize>,
     #[serde(default)]
     read_only: bool,
+    nsid: Option<i64>,
     #[serde(default)]
     allow_any_host: bool,
     #[serde(default)]
@@ -629,7 +679,16 @@ impl RawConfig {
             return Err(cx.err("target.listen", "at least one URL is required, e.g. \"tcp://127.0.0.1:7420\""));
         }
         let mut listen = Vec::with_capacity(t.listen.len());
+        let mut nvme_listen: Vec<NvmeListen> = Vec::new();
         for (i, s) in t.listen.iter().enumerate() {
+            if s.starts_with("nvme+") {
+                let l = NvmeListen::parse(s).map_err(|why| cx.err(&format!("target.listen[{i}]"), why))?;
+                if nvme_listen.contains(&l) {
+                    return Err(cx.err(&format!("target.listen[{i}]"), format!("{l} is listed twice")));
+                }
+                nvme_listen.push(l);
+                continue;
+            }
             let url = FabricUrl::parse(s).map_err(|e| cx.err(&format!("target.listen[{i}]"), e.context))?;
             if listen.contains(&url) {
                 return Err(cx.err(&format!("target.listen[{i}]"), format!("{url} is listed twice")));
@@ -802,9 +861,26 @@ impl RawConfig {
             })?),
         };
 
+        let nqn = match t.nqn {
+            None => format!("{DEFAULT_NQN_PREFIX}{name}"),
+            Some(n) => {
+                if n.len() > rdmablk_common::nvme::fabrics::NQN_MAX || !n.starts_with("nqn.") || n.contains('\0') {
+                    return Err(cx.err(
+                        "target.nqn",
+                        format!("{n:?} is not an NQN: \"nqn.\" followed by a reverse domain, at most {} bytes", rdmablk_common::nvme::fabrics::NQN_MAX),
+                    ));
+                }
+                if n == rdmablk_common::nvme::fabrics::DISCOVERY_NQN {
+                    return Err(cx.err("target.nqn", "is the well-known discovery NQN, which a subsystem cannot use"));
+                }
+                n
+            }
+        };
         let target = TargetConfig {
             name,
             listen,
+            nvme_listen,
+            nqn,
             reactors,
             queue_depth,
             max_io_size,
@@ -917,6 +993,16 @@ impl RawConfig {
             if size.is_none() && v.backend != BackendKind::File {
                 return Err(cx.err(&key("size"), format!("is required for backend \"{}\"", v.backend)));
             }
+            let nsid = match v.nsid {
+                None => None,
+                Some(n) if (1..=MAX_NSID as i64).contains(&n) => {
+                    if let Some(o) = volumes.iter().find(|o: &&VolumeConfig| o.nsid == Some(n as u32)) {
+                        return Err(cx.err(&key("nsid"), format!("{n} is used by volume {:?}", o.name)));
+                    }
+                    Some(n as u32)
+                }
+                Some(n) => return Err(cx.err(&key("nsid"), format!("must be in 1..={MAX_NSID} (got {n})"))),
+            };
             volumes.push(VolumeConfig {
                 index,
                 name: v.name,
@@ -925,6 +1011,7 @@ impl RawConfig {
                 size,
                 block_size,
                 read_only: v.read_only,
+                nsid,
             });
         }
 
@@ -949,7 +1036,15 @@ fn validate_hosts(cx: &Ctx<'_>, raw: Vec<RawHost>) -> Result<Vec<HostConfig>> {
             Some(p) if !p.as_os_str().is_empty() => p,
             _ => return Err(cx.err(&key("key_file"), "is required (create one with `rdmablk keygen PATH`)")),
         };
-        hosts.push(HostConfig { index, id: h.id, key_file });
+        if let Some(n) = &h.nqn {
+            if n.len() > rdmablk_common::nvme::fabrics::NQN_MAX || !n.starts_with("nqn.") || n.contains('\0') {
+                return Err(cx.err(&key("nqn"), format!("{n:?} is not an NQN (\"nqn.\" ..., at most {} bytes)", rdmablk_common::nvme::fabrics::NQN_MAX)));
+            }
+            if hosts.iter().any(|o| o.nqn.as_ref() == Some(n)) {
+                return Err(cx.err(&key("nqn"), format!("{n:?} is used by an earlier [[host]]")));
+            }
+        }
+        hosts.push(HostConfig { index, id: h.id, key_file, nqn: h.nqn });
     }
     Ok(hosts)
 }

@@ -406,6 +406,7 @@ mod tests {
             size,
             block_size,
             read_only,
+            nsid: None,
         }
     }
 

@@ -62,6 +62,7 @@ mod tests {
             size: Some(1 << 30),
             block_size: None,
             read_only: false,
+            nsid: None,
         };
         let m = MemoryBackend::open("t.toml", &vc, 1 << 30).unwrap();
         assert_eq!(m.size(), 1 << 30);
