@@ -1,10 +1,12 @@
 //! The one error type of the target: a small matchable [`ErrorKind`] plus
-//! context, and the one function that turns it into a wire [`Status`].
+//! context, and the one function per wire that turns it into a status:
+//! [`Error::wire_status`] for rdmablk v1, [`Error::nvme_status`] for NVMe-oF.
 
 use std::borrow::Cow;
 use std::fmt;
 
 use rdmablk_common::fabric::FabricError;
+use rdmablk_common::nvme::status::Status as NvmeStatus;
 use rdmablk_common::protocol::{DecodeError, Status, PROTOCOL_VERSION};
 
 /// What went wrong. Daemon-level kinds come first; the rest are the reasons
@@ -170,6 +172,43 @@ impl Error {
 
     /// Process exit code for the binary: 2 for configuration problems
     /// (including volumes that disagree with it), 1 for everything else.
+    /// The NVMe status this error is answered with on an NVMe-oF queue
+    /// (`reading`: a device error of a read is an unrecovered read error,
+    /// of anything else a write fault).
+    pub fn nvme_status(&self, reading: bool) -> NvmeStatus {
+        match self.kind {
+            ErrorKind::InvalidOpcode => NvmeStatus::INVALID_OPCODE,
+            ErrorKind::InvalidField
+            | ErrorKind::TooLarge
+            | ErrorKind::Misaligned
+            | ErrorKind::ZeroLength
+            | ErrorKind::NotSupported => NvmeStatus::INVALID_FIELD,
+            ErrorKind::UnknownVolume | ErrorKind::VolumeNotOpen => NvmeStatus::INVALID_NAMESPACE,
+            ErrorKind::OutOfRange => NvmeStatus::LBA_OUT_OF_RANGE,
+            ErrorKind::ReadOnly => NvmeStatus::NAMESPACE_WRITE_PROTECTED,
+            ErrorKind::AccessDenied | ErrorKind::AuthRequired | ErrorKind::AuthFailed => NvmeStatus::ACCESS_DENIED,
+            ErrorKind::LengthMismatch => NvmeStatus::SGL_DATA_LENGTH_INVALID,
+            ErrorKind::DeviceIo(e) if e == libc::ENOSPC => NvmeStatus::CAPACITY_EXCEEDED,
+            ErrorKind::DeviceIo(_) if reading => NvmeStatus::UNRECOVERED_READ_ERROR,
+            ErrorKind::DeviceIo(_) => NvmeStatus::WRITE_FAULT,
+            ErrorKind::Transfer => NvmeStatus::DATA_TRANSFER_ERROR,
+            ErrorKind::NotConnected | ErrorKind::AlreadyConnected => NvmeStatus::COMMAND_SEQUENCE_ERROR,
+            ErrorKind::ShuttingDown => NvmeStatus::NAMESPACE_NOT_READY,
+            ErrorKind::VersionMismatch
+            | ErrorKind::QueueFull
+            | ErrorKind::UnknownSession
+            | ErrorKind::LimitReached
+            | ErrorKind::FenceTimeout
+            | ErrorKind::OutOfBuffers(_)
+            | ErrorKind::Config
+            | ErrorKind::Volume
+            | ErrorKind::Uring
+            | ErrorKind::Fabric
+            | ErrorKind::Os
+            | ErrorKind::Internal => NvmeStatus::INTERNAL_ERROR,
+        }
+    }
+
     pub fn exit_code(&self) -> i32 {
         match self.kind {
             ErrorKind::Config | ErrorKind::Volume => 2,

@@ -47,7 +47,11 @@
 //! - [`blocking`]: a reactor's helper thread for the few blocking calls.
 //! - [`fault`]: test-only fault injection (disk writes held on demand).
 //! - [`session`]: state shared by reactors (volume set, sessions).
-//! - [`reactor`]: reactor threads (fabric CQ + io_uring + queue pairs).
+//! - [`reactor`]: reactor threads (fabric CQ + io_uring + queue pairs): the
+//!   rdmablk v1 front end with its own ring and pool.
+//! - [`engine`]: a queue's block engine (ring, pool, fixed files, blocking
+//!   worker) for front ends with a thread per queue.
+//! - [`nvmf`]: the NVMe over Fabrics front end and its NVMe/TCP transport.
 //! - [`readahead`]: sequential readahead bookkeeping (streams, cached chunks).
 //! - [`metrics`]: lock-free counters, Prometheus text, the HTTP responder.
 //! - [`notify`]: systemd notifications (READY, STATUS, WATCHDOG).
@@ -64,7 +68,9 @@ pub mod fault;
 pub mod command;
 pub mod config;
 pub mod error;
+pub mod engine;
 pub mod metrics;
+pub mod nvmf;
 /// systemd notifications live in `rdmablk-common`, shared with the `rdmablk` CLI.
 pub use rdmablk_common::notify;
 pub mod pool;

@@ -30,6 +30,7 @@ use crate::config::{Config, TargetConfig, MAX_VOLUMES};
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::{self, HttpServer, ReactorStats};
 use crate::notify::{self, Notifier};
+use crate::nvmf::NvmeFrontEnd;
 use crate::reactor::{self, Accept, Control, ReactorHandle, ReactorSpec};
 use crate::session::{HandshakeRefusal, Registry, SessionLimits, SessionSummary};
 use crate::sys::{self, Epoll, EventFd, SignalFd};
@@ -195,6 +196,8 @@ const TOKEN_EXITED: u64 = (1 << 40) + 2;
 const TOKEN_RELOAD: u64 = (1 << 40) + 3;
 const TOKEN_METRICS: u64 = (1 << 40) + 4;
 const TOKEN_HTTP: u64 = 1 << 41;
+/// NVMe listener `i` is `TOKEN_NVME + i`.
+const TOKEN_NVME: u64 = 1 << 42;
 /// How often STATUS= is refreshed (when it changed).
 const STATUS_EVERY: Duration = Duration::from_secs(5);
 /// How often removed volumes are checked for release.
@@ -233,6 +236,7 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
         fabrics.push(Arc::new(f));
         listeners.push(l);
     }
+    let nvme = NvmeFrontEnd::bind(&cfg, Arc::clone(&registry))?;
     let metrics = match cfg.metrics {
         None => None,
         Some(addr) => Some(HttpServer::bind(addr, TOKEN_HTTP).map_err(|e| {
@@ -280,6 +284,9 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
     for u in &urls {
         tracing::info!("listening on {u}");
     }
+    for (l, _) in &nvme.listeners {
+        tracing::info!("listening on {l} (NVMe-oF subsystem {})", cfg.nqn);
+    }
     let metrics_addr = metrics.as_ref().map(|m| m.local_addr());
     if let Some(a) = metrics_addr {
         tracing::info!("metrics endpoint: http://{a}/metrics");
@@ -290,6 +297,7 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
     let (reload_tx, reload_rx) = mpsc::channel();
     let mut ctl = ControlThread {
         listeners,
+        nvme,
         reactors,
         reactor_stats,
         registry: Arc::clone(&registry),
@@ -340,6 +348,8 @@ fn stop_reactors(reactors: &mut [ReactorHandle], deadline: Instant) -> Option<Er
 
 struct ControlThread {
     listeners: Vec<Listener>,
+    /// The NVMe-oF listeners; their queues run on threads of their own.
+    nvme: NvmeFrontEnd,
     reactors: Vec<ReactorHandle>,
     reactor_stats: Vec<Arc<ReactorStats>>,
     registry: Arc<Registry>,
@@ -373,6 +383,7 @@ impl ControlThread {
         let timeout = self.running.shutdown_timeout;
         tracing::info!("shutting down: no new connections; waiting up to {timeout:?} for in-flight commands");
         let deadline = Instant::now() + timeout;
+        self.nvme.shutdown(deadline);
         if let Some(e) = stop_reactors(&mut self.reactors, deadline) {
             failure.get_or_insert(e);
         }
@@ -398,6 +409,9 @@ impl ControlThread {
         let epoll = Epoll::new().map_err(|e| Error::os("epoll_create", e))?;
         for (i, l) in self.listeners.iter().enumerate() {
             epoll.add(l.fd(), i as u64).map_err(|e| Error::os("epoll_ctl", e))?;
+        }
+        for (i, (_, l)) in self.nvme.listeners.iter().enumerate() {
+            epoll.add(std::os::fd::AsRawFd::as_raw_fd(l), TOKEN_NVME + i as u64).map_err(|e| Error::os("epoll_ctl", e))?;
         }
         epoll.add(self.stop.fd(), TOKEN_STOP).map_err(|e| Error::os("epoll_ctl", e))?;
         epoll.add(self.exited.fd(), TOKEN_EXITED).map_err(|e| Error::os("epoll_ctl", e))?;
@@ -478,6 +492,9 @@ impl ControlThread {
                         self.metrics = Some(m);
                     }
                     i if (i as usize) < self.listeners.len() => self.accept(i as usize, &mut next),
+                    i if i >= TOKEN_NVME && ((i - TOKEN_NVME) as usize) < self.nvme.listeners.len() => {
+                        self.nvme.accept((i - TOKEN_NVME) as usize)
+                    }
                     _ => {}
                 }
             }
@@ -604,11 +621,12 @@ impl ControlThread {
         let qps: u64 = self.reactor_stats.iter().map(|r| r.queue_pairs.get()).sum();
         let urls: Vec<String> = self.urls.iter().map(|u| u.to_string()).collect();
         format!(
-            "serving {} volume(s) on {} with {} reactor(s); {} session(s), {qps} queue pair(s)",
+            "serving {} volume(s) on {} with {} reactor(s); {} session(s), {qps} queue pair(s); {} NVMe controller(s)",
             set.volumes.len(),
-            urls.join(" "),
+            urls.iter().cloned().chain(self.nvme.listeners.iter().map(|(l, _)| l.to_string())).collect::<Vec<_>>().join(" "),
             self.reactors.len(),
-            sessions.len()
+            sessions.len(),
+            self.nvme.subsystem.live_controllers()
         )
     }
 

@@ -1,0 +1,177 @@
+//! Fabrics commands: Connect, Property Get and Set, Disconnect.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use rdmablk_common::nvme::fabrics::{
+    connect_data_offset, fctype, invalid_connect_parameter, property, Connect, ConnectData, Property, ANY_CONTROLLER,
+    DISCOVERY_NQN,
+};
+use rdmablk_common::nvme::sqe::SubmissionEntry;
+use rdmablk_common::nvme::status::Status;
+
+use super::identify::VERSION;
+use super::queue::{Connected, Queue, Reply};
+use super::{MAX_IO_QUEUES, MAX_QUEUE_ENTRIES};
+
+/// CC fields.
+const CC_EN: u32 = 1;
+const CC_SHN_MASK: u32 = 0b11 << 14;
+/// CSTS fields.
+const CSTS_RDY: u32 = 1;
+const CSTS_CFS: u32 = 1 << 1;
+const CSTS_SHST_COMPLETE: u32 = 0b10 << 2;
+
+/// CAP: MQES, CQR (contiguous queues required), TO (7.5 s in 500 ms
+/// units), CSS bit 37 (the NVM command set), MPSMIN = MPSMAX = 4 KiB.
+pub fn cap() -> u64 {
+    (MAX_QUEUE_ENTRIES as u64 - 1) | 1 << 16 | 15 << 24 | 1 << 37
+}
+
+pub fn handle(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
+    match sqe.fctype() {
+        fctype::CONNECT => connect(q, sqe, data),
+        fctype::PROPERTY_GET | fctype::PROPERTY_SET if q.is_admin() => property(q, sqe),
+        fctype::DISCONNECT => {
+            // The queue closes once the answer is out (NVMe/TCP: the host
+            // then closes the connection).
+            q.actions.push(super::queue::Action::Close("Disconnect".into()));
+            Reply::ok()
+        }
+        _ => Reply::status(Status::INVALID_OPCODE),
+    }
+}
+
+fn bad_data(offset: u16) -> Reply {
+    Reply::Done { status: Status::CONNECT_INVALID_PARAMETERS, result: invalid_connect_parameter(true, offset) }
+}
+
+fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
+    if q.conn.is_some() {
+        return Reply::status(Status::COMMAND_SEQUENCE_ERROR);
+    }
+    let c = Connect::from_entry(sqe);
+    if c.recfmt != 0 {
+        return Reply::status(Status::CONNECT_INCOMPATIBLE_FORMAT);
+    }
+    let d = match ConnectData::decode(data) {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::warn!("nvme connect from {}: {e}", q.peer);
+            return bad_data(connect_data_offset::SUBSYSTEM_NQN);
+        }
+    };
+    let discovery = d.subsystem_nqn == DISCOVERY_NQN;
+    if !discovery && d.subsystem_nqn != q.sub.nqn {
+        tracing::warn!("nvme connect from {} ({}): unknown subsystem {:?}", q.peer, d.host_nqn, d.subsystem_nqn);
+        return bad_data(connect_data_offset::SUBSYSTEM_NQN);
+    }
+    let entries = c.queue_entries();
+    if c.sqsize == 0 || entries > MAX_QUEUE_ENTRIES {
+        return Reply::Done { status: Status::CONNECT_INVALID_PARAMETERS, result: invalid_connect_parameter(false, 44) };
+    }
+    let set = q.sub.registry.volumes();
+    let host = q.sub.host_view(&set, &d.host_nqn);
+    if !discovery && set.access.hosts_configured() && host.id.is_none() {
+        tracing::warn!("nvme connect from {}: host {:?} is not a [[host]] nqn", q.peer, d.host_nqn);
+        return Reply::status(Status::CONNECT_INVALID_HOST);
+    }
+    q.sq_entries = entries;
+    if c.qid == 0 {
+        if d.controller_id != ANY_CONTROLLER {
+            return bad_data(connect_data_offset::CONTROLLER_ID);
+        }
+        // The fence: a host that comes back after its old association was
+        // torn down starts only once the old one's writes are done.
+        if !discovery && !q.sub.wait_for_old_controllers(&d.host_nqn, q.sub.cfg.fence_timeout) {
+            tracing::warn!("nvme connect from {}: host {:?}: an old controller still has writes in flight", q.peer, d.host_nqn);
+            return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
+        }
+        let Some(ctrl) = q.sub.create_controller(&d.host_nqn, d.host_id, discovery, c.kato_ms) else {
+            return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
+        };
+        if let Some(s) = q.socket_clone() {
+            ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).sockets.push(s);
+        }
+        tracing::info!(
+            "nvme controller {} created for host {:?} from {}{} (KATO {} ms)",
+            ctrl.id,
+            d.host_nqn,
+            q.peer,
+            if discovery { ", discovery" } else { "" },
+            c.kato_ms
+        );
+        let id = ctrl.id;
+        q.conn = Some(Connected { qid: 0, ctrl, host });
+        q.kept_alive();
+        return Reply::Done { status: Status::SUCCESS, result: id as u64 };
+    }
+    // An I/O queue joins the controller its admin queue created.
+    let Some(ctrl) = q.sub.controller(d.controller_id) else { return bad_data(connect_data_offset::CONTROLLER_ID) };
+    if ctrl.host_nqn != d.host_nqn || ctrl.host_id != d.host_id || ctrl.is_dead() {
+        return bad_data(connect_data_offset::CONTROLLER_ID);
+    }
+    if ctrl.discovery {
+        return Reply::status(Status::INVALID_QUEUE_ID);
+    }
+    let (enabled, granted) = {
+        let st = ctrl.state.lock().unwrap_or_else(|e| e.into_inner());
+        (st.csts & CSTS_RDY != 0, st.queues_granted.unwrap_or(MAX_IO_QUEUES - 1))
+    };
+    if !enabled {
+        return Reply::status(Status::COMMAND_SEQUENCE_ERROR);
+    }
+    if c.qid > granted + 1 {
+        return Reply::status(Status::INVALID_QUEUE_ID);
+    }
+    {
+        let mut t = ctrl.queues.lock().unwrap_or_else(|e| e.into_inner());
+        if t.io_qids.contains(&c.qid) {
+            return Reply::status(Status::INVALID_QUEUE_ID);
+        }
+        t.io_qids.push(c.qid);
+        if let Some(s) = q.socket_clone() {
+            t.sockets.push(s);
+        }
+    }
+    ctrl.live_queues.fetch_add(1, Ordering::AcqRel);
+    q.conn = Some(Connected { qid: c.qid, ctrl: Arc::clone(&ctrl), host });
+    if let Err(e) = q.start_engine(c.qid) {
+        tracing::error!("nvme controller {} queue {}: {e}", ctrl.id, c.qid);
+        return Reply::status(Status::INTERNAL_ERROR);
+    }
+    Reply::Done { status: Status::SUCCESS, result: ctrl.id as u64 }
+}
+
+fn property(q: &mut Queue, sqe: &SubmissionEntry) -> Reply {
+    let Ok(p) = Property::from_entry(sqe) else { return Reply::status(Status::INVALID_FIELD) };
+    let ctrl = Arc::clone(&q.conn.as_ref().expect("connected").ctrl);
+    let mut st = ctrl.state.lock().unwrap_or_else(|e| e.into_inner());
+    if sqe.fctype() == fctype::PROPERTY_GET {
+        let value = match (p.offset, p.wide) {
+            (property::CAP, true) => cap(),
+            (property::VS, false) => VERSION as u64,
+            (property::CC, false) => st.cc as u64,
+            (property::CSTS, false) => st.csts as u64,
+            _ => return Reply::status(Status::INVALID_FIELD),
+        };
+        return Reply::Done { status: Status::SUCCESS, result: value };
+    }
+    if p.offset != property::CC || p.wide {
+        return Reply::status(Status::INVALID_FIELD);
+    }
+    let cc = p.value as u32;
+    let was = st.cc;
+    st.cc = cc;
+    if cc & CC_EN != 0 && was & CC_EN == 0 {
+        // IOSQES 6 and IOCQES 4 (64- and 16-byte entries), CSS NVM, 4 KiB pages.
+        let good = (cc >> 16) & 0xf == 6 && (cc >> 20) & 0xf == 4 && (cc >> 4) & 0b111 == 0 && (cc >> 7) & 0xf == 0;
+        st.csts = if good || ctrl.discovery { CSTS_RDY } else { CSTS_CFS };
+    } else if cc & CC_EN == 0 && was & CC_EN != 0 {
+        st.csts &= !CSTS_RDY;
+    }
+    if cc & CC_SHN_MASK != 0 {
+        st.csts |= CSTS_SHST_COMPLETE;
+    }
+    Reply::ok()
+}

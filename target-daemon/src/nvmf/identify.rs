@@ -1,0 +1,155 @@
+//! The Identify data structures (NVMe Base 2.0, 5.17.2; NVMe over Fabrics
+//! 1.1 for the fabrics fields), 4,096 bytes each, little endian.
+
+use super::{namespace_ids, Namespace, Subsystem, ADMIN_IN_CAPSULE, IO_IN_CAPSULE, MAX_AERS, MAX_QUEUE_ENTRIES, MDTS};
+use crate::config::MAX_NSID;
+
+pub const IDENTIFY_SIZE: usize = 4096;
+
+/// CNS values this target answers.
+pub mod cns {
+    pub const NAMESPACE: u8 = 0x00;
+    pub const CONTROLLER: u8 = 0x01;
+    pub const ACTIVE_NAMESPACES: u8 = 0x02;
+    pub const NAMESPACE_DESCRIPTORS: u8 = 0x03;
+}
+
+/// The version this controller implements (VS and Identify VER): 1.3.0.
+/// At 1.3 the Linux host identifies namespaces with CNS 0 and 3 and asks
+/// for nothing that needs the 2.0 command-set-specific structures.
+pub const VERSION: u32 = 0x0001_0300;
+
+/// OAES and AEN configuration bit: namespace attribute notices.
+pub const AEN_NS_ATTR: u32 = 1 << 8;
+/// ONCS bits.
+const ONCS_DSM: u16 = 1 << 2;
+const ONCS_WRITE_ZEROES: u16 = 1 << 3;
+/// LPA: commands supported and effects log, extended data (NUMDU, LPO).
+const LPA_EFFECTS: u8 = 1 << 1;
+const LPA_EXTENDED: u8 = 1 << 2;
+/// Error log entries (ELPE, 0-based).
+pub const ERROR_LOG_ENTRIES: usize = 1;
+
+fn put_str(out: &mut [u8], s: &str) {
+    // ASCII, space padded (Identify strings are not NUL terminated).
+    out.fill(b' ');
+    let n = s.len().min(out.len());
+    out[..n].copy_from_slice(&s.as_bytes()[..n]);
+}
+
+fn put_u16(out: &mut [u8], at: usize, v: u16) {
+    out[at..at + 2].copy_from_slice(&v.to_le_bytes());
+}
+
+fn put_u32(out: &mut [u8], at: usize, v: u32) {
+    out[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+fn put_u64(out: &mut [u8], at: usize, v: u64) {
+    out[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+
+/// Identify Controller for controller `cntlid` (`discovery`: the
+/// discovery controller, which has no I/O queues or namespaces).
+pub fn controller(sub: &Subsystem, cntlid: u16, discovery: bool) -> Vec<u8> {
+    let mut d = vec![0u8; IDENTIFY_SIZE];
+    put_str(&mut d[4..24], &sub.serial);
+    put_str(&mut d[24..64], "rdmablk-target");
+    put_str(&mut d[64..72], env!("CARGO_PKG_VERSION"));
+    // CMIC: more than one port and more than one controller may reach a namespace.
+    d[76] = if discovery { 0 } else { 0b011 };
+    d[77] = MDTS;
+    put_u16(&mut d, 78, cntlid);
+    put_u32(&mut d, 80, VERSION);
+    put_u32(&mut d, 92, if discovery { 0 } else { AEN_NS_ATTR });
+    // CNTRLTYPE: 1 I/O controller, 2 discovery controller.
+    d[111] = if discovery { 2 } else { 1 };
+    // ACL and AERL are 0-based.
+    d[258] = 3;
+    d[259] = MAX_AERS as u8 - 1;
+    d[261] = LPA_EXTENDED | if discovery { 0 } else { LPA_EFFECTS };
+    d[262] = ERROR_LOG_ENTRIES as u8 - 1;
+    // KAS: keep-alive granularity, 100 ms.
+    put_u16(&mut d, 320, 1);
+    if !discovery {
+        // SQES and CQES: required and maximum entry sizes, log2.
+        d[512] = 0x66;
+        d[513] = 0x44;
+        put_u16(&mut d, 514, MAX_QUEUE_ENTRIES as u16);
+        put_u32(&mut d, 516, MAX_NSID);
+        put_u16(&mut d, 520, ONCS_DSM | ONCS_WRITE_ZEROES);
+        // VWC: a volatile write cache (Flush does fdatasync); bits 2:1 = 10,
+        // Flush with the broadcast nsid is not supported.
+        d[525] = 0b101;
+    }
+    // SGLS: SGLs supported (no alignment requirement), offsets in in-capsule
+    // data descriptors (bit 20).
+    put_u32(&mut d, 536, 1 | 1 << 20);
+    let nqn = sub_nqn(sub, discovery);
+    d[768..768 + nqn.len()].copy_from_slice(nqn.as_bytes());
+    // Fabrics: IOCCSZ and IORCSZ in 16-byte units, ICDOFF 0, FCATT 0
+    // (dynamic controller model), MSDBD 1.
+    let in_capsule = if discovery { ADMIN_IN_CAPSULE } else { IO_IN_CAPSULE };
+    put_u32(&mut d, 1792, (64 + in_capsule) / 16);
+    put_u32(&mut d, 1796, 1);
+    d[1803] = 1;
+    // Power state 0: 25 W maximum, as a placeholder the host only displays.
+    put_u16(&mut d, 2048, 2500);
+    d
+}
+
+fn sub_nqn(sub: &Subsystem, discovery: bool) -> &str {
+    if discovery {
+        rdmablk_common::nvme::fabrics::DISCOVERY_NQN
+    } else {
+        &sub.nqn
+    }
+}
+
+/// Identify Namespace; all zeroes for an inactive namespace id.
+pub fn namespace(target_nqn: &str, ns: Option<&Namespace>) -> Vec<u8> {
+    let mut d = vec![0u8; IDENTIFY_SIZE];
+    let Some(ns) = ns else { return d };
+    let blocks = ns.volume.blocks();
+    put_u64(&mut d, 0, blocks);
+    put_u64(&mut d, 8, blocks);
+    put_u64(&mut d, 16, blocks);
+    // NSFEAT bit 0: thin provisioning (a deallocated block takes no space
+    // in a sparse file).
+    d[24] = ns.volume.supports_discard() as u8;
+    // NLBAF 0 (one format), FLBAS 0.
+    // NMIC: may be attached to more than one controller.
+    d[30] = 1;
+    // DLFEAT: deallocated blocks read as zeroes (a punched hole does).
+    d[33] = if ns.volume.supports_discard() { 0b001 } else { 0 };
+    // NSATTR: write protected.
+    d[99] = ns.read_only as u8;
+    let (nguid, _) = namespace_ids(target_nqn, &ns.volume.name);
+    d[104..120].copy_from_slice(&nguid);
+    // LBA format 0: no metadata, LBADS = log2(block size), best performance.
+    d[130] = ns.lba_shift() as u8;
+    d
+}
+
+/// The active namespace list: ids greater than `after`, ascending.
+pub fn active_namespaces(nss: &[Namespace], after: u32) -> Vec<u8> {
+    let mut d = vec![0u8; IDENTIFY_SIZE];
+    for (i, ns) in nss.iter().filter(|n| n.nsid > after).take(IDENTIFY_SIZE / 4).enumerate() {
+        put_u32(&mut d, 4 * i, ns.nsid);
+    }
+    d
+}
+
+/// Namespace identification descriptors: NGUID, UUID, command set (NVM).
+pub fn namespace_descriptors(target_nqn: &str, ns: &Namespace) -> Vec<u8> {
+    let mut d = vec![0u8; IDENTIFY_SIZE];
+    let (nguid, uuid) = namespace_ids(target_nqn, &ns.volume.name);
+    let mut at = 0;
+    for (nidt, id) in [(2u8, &nguid[..]), (3u8, &uuid[..]), (4u8, &[0u8][..])] {
+        d[at] = nidt;
+        d[at + 1] = id.len() as u8;
+        d[at + 4..at + 4 + id.len()].copy_from_slice(id);
+        at += 4 + id.len();
+    }
+    d
+}

@@ -1,0 +1,171 @@
+//! I/O commands: Read, Write (with FUA), Flush, Write Zeroes and Dataset
+//! Management (deallocate), checked and turned into engine work with the
+//! same bounds and read-only rules as rdmablk v1's commands.
+
+use rdmablk_common::nvme::sqe::{io_opcode, DsmRange, SubmissionEntry, DSM_RANGE_SIZE};
+
+use super::{Namespace, MAX_TRANSFER};
+use crate::backend::RangeOp;
+use crate::error::{Error, ErrorKind, Result};
+
+/// What an I/O command does, once checked.
+#[derive(Clone, Debug)]
+pub enum IoPlan {
+    Read { ns: Namespace, offset: u64, len: u32 },
+    Write { ns: Namespace, offset: u64, len: u32, fua: bool },
+    Flush { ns: Namespace },
+    /// Write Zeroes: byte ranges, done the backend's way.
+    Range { ns: Namespace, op: RangeOp, ranges: Vec<(u64, u64)> },
+    /// Dataset Management with Deallocate: its ranges arrive as data.
+    Deallocate { ns: Namespace, op: RangeOp },
+}
+
+impl IoPlan {
+    /// Whether the command's data goes through a pool chunk.
+    pub fn uses_chunk(&self) -> bool {
+        matches!(self, IoPlan::Read { .. } | IoPlan::Write { .. })
+    }
+
+    pub fn namespace(&self) -> &Namespace {
+        match self {
+            IoPlan::Read { ns, .. }
+            | IoPlan::Write { ns, .. }
+            | IoPlan::Flush { ns }
+            | IoPlan::Range { ns, .. }
+            | IoPlan::Deallocate { ns, .. } => ns,
+        }
+    }
+
+    pub fn nsid(&self) -> u32 {
+        self.namespace().nsid
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            IoPlan::Read { .. } => "read",
+            IoPlan::Write { .. } => "write",
+            IoPlan::Flush { .. } => "flush",
+            IoPlan::Range { .. } => "write zeroes",
+            IoPlan::Deallocate { .. } => "deallocate",
+        }
+    }
+
+    /// The bytes a write changed, for readahead's write epochs (bumped
+    /// again when the write is done).
+    pub fn written_range(&self) -> Option<(u64, u64)> {
+        match self {
+            IoPlan::Write { offset, len, .. } => Some((*offset, *len as u64)),
+            _ => None,
+        }
+    }
+}
+
+fn find<'a>(nss: &'a [Namespace], nsid: u32) -> Result<&'a Namespace> {
+    nss.iter()
+        .find(|n| n.nsid == nsid)
+        .ok_or_else(|| Error::new(ErrorKind::UnknownVolume, format!("namespace {nsid} is not attached to this host")))
+}
+
+/// The byte range of `blocks` blocks at `slba`, if it lies in `ns`.
+fn byte_range(ns: &Namespace, slba: u64, blocks: u64) -> Result<(u64, u64)> {
+    let end = slba.checked_add(blocks);
+    if end.is_none_or(|e| e > ns.volume.blocks()) {
+        return Err(Error::new(
+            ErrorKind::OutOfRange,
+            format!("blocks {slba}+{blocks} run past namespace {} ({} blocks)", ns.nsid, ns.volume.blocks()),
+        ));
+    }
+    let shift = ns.lba_shift();
+    Ok((slba << shift, blocks << shift))
+}
+
+fn writable(ns: &Namespace) -> Result<()> {
+    if ns.read_only {
+        return Err(Error::new(ErrorKind::ReadOnly, format!("namespace {} is read-only for this host", ns.nsid)));
+    }
+    Ok(())
+}
+
+/// Checks an I/O command against the host's namespaces; `sgl_len` is the
+/// data length its descriptor names.
+pub fn plan(sqe: &SubmissionEntry, nss: &[Namespace], sgl_len: u32) -> Result<IoPlan> {
+    let op = sqe.opcode;
+    if !matches!(op, io_opcode::READ | io_opcode::WRITE | io_opcode::FLUSH | io_opcode::WRITE_ZEROES | io_opcode::DATASET_MANAGEMENT) {
+        return Err(Error::new(ErrorKind::InvalidOpcode, format!("I/O opcode {op:#04x}")));
+    }
+    let ns = find(nss, sqe.nsid)?.clone();
+    let no_data = |what: &str| -> Result<()> {
+        if sgl_len != 0 {
+            return Err(Error::new(ErrorKind::LengthMismatch, format!("{what} carries no data; the SGL names {sgl_len} bytes")));
+        }
+        Ok(())
+    };
+    match op {
+        io_opcode::READ | io_opcode::WRITE => {
+            let (offset, len) = byte_range(&ns, sqe.slba(), sqe.block_count() as u64)?;
+            if len > MAX_TRANSFER as u64 {
+                return Err(Error::new(ErrorKind::TooLarge, format!("{len} bytes exceed MDTS ({MAX_TRANSFER})")));
+            }
+            if sgl_len as u64 != len {
+                return Err(Error::new(ErrorKind::LengthMismatch, format!("the SGL names {sgl_len} bytes for {len}")));
+            }
+            let len = len as u32;
+            if op == io_opcode::READ {
+                Ok(IoPlan::Read { ns, offset, len })
+            } else {
+                writable(&ns)?;
+                Ok(IoPlan::Write { ns, offset, len, fua: sqe.fua() })
+            }
+        }
+        io_opcode::FLUSH => {
+            no_data("Flush")?;
+            Ok(IoPlan::Flush { ns })
+        }
+        io_opcode::WRITE_ZEROES => {
+            no_data("Write Zeroes")?;
+            writable(&ns)?;
+            let range = byte_range(&ns, sqe.slba(), sqe.block_count() as u64)?;
+            let op = ns
+                .volume
+                .backend
+                .write_zeroes()
+                .ok_or_else(|| Error::new(ErrorKind::NotSupported, format!("namespace {} cannot write zeroes", ns.nsid)))?;
+            Ok(IoPlan::Range { ns, op, ranges: vec![range] })
+        }
+        _ => {
+            let (nr, deallocate) = sqe.dsm_ranges();
+            if sgl_len != nr * DSM_RANGE_SIZE as u32 {
+                return Err(Error::new(
+                    ErrorKind::LengthMismatch,
+                    format!("{nr} DSM ranges are {} bytes; the SGL names {sgl_len}", nr as usize * DSM_RANGE_SIZE),
+                ));
+            }
+            if !deallocate {
+                // Only hints (access frequency, latency): nothing to do, but
+                // the ranges still come and are read, as plans need.
+                return Ok(IoPlan::Deallocate { ns, op: RangeOp::Nothing });
+            }
+            writable(&ns)?;
+            let op = ns
+                .volume
+                .backend
+                .discard()
+                .ok_or_else(|| Error::new(ErrorKind::NotSupported, format!("namespace {} cannot deallocate", ns.nsid)))?;
+            Ok(IoPlan::Deallocate { ns, op })
+        }
+    }
+}
+
+/// The byte ranges of a DSM command's data, each checked against the
+/// namespace; empty ranges are skipped.
+pub fn dsm_ranges(data: &[u8], ns: &Namespace) -> Result<Vec<(u64, u64)>> {
+    let mut out = Vec::new();
+    for chunk in data.chunks_exact(DSM_RANGE_SIZE) {
+        let r = DsmRange::decode(chunk).map_err(|e| Error::new(ErrorKind::InvalidField, e.to_string()))?;
+        if r.blocks == 0 {
+            continue;
+        }
+        out.push(byte_range(ns, r.slba, r.blocks as u64)?);
+    }
+    Ok(out)
+}

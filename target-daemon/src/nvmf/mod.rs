@@ -1,0 +1,383 @@
+//! The NVMe over Fabrics front end: the target as a stock Linux host sees
+//! it (`nvme discover`, `nvme connect -t tcp`).
+//!
+//! One NVM subsystem (`[target] nqn`) holds one namespace per volume the
+//! connecting host may use (its grants, as for rdmablk v1 sessions; the host
+//! is named by its host NQN, mapped onto a `[[host]]` id by `nqn =`). The
+//! well-known discovery subsystem answers on the same listeners. Controllers
+//! follow the dynamic model: every admin Connect creates one.
+//!
+//! Files by concern, in the manner of Linux nvmet, so that any command's
+//! handler is one step away:
+//! - [`tcp`]: the NVMe/TCP transport: PDU framing, digests, R2T and the data
+//!   PDUs, termination; one thread per queue (connection).
+//! - [`queue`]: a queue's commands: the slab, the data each one carries, the
+//!   engine operations, the answers.
+//! - [`fabrics_cmd`]: Connect, Property Get/Set, Disconnect.
+//! - [`admin_cmd`]: Identify, Get Log Page, features, AER, Keep Alive.
+//! - [`io_cmd`]: Read, Write, Flush, Write Zeroes, Dataset Management.
+//! - [`discovery`]: the discovery log page.
+//! - [`identify`]: the Identify data structures.
+//!
+//! Disk I/O goes through [`crate::engine::QueueEngine`], one per I/O queue.
+
+pub mod admin_cmd;
+pub mod discovery;
+pub mod fabrics_cmd;
+pub mod identify;
+pub mod io_cmd;
+pub mod queue;
+pub mod tcp;
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+use crate::auth::{Grant, Identity};
+use crate::backend::{Volume, VolumeSet};
+use crate::config::{NvmeListen, TargetConfig};
+use crate::session::Registry;
+use crate::sys::EventFd;
+
+/// CAP.MQES + 1: the most entries a queue may have.
+pub const MAX_QUEUE_ENTRIES: u32 = 128;
+/// The largest data transfer of one command (MDTS with 4 KiB pages).
+pub const MAX_TRANSFER: u32 = 128 << 10;
+/// MDTS: log2 of `MAX_TRANSFER` in units of the minimum page size (4 KiB).
+pub const MDTS: u8 = 5;
+const _: () = assert!(MAX_TRANSFER == 4096 << MDTS);
+/// In-capsule data an I/O queue accepts (IOCCSZ = (64 + this) / 16).
+pub const IO_IN_CAPSULE: u32 = 16 << 10;
+/// In-capsule data the admin queue accepts (the Linux host sends at most 8 KiB).
+pub const ADMIN_IN_CAPSULE: u32 = 8 << 10;
+/// Most I/O queues per controller (Number of Queues grants at most this).
+pub const MAX_IO_QUEUES: u16 = 64;
+/// Outstanding Asynchronous Event Requests a controller holds (AERL + 1).
+pub const MAX_AERS: usize = 4;
+/// Pool chunks per I/O queue: commands beyond this wait for a chunk.
+pub const QUEUE_CHUNKS: u32 = 32;
+
+/// What a front end needs from the running target.
+pub struct Subsystem {
+    pub nqn: String,
+    /// Serial number (20 ASCII characters) and model, for Identify.
+    pub serial: String,
+    pub registry: Arc<Registry>,
+    pub cfg: TargetConfig,
+    /// The NVMe listeners' bound addresses, for the discovery log.
+    pub listeners: Mutex<Vec<SocketAddr>>,
+    controllers: Mutex<Controllers>,
+    /// Set once the target is stopping: queues finish and close.
+    pub stopping: AtomicBool,
+}
+
+#[derive(Default)]
+struct Controllers {
+    by_id: HashMap<u16, Arc<Controller>>,
+    next: u16,
+}
+
+/// The controller state the admin queue owns and the I/O queues look up.
+pub struct Controller {
+    pub id: u16,
+    pub host_nqn: String,
+    pub host_id: [u8; 16],
+    pub discovery: bool,
+    /// Set when the association ends (keep-alive expiry, the admin queue
+    /// closing, shutdown): every queue closes its connection.
+    pub dead: AtomicBool,
+    /// Queues (admin included) whose threads have not finished yet, with
+    /// their disk operations: the fence a reconnecting host waits for.
+    pub live_queues: AtomicU32,
+    /// Connected I/O queue ids, and the sockets to shut down on teardown.
+    pub queues: Mutex<QueueTable>,
+    /// Wakes the admin queue (namespace changes, teardown).
+    pub wake: EventFd,
+    pub state: Mutex<ControllerState>,
+}
+
+#[derive(Default)]
+pub struct QueueTable {
+    pub io_qids: Vec<u16>,
+    pub sockets: Vec<TcpStream>,
+}
+
+/// Registers and features the host sets.
+#[derive(Clone, Debug, Default)]
+pub struct ControllerState {
+    pub cc: u32,
+    pub csts: u32,
+    pub kato_ms: u32,
+    /// Set Features Number of Queues, granted (0-based, as on the wire).
+    pub queues_granted: Option<u16>,
+    /// Set Features Asynchronous Event Configuration.
+    pub aen_config: u32,
+}
+
+impl Controller {
+    /// Ends the association: marks it dead and shuts every queue's socket,
+    /// so their threads wake, drop what is queued and finish.
+    pub fn tear_down(&self, why: &str) {
+        if self.dead.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tracing::warn!("nvme controller {} of host {}: torn down: {why}", self.id, self.host_nqn);
+        let q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        for s in &q.sockets {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        self.wake.notify();
+    }
+
+    pub fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+}
+
+/// One namespace as a host sees it.
+#[derive(Clone, Debug)]
+pub struct Namespace {
+    pub nsid: u32,
+    pub volume: Arc<Volume>,
+    pub read_only: bool,
+}
+
+impl Namespace {
+    pub fn lba_shift(&self) -> u32 {
+        self.volume.block_size.trailing_zeros()
+    }
+}
+
+/// The host of a controller: its NQN, and the `[[host]]` id it maps to.
+#[derive(Clone, Debug)]
+pub struct HostView {
+    pub nqn: String,
+    pub id: Option<String>,
+}
+
+impl HostView {
+    /// What this host may do with `vol` under the set's grants.
+    pub fn grant(&self, set: &VolumeSet, vol: &Volume) -> Option<Grant> {
+        let hosts = set.access.hosts_configured();
+        let who = match &self.id {
+            Some(id) => Identity { host_id: id, authenticated: true },
+            None => Identity { host_id: &self.nqn, authenticated: false },
+        };
+        set.access.volume(&vol.name).grant(who, hosts)
+    }
+}
+
+/// The namespace id of a volume: `nsid =`, or its volume id (never reused).
+pub fn nsid_of(vol: &Volume) -> u32 {
+    vol.config.nsid.unwrap_or(vol.id.0)
+}
+
+/// The namespaces `host` sees in `set`, by ascending nsid. A volume whose
+/// nsid another volume already has is left out (and logged).
+pub fn namespaces(set: &VolumeSet, host: &HostView) -> Vec<Namespace> {
+    let mut out: Vec<Namespace> = Vec::new();
+    for v in &set.volumes {
+        let Some(grant) = host.grant(set, v) else { continue };
+        let nsid = nsid_of(v);
+        if nsid == 0 || nsid > crate::config::MAX_NSID {
+            continue;
+        }
+        if let Some(o) = out.iter().find(|n| n.nsid == nsid) {
+            tracing::warn!("volume {:?}: nsid {nsid} is also volume {:?}'s; not served over NVMe-oF", v.name, o.volume.name);
+            continue;
+        }
+        out.push(Namespace { nsid, volume: Arc::clone(v), read_only: v.read_only || grant == Grant::ReadOnly });
+    }
+    out.sort_by_key(|n| n.nsid);
+    out
+}
+
+/// The NGUID (16 bytes) and UUID of a namespace: stable for a target
+/// name and volume name, distinct between volumes.
+pub fn namespace_ids(target_nqn: &str, volume: &str) -> ([u8; 16], [u8; 16]) {
+    let hash = |what: &str| -> [u8; 16] {
+        let mut h = Sha256::new();
+        h.update(what.as_bytes());
+        h.update([0]);
+        h.update(target_nqn.as_bytes());
+        h.update([0]);
+        h.update(volume.as_bytes());
+        h.finalize()[..16].try_into().expect("16 bytes")
+    };
+    let nguid = hash("rdmablk nguid");
+    let mut uuid = hash("rdmablk uuid");
+    // RFC 4122: version 5 (name based), variant 10.
+    uuid[6] = (uuid[6] & 0x0f) | 0x50;
+    uuid[8] = (uuid[8] & 0x3f) | 0x80;
+    (nguid, uuid)
+}
+
+impl Subsystem {
+    pub fn new(cfg: &TargetConfig, registry: Arc<Registry>) -> Subsystem {
+        let digest = Sha256::digest(format!("rdmablk serial\0{}", cfg.nqn).as_bytes());
+        let serial: String = digest.iter().take(10).map(|b| format!("{b:02x}")).collect();
+        Subsystem {
+            nqn: cfg.nqn.clone(),
+            serial,
+            registry,
+            cfg: cfg.clone(),
+            listeners: Mutex::new(Vec::new()),
+            controllers: Mutex::new(Controllers { by_id: HashMap::new(), next: 1 }),
+            stopping: AtomicBool::new(false),
+        }
+    }
+
+    fn controllers(&self) -> MutexGuard<'_, Controllers> {
+        self.controllers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The `[[host]]` id that `nqn` maps to, if any.
+    pub fn host_view(&self, set: &VolumeSet, nqn: &str) -> HostView {
+        HostView { nqn: nqn.to_owned(), id: set.access.host_for_nqn(nqn).map(str::to_owned) }
+    }
+
+    /// Creates a controller for an admin Connect.
+    pub fn create_controller(&self, host_nqn: &str, host_id: [u8; 16], discovery: bool, kato_ms: u32) -> Option<Arc<Controller>> {
+        let mut c = self.controllers();
+        // Controller ids 1..=0xffef; 0xfff0.. are reserved.
+        let mut id = c.next;
+        for _ in 0..0xffef {
+            if !c.by_id.contains_key(&id) {
+                break;
+            }
+            id = if id >= 0xffef { 1 } else { id + 1 };
+        }
+        if c.by_id.contains_key(&id) {
+            return None;
+        }
+        c.next = if id >= 0xffef { 1 } else { id + 1 };
+        let ctrl = Arc::new(Controller {
+            id,
+            host_nqn: host_nqn.to_owned(),
+            host_id,
+            discovery,
+            dead: AtomicBool::new(false),
+            live_queues: AtomicU32::new(1),
+            queues: Mutex::new(QueueTable::default()),
+            wake: EventFd::new().ok()?,
+            state: Mutex::new(ControllerState { kato_ms, ..ControllerState::default() }),
+        });
+        c.by_id.insert(id, Arc::clone(&ctrl));
+        Some(ctrl)
+    }
+
+    pub fn controller(&self, id: u16) -> Option<Arc<Controller>> {
+        self.controllers().by_id.get(&id).cloned()
+    }
+
+    /// Forgets a controller whose queues have all finished.
+    pub fn remove_controller(&self, id: u16) {
+        self.controllers().by_id.remove(&id);
+    }
+
+    /// The fence: waits until no torn-down controller of `host_nqn` has a
+    /// queue left (with its disk operations), so that no write of an old
+    /// association lands after the new one starts. False if `timeout` passed.
+    pub fn wait_for_old_controllers(&self, host_nqn: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let busy = self
+                .controllers()
+                .by_id
+                .values()
+                .any(|c| c.host_nqn == host_nqn && c.is_dead() && c.live_queues.load(Ordering::Acquire) > 0);
+            if !busy {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Tears down every controller (shutdown).
+    pub fn tear_down_all(&self, why: &str) {
+        let all: Vec<Arc<Controller>> = self.controllers().by_id.values().cloned().collect();
+        for c in all {
+            c.tear_down(why);
+        }
+    }
+
+    pub fn live_controllers(&self) -> usize {
+        self.controllers().by_id.values().filter(|c| !c.is_dead()).count()
+    }
+}
+
+/// The NVMe listeners and their queue threads.
+pub struct NvmeFrontEnd {
+    pub subsystem: Arc<Subsystem>,
+    pub listeners: Vec<(NvmeListen, TcpListener)>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl NvmeFrontEnd {
+    /// Binds every `nvme+tcp://` listener (port 0 picks a free one).
+    pub fn bind(cfg: &TargetConfig, registry: Arc<Registry>) -> crate::Result<NvmeFrontEnd> {
+        let subsystem = Arc::new(Subsystem::new(cfg, registry));
+        let mut listeners = Vec::new();
+        for l in &cfg.nvme_listen {
+            let sock = TcpListener::bind(l.url.host_port())
+                .map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
+            sock.set_nonblocking(true).map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
+            let addr = sock.local_addr().map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
+            let mut bound = l.clone();
+            bound.url.port = addr.port();
+            subsystem.listeners.lock().unwrap_or_else(|e| e.into_inner()).push(addr);
+            listeners.push((bound, sock));
+        }
+        Ok(NvmeFrontEnd { subsystem, listeners, threads: Vec::new() })
+    }
+
+    /// Accepts every pending connection on listener `i` and starts its queue thread.
+    pub fn accept(&mut self, i: usize) {
+        loop {
+            match self.listeners[i].1.accept() {
+                Ok((stream, peer)) => {
+                    if self.subsystem.stopping.load(Ordering::Acquire) {
+                        continue;
+                    }
+                    let sub = Arc::clone(&self.subsystem);
+                    let port = i as u16 + 1;
+                    match std::thread::Builder::new().name("rdmablk-nvmeq".into()).spawn(move || tcp::serve(stream, peer, port, sub)) {
+                        Ok(t) => self.threads.push(t),
+                        Err(e) => tracing::error!("nvme+tcp: cannot start a queue thread for {peer}: {e}"),
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::warn!("nvme+tcp: accept failed: {e}");
+                    break;
+                }
+            }
+        }
+        self.threads.retain(|t| !t.is_finished());
+    }
+
+    /// Stops accepting, tears every controller down and waits (up to
+    /// `deadline`) for the queue threads, which finish their disk operations.
+    pub fn shutdown(&mut self, deadline: Instant) {
+        self.subsystem.stopping.store(true, Ordering::Release);
+        self.listeners.clear();
+        self.subsystem.tear_down_all("the target is stopping");
+        while self.threads.iter().any(|t| !t.is_finished()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        for t in self.threads.drain(..) {
+            if t.is_finished() {
+                let _ = t.join();
+            }
+        }
+    }
+}

@@ -1,0 +1,657 @@
+//! One NVMe queue's commands, whatever the transport: the slab (its index
+//! is the engine tag and the NVMe/TCP transfer tag), the data each command
+//! carries in either direction, the engine operations, and the answers.
+//!
+//! The transport hands in decoded capsules and placed data and takes out
+//! [`Action`]s: completions, data to send, data to ask for. It never looks
+//! inside a command; this file never touches the wire.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdmablk_common::nvme::cqe::CompletionEntry;
+use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry};
+use rdmablk_common::nvme::status::Status;
+
+use super::io_cmd::{self, IoPlan};
+use super::{admin_cmd, fabrics_cmd, Controller, HostView, Namespace, Subsystem, MAX_TRANSFER, QUEUE_CHUNKS};
+use crate::engine::QueueEngine;
+use crate::error::{Error, ErrorKind};
+use crate::pool::ChunkId;
+
+/// Where a command's data lives.
+#[derive(Debug)]
+pub enum Buf {
+    None,
+    /// A pool chunk: disk data goes to and from it directly.
+    Chunk(ChunkId),
+    /// Heap memory: admin data, DSM ranges, in-capsule writes that found no
+    /// free chunk.
+    Heap(Vec<u8>),
+}
+
+/// What the transport must do next.
+#[derive(Debug)]
+pub enum Action {
+    /// Send this completion.
+    Respond(CompletionEntry),
+    /// Send `len` bytes of `buf` to the host for command `cid`, then the
+    /// completion. A chunk is given back with [`Queue::sent`].
+    SendData { cid: u16, buf: Buf, len: u32, then: CompletionEntry },
+    /// Ask the host for `len` bytes of command `cid`'s data, tagged `ttag`.
+    RequestData { cid: u16, ttag: u16, len: u32 },
+    /// Close the connection (after sending what is queued).
+    Close(String),
+}
+
+/// A command's answer from a handler that needs no disk.
+pub enum Reply {
+    Done { status: Status, result: u64 },
+    Data { data: Vec<u8> },
+    /// Held (Asynchronous Event Request); answered later.
+    Held,
+}
+
+impl Reply {
+    pub fn ok() -> Reply {
+        Reply::Done { status: Status::SUCCESS, result: 0 }
+    }
+    pub fn status(status: Status) -> Reply {
+        Reply::Done { status, result: 0 }
+    }
+    pub fn error(e: &Error) -> Reply {
+        Reply::Done { status: e.nvme_status(false), result: 0 }
+    }
+}
+
+#[derive(Debug)]
+struct Cmd {
+    sqe: SubmissionEntry,
+    buf: Buf,
+    /// Bytes of host data the command carries, and how many arrived.
+    expect: u32,
+    received: u32,
+    plan: Option<IoPlan>,
+    /// Engine operations not yet reaped.
+    pending_ops: u32,
+    failed: Option<Status>,
+}
+
+/// The queue's place in its association.
+pub struct Connected {
+    pub qid: u16,
+    pub ctrl: Arc<Controller>,
+    pub host: HostView,
+}
+
+pub struct Queue {
+    pub sub: Arc<Subsystem>,
+    /// The listener's port id (discovery log) and the connection's ends.
+    pub port: u16,
+    pub local: SocketAddr,
+    pub peer: SocketAddr,
+    pub conn: Option<Connected>,
+    /// A second handle on the connection, for the controller's teardown.
+    pub socket: Option<std::net::TcpStream>,
+    pub sq_entries: u32,
+    sq_head: u32,
+    pub engine: Option<QueueEngine>,
+    cmds: Vec<Option<Cmd>>,
+    free: Vec<u16>,
+    by_cid: HashMap<u16, u16>,
+    waiting_chunk: VecDeque<u16>,
+    pub actions: Vec<Action>,
+    ns_cache: (u64, Vec<Namespace>),
+    /// Admin queue: held AERs, changed namespaces not yet read, whether
+    /// namespace notices wait for the log to be read, what the host saw.
+    pub aers: Vec<u16>,
+    pub changed_nsids: Vec<u32>,
+    pub aen_masked: bool,
+    known: (u64, Vec<(u32, u64, bool)>),
+    pub keep_alive_due: Option<Instant>,
+}
+
+impl Queue {
+    pub fn new(sub: Arc<Subsystem>, port: u16, local: SocketAddr, peer: SocketAddr) -> Queue {
+        Queue {
+            sub,
+            port,
+            local,
+            peer,
+            conn: None,
+            socket: None,
+            sq_entries: 0,
+            sq_head: 0,
+            engine: None,
+            cmds: Vec::new(),
+            free: Vec::new(),
+            by_cid: HashMap::new(),
+            waiting_chunk: VecDeque::new(),
+            actions: Vec::new(),
+            ns_cache: (u64::MAX, Vec::new()),
+            aers: Vec::new(),
+            changed_nsids: Vec::new(),
+            aen_masked: false,
+            known: (u64::MAX, Vec::new()),
+            keep_alive_due: None,
+        }
+    }
+
+    pub fn socket_clone(&self) -> Option<std::net::TcpStream> {
+        self.socket.as_ref()?.try_clone().ok()
+    }
+
+    pub fn qid(&self) -> Option<u16> {
+        self.conn.as_ref().map(|c| c.qid)
+    }
+
+    pub fn is_admin(&self) -> bool {
+        self.qid() == Some(0)
+    }
+
+    /// Bytes of in-capsule data this queue accepts.
+    pub fn in_capsule_limit(&self) -> u32 {
+        match self.qid() {
+            Some(q) if q > 0 => super::IO_IN_CAPSULE,
+            _ => super::ADMIN_IN_CAPSULE,
+        }
+    }
+
+    /// The namespaces the connected host sees now.
+    pub fn namespaces(&mut self) -> &[Namespace] {
+        let generation = self.sub.registry.generation();
+        if self.ns_cache.0 != generation {
+            let set = self.sub.registry.volumes();
+            let list = match &self.conn {
+                Some(c) => super::namespaces(&set, &c.host),
+                None => Vec::new(),
+            };
+            self.ns_cache = (set.generation, list);
+        }
+        &self.ns_cache.1
+    }
+
+    fn completion(&mut self, cid: u16, status: Status, result: u64) -> CompletionEntry {
+        CompletionEntry { result, sq_head: self.sq_head as u16, sq_id: self.qid().unwrap_or(0), cid, status }
+    }
+
+    fn respond(&mut self, cid: u16, status: Status, result: u64) {
+        let c = self.completion(cid, status, result);
+        self.actions.push(Action::Respond(c));
+    }
+
+    /// A command capsule arrived with `in_capsule` bytes of data to follow.
+    /// Returns the slot the data goes to, or `None` when the command was
+    /// answered already (its data, if any, is then discarded).
+    pub fn command(&mut self, sqe: SubmissionEntry, in_capsule: u32) -> Option<u16> {
+        if self.sq_entries > 0 {
+            self.sq_head = (self.sq_head + 1) % self.sq_entries;
+        }
+        let cid = sqe.cid;
+        let is_connect = sqe.opcode == admin_opcode::FABRICS && sqe.fctype() == rdmablk_common::nvme::fabrics::fctype::CONNECT;
+        if self.conn.is_none() && !is_connect {
+            self.respond(cid, Status::COMMAND_SEQUENCE_ERROR, 0);
+            return None;
+        }
+        if let Err(e) = sqe.validate() {
+            tracing::debug!("nvme queue {:?} from {}: {e}", self.qid(), self.peer);
+            self.respond(cid, Status::INVALID_FIELD, 0);
+            return None;
+        }
+        if self.by_cid.contains_key(&cid) {
+            self.respond(cid, Status::COMMAND_ID_CONFLICT, 0);
+            return None;
+        }
+        let live = self.cmds.len() - self.free.len();
+        if self.sq_entries > 0 && live >= self.sq_entries as usize {
+            // The host sent more than its queue holds.
+            self.respond(cid, Status::COMMAND_SEQUENCE_ERROR, 0);
+            return None;
+        }
+        let sgl = match sqe.sgl() {
+            Ok(s) => s,
+            Err(_) => {
+                self.respond(cid, Status::SGL_TYPE_INVALID, 0);
+                return None;
+            }
+        };
+        let h2c = data_direction(&sqe) & 0b01 != 0;
+        let expect = match sgl {
+            Sgl::InCapsule { offset, length } => {
+                if offset != 0 {
+                    self.respond(cid, Status::SGL_OFFSET_INVALID, 0);
+                    return None;
+                }
+                if length != in_capsule || !h2c {
+                    self.respond(cid, Status::SGL_DATA_LENGTH_INVALID, 0);
+                    return None;
+                }
+                length
+            }
+            Sgl::Transport { length } if in_capsule == 0 => {
+                if h2c {
+                    length
+                } else {
+                    0
+                }
+            }
+            _ => {
+                self.respond(cid, Status::SGL_TYPE_INVALID, 0);
+                return None;
+            }
+        };
+        if expect > MAX_TRANSFER {
+            self.respond(cid, Status::SGL_DATA_LENGTH_INVALID, 0);
+            return None;
+        }
+        let slot = self.alloc_slot();
+        let mut cmd = Cmd { sqe, buf: Buf::None, expect, received: 0, plan: None, pending_ops: 0, failed: None };
+        // I/O commands are planned (validated) before any data is asked for.
+        if self.qid().is_some_and(|q| q > 0) {
+            let sgl_len = sgl.length();
+            self.namespaces();
+            match io_cmd::plan(&cmd.sqe, &self.ns_cache.1, sgl_len) {
+                Ok(p) => cmd.plan = Some(p),
+                Err(e) => {
+                    self.release_slot(slot);
+                    self.respond(cid, e.nvme_status(false), 0);
+                    return None;
+                }
+            }
+        }
+        if expect > 0 {
+            cmd.buf = if cmd.plan.as_ref().is_some_and(|p| p.uses_chunk()) {
+                match self.engine.as_mut().and_then(|e| e.alloc()) {
+                    Some(c) => Buf::Chunk(c),
+                    None => Buf::Heap(vec![0; expect as usize]),
+                }
+            } else {
+                Buf::Heap(vec![0; expect as usize])
+            };
+        }
+        self.cmds[slot as usize] = Some(cmd);
+        self.by_cid.insert(cid, slot);
+        if in_capsule > 0 {
+            return Some(slot);
+        }
+        if expect > 0 {
+            self.actions.push(Action::RequestData { cid, ttag: slot, len: expect });
+            return Some(slot);
+        }
+        self.execute(slot);
+        None
+    }
+
+    fn alloc_slot(&mut self) -> u16 {
+        match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.cmds.push(None);
+                (self.cmds.len() - 1) as u16
+            }
+        }
+    }
+
+    fn release_slot(&mut self, slot: u16) {
+        if let Some(c) = self.cmds[slot as usize].take() {
+            if self.by_cid.get(&c.sqe.cid) == Some(&slot) {
+                self.by_cid.remove(&c.sqe.cid);
+            }
+            if let Buf::Chunk(ch) = c.buf {
+                self.give_back(ch);
+            }
+        }
+        self.free.push(slot);
+    }
+
+    fn give_back(&mut self, c: ChunkId) {
+        if let Some(e) = self.engine.as_mut() {
+            e.release(c);
+        }
+        if let Some(next) = self.waiting_chunk.pop_front() {
+            self.run_io(next);
+        }
+    }
+
+    /// A chunk the transport finished sending.
+    pub fn sent(&mut self, c: ChunkId) {
+        self.give_back(c);
+    }
+
+    /// Where `len` bytes of command `slot`'s data at `offset` go. The
+    /// caller checked the range against what the command expects.
+    pub fn data_mut(&mut self, slot: u16, offset: u32, len: u32) -> &mut [u8] {
+        let cmd = self.cmds[slot as usize].as_mut().expect("live command");
+        let (o, n) = (offset as usize, len as usize);
+        match &mut cmd.buf {
+            Buf::Chunk(c) => &mut self.engine.as_mut().expect("engine").bytes_mut(*c)[o..o + n],
+            Buf::Heap(v) => &mut v[o..o + n],
+            Buf::None => panic!("command without a data buffer"),
+        }
+    }
+
+    /// Checks an H2CData PDU against the command it names: the transfer
+    /// tag, the command id, and the range asked for. Returns the slot.
+    pub fn check_h2c(&self, ttag: u16, cccid: u16, offset: u32, len: u32) -> Result<u16, &'static str> {
+        let Some(Some(cmd)) = self.cmds.get(ttag as usize) else { return Err("no command has this transfer tag") };
+        if cmd.sqe.cid != cccid {
+            return Err("the command id does not match the transfer tag");
+        }
+        if cmd.expect == 0 || cmd.received >= cmd.expect || matches!(cmd.sqe.sgl(), Ok(Sgl::InCapsule { .. })) {
+            return Err("no data was asked for this command");
+        }
+        if offset != cmd.received {
+            return Err("the data offset is not where the previous data ended");
+        }
+        if offset as u64 + len as u64 > cmd.expect as u64 {
+            return Err("the data runs past what was asked for");
+        }
+        Ok(ttag)
+    }
+
+    /// `len` more bytes of command `slot`'s data were placed; `last`: the
+    /// host says they were the last. Runs the command once all arrived.
+    pub fn data_placed(&mut self, slot: u16, len: u32, last: bool) -> Result<(), &'static str> {
+        let cmd = self.cmds[slot as usize].as_mut().expect("live command");
+        cmd.received += len;
+        let done = cmd.received == cmd.expect;
+        if last != done {
+            return Err(if last { "LAST_PDU before all data arrived" } else { "all data arrived without LAST_PDU" });
+        }
+        if done {
+            self.execute(slot);
+        }
+        Ok(())
+    }
+
+    /// A command's data digest was wrong: its data is thrown away and the
+    /// command fails (the transport decides whether the connection ends).
+    pub fn data_corrupt(&mut self, slot: u16) {
+        let cid = self.cmds[slot as usize].as_ref().expect("live command").sqe.cid;
+        self.release_slot(slot);
+        self.respond(cid, Status::DATA_TRANSFER_ERROR, 0);
+    }
+
+    /// Runs a command whose data (if any) has arrived.
+    fn execute(&mut self, slot: u16) {
+        let cmd = self.cmds[slot as usize].as_mut().expect("live command");
+        let sqe = cmd.sqe;
+        if cmd.plan.is_some() {
+            self.run_io(slot);
+            return;
+        }
+        let data = match std::mem::replace(&mut cmd.buf, Buf::None) {
+            Buf::Heap(v) => v,
+            Buf::Chunk(_) | Buf::None => Vec::new(),
+        };
+        let reply = if sqe.opcode == admin_opcode::FABRICS {
+            fabrics_cmd::handle(self, &sqe, &data)
+        } else if self.is_admin() {
+            admin_cmd::handle(self, &sqe, &data)
+        } else {
+            Reply::status(Status::INVALID_OPCODE)
+        };
+        self.finish(slot, reply);
+    }
+
+    fn finish(&mut self, slot: u16, reply: Reply) {
+        let cid = self.cmds[slot as usize].as_ref().expect("live command").sqe.cid;
+        match reply {
+            // A notice may already be waiting for a request to carry it.
+            Reply::Held => self.send_events(),
+            Reply::Done { status, result } => {
+                self.release_slot(slot);
+                self.respond(cid, status, result);
+            }
+            Reply::Data { mut data } => {
+                let sqe = self.cmds[slot as usize].as_ref().expect("live command").sqe;
+                self.release_slot(slot);
+                let want = sqe.sgl().map(|s| s.length()).unwrap_or(0) as usize;
+                if want == 0 {
+                    self.respond(cid, Status::SUCCESS, 0);
+                    return;
+                }
+                data.resize(want, 0);
+                let then = self.completion(cid, Status::SUCCESS, 0);
+                let len = want as u32;
+                self.actions.push(Action::SendData { cid, buf: Buf::Heap(data), len, then });
+            }
+        }
+    }
+
+    /// Answers a held command (an AER) now.
+    pub fn answer_held(&mut self, cid: u16, status: Status, result: u64) {
+        if let Some(slot) = self.by_cid.get(&cid).copied() {
+            self.release_slot(slot);
+            self.respond(cid, status, result);
+        }
+    }
+
+    /// Starts (or continues, once a chunk is free) an I/O command's engine work.
+    fn run_io(&mut self, slot: u16) {
+        let Some(engine) = self.engine.as_mut() else { return };
+        let cmd = self.cmds[slot as usize].as_mut().expect("live command");
+        let plan = cmd.plan.clone().expect("planned");
+        let tag = slot as u64;
+        if plan.uses_chunk() && !matches!(cmd.buf, Buf::Chunk(_)) {
+            let Some(c) = engine.alloc() else {
+                self.waiting_chunk.push_back(slot);
+                return;
+            };
+            if let Buf::Heap(v) = &cmd.buf {
+                engine.bytes_mut(c)[..v.len()].copy_from_slice(v);
+            }
+            cmd.buf = Buf::Chunk(c);
+        }
+        let r = match &plan {
+            IoPlan::Read { ns, offset, len } => {
+                let Buf::Chunk(c) = cmd.buf else { unreachable!("a chunk was taken above") };
+                cmd.pending_ops = 1;
+                engine.read(&ns.volume, c, *len, *offset, tag)
+            }
+            IoPlan::Write { ns, offset, len, fua } => {
+                let Buf::Chunk(c) = cmd.buf else { unreachable!("a chunk was taken above") };
+                cmd.pending_ops = 1;
+                ns.volume.writes.bump(*offset, *len as u64);
+                engine.write(&ns.volume, c, *len, *offset, *fua, tag)
+            }
+            IoPlan::Flush { ns } => {
+                cmd.pending_ops = 1;
+                engine.flush(&ns.volume, tag)
+            }
+            IoPlan::Range { ns, op, ranges } => {
+                cmd.pending_ops = ranges.len() as u32;
+                let mut r = Ok(());
+                for &(offset, len) in ranges {
+                    ns.volume.writes.bump(offset, len);
+                    r = r.and(engine.range(&ns.volume, *op, offset, len, tag));
+                }
+                r
+            }
+            IoPlan::Deallocate { ns, op } => {
+                let ranges = match &cmd.buf {
+                    Buf::Heap(v) => io_cmd::dsm_ranges(v, ns),
+                    _ => Err(Error::new(ErrorKind::Internal, "DSM ranges not in heap memory")),
+                };
+                match ranges {
+                    Err(e) => {
+                        self.finish(slot, Reply::error(&e));
+                        return;
+                    }
+                    Ok(ranges) if ranges.is_empty() => {
+                        self.finish(slot, Reply::ok());
+                        return;
+                    }
+                    Ok(ranges) => {
+                        cmd.pending_ops = ranges.len() as u32;
+                        let mut r = Ok(());
+                        for (offset, len) in ranges {
+                            ns.volume.writes.bump(offset, len);
+                            r = r.and(engine.range(&ns.volume, *op, offset, len, tag));
+                        }
+                        r
+                    }
+                }
+            }
+        };
+        if let Err(e) = r {
+            tracing::error!("nvme queue {:?}: engine: {e}", self.qid());
+            let cmd = self.cmds[slot as usize].as_mut().expect("live command");
+            cmd.failed = Some(Status::INTERNAL_ERROR);
+        }
+    }
+
+    /// Reaps the engine and turns finished operations into answers.
+    pub fn reap(&mut self) -> usize {
+        let Some(mut engine) = self.engine.take() else { return 0 };
+        let mut done: Vec<(u64, i32)> = Vec::new();
+        let n = engine.reap(|tag, res| done.push((tag, res)));
+        self.engine = Some(engine);
+        for (tag, res) in done {
+            self.op_done(tag as u16, res);
+        }
+        n
+    }
+
+    fn op_done(&mut self, slot: u16, res: i32) {
+        let qid = self.qid();
+        let Some(cmd) = self.cmds.get_mut(slot as usize).and_then(|c| c.as_mut()) else { return };
+        cmd.pending_ops = cmd.pending_ops.saturating_sub(1);
+        let plan = cmd.plan.clone().expect("an engine operation belongs to an I/O command");
+        if res < 0 && cmd.failed.is_none() {
+            let reading = matches!(plan, IoPlan::Read { .. });
+            let e = Error::new(ErrorKind::DeviceIo(-res), format!("{}: errno {}", plan.name(), -res));
+            tracing::warn!("nvme queue {:?}: {} of namespace {} failed: {e}", qid, plan.name(), plan.nsid());
+            cmd.failed = Some(e.nvme_status(reading));
+        }
+        if cmd.pending_ops > 0 {
+            return;
+        }
+        if let Some(bump) = plan.written_range() {
+            plan.namespace().volume.writes.bump(bump.0, bump.1);
+        }
+        let cid = cmd.sqe.cid;
+        match (cmd.failed, &plan) {
+            (None, IoPlan::Read { len, .. }) => {
+                let len = *len;
+                let buf = std::mem::replace(&mut cmd.buf, Buf::None);
+                let then = self.completion(cid, Status::SUCCESS, 0);
+                self.release_slot(slot);
+                self.actions.push(Action::SendData { cid, buf, len, then });
+            }
+            (failed, _) => {
+                self.release_slot(slot);
+                self.respond(cid, failed.unwrap_or(Status::SUCCESS), 0);
+            }
+        }
+    }
+
+    /// Whether disk operations are still in flight.
+    pub fn busy(&self) -> bool {
+        self.engine.as_ref().is_some_and(|e| e.inflight() > 0)
+    }
+
+    /// Makes this an I/O queue's engine (at its Connect).
+    pub fn start_engine(&mut self, qid: u16) -> crate::Result<()> {
+        let chunks = QUEUE_CHUNKS.min(self.sq_entries.max(1));
+        let entries = (self.sq_entries.max(8)).next_power_of_two();
+        self.engine = Some(QueueEngine::new(chunks, MAX_TRANSFER, entries, 1000 + qid as usize)?);
+        Ok(())
+    }
+
+    /// Admin queue, every turn: keep-alive expiry and namespace changes.
+    pub fn tick(&mut self, now: Instant) {
+        let Some(conn) = &self.conn else { return };
+        if conn.qid != 0 || conn.ctrl.discovery {
+            return;
+        }
+        let ctrl = Arc::clone(&conn.ctrl);
+        if let Some(due) = self.keep_alive_due {
+            if now >= due {
+                let kato = ctrl.state.lock().unwrap_or_else(|e| e.into_inner()).kato_ms;
+                ctrl.tear_down(&format!("no keep-alive within {kato} ms"));
+                self.actions.push(Action::Close("keep-alive timeout".into()));
+                return;
+            }
+        }
+        self.watch_namespaces();
+    }
+
+    /// Any admin command restarts the keep-alive timer.
+    pub fn kept_alive(&mut self) {
+        let Some(conn) = &self.conn else { return };
+        let kato = conn.ctrl.state.lock().unwrap_or_else(|e| e.into_inner()).kato_ms;
+        self.keep_alive_due = (kato > 0).then(|| Instant::now() + Duration::from_millis(kato as u64));
+    }
+
+    /// Compares the namespaces with what the host saw and raises a
+    /// namespace-attribute-changed event for the difference.
+    fn watch_namespaces(&mut self) {
+        let generation = self.sub.registry.generation();
+        if self.known.0 == generation {
+            return;
+        }
+        let now: Vec<(u32, u64, bool)> = self.namespaces().iter().map(|n| (n.nsid, n.volume.blocks(), n.read_only)).collect();
+        let first = self.known.0 == u64::MAX;
+        let before = std::mem::replace(&mut self.known, (generation, now.clone())).1;
+        if first {
+            return;
+        }
+        let mut changed: Vec<u32> = now.iter().filter(|n| !before.contains(n)).map(|n| n.0).collect();
+        changed.extend(before.iter().filter(|b| !now.iter().any(|n| n.0 == b.0)).map(|b| b.0));
+        changed.sort_unstable();
+        changed.dedup();
+        if changed.is_empty() {
+            return;
+        }
+        tracing::info!("nvme controller {}: namespaces changed: {changed:?}", self.conn.as_ref().map_or(0, |c| c.ctrl.id));
+        for n in changed {
+            if !self.changed_nsids.contains(&n) {
+                self.changed_nsids.push(n);
+            }
+        }
+        self.send_events();
+    }
+
+    /// Completes a held AER for a pending namespace notice, if enabled.
+    pub fn send_events(&mut self) {
+        let Some(conn) = &self.conn else { return };
+        let enabled = conn.ctrl.state.lock().unwrap_or_else(|e| e.into_inner()).aen_config & super::identify::AEN_NS_ATTR != 0;
+        if !enabled || self.aen_masked || self.changed_nsids.is_empty() {
+            return;
+        }
+        let Some(cid) = self.aers.pop() else { return };
+        self.aen_masked = true;
+        // Event type 2 (notice), information 0 (namespace attribute
+        // changed), log page 0x04 (changed namespace list).
+        self.answer_held(cid, Status::SUCCESS, 0x0004_0002);
+    }
+
+    /// Drops every command (the connection is closing).
+    pub fn drop_commands(&mut self) {
+        for slot in 0..self.cmds.len() as u16 {
+            let pending = self.cmds[slot as usize].as_ref().is_some_and(|c| c.pending_ops > 0);
+            if self.cmds[slot as usize].is_some() && !pending {
+                self.release_slot(slot);
+            }
+        }
+        self.waiting_chunk.clear();
+    }
+
+    pub fn stopping(&self) -> bool {
+        self.sub.stopping.load(Ordering::Acquire)
+    }
+}
+
+/// The data direction of a command: bits 1:0 of its opcode (of FCTYPE for
+/// a Fabrics command): 01 host to controller, 10 controller to host.
+pub fn data_direction(sqe: &SubmissionEntry) -> u8 {
+    if sqe.opcode == admin_opcode::FABRICS {
+        sqe.fctype() & 0b11
+    } else {
+        sqe.opcode & 0b11
+    }
+}
