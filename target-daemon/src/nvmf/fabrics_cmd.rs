@@ -124,9 +124,17 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
     if c.qid > granted + 1 {
         return Reply::status(Status::INVALID_QUEUE_ID);
     }
+    if ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).io_qids.contains(&c.qid) {
+        return Reply::status(Status::INVALID_QUEUE_ID);
+    }
+    if let Err(e) = q.start_engine(c.qid) {
+        tracing::error!("nvme controller {} queue {}: {e}", ctrl.id, c.qid);
+        return Reply::status(Status::INTERNAL_ERROR);
+    }
     {
         let mut t = ctrl.queues.lock().unwrap_or_else(|e| e.into_inner());
         if t.io_qids.contains(&c.qid) {
+            q.engine = None;
             return Reply::status(Status::INVALID_QUEUE_ID);
         }
         t.io_qids.push(c.qid);
@@ -136,10 +144,6 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
     }
     ctrl.live_queues.fetch_add(1, Ordering::AcqRel);
     q.conn = Some(Connected { qid: c.qid, ctrl: Arc::clone(&ctrl), host });
-    if let Err(e) = q.start_engine(c.qid) {
-        tracing::error!("nvme controller {} queue {}: {e}", ctrl.id, c.qid);
-        return Reply::status(Status::INTERNAL_ERROR);
-    }
     Reply::Done { status: Status::SUCCESS, result: ctrl.id as u64 }
 }
 

@@ -153,3 +153,27 @@ pub fn namespace_descriptors(target_nqn: &str, ns: &Namespace) -> Vec<u8> {
     }
     d
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespace_ids_are_stable_and_distinct() {
+        let (g1, u1) = namespace_ids("nqn.2014-08.io.rdmablk:t", "a");
+        assert_eq!((g1, u1), namespace_ids("nqn.2014-08.io.rdmablk:t", "a"));
+        let (g2, u2) = namespace_ids("nqn.2014-08.io.rdmablk:t", "b");
+        let (g3, _) = namespace_ids("nqn.2014-08.io.rdmablk:u", "a");
+        assert!(g1 != g2 && g1 != g3 && u1 != u2 && g1 != u1);
+        // An RFC 4122 name-based UUID: version 5, variant 10.
+        assert_eq!(u1[6] >> 4, 5);
+        assert_eq!(u1[8] >> 6, 0b10);
+    }
+
+    #[test]
+    fn the_active_list_starts_after_the_given_id() {
+        let d = active_namespaces(&[], 0);
+        assert!(d.iter().all(|&b| b == 0));
+        assert_eq!(d.len(), IDENTIFY_SIZE);
+    }
+}

@@ -60,7 +60,7 @@ impl IoPlan {
     }
 }
 
-fn find<'a>(nss: &'a [Namespace], nsid: u32) -> Result<&'a Namespace> {
+fn find(nss: &[Namespace], nsid: u32) -> Result<&Namespace> {
     nss.iter()
         .find(|n| n.nsid == nsid)
         .ok_or_else(|| Error::new(ErrorKind::UnknownVolume, format!("namespace {nsid} is not attached to this host")))
@@ -168,4 +168,107 @@ pub fn dsm_ranges(data: &[u8], ns: &Namespace) -> Result<Vec<(u64, u64)>> {
         out.push(byte_range(ns, r.slba, r.blocks as u64)?);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use rdmablk_common::nvme::sqe::Sgl;
+    use rdmablk_common::protocol::VolumeId;
+
+    use super::*;
+    use crate::backend::Volume;
+    use crate::config::{BackendKind, VolumeConfig};
+
+    fn ns(read_only: bool) -> Namespace {
+        let vc = VolumeConfig {
+            index: 0,
+            name: "m".into(),
+            backend: BackendKind::Memory,
+            path: Default::default(),
+            size: Some(1 << 20),
+            block_size: Some(512),
+            read_only: false,
+            nsid: None,
+        };
+        let volume = Arc::new(Volume::open("test", &vc, VolumeId(1), 1, false).unwrap());
+        Namespace { nsid: 1, volume, read_only }
+    }
+
+    fn rw(op: u8, slba: u64, blocks: u32) -> SubmissionEntry {
+        let mut e = SubmissionEntry::new(op, 7);
+        e.nsid = 1;
+        e.set_rw(slba, blocks, false);
+        e.set_sgl(Sgl::Transport { length: blocks * 512 });
+        e
+    }
+
+    fn kind(r: Result<IoPlan>) -> ErrorKind {
+        r.unwrap_err().kind()
+    }
+
+    #[test]
+    fn reads_and_writes_inside_the_namespace_are_planned_with_byte_offsets() {
+        let nss = [ns(false)];
+        let p = plan(&rw(io_opcode::READ, 2, 8), &nss, 4096).unwrap();
+        assert!(matches!(p, IoPlan::Read { offset: 1024, len: 4096, .. }), "{p:?}");
+        // The last block of the namespace (2048 blocks of 512 bytes).
+        let p = plan(&rw(io_opcode::WRITE, 2047, 1), &nss, 512).unwrap();
+        assert!(matches!(p, IoPlan::Write { offset, len: 512, fua: false, .. } if offset == (1 << 20) - 512), "{p:?}");
+    }
+
+    #[test]
+    fn every_refusal_has_its_own_reason() {
+        let nss = [ns(false)];
+        assert_eq!(kind(plan(&rw(io_opcode::READ, 2047, 2), &nss, 1024)), ErrorKind::OutOfRange);
+        assert_eq!(kind(plan(&rw(io_opcode::READ, u64::MAX, 1), &nss, 512)), ErrorKind::OutOfRange);
+        assert_eq!(kind(plan(&rw(io_opcode::READ, 0, 8), &nss, 512)), ErrorKind::LengthMismatch);
+        assert_eq!(kind(plan(&rw(io_opcode::READ, 0, 257), &nss, 257 * 512)), ErrorKind::TooLarge);
+        let mut other = rw(io_opcode::READ, 0, 1);
+        other.nsid = 2;
+        assert_eq!(kind(plan(&other, &nss, 512)), ErrorKind::UnknownVolume);
+        assert_eq!(kind(plan(&rw(0x7e, 0, 1), &nss, 512)), ErrorKind::InvalidOpcode);
+        let mut flush = SubmissionEntry::new(io_opcode::FLUSH, 1);
+        flush.nsid = 1;
+        assert!(plan(&flush, &nss, 0).is_ok());
+        assert_eq!(kind(plan(&flush, &nss, 512)), ErrorKind::LengthMismatch);
+    }
+
+    #[test]
+    fn a_read_only_namespace_refuses_every_command_that_writes() {
+        let nss = [ns(true)];
+        assert!(plan(&rw(io_opcode::READ, 0, 1), &nss, 512).is_ok());
+        assert_eq!(kind(plan(&rw(io_opcode::WRITE, 0, 1), &nss, 512)), ErrorKind::ReadOnly);
+        let mut wz = rw(io_opcode::WRITE_ZEROES, 0, 1);
+        wz.set_sgl(Sgl::NONE);
+        assert_eq!(kind(plan(&wz, &nss, 0)), ErrorKind::ReadOnly);
+        let mut dsm = SubmissionEntry::new(io_opcode::DATASET_MANAGEMENT, 3);
+        dsm.nsid = 1;
+        dsm.cdw[1] = 1 << 2;
+        assert_eq!(kind(plan(&dsm, &nss, 16)), ErrorKind::ReadOnly);
+        // Hints only (no deallocate): nothing is written.
+        dsm.cdw[1] = 0;
+        assert!(matches!(plan(&dsm, &nss, 16), Ok(IoPlan::Deallocate { op: RangeOp::Nothing, .. })));
+    }
+
+    #[test]
+    fn dsm_ranges_are_checked_one_by_one_and_empty_ones_skipped() {
+        let n = ns(false);
+        let mut data = Vec::new();
+        for (slba, blocks) in [(0u64, 8u32), (100, 0), (2040, 8)] {
+            let mut r = [0u8; DSM_RANGE_SIZE];
+            DsmRange { attributes: 0, blocks, slba }.encode(&mut r);
+            data.extend_from_slice(&r);
+        }
+        assert_eq!(dsm_ranges(&data, &n).unwrap(), vec![(0, 4096), (2040 * 512, 4096)]);
+        let mut r = [0u8; DSM_RANGE_SIZE];
+        DsmRange { attributes: 0, blocks: 9, slba: 2040 }.encode(&mut r);
+        assert_eq!(dsm_ranges(&r, &n).unwrap_err().kind(), ErrorKind::OutOfRange);
+        let mut dsm = SubmissionEntry::new(io_opcode::DATASET_MANAGEMENT, 3);
+        dsm.nsid = 1;
+        dsm.cdw[0] = 1;
+        dsm.cdw[1] = 1 << 2;
+        assert_eq!(kind(plan(&dsm, &[n], 16)), ErrorKind::LengthMismatch, "two ranges are 32 bytes");
+    }
 }

@@ -655,3 +655,184 @@ pub fn data_direction(sqe: &SubmissionEntry) -> u8 {
         sqe.opcode & 0b11
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rdmablk_common::nvme::fabrics::{ConnectData, Property, CONNECT_DATA_SIZE};
+    use rdmablk_common::nvme::sqe::{admin_opcode, Sgl};
+
+    use super::*;
+    use crate::auth::AccessPolicy;
+    use crate::backend::{open_volumes, VolumeSet};
+    use crate::config::Config;
+    use crate::session::Registry;
+
+    const HOST: &str = "nqn.2014-08.org.example:host";
+
+    fn subsystem(volumes: &[&str]) -> (Arc<Subsystem>, Config) {
+        let mut text = "[target]\nname = \"t\"\nlisten = [\"nvme+tcp://127.0.0.1:0\"]\n".to_owned();
+        for v in volumes {
+            text += &format!("[[volume]]\nname = \"{v}\"\nbackend = \"memory\"\nsize = \"1MiB\"\nblock_size = 512\nallow_any_host = true\n");
+        }
+        let config = Config::parse(&text, "test").unwrap();
+        let set = VolumeSet::new(1, open_volumes(&config).unwrap()).with_access(Arc::new(AccessPolicy::load(&config).unwrap()));
+        let registry = Arc::new(Registry::new(set, 1));
+        (Arc::new(Subsystem::new(&config.target, registry)), config)
+    }
+
+    fn queue(sub: &Arc<Subsystem>) -> Queue {
+        let a = "127.0.0.1:4420".parse().unwrap();
+        Queue::new(Arc::clone(sub), 1, a, a)
+    }
+
+    /// Runs one command (with its data, if any) and returns what it answered.
+    fn run(q: &mut Queue, mut sqe: SubmissionEntry, data: &[u8]) -> Vec<Action> {
+        if !data.is_empty() {
+            sqe.set_sgl(Sgl::InCapsule { offset: 0, length: data.len() as u32 });
+        }
+        if let Some(slot) = q.command(sqe, data.len() as u32) {
+            q.data_mut(slot, 0, data.len() as u32).copy_from_slice(data);
+            q.data_placed(slot, data.len() as u32, true).unwrap();
+        }
+        std::mem::take(&mut q.actions)
+    }
+
+    fn status(actions: &[Action]) -> (Status, u64) {
+        match actions.last() {
+            Some(Action::Respond(c)) => (c.status, c.result),
+            Some(Action::SendData { then, .. }) => (then.status, then.result),
+            other => panic!("no answer: {other:?}"),
+        }
+    }
+
+    fn data(actions: &[Action]) -> Vec<u8> {
+        match actions.last() {
+            Some(Action::SendData { buf: Buf::Heap(v), .. }) => v.clone(),
+            other => panic!("no data: {other:?}"),
+        }
+    }
+
+    fn connect(q: &mut Queue, subnqn: &str, kato_ms: u32) -> (Status, u64) {
+        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid: 0, sqsize: 31, cattr: 0, kato_ms };
+        let mut d = [0u8; CONNECT_DATA_SIZE];
+        ConnectData { host_id: [7; 16], controller_id: 0xffff, subsystem_nqn: subnqn.into(), host_nqn: HOST.into() }.encode(&mut d).unwrap();
+        status(&run(q, c.to_entry(1), &d))
+    }
+
+    fn admin(sub: &Arc<Subsystem>) -> Queue {
+        let mut q = queue(sub);
+        assert_eq!(connect(&mut q, &sub.nqn.clone(), 0).0, Status::SUCCESS);
+        let cc = Property { offset: 0x14, wide: false, value: 0x0046_0001 };
+        assert_eq!(status(&run(&mut q, cc.to_entry(2, true), &[])).0, Status::SUCCESS);
+        let csts = Property { offset: 0x1c, wide: false, value: 0 };
+        assert_eq!(status(&run(&mut q, csts.to_entry(3, false), &[])), (Status::SUCCESS, 1), "CSTS.RDY");
+        q
+    }
+
+    fn identify(cns: u32, nsid: u32) -> SubmissionEntry {
+        let mut e = SubmissionEntry::new(admin_opcode::IDENTIFY, 9);
+        e.nsid = nsid;
+        e.cdw[0] = cns;
+        e.set_sgl(Sgl::Transport { length: 4096 });
+        e
+    }
+
+    #[test]
+    fn a_command_before_connect_is_a_sequence_error() {
+        let (sub, _) = subsystem(&["a"]);
+        let mut q = queue(&sub);
+        assert_eq!(status(&run(&mut q, identify(1, 0), &[])).0, Status::COMMAND_SEQUENCE_ERROR);
+    }
+
+    #[test]
+    fn connect_checks_the_subsystem_and_hands_out_a_controller_id() {
+        let (sub, _) = subsystem(&["a"]);
+        let mut q = queue(&sub);
+        let (st, _) = connect(&mut q, "nqn.2014-08.org.example:other", 0);
+        assert_eq!(st, Status::CONNECT_INVALID_PARAMETERS);
+        let (st, id) = connect(&mut q, &sub.nqn.clone(), 0);
+        assert_eq!(st, Status::SUCCESS);
+        assert!(sub.controller(id as u16).is_some());
+        assert_eq!(connect(&mut q, &sub.nqn.clone(), 0).0, Status::COMMAND_SEQUENCE_ERROR, "a second Connect");
+    }
+
+    #[test]
+    fn identify_reports_the_controller_and_the_namespaces() {
+        let (sub, _) = subsystem(&["a", "b"]);
+        let mut q = admin(&sub);
+        let c = data(&run(&mut q, identify(1, 0), &[]));
+        assert_eq!(&c[24..38], b"rdmablk-target");
+        assert_eq!(c[77], super::super::MDTS);
+        assert_eq!(u32::from_le_bytes(c[80..84].try_into().unwrap()), super::super::identify::VERSION);
+        assert_eq!(u32::from_le_bytes(c[1792..1796].try_into().unwrap()), (64 + 16384) / 16, "IOCCSZ");
+        assert!(u16::from_le_bytes(c[514..516].try_into().unwrap()) > 0, "MAXCMD");
+        assert_eq!(&c[768..768 + sub.nqn.len()], sub.nqn.as_bytes());
+        let list = data(&run(&mut q, identify(2, 0), &[]));
+        assert_eq!(&list[..12], &[1, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0]);
+        let list = data(&run(&mut q, identify(2, 1), &[]));
+        assert_eq!(&list[..8], &[2, 0, 0, 0, 0, 0, 0, 0], "ids after 1");
+        let ns = data(&run(&mut q, identify(0, 2), &[]));
+        assert_eq!(u64::from_le_bytes(ns[0..8].try_into().unwrap()), 2048);
+        assert_eq!(ns[130], 9, "LBADS of 512-byte blocks");
+        let inactive = data(&run(&mut q, identify(0, 3), &[]));
+        assert!(inactive.iter().all(|&b| b == 0));
+        let descs = data(&run(&mut q, identify(3, 1), &[]));
+        assert_eq!((descs[0], descs[1]), (2, 16), "NGUID first");
+        assert_eq!(status(&run(&mut q, identify(3, 9), &[])).0, Status::INVALID_NAMESPACE);
+        assert_eq!(status(&run(&mut q, identify(0x1f, 0), &[])).0, Status::INVALID_FIELD);
+    }
+
+    #[test]
+    fn unknown_admin_commands_and_log_pages_get_errors_not_silence() {
+        let (sub, _) = subsystem(&["a"]);
+        let mut q = admin(&sub);
+        assert_eq!(status(&run(&mut q, SubmissionEntry::new(0xc0, 4), &[])).0, Status::INVALID_OPCODE);
+        let mut log = SubmissionEntry::new(admin_opcode::GET_LOG_PAGE, 5);
+        log.cdw[0] = 0x7f | (127 << 16);
+        log.set_sgl(Sgl::Transport { length: 512 });
+        assert_eq!(status(&run(&mut q, log, &[])).0, Status::INVALID_LOG_PAGE);
+        log.cdw[0] = 0x02 | (127 << 16);
+        assert_eq!(data(&run(&mut q, log, &[])).len(), 512, "SMART / health");
+    }
+
+    #[test]
+    fn a_new_namespace_raises_an_event_and_shows_in_the_changed_list() {
+        let (sub, _) = subsystem(&["a"]);
+        let mut q = admin(&sub);
+        let mut aec = SubmissionEntry::new(admin_opcode::SET_FEATURES, 6);
+        aec.cdw[0] = 0x0b;
+        aec.cdw[1] = super::super::identify::AEN_NS_ATTR;
+        assert_eq!(status(&run(&mut q, aec, &[])).0, Status::SUCCESS);
+        assert!(run(&mut q, SubmissionEntry::new(admin_opcode::ASYNC_EVENT_REQUEST, 7), &[]).is_empty(), "held");
+        q.tick(Instant::now());
+        assert!(q.actions.is_empty(), "nothing changed yet");
+        // A reload adds volume b (id 2).
+        let (_, bigger) = subsystem(&["a", "b"]);
+        let mut volumes = sub.registry.volumes().volumes.clone();
+        volumes.push(open_volumes(&bigger).unwrap().pop().unwrap());
+        let set = VolumeSet::new(2, volumes).with_access(Arc::new(AccessPolicy::load(&bigger).unwrap()));
+        sub.registry.publish(&sub.registry.admin(), set);
+        q.tick(Instant::now());
+        let actions = std::mem::take(&mut q.actions);
+        assert_eq!(status(&actions), (Status::SUCCESS, 0x0004_0002));
+        let mut log = SubmissionEntry::new(admin_opcode::GET_LOG_PAGE, 8);
+        log.cdw[0] = 0x04 | (1023 << 16);
+        log.set_sgl(Sgl::Transport { length: 4096 });
+        let page = data(&run(&mut q, log, &[]));
+        assert_eq!(&page[..8], &[2, 0, 0, 0, 0, 0, 0, 0]);
+        let page = data(&run(&mut q, log, &[]));
+        assert!(page.iter().all(|&b| b == 0), "reading the log cleared it");
+    }
+
+    #[test]
+    fn a_silent_host_loses_its_controller_after_kato() {
+        let (sub, _) = subsystem(&["a"]);
+        let mut q = queue(&sub);
+        let (_, id) = connect(&mut q, &sub.nqn.clone(), 100);
+        q.tick(Instant::now());
+        assert!(!sub.controller(id as u16).unwrap().is_dead());
+        q.tick(Instant::now() + Duration::from_millis(150));
+        assert!(sub.controller(id as u16).unwrap().is_dead());
+        assert!(matches!(q.actions.last(), Some(Action::Close(_))));
+    }
+}

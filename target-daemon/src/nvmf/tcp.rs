@@ -216,11 +216,9 @@ impl Connection {
             }
             for &t in &tokens {
                 match t {
-                    TOKEN_SOCKET => {
-                        if self.closing.is_none() {
-                            if let Err(f) = self.receive() {
-                                self.fail(f);
-                            }
+                    TOKEN_SOCKET if self.closing.is_none() => {
+                        if let Err(f) = self.receive() {
+                            self.fail(f);
                         }
                     }
                     TOKEN_WAKE => {
