@@ -4,7 +4,7 @@
 #   scripts/fuzz.sh [seconds-per-target] [target...]
 #
 # Default: 30 seconds for each of capsule_decode, tcp_frames, nvme_tcp_pdus,
-# config_parse.
+# nvme_commands, config_parse.
 # Installs what is missing (g++ for libFuzzer, cargo-fuzz), builds the
 # targets with AddressSanitizer and debug assertions (integer overflow
 # panics), replays every crash kept in fuzz/regressions/<target>/, then
@@ -19,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-all_targets=(capsule_decode tcp_frames nvme_tcp_pdus config_parse)
+all_targets=(capsule_decode tcp_frames nvme_tcp_pdus nvme_commands config_parse)
 seconds=${1:-30}
 shift || true
 targets=("$@")

@@ -11,12 +11,13 @@
 
 pub mod capsule_decode;
 pub mod config_parse;
+pub mod nvme_commands;
 pub mod nvme_tcp_pdus;
 pub mod seeds;
 pub mod tcp_frames;
 
 /// The fuzz targets, as named in `Cargo.toml` and in `corpus/`.
-pub const TARGETS: &[&str] = &["capsule_decode", "tcp_frames", "nvme_tcp_pdus", "config_parse"];
+pub const TARGETS: &[&str] = &["capsule_decode", "tcp_frames", "nvme_tcp_pdus", "nvme_commands", "config_parse"];
 
 /// The harness of a target, by name.
 pub fn harness(target: &str) -> Option<fn(&[u8])> {
@@ -24,6 +25,7 @@ pub fn harness(target: &str) -> Option<fn(&[u8])> {
         "capsule_decode" => Some(capsule_decode::run),
         "tcp_frames" => Some(tcp_frames::run),
         "nvme_tcp_pdus" => Some(nvme_tcp_pdus::run),
+        "nvme_commands" => Some(nvme_commands::run),
         "config_parse" => Some(config_parse::run),
         _ => None,
     }

@@ -39,6 +39,7 @@ pub fn all() -> Vec<Seed> {
     add("capsule_decode", capsules());
     add("tcp_frames", frames());
     add("nvme_tcp_pdus", nvme_tcp_pdus());
+    add("nvme_commands", nvme_commands());
     add("config_parse", configs());
     seeds
 }
@@ -360,4 +361,68 @@ fn nvme_tcp_pdus() -> Vec<(String, Vec<u8>)> {
     pdu(&mut s, Pdu::C2HTermReq(TermReq { fes: 0x01, fei: 2 }), none, &[0x04, 0, 99, 0, 72, 0, 0, 0]);
     seeds.push(("c2h-termreq".to_string(), s));
     seeds
+}
+
+/// NVMe commands (`nvme_commands`): byte 0 bit 0 runs the harness's
+/// Connect and enable first; then records of a kind byte (bit 0: an I/O
+/// command to plan), the 64-byte entry, N and N * 16 bytes of data.
+fn nvme_commands() -> Vec<(String, Vec<u8>)> {
+    use rdmablk_common::nvme::sqe::{admin_opcode, io_opcode, DsmRange, Sgl, SubmissionEntry, DSM_RANGE_SIZE};
+
+    fn record(out: &mut Vec<u8>, io: bool, e: &SubmissionEntry, data: &[u8]) {
+        assert_eq!(data.len() % 16, 0);
+        out.push(io as u8);
+        out.extend_from_slice(&e.to_bytes());
+        out.push((data.len() / 16) as u8);
+        out.extend_from_slice(data);
+    }
+    fn admin(op: u8, cid: u16, cdw: [u32; 6], nsid: u32, len: u32) -> SubmissionEntry {
+        let mut e = SubmissionEntry::new(op, cid);
+        e.nsid = nsid;
+        e.cdw = cdw;
+        e.set_sgl(Sgl::Transport { length: len });
+        e
+    }
+    fn io(op: u8, cid: u16, nsid: u32, slba: u64, blocks: u32, len: u32) -> SubmissionEntry {
+        let mut e = SubmissionEntry::new(op, cid);
+        e.nsid = nsid;
+        e.set_rw(slba, blocks, false);
+        e.set_sgl(Sgl::Transport { length: len });
+        e
+    }
+    let mut identify = vec![1u8];
+    record(&mut identify, false, &admin(admin_opcode::IDENTIFY, 1, [1, 0, 0, 0, 0, 0], 0, 4096), &[]);
+    record(&mut identify, false, &admin(admin_opcode::IDENTIFY, 2, [2, 0, 0, 0, 0, 0], 0, 4096), &[]);
+    record(&mut identify, false, &admin(admin_opcode::IDENTIFY, 3, [0, 0, 0, 0, 0, 0], 1, 4096), &[]);
+    record(&mut identify, false, &admin(admin_opcode::IDENTIFY, 4, [3, 0, 0, 0, 0, 0], 2, 4096), &[]);
+    record(&mut identify, false, &admin(admin_opcode::GET_LOG_PAGE, 5, [0x02 | 127 << 16, 0, 0, 0, 0, 0], 0, 512), &[]);
+    record(&mut identify, false, &admin(admin_opcode::GET_LOG_PAGE, 6, [0x05 | 1023 << 16, 0, 0, 0, 0, 0], 0, 4096), &[]);
+    let mut features = vec![1u8];
+    record(&mut features, false, &admin(admin_opcode::SET_FEATURES, 1, [0x07, 0x0003_0003, 0, 0, 0, 0], 0, 0), &[]);
+    record(&mut features, false, &admin(admin_opcode::SET_FEATURES, 2, [0x0b, 1 << 8, 0, 0, 0, 0], 0, 0), &[]);
+    record(&mut features, false, &admin(admin_opcode::GET_FEATURES, 3, [0x0f, 0, 0, 0, 0, 0], 0, 0), &[]);
+    record(&mut features, false, &admin(admin_opcode::ASYNC_EVENT_REQUEST, 4, [0; 6], 0, 0), &[]);
+    record(&mut features, false, &admin(admin_opcode::KEEP_ALIVE, 5, [0; 6], 0, 0), &[]);
+    let mut ranges = Vec::new();
+    for (slba, blocks) in [(0u64, 8u32), (2040, 8)] {
+        let mut r = [0u8; DSM_RANGE_SIZE];
+        DsmRange { attributes: 0, blocks, slba }.encode(&mut r);
+        ranges.extend_from_slice(&r);
+    }
+    let mut io_plans = vec![1u8];
+    record(&mut io_plans, true, &io(io_opcode::READ, 1, 1, 0, 8, 4096), &[]);
+    record(&mut io_plans, true, &io(io_opcode::WRITE, 2, 1, 2040, 8, 4096), &[]);
+    record(&mut io_plans, true, &io(io_opcode::WRITE, 3, 2, 0, 1, 4096), &[]);
+    record(&mut io_plans, true, &io(io_opcode::WRITE_ZEROES, 4, 1, 16, 16, 0), &[]);
+    let mut dsm = io(io_opcode::DATASET_MANAGEMENT, 5, 1, 0, 1, 32);
+    dsm.cdw = [1, 1 << 2, 0, 0, 0, 0];
+    record(&mut io_plans, true, &dsm, &ranges);
+    let mut before_connect = vec![0u8];
+    record(&mut before_connect, false, &admin(admin_opcode::IDENTIFY, 1, [1, 0, 0, 0, 0, 0], 0, 4096), &[]);
+    vec![
+        ("identify_and_logs".into(), identify),
+        ("features_aer_keep_alive".into(), features),
+        ("io_plans".into(), io_plans),
+        ("before_connect".into(), before_connect),
+    ]
 }

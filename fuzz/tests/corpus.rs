@@ -59,6 +59,11 @@ fn nvme_tcp_pdus_inputs_replay_cleanly() {
 }
 
 #[test]
+fn nvme_commands_inputs_replay_cleanly() {
+    assert!(replay("nvme_commands") > 0, "no nvme_commands inputs found");
+}
+
+#[test]
 fn config_parse_inputs_replay_cleanly() {
     assert!(replay("config_parse") > 0, "no config_parse inputs found");
 }
