@@ -184,8 +184,9 @@ impl Queue {
     }
 
     /// A command capsule arrived with `in_capsule` bytes of data to follow.
-    /// Returns the slot the data goes to, or `None` when the command was
-    /// answered already (its data, if any, is then discarded).
+    /// Returns the slot the in-capsule data goes to; `None` when there is
+    /// none to place: the command was answered (its data, if any, is
+    /// discarded), runs, or asked for its data ([`Action::RequestData`]).
     pub fn command(&mut self, sqe: SubmissionEntry, in_capsule: u32) -> Option<u16> {
         if self.sq_entries > 0 {
             self.sq_head = (self.sq_head + 1) % self.sq_entries;
@@ -278,8 +279,9 @@ impl Queue {
             return Some(slot);
         }
         if expect > 0 {
+            // The data comes in H2CData PDUs tagged with the slot.
             self.actions.push(Action::RequestData { cid, ttag: slot, len: expect });
-            return Some(slot);
+            return None;
         }
         self.execute(slot);
         None
