@@ -34,6 +34,8 @@ impl Status {
     pub const SGL_TYPE_INVALID: Status = Status::generic(0x13).no_retry();
     pub const SGL_OFFSET_INVALID: Status = Status::generic(0x16).no_retry();
     pub const NAMESPACE_WRITE_PROTECTED: Status = Status::generic(0x20).no_retry();
+    /// A transport error the host may retry (NVMe/TCP: a data digest error).
+    pub const TRANSIENT_TRANSPORT_ERROR: Status = Status::generic(0x22);
     pub const LBA_OUT_OF_RANGE: Status = Status::generic(0x80).no_retry();
     pub const CAPACITY_EXCEEDED: Status = Status::generic(0x81).no_retry();
     pub const NAMESPACE_NOT_READY: Status = Status::generic(0x82);

@@ -9,6 +9,7 @@ use rdmablk_common::nvme::fabrics::{
 };
 use rdmablk_common::nvme::sqe::SubmissionEntry;
 use rdmablk_common::nvme::status::Status;
+use rdmablk_common::nvme::WireError;
 
 use super::identify::VERSION;
 use super::queue::{Connected, Queue, Reply};
@@ -58,7 +59,11 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
         Ok(d) => d,
         Err(e) => {
             tracing::warn!("nvme connect from {}: {e}", q.peer);
-            return bad_data(connect_data_offset::SUBSYSTEM_NQN);
+            return bad_data(match e {
+                WireError::BadNqn { field: "host NQN", .. } => connect_data_offset::HOST_NQN,
+                WireError::ReservedNotZero { offset, .. } => offset as u16,
+                _ => connect_data_offset::SUBSYSTEM_NQN,
+            });
         }
     };
     let discovery = d.subsystem_nqn == DISCOVERY_NQN;
@@ -91,7 +96,7 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
             return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
         };
         if let Some(s) = q.socket_clone() {
-            ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).sockets.push(s);
+            ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).queues.push((0, s));
         }
         tracing::info!(
             "nvme controller {} created for host {:?} from {}{} (KATO {} ms)",
@@ -124,7 +129,7 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
     if c.qid > granted + 1 {
         return Reply::status(Status::INVALID_QUEUE_ID);
     }
-    if ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).io_qids.contains(&c.qid) {
+    if ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).has(c.qid) {
         return Reply::status(Status::INVALID_QUEUE_ID);
     }
     if let Err(e) = q.start_engine(c.qid) {
@@ -133,13 +138,13 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
     }
     {
         let mut t = ctrl.queues.lock().unwrap_or_else(|e| e.into_inner());
-        if t.io_qids.contains(&c.qid) {
-            q.engine = None;
-            return Reply::status(Status::INVALID_QUEUE_ID);
-        }
-        t.io_qids.push(c.qid);
-        if let Some(s) = q.socket_clone() {
-            t.sockets.push(s);
+        let socket = q.socket_clone();
+        match socket {
+            Some(s) if !t.has(c.qid) => t.queues.push((c.qid, s)),
+            _ => {
+                q.engine = None;
+                return Reply::status(if t.has(c.qid) { Status::INVALID_QUEUE_ID } else { Status::INTERNAL_ERROR });
+            }
         }
     }
     ctrl.live_queues.fetch_add(1, Ordering::AcqRel);

@@ -101,10 +101,21 @@ pub struct Controller {
     pub state: Mutex<ControllerState>,
 }
 
+/// A controller's connected queues: queue id and a handle on its socket.
 #[derive(Default)]
 pub struct QueueTable {
-    pub io_qids: Vec<u16>,
-    pub sockets: Vec<TcpStream>,
+    pub queues: Vec<(u16, TcpStream)>,
+}
+
+impl QueueTable {
+    pub fn has(&self, qid: u16) -> bool {
+        self.queues.iter().any(|(q, _)| *q == qid)
+    }
+
+    /// Forgets a closed queue: its id may be connected again.
+    pub fn remove(&mut self, qid: u16) {
+        self.queues.retain(|(q, _)| *q != qid);
+    }
 }
 
 /// Registers and features the host sets.
@@ -128,7 +139,7 @@ impl Controller {
         }
         tracing::warn!("nvme controller {} of host {}: torn down: {why}", self.id, self.host_nqn);
         let q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-        for s in &q.sockets {
+        for (_, s) in &q.queues {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
         self.wake.notify();

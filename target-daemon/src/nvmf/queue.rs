@@ -47,6 +47,29 @@ pub enum Action {
     Close(String),
 }
 
+/// Why an H2CData PDU was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum H2cRefusal {
+    UnknownTag,
+    /// The command id does not match the transfer tag's command.
+    WrongCommand,
+    /// The command asked for no (more) data.
+    NotRequested,
+    /// The data is not where the next bytes asked for start, or runs past them.
+    OutOfRange,
+}
+
+impl std::fmt::Display for H2cRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            H2cRefusal::UnknownTag => "no command has this transfer tag",
+            H2cRefusal::WrongCommand => "the command id does not match the transfer tag",
+            H2cRefusal::NotRequested => "no data was asked for this command",
+            H2cRefusal::OutOfRange => "the data is not within what was asked for, in order",
+        })
+    }
+}
+
 /// A command's answer from a handler that needs no disk.
 pub enum Reply {
     Done { status: Status, result: u64 },
@@ -244,25 +267,25 @@ impl Queue {
                 return None;
             }
         };
-        if expect > MAX_TRANSFER {
-            self.respond(cid, Status::SGL_DATA_LENGTH_INVALID, 0);
-            return None;
-        }
-        let slot = self.alloc_slot();
-        let mut cmd = Cmd { sqe, buf: Buf::None, expect, received: 0, plan: None, pending_ops: 0, failed: None };
         // I/O commands are planned (validated) before any data is asked for.
-        if self.qid().is_some_and(|q| q > 0) {
-            let sgl_len = sgl.length();
+        let mut plan = None;
+        if self.qid().is_some_and(|q| q > 0) && sqe.opcode != admin_opcode::FABRICS {
             self.namespaces();
-            match io_cmd::plan(&cmd.sqe, &self.ns_cache.1, sgl_len) {
-                Ok(p) => cmd.plan = Some(p),
+            match io_cmd::plan(&sqe, &self.ns_cache.1, sgl.length()) {
+                Ok(p) => plan = Some(p),
                 Err(e) => {
-                    self.release_slot(slot);
                     self.respond(cid, e.nvme_status(false), 0);
                     return None;
                 }
             }
         }
+        if expect > MAX_TRANSFER {
+            // Only admin data can get here: I/O plans stop at MDTS.
+            self.respond(cid, Status::SGL_DATA_LENGTH_INVALID, 0);
+            return None;
+        }
+        let slot = self.alloc_slot();
+        let mut cmd = Cmd { sqe, buf: Buf::None, expect, received: 0, plan, pending_ops: 0, failed: None };
         if expect > 0 {
             cmd.buf = if cmd.plan.as_ref().is_some_and(|p| p.uses_chunk()) {
                 match self.engine.as_mut().and_then(|e| e.alloc()) {
@@ -337,19 +360,16 @@ impl Queue {
 
     /// Checks an H2CData PDU against the command it names: the transfer
     /// tag, the command id, and the range asked for. Returns the slot.
-    pub fn check_h2c(&self, ttag: u16, cccid: u16, offset: u32, len: u32) -> Result<u16, &'static str> {
-        let Some(Some(cmd)) = self.cmds.get(ttag as usize) else { return Err("no command has this transfer tag") };
+    pub fn check_h2c(&self, ttag: u16, cccid: u16, offset: u32, len: u32) -> Result<u16, H2cRefusal> {
+        let Some(Some(cmd)) = self.cmds.get(ttag as usize) else { return Err(H2cRefusal::UnknownTag) };
         if cmd.sqe.cid != cccid {
-            return Err("the command id does not match the transfer tag");
+            return Err(H2cRefusal::WrongCommand);
         }
         if cmd.expect == 0 || cmd.received >= cmd.expect || matches!(cmd.sqe.sgl(), Ok(Sgl::InCapsule { .. })) {
-            return Err("no data was asked for this command");
+            return Err(H2cRefusal::NotRequested);
         }
-        if offset != cmd.received {
-            return Err("the data offset is not where the previous data ended");
-        }
-        if offset as u64 + len as u64 > cmd.expect as u64 {
-            return Err("the data runs past what was asked for");
+        if offset != cmd.received || offset as u64 + len as u64 > cmd.expect as u64 {
+            return Err(H2cRefusal::OutOfRange);
         }
         Ok(ttag)
     }
@@ -370,11 +390,12 @@ impl Queue {
     }
 
     /// A command's data digest was wrong: its data is thrown away and the
-    /// command fails (the transport decides whether the connection ends).
+    /// command fails with Transient Transport Error, which the host retries
+    /// (the connection goes on, as with SPDK's target and Linux nvmet).
     pub fn data_corrupt(&mut self, slot: u16) {
         let cid = self.cmds[slot as usize].as_ref().expect("live command").sqe.cid;
         self.release_slot(slot);
-        self.respond(cid, Status::DATA_TRANSFER_ERROR, 0);
+        self.respond(cid, Status::TRANSIENT_TRANSPORT_ERROR, 0);
     }
 
     /// Runs a command whose data (if any) has arrived.
@@ -408,17 +429,19 @@ impl Queue {
                 self.release_slot(slot);
                 self.respond(cid, status, result);
             }
-            Reply::Data { mut data } => {
+            Reply::Data { data } => {
                 let sqe = self.cmds[slot as usize].as_ref().expect("live command").sqe;
                 self.release_slot(slot);
-                let want = sqe.sgl().map(|s| s.length()).unwrap_or(0) as usize;
-                if want == 0 {
-                    self.respond(cid, Status::SUCCESS, 0);
+                // The command defines how much it returns (Identify 4 KiB,
+                // a log page NUMD dwords); a longer SGL gets that much, a
+                // shorter one is refused, as Linux nvmet does.
+                let room = sqe.sgl().map(|s| s.length()).unwrap_or(0) as usize;
+                if room < data.len() {
+                    self.respond(cid, Status::SGL_DATA_LENGTH_INVALID, 0);
                     return;
                 }
-                data.resize(want, 0);
                 let then = self.completion(cid, Status::SUCCESS, 0);
-                let len = want as u32;
+                let len = data.len() as u32;
                 self.actions.push(Action::SendData { cid, buf: Buf::Heap(data), len, then });
             }
         }
@@ -824,6 +847,32 @@ mod tests {
         assert_eq!(&page[..8], &[2, 0, 0, 0, 0, 0, 0, 0]);
         let page = data(&run(&mut q, log, &[]));
         assert!(page.iter().all(|&b| b == 0), "reading the log cleared it");
+    }
+
+    #[test]
+    fn admin_data_is_as_long_as_the_command_defines_whatever_the_sgl_says() {
+        let (sub, _) = subsystem(&["a"]);
+        let mut q = admin(&sub);
+        // A 4 GiB SGL on Identify: 4,096 bytes are sent, nothing more is allocated.
+        let mut id = identify(1, 0);
+        id.set_sgl(Sgl::Transport { length: u32::MAX });
+        let actions = run(&mut q, id, &[]);
+        assert!(matches!(actions.last(), Some(Action::SendData { len: 4096, .. })), "{actions:?}");
+        assert_eq!(data(&actions).len(), 4096);
+        // Shorter than the data: refused.
+        id.set_sgl(Sgl::Transport { length: 100 });
+        assert_eq!(status(&run(&mut q, id, &[])).0, Status::SGL_DATA_LENGTH_INVALID);
+    }
+
+    #[test]
+    fn connect_data_errors_name_the_field_at_fault() {
+        let (sub, _) = subsystem(&["a"]);
+        let mut q = queue(&sub);
+        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid: 0, sqsize: 31, cattr: 0, kato_ms: 0 };
+        let mut d = [0u8; CONNECT_DATA_SIZE];
+        ConnectData { host_id: [7; 16], controller_id: 0xffff, subsystem_nqn: sub.nqn.clone(), host_nqn: HOST.into() }.encode(&mut d).unwrap();
+        d[512..768].fill(b'x');
+        assert_eq!(status(&run(&mut q, c.to_entry(1), &d)), (Status::CONNECT_INVALID_PARAMETERS, 0x1_0200), "HOSTNQN");
     }
 
     #[test]

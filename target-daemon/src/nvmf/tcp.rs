@@ -30,7 +30,7 @@ use rdmablk_common::nvme::tcp::{
 };
 use rdmablk_common::nvme::WireError;
 
-use super::queue::{Action, Buf, Queue};
+use super::queue::{Action, Buf, H2cRefusal, Queue};
 use super::{Subsystem, MAX_TRANSFER};
 use crate::pool::ChunkId;
 use crate::sys::{Epoll, READABLE, WRITABLE};
@@ -286,6 +286,7 @@ impl Connection {
         if conn.qid == 0 {
             ctrl.tear_down(&format!("admin queue closed: {why}"));
         } else {
+            ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).remove(conn.qid);
             tracing::debug!("nvme controller {} queue {} closed: {why}", ctrl.id, conn.qid);
         }
         if ctrl.live_queues.fetch_sub(1, Ordering::AcqRel) == 1 {
@@ -462,9 +463,13 @@ impl Connection {
             Pdu::H2CData(d) => match self.q.check_h2c(d.ttag, d.cccid, d.offset, d.length) {
                 Ok(slot) => Ok(Dest::Command { slot, offset: d.offset, h2c_last: Some(d.last) }),
                 Err(why) => {
-                    let fes = if why.contains("runs past") { fes::DATA_OUT_OF_RANGE } else { fes::INVALID_HEADER_FIELD };
-                    // FEI: the field at fault (TTAG at 10, DATAO at 12).
-                    Err(Fatal { fes: Some((fes, if why.contains("offset") { 12 } else { 10 })), header: header.to_vec(), why: format!("H2CData: {why}") })
+                    // FEI: the field at fault (CCCID at 8, TTAG at 10, DATAO at 12).
+                    let (fes, fei) = match why {
+                        H2cRefusal::OutOfRange => (fes::DATA_OUT_OF_RANGE, 12),
+                        H2cRefusal::WrongCommand => (fes::INVALID_HEADER_FIELD, 8),
+                        H2cRefusal::UnknownTag | H2cRefusal::NotRequested => (fes::INVALID_HEADER_FIELD, 10),
+                    };
+                    Err(Fatal { fes: Some((fes, fei)), header: header.to_vec(), why: format!("H2CData: {why}") })
                 }
             },
             Pdu::H2CTermReq(t) => {
