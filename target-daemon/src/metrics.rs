@@ -251,6 +251,8 @@ pub struct Scrape<'a> {
     pub reloads_failed: u64,
     /// Handshakes and refusals by the connection limits.
     pub limits: Option<&'a crate::session::LimitCounters>,
+    /// The NVMe-oF front end's counters and live controllers, when it listens.
+    pub nvme: Option<(&'a crate::nvmf::NvmeStats, usize)>,
 }
 
 /// Escapes a label value.
@@ -325,6 +327,27 @@ pub fn render(s: &Scrape<'_>) -> String {
         }
     }
 
+    if let Some((n, controllers)) = s.nvme {
+        use std::sync::atomic::Ordering::Relaxed;
+        header(&mut out, "rdmablk_nvme_controllers", "gauge", "NVMe-oF controllers alive (discovery included).");
+        let _ = writeln!(out, "rdmablk_nvme_controllers {controllers}");
+        header(&mut out, "rdmablk_nvme_queues", "gauge", "NVMe-oF queues connected (admin and I/O).");
+        let _ = writeln!(out, "rdmablk_nvme_queues {}", n.queues.load(Relaxed));
+        header(&mut out, "rdmablk_nvme_commands_total", "counter", "NVMe-oF commands received, by class.");
+        for (i, class) in crate::nvmf::NvmeStats::CLASSES.iter().enumerate() {
+            let _ = writeln!(out, "rdmablk_nvme_commands_total{{class=\"{class}\"}} {}", n.commands[i].load(Relaxed));
+        }
+        for (name, help, v) in [
+            ("rdmablk_nvme_errors_total", "NVMe-oF commands answered with an error status.", &n.errors),
+            ("rdmablk_nvme_read_bytes_total", "Bytes read by NVMe-oF hosts.", &n.bytes_read),
+            ("rdmablk_nvme_written_bytes_total", "Bytes written by NVMe-oF hosts.", &n.bytes_written),
+            ("rdmablk_nvme_terminations_total", "NVMe/TCP connections ended for a broken PDU.", &n.terminations),
+            ("rdmablk_nvme_keep_alive_timeouts_total", "NVMe-oF controllers torn down for a missed keep-alive.", &n.keep_alive_timeouts),
+        ] {
+            header(&mut out, name, "counter", help);
+            let _ = writeln!(out, "{name} {}", v.load(Relaxed));
+        }
+    }
     header(&mut out, "rdmablk_sessions_connected", "gauge", "Sessions with at least one connected queue pair.");
     let _ = writeln!(out, "rdmablk_sessions_connected {}", s.sessions.len());
     header(&mut out, "rdmablk_session_queue_pairs", "gauge", "Queue pairs of each session, per reactor that serves them.");
@@ -689,6 +712,9 @@ mod tests {
         let limits = crate::session::LimitCounters::default();
         limits.refused_sessions.fetch_add(3, Relaxed);
         limits.handshakes.fetch_add(2, Relaxed);
+        let nvme = crate::nvmf::NvmeStats::default();
+        nvme.commands[1].store(5, std::sync::atomic::Ordering::Relaxed);
+        nvme.terminations.store(1, std::sync::atomic::Ordering::Relaxed);
         let text = render(&Scrape {
             target: "t\"x",
             uptime: Duration::from_secs(1),
@@ -699,8 +725,12 @@ mod tests {
             reloads_ok: 1,
             reloads_failed: 0,
             limits: Some(&limits),
+            nvme: Some((&nvme, 2)),
         });
         assert!(text.contains("rdmablk_target_info{target=\"t\\\"x\"} 1"), "{text}");
+        assert!(text.contains("rdmablk_nvme_controllers 2\n"), "{text}");
+        assert!(text.contains("rdmablk_nvme_commands_total{class=\"write\"} 5\n"), "{text}");
+        assert!(text.contains("rdmablk_nvme_terminations_total 1\n"), "{text}");
         assert!(text.contains("rdmablk_connections_refused_total{reason=\"max_sessions\"} 3"), "{text}");
         assert!(text.contains("rdmablk_connections_refused_total{reason=\"max_handshakes\"} 0"), "{text}");
         assert!(text.contains("rdmablk_handshakes_in_progress 2"), "{text}");

@@ -667,6 +667,8 @@ impl ControlThread {
             reloads_ok: self.reloads_ok,
             reloads_failed: self.reloads_failed,
             limits: Some(&self.registry.counters),
+            nvme: (!self.nvme.listeners.is_empty())
+                .then(|| (&self.nvme.subsystem.stats, self.nvme.subsystem.live_controllers())),
         })
     }
 

@@ -34,7 +34,9 @@ use rdmablk_system_tests::nvme_tcp::{
     connect_data, connect_entry, parse_ns_descriptors, parse_ns_list, rw_entry, Cmd, IdCtrl, IdNs, NvmeTcpConn, CC_ENABLE,
     Termination,
 };
-use rdmablk_system_tests::{file_bytes, file_volume, listen_host, random_bytes, sparse_file, TargetProcess};
+use rdmablk_system_tests::{
+    file_bytes, file_volume, listen_host, random_bytes, sample, scrape, sparse_file, wait_until, TargetProcess,
+};
 
 const KIB: usize = 1024;
 const MIB: u64 = 1 << 20;
@@ -1648,5 +1650,44 @@ fn connections_that_never_connect_are_dropped_after_the_handshake_timeout() {
     }
     std::thread::sleep(Duration::from_millis(1500));
     good.keep_alive().expect("a connected admin queue outlives handshake_timeout");
+    target.assert_no_panic();
+}
+
+#[test]
+fn the_metrics_endpoint_counts_nvme_queues_commands_bytes_and_terminations() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_file(dir.path(), "vol.img", VOL_SIZE);
+    let config = format!("{}\n{}", nvme_section("metrics = \"127.0.0.1:0\"\n"), nvme_volume("vol", &img, VOL_SIZE, false, Some(1), ""));
+    let (target, addr, _) = start_on(dir.path(), &config);
+    let metrics = target.metrics_addr();
+    let (mut admin, cntlid) = controller(addr);
+    let mut q = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 1, SUBNQN, HOSTNQN);
+    q.write(1, 0, &[0x5a; 8192], false).unwrap();
+    assert_eq!(q.read(1, 0, 2, BS).unwrap(), vec![0x5a; 8192]);
+    assert_status("read past the end", q.read(1, VOL_SIZE / BS as u64, 1, BS), Status::LBA_OUT_OF_RANGE);
+    let s = scrape(&metrics);
+    let v = |name: &str, labels: &[(&str, &str)]| sample(&s, name, labels).unwrap_or_else(|| panic!("{name} {labels:?} missing"));
+    assert_eq!(v("rdmablk_nvme_controllers", &[]), 1.0);
+    assert_eq!(v("rdmablk_nvme_queues", &[]), 2.0);
+    assert_eq!(v("rdmablk_nvme_commands_total", &[("class", "write")]), 1.0);
+    assert_eq!(v("rdmablk_nvme_commands_total", &[("class", "read")]), 2.0);
+    assert_eq!(v("rdmablk_nvme_written_bytes_total", &[]), 8192.0);
+    assert_eq!(v("rdmablk_nvme_read_bytes_total", &[]), 8192.0);
+    assert!(v("rdmablk_nvme_errors_total", &[]) >= 1.0);
+    // A garbage PDU on a third connection is terminated and counted.
+    let mut bad = NvmeTcpConn::connect(addr, NO_DIGESTS);
+    bad.raw_send(&[0xff; 72]);
+    let t = bad.wait_for_termination(Duration::from_secs(5));
+    assert!(t.closed, "{}", summary(&t));
+    wait_until("the termination is counted", Duration::from_secs(5), || {
+        sample(&scrape(&metrics), "rdmablk_nvme_terminations_total", &[]) == Some(1.0)
+    });
+    drop(q);
+    admin.keep_alive().unwrap();
+    drop(admin);
+    wait_until("the queues are gone", Duration::from_secs(5), || {
+        let s = scrape(&metrics);
+        sample(&s, "rdmablk_nvme_queues", &[]) == Some(0.0) && sample(&s, "rdmablk_nvme_controllers", &[]) == Some(0.0)
+    });
     target.assert_no_panic();
 }

@@ -108,6 +108,7 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
         );
         let id = ctrl.id;
         q.conn = Some(Connected { qid: 0, ctrl, host });
+        q.sub.stats.queues.fetch_add(1, Ordering::Relaxed);
         q.kept_alive();
         return Reply::Done { status: Status::SUCCESS, result: id as u64 };
     }
@@ -149,6 +150,7 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
     }
     ctrl.live_queues.fetch_add(1, Ordering::AcqRel);
     q.conn = Some(Connected { qid: c.qid, ctrl: Arc::clone(&ctrl), host });
+    q.sub.stats.queues.fetch_add(1, Ordering::Relaxed);
     Reply::Done { status: Status::SUCCESS, result: ctrl.id as u64 }
 }
 

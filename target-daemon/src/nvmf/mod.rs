@@ -31,7 +31,7 @@ pub mod tcp;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -62,6 +62,45 @@ pub const MAX_AERS: usize = 4;
 /// Pool chunks per I/O queue: commands beyond this wait for a chunk.
 pub const QUEUE_CHUNKS: u32 = 32;
 
+/// NVMe-oF counters for the metrics endpoint (many queue threads write
+/// them: atomic adds).
+#[derive(Debug, Default)]
+pub struct NvmeStats {
+    /// Connected queues (admin and I/O).
+    pub queues: AtomicU64,
+    /// Commands received, by [`NvmeStats::CLASSES`].
+    pub commands: [AtomicU64; 6],
+    /// Commands answered with an error status.
+    pub errors: AtomicU64,
+    pub bytes_read: AtomicU64,
+    pub bytes_written: AtomicU64,
+    /// Connections ended by a termination request for a broken PDU.
+    pub terminations: AtomicU64,
+    /// Controllers torn down because their host sent no keep-alive.
+    pub keep_alive_timeouts: AtomicU64,
+}
+
+impl NvmeStats {
+    pub const CLASSES: [&'static str; 6] = ["read", "write", "flush", "write_zeroes", "dsm", "admin"];
+
+    /// The class of a command on an I/O queue (`io`) or the admin queue.
+    pub fn class(io: bool, opcode: u8) -> usize {
+        use rdmablk_common::nvme::sqe::io_opcode;
+        match (io, opcode) {
+            (true, io_opcode::READ) => 0,
+            (true, io_opcode::WRITE) => 1,
+            (true, io_opcode::FLUSH) => 2,
+            (true, io_opcode::WRITE_ZEROES) => 3,
+            (true, io_opcode::DATASET_MANAGEMENT) => 4,
+            _ => 5,
+        }
+    }
+
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
 /// What a front end needs from the running target.
 pub struct Subsystem {
     pub nqn: String,
@@ -74,6 +113,7 @@ pub struct Subsystem {
     controllers: Mutex<Controllers>,
     /// Set once the target is stopping: queues finish and close.
     pub stopping: AtomicBool,
+    pub stats: NvmeStats,
 }
 
 #[derive(Default)]
@@ -240,6 +280,7 @@ impl Subsystem {
             listeners: Mutex::new(Vec::new()),
             controllers: Mutex::new(Controllers { by_id: HashMap::new(), next: 1 }),
             stopping: AtomicBool::new(false),
+            stats: NvmeStats::default(),
         }
     }
 

@@ -17,7 +17,7 @@ use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry};
 use rdmablk_common::nvme::status::Status;
 
 use super::io_cmd::{self, IoPlan};
-use super::{admin_cmd, fabrics_cmd, Controller, HostView, Namespace, Subsystem, MAX_TRANSFER, QUEUE_CHUNKS};
+use super::{admin_cmd, fabrics_cmd, Controller, HostView, Namespace, NvmeStats, Subsystem, MAX_TRANSFER, QUEUE_CHUNKS};
 use crate::engine::QueueEngine;
 use crate::error::{Error, ErrorKind};
 use crate::pool::ChunkId;
@@ -198,6 +198,9 @@ impl Queue {
     }
 
     fn completion(&mut self, cid: u16, status: Status, result: u64) -> CompletionEntry {
+        if !status.is_success() {
+            NvmeStats::add(&self.sub.stats.errors, 1);
+        }
         CompletionEntry { result, sq_head: self.sq_head as u16, sq_id: self.qid().unwrap_or(0), cid, status }
     }
 
@@ -215,6 +218,8 @@ impl Queue {
             self.sq_head = (self.sq_head + 1) % self.sq_entries;
         }
         let cid = sqe.cid;
+        let io = self.qid().is_some_and(|q| q > 0) && sqe.opcode != admin_opcode::FABRICS;
+        NvmeStats::add(&self.sub.stats.commands[NvmeStats::class(io, sqe.opcode)], 1);
         let is_connect = sqe.opcode == admin_opcode::FABRICS && sqe.fctype() == rdmablk_common::nvme::fabrics::fctype::CONNECT;
         if self.conn.is_none() && !is_connect {
             self.respond(cid, Status::COMMAND_SEQUENCE_ERROR, 0);
@@ -560,6 +565,11 @@ impl Queue {
         }
         let cid = cmd.sqe.cid;
         match (cmd.failed, &plan) {
+            (None, IoPlan::Read { len, .. }) => NvmeStats::add(&self.sub.stats.bytes_read, *len as u64),
+            (None, IoPlan::Write { len, .. }) => NvmeStats::add(&self.sub.stats.bytes_written, *len as u64),
+            _ => {}
+        }
+        match (cmd.failed, &plan) {
             (None, IoPlan::Read { len, .. }) => {
                 let len = *len;
                 let buf = std::mem::replace(&mut cmd.buf, Buf::None);
@@ -597,6 +607,7 @@ impl Queue {
         if let Some(due) = self.keep_alive_due {
             if now >= due {
                 let kato = ctrl.state.lock().unwrap_or_else(|e| e.into_inner()).kato_ms;
+                NvmeStats::add(&self.sub.stats.keep_alive_timeouts, 1);
                 ctrl.tear_down(&format!("no keep-alive within {kato} ms"));
                 self.actions.push(Action::Close("keep-alive timeout".into()));
                 return;

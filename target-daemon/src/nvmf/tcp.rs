@@ -260,6 +260,7 @@ impl Connection {
             let mut header = f.header;
             header.truncate(MAX_TERM_PLEN as usize - SHORT_HLEN);
             tracing::warn!("nvme+tcp {}: {} (termination request, FES {fes:#x})", self.q.peer, f.why);
+            super::NvmeStats::add(&self.q.sub.stats.terminations, 1);
             self.queue_pdu(&Pdu::C2HTermReq(TermReq { fes, fei }), TxBody::Heap(header));
         } else {
             tracing::debug!("nvme+tcp {}: {}", self.q.peer, f.why);
@@ -282,6 +283,7 @@ impl Connection {
             tracing::debug!("nvme+tcp {}: closed before Connect: {why}", self.q.peer);
             return;
         };
+        self.q.sub.stats.queues.fetch_sub(1, Ordering::Relaxed);
         let ctrl = conn.ctrl;
         if conn.qid == 0 {
             ctrl.tear_down(&format!("admin queue closed: {why}"));
