@@ -299,6 +299,10 @@ impl Connection {
 
     /// Reads what the socket has and handles every complete part.
     fn receive(&mut self) -> Result<(), Fatal> {
+        // A read that returned less than it asked for emptied the socket:
+        // the next read would only say EAGAIN, so wait for epoll (level
+        // triggered: it reports at once what arrived since).
+        let mut drained = false;
         loop {
             if self.closing.is_some() {
                 return Ok(());
@@ -306,13 +310,18 @@ impl Connection {
             if self.parse()? {
                 continue;
             }
+            if drained {
+                return Ok(());
+            }
             // Data of a command with nothing buffered: straight into its buffer.
             if let Rx::Data { dest: Dest::Command { slot, offset, .. }, pad: 0, len, placed, .. } = self.state {
                 if self.rx_start == self.rx_end && placed < len {
                     let buf = self.q.data_mut(slot, offset + placed, len - placed);
+                    let asked = buf.len();
                     match (&self.stream).read(buf) {
                         Ok(0) => return Err(Fatal::closed("the host closed the connection")),
                         Ok(n) => {
+                            drained = n < asked;
                             if let Rx::Data { placed, .. } = &mut self.state {
                                 *placed += n as u32;
                             }
