@@ -1691,3 +1691,46 @@ fn the_metrics_endpoint_counts_nvme_queues_commands_bytes_and_terminations() {
     });
     target.assert_no_panic();
 }
+
+#[test]
+fn nvme_connections_count_against_the_connection_limits() {
+    use std::io::Read;
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_file(dir.path(), "vol.img", VOL_SIZE);
+    let config = format!(
+        "{}\n{}",
+        nvme_section("max_connections_per_address = 3\nmax_handshakes_per_address = 3\n"),
+        nvme_volume("vol", &img, VOL_SIZE, false, Some(1), "")
+    );
+    let (target, addr, _) = start_on(dir.path(), &config);
+    let (mut admin, cntlid) = controller(addr);
+    let mut q1 = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 1, SUBNQN, HOSTNQN);
+    let idle = NvmeTcpConn::connect(addr, NO_DIGESTS);
+    // A fourth connection from this address is closed at once, unanswered.
+    let mut extra = std::net::TcpStream::connect(addr).unwrap();
+    extra.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 8];
+    match extra.read(&mut buf) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("the fourth connection got {other:?} instead of being closed"),
+    }
+    target.wait_for_log("ConnectionsPerAddress limit reached", Duration::from_secs(5));
+    // The three that were admitted keep working; one closing makes room.
+    q1.write(1, 0, &[0x11; 4096], false).unwrap();
+    drop(idle);
+    // Admitted means answered: an ICReq gets its 128-byte ICResp.
+    let answered = || {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let icreq = Pdu::IcReq(rdmablk_common::nvme::tcp::IcReq { pfv: 0, hpda: 0, digests: NO_DIGESTS, maxr2t: 0 });
+        s.write_all(&icreq.to_wire(NO_DIGESTS, &[], 0)).is_ok() && {
+            let mut resp = [0u8; 128];
+            s.read_exact(&mut resp).is_ok() && resp[0] == 0x01
+        }
+    };
+    wait_until("a connection slot is free again", Duration::from_secs(5), answered);
+    admin.keep_alive().unwrap();
+    target.assert_no_panic();
+}

@@ -399,9 +399,20 @@ impl NvmeFrontEnd {
                     if self.subsystem.stopping.load(Ordering::Acquire) {
                         continue;
                     }
+                    // The same connection limits as rdmablk v1's: handshakes
+                    // in progress (total and per address) and connections
+                    // per address.
+                    let admission = match self.subsystem.registry.begin_handshake(Some(peer.ip())) {
+                        Ok(a) => a,
+                        Err(why) => {
+                            tracing::warn!("nvme+tcp: refused a connection from {peer}: {why:?} limit reached");
+                            continue;
+                        }
+                    };
                     let sub = Arc::clone(&self.subsystem);
                     let port = i as u16 + 1;
-                    match std::thread::Builder::new().name("rdmablk-nvmeq".into()).spawn(move || tcp::serve(stream, peer, port, sub)) {
+                    let serve = move || tcp::serve(stream, peer, port, sub, admission);
+                    match std::thread::Builder::new().name("rdmablk-nvmeq".into()).spawn(serve) {
                         Ok(t) => self.threads.push(t),
                         Err(e) => tracing::error!("nvme+tcp: cannot start a queue thread for {peer}: {e}"),
                     }

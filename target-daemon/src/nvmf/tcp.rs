@@ -33,6 +33,7 @@ use rdmablk_common::nvme::WireError;
 use super::queue::{Action, Buf, H2cRefusal, Queue};
 use super::{Subsystem, MAX_TRANSFER};
 use crate::pool::ChunkId;
+use crate::session::{Admission, ConnectionSlot, HandshakeSlot};
 use crate::sys::{Epoll, READABLE, WRITABLE};
 
 /// Bytes one receive call may bring in before a header is parsed.
@@ -121,10 +122,14 @@ struct Connection {
     watching_write: bool,
     watched: HashSet<i32>,
     closing: Option<String>,
+    /// Counts against the handshake limits until Connect succeeds.
+    handshake: Option<HandshakeSlot>,
+    /// Counts against `max_connections_per_address` while the connection lives.
+    _connection: ConnectionSlot,
 }
 
 /// Serves one NVMe/TCP connection until it closes.
-pub fn serve(stream: TcpStream, peer: SocketAddr, port: u16, sub: Arc<Subsystem>) {
+pub fn serve(stream: TcpStream, peer: SocketAddr, port: u16, sub: Arc<Subsystem>, admission: Admission) {
     let local = stream.local_addr().unwrap_or(peer);
     let setup = || -> std::io::Result<Epoll> {
         stream.set_nodelay(true)?;
@@ -158,6 +163,8 @@ pub fn serve(stream: TcpStream, peer: SocketAddr, port: u16, sub: Arc<Subsystem>
         watching_write: false,
         watched: HashSet::new(),
         closing: None,
+        handshake: Some(admission.handshake),
+        _connection: admission.connection,
     };
     let why = c.run();
     c.finish(&why);
@@ -189,6 +196,9 @@ impl Connection {
             }
             self.watch_new_fds();
             let connected = self.q.conn.is_some();
+            if connected {
+                self.handshake = None;
+            }
             if let Some(conn) = &self.q.conn {
                 if conn.ctrl.is_dead() {
                     return "the controller was torn down".into();
