@@ -187,18 +187,26 @@ impl QueueEngine {
         self.uring.submit().map(drop)
     }
 
+    /// Clears the wake-up descriptors ([`QueueEngine::wait_fds`]) after
+    /// one fired; reap afterwards, so that nothing that completed in
+    /// between is missed.
+    pub fn clear_wake(&mut self) {
+        self.uring.clear_eventfd();
+        if let Some(b) = self.blocking.as_ref() {
+            b.clear_wake();
+        }
+    }
+
     /// Reports every finished operation to `f` once: its tag and bytes
-    /// moved, or `-errno`.
+    /// moved, or `-errno`. No system call: cheap to call every turn.
     pub fn reap(&mut self, mut f: impl FnMut(u64, i32)) -> usize {
         let mut n = 0;
         for (tag, res) in std::mem::take(&mut self.immediate) {
             f(tag, res);
             n += 1;
         }
-        self.uring.clear_eventfd();
         n += self.uring.reap(&mut self.pool, &mut f);
         if let Some(b) = self.blocking.as_mut() {
-            b.clear_wake();
             n += b.reap(&mut f);
         }
         n

@@ -236,6 +236,11 @@ impl Connection {
                             c.ctrl.wake.drain();
                         }
                     }
+                    TOKEN_ENGINE => {
+                        if let Some(e) = self.q.engine.as_mut() {
+                            e.clear_wake();
+                        }
+                    }
                     _ => {}
                 }
             }
@@ -348,9 +353,13 @@ impl Connection {
                 self.rx_end -= self.rx_start;
                 self.rx_start = 0;
             }
+            let asked = self.rx.len() - self.rx_end;
             match (&self.stream).read(&mut self.rx[self.rx_end..]) {
                 Ok(0) => return Err(Fatal::closed("the host closed the connection")),
-                Ok(n) => self.rx_end += n,
+                Ok(n) => {
+                    drained = n < asked;
+                    self.rx_end += n;
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(Fatal::closed(format!("receive: {e}"))),
