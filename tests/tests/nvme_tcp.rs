@@ -1734,3 +1734,18 @@ fn nvme_connections_count_against_the_connection_limits() {
     admin.keep_alive().unwrap();
     target.assert_no_panic();
 }
+
+#[test]
+fn sigterm_with_nvme_hosts_connected_ends_their_controllers_and_exits_cleanly() {
+    let (_dir, mut target, addr, img) = one_volume_target();
+    let (_admin, cntlid) = controller(addr);
+    let mut q = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 1, SUBNQN, HOSTNQN);
+    let data = vec![0x77u8; 65536];
+    q.write(1, 16, &data, true).unwrap();
+    target.signal(libc::SIGTERM);
+    assert_eq!(target.wait_exit(Duration::from_secs(10)), Some(0), "exit status after SIGTERM");
+    let t = q.wait_for_termination(Duration::from_secs(5));
+    assert!(t.closed, "the I/O queue is closed: {}", summary(&t));
+    assert_eq!(file_bytes(&img, 16 * BS as u64, data.len()), data, "the FUA write is on disk");
+    assert!(target.log().iter().any(|l| l.contains("torn down: the target is stopping")));
+}
