@@ -1749,3 +1749,50 @@ fn sigterm_with_nvme_hosts_connected_ends_their_controllers_and_exits_cleanly() 
     assert_eq!(file_bytes(&img, 16 * BS as u64, data.len()), data, "the FUA write is on disk");
     assert!(target.log().iter().any(|l| l.contains("torn down: the target is stopping")));
 }
+
+/// A loop device over a sparse file, detached on drop.
+struct LoopDevice(String);
+
+impl LoopDevice {
+    fn over(file: &Path) -> Option<LoopDevice> {
+        let out = std::process::Command::new("losetup").args(["-f", "--show"]).arg(file).output().ok()?;
+        out.status.success().then(|| LoopDevice(String::from_utf8_lossy(&out.stdout).trim().to_owned()))
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("losetup").args(["-d", &self.0]).status();
+    }
+}
+
+#[test]
+fn a_block_device_namespace_deallocates_and_zeroes_through_the_blocking_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_file(dir.path(), "dev.img", VOL_SIZE);
+    let Some(dev) = LoopDevice::over(&img) else {
+        eprintln!("skipping: no loop device (needs root and losetup)");
+        return;
+    };
+    let vol = format!("[[volume]]\nname = \"dev\"\nbackend = \"file\"\npath = \"{}\"\nallow_any_host = true\nnsid = 1\n", dev.0);
+    let (target, addr, _) = start_on(dir.path(), &format!("{}\n{vol}", nvme_section("")));
+    let (mut admin, cntlid) = controller(addr);
+    let ns = admin.identify(0, 1).unwrap();
+    let bs = 1u32 << ns[130];
+    let mut q = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 1, SUBNQN, HOSTNQN);
+    let blocks = 65536 / bs;
+    let data = vec![0xc3u8; 65536];
+    q.write_bs(1, 0, &data, bs, false).unwrap();
+    q.write_bs(1, blocks as u64, &data, bs, false).unwrap();
+    assert_eq!(q.read(1, 0, 2 * blocks, bs).unwrap(), [&data[..], &data[..]].concat());
+    // Block devices deallocate with BLKDISCARD and zero with BLKZEROOUT,
+    // which run on the queue's blocking worker.
+    q.deallocate(1, &[(0, blocks)]).unwrap();
+    q.write_zeroes(1, blocks as u64, blocks).unwrap();
+    q.flush(1).unwrap();
+    assert_eq!(q.read(1, 0, 2 * blocks, bs).unwrap(), vec![0u8; 131072]);
+    let described = target.log().into_iter().find(|l| l.contains(&dev.0)).expect("the volume is the loop device");
+    assert!(described.contains("discard=BLKDISCARD") && described.contains("write_zeroes=BLKZEROOUT"), "{described}");
+    admin.keep_alive().unwrap();
+    target.assert_no_panic();
+}
