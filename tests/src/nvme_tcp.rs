@@ -633,8 +633,14 @@ impl NvmeTcpConn {
 
     /// Dataset Management with the Deallocate attribute for `(slba, blocks)` ranges.
     pub fn deallocate(&mut self, nsid: u32, ranges: &[(u64, u32)]) -> Result<(), Status> {
-        assert!((1..=256).contains(&ranges.len()));
-        let mut data = vec![0u8; ranges.len() * DSM_RANGE_SIZE];
+        self.deallocate_padded(nsid, ranges, ranges.len() * DSM_RANGE_SIZE)
+    }
+
+    /// The same with the data padded with zeroes to `len` bytes, as the
+    /// Linux host sends it (always 4 KiB: 256 ranges' worth).
+    pub fn deallocate_padded(&mut self, nsid: u32, ranges: &[(u64, u32)], len: usize) -> Result<(), Status> {
+        assert!((1..=256).contains(&ranges.len()) && len >= ranges.len() * DSM_RANGE_SIZE);
+        let mut data = vec![0u8; len];
         for (i, &(slba, blocks)) in ranges.iter().enumerate() {
             let out: &mut [u8; DSM_RANGE_SIZE] = (&mut data[i * DSM_RANGE_SIZE..(i + 1) * DSM_RANGE_SIZE]).try_into().unwrap();
             DsmRange { attributes: 0, blocks, slba }.encode(out);

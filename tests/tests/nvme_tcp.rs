@@ -474,6 +474,12 @@ fn write_zeroes_and_deallocate_read_back_zeros_and_flush_succeeds() {
     q.write_zeroes(1, 0, 8192).expect("Write Zeroes of 32 MiB (8192 blocks, beyond MDTS)");
     assert!(q.read(1, 4096, 16, BS).unwrap().iter().all(|&b| b == 0), "Write Zeroes beyond MDTS left data");
     assert!(file_bytes(&img, 0, 32 * MIB as usize).iter().all(|&b| b == 0), "the backing file holds data after Write Zeroes");
+    // As the Linux host deallocates: one range, and a whole page of range
+    // data (zeroes past NR), which only NR's ranges count in.
+    q.write(1, 9000, &[0x44; 8192], false).unwrap();
+    q.deallocate_padded(1, &[(9000, 1)], 4096).expect("DSM with 4 KiB of range data and NR = 0");
+    assert_eq!(q.read(1, 9000, 2, BS).unwrap()[..4096], [0u8; 4096], "the range was deallocated");
+    assert_eq!(q.read(1, 9001, 1, BS).unwrap(), vec![0x44; 4096], "and nothing past it");
     q.flush(1).expect("Flush");
     admin.keep_alive().unwrap();
     target.assert_no_panic();

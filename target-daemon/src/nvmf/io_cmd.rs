@@ -16,8 +16,9 @@ pub enum IoPlan {
     Flush { ns: Namespace },
     /// Write Zeroes: byte ranges, done the backend's way.
     Range { ns: Namespace, op: RangeOp, ranges: Vec<(u64, u64)> },
-    /// Dataset Management with Deallocate: its ranges arrive as data.
-    Deallocate { ns: Namespace, op: RangeOp },
+    /// Dataset Management with Deallocate: its `ranges` ranges arrive as
+    /// data (possibly followed by more bytes; see [`plan`]).
+    Deallocate { ns: Namespace, op: RangeOp, ranges: u32 },
 }
 
 impl IoPlan {
@@ -134,16 +135,20 @@ pub fn plan(sqe: &SubmissionEntry, nss: &[Namespace], sgl_len: u32) -> Result<Io
         }
         _ => {
             let (nr, deallocate) = sqe.dsm_ranges();
-            if sgl_len != nr * DSM_RANGE_SIZE as u32 {
+            // At least NR ranges' worth and at most 256: the Linux host
+            // always sends a whole 4 KiB page of ranges (zeroes past NR),
+            // and Linux nvmet accepts any length from NR ranges up.
+            let least = nr * DSM_RANGE_SIZE as u32;
+            if sgl_len < least || sgl_len > MAX_DSM_BYTES {
                 return Err(Error::new(
                     ErrorKind::LengthMismatch,
-                    format!("{nr} DSM ranges are {} bytes; the SGL names {sgl_len}", nr as usize * DSM_RANGE_SIZE),
+                    format!("{nr} DSM ranges need {least}..={MAX_DSM_BYTES} bytes; the SGL names {sgl_len}"),
                 ));
             }
             if !deallocate {
                 // Only hints (access frequency, latency): nothing to do, but
                 // the ranges still come and are read, as plans need.
-                return Ok(IoPlan::Deallocate { ns, op: RangeOp::Nothing });
+                return Ok(IoPlan::Deallocate { ns, op: RangeOp::Nothing, ranges: nr });
             }
             writable(&ns)?;
             let op = ns
@@ -151,16 +156,19 @@ pub fn plan(sqe: &SubmissionEntry, nss: &[Namespace], sgl_len: u32) -> Result<Io
                 .backend
                 .discard()
                 .ok_or_else(|| Error::new(ErrorKind::NotSupported, format!("namespace {} cannot deallocate", ns.nsid)))?;
-            Ok(IoPlan::Deallocate { ns, op })
+            Ok(IoPlan::Deallocate { ns, op, ranges: nr })
         }
     }
 }
 
-/// The byte ranges of a DSM command's data, each checked against the
-/// namespace; empty ranges are skipped.
-pub fn dsm_ranges(data: &[u8], ns: &Namespace) -> Result<Vec<(u64, u64)>> {
+/// The most DSM data a command may carry: 256 ranges.
+pub const MAX_DSM_BYTES: u32 = 256 * DSM_RANGE_SIZE as u32;
+
+/// The byte ranges of the first `count` ranges of a DSM command's data,
+/// each checked against the namespace; empty ranges are skipped.
+pub fn dsm_ranges(data: &[u8], count: u32, ns: &Namespace) -> Result<Vec<(u64, u64)>> {
     let mut out = Vec::new();
-    for chunk in data.chunks_exact(DSM_RANGE_SIZE) {
+    for chunk in data.chunks_exact(DSM_RANGE_SIZE).take(count as usize) {
         let r = DsmRange::decode(chunk).map_err(|e| Error::new(ErrorKind::InvalidField, e.to_string()))?;
         if r.blocks == 0 {
             continue;
@@ -261,14 +269,32 @@ mod tests {
             DsmRange { attributes: 0, blocks, slba }.encode(&mut r);
             data.extend_from_slice(&r);
         }
-        assert_eq!(dsm_ranges(&data, &n).unwrap(), vec![(0, 4096), (2040 * 512, 4096)]);
+        assert_eq!(dsm_ranges(&data, 3, &n).unwrap(), vec![(0, 4096), (2040 * 512, 4096)]);
         let mut r = [0u8; DSM_RANGE_SIZE];
         DsmRange { attributes: 0, blocks: 9, slba: 2040 }.encode(&mut r);
-        assert_eq!(dsm_ranges(&r, &n).unwrap_err().kind(), ErrorKind::OutOfRange);
+        assert_eq!(dsm_ranges(&r, 1, &n).unwrap_err().kind(), ErrorKind::OutOfRange);
         let mut dsm = SubmissionEntry::new(io_opcode::DATASET_MANAGEMENT, 3);
         dsm.nsid = 1;
         dsm.cdw[0] = 1;
         dsm.cdw[1] = 1 << 2;
-        assert_eq!(kind(plan(&dsm, &[n], 16)), ErrorKind::LengthMismatch, "two ranges are 32 bytes");
+        assert_eq!(kind(plan(&dsm, &[n.clone()], 16)), ErrorKind::LengthMismatch, "two ranges are 32 bytes");
+        assert_eq!(kind(plan(&dsm, &[n.clone()], 4112)), ErrorKind::LengthMismatch, "at most 256 ranges' worth");
+    }
+
+    #[test]
+    fn the_linux_host_sends_a_whole_page_of_ranges_and_only_nr_count() {
+        // Linux sends 256 ranges' worth (4 KiB) whatever NR says, so that a
+        // device reading past NR finds zeroes; only NR ranges are ranges.
+        let n = ns(false);
+        let mut dsm = SubmissionEntry::new(io_opcode::DATASET_MANAGEMENT, 3);
+        dsm.nsid = 1;
+        dsm.cdw[1] = 1 << 2;
+        let p = plan(&dsm, &[n.clone()], 4096).unwrap();
+        assert!(matches!(p, IoPlan::Deallocate { ranges: 1, .. }), "{p:?}");
+        let mut page = vec![0u8; 4096];
+        DsmRange { attributes: 0, blocks: 8, slba: 16 }.encode((&mut page[..16]).try_into().unwrap());
+        // Beyond NR: a range past the end, which must not be looked at.
+        DsmRange { attributes: 0, blocks: 8, slba: u64::MAX - 4 }.encode((&mut page[16..32]).try_into().unwrap());
+        assert_eq!(dsm_ranges(&page, 1, &n).unwrap(), vec![(16 * 512, 4096)]);
     }
 }

@@ -501,9 +501,9 @@ impl Queue {
                 }
                 r
             }
-            IoPlan::Deallocate { ns, op } => {
+            IoPlan::Deallocate { ns, op, ranges: count } => {
                 let ranges = match &cmd.buf {
-                    Buf::Heap(v) => io_cmd::dsm_ranges(v, ns),
+                    Buf::Heap(v) => io_cmd::dsm_ranges(v, *count, ns),
                     _ => Err(Error::new(ErrorKind::Internal, "DSM ranges not in heap memory")),
                 };
                 match ranges {
