@@ -51,10 +51,12 @@ pub struct QueueEngine {
 
 impl QueueEngine {
     /// A ring of `entries` and a pool of `chunks` chunks of `chunk_size`
-    /// bytes. `worker_id` names the blocking worker's thread.
-    pub fn new(chunks: u32, chunk_size: u32, entries: u32, worker_id: usize) -> Result<QueueEngine> {
+    /// bytes. `worker_id` names the blocking worker's thread. With
+    /// `wake_fd` (the caller's epoll descriptor), the caller sleeps in the
+    /// ring where the kernel allows it ([`QueueEngine::sleep`]).
+    pub fn new(chunks: u32, chunk_size: u32, entries: u32, worker_id: usize, wake_fd: Option<RawFd>) -> Result<QueueEngine> {
         let pool = Pool::new(chunks as usize * chunk_size as usize, chunk_size as usize);
-        let opts = UringOptions { entries, file_slots: FILE_SLOTS, ..UringOptions::default() };
+        let opts = UringOptions { entries, file_slots: FILE_SLOTS, wake_fd, ..UringOptions::default() };
         let uring = Uring::new(&[], &pool, opts)?;
         Ok(QueueEngine {
             uring,
@@ -185,6 +187,32 @@ impl QueueEngine {
     /// Hands everything queued to the kernel.
     pub fn submit(&mut self) -> Result<()> {
         self.uring.submit().map(drop)
+    }
+
+    /// Whether the caller sleeps in the ring ([`QueueEngine::sleep`])
+    /// rather than on [`QueueEngine::wait_fds`].
+    pub fn sleeps_in_ring(&self) -> bool {
+        self.uring.features().ring_sleep
+    }
+
+    /// Submits what is queued and sleeps in one `io_uring_enter` until a
+    /// disk operation completes, the caller's epoll descriptor becomes
+    /// readable ([`QueueEngine::take_wake`] says so after the reap) or
+    /// `timeout` passes. Only when [`QueueEngine::sleeps_in_ring`].
+    pub fn sleep(&mut self, timeout: Option<std::time::Duration>) -> Result<()> {
+        if !self.uring.wake_poll_armed() {
+            self.uring.arm_wake_poll();
+        }
+        if !self.immediate.is_empty() {
+            // Completions are waiting to be reported: do not block.
+            return self.uring.submit().map(drop);
+        }
+        self.uring.sleep(timeout)
+    }
+
+    /// Whether the epoll descriptor woke the last sleep (reap first).
+    pub fn take_wake(&mut self) -> bool {
+        self.uring.take_wake_poll_fired()
     }
 
     /// Clears the wake-up descriptors ([`QueueEngine::wait_fds`]) after

@@ -119,6 +119,8 @@ pub struct Queue {
     pub conn: Option<Connected>,
     /// A second handle on the connection, for the controller's teardown.
     pub socket: Option<std::net::TcpStream>,
+    /// The transport's epoll descriptor, for the engine's ring sleep.
+    pub wake_fd: Option<std::os::fd::RawFd>,
     pub sq_entries: u32,
     sq_head: u32,
     pub engine: Option<QueueEngine>,
@@ -146,6 +148,7 @@ impl Queue {
             peer,
             conn: None,
             socket: None,
+            wake_fd: None,
             sq_entries: 0,
             sq_head: 0,
             engine: None,
@@ -593,7 +596,7 @@ impl Queue {
     pub fn start_engine(&mut self, qid: u16) -> crate::Result<()> {
         let chunks = QUEUE_CHUNKS.min(self.sq_entries.max(1));
         let entries = (self.sq_entries.max(8)).next_power_of_two();
-        self.engine = Some(QueueEngine::new(chunks, MAX_TRANSFER, entries, 1000 + qid as usize)?);
+        self.engine = Some(QueueEngine::new(chunks, MAX_TRANSFER, entries, 1000 + qid as usize, self.wake_fd)?);
         Ok(())
     }
 

@@ -147,6 +147,7 @@ pub fn serve(stream: TcpStream, peer: SocketAddr, port: u16, sub: Arc<Subsystem>
     };
     let mut q = Queue::new(Arc::clone(&sub), port, local, peer);
     q.socket = stream.try_clone().ok();
+    q.wake_fd = Some(epoll.fd());
     let mut c = Connection {
         stream,
         q,
@@ -189,7 +190,8 @@ impl Connection {
                     return format!("{why} (the host did not take the last PDUs)");
                 }
             }
-            if let Some(e) = self.q.engine.as_mut() {
+            // A ring the thread sleeps in submits as it sleeps.
+            if let Some(e) = self.q.engine.as_mut().filter(|e| !e.sleeps_in_ring()) {
                 if let Err(e) = e.submit() {
                     return format!("io_uring: {e}");
                 }
@@ -221,8 +223,28 @@ impl Connection {
             if self.closing.is_some() {
                 timeout = Some(Duration::from_millis(20));
             }
-            if let Err(e) = self.epoll.wait(&mut tokens, timeout) {
-                return format!("epoll: {e}");
+            match self.q.engine.as_mut().filter(|e| e.sleeps_in_ring()) {
+                // An I/O queue sleeps in its ring: a disk completion wakes
+                // it without an eventfd, and epoll is asked which
+                // descriptor fired only when the wake poll did.
+                Some(engine) => {
+                    if let Err(e) = engine.sleep(timeout) {
+                        return format!("io_uring: {e}");
+                    }
+                    self.q.reap();
+                    let woken = self.q.engine.as_mut().is_some_and(|e| e.take_wake());
+                    tokens.clear();
+                    if woken {
+                        if let Err(e) = self.epoll.wait(&mut tokens, Some(Duration::ZERO)) {
+                            return format!("epoll: {e}");
+                        }
+                    }
+                }
+                None => {
+                    if let Err(e) = self.epoll.wait(&mut tokens, timeout) {
+                        return format!("epoll: {e}");
+                    }
+                }
             }
             for &t in &tokens {
                 match t {
