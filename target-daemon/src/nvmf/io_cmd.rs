@@ -277,8 +277,8 @@ mod tests {
         dsm.nsid = 1;
         dsm.cdw[0] = 1;
         dsm.cdw[1] = 1 << 2;
-        assert_eq!(kind(plan(&dsm, &[n.clone()], 16)), ErrorKind::LengthMismatch, "two ranges are 32 bytes");
-        assert_eq!(kind(plan(&dsm, &[n.clone()], 4112)), ErrorKind::LengthMismatch, "at most 256 ranges' worth");
+        assert_eq!(kind(plan(&dsm, std::slice::from_ref(&n), 16)), ErrorKind::LengthMismatch, "two ranges are 32 bytes");
+        assert_eq!(kind(plan(&dsm, std::slice::from_ref(&n), 4112)), ErrorKind::LengthMismatch, "at most 256 ranges' worth");
     }
 
     #[test]
@@ -289,7 +289,7 @@ mod tests {
         let mut dsm = SubmissionEntry::new(io_opcode::DATASET_MANAGEMENT, 3);
         dsm.nsid = 1;
         dsm.cdw[1] = 1 << 2;
-        let p = plan(&dsm, &[n.clone()], 4096).unwrap();
+        let p = plan(&dsm, std::slice::from_ref(&n), 4096).unwrap();
         assert!(matches!(p, IoPlan::Deallocate { ranges: 1, .. }), "{p:?}");
         let mut page = vec![0u8; 4096];
         DsmRange { attributes: 0, blocks: 8, slba: 16 }.encode((&mut page[..16]).try_into().unwrap());
