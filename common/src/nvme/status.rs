@@ -30,8 +30,10 @@ impl Status {
     pub const ABORTED_SQ_DELETION: Status = Status::generic(0x08);
     pub const INVALID_NAMESPACE: Status = Status::generic(0x0b).no_retry();
     pub const COMMAND_SEQUENCE_ERROR: Status = Status::generic(0x0c).no_retry();
-    pub const SGL_DATA_LENGTH_INVALID: Status = Status::generic(0x11).no_retry();
-    pub const SGL_TYPE_INVALID: Status = Status::generic(0x13).no_retry();
+    /// Data SGL Length Invalid.
+    pub const SGL_DATA_LENGTH_INVALID: Status = Status::generic(0x0f).no_retry();
+    /// SGL Descriptor Type Invalid.
+    pub const SGL_TYPE_INVALID: Status = Status::generic(0x11).no_retry();
     pub const SGL_OFFSET_INVALID: Status = Status::generic(0x16).no_retry();
     pub const NAMESPACE_WRITE_PROTECTED: Status = Status::generic(0x20).no_retry();
     /// A transport error the host may retry (NVMe/TCP: a data digest error).
@@ -108,6 +110,13 @@ mod tests {
             (Status::ACCESS_DENIED, 0x4286),
             (Status::WRITE_FAULT, 0x0280),
             (Status::SUCCESS, 0),
+            // NVME_SC_SGL_INVALID_DATA, _TYPE and _OFFSET, NVME_SC_CMD_SEQ_ERROR,
+            // NVME_SC_TRANSIENT_TR_ERR.
+            (Status::SGL_DATA_LENGTH_INVALID, 0x400f),
+            (Status::SGL_TYPE_INVALID, 0x4011),
+            (Status::SGL_OFFSET_INVALID, 0x4016),
+            (Status::COMMAND_SEQUENCE_ERROR, 0x400c),
+            (Status::TRANSIENT_TRANSPORT_ERROR, 0x0022),
         ] {
             assert_eq!(s.to_field() >> 1, linux, "{s}");
             assert_eq!(Status::from_field(s.to_field()), s);

@@ -71,11 +71,13 @@ pub fn controller(sub: &Subsystem, cntlid: u16, discovery: bool) -> Vec<u8> {
     d[262] = ERROR_LOG_ENTRIES as u8 - 1;
     // KAS: keep-alive granularity, 100 ms.
     put_u16(&mut d, 320, 1);
+    // MAXCMD: a fabrics host refuses a controller (the discovery one too)
+    // that reports 0.
+    put_u16(&mut d, 514, MAX_QUEUE_ENTRIES as u16);
     if !discovery {
         // SQES and CQES: required and maximum entry sizes, log2.
         d[512] = 0x66;
         d[513] = 0x44;
-        put_u16(&mut d, 514, MAX_QUEUE_ENTRIES as u16);
         put_u32(&mut d, 516, MAX_NSID);
         put_u16(&mut d, 520, ONCS_DSM | ONCS_WRITE_ZEROES);
         // VWC: a volatile write cache (Flush does fdatasync); bits 2:1 = 10,

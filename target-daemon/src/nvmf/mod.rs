@@ -177,7 +177,12 @@ impl Controller {
         if self.dead.swap(true, Ordering::AcqRel) {
             return;
         }
-        tracing::warn!("nvme controller {} of host {}: torn down: {why}", self.id, self.host_nqn);
+        // The host closing its admin queue is how NVMe/TCP disconnects.
+        if why.contains("the host closed the connection") {
+            tracing::info!("nvme controller {} of host {}: ended: {why}", self.id, self.host_nqn);
+        } else {
+            tracing::warn!("nvme controller {} of host {}: torn down: {why}", self.id, self.host_nqn);
+        }
         let q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
         for (_, s) in &q.queues {
             let _ = s.shutdown(std::net::Shutdown::Both);

@@ -822,6 +822,17 @@ mod tests {
     }
 
     #[test]
+    fn the_discovery_controller_identifies_as_one_with_commands_allowed() {
+        let (sub, _) = subsystem(&["a"]);
+        let mut q = queue(&sub);
+        assert_eq!(connect(&mut q, rdmablk_common::nvme::fabrics::DISCOVERY_NQN, 0).0, Status::SUCCESS);
+        let c = data(&run(&mut q, identify(1, 0), &[]));
+        assert_eq!(c[111], 2, "CNTRLTYPE: discovery");
+        assert!(u16::from_le_bytes(c[514..516].try_into().unwrap()) > 0, "MAXCMD (Linux: 'Firmware bug' when 0)");
+        assert_eq!(&c[768..768 + 36], rdmablk_common::nvme::fabrics::DISCOVERY_NQN.as_bytes());
+    }
+
+    #[test]
     fn unknown_admin_commands_and_log_pages_get_errors_not_silence() {
         let (sub, _) = subsystem(&["a"]);
         let mut q = admin(&sub);
