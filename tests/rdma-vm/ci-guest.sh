@@ -67,11 +67,30 @@
 #                             4, 8, 16 and 32 (SKIPPED, and shown as such, while
 #                             rdmablk-bench is not built)
 #   scoping-cost-rdma         4 KiB random reads with rkey_scoping on and off (figures)
+#   nvme-tcp-fs               rdmablk-target on tcp:// and nvme+tcp://SIP:4420 at once, the
+#                             kernel's NVMe/TCP host (nvme-cli): discover, connect,
+#                             id-ctrl/id-ns, ext4 round trip with the small tree,
+#                             e2fsck -fn, fio crc32c verify on the raw namespace while
+#                             the rdmablk CLI reads the same volume over tcp://,
+#                             Write Zeroes and discard, disconnect; no I/O error or
+#                             "Firmware bug" in the host's messages (nvme-tcp.sh)
+#   nvme-tcp-sighup           a [[volume]] added by SIGHUP shows up on the connected
+#                             host as namespace 2 (AEN, rescan), no reconnect
+#   nvme-tcp-restart          the target SIGKILLed and restarted under a mounted ext4
+#                             with fio writing: the host reconnects, fio's verify and
+#                             e2fsck -fn are clean
+#   nvme-tcp-vs-nvmet         rdmablk-target's NVMe/TCP against the kernel's nvmet-tcp,
+#                             same host and boot: IOPS, latency, CPU per I/O
+#                             ($RES/nvme-tcp-vs-nvmet.md; figures only)
 #   port-down-logged          taking the server's link down makes rdmablk-target log
 #                             the RDMA port going down (runs last: it breaks the link)
 #
 # Called with a step body's name (`ci-guest.sh cli`), it runs that body; the
 # `step` helper of guest-lib.sh records each one.
+#
+# RDMABLK_CI_STEPS="GLOB..." (a development aid: run.sh --script ci-guest.sh
+# -e RDMABLK_BIN_DIR=... -e RDMABLK_CI_STEPS='nvme-tcp-*') runs only the steps
+# whose names match one of the globs, plus scratch-fs.
 set -u
 SELF=$(readlink -f "$0")
 SIP=${RDMAVM_SERVER_IP:-10.77.0.1}
@@ -767,6 +786,20 @@ scoping_cost() {
     stop_target scoping-cost
 }
 
+# The NVMe/TCP step bodies (nvme_tcp_fs, nvme_tcp_sighup, nvme_tcp_restart,
+# nvme_tcp_vs_nvmet) live in nvme-tcp.sh beside this script in the
+# repository. run.sh copies only this file into the VM, so it is found
+# through the directory the steps run in (the repository's root in the CI
+# stage) when it is not next to this file.
+NVME_TCP_SH=
+for _f in "$(dirname "$SELF")/nvme-tcp.sh" "${RDMAVM_CWD:-$PWD}/tests/rdma-vm/nvme-tcp.sh" "$PWD/tests/rdma-vm/nvme-tcp.sh"; do
+    if [[ -r $_f ]]; then NVME_TCP_SH=$_f; break; fi
+done
+if [[ -n $NVME_TCP_SH ]]; then
+    # shellcheck source=nvme-tcp.sh
+    source "$NVME_TCP_SH"
+fi
+
 # ------------------------------------------------------------------ steps
 skip() { # NAME WHY: a visible SKIPPED line in the summary
     printf '%s\tSKIPPED\t0.0\t-\n' "$1" >>"$RDMAVM_STEPS"
@@ -775,6 +808,22 @@ skip() { # NAME WHY: a visible SKIPPED line in the summary
 main() {
 local rc=0
 export RUST_BACKTRACE=1
+if [[ -n ${RDMABLK_CI_STEPS:-} ]]; then
+    # Only the steps named (and scratch-fs): `step` skips the others quietly.
+    eval "$(declare -f step | sed '1s/^step /_ci_step /')"
+    step() {
+        local p
+        for p in scratch-fs $RDMABLK_CI_STEPS; do
+            # shellcheck disable=SC2053
+            [[ $1 == $p ]] && { _ci_step "$@"; return; }
+        done
+        return 0
+    }
+    skip() { :; }
+    : "${RDMABLK_CONFORMANCE:=}" "${RDMABLK_DATA_PATH:=}" "${RDMABLK_BAD_COMMANDS:=}" "${RDMABLK_SCOPING:=}"
+    : "${RDMABLK_FENCE:=}" "${RDMABLK_COMMAND_SLOTS:=}" "${RDMABLK_CAPACITY:=}"
+    echo "RDMABLK_CI_STEPS: only scratch-fs $RDMABLK_CI_STEPS"
+fi
 step scratch-fs --timeout 120 bash "$SELF" scratch_fs || rc=1
 counters >"$RES/counters.before"
 # rxe (Linux 6.1) checks an access through a memory window against the
@@ -820,6 +869,15 @@ step ublk-fs-tcp --timeout 300 bash "$SELF" ublk_fs_tcp || rc=1
 step ublk-reconnect-rdma --timeout 600 bash "$SELF" ublk_reconnect || rc=1
 step ublk-boot-rdma --timeout 300 bash "$SELF" ublk_boot || rc=1
 step ublk-recover-rdma --timeout 300 bash "$SELF" ublk_recover || rc=1
+if [[ -n $NVME_TCP_SH ]]; then
+    step nvme-tcp-fs --timeout 600 bash "$SELF" nvme_tcp_fs || rc=1
+    step nvme-tcp-sighup --timeout 300 bash "$SELF" nvme_tcp_sighup || rc=1
+    step nvme-tcp-restart --timeout 600 bash "$SELF" nvme_tcp_restart || rc=1
+    step nvme-tcp-vs-nvmet --timeout 600 bash "$SELF" nvme_tcp_vs_nvmet || rc=1
+else
+    # Recorded as failed: the steps exist, their script was not found.
+    step nvme-tcp-fs --timeout 30 bash -c "echo 'nvme-tcp.sh not found (next to $SELF or under ${RDMAVM_CWD:-$PWD}/tests/rdma-vm)'; exit 1" || rc=1
+fi
 if [[ -x $BIN/rdmablk-bench ]]; then
     step bench-verify-rdma --timeout 300 bash "$SELF" bench || rc=1
     step scoping-cost-rdma --timeout 300 bash "$SELF" scoping_cost || rc=1

@@ -114,6 +114,8 @@ PKGS=(qemu-system-x86 linux-image-amd64 rdma-core ibverbs-utils ibverbs-provider
 PKGS+=(fio e2fsprogs)
 # python3: the ublk boot step plays systemd's notification socket.
 PKGS+=(python3)
+# nvme-cli: the NVMe/TCP steps' kernel host (nvme discover/connect/id-ctrl).
+PKGS+=(nvme-cli)
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg -s "$p" 2>/dev/null | grep -q '^Status: install ok installed' || missing+=("$p")

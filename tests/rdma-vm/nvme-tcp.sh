@@ -1,0 +1,735 @@
+# NVMe/TCP steps of the Soft-RoCE CI stage: the kernel's NVMe-oF host
+# (nvme-tcp, nvme-cli) against rdmablk-target's NVMe/TCP front end
+# (`nvme+tcp://` in [target] listen, beside `tcp://`), and the kernel's own
+# nvmet-tcp target as a measured peer. Sourced by ci-guest.sh, which records
+# each body as one step (`step nvme-tcp-fs ... bash ci-guest.sh nvme_tcp_fs`)
+# and provides WORK, SIP, BIN, RES, tree_write and tree_check.
+#
+#   nvme-tcp-fs        rdmablk-target with one file volume, listening on
+#                      tcp:// and nvme+tcp://SIP:4420 at once; modprobe nvme-tcp;
+#                      `nvme discover` lists the subsystem NQN (the default,
+#                      nqn.2014-08.io.rdmablk:ci); `nvme connect` gives
+#                      /dev/nvmeXnY; id-ctrl (mn, sn, subnqn) and id-ns (nsze *
+#                      LBA size = the volume's size) are sane; mkfs.ext4, mount,
+#                      the small file tree, unmount, e2fsck -fn clean, mount,
+#                      every sha256 checked; fio on the raw namespace (io_uring,
+#                      direct=1, 4 KiB to 128 KiB random writes at QD16, crc32c
+#                      verify of 64 MiB) while the rdmablk CLI reads the same
+#                      volume over tcp:// in a loop (bytes written through
+#                      NVMe, compared); a write over tcp:// is read back through
+#                      NVMe; Write Zeroes (blkdiscard -z, read back as zeroes)
+#                      and Dataset Management (blkdiscard) through the
+#                      namespace; `nvme disconnect`; SIGTERM ends the target with 0
+#   nvme-tcp-sighup    connected host; a second [[volume]] appended to the
+#                      config and SIGHUP: the host shows namespace 2 without a
+#                      reconnect (the same controller, "rescanning namespaces"
+#                      from the namespace-attribute-changed event), and 1 MiB
+#                      goes through it
+#   nvme-tcp-restart   `nvme connect --ctrl-loss-tmo=60 --reconnect-delay=1`
+#                      (explicit [target] nqn), ext4 mounted, files written; fio
+#                      (verify=crc32c) writes through the file system while the
+#                      target is SIGKILLed and restarted 3 s later; the host
+#                      reconnects, fio ends 0 with its verify clean, more files
+#                      are written, every sha256 checked, unmount, e2fsck -fn clean
+#                      (mkfs without discard: DSM is nvme-tcp-fs's to check)
+#   nvme-tcp-vs-nvmet  a measurement (fails only on errors): see the comment of
+#                      nvme_tcp_vs_nvmet below
+#
+# The ports are fixed (a restarted target must be where the host reconnects):
+# rdmablk-target's NVMe/TCP on SIP:4420, nvmet-tcp on SIP:4421. The host
+# side's messages ("nvme nvmeN: ...") are printed at the end of each step,
+# and a step fails when they hold a command the target failed ("I/O Error")
+# or a "Firmware bug" (an Identify field the kernel rejects).
+
+NVME_PORT=4420
+NVMET_PORT=4421
+NVME_DIR=$WORK/nvme
+NVME_DEFAULT_NQN=nqn.2014-08.io.rdmablk:ci
+
+# The kernel's messages since nvme_dmesg_mark (for each step's log).
+nvme_dmesg_mark() { NVME_DMESG0=$(dmesg | wc -l); }
+nvme_dmesg_since() { dmesg | tail -n +$((${NVME_DMESG0:-0} + 1)); }
+
+# Writes $NVME_DIR/target.toml: rdmablk-target on tcp://SIP:0 and
+# nvme+tcp://SIP:4420 with the file volumes given as NAME:SIZE[:NSID]...;
+# NVME_NQN, when set, goes in as [target] nqn.
+nvme_target_conf() {
+    local v name size nsid
+    mkdir -p "$NVME_DIR"
+    {
+        echo '[target]'
+        echo 'name = "ci"'
+        echo "listen = [\"tcp://$SIP:0\", \"nvme+tcp://$SIP:$NVME_PORT\"]"
+        echo 'reactors = 2'
+        [[ -z ${NVME_NQN:-} ]] || echo "nqn = \"$NVME_NQN\""
+    } >"$NVME_DIR/target.toml"
+    for v in "$@"; do nvme_conf_volume "$v" >>"$NVME_DIR/target.toml"; done
+}
+
+nvme_conf_volume() { # NAME:SIZE[:NSID]
+    local name size nsid
+    IFS=: read -r name size nsid <<<"$1"
+    printf '\n[[volume]]\nname = "%s"\nbackend = "file"\npath = "%s"\nsize = "%s"\nallow_any_host = true\n' \
+        "$name" "$NVME_DIR/$name.img" "$size"
+    [[ -z $nsid ]] || echo "nsid = $nsid"
+}
+
+# Starts rdmablk-target on $NVME_DIR/target.toml (appending to its log);
+# waits for tcp:// in the log and the NVMe/TCP port in `ss`; sets TPID and
+# TCP_URL.
+nvme_start_target() {
+    local log=$NVME_DIR/target.log
+    touch "$log"
+    local from; from=$(wc -l <"$log")
+    RUST_LOG=info "${NVME_TARGET_BIN:-$BIN/rdmablk-target}" --config "$NVME_DIR/target.toml" 2>>"$log" &
+    TPID=$!
+    TCP_URL=
+    local up=0
+    for _ in $(seq 1 300); do
+        TCP_URL=$(tail -n +$((from + 1)) "$log" | grep -o 'listening on tcp://[^ ",]*' | head -n1 | sed 's/listening on //') || true
+        if [[ -n $TCP_URL ]] && ss -Hltn "sport = :$NVME_PORT" | grep -q .; then up=1; break; fi
+        kill -0 "$TPID" 2>/dev/null || break
+        sleep 0.1
+    done
+    if [[ $up -ne 1 ]]; then
+        echo "rdmablk-target did not start listening on tcp:// and port $NVME_PORT:"; cat "$log"; return 1
+    fi
+    echo "rdmablk-target (pid $TPID) at $TCP_URL and nvme+tcp://$SIP:$NVME_PORT"
+}
+
+nvme_stop_target() { # RESULT_NAME
+    local log=$NVME_DIR/target.log rc=0
+    kill -TERM "$TPID" 2>/dev/null
+    wait "$TPID" || rc=$?
+    echo "--- target log"; cat "$log"
+    cp "$log" "$RES/$1-target.log" 2>/dev/null || true
+    if grep -q 'panicked' "$log"; then echo "the target panicked"; return 1; fi
+    [[ $rc -eq 0 ]] || { echo "rdmablk-target exited with $rc after SIGTERM"; return 1; }
+}
+
+# The controller (nvmeN) connected to NQN over tcp at SIP:PORT, live.
+nvme_ctrl_of() { # NQN PORT
+    local c
+    for c in /sys/class/nvme/nvme*; do
+        [[ -r $c/subsysnqn ]] || continue
+        [[ $(cat "$c/subsysnqn") == "$1" && $(cat "$c/transport") == tcp ]] || continue
+        grep -Eq "trsvcid=$2(,|$)" "$c/address" || continue
+        echo "${c##*/}"; return 0
+    done
+    return 1
+}
+
+# The block device of namespace NSID of subsystem NQN (with native
+# multipath, the head disk /dev/nvmeXnY; without, the controller's).
+nvme_ns_dev() { # NQN NSID
+    local b n
+    for b in /sys/block/nvme*; do
+        n=${b##*/}
+        [[ $n == *c* ]] && continue
+        [[ -r $b/nsid && -r $b/device/subsysnqn ]] || continue
+        [[ $(cat "$b/device/subsysnqn") == "$1" && $(cat "$b/nsid") == "$2" ]] || continue
+        echo "/dev/$n"; return 0
+    done
+    return 1
+}
+
+# nvme connect, then waits (up to 15 s) for namespace NSID's block device;
+# sets CTRL and DEV.
+nvme_connect() { # NQN PORT NSID [connect options...]
+    local nqn=$1 port=$2 nsid=$3 t0
+    shift 3
+    t0=$(date +%s.%N)
+    echo "+ nvme connect -t tcp -a $SIP -s $port -n $nqn $*"
+    nvme connect -t tcp -a "$SIP" -s "$port" -n "$nqn" "$@"
+    DEV= CTRL=
+    for _ in $(seq 1 150); do
+        CTRL=$(nvme_ctrl_of "$nqn" "$port") && DEV=$(nvme_ns_dev "$nqn" "$nsid") && [[ -b $DEV ]] && break
+        DEV=
+        sleep 0.1
+    done
+    [[ -n $DEV ]] || { echo "no block device for $nqn namespace $nsid"; nvme list; ls -l /sys/class/nvme/ /sys/block/; return 1; }
+    echo "connected: $CTRL, namespace $nsid is $DEV ($(blockdev --getsize64 "$DEV") bytes," \
+        "logical block $(blockdev --getss "$DEV")), $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}') s"
+}
+
+nvme_disconnect() { # NQN
+    nvme disconnect -n "$1" | tee "$NVME_DIR/disconnect.out"
+    grep -q "disconnected 1 controller" "$NVME_DIR/disconnect.out" || { echo "nvme disconnect did not disconnect one controller"; return 1; }
+}
+
+# The EXIT trap of the rdmablk steps: unmount, disconnect, kill, the host's
+# messages and the target's log.
+nvme_cleanup() { # [RC]
+    local rc=${1:-$?}
+    [[ -z ${FPID:-} ]] || kill "$FPID" 2>/dev/null
+    [[ -z ${RPID:-} ]] || kill "$RPID" 2>/dev/null
+    umount "$NVME_DIR/mnt" 2>/dev/null
+    nvme disconnect -n "${NQN:-$NVME_DEFAULT_NQN}" >/dev/null 2>&1
+    [[ -z ${TPID:-} ]] || kill "$TPID" 2>/dev/null
+    echo "--- kernel messages during the step"; nvme_dmesg_since
+    if [[ $rc -ne 0 ]]; then echo "--- target log"; cat "$NVME_DIR/target.log" 2>/dev/null; fi
+}
+
+# The host side's messages during the step, at the end of a passing step;
+# fails on what the host reports as an error of the target: a failed
+# command ("I/O Error", "I/O error") or a "Firmware bug" (an Identify field
+# the kernel finds invalid).
+nvme_show_dmesg() {
+    echo "--- kernel messages during the step"; nvme_dmesg_since
+    local bad; bad=$(nvme_dmesg_since | grep -E 'I/O [Ee]rror|Firmware bug' || true)
+    if [[ -n $bad ]]; then
+        echo "--- the host reported errors of the target:"; echo "$bad"
+        return 1
+    fi
+}
+
+# nvme id-ctrl / id-ns: mn and sn not blank, subnqn = NQN, nsze * LBA size
+# = SIZE bytes (and the block device's size).
+nvme_check_ids() { # CTRL DEV NQN SIZE
+    nvme id-ctrl "/dev/$1" -o json >"$NVME_DIR/id-ctrl.json"
+    nvme id-ns "$2" -o json >"$NVME_DIR/id-ns.json"
+    nvme id-ctrl "/dev/$1" | grep -E '^(vid|ssvid|sn|mn|fr|cntlid|ver|mdts|nn|ioccsz|iorcsz|sgls|subnqn|maxcmd|kas|oaes) ' || true
+    /usr/bin/python3 - "$NVME_DIR/id-ctrl.json" "$NVME_DIR/id-ns.json" "$3" "$4" "$(blockdev --getsize64 "$2")" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); n = json.load(open(sys.argv[2]))
+nqn, size, bdev = sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+bad = []
+mn, sn, subnqn = c["mn"].strip(), c["sn"].strip(), c["subnqn"].strip()
+if not mn: bad.append("id-ctrl mn is blank")
+if not sn: bad.append("id-ctrl sn is blank")
+if subnqn != nqn: bad.append(f"id-ctrl subnqn {subnqn!r}, expected {nqn!r}")
+if c.get("nn", 0) < 1: bad.append(f"id-ctrl nn {c.get('nn')}")
+lbaf = n["lbafs"][n["flbas"] & 0xF]
+lba = 1 << lbaf["ds"]
+print(f"id-ctrl: mn {mn!r} sn {sn!r} subnqn {subnqn!r} nn {c.get('nn')} mdts {c.get('mdts')}")
+print(f"id-ns: nsze {n['nsze']} ncap {n['ncap']} nuse {n['nuse']} flbas {n['flbas']} lba {lba} B "
+      f"-> {n['nsze'] * lba} bytes; block device {bdev}")
+if n["nsze"] * lba != size: bad.append(f"nsze {n['nsze']} * {lba} != {size}")
+if bdev != size: bad.append(f"the block device has {bdev} bytes, expected {size}")
+if n["ncap"] > n["nsze"]: bad.append("ncap > nsze")
+for b in bad: print("BAD:", b)
+sys.exit(1 if bad else 0)
+PY
+}
+
+# ---------------------------------------------------------------- nvme-tcp-fs
+nvme_tcp_fs() {
+    set -euo pipefail
+    nvme_dmesg_mark
+    modprobe nvme-tcp
+    rm -rf "$NVME_DIR"; mkdir -p "$NVME_DIR/mnt"
+    local mnt=$NVME_DIR/mnt size=$((256 << 20))
+    NQN=$NVME_DEFAULT_NQN FPID= RPID= TPID=
+    nvme_target_conf nvol0:256MiB
+    cat "$NVME_DIR/target.toml"
+    trap nvme_cleanup EXIT
+    nvme_start_target
+    echo "+ nvme discover -t tcp -a $SIP -s $NVME_PORT"
+    nvme discover -t tcp -a "$SIP" -s "$NVME_PORT" | tee "$NVME_DIR/discover.out"
+    grep -q "subnqn: *$NQN\$" "$NVME_DIR/discover.out" || { echo "discovery does not list $NQN"; exit 1; }
+    grep -q "trsvcid: *$NVME_PORT\$" "$NVME_DIR/discover.out" || { echo "discovery gives no trsvcid $NVME_PORT"; exit 1; }
+    nvme_connect "$NQN" "$NVME_PORT" 1
+    nvme list
+    nvme_check_ids "$CTRL" "$DEV" "$NQN" "$size"
+
+    mkfs.ext4 -q -F "$DEV"
+    mount "$DEV" "$mnt"
+    tree_write "$mnt" "$NVME_DIR/sums" small
+    local t0; t0=$(date +%s.%N)
+    sync
+    echo "sync: $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}') s; $(df -h "$mnt" | tail -n1)"
+    umount "$mnt"
+    blockdev --flushbufs "$DEV"
+    e2fsck -fn "$DEV"
+    mount "$DEV" "$mnt"
+    tree_check "$mnt" "$NVME_DIR/sums"
+    umount "$mnt"
+
+    # Raw namespace: fio's verified random writes in the first 64 MiB while
+    # the rdmablk CLI reads 4 MiB at 128 MiB over tcp:// in a loop (bytes
+    # written there through NVMe first).
+    local ref=$NVME_DIR/ref4m
+    head -c 4M /dev/urandom >"$ref"
+    dd if="$ref" of="$DEV" bs=1M seek=128 oflag=direct status=none
+    local job=(--name=nraw --filename="$DEV" --ioengine=io_uring --direct=1 --rw=randwrite
+        --bssplit=4k/30:8k/10:16k/20:64k/20:128k/20 --iodepth=16 --size=64M
+        --verify=crc32c --verify_fatal=1 --verify_state_save=0 --randrepeat=1)
+    (
+        set +e
+        n=0
+        while [[ ! -e $NVME_DIR/fio.done ]]; do
+            "$BIN/rdmablk" --target "$TCP_URL" read nvol0 --offset $((128 << 20)) --length 4MiB \
+                --output "$NVME_DIR/tcpread" || { echo "rdmablk read over $TCP_URL failed"; exit 1; }
+            cmp "$ref" "$NVME_DIR/tcpread" || { echo "rdmablk read over $TCP_URL: not the bytes written through NVMe"; exit 1; }
+            n=$((n + 1))
+        done
+        echo "$n reads of 4 MiB over $TCP_URL during fio: identical to what NVMe wrote"
+        [[ $n -ge 1 ]]
+    ) >"$NVME_DIR/tcpreads.out" 2>&1 &
+    RPID=$!
+    local frc=0
+    fio "${job[@]}" --do_verify=1 --output="$NVME_DIR/raw.fio" || frc=$?
+    touch "$NVME_DIR/fio.done"
+    local rrc=0
+    wait "$RPID" || rrc=$?
+    RPID=
+    cat "$NVME_DIR/raw.fio"
+    cp "$NVME_DIR/raw.fio" "$RES/nvme-tcp-fs-raw.fio" 2>/dev/null || true
+    [[ $frc -eq 0 ]] || { echo "fio exited with $frc"; exit 1; }
+    grep -q 'read: IOPS=' "$NVME_DIR/raw.fio" || { echo "fio shows no verify (read) phase"; exit 1; }
+    if grep -qi 'verify.*fail\|bad magic\|bad header' "$NVME_DIR/raw.fio"; then echo "fio reported a verify failure"; exit 1; fi
+    echo "fio randwrite 4k..128k QD16 + crc32c verify of 64 MiB on $DEV: ok"
+    cat "$NVME_DIR/tcpreads.out"
+    [[ $rrc -eq 0 ]] || { echo "the concurrent rdmablk reads over tcp:// failed"; exit 1; }
+    # The other way: written over tcp://, read through NVMe.
+    head -c 1M /dev/urandom >"$NVME_DIR/ref1m"
+    "$BIN/rdmablk" --target "$TCP_URL" write nvol0 --offset $((192 << 20)) --input "$NVME_DIR/ref1m"
+    "$BIN/rdmablk" --target "$TCP_URL" flush nvol0
+    cmp "$NVME_DIR/ref1m" <(dd if="$DEV" bs=1M skip=192 count=1 iflag=direct status=none)
+    echo "1 MiB written over $TCP_URL at 192 MiB: read back identical through $DEV"
+    # Deallocate (DSM) and Write Zeroes, as the block layer sends them
+    # (the namespace advertises both in ONCS).
+    local q=/sys/block/${DEV#/dev/}/queue
+    echo "discard_max_bytes $(cat $q/discard_max_bytes) write_zeroes_max_bytes $(cat $q/write_zeroes_max_bytes)"
+    local wz=0 dc=0
+    head -c 4M /dev/urandom | dd of="$DEV" bs=1M seek=200 oflag=direct status=none
+    if [[ $(cat $q/write_zeroes_max_bytes) -gt 0 ]]; then
+        blkdiscard -z -o $((200 << 20)) -l $((2 << 20)) "$DEV" || wz=1
+        if [[ $wz -eq 0 ]] && cmp -n $((2 << 20)) /dev/zero <(dd if="$DEV" bs=1M skip=200 count=2 iflag=direct status=none); then
+            echo "blkdiscard -z (Write Zeroes) of 2 MiB at 200 MiB: reads back zeroes"
+        else
+            echo "blkdiscard -z (Write Zeroes) of 2 MiB at 200 MiB failed or left data"; wz=1
+        fi
+    else
+        echo "the host sees no Write Zeroes (write_zeroes_max_bytes 0)"; wz=1
+    fi
+    if [[ $(cat $q/discard_max_bytes) -gt 0 ]]; then
+        if blkdiscard -o $((202 << 20)) -l $((2 << 20)) "$DEV"; then
+            echo "blkdiscard (Dataset Management, deallocate) of 2 MiB at 202 MiB: ok"
+        else
+            echo "blkdiscard (Dataset Management, deallocate) of 2 MiB at 202 MiB failed"; dc=1
+        fi
+    else
+        echo "the host sees no discard (discard_max_bytes 0)"; dc=1
+    fi
+
+    nvme_disconnect "$NQN"
+    sleep 0.5
+    [[ ! -e $DEV ]] || { echo "$DEV still exists after nvme disconnect"; exit 1; }
+    trap - EXIT
+    local drc=0
+    nvme_show_dmesg || drc=1
+    nvme_stop_target nvme-tcp-fs
+    rm -rf "$NVME_DIR"
+    [[ $wz -eq 0 ]] || { echo "FAIL: Write Zeroes through the namespace"; exit 1; }
+    [[ $dc -eq 0 ]] || { echo "FAIL: discard (DSM deallocate) through the namespace"; exit 1; }
+    [[ $drc -eq 0 ]] || exit 1
+}
+
+# ------------------------------------------------------------- nvme-tcp-sighup
+nvme_tcp_sighup() {
+    set -euo pipefail
+    nvme_dmesg_mark
+    modprobe nvme-tcp
+    rm -rf "$NVME_DIR"; mkdir -p "$NVME_DIR"
+    NQN=$NVME_DEFAULT_NQN FPID= RPID= TPID=
+    nvme_target_conf nvol0:64MiB
+    trap nvme_cleanup EXIT
+    nvme_start_target
+    nvme_connect "$NQN" "$NVME_PORT" 1
+    local ctrl=$CTRL dev1=$DEV cntlid
+    cntlid=$(cat "/sys/class/nvme/$ctrl/cntlid")
+    local mark; mark=$(dmesg | wc -l)
+    nvme_conf_volume nvol1:32MiB >>"$NVME_DIR/target.toml"
+    echo "--- the config with a second volume"; cat "$NVME_DIR/target.toml"
+    local t0; t0=$(date +%s.%N)
+    kill -HUP "$TPID"
+    echo "SIGHUP sent at $(date +%T.%N)"
+    local dev2=
+    for _ in $(seq 1 150); do
+        dev2=$(nvme_ns_dev "$NQN" 2) && [[ -b $dev2 ]] && break
+        dev2=
+        sleep 0.1
+    done
+    local secs; secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')
+    [[ -n $dev2 ]] || { echo "no namespace 2 within $secs s of SIGHUP"; nvme list; exit 1; }
+    echo "namespace 2 appeared as $dev2 $secs s after SIGHUP"
+    nvme list
+    [[ $(blockdev --getsize64 "$dev2") -eq $((32 << 20)) ]] || { echo "$dev2 has $(blockdev --getsize64 "$dev2") bytes, expected 32 MiB"; exit 1; }
+    # No reconnect: the same controller, live, with the same controller id.
+    [[ $(nvme_ctrl_of "$NQN" "$NVME_PORT") == "$ctrl" ]] || { echo "the controller changed"; exit 1; }
+    [[ $(cat "/sys/class/nvme/$ctrl/state") == live ]] || { echo "$ctrl is $(cat "/sys/class/nvme/$ctrl/state")"; exit 1; }
+    [[ $(cat "/sys/class/nvme/$ctrl/cntlid") == "$cntlid" ]] || { echo "the controller id changed: a new association"; exit 1; }
+    local after; after=$(dmesg | tail -n +$((mark + 1)))
+    echo "--- kernel messages after SIGHUP"; echo "$after"
+    if grep -qi 'reconnect\|resetting\|creating' <<<"$after"; then echo "the host reconnected"; exit 1; fi
+    grep -q "$ctrl: rescanning namespaces" <<<"$after" || { echo "no \"$ctrl: rescanning namespaces\": the rescan was not driven by the event"; exit 1; }
+    [[ -b $dev1 ]] || { echo "$dev1 went away"; exit 1; }
+    grep -i 'reload\|volume' "$NVME_DIR/target.log" | tail -n 5 || true
+    # I/O through both namespaces.
+    head -c 1M /dev/urandom >"$NVME_DIR/ref1m"
+    dd if="$NVME_DIR/ref1m" of="$dev2" bs=1M seek=3 oflag=direct status=none
+    cmp "$NVME_DIR/ref1m" <(dd if="$dev2" bs=1M skip=3 count=1 iflag=direct status=none)
+    cmp "$NVME_DIR/ref1m" <(dd if="$NVME_DIR/nvol1.img" bs=1M skip=3 count=1 status=none)
+    dd if="$NVME_DIR/ref1m" of="$dev1" bs=1M seek=5 oflag=direct status=none
+    cmp "$NVME_DIR/ref1m" <(dd if="$NVME_DIR/nvol0.img" bs=1M skip=5 count=1 status=none)
+    echo "1 MiB through $dev2 and $dev1: read back and in the backing files"
+    nvme_disconnect "$NQN"
+    trap - EXIT
+    local drc=0
+    nvme_show_dmesg || drc=1
+    nvme_stop_target nvme-tcp-sighup
+    rm -rf "$NVME_DIR"
+    [[ $drc -eq 0 ]] || exit 1
+}
+
+# ------------------------------------------------------------ nvme-tcp-restart
+nvme_tcp_restart() {
+    set -euo pipefail
+    nvme_dmesg_mark
+    modprobe nvme-tcp
+    rm -rf "$NVME_DIR"; mkdir -p "$NVME_DIR/mnt"
+    local mnt=$NVME_DIR/mnt
+    NQN=nqn.2014-08.io.rdmablk.ci:restart FPID= RPID= TPID=
+    NVME_NQN=$NQN nvme_target_conf nvol0:256MiB
+    cat "$NVME_DIR/target.toml"
+    trap nvme_cleanup EXIT
+    nvme_start_target
+    nvme_connect "$NQN" "$NVME_PORT" 1 --ctrl-loss-tmo=60 --reconnect-delay=1
+    local ctrl=$CTRL dev=$DEV
+    # nodiscard: Dataset Management is nvme-tcp-fs's to check; this step is
+    # about the restart.
+    mkfs.ext4 -q -F -E nodiscard "$dev"
+    mount "$dev" "$mnt"
+    mkdir "$mnt/a" "$mnt/b"
+    tree_write "$mnt/a" "$NVME_DIR/sums-a" small
+    sync
+    # fio writes a file through ext4 and then checks every block; the target
+    # dies (SIGKILL) 2 s into the writes and is back 3 s later.
+    local job=(--name=rs --directory="$mnt" --filename=rs.dat --size=48M --rw=randwrite --bsrange=4k-128k
+        --direct=1 --ioengine=io_uring --iodepth=16 --verify=crc32c --verify_fatal=1 --verify_state_save=0
+        --randrepeat=1)
+    fio "${job[@]}" --do_verify=1 --output="$NVME_DIR/rfio.out" &
+    FPID=$!
+    for _ in $(seq 1 100); do [[ -s $mnt/rs.dat ]] && break; sleep 0.1; done
+    sleep 2
+    kill -0 "$FPID" 2>/dev/null || { cat "$NVME_DIR/rfio.out"; echo "fio ended before the target was killed"; exit 1; }
+    kill -KILL "$TPID"; wait "$TPID" || true
+    echo "target killed at $(date +%T.%N) while fio writes"
+    sleep 3
+    kill -0 "$FPID" 2>/dev/null || { cat "$NVME_DIR/rfio.out"; echo "fio ended while the target was down"; exit 1; }
+    echo "host: $ctrl is $(cat "/sys/class/nvme/$ctrl/state") while the target is down"
+    nvme_start_target
+    echo "target restarted at $(date +%T.%N)"
+    local t0; t0=$(date +%s.%N) live=0
+    for _ in $(seq 1 300); do
+        [[ $(cat "/sys/class/nvme/$ctrl/state" 2>/dev/null) == live ]] && { live=1; break; }
+        sleep 0.1
+    done
+    [[ $live -eq 1 ]] || { echo "$ctrl not live 30 s after the restart: $(cat "/sys/class/nvme/$ctrl/state" 2>/dev/null)"; exit 1; }
+    echo "$ctrl live again $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}') s after the restart"
+    local rc=0
+    wait "$FPID" || rc=$?
+    FPID=
+    cat "$NVME_DIR/rfio.out"
+    cp "$NVME_DIR/rfio.out" "$RES/nvme-tcp-restart-fio.out" 2>/dev/null || true
+    [[ $rc -eq 0 ]] || { echo "fio failed across the restart ($rc)"; exit 1; }
+    grep -q 'read: IOPS=' "$NVME_DIR/rfio.out" || { echo "fio shows no verify (read) phase"; exit 1; }
+    if grep -qi 'verify.*fail\|bad magic\|bad header' "$NVME_DIR/rfio.out"; then echo "fio reported a verify failure"; exit 1; fi
+    nvme_dmesg_since | grep -q "$ctrl: Successfully reconnected" || { echo "no \"$ctrl: Successfully reconnected\" from the host"; exit 1; }
+    [[ $(nvme_ns_dev "$NQN" 1) == "$dev" ]] || { echo "the namespace is no longer $dev"; exit 1; }
+    # The mounted file system keeps working.
+    tree_write "$mnt/b" "$NVME_DIR/sums-b" small
+    sync
+    tree_check "$mnt/a" "$NVME_DIR/sums-a"
+    tree_check "$mnt/b" "$NVME_DIR/sums-b"
+    umount "$mnt"
+    blockdev --flushbufs "$dev"
+    e2fsck -fn "$dev"
+    nvme_disconnect "$NQN"
+    trap - EXIT
+    local drc=0
+    nvme_show_dmesg || drc=1
+    nvme_stop_target nvme-tcp-restart
+    rm -rf "$NVME_DIR"
+    [[ $drc -eq 0 ]] || exit 1
+}
+
+# ----------------------------------------------------------- nvme-tcp-vs-nvmet
+# rdmablk-target's NVMe/TCP front end against the kernel's nvmet-tcp, same
+# boot, same host: the kernel's nvme-tcp host connects to both at once
+# (rdmablk on SIP:4420, nvmet on SIP:4421, another NQN), each exporting a
+# 256 MiB file of its own on the same ext4 scratch file system (written
+# full beforehand, so that no read hits a hole; both targets open it
+# O_DIRECT: nvmet's file backend does unless buffered_io is set). fio on the
+# namespaces (io_uring, direct=1, size=256M, 10 s time_based, no ramp):
+# 4 KiB randread QD1, 4 KiB randread QD16, 128 KiB read QD16, 4 KiB randwrite
+# QD16; each case on both targets in turn, the order swapped in round 2.
+# Recorded: IOPS, mean total latency (lat, not clat: under TCG the host's
+# nvme-tcp spends most of a request inside submission) and CPU per I/O.
+#
+# CPU per I/O, and what is fair:
+#  - rdmablk-target: utime+stime of its process (/proc/PID/stat; all its
+#    threads, io_uring workers included) over the fio run, divided by the
+#    I/Os fio completed. This leaves out kernel work done for the target in
+#    softirq or in kworkers (its TCP receive processing, the block layer
+#    under its files), so it is a lower bound of the target's cost.
+#  - nvmet-tcp runs in kworkers and softirq, not in a process of its own, so
+#    its cost is only visible system-wide: busy time from /proc/stat (user +
+#    nice + system + irq + softirq) over the fio run, minus fio's own CPU
+#    (user + system of the fio process and its job processes, from the
+#    shell's `times` around it: the whole process, startup included, like
+#    the window; fio's JSON usr_cpu/sys_cpu cover only the job's runtime;
+#    fio's system time holds the host's submission path, as nvme-tcp sends
+#    in the submitter's context when it can),
+#    minus the idle rate (measured for 5 s before the runs, both targets up,
+#    times the run's wall time). That figure also holds the host side's
+#    kernel work not charged to fio (nvme-tcp's receive kworkers, softirq)
+#    and the idle noise's variance.
+#  - So the like-for-like comparison is the same system-wide figure for
+#    both targets (columns "sys-fio"): the host side's share is the same
+#    kernel code for both. The rdmablk process column is shown beside it.
+#  Tick-sampled accounting (HZ 250, USER_HZ 100, no IRQ time accounting)
+#  under TCG: the CPU figures are coarse; compare ratios within this boot.
+#  rdmablk-target's threads are also sampled one by one (which of them
+#  spent the CPU), listed under the table.
+# The table goes to $RES/nvme-tcp-vs-nvmet.md and the step log, the fio
+# JSON and CPU samples to $RES/nvme-tcp-vs-nvmet/. The step fails only if
+# something does not work (a connect, a fio run), never on the numbers.
+# RDMABLK_NVME_VS_SYSTEMS="nvmet" measures the kernel's target alone;
+# RDMABLK_NVME_VS_TARGET=PATH measures another rdmablk-target binary (the
+# CI stage builds the debug profile, whose per-I/O CPU is not the release
+# build's: the table names the binary it measured).
+
+nvmet_cfs=/sys/kernel/config/nvmet
+
+# Exports FILE through the kernel's nvmet-tcp as namespace 1 of NQN on
+# SIP:PORT (port id PORTID).
+nvmet_export() { # NQN PORTID PORT FILE
+    local nqn=$1 pid=$2 port=$3 file=$4
+    modprobe -a nvmet nvmet-tcp
+    mountpoint -q /sys/kernel/config || mount -t configfs none /sys/kernel/config
+    local s=$nvmet_cfs/subsystems/$nqn p=$nvmet_cfs/ports/$pid
+    mkdir "$s"
+    echo 1 >"$s/attr_allow_any_host"
+    mkdir "$s/namespaces/1"
+    echo -n "$file" >"$s/namespaces/1/device_path"
+    echo 1 >"$s/namespaces/1/enable"
+    mkdir "$p"
+    echo tcp >"$p/addr_trtype"
+    echo ipv4 >"$p/addr_adrfam"
+    echo "$SIP" >"$p/addr_traddr"
+    echo "$port" >"$p/addr_trsvcid"
+    ln -s "$s" "$p/subsystems/$nqn"
+    echo "nvmet-tcp exports $file as $nqn namespace 1 on $SIP:$port" \
+        "(buffered_io $(cat "$s/namespaces/1/buffered_io" 2>/dev/null || echo ?))"
+}
+
+nvmet_unexport() { # NQN PORTID
+    local s=$nvmet_cfs/subsystems/$1 p=$nvmet_cfs/ports/$2
+    rm -f "$p/subsystems/$1"
+    rmdir "$p" 2>/dev/null || true
+    [[ -d $s/namespaces/1 ]] && { echo 0 >"$s/namespaces/1/enable"; rmdir "$s/namespaces/1"; }
+    rmdir "$s" 2>/dev/null || true
+}
+
+# Busy time of all CPUs in USER_HZ ticks (no fork: under TCG a process
+# start costs about 0.3 s, which would land in the window).
+busy_ticks() {
+    local _c u n s i w q sq _rest
+    read -r _c u n s i w q sq _rest </proc/stat
+    echo $((u + n + s + q + sq))
+}
+# One line per thread of PID: "tid comm ticks" (utime + stime).
+thread_ticks() { # PID
+    local t line rest comm
+    for t in /proc/$1/task/*; do
+        read -r line <"$t/stat" || continue
+        rest=${line##*) }
+        comm=${line#*(}; comm=${comm%%)*}
+        # shellcheck disable=SC2086
+        set -- $rest
+        echo "${t##*/} ${comm// /_} $((${12} + ${13}))"
+    done
+}
+proc_ticks() { # PID: utime + stime
+    local line rest
+    read -r line <"/proc/$1/stat"
+    rest=${line##*) }
+    # shellcheck disable=SC2086
+    set -- $rest
+    echo $((${12} + ${13}))
+}
+
+nvme_tcp_vs_nvmet() {
+    set -euo pipefail
+    nvme_dmesg_mark
+    modprobe -a nvme-tcp nvmet nvmet-tcp
+    # global: the EXIT trap reads it
+    NVME_VS_SYSTEMS=${RDMABLK_NVME_VS_SYSTEMS:-rdmablk nvmet}
+    local systems=$NVME_VS_SYSTEMS
+    NVME_TARGET_BIN=${RDMABLK_NVME_VS_TARGET:-$BIN/rdmablk-target}
+    local profile=unknown
+    case $(readlink -f "$NVME_TARGET_BIN") in */release/*) profile=release ;; */debug/*) profile=debug ;; esac
+    local out=$RES/nvme-tcp-vs-nvmet knqn=nqn.2014-08.io.rdmablk.ci:nvmet
+    rm -rf "$NVME_DIR"; mkdir -p "$NVME_DIR" "$out"
+    NQN=nqn.2014-08.io.rdmablk.ci:vs FPID= RPID= TPID=
+    df -h /tmp
+    # Both backing files written full (zeroes are data: no holes).
+    local f
+    for f in nvmet nvol0; do
+        dd if=/dev/zero of="$NVME_DIR/$f.img" bs=1M count=256 conv=fsync status=none
+    done
+    declare -A dev=()
+    trap 'rc=$?; if [[ " $NVME_VS_SYSTEMS " == *" nvmet "* ]]; then nvme disconnect -n '"$knqn"' >/dev/null 2>&1; nvmet_unexport '"$knqn"' 1; fi; nvme_cleanup $rc; exit $rc' EXIT
+    local s
+    for s in $systems; do
+        case $s in
+            rdmablk)
+                NVME_NQN=$NQN nvme_target_conf nvol0:256MiB
+                nvme_start_target
+                nvme_connect "$NQN" "$NVME_PORT" 1
+                dev[rdmablk]=$DEV ;;
+            nvmet)
+                nvmet_export "$knqn" 1 "$NVMET_PORT" "$NVME_DIR/nvmet.img"
+                nvme_connect "$knqn" "$NVMET_PORT" 1
+                dev[nvmet]=$DEV ;;
+            *) echo "unknown system $s"; exit 1 ;;
+        esac
+    done
+    nvme list
+    for s in $systems; do
+        local n=$NQN; [[ $s == nvmet ]] && n=$knqn
+        echo "--- $s: ${dev[$s]}"
+        nvme_check_ids "$(nvme_ctrl_of "$n" "$([[ $s == nvmet ]] && echo $NVMET_PORT || echo $NVME_PORT)")" "${dev[$s]}" "$n" $((256 << 20))
+    done
+    local hz; hz=$(getconf CLK_TCK)
+    echo "clocksource $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource 2>/dev/null)" \
+        "(not tsc: clock_gettime is a system call here)"
+    # The idle rate: both targets up, nothing to do.
+    local b0 b1 w0 w1
+    b0=$(busy_ticks); w0=$(date +%s.%N)
+    sleep 5
+    b1=$(busy_ticks); w1=$(date +%s.%N)
+    echo "idle $((b1 - b0)) $w0 $w1" >"$out/idle.cpu"
+    echo "idle: $((b1 - b0)) busy ticks in $(awk -v a="$w0" -v b="$w1" 'BEGIN{printf "%.2f", b-a}') s (USER_HZ $hz)"
+    local round c name rw bs qd p0 p1
+    for round in 1 2; do
+        local order=($systems)
+        [[ $round -eq 2 ]] && order=($(printf '%s\n' $systems | tac))
+        for c in "randread-4k-qd1 randread 4k 1" "randread-4k-qd16 randread 4k 16" \
+                 "read-128k-qd16 read 128k 16" "randwrite-4k-qd16 randwrite 4k 16"; do
+            read -r name rw bs qd <<<"$c"
+            for s in "${order[@]}"; do
+                local base=$out/$name.$s.$round
+                p0=0
+                if [[ $s == rdmablk ]]; then thread_ticks "$TPID" >"$base.threads0"; p0=$(proc_ticks "$TPID"); fi
+                b0=$(busy_ticks); w0=$(date +%s.%N)
+                (
+                    fio --name="$name" --filename="${dev[$s]}" --ioengine=io_uring --direct=1 --rw="$rw" \
+                        --bs="$bs" --iodepth="$qd" --size=256M --runtime=10 --time_based --randrepeat=0 \
+                        --output-format=json --output="$base.json"
+                    rc=$?
+                    times >"$base.times"
+                    exit $rc
+                ) || { echo "fio $name on $s (${dev[$s]}) failed"; cat "$base.json"; exit 1; }
+                b1=$(busy_ticks); w1=$(date +%s.%N)
+                p1=0
+                if [[ $s == rdmablk ]]; then p1=$(proc_ticks "$TPID"); thread_ticks "$TPID" >"$base.threads1"; fi
+                echo "busy $((b1 - b0)) proc $((p1 - p0)) wall $w0 $w1 hz $hz" >"$base.cpu"
+                echo "round $round: $name on $s: $(grep -o '"iops" : [0-9.]*' "$base.json" | head -n2 | tr '\n' ' ')" \
+                     "busy $((b1 - b0)) proc $((p1 - p0)) ticks"
+            done
+        done
+    done
+    /usr/bin/python3 - "$out" "$systems" "$(uname -r)" "$NVME_TARGET_BIN ($profile build)" >"$RES/nvme-tcp-vs-nvmet.md" <<'PY'
+import json, os, re, sys
+out, systems, kver, tbin = sys.argv[1], sys.argv[2].split(), sys.argv[3], sys.argv[4]
+cases = ["randread-4k-qd1", "randread-4k-qd16", "read-128k-qd16", "randwrite-4k-qd16"]
+def secs(t):
+    m = re.fullmatch(r"(\d+)m([\d.]+)s", t)
+    return int(m.group(1)) * 60 + float(m.group(2))
+idle = open(os.path.join(out, "idle.cpu")).read().split()
+idle_rate = int(idle[1]) / (float(idle[3]) - float(idle[2]))  # ticks per second
+def load(case, s, rnd):
+    base = os.path.join(out, f"{case}.{s}.{rnd}")
+    j = json.load(open(base + ".json"))["jobs"][0]
+    if j.get("error", 0):
+        raise SystemExit(f"{case} {s} round {rnd}: fio error {j['error']}")
+    d = j["write"] if "write" in case else j["read"]
+    ios = j["read"]["total_ios"] + j["write"]["total_ios"]
+    c = open(base + ".cpu").read().split()
+    busy, proc, w0, w1, hz = int(c[1]), int(c[3]), float(c[5]), float(c[6]), int(c[8])
+    wall = w1 - w0
+    # `times`: line 2 is the children (fio): "XmY.YYYs XmY.YYYs"
+    tl = open(base + ".times").read().split("\n")[1].split()
+    fio_cpu = secs(tl[0]) + secs(tl[1])
+    sysfio = (busy - idle_rate * wall) / hz - fio_cpu
+    return dict(iops=d["iops"], lat=d["lat_ns"]["mean"] / 1000, ios=ios,
+                proc_us=proc / hz / ios * 1e6 if s == "rdmablk" else None,
+                sys_us=sysfio / ios * 1e6, fio_us=fio_cpu / ios * 1e6, wall=wall)
+def mean(xs): return sum(xs) / len(xs)
+r = {(c, s): [load(c, s, k) for k in (1, 2)] for c in cases for s in systems}
+def m(c, s, key):
+    if (c, s) not in r: return None
+    return mean([x[key] for x in r[(c, s)]])
+def f(v, fmt): return "-" if v is None else format(v, fmt)
+print(f"## rdmablk-target NVMe/TCP vs the kernel's nvmet-tcp (kernel {kver}, qemu TCG, 2 vCPUs)")
+print()
+print("fio on the kernel's nvme-tcp host, io_uring, direct=1, 256 MiB file-backed namespaces, "
+      "10 s per run, 2 rounds alternated (order swapped in round 2); figures are the means of the rounds.")
+print("lat = mean total latency. CPU per I/O: `proc` = rdmablk-target's own utime+stime; "
+      "`sys-fio` = all CPUs' busy time minus fio's CPU minus the idle rate "
+      f"({idle_rate:.1f} ticks/s), which includes the host's nvme-tcp kernel work for both targets.")
+if "rdmablk" in systems:
+    print(f"rdmablk-target: {tbin}.")
+print("TCG-emulated: compare ratios within this table, not absolute figures.")
+print()
+print("| case | rdmablk IOPS | nvmet IOPS | IOPS ratio rdmablk/nvmet (per round) | rdmablk lat µs | nvmet lat µs "
+      "| rdmablk-target CPU µs/IO (proc) | rdmablk CPU µs/IO (sys-fio) | nvmet CPU µs/IO (sys-fio) | fio CPU µs/IO rdmablk / nvmet |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+for c in cases:
+    ri, ni = m(c, "rdmablk", "iops"), m(c, "nvmet", "iops")
+    ratio = "-"
+    if ri is not None and ni is not None:
+        per = "/".join(f"{r[(c,'rdmablk')][k]['iops'] / r[(c,'nvmet')][k]['iops']:.2f}" for k in range(2))
+        ratio = f"{ri / ni:.2f} ({per})"
+    print(f"| {c} | {f(ri, '.0f')} | {f(ni, '.0f')} | {ratio} | {f(m(c, 'rdmablk', 'lat'), '.0f')} "
+          f"| {f(m(c, 'nvmet', 'lat'), '.0f')} | {f(m(c, 'rdmablk', 'proc_us'), '.1f')} "
+          f"| {f(m(c, 'rdmablk', 'sys_us'), '.1f')} | {f(m(c, 'nvmet', 'sys_us'), '.1f')} "
+          f"| {f(m(c, 'rdmablk', 'fio_us'), '.1f')} / {f(m(c, 'nvmet', 'fio_us'), '.1f')} |")
+if "rdmablk" in systems:
+    print()
+    print("rdmablk-target's threads with the most CPU during each run (ticks of 1/100 s; thread name, tid):")
+    print()
+    for c in cases:
+        for k in (1, 2):
+            base = os.path.join(out, f"{c}.rdmablk.{k}")
+            def rd(p):
+                d = {}
+                try:
+                    for line in open(p):
+                        tid, comm, t = line.split()
+                        d[tid] = (comm, int(t))
+                except FileNotFoundError:
+                    pass
+                return d
+            a, b = rd(base + ".threads0"), rd(base + ".threads1")
+            deltas = sorted(((b[t][1] - a.get(t, (None, 0))[1], b[t][0], t) for t in b), reverse=True)
+            top = ", ".join(f"{comm}/{tid} {d}" for d, comm, tid in deltas[:4] if d > 0)
+            print(f"- {c} round {k}: {top or 'none'}")
+PY
+    cat "$RES/nvme-tcp-vs-nvmet.md"
+    for s in $systems; do
+        case $s in
+            rdmablk) nvme_disconnect "$NQN" ;;
+            nvmet) nvme_disconnect "$knqn"; nvmet_unexport "$knqn" 1 ;;
+        esac
+    done
+    trap - EXIT
+    local drc=0
+    nvme_show_dmesg || drc=1
+    if [[ " $systems " == *" rdmablk "* ]]; then nvme_stop_target nvme-tcp-vs-nvmet; fi
+    rm -rf "$NVME_DIR"
+    [[ $drc -eq 0 ]] || exit 1
+}
