@@ -1802,3 +1802,34 @@ fn a_block_device_namespace_deallocates_and_zeroes_through_the_blocking_worker()
     admin.keep_alive().unwrap();
     target.assert_no_panic();
 }
+
+#[test]
+fn a_host_that_sends_commands_and_reads_no_answers_is_closed_not_buffered_without_end() {
+    let (_dir, target, addr, _) = one_volume_target();
+    let (mut admin, cntlid) = controller(addr);
+    let mut good = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 2, SUBNQN, HOSTNQN);
+    let mut flood = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 1, SUBNQN, HOSTNQN);
+    // Flushes, never reading an answer: far more than the socket buffers and
+    // the target's limit of unsent answers hold.
+    let rss_before = rdmablk_system_tests::rss_bytes(target.pid());
+    let mut sent = 0u32;
+    let mut closed = false;
+    for i in 0..400_000u32 {
+        let mut e = SubmissionEntry::new(io_opcode::FLUSH, (i % 60000) as u16 + 1);
+        e.nsid = 1;
+        if flood.try_raw_send(&flood.pdu_bytes(&Pdu::CapsuleCmd(e), &[])).is_err() {
+            closed = true;
+            break;
+        }
+        sent += 1;
+    }
+    assert!(closed, "the target took {sent} commands without an answer read and kept the connection");
+    target.wait_for_log("does not read their answers", Duration::from_secs(10));
+    let rss_after = rdmablk_system_tests::rss_bytes(target.pid());
+    assert!(rss_after < rss_before + (64 << 20), "RSS grew from {rss_before} to {rss_after} bytes");
+    // Others are unaffected.
+    good.write(1, 0, &[0x42; 4096], false).unwrap();
+    assert_eq!(good.read(1, 0, 1, BS).unwrap(), vec![0x42; 4096]);
+    admin.keep_alive().unwrap();
+    target.assert_no_panic();
+}

@@ -44,6 +44,11 @@ pub const MAXH2CDATA: u32 = MAX_TRANSFER;
 const ADMIN_TICK: Duration = Duration::from_millis(250);
 /// How long a closing connection may take to send its last PDUs.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// Answers (PDUs) a connection may have waiting to be sent, beyond what the
+/// socket buffers hold. A host keeps at most its queue size in flight (a
+/// few PDUs each); one that sends commands and reads no answers would make
+/// this grow without end, so past it the connection is closed.
+const MAX_UNSENT: usize = 4096;
 
 const TOKEN_SOCKET: u64 = 0;
 const TOKEN_WAKE: u64 = 1;
@@ -303,6 +308,8 @@ impl Connection {
             tracing::warn!("nvme+tcp {}: {} (termination request, FES {fes:#x})", self.q.peer, f.why);
             super::NvmeStats::add(&self.q.sub.stats.terminations, 1);
             self.queue_pdu(&Pdu::C2HTermReq(TermReq { fes, fei }), TxBody::Heap(header));
+        } else if f.why.contains("does not read") {
+            tracing::warn!("nvme+tcp {}: {}; closing", self.q.peer, f.why);
         } else {
             tracing::debug!("nvme+tcp {}: {}", self.q.peer, f.why);
         }
@@ -347,6 +354,11 @@ impl Connection {
         loop {
             if self.closing.is_some() {
                 return Ok(());
+            }
+            if self.q.actions.len() + self.tx.len() > MAX_UNSENT {
+                return Err(Fatal::closed(format!(
+                    "the host sends commands and does not read their answers ({MAX_UNSENT} PDUs unsent)"
+                )));
             }
             if self.parse()? {
                 continue;
