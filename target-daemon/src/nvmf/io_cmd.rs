@@ -50,15 +50,6 @@ impl IoPlan {
             IoPlan::Deallocate { .. } => "deallocate",
         }
     }
-
-    /// The bytes a write changed, for readahead's write epochs (bumped
-    /// again when the write is done).
-    pub fn written_range(&self) -> Option<(u64, u64)> {
-        match self {
-            IoPlan::Write { offset, len, .. } => Some((*offset, *len as u64)),
-            _ => None,
-        }
-    }
 }
 
 fn find(nss: &[Namespace], nsid: u32) -> Result<&Namespace> {

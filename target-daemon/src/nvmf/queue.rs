@@ -101,6 +101,9 @@ struct Cmd {
     /// Engine operations not yet reaped.
     pending_ops: u32,
     failed: Option<Status>,
+    /// Byte ranges the command writes: their write epochs move when its
+    /// disk work starts and again when it is done (see `WriteEpochs`).
+    written: Vec<(u64, u64)>,
 }
 
 /// The queue's place in its association.
@@ -221,6 +224,7 @@ impl Queue {
             self.sq_head = (self.sq_head + 1) % self.sq_entries;
         }
         let cid = sqe.cid;
+        // An I/O command (planned against the namespaces), not a Fabrics one.
         let io = self.qid().is_some_and(|q| q > 0) && sqe.opcode != admin_opcode::FABRICS;
         NvmeStats::add(&self.sub.stats.commands[NvmeStats::class(io, sqe.opcode)], 1);
         let is_connect = sqe.opcode == admin_opcode::FABRICS && sqe.fctype() == rdmablk_common::nvme::fabrics::fctype::CONNECT;
@@ -277,7 +281,7 @@ impl Queue {
         };
         // I/O commands are planned (validated) before any data is asked for.
         let mut plan = None;
-        if self.qid().is_some_and(|q| q > 0) && sqe.opcode != admin_opcode::FABRICS {
+        if io {
             self.namespaces();
             match io_cmd::plan(&sqe, &self.ns_cache.1, sgl.length()) {
                 Ok(p) => plan = Some(p),
@@ -293,7 +297,7 @@ impl Queue {
             return None;
         }
         let slot = self.alloc_slot();
-        let mut cmd = Cmd { sqe, buf: Buf::None, expect, received: 0, plan, pending_ops: 0, failed: None };
+        let mut cmd = Cmd { sqe, buf: Buf::None, expect, received: 0, plan, pending_ops: 0, failed: None, written: Vec::new() };
         if expect > 0 {
             cmd.buf = if cmd.plan.as_ref().is_some_and(|p| p.uses_chunk()) {
                 match self.engine.as_mut().and_then(|e| e.alloc()) {
@@ -489,21 +493,14 @@ impl Queue {
                 let Buf::Chunk(c) = cmd.buf else { unreachable!("a chunk was taken above") };
                 cmd.pending_ops = 1;
                 ns.volume.writes.bump(*offset, *len as u64);
+                cmd.written.push((*offset, *len as u64));
                 engine.write(&ns.volume, c, *len, *offset, *fua, tag)
             }
             IoPlan::Flush { ns } => {
                 cmd.pending_ops = 1;
                 engine.flush(&ns.volume, tag)
             }
-            IoPlan::Range { ns, op, ranges } => {
-                cmd.pending_ops = ranges.len() as u32;
-                let mut r = Ok(());
-                for &(offset, len) in ranges {
-                    ns.volume.writes.bump(offset, len);
-                    r = r.and(engine.range(&ns.volume, *op, offset, len, tag));
-                }
-                r
-            }
+            IoPlan::Range { ns, op, ranges } => submit_ranges(engine, cmd, ns, *op, ranges.clone(), tag),
             IoPlan::Deallocate { ns, op, ranges: count } => {
                 let ranges = match &cmd.buf {
                     Buf::Heap(v) => io_cmd::dsm_ranges(v, *count, ns),
@@ -518,15 +515,7 @@ impl Queue {
                         self.finish(slot, Reply::ok());
                         return;
                     }
-                    Ok(ranges) => {
-                        cmd.pending_ops = ranges.len() as u32;
-                        let mut r = Ok(());
-                        for (offset, len) in ranges {
-                            ns.volume.writes.bump(offset, len);
-                            r = r.and(engine.range(&ns.volume, *op, offset, len, tag));
-                        }
-                        r
-                    }
+                    Ok(ranges) => submit_ranges(engine, cmd, ns, *op, ranges, tag),
                 }
             }
         };
@@ -563,24 +552,23 @@ impl Queue {
         if cmd.pending_ops > 0 {
             return;
         }
-        if let Some(bump) = plan.written_range() {
-            plan.namespace().volume.writes.bump(bump.0, bump.1);
+        for &(offset, len) in &cmd.written {
+            plan.namespace().volume.writes.bump(offset, len);
         }
         let cid = cmd.sqe.cid;
         match (cmd.failed, &plan) {
-            (None, IoPlan::Read { len, .. }) => NvmeStats::add(&self.sub.stats.bytes_read, *len as u64),
-            (None, IoPlan::Write { len, .. }) => NvmeStats::add(&self.sub.stats.bytes_written, *len as u64),
-            _ => {}
-        }
-        match (cmd.failed, &plan) {
             (None, IoPlan::Read { len, .. }) => {
                 let len = *len;
+                NvmeStats::add(&self.sub.stats.bytes_read, len as u64);
                 let buf = std::mem::replace(&mut cmd.buf, Buf::None);
                 let then = self.completion(cid, Status::SUCCESS, 0);
                 self.release_slot(slot);
                 self.actions.push(Action::SendData { cid, buf, len, then });
             }
             (failed, _) => {
+                if let (None, IoPlan::Write { len, .. }) = (failed, &plan) {
+                    NvmeStats::add(&self.sub.stats.bytes_written, *len as u64);
+                }
                 self.release_slot(slot);
                 self.respond(cid, failed.unwrap_or(Status::SUCCESS), 0);
             }
@@ -683,6 +671,26 @@ impl Queue {
     pub fn stopping(&self) -> bool {
         self.sub.stopping.load(Ordering::Acquire)
     }
+}
+
+/// Starts a command's deallocate or zeroing ranges, each its own engine
+/// operation tagged `tag`, moving their write epochs first.
+fn submit_ranges(
+    engine: &mut QueueEngine,
+    cmd: &mut Cmd,
+    ns: &Namespace,
+    op: crate::backend::RangeOp,
+    ranges: Vec<(u64, u64)>,
+    tag: u64,
+) -> crate::Result<()> {
+    cmd.pending_ops = ranges.len() as u32;
+    let mut r = Ok(());
+    for &(offset, len) in &ranges {
+        ns.volume.writes.bump(offset, len);
+        r = r.and(engine.range(&ns.volume, op, offset, len, tag));
+    }
+    cmd.written = ranges;
+    r
 }
 
 /// The data direction of a command: bits 1:0 of its opcode (of FCTYPE for
