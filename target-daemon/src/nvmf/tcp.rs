@@ -239,9 +239,15 @@ impl Connection {
                         return format!("io_uring: {e}");
                     }
                     self.q.reap();
-                    let woken = self.q.engine.as_mut().is_some_and(|e| e.take_wake());
+                    let engine = self.q.engine.as_mut().expect("matched above");
+                    let woken = engine.take_wake();
                     tokens.clear();
-                    if woken {
+                    if woken && engine.wait_fds().next().is_none() {
+                        // The socket is all the epoll set holds until a
+                        // blocking worker starts: no need to ask which
+                        // descriptor fired (a system call per I/O at QD1).
+                        tokens.push(TOKEN_SOCKET);
+                    } else if woken {
                         if let Err(e) = self.epoll.wait(&mut tokens, Some(Duration::ZERO)) {
                             return format!("epoll: {e}");
                         }
