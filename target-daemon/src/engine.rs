@@ -1,72 +1,92 @@
-//! A queue's block engine: one io_uring ring, one registered buffer pool,
-//! the volumes' fixed-file slots and a blocking worker, for a protocol
-//! front end that runs one thread per queue (the NVMe-oF queues; see
-//! `nvmf`). The front end decodes its wire and plans; it asks the engine for
-//! disk operations on pool chunks, tagged with its own slab index, and reaps
-//! their completions. The engine knows nothing of the wire.
+//! The block engine under every protocol front end: one io_uring ring, one
+//! registered buffer pool, the volumes' fixed-file slots and a blocking
+//! worker, owned by one thread. The rdmablk v1 reactors (`reactor`) and the
+//! NVMe-oF queues (`nvmf`) each run one. A front end decodes its wire and
+//! plans; it asks the engine for disk operations on pool chunks, tagged
+//! with its own slab index, and reaps their completions. The engine knows
+//! nothing of any wire.
 //!
 //! Ordering: operations are independent. A write is complete (and, with
 //! `fua`, durable) when its completion is reaped; a flush covers the writes
 //! completed before it was submitted. Nothing else is promised, as a disk
 //! promises nothing else.
 //!
-//! The rdmablk v1 reactor (`reactor`) still drives its own ring and pool;
-//! moving it onto this engine is the rest of the split that `ARCHITECTURE.md`
-//! describes.
+//! Fixed files: a volume gets a slot at its first operation (or at
+//! [`BlockEngine::attach`]) and a reloaded volume its new descriptor in the
+//! same slot; [`BlockEngine::detach`] gives the slot back after the
+//! volume's last operation. Operations in flight keep the file they were
+//! submitted with whatever happens to the slot afterwards.
 
 use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
-use rdmablk_common::protocol::VolumeId;
+use rdmablk_common::protocol::{SessionId, VolumeId};
 
-use crate::backend::{RangeOp, Volume};
+use crate::backend::{Backend, RangeOp, Volume};
 use crate::blocking::{BlockingWorker, Job, JobKind};
 use crate::error::Result;
 use crate::pool::{ChunkId, Pool};
-use crate::uring::{Uring, UringOptions};
-
-/// Fixed-file slots per queue: the volumes one queue may touch at once.
-const FILE_SLOTS: u32 = 64;
+use crate::uring::{Uring, UringFeatures, UringOptions};
 
 /// What a finished operation reports: its tag and bytes moved or `-errno`.
 pub type Completion = (u64, i32);
 
-/// One queue's ring, pool and worker.
-pub struct QueueEngine {
+/// One thread's ring, pool, fixed files and blocking worker.
+pub struct BlockEngine {
     // Field order: the ring closes (after waiting for in-flight operations)
     // before the pool's memory is freed.
     uring: Uring,
     pool: Pool,
     blocking: Option<BlockingWorker>,
-    /// Volume id to fixed-file slot, with the volume it was registered for
-    /// (a reload may publish a new `Volume` with another descriptor).
-    slots: HashMap<VolumeId, (u32, Arc<Volume>)>,
-    free_slots: Vec<u32>,
+    /// The blocking worker started and its descriptor was not yet handed
+    /// out ([`BlockEngine::started_worker_fd`]).
+    worker_fd_new: bool,
+    /// Volume id to fixed-file slot, with the backend it was registered
+    /// for (a reload may publish a new backend with another descriptor).
+    files: HashMap<VolumeId, (u32, Arc<Backend>)>,
+    free_files: Vec<u32>,
     /// Operations that need no disk (the `null` backend, no-op ranges):
     /// reported at the next reap, as if the disk had answered.
     immediate: Vec<Completion>,
     worker_id: usize,
 }
 
-impl QueueEngine {
-    /// A ring of `entries` and a pool of `chunks` chunks of `chunk_size`
-    /// bytes. `worker_id` names the blocking worker's thread. With
-    /// `wake_fd` (the caller's epoll descriptor), the caller sleeps in the
-    /// ring where the kernel allows it ([`QueueEngine::sleep`]).
-    pub fn new(chunks: u32, chunk_size: u32, entries: u32, worker_id: usize, wake_fd: Option<RawFd>) -> Result<QueueEngine> {
-        let pool = Pool::new(chunks as usize * chunk_size as usize, chunk_size as usize);
-        let opts = UringOptions { entries, file_slots: FILE_SLOTS, wake_fd, ..UringOptions::default() };
+impl BlockEngine {
+    /// An engine over `pool`, with a ring set up by `opts` (its fixed
+    /// buffers are the pool's chunks). `worker_id` names the blocking
+    /// worker's thread. With `opts.wake_fd` (the caller's epoll
+    /// descriptor), the caller sleeps in the ring where the kernel allows
+    /// it ([`BlockEngine::sleep`]).
+    pub fn new(pool: Pool, opts: UringOptions, worker_id: usize) -> Result<BlockEngine> {
         let uring = Uring::new(&[], &pool, opts)?;
-        Ok(QueueEngine {
+        Ok(BlockEngine {
             uring,
             pool,
             blocking: None,
-            slots: HashMap::new(),
-            free_slots: (0..FILE_SLOTS).rev().collect(),
+            worker_fd_new: false,
+            files: HashMap::new(),
+            free_files: (0..opts.file_slots).rev().collect(),
             immediate: Vec::new(),
             worker_id,
         })
+    }
+
+    pub fn features(&self) -> UringFeatures {
+        self.uring.features()
+    }
+
+    /// Whether completions are found only by polling (an iopoll ring).
+    pub fn needs_polling(&self) -> bool {
+        self.uring.needs_polling()
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub fn pool_mut(&mut self) -> &mut Pool {
+        &mut self.pool
     }
 
     /// The descriptors to wait on: the ring's eventfd, and the blocking
@@ -101,34 +121,53 @@ impl QueueEngine {
         self.pool.bytes_mut(c)
     }
 
+    /// Gives `vol` its fixed-file slot now (or its new descriptor after a
+    /// reload), so that a failure shows before its first command.
+    pub fn attach(&mut self, vol: &Volume) -> Result<()> {
+        self.slot(vol).map(drop)
+    }
+
+    /// Gives back the slot of a volume that is no longer served, after its
+    /// last operation: the engine stops holding its file open.
+    pub fn detach(&mut self, id: VolumeId) -> Result<()> {
+        if let Some((slot, _)) = self.files.remove(&id) {
+            self.free_files.push(slot);
+            self.uring.set_file(slot, None)?;
+        }
+        Ok(())
+    }
+
     /// The fixed-file slot of `vol`, registering it (or its new descriptor
     /// after a reload) on first use. `None`: no disk behind it.
-    fn slot(&mut self, vol: &Arc<Volume>) -> Result<Option<u32>> {
+    fn slot(&mut self, vol: &Volume) -> Result<Option<u32>> {
         let Some(fd) = vol.backend.uring_fd() else { return Ok(None) };
-        if let Some((slot, known)) = self.slots.get(&vol.id) {
-            if Arc::ptr_eq(&known.backend, &vol.backend) {
+        if let Some((slot, known)) = self.files.get(&vol.id) {
+            if Arc::ptr_eq(known, &vol.backend) {
                 return Ok(Some(*slot));
             }
         }
-        let slot = match self.slots.remove(&vol.id) {
+        let slot = match self.files.remove(&vol.id) {
             Some((slot, _)) => slot,
-            None => match self.free_slots.pop() {
+            None => match self.free_files.pop() {
                 Some(s) => s,
                 None => {
-                    // Every slot is taken: forget the volumes that are no
-                    // longer served here (operations in flight keep their file).
-                    let (&old, _) = self.slots.iter().next().expect("a full table has entries");
-                    self.slots.remove(&old).expect("present").0
+                    // Every slot is taken (a front end that never detaches
+                    // touched that many volumes): take one over. What was
+                    // queued for it is submitted first, so that it still
+                    // reaches the file it was meant for.
+                    self.uring.submit()?;
+                    let (&old, _) = self.files.iter().next().expect("a full table has entries");
+                    self.files.remove(&old).expect("present").0
                 }
             },
         };
         self.uring.set_file(slot, Some(fd))?;
-        self.slots.insert(vol.id, (slot, Arc::clone(vol)));
+        self.files.insert(vol.id, (slot, Arc::clone(&vol.backend)));
         Ok(Some(slot))
     }
 
     /// Reads `len` bytes at `offset` of `vol` into chunk `c`.
-    pub fn read(&mut self, vol: &Arc<Volume>, c: ChunkId, len: u32, offset: u64, tag: u64) -> Result<()> {
+    pub fn read(&mut self, vol: &Volume, c: ChunkId, len: u32, offset: u64, tag: u64) -> Result<()> {
         match self.slot(vol)? {
             Some(file) => self.uring.read_fixed(&mut self.pool, file, c, 0, len, offset, tag),
             None => {
@@ -140,7 +179,7 @@ impl QueueEngine {
     }
 
     /// Writes `len` bytes of chunk `c` at `offset` of `vol` (durably with `fua`).
-    pub fn write(&mut self, vol: &Arc<Volume>, c: ChunkId, len: u32, offset: u64, fua: bool, tag: u64) -> Result<()> {
+    pub fn write(&mut self, vol: &Volume, c: ChunkId, len: u32, offset: u64, fua: bool, tag: u64) -> Result<()> {
         match self.slot(vol)? {
             Some(file) => self.uring.write_fixed(&mut self.pool, file, c, 0, len, offset, fua && vol.backend.needs_flush(), tag),
             None => self.immediate.push((tag, len as i32)),
@@ -149,17 +188,22 @@ impl QueueEngine {
     }
 
     /// Makes the completed writes of `vol` durable.
-    pub fn flush(&mut self, vol: &Arc<Volume>, tag: u64) -> Result<()> {
+    pub fn flush(&mut self, vol: &Volume, tag: u64) -> Result<()> {
+        if !vol.backend.needs_flush() {
+            self.immediate.push((tag, 0));
+            return Ok(());
+        }
         match self.slot(vol)? {
-            Some(file) if vol.backend.needs_flush() => self.uring.fsync(file, tag),
-            _ => self.immediate.push((tag, 0)),
+            Some(file) if self.uring.features().fsync => self.uring.fsync(file, tag),
+            // An iopoll ring (or a kernel without the opcode): the worker does it.
+            _ => self.submit_job(vol, JobKind::Fdatasync, 0, 0, tag)?,
         }
         Ok(())
     }
 
     /// Deallocates or zeroes `len` bytes at `offset` of `vol` the way its
     /// backend does it (`op`, from `Backend::discard` or `write_zeroes`).
-    pub fn range(&mut self, vol: &Arc<Volume>, op: RangeOp, offset: u64, len: u64, tag: u64) -> Result<()> {
+    pub fn range(&mut self, vol: &Volume, op: RangeOp, offset: u64, len: u64, tag: u64) -> Result<()> {
         let kind = match op {
             RangeOp::Nothing => {
                 self.immediate.push((tag, 0));
@@ -176,12 +220,33 @@ impl QueueEngine {
             RangeOp::BlkDiscard => JobKind::Discard,
             RangeOp::BlkZeroout => JobKind::ZeroOut,
         };
+        self.submit_job(vol, kind, offset, len, tag)
+    }
+
+    /// Holds a write of `session` on the blocking worker until fault
+    /// injection releases it (`crate::fault`, test builds of the system
+    /// tests); its completion then says the caller may write.
+    pub fn hold_write(&mut self, vol: &Volume, session: SessionId, tag: u64) -> Result<()> {
+        self.submit_job(vol, JobKind::HoldWrite(session), 0, 0, tag)
+    }
+
+    fn submit_job(&mut self, vol: &Volume, kind: JobKind, offset: u64, len: u64, tag: u64) -> Result<()> {
         if self.blocking.is_none() {
             self.blocking = Some(BlockingWorker::start(self.worker_id)?);
+            self.worker_fd_new = true;
         }
         let job = Job { user_data: tag, kind, backend: Arc::clone(&vol.backend), offset, len };
         self.blocking.as_mut().expect("started above").submit(job);
         Ok(())
+    }
+
+    /// The blocking worker's descriptor, once, after the worker started:
+    /// for a caller that watches [`BlockEngine::wait_fds`] in its own epoll set.
+    pub fn started_worker_fd(&mut self) -> Option<RawFd> {
+        if !std::mem::take(&mut self.worker_fd_new) {
+            return None;
+        }
+        self.blocking.as_ref().map(BlockingWorker::fd)
     }
 
     /// Hands everything queued to the kernel.
@@ -189,16 +254,16 @@ impl QueueEngine {
         self.uring.submit().map(drop)
     }
 
-    /// Whether the caller sleeps in the ring ([`QueueEngine::sleep`])
-    /// rather than on [`QueueEngine::wait_fds`].
+    /// Whether the caller sleeps in the ring ([`BlockEngine::sleep`])
+    /// rather than on [`BlockEngine::wait_fds`].
     pub fn sleeps_in_ring(&self) -> bool {
         self.uring.features().ring_sleep
     }
 
     /// Submits what is queued and sleeps in one `io_uring_enter` until a
     /// disk operation completes, the caller's epoll descriptor becomes
-    /// readable ([`QueueEngine::take_wake`] says so after the reap) or
-    /// `timeout` passes. Only when [`QueueEngine::sleeps_in_ring`].
+    /// readable ([`BlockEngine::take_wake`] says so after the reap) or
+    /// `timeout` passes. Only when [`BlockEngine::sleeps_in_ring`].
     pub fn sleep(&mut self, timeout: Option<std::time::Duration>) -> Result<()> {
         if !self.uring.wake_poll_armed() {
             self.uring.arm_wake_poll();
@@ -215,7 +280,7 @@ impl QueueEngine {
         self.uring.take_wake_poll_fired()
     }
 
-    /// Clears the wake-up descriptors ([`QueueEngine::wait_fds`]) after
+    /// Clears the wake-up descriptors ([`BlockEngine::wait_fds`]) after
     /// one fired; reap afterwards, so that nothing that completed in
     /// between is missed.
     pub fn clear_wake(&mut self) {

@@ -47,10 +47,10 @@
 //! - [`blocking`]: a reactor's helper thread for the few blocking calls.
 //! - [`fault`]: test-only fault injection (disk writes held on demand).
 //! - [`session`]: state shared by reactors (volume set, sessions).
-//! - [`reactor`]: reactor threads (fabric CQ + io_uring + queue pairs): the
-//!   rdmablk v1 front end with its own ring and pool.
-//! - [`engine`]: a queue's block engine (ring, pool, fixed files, blocking
-//!   worker) for front ends with a thread per queue.
+//! - [`engine`]: the block engine (ring, pool, fixed files, blocking worker)
+//!   that every front end's thread owns one of.
+//! - [`reactor`]: reactor threads (fabric CQs + queue pairs + an engine):
+//!   the rdmablk v1 front end.
 //! - [`nvmf`]: the NVMe over Fabrics front end and its NVMe/TCP transport.
 //! - [`readahead`]: sequential readahead bookkeeping (streams, cached chunks).
 //! - [`metrics`]: lock-free counters, Prometheus text, the HTTP responder.

@@ -19,7 +19,7 @@
 //! - [`discovery`]: the discovery log page.
 //! - [`identify`]: the Identify data structures.
 //!
-//! Disk I/O goes through [`crate::engine::QueueEngine`], one per I/O queue.
+//! Disk I/O goes through [`crate::engine::BlockEngine`], one per I/O queue.
 
 pub mod admin_cmd;
 pub mod discovery;
@@ -61,6 +61,9 @@ pub const MAX_IO_QUEUES: u16 = 64;
 pub const MAX_AERS: usize = 4;
 /// Pool chunks per I/O queue: commands beyond this wait for a chunk.
 pub const QUEUE_CHUNKS: u32 = 32;
+/// Fixed-file slots of an I/O queue's engine: the volumes one queue
+/// touches (a queue never detaches; past this many it takes slots over).
+pub const QUEUE_FILE_SLOTS: u32 = 64;
 
 /// NVMe-oF counters for the metrics endpoint (many queue threads write
 /// them: atomic adds).

@@ -17,8 +17,10 @@ use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry};
 use rdmablk_common::nvme::status::Status;
 
 use super::io_cmd::{self, IoPlan};
-use super::{admin_cmd, fabrics_cmd, Controller, HostView, Namespace, NvmeStats, Subsystem, MAX_TRANSFER, QUEUE_CHUNKS};
-use crate::engine::QueueEngine;
+use super::{admin_cmd, fabrics_cmd, Controller, HostView, Namespace, NvmeStats, Subsystem, MAX_TRANSFER, QUEUE_CHUNKS, QUEUE_FILE_SLOTS};
+use crate::engine::BlockEngine;
+use crate::pool::Pool;
+use crate::uring::UringOptions;
 use crate::error::{Error, ErrorKind};
 use crate::pool::ChunkId;
 
@@ -126,7 +128,7 @@ pub struct Queue {
     pub wake_fd: Option<std::os::fd::RawFd>,
     pub sq_entries: u32,
     sq_head: u32,
-    pub engine: Option<QueueEngine>,
+    pub engine: Option<BlockEngine>,
     cmds: Vec<Option<Cmd>>,
     free: Vec<u16>,
     by_cid: HashMap<u16, u16>,
@@ -584,7 +586,9 @@ impl Queue {
     pub fn start_engine(&mut self, qid: u16) -> crate::Result<()> {
         let chunks = QUEUE_CHUNKS.min(self.sq_entries.max(1));
         let entries = (self.sq_entries.max(8)).next_power_of_two();
-        self.engine = Some(QueueEngine::new(chunks, MAX_TRANSFER, entries, 1000 + qid as usize, self.wake_fd)?);
+        let pool = Pool::new(chunks as usize * MAX_TRANSFER as usize, MAX_TRANSFER as usize);
+        let opts = UringOptions { entries, file_slots: QUEUE_FILE_SLOTS, wake_fd: self.wake_fd, ..UringOptions::default() };
+        self.engine = Some(BlockEngine::new(pool, opts, 1000 + qid as usize)?);
         Ok(())
     }
 
@@ -676,7 +680,7 @@ impl Queue {
 /// Starts a command's deallocate or zeroing ranges, each its own engine
 /// operation tagged `tag`, moving their write epochs first.
 fn submit_ranges(
-    engine: &mut QueueEngine,
+    engine: &mut BlockEngine,
     cmd: &mut Cmd,
     ns: &Namespace,
     op: crate::backend::RangeOp,

@@ -1,7 +1,8 @@
-//! A reactor's block engine: the command slab and its pool chunks (waits,
-//! shares, accounting), the io_uring and blocking-worker disk operations,
-//! readahead, the volume snapshot and its fixed-file slots, per-volume
-//! counters. Nothing here reads or writes the rdmablk v1 wire.
+//! A reactor's commands on its block engine (`crate::engine`): the command
+//! slab and its pool chunks (waits, shares, accounting), the disk
+//! operations it asks the engine for and their completions, readahead, the
+//! volume snapshot, per-volume counters. Nothing here reads or writes the
+//! rdmablk v1 wire.
 
 use super::*;
 
@@ -34,10 +35,9 @@ impl Reactor {
                     lv.vol = Arc::clone(v);
                     lv.retiring = false;
                     if !same_backend {
-                        let fd = v.backend.uring_fd();
-                        match self.uring.set_file(slot as u32, fd) {
+                        match self.engine.attach(v) {
                             Ok(()) => {
-                                lv.registered = fd.is_some();
+                                lv.registered = v.backend.uring_fd().is_some();
                                 lv.broken = false;
                             }
                             Err(e) => {
@@ -58,7 +58,7 @@ impl Reactor {
                         let fd = v.backend.uring_fd();
                         let mut lv = LocalVolume { vol: Arc::clone(v), registered: false, broken: false, inflight: 0, retiring: false };
                         if fd.is_some() {
-                            match self.uring.set_file(slot as u32, fd) {
+                            match self.engine.attach(v) {
                                 Ok(()) => lv.registered = true,
                                 Err(e) => {
                                     tracing::error!("reactor {}: volume {}: {e}", self.id, v.name);
@@ -99,7 +99,7 @@ impl Reactor {
             return;
         }
         if lv.registered {
-            if let Err(e) = self.uring.set_file(slot as u32, None) {
+            if let Err(e) = self.engine.detach(lv.vol.id) {
                 tracing::error!("reactor {}: volume {}: {e}", self.id, lv.vol.name);
             }
         }
@@ -111,64 +111,56 @@ impl Reactor {
         &self.vols.slots[slot as usize].as_ref().expect("live volume slot").vol
     }
 
-    /// Starts the blocking worker on first use.
-    pub(super) fn blocking(&mut self) -> Result<&mut BlockingWorker> {
-        if self.blocking.is_none() {
-            let w = BlockingWorker::start(self.id)?;
-            self.epoll.add(w.fd(), TOKEN_BLOCKING).map_err(|e| Error::os("epoll_ctl", e))?;
-            self.blocking = Some(w);
-        }
-        Ok(self.blocking.as_mut().expect("just started"))
-    }
-
-    pub(super) fn reap_blocking(&mut self) -> usize {
-        let Some(w) = self.blocking.as_mut() else { return 0 };
-        if w.inflight() == 0 {
-            return 0;
-        }
-        let mut done = std::mem::take(&mut self.uring_done);
-        let n = w.reap(|u, r| done.push((u, r)));
-        for &(u, r) in &done {
-            self.on_uring(u, r);
-        }
-        done.clear();
-        self.uring_done = done;
-        n
-    }
-
-    /// Hands an operation to the blocking worker; its result comes back
-    /// through `on_uring` like a ring completion.
-    pub(super) fn submit_blocking(&mut self, ci: u16, ukind: u64, kind: JobKind, backend: Arc<Backend>, offset: u64, len: u64) {
-        let job = Job { user_data: ud(ukind, ci, NONE16), kind, backend, offset, len };
-        match self.blocking() {
-            Ok(w) => {
-                w.submit(job);
-                self.cmd(ci).inflight += 1;
-                self.cmd(ci).at_disk = true;
-            }
-            Err(e) => {
-                tracing::error!("reactor {}: {e}", self.id);
-                self.cmd(ci).error = Some(ErrorKind::Internal);
-                self.respond(ci, &[], None);
+    /// After an engine call that may have started the blocking worker:
+    /// its results wake this reactor's epoll set.
+    pub(super) fn watch_worker(&mut self) {
+        if let Some(fd) = self.engine.started_worker_fd() {
+            if let Err(e) = self.epoll.add(fd, TOKEN_BLOCKING) {
+                tracing::error!("reactor {}: epoll_ctl: {e}", self.id);
             }
         }
     }
 
-    pub(super) fn reap_uring(&mut self) -> usize {
+    /// Fails command `ci` whose disk operation could not be queued (the
+    /// blocking worker did not start, a fixed file could not be set).
+    pub(super) fn engine_refused(&mut self, ci: u16, e: &Error) {
+        tracing::error!("reactor {}: {e}", self.id);
+        self.cmd(ci).error.get_or_insert(ErrorKind::Internal);
+        self.progress(ci);
+    }
+
+    /// Queues a command's one disk operation without a chunk (a flush, a
+    /// range), tagged `kind`: `op` gets the engine, the volume and the tag.
+    pub(super) fn submit_disk(&mut self, ci: u16, kind: u64, op: impl FnOnce(&mut BlockEngine, &Volume, u64) -> Result<()>) {
+        let vol = Arc::clone(self.volume(self.cmds[ci as usize].as_ref().expect("live command").vslot));
+        match op(&mut self.engine, &vol, ud(kind, ci, NONE16)) {
+            Ok(()) => {
+                self.watch_worker();
+                let cmd = self.cmd(ci);
+                cmd.inflight += 1;
+                cmd.at_disk = true;
+            }
+            Err(e) => self.engine_refused(ci, &e),
+        }
+    }
+
+    /// Reports every finished disk operation (ring, blocking worker, and
+    /// those that needed no disk) to `on_disk_done`.
+    pub(super) fn reap_engine(&mut self) -> usize {
         // The ring's eventfd (sleeping in epoll; sleeping in the ring there
         // is none) is cleared in `idle_wait` when it fired, not here:
         // reading it every turn cost a syscall per turn.
         let mut done = std::mem::take(&mut self.uring_done);
-        let n = self.uring.reap(&mut self.pool, |u, r| done.push((u, r)));
+        let n = self.engine.reap(|u, r| done.push((u, r)));
         for &(u, r) in &done {
-            self.on_uring(u, r);
+            self.on_disk_done(u, r);
         }
         done.clear();
         self.uring_done = done;
         n
     }
 
-    pub(super) fn on_uring(&mut self, user_data: u64, res: i32) {
+    pub(super) fn on_disk_done(&mut self, user_data: u64, res: i32) {
         let (kind, ci, c) = split_ud(user_data);
         if kind == U_READAHEAD {
             return self.readahead_done(ci, ChunkId(c), res);
@@ -201,7 +193,7 @@ impl Reactor {
             }
             cmd.error.get_or_insert(err);
             if kind == U_READ || kind == U_WRITE {
-                self.pool.release(ChunkId(c));
+                self.engine.pool_mut().release(ChunkId(c));
             }
             self.progress(ci);
             return;
@@ -210,7 +202,7 @@ impl Reactor {
             U_READ => {
                 let chunk = ChunkId(c);
                 if closing || cmd.error.is_some() {
-                    self.pool.release(chunk);
+                    self.engine.pool_mut().release(chunk);
                     self.progress(ci);
                     return;
                 }
@@ -218,7 +210,7 @@ impl Reactor {
                 self.progress(ci);
             }
             U_WRITE => {
-                self.pool.release(ChunkId(c));
+                self.engine.pool_mut().release(ChunkId(c));
                 cmd.done += self.chunk_use[c as usize].len;
                 self.progress(ci);
             }
@@ -328,7 +320,7 @@ impl Reactor {
                 self.cmd(ci).in_waitq = false;
             }
             let [session, host] = &accounts;
-            let c = self.pool.alloc_charged([session.as_ref(), host.as_ref()]).expect("free chunk");
+            let c = self.engine.pool_mut().alloc_charged([session.as_ref(), host.as_ref()]).expect("free chunk");
             self.issue(ci, c);
         }
     }
@@ -358,7 +350,7 @@ impl Reactor {
             }
             passed_over = 0;
             let [session, host] = &accounts;
-            let c = self.pool.alloc_charged([session.as_ref(), host.as_ref()]).expect("free chunk");
+            let c = self.engine.pool_mut().alloc_charged([session.as_ref(), host.as_ref()]).expect("free chunk");
             self.issue(ci, c);
             if self.cmds[ci as usize].is_some() && self.wants_chunk(ci) {
                 // It got a chunk: its wait for the next starts now.
@@ -433,8 +425,8 @@ impl Reactor {
             "reactor {}: {} commands waited more than {timeout:?} for a pool chunk (target.chunk_wait_timeout) and are answered OutOfBuffers; {} of {} chunks in use, {} commands still waiting; the first: command {} ({kind:?}, waited {:?}) of host={} peer={}",
             self.id,
             expired.len(),
-            self.pool.capacity() - self.pool.free_count(),
-            self.pool.capacity(),
+            self.engine.pool_mut().capacity() - self.engine.pool_mut().free_count(),
+            self.engine.pool_mut().capacity(),
             self.waitq.len(),
             cid.0,
             now.saturating_duration_since(since),
@@ -454,7 +446,7 @@ impl Reactor {
     }
 
     pub(super) fn issue(&mut self, ci: u16, c: ChunkId) {
-        let chunk_size = self.pool.chunk_size() as u32;
+        let chunk_size = self.engine.pool_mut().chunk_size() as u32;
         let cmd = self.cmd(ci);
         let si = cmd.sess;
         match cmd.kind {
@@ -483,7 +475,7 @@ impl Reactor {
                 // wants_chunk() made sure the session is live.
                 let res = self.sessions[si as usize].s.as_ref().and_then(|s| s.res.as_ref()).expect("live queue pair");
                 let src = &res.recv.slot(slot as usize)[COMMAND_CAPSULE_SIZE..COMMAND_CAPSULE_SIZE + len as usize];
-                self.pool.bytes_mut(c)[..len as usize].copy_from_slice(src);
+                self.engine.pool_mut().bytes_mut(c)[..len as usize].copy_from_slice(src);
                 self.repost_recv(si, slot);
                 self.chunk_use[c.0 as usize] = ChunkUse { cmd: ci, off: 0, len, zero: false };
                 self.write_chunk(ci, c);
@@ -491,7 +483,7 @@ impl Reactor {
             CmdKind::List => {
                 let entries = cmd.list_entries as usize;
                 cmd.next = 1;
-                let buf = self.pool.bytes_mut(c);
+                let buf = self.engine.pool_mut().bytes_mut(c);
                 let who = self.sessions[si as usize].s.as_ref().map(|s| s.state.identity());
                 let visible = who.into_iter().flat_map(|who| self.vols.set.table.visible_to(who));
                 for (i, (m, grant)) in visible.take(entries).enumerate() {
@@ -504,7 +496,7 @@ impl Reactor {
                 self.respond(ci, &[], Some(c));
             }
             _ => {
-                self.pool.release(c);
+                self.engine.pool_mut().release(c);
             }
         }
     }
@@ -518,10 +510,9 @@ impl Reactor {
             let (si, vslot) = (self.cmd(ci).sess, self.cmd(ci).vslot);
             let session = self.sessions[si as usize].s.as_ref().and_then(|s| s.shared.as_ref()).map(|sh| sh.id);
             if let Some(session) = session.filter(|&id| crate::fault::holds(id)) {
-                let backend = Arc::clone(&self.volume(vslot).backend);
-                let job = Job { user_data: ud(U_HOLD, ci, c.0), kind: JobKind::HoldWrite(session), backend, offset: 0, len: 0 };
-                match self.blocking() {
-                    Ok(w) => return w.submit(job),
+                let vol = Arc::clone(self.volume(vslot));
+                match self.engine.hold_write(&vol, session, ud(U_HOLD, ci, c.0)) {
+                    Ok(()) => return self.watch_worker(),
                     Err(e) => tracing::error!("reactor {}: cannot hold a write: {e}", self.id),
                 }
             }
@@ -529,12 +520,17 @@ impl Reactor {
         self.submit_write(ci, c);
     }
 
-    /// Queues a chunk's disk write on the ring (counted in flight by the caller).
+    /// Queues a chunk's disk write (counted in flight by the caller).
     pub(super) fn submit_write(&mut self, ci: u16, c: ChunkId) {
         let use_ = self.chunk_use[c.0 as usize];
-        let cmd = self.cmd(ci);
-        let (file, offset, fua) = (cmd.vslot as u32, cmd.offset + use_.off as u64, cmd.fua);
-        self.uring.write_fixed(&mut self.pool, file, c, 0, use_.len, offset, fua, ud(U_WRITE, ci, c.0));
+        let cmd = self.cmds[ci as usize].as_ref().expect("live command");
+        let (offset, fua) = (cmd.offset + use_.off as u64, cmd.fua);
+        let vol = Arc::clone(self.volume(cmd.vslot));
+        if let Err(e) = self.engine.write(&vol, c, use_.len, offset, fua, ud(U_WRITE, ci, c.0)) {
+            self.engine.pool_mut().release(c);
+            self.cmd(ci).inflight -= 1;
+            self.engine_refused(ci, &e);
+        }
     }
 
     /// Decides what a command does next after one of its operations finished.
@@ -632,16 +628,21 @@ impl Reactor {
             return;
         }
         let size = lv.vol.size;
-        while self.waitq.is_empty() && self.pool.free_count() > self.pool.capacity() / 4 {
+        while self.waitq.is_empty() && self.engine.pool().free_count() > self.engine.pool().capacity() / 4 {
             let Some((at, n)) = self.readahead.want(vslot, size) else { break };
-            let c = self.pool.alloc().expect("free chunk");
+            let c = self.engine.pool_mut().alloc().expect("free chunk");
             // Taken before the read is submitted: a write that starts
             // later moves it.
             let epoch = self.volume(vslot).writes.of(at, n);
             self.readahead.issued(vslot, at, n, c, epoch);
             // The read holds the volume's slot (its fixed file) until it completes.
             self.vols.slots[vslot as usize].as_mut().expect("live volume slot").inflight += 1;
-            self.uring.read_fixed(&mut self.pool, vslot as u32, c, 0, n, at, ud(U_READAHEAD, vslot, c.0));
+            let vol = Arc::clone(self.volume(vslot));
+            if let Err(e) = self.engine.read(&vol, c, n, at, ud(U_READAHEAD, vslot, c.0)) {
+                tracing::debug!("reactor {}: no read ahead: {e}", self.id);
+                self.readahead_done(vslot, c, -libc::EIO);
+                break;
+            }
         }
     }
 
@@ -660,20 +661,25 @@ impl Reactor {
                 cmd.inflight += 1;
                 cmd.at_disk = true;
                 if serve == Serve::Miss {
-                    self.uring.read_fixed(&mut self.pool, vslot as u32, c, 0, use_.len, offset, ud(U_READ, ci, c.0));
+                    let vol = Arc::clone(self.volume(vslot));
+                    if let Err(e) = self.engine.read(&vol, c, use_.len, offset, ud(U_READ, ci, c.0)) {
+                        self.engine.pool_mut().release(c);
+                        self.cmd(ci).inflight -= 1;
+                        self.engine_refused(ci, &e);
+                    }
                 }
             }
             Serve::Take(ahead) => {
                 // Zero copy: the chunk read ahead takes the place (and the
                 // pool charge) of the command's own.
-                self.pool.move_charge(c, ahead);
-                self.pool.release(c);
+                self.engine.pool_mut().move_charge(c, ahead);
+                self.engine.pool_mut().release(c);
                 self.chunk_use[ahead.0 as usize] = use_;
                 self.read_chunk_done(si, ci, ahead);
             }
             Serve::Copy(parts) => {
                 for p in parts.into_iter().flatten() {
-                    self.pool.copy_between(p.chunk, p.from as usize, c, p.to as usize, p.len as usize);
+                    self.engine.pool_mut().copy_between(p.chunk, p.from as usize, c, p.to as usize, p.len as usize);
                 }
                 self.read_chunk_done(si, ci, c);
             }
@@ -698,7 +704,7 @@ impl Reactor {
             cmd.inflight -= 1;
             let (si, failed) = (cmd.sess, cmd.error.is_some());
             if failed || self.session_closing(si) {
-                self.pool.release(w);
+                self.engine.pool_mut().release(w);
             } else {
                 self.read_piece(ci, w);
             }
@@ -717,14 +723,14 @@ impl Reactor {
     /// Gives the chunks readahead let go of back to the pool.
     pub(super) fn release_readahead(&mut self) {
         while let Some(c) = self.readahead.take_released() {
-            self.pool.release(c);
+            self.engine.pool_mut().release(c);
         }
     }
 
     /// Whether the pool has a chunk for a command, after giving back the
     /// oldest chunk cached by readahead if it had none.
     pub(super) fn chunk_for_command(&mut self) -> bool {
-        if self.pool.free_count() > 0 {
+        if self.engine.pool_mut().free_count() > 0 {
             return true;
         }
         let evicted = self.readahead.evict();

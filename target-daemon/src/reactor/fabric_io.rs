@@ -8,7 +8,7 @@ impl Reactor {
     /// A completion queue of fabric `fi` with room for `reserve` more
     /// entries beside the pool's RDMA operations, created if none has.
     pub(super) fn cq_with_room(&mut self, fi: usize, reserve: u32) -> Result<usize> {
-        let chunks = self.pool.capacity() as u32;
+        let chunks = self.engine.pool_mut().capacity() as u32;
         let f = &self.fabrics[fi];
         if let Some(ci) = f.cqs.iter().position(|c| c.reserved + reserve <= c.capacity.saturating_sub(chunks)) {
             return Ok(ci);
@@ -96,22 +96,22 @@ impl Reactor {
 
     pub(super) fn on_rdma(&mut self, si: u16, ci: u16, c: ChunkId, wc: Completion) {
         self.session(si).sq_used -= 1;
-        let valid = (c.0 as usize) < self.pool.capacity()
-            && self.pool.is_lent_to_fabric(c)
+        let valid = (c.0 as usize) < self.engine.pool_mut().capacity()
+            && self.engine.pool_mut().is_lent_to_fabric(c)
             && self.chunk_use[c.0 as usize].cmd == ci
             && self.cmds.get(ci as usize).and_then(|x| x.as_ref()).is_some_and(|cmd| cmd.sess == si);
         if !valid {
             tracing::error!("RDMA completion for a chunk not lent: {wc:?}");
             return;
         }
-        self.pool.return_from_fabric(c);
+        self.engine.pool_mut().return_from_fabric(c);
         let use_ = self.chunk_use[c.0 as usize];
         let cmd = self.cmd(ci);
         cmd.inflight -= 1;
         let kind = cmd.kind;
         let ok = wc.status == WcStatus::Success && (kind != CmdKind::Write || wc.byte_len == use_.len);
         if !ok {
-            self.pool.release(c);
+            self.engine.pool_mut().release(c);
             let what = if kind == CmdKind::Write { "RDMA READ" } else { "RDMA WRITE" };
             let usable = wc.status != WcStatus::WrFlushError
                 && self.session(si).res.as_ref().is_some_and(|r| r.qp.state() == QpState::Ready);
@@ -130,7 +130,7 @@ impl Reactor {
         if kind == CmdKind::Write && !closing && cmd.error.is_none() && cmd.null {
             // The data crossed the fabric; the null backend drops it.
             cmd.done += use_.len;
-            self.pool.release(c);
+            self.engine.pool_mut().release(c);
             self.progress(ci);
             return;
         }
@@ -139,7 +139,7 @@ impl Reactor {
             self.write_chunk(ci, c);
             return;
         }
-        self.pool.release(c);
+        self.engine.pool_mut().release(c);
         self.progress(ci);
     }
 
@@ -153,7 +153,7 @@ impl Reactor {
         let remote = self.cmd(ci).remote;
         let s = self.sessions[si as usize].s.as_mut().expect("live session");
         if s.sq_used >= s.sq_cap {
-            self.pool.release(c);
+            self.engine.pool_mut().release(c);
             self.fail_session(si, "send queue overflow (internal error)".into());
             return;
         }
@@ -166,7 +166,7 @@ impl Reactor {
             SendOp::RdmaWrite { remote_addr: addr, rkey: Rkey(remote.rkey) }
         };
         let wr = QueuedWr { wr_id: wr_id(K_RDMA, gen, si, ci, c.0), op, sge, inline: false };
-        self.pool.lend_to_fabric(c);
+        self.engine.pool_mut().lend_to_fabric(c);
         // If the post fails the work request may or may not be posted: keep
         // the chunk lent and counted; the flush (or FLUSH_TIMEOUT) returns it.
         s.sq_used += 1;

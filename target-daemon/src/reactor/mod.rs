@@ -1,4 +1,5 @@
-//! Reactor threads: each owns an io_uring, a buffer pool, one completion
+//! Reactor threads: each owns a block engine ([`crate::engine`]: an
+//! io_uring, a buffer pool, fixed files, a blocking worker), one completion
 //! queue per fabric, its queue pairs and a slab of in-flight commands.
 //!
 //! A command's slab index is encoded into the io_uring `user_data` and into
@@ -25,12 +26,11 @@
 //! Queue pairs of one session may live on different reactors. What they
 //! share (the opened volumes) is read lock-free through the session's
 //! [`SharedSession`]; the reactor keeps its own snapshot of the published
-//! volume set, with each volume's descriptor in a slot of the ring's
-//! fixed-file table, and refreshes it when the registry's generation moves.
-//! A removed volume keeps its slot until this reactor's last command on it
-//! finished.
+//! volume set (each volume's descriptor attached to the engine's fixed-file
+//! table) and refreshes it when the registry's generation moves. A removed
+//! volume keeps its slot until this reactor's last command on it finished.
 //!
-//! The reactor is the rdmablk v1 front end over its own engine, in files by
+//! The reactor is the rdmablk v1 front end over a block engine, in files by
 //! concern (one `Reactor` type, one `impl` per file):
 //! - this file: the thread, its loop, sleeping and waking, control
 //!   messages, deadlines;
@@ -38,9 +38,10 @@
 //!   (`crate::command`), CONNECT, the fence, authentication, answers;
 //! - [`fabric_io`]: the completion queues and the RDMA READ/WRITE/SEND
 //!   work that moves data between the initiator and the pool;
-//! - [`disk`]: the engine side: command slab, pool chunks and their waits,
-//!   io_uring and blocking-worker operations, readahead, volume slots,
-//!   per-volume counters. Nothing there reads or writes the v1 wire.
+//! - [`disk`]: the commands' disk side: command slab, pool chunks and their
+//!   waits, the engine operations they issue and their completions,
+//!   readahead, volume slots, per-volume counters. Nothing there reads or
+//!   writes the v1 wire.
 
 use std::collections::VecDeque;
 use std::sync::{mpsc, Arc};
@@ -57,7 +58,7 @@ use rdmablk_common::protocol::{
 };
 
 use crate::backend::{Backend, RangeOp, Volume, VolumeSet};
-use crate::blocking::{BlockingWorker, Job, JobKind};
+use crate::engine::BlockEngine;
 use crate::command::{self, IoPlan, Limits, Plan, SessionState, WriteSource};
 use crate::config::{TargetConfig, MAX_VOLUMES};
 use crate::error::{Error, ErrorKind, Result};
@@ -66,7 +67,7 @@ use crate::pool::{ChunkId, Pool, PoolRegion, SlotBuf};
 use crate::readahead::{self, Readahead, Serve};
 use crate::session::{Admission, ConnectionSlot, HandshakeSlot, OpenSet, Registry, SharedSession};
 use crate::sys::{self, Epoll, EventFd};
-use crate::uring::{Uring, UringOptions};
+use crate::uring::UringOptions;
 
 mod disk;
 mod fabric_io;
@@ -485,9 +486,8 @@ struct Reactor {
     tx_pending: Vec<u16>,
     free_sessions: Vec<u16>,
     fabrics: Vec<FabricCtx>,
-    blocking: Option<BlockingWorker>,
-    uring: Uring,
-    pool: Pool,
+    /// The ring, the pool, the fixed files and the blocking worker.
+    engine: BlockEngine,
     id: usize,
     registry: Arc<Registry>,
     vols: LocalVolumes,
@@ -614,19 +614,16 @@ impl Reactor {
         spec.stats.pool_chunks.set(chunks as u64);
         let entries = (chunks + 64).next_power_of_two().clamp(64, 4096);
         let epoll = Epoll::new().map_err(|e| Error::os("epoll_create", e))?;
-        let uring = Uring::new(
-            &[],
-            &pool,
-            UringOptions {
-                entries,
-                sqpoll_idle_ms: cfg.sqpoll.then_some(100),
-                iopoll: cfg.iopoll,
-                file_slots: RING_FILE_SLOTS,
-                // The ring watches the epoll set while the reactor sleeps in it.
-                wake_fd: Some(epoll.fd()),
-            },
-        )?;
-        let features = uring.features();
+        let opts = UringOptions {
+            entries,
+            sqpoll_idle_ms: cfg.sqpoll.then_some(100),
+            iopoll: cfg.iopoll,
+            file_slots: RING_FILE_SLOTS,
+            // The ring watches the epoll set while the reactor sleeps in it.
+            wake_fd: Some(epoll.fd()),
+        };
+        let engine = BlockEngine::new(pool, opts, spec.id)?;
+        let features = engine.features();
         if spec.id == 0 {
             tracing::info!(
                 "io_uring: ring of {entries} entries per reactor, {} fixed-file slots, {chunks} fixed buffers of {} bytes; opcodes: {features}",
@@ -641,7 +638,7 @@ impl Reactor {
         for (fi, f) in spec.fabrics.iter().enumerate() {
             let url = f.url().to_string();
             let pd = f.alloc_pd().map_err(|e| Error::fabric(format!("{url}: cannot allocate a protection domain"), e))?;
-            let pool_mr = pool.register(&pd).map_err(|e| Error::fabric(format!("{url}: cannot register the buffer pool"), e))?;
+            let pool_mr = engine.pool().register(&pd).map_err(|e| Error::fabric(format!("{url}: cannot register the buffer pool"), e))?;
             // The first completion queue now, so that a device too small
             // for one queue pair stops the daemon at start.
             let first = new_cq(f, &epoll, fi, 0, chunks, cfg.queue_depth)?;
@@ -650,7 +647,7 @@ impl Reactor {
         let cq_capacity = fabrics.first().map_or(0, |f| f.cqs[0].capacity);
         // Only when the reactor sleeps in epoll: sleeping in the ring, a
         // completion ends the sleep itself.
-        if let Some(fd) = uring.eventfd() {
+        if let Some(fd) = engine.wait_fds().next() {
             epoll.add(fd, TOKEN_URING).map_err(|e| Error::os("epoll_ctl", e))?;
         }
         epoll.add(wake.fd(), TOKEN_CTRL).map_err(|e| Error::os("epoll_ctl", e))?;
@@ -673,10 +670,8 @@ impl Reactor {
             tx_pending: Vec::new(),
             free_sessions: Vec::new(),
             fabrics,
-            blocking: None,
-            chunk_use: vec![ChunkUse::default(); pool.capacity()],
-            uring,
-            pool,
+            chunk_use: vec![ChunkUse::default(); chunks as usize],
+            engine,
             id: spec.id,
             registry: spec.registry,
             vols: LocalVolumes {
@@ -728,8 +723,7 @@ impl Reactor {
         let mut turn_start = Instant::now();
         loop {
             let mut work = if std::mem::take(&mut self.fabrics_quiet) { 0 } else { self.poll_fabrics()? };
-            work += self.reap_uring();
-            work += self.reap_blocking();
+            work += self.reap_engine();
             self.pump_waitq();
             work += self.control();
             self.check_fences();
@@ -738,13 +732,13 @@ impl Reactor {
             // A turn followed by a sleep in the ring leaves its SQEs to the
             // sleep's io_uring_enter, a few microseconds later (its arm and
             // poll), which submits and waits in one system call.
-            let sleeps_next = self.uring.features().ring_sleep && self.busy_poll.is_zero();
+            let sleeps_next = self.engine.sleeps_in_ring() && self.busy_poll.is_zero();
             if !sleeps_next {
-                self.uring.submit()?;
+                self.engine.submit()?;
             }
             self.stats.heartbeat.add(1);
             // Readahead's chunks are a cache it gives back on demand: counted apart.
-            let taken = self.pool.capacity() - self.pool.free_count();
+            let taken = self.engine.pool().capacity() - self.engine.pool().free_count();
             self.stats.pool_in_use.set(taken.saturating_sub(self.readahead.held()) as u64);
             self.stats.pool_waiting.set(self.waitq.len() as u64);
             self.publish_readahead_stats();
@@ -764,7 +758,7 @@ impl Reactor {
                 self.stats.busy_ns.add(now.saturating_duration_since(turn_start).as_nanos() as u64);
                 self.last_work = now;
             }
-            if !self.uring.needs_polling() && now.saturating_duration_since(self.last_work) >= self.busy_poll {
+            if !self.engine.needs_polling() && now.saturating_duration_since(self.last_work) >= self.busy_poll {
                 self.idle_wait()?;
                 turn_start = Instant::now();
                 continue;
@@ -776,8 +770,7 @@ impl Reactor {
     fn finished(&self) -> bool {
         self.shutdown.is_some()
             && self.sessions.iter().all(|s| s.s.is_none())
-            && self.uring.inflight() == 0
-            && self.blocking.as_ref().is_none_or(|b| b.inflight() == 0)
+            && self.engine.inflight() == 0
     }
 
     // ---------------------------------------------------------------- volumes
@@ -785,7 +778,7 @@ impl Reactor {
     /// Sleeps until there is something to do (or returns at once if the
     /// last poll finds some), in the ring or in epoll (see the module docs).
     fn idle_wait(&mut self) -> Result<()> {
-        if self.uring.features().ring_sleep {
+        if self.engine.sleeps_in_ring() {
             self.idle_wait_in_ring()
         } else {
             self.idle_wait_in_epoll()
@@ -844,31 +837,28 @@ impl Reactor {
         // CQs are armed again (acknowledging a CQ event after arming it
         // would disarm it on tcp) and let a turn read the control channel
         // after its eventfd is drained. The next idle turn sleeps.
-        if self.uring.take_wake_poll_fired() {
+        if self.engine.take_wake() {
             // The turn's SQEs wait for no sleep: submit them now.
-            self.uring.submit()?;
+            self.engine.submit()?;
             return self.clear_wake_sources();
         }
         if self.arm_cqs()? && self.poll_fabrics()? > 0 {
-            self.uring.submit()?;
+            self.engine.submit()?;
             self.disarm_cqs();
             return Ok(());
         }
         let timeout = self.next_deadline().map(|d| d.saturating_duration_since(Instant::now()));
         self.stats.idle_waits.add(1);
-        if !self.uring.wake_poll_armed() {
-            self.uring.arm_wake_poll();
-        }
-        self.uring.sleep(timeout)?;
+        self.engine.sleep(timeout)?;
         let woke = Instant::now();
-        if self.reap_uring() > 0 {
+        if self.reap_engine() > 0 {
             // Work as a turn's would be: counted busy, and `busy_poll`
             // runs from here.
             let now = Instant::now();
             self.stats.busy_ns.add(now.saturating_duration_since(woke).as_nanos() as u64);
             self.last_work = now;
         }
-        if self.uring.take_wake_poll_fired() {
+        if self.engine.take_wake() {
             self.clear_wake_sources()?;
         } else {
             self.fabrics_quiet = true;
@@ -889,9 +879,7 @@ impl Reactor {
             c.cq.ack_event().map_err(|e| Error::fabric("cannot acknowledge CQ event", e))?;
         }
         self.wake.drain_if_notified();
-        if let Some(w) = &self.blocking {
-            w.clear_wake();
-        }
+        self.engine.clear_wake();
         Ok(())
     }
 
@@ -916,18 +904,13 @@ impl Reactor {
             match t {
                 // Cleared before the next turn reaps, so no completion
                 // posted after the clear goes unnoticed.
-                TOKEN_URING => self.uring.clear_eventfd(),
+                TOKEN_URING | TOKEN_BLOCKING => self.engine.clear_wake(),
                 TOKEN_CTRL => {
                     self.wake.drain();
                 }
                 _ if t < TOKEN_URING => {
                     let (fi, ci) = split_cq_token(t);
                     self.fabrics[fi].cqs[ci].cq.ack_event().map_err(|e| Error::fabric("cannot acknowledge CQ event", e))?;
-                }
-                TOKEN_BLOCKING => {
-                    if let Some(w) = &self.blocking {
-                        w.clear_wake();
-                    }
                 }
                 _ => {}
             }

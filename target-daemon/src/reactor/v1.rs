@@ -17,15 +17,15 @@ impl Reactor {
     /// Destroys a queue pair whose work requests did not all flush. Chunks
     /// lent to it come back; commands still waiting for io_uring stay until done.
     pub(super) fn force_teardown(&mut self, si: u16) {
-        for c in 0..self.pool.capacity() {
+        for c in 0..self.engine.pool_mut().capacity() {
             let chunk = ChunkId(c as u16);
-            if !self.pool.is_lent_to_fabric(chunk) {
+            if !self.engine.pool_mut().is_lent_to_fabric(chunk) {
                 continue;
             }
             let ci = self.chunk_use[c].cmd;
             if self.cmds.get(ci as usize).and_then(|c| c.as_ref()).is_some_and(|cmd| cmd.sess == si) {
-                self.pool.return_from_fabric(chunk);
-                self.pool.release(chunk);
+                self.engine.pool_mut().return_from_fabric(chunk);
+                self.engine.pool_mut().release(chunk);
                 if let Some(cmd) = self.cmds[ci as usize].as_mut() {
                     cmd.inflight -= 1;
                 }
@@ -55,7 +55,7 @@ impl Reactor {
             return;
         }
         let qd = self.queue_depth;
-        let chunks = self.pool.capacity() as u32;
+        let chunks = self.engine.pool_mut().capacity() as u32;
         let reserve = CQ_ENTRIES_PER_DEPTH * qd;
         // Admission by what the device's completion queue really holds, so
         // that it can never overrun.
@@ -638,7 +638,6 @@ impl Reactor {
         if inline {
             cmd.held_recv = Some(slot);
         }
-        let file = vslot as u32;
         match kind {
             CmdKind::Write | CmdKind::WriteInline | CmdKind::Range => self.begin_write(ci),
             CmdKind::Read if matches!(*backend, Backend::File(_)) => self.read_ahead(vslot, offset, len, start),
@@ -646,12 +645,7 @@ impl Reactor {
         }
         match kind {
             CmdKind::Flush if !backend.needs_flush() => self.respond(ci, &[], None),
-            CmdKind::Flush if self.uring.features().fsync => {
-                self.cmd(ci).inflight += 1;
-                self.cmd(ci).at_disk = true;
-                self.uring.fsync(file, ud(U_FSYNC, ci, NONE16));
-            }
-            CmdKind::Flush => self.submit_blocking(ci, U_FSYNC, JobKind::Fdatasync, backend, 0, 0),
+            CmdKind::Flush => self.submit_disk(ci, U_FSYNC, |engine, vol, tag| engine.flush(vol, tag)),
             CmdKind::Range => {
                 let how = if op == rdmablk_common::protocol::Opcode::Discard { backend.discard() } else { backend.write_zeroes() };
                 match how {
@@ -661,17 +655,10 @@ impl Reactor {
                         self.respond(ci, &[], None);
                     }
                     Some(RangeOp::Nothing) => self.respond(ci, &[], None),
-                    Some(RangeOp::Fallocate(mode)) if self.uring.features().fallocate => {
-                        self.cmd(ci).inflight += 1;
-                        self.cmd(ci).at_disk = true;
-                        self.uring.fallocate(file, mode, offset, falloc_len, ud(U_FALLOC, ci, NONE16));
+                    Some(how) => {
+                        let kind = if matches!(how, RangeOp::Fallocate(_)) { U_FALLOC } else { U_BLKDEV };
+                        self.submit_disk(ci, kind, |engine, vol, tag| engine.range(vol, how, offset, falloc_len, tag))
                     }
-                    // An iopoll ring (or a kernel without the opcode): the worker does it.
-                    Some(RangeOp::Fallocate(mode)) => {
-                        self.submit_blocking(ci, U_FALLOC, JobKind::Fallocate(mode), backend, offset, falloc_len)
-                    }
-                    Some(RangeOp::BlkDiscard) => self.submit_blocking(ci, U_BLKDEV, JobKind::Discard, backend, offset, falloc_len),
-                    Some(RangeOp::BlkZeroout) => self.submit_blocking(ci, U_BLKDEV, JobKind::ZeroOut, backend, offset, falloc_len),
                 }
             }
             CmdKind::WriteInline if null => {
@@ -755,7 +742,7 @@ impl Reactor {
         self.record_io(ci, ok);
         if self.session_closing(si) {
             if let Some(c) = chain {
-                self.pool.release(c);
+                self.engine.pool_mut().release(c);
             }
             self.mark_responded(ci);
             self.maybe_free_cmd(ci);
@@ -856,7 +843,7 @@ impl Reactor {
                 let use_ = self.chunk_use[c.0 as usize];
                 let mr = &self.fabrics[s.fabric].pool_mr;
                 let sge = if use_.zero { mr.zero_sge(use_.len) } else { mr.sge(c, 0, use_.len) };
-                self.pool.lend_to_fabric(c);
+                self.engine.pool_mut().lend_to_fabric(c);
                 let write = QueuedWr {
                     wr_id: wr_id(K_RDMA, gen, si, ci, c.0),
                     op: SendOp::RdmaWrite {
@@ -923,7 +910,7 @@ impl Reactor {
         }
         for w in waiting {
             if let Some(c) = w.chain {
-                self.pool.release(c);
+                self.engine.pool_mut().release(c);
             }
         }
         self.free_session_cmds(si);
