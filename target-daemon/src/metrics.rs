@@ -62,6 +62,11 @@ impl Counter {
     pub fn add(&self, v: u64) {
         self.0.store(self.0.load(Relaxed).wrapping_add(v), Relaxed);
     }
+    /// Adds `v` where several threads write the counter (an atomic add).
+    #[inline]
+    pub fn add_shared(&self, v: u64) {
+        self.0.fetch_add(v, Relaxed);
+    }
     /// Sets the value (gauges).
     #[inline]
     pub fn set(&self, v: u64) {
@@ -98,6 +103,45 @@ impl OpCounters {
     }
 }
 
+impl OpCounters {
+    /// Records one finished command where several threads write these
+    /// counters (the NVMe-oF queues): atomic adds. `latency`: `None` when
+    /// the command was not timed ([`clock_is_cheap`]); it then counts in
+    /// the operations, bytes and errors but not in the histogram.
+    pub fn record_shared(&self, bytes: u64, ok: bool, latency: Option<Duration>) {
+        self.ops.add_shared(1);
+        if ok {
+            self.bytes.add_shared(bytes);
+        } else {
+            self.errors.add_shared(1);
+        }
+        if let Some(latency) = latency {
+            self.latency_ns.add_shared(latency.as_nanos().min(u64::MAX as u128) as u64);
+            self.buckets[latency_bucket(latency)].add_shared(1);
+        }
+    }
+}
+
+/// Whether reading the clock costs no system call here: the kernel's
+/// clocksource can be read from user space (the vDSO). Where it cannot
+/// (`hpet`, `acpi_pm`: some virtual machines), a front end that would read
+/// it twice per command (the NVMe-oF queues) does not time commands.
+/// Unknown (no sysfs): assumed cheap. Read once.
+pub fn clock_is_cheap() -> bool {
+    static CHEAP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHEAP.get_or_init(|| {
+        match std::fs::read_to_string("/sys/devices/system/clocksource/clocksource0/current_clocksource") {
+            Ok(name) => vdso_clocksource(name.trim()),
+            Err(_) => true,
+        }
+    })
+}
+
+/// Whether the vDSO reads clocksource `name` without entering the kernel.
+fn vdso_clocksource(name: &str) -> bool {
+    matches!(name, "tsc" | "kvm-clock" | "arch_sys_counter" | "hyperv_clocksource_tsc_page" | "riscv_clocksource")
+}
+
 /// One reactor's counters for one volume (its own cache lines).
 #[derive(Debug, Default)]
 #[repr(align(128))]
@@ -105,8 +149,9 @@ pub struct VolumeReactorStats {
     pub ops: [OpCounters; IO_OPS.len()],
 }
 
-/// A volume's counters: one block per reactor, summed on scrape. Kept when a
-/// reload changes only the volume's read-only flag.
+/// A volume's counters: one block per reactor and one the NVMe-oF queues
+/// share, summed on scrape. Kept when a reload changes only the volume's
+/// read-only flag.
 #[derive(Debug)]
 pub struct VolumeStats {
     per_reactor: Box<[VolumeReactorStats]>,
@@ -123,18 +168,26 @@ pub struct OpTotals {
 }
 
 impl VolumeStats {
-    /// Counters for `reactors` reactors.
+    /// Counters for `reactors` reactors and the NVMe-oF queues.
     pub fn new(reactors: usize) -> VolumeStats {
-        VolumeStats { per_reactor: (0..reactors.max(1)).map(|_| VolumeReactorStats::default()).collect() }
+        VolumeStats { per_reactor: (0..reactors.max(1) + 1).map(|_| VolumeReactorStats::default()).collect() }
     }
 
     /// The block reactor `r` writes.
     #[inline]
     pub fn reactor(&self, r: usize) -> &VolumeReactorStats {
+        debug_assert!(r + 1 < self.per_reactor.len(), "reactor {r} of {}", self.per_reactor.len() - 1);
         &self.per_reactor[r]
     }
 
-    /// The sum over reactors for opcode index `i` of [`IO_OPS`].
+    /// The block the NVMe-oF queues write, many threads at once
+    /// ([`OpCounters::record_shared`]).
+    #[inline]
+    pub fn shared(&self) -> &VolumeReactorStats {
+        self.per_reactor.last().expect("new() makes one more block than reactors")
+    }
+
+    /// The sum over reactors and the NVMe-oF queues for opcode index `i` of [`IO_OPS`].
     pub fn totals(&self, i: usize) -> OpTotals {
         let mut t = OpTotals { buckets: vec![0; LATENCY_BUCKETS + 1], ..Default::default() };
         for r in self.per_reactor.iter() {
@@ -293,7 +346,7 @@ pub fn render(s: &Scrape<'_>) -> String {
     let totals: Vec<Vec<OpTotals>> =
         s.volumes.iter().map(|v| (0..IO_OPS.len()).map(|i| v.stats.totals(i)).collect()).collect();
     for (name, help, pick) in [
-        ("rdmablk_volume_ops_total", "Commands finished, per volume and opcode.", 0),
+        ("rdmablk_volume_ops_total", "Commands finished, per volume and opcode (rdmablk v1 and NVMe-oF).", 0),
         ("rdmablk_volume_bytes_total", "Bytes transferred by successful commands (discard and write-zeroes: bytes covered).", 1),
         ("rdmablk_volume_errors_total", "Commands that failed, per volume and opcode (including refused ones).", 2),
     ] {
@@ -310,7 +363,7 @@ pub fn render(s: &Scrape<'_>) -> String {
         }
     }
     let hist = "rdmablk_volume_latency_seconds";
-    header(&mut out, hist, "histogram", "Command latency, from the capsule's arrival to the response, per volume and opcode.");
+    header(&mut out, hist, "histogram", "Command latency, from the capsule's arrival to the response (NVMe-oF: to the end of its disk work), per volume and opcode; NVMe-oF commands only where the clock is cheap.");
     for (v, t) in s.volumes.iter().zip(&totals) {
         for (i, op) in IO_OPS.iter().enumerate() {
             let labels = format!("volume=\"{}\",op=\"{}\"", esc(v.name), op_label(*op));
@@ -699,6 +752,41 @@ mod tests {
         assert_eq!(t.buckets[4], 1); // 10 µs ≤ 16
         assert_eq!(t.buckets[7], 1); // 100 µs ≤ 128
         assert_eq!(s.totals(1).ops, 0);
+    }
+
+    #[test]
+    fn the_shared_block_takes_many_writers_and_counts_in_the_totals() {
+        let s = std::sync::Arc::new(VolumeStats::new(1));
+        s.reactor(0).ops[0].record(4096, true, Duration::from_micros(10));
+        let writers: Vec<_> = (0..4)
+            .map(|_| {
+                let s = std::sync::Arc::clone(&s);
+                std::thread::spawn(move || {
+                    for _ in 0..10_000 {
+                        s.shared().ops[0].record_shared(512, true, Some(Duration::from_micros(3)));
+                    }
+                })
+            })
+            .collect();
+        for w in writers {
+            w.join().unwrap();
+        }
+        // Untimed: counted, not in the histogram.
+        s.shared().ops[0].record_shared(0, false, None);
+        let t = s.totals(0);
+        assert_eq!((t.ops, t.bytes, t.errors), (40_002, 4096 + 40_000 * 512, 1));
+        assert_eq!(t.buckets.iter().sum::<u64>(), 40_001);
+        assert_eq!(t.buckets[2], 40_000); // 3 µs ≤ 4
+    }
+
+    #[test]
+    fn only_clocksources_the_vdso_reads_count_as_cheap() {
+        assert!(vdso_clocksource("tsc"));
+        assert!(vdso_clocksource("kvm-clock"));
+        assert!(vdso_clocksource("arch_sys_counter"));
+        assert!(!vdso_clocksource("hpet"));
+        assert!(!vdso_clocksource("acpi_pm"));
+        assert!(!vdso_clocksource("jiffies"));
     }
 
     #[test]

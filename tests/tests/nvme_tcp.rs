@@ -1660,6 +1660,60 @@ fn connections_that_never_connect_are_dropped_after_the_handshake_timeout() {
 }
 
 #[test]
+fn per_volume_metrics_count_nvme_io_by_opcode_beside_v1() {
+    use rdmablk_initiator::{BlockDevice, ConnectOptions, Session};
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_file(dir.path(), "vol.img", VOL_SIZE);
+    let host = listen_host();
+    let host = if host.contains(':') { format!("[{host}]") } else { host };
+    let config = format!(
+        "[target]\nlisten = [\"{}://{host}:0\", \"nvme+tcp://{host}:0\"]\nnqn = \"{SUBNQN}\"\nmetrics = \"127.0.0.1:0\"\n\n{}",
+        rdmablk_system_tests::scheme(),
+        nvme_volume("vol", &img, VOL_SIZE, false, Some(1), "")
+    );
+    let (target, addr, _) = start_on(dir.path(), &config);
+    let line = target.wait_for_log(&format!("listening on {}://", rdmablk_system_tests::scheme()), Duration::from_secs(10));
+    let at = line.find("listening on ").unwrap() + "listening on ".len();
+    let url: String = line[at..].chars().take_while(|c| !c.is_whitespace() && *c != '"' && *c != ',').collect();
+    let metrics = target.metrics_addr();
+    let (_admin, cntlid) = controller(addr);
+    let mut q = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 1, SUBNQN, HOSTNQN);
+    q.write(1, 0, &[0x5a; 8192], true).unwrap();
+    q.write(1, 2, &[0x5b; 4096], false).unwrap();
+    assert_eq!(q.read(1, 0, 2, BS).unwrap(), vec![0x5a; 8192]);
+    q.flush(1).unwrap();
+    q.write_zeroes(1, 8, 4).unwrap();
+    q.deallocate(1, &[(16, 2), (32, 1)]).unwrap();
+    // Refused before any disk work (past the end): not an I/O of the volume.
+    assert_status("read past the end", q.read(1, VOL_SIZE / BS as u64, 1, BS), Status::LBA_OUT_OF_RANGE);
+    // A v1 READ of the same volume adds to the same series.
+    let session = Session::connect(&url, ConnectOptions::default()).expect("rdmablk session");
+    let vol = session.open("vol").expect("open");
+    let mut buf = vec![0u8; 4096];
+    vol.read_at(&mut buf, 0).unwrap();
+    assert_eq!(buf, vec![0x5a; 4096]);
+    session.close();
+    let s = scrape(&metrics);
+    let v = |name: &str, op: &str| sample(&s, name, &[("volume", "vol"), ("op", op)]).unwrap_or_else(|| panic!("{name} {op} missing"));
+    assert_eq!(v("rdmablk_volume_ops_total", "write"), 2.0);
+    assert_eq!(v("rdmablk_volume_bytes_total", "write"), 12288.0);
+    assert_eq!(v("rdmablk_volume_ops_total", "read"), 2.0, "one NVMe read and one v1 read");
+    assert_eq!(v("rdmablk_volume_bytes_total", "read"), 12288.0);
+    assert_eq!(v("rdmablk_volume_ops_total", "flush"), 1.0);
+    assert_eq!(v("rdmablk_volume_ops_total", "write_zeroes"), 1.0);
+    assert_eq!(v("rdmablk_volume_bytes_total", "write_zeroes"), 4.0 * BS as f64);
+    assert_eq!(v("rdmablk_volume_ops_total", "discard"), 1.0);
+    assert_eq!(v("rdmablk_volume_bytes_total", "discard"), 3.0 * BS as f64);
+    assert_eq!(v("rdmablk_volume_errors_total", "read"), 0.0);
+    // NVMe commands are timed where the clock costs no system call.
+    let clock = std::fs::read_to_string("/sys/devices/system/clocksource/clocksource0/current_clocksource").unwrap_or_default();
+    let timed = matches!(clock.trim(), "tsc" | "kvm-clock" | "arch_sys_counter" | "hyperv_clocksource_tsc_page" | "riscv_clocksource");
+    let nvme_reads_timed = if timed { 1.0 } else { 0.0 };
+    assert_eq!(v("rdmablk_volume_latency_seconds_count", "read"), 1.0 + nvme_reads_timed, "clocksource {clock:?}");
+    target.assert_no_panic();
+}
+
+#[test]
 fn the_metrics_endpoint_counts_nvme_queues_commands_bytes_and_terminations() {
     let dir = tempfile::tempdir().unwrap();
     let img = sparse_file(dir.path(), "vol.img", VOL_SIZE);

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use rdmablk_common::nvme::cqe::CompletionEntry;
 use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry};
 use rdmablk_common::nvme::status::Status;
+use rdmablk_common::protocol::Opcode;
 
 use super::io_cmd::{self, IoPlan};
 use super::{admin_cmd, fabrics_cmd, Controller, HostView, Namespace, NvmeStats, Subsystem, MAX_TRANSFER, QUEUE_CHUNKS, QUEUE_FILE_SLOTS};
@@ -106,6 +107,8 @@ struct Cmd {
     /// Byte ranges the command writes: their write epochs move when its
     /// disk work starts and again when it is done (see `WriteEpochs`).
     written: Vec<(u64, u64)>,
+    /// When an I/O command arrived, if it is timed (`metrics::clock_is_cheap`).
+    started: Option<Instant>,
 }
 
 /// The queue's place in its association.
@@ -299,7 +302,8 @@ impl Queue {
             return None;
         }
         let slot = self.alloc_slot();
-        let mut cmd = Cmd { sqe, buf: Buf::None, expect, received: 0, plan, pending_ops: 0, failed: None, written: Vec::new() };
+        let started = if plan.is_some() && crate::metrics::clock_is_cheap() { Some(Instant::now()) } else { None };
+        let mut cmd = Cmd { sqe, buf: Buf::None, expect, received: 0, plan, pending_ops: 0, failed: None, written: Vec::new(), started };
         if expect > 0 {
             cmd.buf = if cmd.plan.as_ref().is_some_and(|p| p.uses_chunk()) {
                 match self.engine.as_mut().and_then(|e| e.alloc()) {
@@ -488,20 +492,15 @@ impl Queue {
         let r = match &plan {
             IoPlan::Read { ns, offset, len } => {
                 let Buf::Chunk(c) = cmd.buf else { unreachable!("a chunk was taken above") };
-                cmd.pending_ops = 1;
-                engine.read(&ns.volume, c, *len, *offset, tag)
+                engine.read(&ns.volume, c, *len, *offset, tag).map(|()| cmd.pending_ops = 1)
             }
             IoPlan::Write { ns, offset, len, fua } => {
                 let Buf::Chunk(c) = cmd.buf else { unreachable!("a chunk was taken above") };
-                cmd.pending_ops = 1;
                 ns.volume.writes.bump(*offset, *len as u64);
                 cmd.written.push((*offset, *len as u64));
-                engine.write(&ns.volume, c, *len, *offset, *fua, tag)
+                engine.write(&ns.volume, c, *len, *offset, *fua, tag).map(|()| cmd.pending_ops = 1)
             }
-            IoPlan::Flush { ns } => {
-                cmd.pending_ops = 1;
-                engine.flush(&ns.volume, tag)
-            }
+            IoPlan::Flush { ns } => engine.flush(&ns.volume, tag).map(|()| cmd.pending_ops = 1),
             IoPlan::Range { ns, op, ranges } => submit_ranges(engine, cmd, ns, *op, ranges.clone(), tag),
             IoPlan::Deallocate { ns, op, ranges: count } => {
                 let ranges = match &cmd.buf {
@@ -510,10 +509,12 @@ impl Queue {
                 };
                 match ranges {
                     Err(e) => {
+                        self.record_io(slot, false);
                         self.finish(slot, Reply::error(&e));
                         return;
                     }
                     Ok(ranges) if ranges.is_empty() => {
+                        self.record_io(slot, true);
                         self.finish(slot, Reply::ok());
                         return;
                     }
@@ -525,6 +526,10 @@ impl Queue {
             tracing::error!("nvme queue {:?}: engine: {e}", self.qid());
             let cmd = self.cmds[slot as usize].as_mut().expect("live command");
             cmd.failed = Some(Status::INTERNAL_ERROR);
+            // Nothing of it reached the engine: nothing will complete it.
+            if cmd.pending_ops == 0 {
+                self.io_done(slot);
+            }
         }
     }
 
@@ -551,9 +556,32 @@ impl Queue {
             tracing::warn!("nvme queue {:?}: {} of namespace {} failed: {e}", qid, plan.name(), plan.nsid());
             cmd.failed = Some(e.nvme_status(reading));
         }
-        if cmd.pending_ops > 0 {
-            return;
+        if cmd.pending_ops == 0 {
+            self.io_done(slot);
         }
+    }
+
+    /// Counts a finished I/O command in its volume's metrics.
+    fn record_io(&self, slot: u16, ok: bool) {
+        let cmd = self.cmds[slot as usize].as_ref().expect("live command");
+        let Some(plan) = &cmd.plan else { return };
+        let (op, bytes) = match plan {
+            IoPlan::Read { len, .. } => (Opcode::Read, *len as u64),
+            IoPlan::Write { len, .. } => (Opcode::Write, *len as u64),
+            IoPlan::Flush { .. } => (Opcode::Flush, 0),
+            IoPlan::Range { .. } => (Opcode::WriteZeroes, cmd.written.iter().map(|r| r.1).sum()),
+            IoPlan::Deallocate { .. } => (Opcode::Discard, cmd.written.iter().map(|r| r.1).sum()),
+        };
+        let i = crate::metrics::op_index(op).expect("an I/O opcode");
+        plan.namespace().volume.stats.shared().ops[i].record_shared(bytes, ok, cmd.started.map(|t| t.elapsed()));
+    }
+
+    /// An I/O command has nothing left in the engine: its written ranges'
+    /// epochs move again and it is answered.
+    fn io_done(&mut self, slot: u16) {
+        self.record_io(slot, self.cmds[slot as usize].as_ref().is_some_and(|c| c.failed.is_none()));
+        let cmd = self.cmds[slot as usize].as_mut().expect("live command");
+        let plan = cmd.plan.clone().expect("an I/O command");
         for &(offset, len) in &cmd.written {
             plan.namespace().volume.writes.bump(offset, len);
         }
@@ -687,11 +715,16 @@ fn submit_ranges(
     ranges: Vec<(u64, u64)>,
     tag: u64,
 ) -> crate::Result<()> {
-    cmd.pending_ops = ranges.len() as u32;
     let mut r = Ok(());
     for &(offset, len) in &ranges {
         ns.volume.writes.bump(offset, len);
-        r = r.and(engine.range(&ns.volume, op, offset, len, tag));
+        match engine.range(&ns.volume, op, offset, len, tag) {
+            Ok(()) => cmd.pending_ops += 1,
+            Err(e) => {
+                r = Err(e);
+                break;
+            }
+        }
     }
     cmd.written = ranges;
     r
