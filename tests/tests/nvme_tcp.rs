@@ -1403,22 +1403,30 @@ fn a_host_nqn_sees_only_the_namespaces_its_host_id_is_granted() {
 // ---------------------------------------------------------------------------
 // Both front ends on one daemon
 
+/// A target serving volume "vol" (namespace 1) on an rdmablk listener and
+/// an nvme+tcp one, with `extra` lines in `[target]`: the process, the
+/// NVMe address and the rdmablk URL.
+fn start_both_front_ends(dir: &Path, extra: &str) -> (TargetProcess, SocketAddr, String) {
+    let img = sparse_file(dir, "vol.img", VOL_SIZE);
+    let host = listen_host();
+    let host = if host.contains(':') { format!("[{host}]") } else { host };
+    let config = format!(
+        "[target]\nlisten = [\"{}://{host}:0\", \"nvme+tcp://{host}:0\"]\nnqn = \"{SUBNQN}\"\n{extra}\n{}",
+        rdmablk_system_tests::scheme(),
+        nvme_volume("vol", &img, VOL_SIZE, false, Some(1), "")
+    );
+    let (target, addr, _) = start_on(dir, &config);
+    let line = target.wait_for_log(&format!("listening on {}://", rdmablk_system_tests::scheme()), Duration::from_secs(10));
+    let at = line.find("listening on ").unwrap() + "listening on ".len();
+    let url: String = line[at..].chars().take_while(|c| !c.is_whitespace() && *c != '"' && *c != ',').collect();
+    (target, addr, url)
+}
+
 #[test]
 fn nvme_tcp_and_the_rdmablk_protocol_serve_the_same_volume() {
     use rdmablk_initiator::{BlockDevice, ConnectOptions, Session};
     let dir = tempfile::tempdir().unwrap();
-    let img = sparse_file(dir.path(), "vol.img", VOL_SIZE);
-    let host = listen_host();
-    let host = if host.contains(':') { format!("[{host}]") } else { host };
-    let config = format!(
-        "[target]\nlisten = [\"{}://{host}:0\", \"nvme+tcp://{host}:0\"]\nnqn = \"{SUBNQN}\"\n\n{}",
-        rdmablk_system_tests::scheme(),
-        nvme_volume("vol", &img, VOL_SIZE, false, Some(1), "")
-    );
-    let (target, addr, _) = start_on(dir.path(), &config);
-    let line = target.wait_for_log(&format!("listening on {}://", rdmablk_system_tests::scheme()), Duration::from_secs(10));
-    let at = line.find("listening on ").unwrap() + "listening on ".len();
-    let url: String = line[at..].chars().take_while(|c| !c.is_whitespace() && *c != '"' && *c != ',').collect();
+    let (target, addr, url) = start_both_front_ends(dir.path(), "");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed());
 
     let (mut admin, cntlid) = controller(addr);
@@ -1663,18 +1671,7 @@ fn connections_that_never_connect_are_dropped_after_the_handshake_timeout() {
 fn per_volume_metrics_count_nvme_io_by_opcode_beside_v1() {
     use rdmablk_initiator::{BlockDevice, ConnectOptions, Session};
     let dir = tempfile::tempdir().unwrap();
-    let img = sparse_file(dir.path(), "vol.img", VOL_SIZE);
-    let host = listen_host();
-    let host = if host.contains(':') { format!("[{host}]") } else { host };
-    let config = format!(
-        "[target]\nlisten = [\"{}://{host}:0\", \"nvme+tcp://{host}:0\"]\nnqn = \"{SUBNQN}\"\nmetrics = \"127.0.0.1:0\"\n\n{}",
-        rdmablk_system_tests::scheme(),
-        nvme_volume("vol", &img, VOL_SIZE, false, Some(1), "")
-    );
-    let (target, addr, _) = start_on(dir.path(), &config);
-    let line = target.wait_for_log(&format!("listening on {}://", rdmablk_system_tests::scheme()), Duration::from_secs(10));
-    let at = line.find("listening on ").unwrap() + "listening on ".len();
-    let url: String = line[at..].chars().take_while(|c| !c.is_whitespace() && *c != '"' && *c != ',').collect();
+    let (target, addr, url) = start_both_front_ends(dir.path(), "metrics = \"127.0.0.1:0\"\n");
     let metrics = target.metrics_addr();
     let (_admin, cntlid) = controller(addr);
     let mut q = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 1, SUBNQN, HOSTNQN);

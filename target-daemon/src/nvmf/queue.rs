@@ -956,4 +956,65 @@ mod tests {
         assert!(sub.controller(id as u16).unwrap().is_dead());
         assert!(matches!(q.actions.last(), Some(Action::Close(_))));
     }
+
+    /// An enabled admin queue and I/O queue 1 of one controller.
+    fn io_queue(sub: &Arc<Subsystem>) -> (Queue, Queue) {
+        let mut admin = queue(sub);
+        let (st, result) = connect(&mut admin, &sub.nqn.clone(), 0);
+        assert_eq!(st, Status::SUCCESS);
+        let cc = Property { offset: 0x14, wide: false, value: 0x0046_0001 };
+        assert_eq!(status(&run(&mut admin, cc.to_entry(2, true), &[])).0, Status::SUCCESS);
+        let mut q = queue(sub);
+        // The controller keeps a handle on each I/O queue's socket (for its teardown).
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        q.socket = Some(std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap());
+        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid: 1, sqsize: 31, cattr: 0, kato_ms: 0 };
+        let mut d = [0u8; CONNECT_DATA_SIZE];
+        let data = ConnectData { host_id: [7; 16], controller_id: result as u16, subsystem_nqn: sub.nqn.clone(), host_nqn: HOST.into() };
+        data.encode(&mut d).unwrap();
+        assert_eq!(status(&run(&mut q, c.to_entry(1), &d)).0, Status::SUCCESS);
+        assert!(q.engine.is_some(), "an I/O queue has an engine");
+        (admin, q)
+    }
+
+    /// Submits and reaps until the queue answers something.
+    fn reap_until_answered(q: &mut Queue) -> Vec<Action> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            q.engine.as_mut().expect("engine").submit().unwrap();
+            q.reap();
+            if !q.actions.is_empty() {
+                return std::mem::take(&mut q.actions);
+            }
+            assert!(Instant::now() < deadline, "no answer within 10 s");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn write_zeroes_and_deallocate_move_the_write_epochs_when_they_start_and_again_when_done() {
+        use rdmablk_common::nvme::sqe::{io_opcode, DsmRange, DSM_RANGE_SIZE};
+        let (sub, _) = subsystem(&["v"]);
+        let (_admin, mut q) = io_queue(&sub);
+        let vol = Arc::clone(&q.namespaces()[0].volume);
+        // A chunk read ahead while the command runs carries the epoch of
+        // its start; only a second move when it is done tells a reader
+        // that the chunk may hold the old bytes (`WriteEpochs`).
+        let mut zeroes = SubmissionEntry::new(io_opcode::WRITE_ZEROES, 20);
+        zeroes.nsid = 1;
+        zeroes.set_rw(0, 8, false);
+        let mut ranges = [0u8; DSM_RANGE_SIZE];
+        DsmRange { attributes: 0, blocks: 8, slba: 16 }.encode(&mut ranges);
+        let mut dealloc = SubmissionEntry::new(io_opcode::DATASET_MANAGEMENT, 21);
+        dealloc.nsid = 1;
+        dealloc.cdw[1] = 1 << 2;
+        for (what, sqe, data, at) in [("write zeroes", zeroes, &[][..], 0), ("deallocate", dealloc, &ranges[..], 16 * 512)] {
+            let before = vol.writes.of(at, 4096);
+            assert!(run(&mut q, sqe, data).is_empty(), "{what}: answered before its disk work");
+            let started = vol.writes.of(at, 4096);
+            assert_ne!(started, before, "{what}: the epoch moves when it starts");
+            assert_eq!(status(&reap_until_answered(&mut q)).0, Status::SUCCESS, "{what}");
+            assert_ne!(vol.writes.of(at, 4096), started, "{what}: the epoch moves again when it is done");
+        }
+    }
 }
