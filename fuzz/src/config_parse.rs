@@ -103,7 +103,7 @@ pub fn check_invariants(c: &Config) {
         assert_eq!(h.index, i, "host index");
         assert!(!h.id.is_empty() && h.id.len() <= MAX_HOST_ID_LEN && !h.id.contains('\0'), "host[{i}].id {:?}", h.id);
         assert!(host_ids.insert(h.id.as_str()), "host id {:?} twice", h.id);
-        assert!(!h.key_file.as_os_str().is_empty(), "host[{i}] without a key file");
+        assert!(h.key_file.as_ref().is_some_and(|k| !k.as_os_str().is_empty()) || h.nqn.is_some(), "host[{i}] with neither key file nor nqn");
     }
 
     assert!((1..=MAX_VOLUMES).contains(&c.volumes.len()), "{} volumes", c.volumes.len());

@@ -93,6 +93,8 @@ impl From<&VolumeAccess> for VolumeGrants {
 /// The hosts' keys and the volumes' grants of one configuration.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AccessPolicy {
+    /// `[[host]]` entries, with a key file or not.
+    hosts: usize,
     keys: HashMap<String, AuthKey>,
     volumes: HashMap<String, VolumeGrants>,
     /// NVMe host NQN to `[[host]]` id (`nqn =`).
@@ -106,18 +108,19 @@ impl AccessPolicy {
     pub fn load(config: &Config) -> Result<AccessPolicy> {
         let mut keys = HashMap::with_capacity(config.hosts.len());
         for h in &config.hosts {
-            let key = AuthKey::from_file(&h.key_file)
+            let Some(path) = &h.key_file else { continue };
+            let key = AuthKey::from_file(path)
                 .map_err(|e| Error::config(format!("{}: host[{}].key_file: {e}", config.source, h.index)))?;
             keys.insert(h.id.clone(), key);
         }
         let volumes = config.access.iter().map(|a| (a.volume.clone(), VolumeGrants::from(a))).collect();
         let host_nqns = config.hosts.iter().filter_map(|h| Some((h.nqn.clone()?, h.id.clone()))).collect();
-        Ok(AccessPolicy { keys, volumes, host_nqns })
+        Ok(AccessPolicy { hosts: config.hosts.len(), keys, volumes, host_nqns })
     }
 
     /// A policy from parts (tests, library use).
     pub fn new(keys: HashMap<String, AuthKey>, volumes: HashMap<String, VolumeGrants>) -> AccessPolicy {
-        AccessPolicy { keys, volumes, host_nqns: HashMap::new() }
+        AccessPolicy { hosts: keys.len(), keys, volumes, host_nqns: HashMap::new() }
     }
 
     /// The `[[host]]` id whose `nqn` is `nqn`.
@@ -130,20 +133,22 @@ impl AccessPolicy {
     pub fn open_to_all<'a>(volume_names: impl IntoIterator<Item = &'a str>) -> AccessPolicy {
         let all = VolumeGrants { allow_any_host: true, ..VolumeGrants::default() };
         AccessPolicy {
+            hosts: 0,
             keys: HashMap::new(),
             volumes: volume_names.into_iter().map(|n| (n.to_owned(), all.clone())).collect(),
             host_nqns: HashMap::new(),
         }
     }
 
-    /// Whether CONNECT requires authentication (there are `[[host]]` entries).
+    /// Whether CONNECT requires authentication, and an NVMe Connect a
+    /// known host NQN (there are `[[host]]` entries).
     pub fn hosts_configured(&self) -> bool {
-        !self.keys.is_empty()
+        self.hosts > 0
     }
 
     /// Number of `[[host]]` entries.
     pub fn host_count(&self) -> usize {
-        self.keys.len()
+        self.hosts
     }
 
     /// The grants of volume `name` (none for a volume the configuration

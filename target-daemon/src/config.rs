@@ -127,7 +127,9 @@ pub struct HostConfig {
     pub id: String,
     /// The key file (one line of hex; see `rdmablk keygen`). Read when the
     /// configuration is applied, refused if group or others may read it.
-    pub key_file: PathBuf,
+    /// `None`: a host known only by its NQN, which cannot authenticate on
+    /// rdmablk listeners.
+    pub key_file: Option<PathBuf>,
     /// The NVMe host NQN that stands for this host on NVMe-oF listeners
     /// (`nqn =`): its grants are this host's.
     pub nqn: Option<String>,
@@ -1033,8 +1035,17 @@ fn validate_hosts(cx: &Ctx<'_>, raw: Vec<RawHost>) -> Result<Vec<HostConfig>> {
             return Err(cx.err(&key("id"), format!("{:?} is used by an earlier [[host]]", h.id)));
         }
         let key_file = match h.key_file {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => return Err(cx.err(&key("key_file"), "is required (create one with `rdmablk keygen PATH`)")),
+            Some(p) if p.as_os_str().is_empty() => return Err(cx.err(&key("key_file"), "must not be empty")),
+            Some(p) => Some(p),
+            // An NVMe-oF host authenticates with nothing this target checks
+            // (see SECURITY.md): its NQN alone names it.
+            None if h.nqn.is_some() => None,
+            None => {
+                return Err(cx.err(
+                    &key("key_file"),
+                    "is required unless the host has an nqn (create one with `rdmablk keygen PATH`)",
+                ))
+            }
         };
         if let Some(n) = &h.nqn {
             if n.len() > rdmablk_common::nvme::fabrics::NQN_MAX || !n.starts_with("nqn.") || n.contains('\0') {
@@ -1529,7 +1540,7 @@ mod access_tests {
         let c = parse("allowed_hosts = [\"alpha\"]\nread_only_hosts = [\"beta\"]", HOSTS).unwrap();
         assert_eq!(c.hosts.len(), 2);
         assert_eq!((c.hosts[1].index, c.hosts[1].id.as_str()), (1, "beta"));
-        assert_eq!(c.hosts[0].key_file, Path::new("/etc/rdmablk/alpha.key"));
+        assert_eq!(c.hosts[0].key_file.as_deref(), Some(Path::new("/etc/rdmablk/alpha.key")));
         assert_eq!(c.access.len(), 1);
         assert_eq!(c.access[0].volume, "v");
         assert_eq!(c.access[0].allowed_hosts, vec!["alpha"]);
@@ -1552,7 +1563,11 @@ mod access_tests {
         let e = parse("allowed_hosts = [\"alpha\", \"alpha\"]", HOSTS).unwrap_err().to_string();
         assert!(e.contains("volume[0].allowed_hosts[1]") && e.contains("twice"), "{e}");
         let e = parse("", "[[host]]\nid = \"a\"\n").unwrap_err().to_string();
-        assert!(e.contains("host[0].key_file: is required"), "{e}");
+        assert!(e.contains("host[0].key_file: is required unless the host has an nqn"), "{e}");
+        let e = parse("", "[[host]]\nid = \"a\"\nkey_file = \"\"\nnqn = \"nqn.2014-08.org.example:a\"\n").unwrap_err().to_string();
+        assert!(e.contains("host[0].key_file: must not be empty"), "{e}");
+        let c = parse("", "[[host]]\nid = \"a\"\nnqn = \"nqn.2014-08.org.example:a\"\n").unwrap();
+        assert_eq!((c.hosts[0].key_file.as_deref(), c.hosts[0].nqn.as_deref()), (None, Some("nqn.2014-08.org.example:a")));
         let e = parse("", "[[host]]\nid = \"\"\nkey_file = \"/k\"\n").unwrap_err().to_string();
         assert!(e.contains("host[0].id: must not be empty"), "{e}");
         let e = parse("", &format!("{HOSTS}[[host]]\nid = \"alpha\"\nkey_file = \"/k\"\n")).unwrap_err().to_string();

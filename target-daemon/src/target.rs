@@ -64,7 +64,11 @@ pub fn check(config: &Config) -> Result<Vec<String>> {
     let access = AccessPolicy::load(config)?;
     let mut lines = backend::check_volumes(config)?;
     for h in &config.hosts {
-        lines.push(format!("host {:?}: key file {} (readable, mode private)", h.id, h.key_file.display()));
+        match (&h.key_file, &h.nqn) {
+            (Some(k), _) => lines.push(format!("host {:?}: key file {} (readable, mode private)", h.id, k.display())),
+            (None, Some(nqn)) => lines.push(format!("host {:?}: NVMe-oF only, as {nqn} (no key file: cannot use rdmablk listeners)", h.id)),
+            (None, None) => unreachable!("validation requires a key file or an nqn"),
+        }
     }
     if access.hosts_configured() {
         lines.push(format!("authentication required: {} host(s)", access.host_count()));

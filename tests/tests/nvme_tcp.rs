@@ -1400,6 +1400,36 @@ fn a_host_nqn_sees_only_the_namespaces_its_host_id_is_granted() {
     target.assert_no_panic();
 }
 
+#[test]
+fn a_host_known_only_by_its_nqn_needs_no_key_file() {
+    const H1: &str = "nqn.2014-08.org.nvmexpress:uuid:11111111-1111-4111-8111-111111111111";
+    let dir = tempfile::tempdir().unwrap();
+    let mine = sparse_file(dir.path(), "mine.img", VOL_SIZE);
+    let other = sparse_file(dir.path(), "other.img", VOL_SIZE);
+    // h2 is an rdmablk v1 host with a key; h1 is an NVMe-oF host with none.
+    let k2 = dir.path().join("h2.key");
+    rdmablk_common::auth::generate_key_file(&k2).unwrap();
+    let config = format!(
+        "{}\n[[host]]\nid = \"h1\"\nnqn = \"{H1}\"\n\n[[host]]\nid = \"h2\"\nkey_file = \"{}\"\n\n{}\n{}",
+        nvme_section(""),
+        k2.display(),
+        granted_volume("mine", &mine, 1, "allowed_hosts = [\"h1\"]"),
+        granted_volume("other", &other, 2, "allowed_hosts = [\"h2\"]"),
+    );
+    let (target, addr, path) = start_on(dir.path(), &config);
+    let check = std::process::Command::new(rdmablk_system_tests::bin("rdmablk-target")).arg("--check").arg("--config").arg(&path).output().unwrap();
+    let out = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success() && out.contains(&format!("host \"h1\": NVMe-oF only, as {H1}")), "--check: {out}");
+    let (mut admin, cntlid) = controller_of(addr, H1);
+    assert_eq!(parse_ns_list(&admin.identify(2, 0).unwrap()), vec![1], "h1's active namespaces");
+    let mut q = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 1, SUBNQN, H1);
+    q.write(1, 0, &[0x11; 4096], false).expect("h1 writes its volume");
+    assert!(file_bytes(&mine, 0, 4096).iter().all(|&b| b == 0x11));
+    assert_status("h1 reads h2's volume", q.read(2, 0, 1, BS), Status::INVALID_NAMESPACE);
+    admin.keep_alive().unwrap();
+    target.assert_no_panic();
+}
+
 // ---------------------------------------------------------------------------
 // Both front ends on one daemon
 
