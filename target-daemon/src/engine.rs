@@ -275,6 +275,30 @@ impl BlockEngine {
         self.uring.sleep(timeout)
     }
 
+    /// Whether the ring receives from the caller's socket
+    /// (`UringOptions::socket_fd`; see [`Uring::arm_recv`]).
+    pub fn receives(&self) -> bool {
+        self.uring.receives()
+    }
+
+    /// Whether a socket receive is queued, in flight or not yet taken: the
+    /// caller must not read the socket itself meanwhile.
+    pub fn recv_armed(&self) -> bool {
+        self.uring.recv_armed()
+    }
+
+    /// Queues a receive of at most `max` bytes from the socket; its
+    /// completion ends a [`BlockEngine::sleep`].
+    pub fn arm_recv(&mut self, max: usize) {
+        self.uring.arm_recv(max)
+    }
+
+    /// The finished socket receive, once (reap first): `Ok(bytes)`, empty
+    /// when the peer closed, or `Err(errno)`.
+    pub fn take_received(&mut self) -> Option<std::result::Result<&[u8], i32>> {
+        self.uring.take_received()
+    }
+
     /// Whether the epoll descriptor woke the last sleep (reap first).
     pub fn take_wake(&mut self) -> bool {
         self.uring.take_wake_poll_fired()

@@ -62,6 +62,10 @@ const REGISTER_FILES_UPDATE: u8 = 6;
 /// `user_data` of the wake poll. Operations carry their slab index, a
 /// `u32`, so this value is never an operation's.
 const WAKE_POLL: u64 = u64::MAX;
+/// `user_data` of the socket receive ([`Uring::arm_recv`]); not an operation's either.
+const SOCKET_RECV: u64 = u64::MAX - 1;
+/// `user_data` of the cancellation of a socket receive at teardown.
+const RECV_CANCEL: u64 = u64::MAX - 2;
 
 /// Ring options.
 #[derive(Clone, Copy, Debug)]
@@ -80,11 +84,18 @@ pub struct UringOptions {
     /// sleeps in the ring (`UringFeatures::ring_sleep`). The ring keeps its
     /// own reference to the file from `Uring::new` on.
     pub wake_fd: Option<RawFd>,
+    /// A connected stream socket the caller receives from through the ring
+    /// ([`Uring::arm_recv`], into a buffer of `recv_buffer` bytes the ring
+    /// owns), so that a sleep ends with the bytes already received. Only
+    /// in ring-sleep mode; the ring keeps its own reference to the file.
+    pub socket_fd: Option<RawFd>,
+    /// Size of the socket receive buffer.
+    pub recv_buffer: usize,
 }
 
 impl Default for UringOptions {
     fn default() -> Self {
-        UringOptions { entries: 64, sqpoll_idle_ms: None, iopoll: false, file_slots: 0, wake_fd: None }
+        UringOptions { entries: 64, sqpoll_idle_ms: None, iopoll: false, file_slots: 0, wake_fd: None, socket_fd: None, recv_buffer: 0 }
     }
 }
 
@@ -163,7 +174,22 @@ pub struct Uring {
     /// A failed wake poll was logged (once: the caller may re-arm it on
     /// every turn).
     wake_poll_failure_logged: bool,
+    /// The socket the ring receives from, when `UringOptions::socket_fd`.
+    recv: Option<SocketRecv>,
     mem: Arc<PoolMemory>,
+}
+
+/// The ring's receive from the caller's socket: one at a time, into a
+/// buffer only the ring hands out.
+struct SocketRecv {
+    /// Its fixed-file slot.
+    slot: u32,
+    /// Written by the kernel while `inflight`; never moved or freed before
+    /// the receive completed (`wait_idle` cancels it and waits).
+    buf: Box<[u8]>,
+    inflight: bool,
+    /// The finished receive's result, until [`Uring::take_received`].
+    result: Option<i32>,
 }
 
 fn uring_err(what: &str, e: io::Error) -> Error {
@@ -224,12 +250,17 @@ impl Uring {
         // descriptor; `set_file` cannot reach it.
         let nfiles = opts.file_slots.max(files.len() as u32);
         let wake_fd = opts.wake_fd.filter(|_| ring_sleep);
-        let table_len = nfiles + wake_fd.is_some() as u32;
+        // The socket takes the slot after the watched descriptor's.
+        let socket_fd = opts.socket_fd.filter(|_| ring_sleep && probe.is_supported(opcode::Recv::CODE) && opts.recv_buffer > 0);
+        let table_len = nfiles + wake_fd.is_some() as u32 + socket_fd.is_some() as u32;
         if table_len > 0 {
             let mut table = vec![-1; table_len as usize];
             table[..files.len()].copy_from_slice(files);
             if let Some(fd) = wake_fd {
                 table[nfiles as usize] = fd;
+            }
+            if let Some(fd) = socket_fd {
+                table[nfiles as usize + 1] = fd;
             }
             submitter.register_files(&table).map_err(|e| uring_err("cannot register files", e))?;
         }
@@ -262,6 +293,10 @@ impl Uring {
         if features.ring_sleep {
             restrictions.push(Restriction::sqe_op(opcode::PollAdd::CODE));
         }
+        if socket_fd.is_some() {
+            restrictions.push(Restriction::sqe_op(opcode::Recv::CODE));
+            restrictions.push(Restriction::sqe_op(opcode::AsyncCancel::CODE));
+        }
         submitter.register_restrictions(&mut restrictions).map_err(|e| uring_err("cannot register restrictions", e))?;
         submitter.register_enable_rings().map_err(|e| uring_err("cannot enable ring", e))?;
 
@@ -279,6 +314,12 @@ impl Uring {
             wake_poll_armed: false,
             wake_poll_fired: false,
             wake_poll_failure_logged: false,
+            recv: socket_fd.map(|_| SocketRecv {
+                slot: nfiles + 1,
+                buf: vec![0; opts.recv_buffer].into_boxed_slice(),
+                inflight: false,
+                result: None,
+            }),
             mem,
         })
     }
@@ -348,6 +389,41 @@ impl Uring {
     /// the caller cannot tell from a spurious wake-up either). Clears it.
     pub fn take_wake_poll_fired(&mut self) -> bool {
         std::mem::take(&mut self.wake_poll_fired)
+    }
+
+    /// Whether the ring receives from the caller's socket (`socket_fd`,
+    /// and a kernel with ring sleep and the Recv opcode).
+    pub fn receives(&self) -> bool {
+        self.recv.is_some()
+    }
+
+    /// Whether a socket receive is queued or in flight: the caller must not
+    /// read the socket itself meanwhile (the bytes would be split between
+    /// two readers).
+    pub fn recv_armed(&self) -> bool {
+        self.recv.as_ref().is_some_and(|r| r.inflight || r.result.is_some())
+    }
+
+    /// Queues a receive of at most `max` bytes from the socket into the
+    /// ring's buffer; it completes when bytes arrived (or the peer closed),
+    /// which ends a [`Uring::sleep`]. Submitted with the next `submit` or
+    /// `sleep`. Only when [`Uring::receives`] and not [`Uring::recv_armed`].
+    pub fn arm_recv(&mut self, max: usize) {
+        let r = self.recv.as_mut().expect("arm_recv on a ring without a socket");
+        assert!(!r.inflight && r.result.is_none(), "socket receive armed twice");
+        let len = max.min(r.buf.len()) as u32;
+        assert!(len > 0, "empty socket receive");
+        let entry = opcode::Recv::new(types::Fixed(r.slot), r.buf.as_mut_ptr(), len).build().user_data(SOCKET_RECV);
+        r.inflight = true;
+        self.push(entry);
+    }
+
+    /// The finished socket receive, once: `Ok(bytes)` (empty: the peer
+    /// closed) or `Err(errno)`. `None` while it is in flight or not armed.
+    pub fn take_received(&mut self) -> Option<std::result::Result<&[u8], i32>> {
+        let r = self.recv.as_mut()?;
+        let res = r.result.take()?;
+        Some(if res < 0 { Err(-res) } else { Ok(&r.buf[..res as usize]) })
     }
 
     /// Operations pushed and not yet reaped.
@@ -469,8 +545,10 @@ impl Uring {
         }
         // SAFETY: the buffer the entry points to (if any) is a chunk of the
         // registered pool memory kept alive by `self.mem`, lent to the kernel
-        // until the op's final completion is reaped (the wake poll points to
-        // no memory); fixed files stay registered for the ring's lifetime.
+        // until the op's final completion is reaped, or the socket receive
+        // buffer, which `self` owns and frees only after the receive
+        // completed (`wait_idle`); the wake poll points to no memory; fixed
+        // files stay registered for the ring's lifetime.
         if unsafe { self.ring.submission().push(&entry) }.is_err() {
             let _ = self.ring.submit();
             // SAFETY: as above.
@@ -561,6 +639,15 @@ impl Uring {
                     self.wake_poll_reaped(res);
                     continue;
                 }
+                if user_data == SOCKET_RECV {
+                    let r = self.recv.as_mut().expect("a socket receive needs a socket");
+                    r.inflight = false;
+                    r.result = Some(res);
+                    continue;
+                }
+                if user_data == RECV_CANCEL {
+                    continue;
+                }
                 let idx = user_data as u32;
                 let op = self.ops[idx as usize].as_mut().expect("completion for a live op");
                 let is_rw = matches!(op.kind, OpKind::Read | OpKind::Write { .. });
@@ -619,7 +706,13 @@ impl Uring {
     /// ring cancels it), and its completion, if it comes, is skipped.
     fn wait_idle(&mut self) {
         let mut stuck_rounds = 0;
-        while self.inflight > 0 {
+        if self.recv.as_ref().is_some_and(|r| r.inflight) {
+            // A receive may wait for the peer forever: cancel it, and wait
+            // below until the kernel is done with its buffer.
+            let cancel = opcode::AsyncCancel::new(SOCKET_RECV).build().flags(squeue::Flags::FIXED_FILE).user_data(RECV_CANCEL);
+            self.push(cancel);
+        }
+        while self.inflight > 0 || self.recv.as_ref().is_some_and(|r| r.inflight) {
             while let Some(entry) = self.backlog.pop_front() {
                 // SAFETY: see `push`.
                 if unsafe { self.ring.submission().push(&entry) }.is_err() {
@@ -632,7 +725,7 @@ impl Uring {
                 self.ops[idx as usize] = None;
                 self.inflight -= 1;
             }
-            if self.inflight == 0 {
+            if self.inflight == 0 && !self.recv.as_ref().is_some_and(|r| r.inflight) {
                 break;
             }
             if let Err(e) = self.ring.submit_and_wait(1) {
@@ -643,6 +736,9 @@ impl Uring {
                         // write into the pool, so the memory must never be freed.
                         tracing::error!("io_uring teardown failed ({e}); leaking the ring and its buffers");
                         std::mem::forget(Arc::clone(&self.mem));
+                        if let Some(r) = self.recv.take() {
+                            std::mem::forget(r.buf);
+                        }
                         return;
                     }
                 }
@@ -651,6 +747,15 @@ impl Uring {
             for (idx, res) in cqes {
                 if idx == WAKE_POLL {
                     self.wake_poll_armed = false;
+                    continue;
+                }
+                if idx == SOCKET_RECV {
+                    if let Some(r) = self.recv.as_mut() {
+                        r.inflight = false;
+                    }
+                    continue;
+                }
+                if idx == RECV_CANCEL {
                     continue;
                 }
                 let Some(op) = self.ops[idx as usize].as_mut() else { continue };
@@ -1033,5 +1138,68 @@ mod tests {
         let c = pool.alloc().unwrap();
         ring.read_fixed(&mut pool, 0, c, 0, 4096, 0, 1);
         drop_within(ring, Duration::from_secs(10));
+    }
+
+    fn receiving_opts(epoll: &crate::sys::Epoll, socket: &std::os::unix::net::UnixStream) -> UringOptions {
+        UringOptions { socket_fd: Some(socket.as_raw_fd()), recv_buffer: 64, ..sleeping_opts(epoll) }
+    }
+
+    #[test]
+    fn a_socket_receive_ends_the_sleep_with_the_bytes_and_reports_the_close() {
+        use std::io::Write;
+        let pool = Pool::new(4096, 4096);
+        let (epoll, _efd) = watched_epoll();
+        let (ours, mut peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut ring = Uring::new(&[], &pool, receiving_opts(&epoll, &ours)).unwrap();
+        assert!(ring.receives(), "this kernel has Recv and ring sleep: {}", ring.features());
+        let mut pool = pool;
+        ring.arm_recv(1000);
+        assert!(ring.recv_armed());
+        // Nothing to receive: the sleep times out.
+        ring.sleep(Some(Duration::from_millis(20))).unwrap();
+        assert_eq!(ring.reap(&mut pool, |_, _| panic!("not an operation")), 0);
+        assert!(ring.take_received().is_none() && ring.recv_armed());
+        // Bytes end the sleep; at most the buffer's 64 are taken.
+        peer.write_all(&[7u8; 100]).unwrap();
+        let started = std::time::Instant::now();
+        ring.sleep(Some(Duration::from_secs(10))).unwrap();
+        assert!(started.elapsed() < Duration::from_secs(5), "the bytes did not end the sleep");
+        ring.reap(&mut pool, |_, _| panic!("not an operation"));
+        assert_eq!(ring.take_received(), Some(Ok(&[7u8; 64][..])));
+        assert!(!ring.recv_armed() && ring.take_received().is_none());
+        ring.arm_recv(1000);
+        ring.sleep(Some(Duration::from_secs(10))).unwrap();
+        ring.reap(&mut pool, |_, _| panic!("not an operation"));
+        assert_eq!(ring.take_received(), Some(Ok(&[7u8; 36][..])));
+        // The peer closes: an empty receive.
+        drop(peer);
+        ring.arm_recv(1000);
+        ring.sleep(Some(Duration::from_secs(10))).unwrap();
+        ring.reap(&mut pool, |_, _| panic!("not an operation"));
+        assert_eq!(ring.take_received(), Some(Ok(&[][..])));
+    }
+
+    #[test]
+    fn drop_with_a_socket_receive_waiting_cancels_it_and_returns() {
+        let pool = Pool::new(4096, 4096);
+        let (epoll, _efd) = watched_epoll();
+        let (ours, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        // Submitted and waiting for bytes that never come.
+        let mut ring = Uring::new(&[], &pool, receiving_opts(&epoll, &ours)).unwrap();
+        ring.arm_recv(64);
+        ring.sleep(Some(Duration::from_millis(1))).unwrap();
+        drop_within(ring, Duration::from_secs(10));
+        // Queued, not submitted.
+        let mut ring = Uring::new(&[], &pool, receiving_opts(&epoll, &ours)).unwrap();
+        ring.arm_recv(64);
+        drop_within(ring, Duration::from_secs(10));
+    }
+
+    #[test]
+    fn no_socket_receive_without_ring_sleep() {
+        let pool = Pool::new(4096, 4096);
+        let (ours, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        let ring = Uring::new(&[], &pool, UringOptions { socket_fd: Some(ours.as_raw_fd()), recv_buffer: 64, ..opts() }).unwrap();
+        assert!(!ring.receives(), "no wake fd, no ring sleep: the caller reads the socket itself");
     }
 }

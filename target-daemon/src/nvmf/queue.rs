@@ -129,6 +129,9 @@ pub struct Queue {
     pub socket: Option<std::net::TcpStream>,
     /// The transport's epoll descriptor, for the engine's ring sleep.
     pub wake_fd: Option<std::os::fd::RawFd>,
+    /// The transport's socket and its receive buffer size, for an I/O
+    /// queue's engine to receive through its ring.
+    pub socket_fd: Option<(std::os::fd::RawFd, usize)>,
     pub sq_entries: u32,
     sq_head: u32,
     pub engine: Option<BlockEngine>,
@@ -157,6 +160,7 @@ impl Queue {
             conn: None,
             socket: None,
             wake_fd: None,
+            socket_fd: None,
             sq_entries: 0,
             sq_head: 0,
             engine: None,
@@ -615,7 +619,14 @@ impl Queue {
         let chunks = QUEUE_CHUNKS.min(self.sq_entries.max(1));
         let entries = (self.sq_entries.max(8)).next_power_of_two();
         let pool = Pool::new(chunks as usize * MAX_TRANSFER as usize, MAX_TRANSFER as usize);
-        let opts = UringOptions { entries, file_slots: QUEUE_FILE_SLOTS, wake_fd: self.wake_fd, ..UringOptions::default() };
+        let opts = UringOptions {
+            entries,
+            file_slots: QUEUE_FILE_SLOTS,
+            wake_fd: self.wake_fd,
+            socket_fd: self.socket_fd.map(|s| s.0),
+            recv_buffer: self.socket_fd.map_or(0, |s| s.1),
+            ..UringOptions::default()
+        };
         self.engine = Some(BlockEngine::new(pool, opts, 1000 + qid as usize)?);
         Ok(())
     }

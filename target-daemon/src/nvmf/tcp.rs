@@ -2,7 +2,10 @@
 //! thread per connection, which is one NVMe queue.
 //!
 //! Receiving: PDUs are read into a 16 KiB buffer, so that one `recv`
-//! carries many command capsules. Every header is checked
+//! carries many command capsules. An I/O queue whose ring can receive
+//! (`Uring::arm_recv`) arms that receive before it sleeps, so a command's
+//! bytes arrive with the wake-up itself and no `recv` call is made; the
+//! ring's buffer is copied into this one (capsules: small). Every header is checked
 //! ([`CommonHeader::layout`], [`Pdu::decode`]: lengths, offsets, flags,
 //! header digest) before a byte of its data is placed. Data goes to the
 //! command's buffer, a pool chunk for reads and writes: what came in with
@@ -127,6 +130,8 @@ struct Connection {
     watching_write: bool,
     watched: HashSet<i32>,
     closing: Option<String>,
+    /// Bytes the ring's socket receive was asked for (it is armed).
+    ring_asked: usize,
     /// Counts against the handshake limits until Connect succeeds.
     handshake: Option<HandshakeSlot>,
     /// Counts against `max_connections_per_address` while the connection lives.
@@ -153,6 +158,7 @@ pub fn serve(stream: TcpStream, peer: SocketAddr, port: u16, sub: Arc<Subsystem>
     let mut q = Queue::new(Arc::clone(&sub), port, local, peer);
     q.socket = stream.try_clone().ok();
     q.wake_fd = Some(epoll.fd());
+    q.socket_fd = Some((std::os::fd::AsRawFd::as_raw_fd(&stream), RX_BUFFER));
     let mut c = Connection {
         stream,
         q,
@@ -169,6 +175,7 @@ pub fn serve(stream: TcpStream, peer: SocketAddr, port: u16, sub: Arc<Subsystem>
         watching_write: false,
         watched: HashSet::new(),
         closing: None,
+        ring_asked: 0,
         handshake: Some(admission.handshake),
         _connection: admission.connection,
     };
@@ -234,11 +241,21 @@ impl Connection {
                 // An I/O queue sleeps in its ring: a disk completion wakes
                 // it without an eventfd, and epoll is asked which
                 // descriptor fired only when the wake poll did.
-                Some(engine) => {
+                Some(_) => {
+                    self.arm_ring_recv();
+                    let engine = self.q.engine.as_mut().expect("matched above");
                     if let Err(e) = engine.sleep(timeout) {
                         return format!("io_uring: {e}");
                     }
                     self.q.reap();
+                    let received = match self.take_ring_bytes() {
+                        Ok(r) => r,
+                        Err(f) => {
+                            self.fail(f);
+                            false
+                        }
+                    };
+                    let direct = self.takes_data_directly();
                     let engine = self.q.engine.as_mut().expect("matched above");
                     let woken = engine.take_wake();
                     tokens.clear();
@@ -246,7 +263,11 @@ impl Connection {
                         // The socket is all the epoll set holds until a
                         // blocking worker starts: no need to ask which
                         // descriptor fired (a system call per I/O at QD1).
-                        tokens.push(TOKEN_SOCKET);
+                        // If the ring's receive took the bytes that made it
+                        // readable, there is nothing left to read.
+                        if !received || direct {
+                            tokens.push(TOKEN_SOCKET);
+                        }
                     } else if woken {
                         if let Err(e) = self.epoll.wait(&mut tokens, Some(Duration::ZERO)) {
                             return format!("epoll: {e}");
@@ -351,12 +372,69 @@ impl Connection {
         }
     }
 
+    /// Whether the data being received goes straight from the socket into
+    /// a command's buffer (the ring's receive is not used then).
+    fn takes_data_directly(&self) -> bool {
+        matches!(self.state, Rx::Data { dest: Dest::Command { .. }, .. })
+    }
+
+    /// Before an I/O queue sleeps: lets its ring receive the next bytes, if
+    /// it can and nothing else reads the socket.
+    fn arm_ring_recv(&mut self) {
+        if self.closing.is_some() || self.takes_data_directly() {
+            return;
+        }
+        let Some(engine) = self.q.engine.as_mut() else { return };
+        if !engine.receives() || engine.recv_armed() {
+            return;
+        }
+        if self.rx_start > 0 {
+            self.rx.copy_within(self.rx_start..self.rx_end, 0);
+            self.rx_end -= self.rx_start;
+            self.rx_start = 0;
+        }
+        let room = (self.rx.len() - self.rx_end).min(RX_BUFFER);
+        if room > 0 {
+            self.ring_asked = room;
+            engine.arm_recv(room);
+        }
+    }
+
+    /// Takes what the ring's receive brought (after a reap) into the
+    /// receive buffer and handles it as [`Connection::receive`] would.
+    /// Returns whether there was any.
+    fn take_ring_bytes(&mut self) -> Result<bool, Fatal> {
+        let Some(engine) = self.q.engine.as_mut() else { return Ok(false) };
+        let n = match engine.take_received() {
+            None => return Ok(false),
+            Some(Ok([])) => return Err(Fatal::closed("the host closed the connection")),
+            Some(Ok(bytes)) => {
+                // `arm_ring_recv` asked for no more than the room left here.
+                self.rx[self.rx_end..self.rx_end + bytes.len()].copy_from_slice(bytes);
+                bytes.len()
+            }
+            Some(Err(errno)) => return Err(Fatal::closed(format!("receive: {}", std::io::Error::from_raw_os_error(errno)))),
+        };
+        self.rx_end += n;
+        self.receive_from(n < self.ring_asked)?;
+        Ok(true)
+    }
+
     /// Reads what the socket has and handles every complete part.
     fn receive(&mut self) -> Result<(), Fatal> {
+        if self.q.engine.as_ref().is_some_and(|e| e.recv_armed()) {
+            // The ring reads the socket: its bytes come with the reap.
+            return Ok(());
+        }
+        self.receive_from(false)
+    }
+
+    /// [`Connection::receive`], with `drained` when the socket is known to
+    /// have been emptied by the last read.
+    fn receive_from(&mut self, mut drained: bool) -> Result<(), Fatal> {
         // A read that returned less than it asked for emptied the socket:
         // the next read would only say EAGAIN, so wait for epoll (level
         // triggered: it reports at once what arrived since).
-        let mut drained = false;
         loop {
             if self.closing.is_some() {
                 return Ok(());

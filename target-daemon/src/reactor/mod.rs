@@ -621,6 +621,7 @@ impl Reactor {
             file_slots: RING_FILE_SLOTS,
             // The ring watches the epoll set while the reactor sleeps in it.
             wake_fd: Some(epoll.fd()),
+            ..UringOptions::default()
         };
         let engine = BlockEngine::new(pool, opts, spec.id)?;
         let features = engine.features();
