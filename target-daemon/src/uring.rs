@@ -27,6 +27,13 @@
 //! on it in epoll. `UringFeatures::ring_sleep` says which mode a ring is
 //! in, and its Display (logged by the daemon) names where the caller sleeps.
 //!
+//! A caller that serves a stream socket (an NVMe/TCP queue) may also have
+//! the ring receive from it ([`UringOptions::socket_fd`]): the socket takes
+//! the next fixed-file slot, [`Uring::arm_recv`] queues one Recv into a
+//! buffer the ring owns, and its completion ends a sleep with the bytes in
+//! hand ([`Uring::take_received`]). At teardown a receive still waiting is
+//! cancelled (AsyncCancel) and waited for before the buffer is freed.
+//!
 //! With `iopoll` (IORING_SETUP_IOPOLL, for NVMe namespaces with poll queues)
 //! the ring carries only ReadFixed and WriteFixed: the kernel refuses other
 //! operations on a polled ring, so the reactor runs fdatasync and fallocate

@@ -500,6 +500,8 @@ nvme_tcp_restart() {
 # RDMABLK_NVME_VS_TARGET=PATH measures another rdmablk-target binary (the
 # CI stage builds the debug profile, whose per-I/O CPU is not the release
 # build's: the table names the binary it measured).
+# RDMABLK_NVME_VS_ROUNDS=N (default 2) and RDMABLK_NVME_VS_CASES="NAME..."
+# (default the four rows) take a longer look at fewer rows.
 
 nvmet_cfs=/sys/kernel/config/nvmet
 
@@ -614,12 +616,22 @@ nvme_tcp_vs_nvmet() {
     echo "idle $((b1 - b0)) $w0 $w1" >"$out/idle.cpu"
     echo "idle: $((b1 - b0)) busy ticks in $(awk -v a="$w0" -v b="$w1" 'BEGIN{printf "%.2f", b-a}') s (USER_HZ $hz)"
     local round c name rw bs qd p0 p1
-    for round in 1 2; do
+    # RDMABLK_NVME_VS_ROUNDS (default 2; even rounds swap the order) and
+    # RDMABLK_NVME_VS_CASES (names, default all four) for a longer look at
+    # one row: TCG's noise needs more rounds than CI can afford.
+    local rounds=${RDMABLK_NVME_VS_ROUNDS:-2}
+    local cases=${RDMABLK_NVME_VS_CASES:-randread-4k-qd1 randread-4k-qd16 read-128k-qd16 randwrite-4k-qd16}
+    for round in $(seq 1 "$rounds"); do
         local order=($systems)
-        [[ $round -eq 2 ]] && order=($(printf '%s\n' $systems | tac))
-        for c in "randread-4k-qd1 randread 4k 1" "randread-4k-qd16 randread 4k 16" \
-                 "read-128k-qd16 read 128k 16" "randwrite-4k-qd16 randwrite 4k 16"; do
-            read -r name rw bs qd <<<"$c"
+        ((round % 2 == 0)) && order=($(printf '%s\n' $systems | tac))
+        for name in $cases; do
+            case $name in
+                randread-4k-qd1) rw=randread bs=4k qd=1 ;;
+                randread-4k-qd16) rw=randread bs=4k qd=16 ;;
+                read-128k-qd16) rw=read bs=128k qd=16 ;;
+                randwrite-4k-qd16) rw=randwrite bs=4k qd=16 ;;
+                *) echo "unknown case $name"; exit 1 ;;
+            esac
             for s in "${order[@]}"; do
                 local base=$out/$name.$s.$round
                 p0=0
@@ -642,10 +654,10 @@ nvme_tcp_vs_nvmet() {
             done
         done
     done
-    /usr/bin/python3 - "$out" "$systems" "$(uname -r)" "$NVME_TARGET_BIN ($profile build)" >"$RES/nvme-tcp-vs-nvmet.md" <<'PY'
+    /usr/bin/python3 - "$out" "$systems" "$(uname -r)" "$NVME_TARGET_BIN ($profile build)" "$rounds" "$cases" >"$RES/nvme-tcp-vs-nvmet.md" <<'PY'
 import json, os, re, sys
 out, systems, kver, tbin = sys.argv[1], sys.argv[2].split(), sys.argv[3], sys.argv[4]
-cases = ["randread-4k-qd1", "randread-4k-qd16", "read-128k-qd16", "randwrite-4k-qd16"]
+rounds, cases = int(sys.argv[5]), sys.argv[6].split()
 def secs(t):
     m = re.fullmatch(r"(\d+)m([\d.]+)s", t)
     return int(m.group(1)) * 60 + float(m.group(2))
@@ -667,9 +679,10 @@ def load(case, s, rnd):
     sysfio = (busy - idle_rate * wall) / hz - fio_cpu
     return dict(iops=d["iops"], lat=d["lat_ns"]["mean"] / 1000, ios=ios,
                 proc_us=proc / hz / ios * 1e6 if s == "rdmablk" else None,
-                sys_us=sysfio / ios * 1e6, fio_us=fio_cpu / ios * 1e6, wall=wall)
+                sys_us=sysfio / ios * 1e6, fio_us=fio_cpu / ios * 1e6, wall=wall,
+                all_us=(busy - idle_rate * wall) / hz / ios * 1e6)
 def mean(xs): return sum(xs) / len(xs)
-r = {(c, s): [load(c, s, k) for k in (1, 2)] for c in cases for s in systems}
+r = {(c, s): [load(c, s, k) for k in range(1, rounds + 1)] for c in cases for s in systems}
 def m(c, s, key):
     if (c, s) not in r: return None
     return mean([x[key] for x in r[(c, s)]])
@@ -677,33 +690,37 @@ def f(v, fmt): return "-" if v is None else format(v, fmt)
 print(f"## rdmablk-target NVMe/TCP vs the kernel's nvmet-tcp (kernel {kver}, qemu TCG, 2 vCPUs)")
 print()
 print("fio on the kernel's nvme-tcp host, io_uring, direct=1, 256 MiB file-backed namespaces, "
-      "10 s per run, 2 rounds alternated (order swapped in round 2); figures are the means of the rounds.")
+      f"10 s per run, {rounds} rounds alternated (order swapped in even rounds); figures are the means of the rounds.")
 print("lat = mean total latency. CPU per I/O: `proc` = rdmablk-target's own utime+stime; "
       "`sys-fio` = all CPUs' busy time minus fio's CPU minus the idle rate "
-      f"({idle_rate:.1f} ticks/s), which includes the host's nvme-tcp kernel work for both targets.")
+      f"({idle_rate:.1f} ticks/s), which includes the host's nvme-tcp kernel work for both targets; "
+      "`all` = all CPUs' busy time minus the idle rate, fio and the host included (on loopback the "
+      "sender's context runs the receiver's TCP work, so only this column charges each side in full).")
 if "rdmablk" in systems:
     print(f"rdmablk-target: {tbin}.")
 print("TCG-emulated: compare ratios within this table, not absolute figures.")
 print()
 print("| case | rdmablk IOPS | nvmet IOPS | IOPS ratio rdmablk/nvmet (per round) | rdmablk lat µs | nvmet lat µs "
-      "| rdmablk-target CPU µs/IO (proc) | rdmablk CPU µs/IO (sys-fio) | nvmet CPU µs/IO (sys-fio) | fio CPU µs/IO rdmablk / nvmet |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+      "| rdmablk-target CPU µs/IO (proc) | rdmablk CPU µs/IO (sys-fio) | nvmet CPU µs/IO (sys-fio) | fio CPU µs/IO rdmablk / nvmet "
+      "| all CPU µs/IO rdmablk / nvmet |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for c in cases:
     ri, ni = m(c, "rdmablk", "iops"), m(c, "nvmet", "iops")
     ratio = "-"
     if ri is not None and ni is not None:
-        per = "/".join(f"{r[(c,'rdmablk')][k]['iops'] / r[(c,'nvmet')][k]['iops']:.2f}" for k in range(2))
+        per = "/".join(f"{r[(c,'rdmablk')][k]['iops'] / r[(c,'nvmet')][k]['iops']:.2f}" for k in range(rounds))
         ratio = f"{ri / ni:.2f} ({per})"
     print(f"| {c} | {f(ri, '.0f')} | {f(ni, '.0f')} | {ratio} | {f(m(c, 'rdmablk', 'lat'), '.0f')} "
           f"| {f(m(c, 'nvmet', 'lat'), '.0f')} | {f(m(c, 'rdmablk', 'proc_us'), '.1f')} "
           f"| {f(m(c, 'rdmablk', 'sys_us'), '.1f')} | {f(m(c, 'nvmet', 'sys_us'), '.1f')} "
-          f"| {f(m(c, 'rdmablk', 'fio_us'), '.1f')} / {f(m(c, 'nvmet', 'fio_us'), '.1f')} |")
+          f"| {f(m(c, 'rdmablk', 'fio_us'), '.1f')} / {f(m(c, 'nvmet', 'fio_us'), '.1f')} "
+          f"| {f(m(c, 'rdmablk', 'all_us'), '.0f')} / {f(m(c, 'nvmet', 'all_us'), '.0f')} |")
 if "rdmablk" in systems:
     print()
     print("rdmablk-target's threads with the most CPU during each run (ticks of 1/100 s; thread name, tid):")
     print()
     for c in cases:
-        for k in (1, 2):
+        for k in range(1, rounds + 1):
             base = os.path.join(out, f"{c}.rdmablk.{k}")
             def rd(p):
                 d = {}
