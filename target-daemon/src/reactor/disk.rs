@@ -35,16 +35,8 @@ impl Reactor {
                     lv.vol = Arc::clone(v);
                     lv.retiring = false;
                     if !same_backend {
-                        match self.engine.attach(v) {
-                            Ok(()) => {
-                                lv.registered = v.backend.uring_fd().is_some();
-                                lv.broken = false;
-                            }
-                            Err(e) => {
-                                tracing::error!("reactor {}: volume {}: {e}", self.id, v.name);
-                                lv.broken = true;
-                            }
-                        }
+                        let broken = self.attach_fails(v);
+                        self.vols.slots[slot].as_mut().expect("live slot").broken = broken;
                     }
                     slot
                 }
@@ -55,18 +47,8 @@ impl Reactor {
                         continue;
                     }
                     Some(slot) => {
-                        let fd = v.backend.uring_fd();
-                        let mut lv = LocalVolume { vol: Arc::clone(v), registered: false, broken: false, inflight: 0, retiring: false };
-                        if fd.is_some() {
-                            match self.engine.attach(v) {
-                                Ok(()) => lv.registered = true,
-                                Err(e) => {
-                                    tracing::error!("reactor {}: volume {}: {e}", self.id, v.name);
-                                    lv.broken = true;
-                                }
-                            }
-                        }
-                        self.vols.slots[slot] = Some(lv);
+                        let broken = self.attach_fails(v);
+                        self.vols.slots[slot] = Some(LocalVolume { vol: Arc::clone(v), broken, inflight: 0, retiring: false });
                         slot
                     }
                 },
@@ -92,16 +74,29 @@ impl Reactor {
         }
     }
 
+    /// Gives the engine `v`'s descriptor now (a new volume, or a new
+    /// backend after a reload), so that a failure shows before its first
+    /// command: whether it failed (its commands then fail InternalError).
+    fn attach_fails(&mut self, v: &Volume) -> bool {
+        match self.engine.attach(v) {
+            Ok(()) => false,
+            Err(e) => {
+                tracing::error!("reactor {}: volume {}: {e}", self.id, v.name);
+                true
+            }
+        }
+    }
+
     /// Frees a retired volume's slot once nothing of this reactor uses it.
     pub(super) fn maybe_release_volume(&mut self, slot: u16) {
         let Some(lv) = self.vols.slots[slot as usize].as_ref() else { return };
         if !lv.retiring || lv.inflight > 0 {
             return;
         }
-        if lv.registered {
-            if let Err(e) = self.engine.detach(lv.vol.id) {
-                tracing::error!("reactor {}: volume {}: {e}", self.id, lv.vol.name);
-            }
+        // Nothing to give back for a volume without a descriptor, or one
+        // whose attach failed: the engine holds no file for it.
+        if let Err(e) = self.engine.detach(lv.vol.id) {
+            tracing::error!("reactor {}: volume {}: {e}", self.id, lv.vol.name);
         }
         tracing::debug!("reactor {}: volume {} released", self.id, lv.vol.name);
         self.vols.slots[slot as usize] = None;
@@ -624,7 +619,8 @@ impl Reactor {
             return;
         }
         let lv = self.vols.slots[vslot as usize].as_ref().expect("live volume slot");
-        if !lv.registered || lv.retiring {
+        // Readahead serves file volumes only: they all have a descriptor.
+        if lv.broken || lv.retiring {
             return;
         }
         let size = lv.vol.size;

@@ -458,9 +458,8 @@ struct ChunkUse {
 /// A volume as this reactor serves it.
 struct LocalVolume {
     vol: Arc<Volume>,
-    /// The ring's fixed-file slot points at the backend's descriptor.
-    registered: bool,
-    /// The ring could not register it: its commands fail with InternalError.
+    /// The engine could not register its descriptor: its commands fail
+    /// with InternalError.
     broken: bool,
     /// Commands of this reactor on this volume, not yet finished.
     inflight: u32,
