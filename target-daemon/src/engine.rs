@@ -161,7 +161,11 @@ impl BlockEngine {
                 }
             },
         };
-        self.uring.set_file(slot, Some(fd))?;
+        if let Err(e) = self.uring.set_file(slot, Some(fd)) {
+            // The volume holds no slot now: the slot is free for the next.
+            self.free_files.push(slot);
+            return Err(e);
+        }
         self.files.insert(vol.id, (slot, Arc::clone(&vol.backend)));
         Ok(Some(slot))
     }
