@@ -808,20 +808,31 @@ mod tests {
     }
 
     fn connect(q: &mut Queue, subnqn: &str, kato_ms: u32) -> (Status, u64) {
-        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid: 0, sqsize: 31, cattr: 0, kato_ms };
+        connect_queue(q, subnqn, 0, 0xffff, kato_ms)
+    }
+
+    /// Connect of queue `qid` (0: admin, with controller id 0xffff).
+    fn connect_queue(q: &mut Queue, subnqn: &str, qid: u16, cntlid: u16, kato_ms: u32) -> (Status, u64) {
+        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid, sqsize: 31, cattr: 0, kato_ms };
         let mut d = [0u8; CONNECT_DATA_SIZE];
-        ConnectData { host_id: [7; 16], controller_id: 0xffff, subsystem_nqn: subnqn.into(), host_nqn: HOST.into() }.encode(&mut d).unwrap();
+        ConnectData { host_id: [7; 16], controller_id: cntlid, subsystem_nqn: subnqn.into(), host_nqn: HOST.into() }.encode(&mut d).unwrap();
         status(&run(q, c.to_entry(1), &d))
     }
 
     fn admin(sub: &Arc<Subsystem>) -> Queue {
+        admin_of_controller(sub).0
+    }
+
+    /// An enabled admin queue and its controller id.
+    fn admin_of_controller(sub: &Arc<Subsystem>) -> (Queue, u16) {
         let mut q = queue(sub);
-        assert_eq!(connect(&mut q, &sub.nqn.clone(), 0).0, Status::SUCCESS);
+        let (st, cntlid) = connect(&mut q, &sub.nqn.clone(), 0);
+        assert_eq!(st, Status::SUCCESS);
         let cc = Property { offset: 0x14, wide: false, value: 0x0046_0001 };
         assert_eq!(status(&run(&mut q, cc.to_entry(2, true), &[])).0, Status::SUCCESS);
         let csts = Property { offset: 0x1c, wide: false, value: 0 };
         assert_eq!(status(&run(&mut q, csts.to_entry(3, false), &[])), (Status::SUCCESS, 1), "CSTS.RDY");
-        q
+        (q, cntlid as u16)
     }
 
     fn identify(cns: u32, nsid: u32) -> SubmissionEntry {
@@ -970,20 +981,12 @@ mod tests {
 
     /// An enabled admin queue and I/O queue 1 of one controller.
     fn io_queue(sub: &Arc<Subsystem>) -> (Queue, Queue) {
-        let mut admin = queue(sub);
-        let (st, result) = connect(&mut admin, &sub.nqn.clone(), 0);
-        assert_eq!(st, Status::SUCCESS);
-        let cc = Property { offset: 0x14, wide: false, value: 0x0046_0001 };
-        assert_eq!(status(&run(&mut admin, cc.to_entry(2, true), &[])).0, Status::SUCCESS);
+        let (admin, cntlid) = admin_of_controller(sub);
         let mut q = queue(sub);
         // The controller keeps a handle on each I/O queue's socket (for its teardown).
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         q.socket = Some(std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap());
-        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid: 1, sqsize: 31, cattr: 0, kato_ms: 0 };
-        let mut d = [0u8; CONNECT_DATA_SIZE];
-        let data = ConnectData { host_id: [7; 16], controller_id: result as u16, subsystem_nqn: sub.nqn.clone(), host_nqn: HOST.into() };
-        data.encode(&mut d).unwrap();
-        assert_eq!(status(&run(&mut q, c.to_entry(1), &d)).0, Status::SUCCESS);
+        assert_eq!(connect_queue(&mut q, &sub.nqn.clone(), 1, cntlid, 0).0, Status::SUCCESS);
         assert!(q.engine.is_some(), "an I/O queue has an engine");
         (admin, q)
     }
