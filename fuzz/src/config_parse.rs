@@ -49,10 +49,14 @@ pub fn check_invariants(c: &Config) {
     assert_eq!(c.source, SOURCE);
     assert!(valid_name(&t.name), "target.name {:?}", t.name);
 
-    assert!(!t.listen.is_empty(), "no listen URL");
+    // A target may serve NVMe-oF alone: `listen` then holds only
+    // nvme+tcp:// entries, which land in `nvme_listen`.
+    assert!(!t.listen.is_empty() || !t.nvme_listen.is_empty(), "no listen URL");
     let unique: HashSet<_> = t.listen.iter().collect();
     assert_eq!(unique.len(), t.listen.len(), "a listen URL is listed twice: {:?}", t.listen);
-    for url in &t.listen {
+    let unique: HashSet<_> = t.nvme_listen.iter().collect();
+    assert_eq!(unique.len(), t.nvme_listen.len(), "an NVMe-oF listen URL is listed twice: {:?}", t.nvme_listen);
+    for url in t.listen.iter().chain(t.nvme_listen.iter().map(|l| &l.url)) {
         assert!(!url.host.is_empty(), "listen URL without a host: {url:?}");
     }
 
@@ -156,7 +160,7 @@ mod tests {
     /// late.
     #[test]
     fn seeds_parse_as_named() {
-        let valid = ["good.toml", "minimal.toml", "memory-and-null.toml", "limits.toml", "pool-share-bytes.toml", "pool-shares-and-wait.toml", "hosts.toml"];
+        let valid = ["good.toml", "minimal.toml", "memory-and-null.toml", "limits.toml", "pool-share-bytes.toml", "pool-shares-and-wait.toml", "hosts.toml", "nvme-only.toml"];
         for seed in crate::seeds::all().into_iter().filter(|s| s.target == "config_parse") {
             let text = String::from_utf8(seed.bytes).expect("seeds are UTF-8");
             let parsed = Config::parse(&text, SOURCE);

@@ -288,6 +288,10 @@ fn configs() -> Vec<(String, Vec<u8>)> {
         ("unknown-key.toml", format!("{GOOD_TARGET}colour = \"blue\"\n{file_volume}")),
         ("hosts.toml", format!("{GOOD_TARGET}busy_poll = \"1ms\"\n{file_volume}allowed_hosts = [\"alpha\"]\nread_only_hosts = [\"beta\"]\n\n[[volume]]\nname = \"shared\"\nbackend = \"null\"\nsize = \"1GiB\"\nallow_any_host = true\n\n[[host]]\nid = \"alpha\"\nkey_file = \"/etc/rdmablk/alpha.key\"\n\n[[host]]\nid = \"beta\"\nkey_file = \"/etc/rdmablk/beta.key\"\n")),
         ("grant-unknown-host.toml", format!("{GOOD_TARGET}{file_volume}allowed_hosts = [\"gamma\"]\n[[host]]\nid = \"alpha\"\nkey_file = \"/k\"\n")),
+        (
+            "nvme-only.toml",
+            "[target]\nlisten = [\"nvme+tcp://127.0.0.1:4420\"]\n[[volume]]\nname = \"v\"\nbackend = \"null\"\nsize = 4096\nallowed_hosts = [\"h\"]\n[[host]]\nid = \"h\"\nnqn = \"nqn.2014-08.org.nvmexpress:uuid:seed\"\n".to_owned(),
+        ),
         ("bad-toml.toml", "[target\nlisten = [\"tcp://127.0.0.1:0\"\n".to_owned()),
     ];
     texts.into_iter().map(|(name, text)| (name.to_owned(), text.into_bytes())).collect()
