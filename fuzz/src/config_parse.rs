@@ -10,6 +10,7 @@
 
 use std::collections::HashSet;
 
+use rdmablk_common::fabric::ProviderKind;
 use rdmablk_common::protocol::{MAX_HOST_ID_LEN, MAX_NAME_LEN};
 use std::time::Duration;
 
@@ -58,6 +59,15 @@ pub fn check_invariants(c: &Config) {
     assert_eq!(unique.len(), t.nvme_listen.len(), "an NVMe-oF listen URL is listed twice: {:?}", t.nvme_listen);
     for url in t.listen.iter().chain(t.nvme_listen.iter().map(|l| &l.url)) {
         assert!(!url.host.is_empty(), "listen URL without a host: {url:?}");
+    }
+    // tcp:// and nvme+tcp:// entries bind TCP ports, never one twice.
+    let tcp: Vec<_> = t.listen.iter().filter(|u| u.provider == ProviderKind::Tcp).chain(t.nvme_listen.iter().map(|l| &l.url)).collect();
+    let wildcard = |h: &str| h.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified());
+    for (i, a) in tcp.iter().enumerate() {
+        for b in &tcp[i + 1..] {
+            let shared = a.port != 0 && a.port == b.port && (a.host == b.host || wildcard(&a.host) || wildcard(&b.host));
+            assert!(!shared, "two listeners on one TCP port: {a:?} and {b:?}");
+        }
     }
 
     assert!(t.reactors >= 1, "reactors = {}", t.reactors);

@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use rdmablk_common::fabric::FabricUrl;
+use rdmablk_common::fabric::{FabricUrl, ProviderKind};
 use rdmablk_common::protocol::{MAX_HOST_ID_LEN, MAX_NAME_LEN};
 use rdmablk_common::size::ByteSize;
 use serde::de::{self, Deserializer, Visitor};
@@ -584,6 +584,15 @@ pub fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
     Ok(d)
 }
 
+/// Whether two TCP listen addresses would bind the same port: the same
+/// non-zero port (0 picks a free one each time) on the same address, or on
+/// any address where either is a wildcard (`0.0.0.0`, or `::`, which also
+/// takes IPv4 unless the host set `bindv6only`).
+fn same_tcp_port(a: &FabricUrl, b: &FabricUrl) -> bool {
+    let wildcard = |h: &str| h.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified());
+    a.port != 0 && a.port == b.port && (a.host == b.host || wildcard(&a.host) || wildcard(&b.host))
+}
+
 struct Ctx<'a> {
     source: &'a str,
 }
@@ -682,20 +691,35 @@ impl RawConfig {
         }
         let mut listen = Vec::with_capacity(t.listen.len());
         let mut nvme_listen: Vec<NvmeListen> = Vec::new();
+        // tcp:// and nvme+tcp:// listeners both bind TCP ports: two on one
+        // port would fail when the target starts, so this says which.
+        let mut tcp_binds: Vec<(FabricUrl, String)> = Vec::new();
         for (i, s) in t.listen.iter().enumerate() {
-            if s.starts_with("nvme+") {
-                let l = NvmeListen::parse(s).map_err(|why| cx.err(&format!("target.listen[{i}]"), why))?;
+            let key = format!("target.listen[{i}]");
+            let (url, shown) = if s.starts_with("nvme+") {
+                let l = NvmeListen::parse(s).map_err(|why| cx.err(&key, why))?;
                 if nvme_listen.contains(&l) {
-                    return Err(cx.err(&format!("target.listen[{i}]"), format!("{l} is listed twice")));
+                    return Err(cx.err(&key, format!("{l} is listed twice")));
                 }
+                let shown = l.to_string();
                 nvme_listen.push(l);
-                continue;
+                (nvme_listen.last().map(|l| l.url.clone()), shown)
+            } else {
+                let url = FabricUrl::parse(s).map_err(|e| cx.err(&key, e.context))?;
+                if listen.contains(&url) {
+                    return Err(cx.err(&key, format!("{url} is listed twice")));
+                }
+                let shown = url.to_string();
+                let tcp = (url.provider == ProviderKind::Tcp).then(|| url.clone());
+                listen.push(url);
+                (tcp, shown)
+            };
+            if let Some(url) = url {
+                if let Some((_, other)) = tcp_binds.iter().find(|(u, _)| same_tcp_port(u, &url)) {
+                    return Err(cx.err(&key, format!("{shown} and {other} would share one TCP port; give each its own")));
+                }
+                tcp_binds.push((url, shown));
             }
-            let url = FabricUrl::parse(s).map_err(|e| cx.err(&format!("target.listen[{i}]"), e.context))?;
-            if listen.contains(&url) {
-                return Err(cx.err(&format!("target.listen[{i}]"), format!("{url} is listed twice")));
-            }
-            listen.push(url);
         }
 
         let reactors = match t.reactors {
@@ -1301,6 +1325,29 @@ read_only = true
         assert!(e.contains("volume: no [[volume]]"), "{e}");
         let e = err("[target]\nname=\"\"\nlisten=[\"tcp://h:1\"]\n");
         assert!(e.contains("target.name"), "{e}");
+    }
+
+    #[test]
+    fn a_tcp_port_serves_one_protocol() {
+        let listen = |urls: &str| format!("[target]\nlisten=[{urls}]\n[[volume]]\nname=\"a\"\nbackend=\"null\"\nsize=4096\n");
+        // tcp:// and nvme+tcp:// are both TCP: the second bind would fail
+        // when the target starts; the configuration says so first.
+        let e = err(&listen("\"tcp://127.0.0.1:7420\", \"nvme+tcp://127.0.0.1:7420\""));
+        assert!(e.contains("target.listen[1]") && e.contains("tcp://127.0.0.1:7420") && e.contains("TCP port"), "{e}");
+        let e = err(&listen("\"nvme+tcp://0.0.0.0:4420\", \"tcp://10.0.0.1:4420\""));
+        assert!(e.contains("target.listen[1]") && e.contains("nvme+tcp://0.0.0.0:4420"), "{e}");
+        let e = err(&listen("\"nvme+tcp://[::]:4420\", \"tcp://10.0.0.1:4420\""));
+        assert!(e.contains("target.listen[1]"), "{e}");
+        // Port 0 picks a free port for each; other addresses and rdma_cm's
+        // own port space do not collide.
+        for ok in [
+            "\"tcp://127.0.0.1:0\", \"nvme+tcp://127.0.0.1:0\"",
+            "\"tcp://127.0.0.1:7420\", \"nvme+tcp://127.0.0.2:7420\"",
+            "\"rdma://10.0.0.1:4420\", \"nvme+tcp://10.0.0.1:4420\"",
+        ] {
+            let c = Config::parse(&listen(ok), "t.toml").unwrap_or_else(|e| panic!("{ok}: {e}"));
+            assert_eq!(c.target.listen.len() + c.target.nvme_listen.len(), 2);
+        }
     }
 
     #[test]

@@ -59,7 +59,8 @@ pub fn run(config: Config) -> Result<()> {
 }
 
 /// Validates the configuration and every volume without creating or
-/// changing anything. Returns one line per volume, then one per listen URL.
+/// changing anything. Returns one line per volume, one per host, then one
+/// per listen URL (rdmablk's, then NVMe-oF's).
 pub fn check(config: &Config) -> Result<Vec<String>> {
     let access = AccessPolicy::load(config)?;
     let mut lines = backend::check_volumes(config)?;
@@ -74,6 +75,7 @@ pub fn check(config: &Config) -> Result<Vec<String>> {
         lines.push(format!("authentication required: {} host(s)", access.host_count()));
     }
     lines.extend(config.target.listen.iter().map(|u| format!("listen {u}")));
+    lines.extend(config.target.nvme_listen.iter().map(|l| format!("listen {l}")));
     if let Some(m) = config.target.metrics {
         lines.push(format!("metrics http://{m}/metrics"));
     }

@@ -36,6 +36,22 @@ fn check_prints_volumes_and_urls_without_creating() {
 }
 
 #[test]
+fn check_lists_the_nvme_of_listeners_too() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let cfg = dir.path().join("t.toml");
+    std::fs::write(
+        &cfg,
+        "[target]\nlisten = [\"tcp://127.0.0.1:0\", \"nvme+tcp://127.0.0.1:0\"]\n[[volume]]\nname = \"v\"\nbackend = \"null\"\nsize = 4096\nallow_any_host = true\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN).arg("--config").arg(&cfg).arg("--check").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let listens: Vec<&str> = stdout.lines().filter(|l| l.starts_with("listen ")).collect();
+    assert_eq!(listens, ["listen tcp://127.0.0.1:0", "listen nvme+tcp://127.0.0.1:0"], "{stdout}");
+}
+
+#[test]
 fn config_errors_exit_2_with_one_line() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let cfg = write_config(dir.path(), "queue_depth = 0");
