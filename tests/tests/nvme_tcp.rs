@@ -634,6 +634,16 @@ fn in_capsule_write(c: &mut NvmeTcpConn, lba: u64, data: &[u8]) -> Vec<u8> {
     c.pdu_bytes(&Pdu::CapsuleCmd(e), data)
 }
 
+/// An I/O queue (with `digests`) that sent a 4 KiB in-capsule Write at the
+/// sentinel whose bytes `corrupt` changed first.
+fn corrupted_write(env: &HostileEnv, digests: Digests, corrupt: fn(&mut Vec<u8>)) -> NvmeTcpConn {
+    let mut c = io_conn(env, digests);
+    let mut b = in_capsule_write(&mut c, SENTINEL, &[0xee; 4096]);
+    corrupt(&mut b);
+    c.raw_send(&b);
+    c
+}
+
 /// Sends a 64 KiB Write by R2T at the sentinel and waits for the first R2T.
 fn write_until_r2t(c: &mut NvmeTcpConn) -> R2t {
     let mut e = rw_entry(io_opcode::WRITE, 1, SENTINEL, 16, false);
@@ -706,13 +716,7 @@ fn hostile_cases() -> Vec<Case> {
         },
         Case {
             name: "CapsuleCmd with a wrong HLEN",
-            attack: |env| {
-                let mut c = io_conn(env, NO_DIGESTS);
-                let mut b = in_capsule_write(&mut c, SENTINEL, &[0xee; 4096]);
-                b[2] = 24;
-                c.raw_send(&b);
-                c
-            },
+            attack: |env| corrupted_write(env, NO_DIGESTS, |b| b[2] = 24),
             expect: Expect::Term(&[(INVALID_HEADER_FIELD, Some(2))]),
             sentinel: Some((SENTINEL, 1)),
         },
@@ -734,26 +738,14 @@ fn hostile_cases() -> Vec<Case> {
         },
         Case {
             name: "CapsuleCmd with PDO inside the header",
-            attack: |env| {
-                let mut c = io_conn(env, NO_DIGESTS);
-                let mut b = in_capsule_write(&mut c, SENTINEL, &[0xee; 4096]);
-                b[3] = 8;
-                c.raw_send(&b);
-                c
-            },
+            attack: |env| corrupted_write(env, NO_DIGESTS, |b| b[3] = 8),
             expect: Expect::Term(&[(INVALID_HEADER_FIELD, Some(3))]),
             sentinel: Some((SENTINEL, 1)),
         },
         Case {
             name: "CapsuleCmd with a huge PLEN",
-            attack: |env| {
-                let mut c = io_conn(env, NO_DIGESTS);
-                let mut b = in_capsule_write(&mut c, SENTINEL, &[0xee; 4096]);
-                b[4..8].copy_from_slice(&0x7fff_fff0u32.to_le_bytes());
-                // The header and a little data; the target must not wait for 2 GiB.
-                c.raw_send(&b);
-                c
-            },
+            // The header and a little data; the target must not wait for 2 GiB.
+            attack: |env| corrupted_write(env, NO_DIGESTS, |b| b[4..8].copy_from_slice(&0x7fff_fff0u32.to_le_bytes())),
             expect: Expect::Term(&[(INVALID_HEADER_FIELD, Some(4)), (LIMIT_EXCEEDED, None)]),
             sentinel: Some((SENTINEL, 1)),
         },
@@ -770,26 +762,14 @@ fn hostile_cases() -> Vec<Case> {
         },
         Case {
             name: "wrong header digest",
-            attack: |env| {
-                let mut c = io_conn(env, Digests { header: true, data: false });
-                let mut b = in_capsule_write(&mut c, SENTINEL, &[0xee; 4096]);
-                b[72] ^= 0xff; // the digest right after the 72-byte header
-                c.raw_send(&b);
-                c
-            },
+            // The digest right after the 72-byte header.
+            attack: |env| corrupted_write(env, Digests { header: true, data: false }, |b| b[72] ^= 0xff),
             expect: Expect::Term(&[(HEADER_DIGEST_ERROR, None)]),
             sentinel: Some((SENTINEL, 1)),
         },
         Case {
             name: "wrong data digest on an in-capsule write",
-            attack: |env| {
-                let mut c = io_conn(env, BOTH_DIGESTS);
-                let mut b = in_capsule_write(&mut c, SENTINEL, &[0xee; 4096]);
-                let n = b.len();
-                b[n - 1] ^= 0xff;
-                c.raw_send(&b);
-                c
-            },
+            attack: |env| corrupted_write(env, BOTH_DIGESTS, |b| *b.last_mut().unwrap() ^= 0xff),
             expect: Expect::TermOrStatus(TRANSIENT_TRANSPORT_ERROR),
             sentinel: Some((SENTINEL, 1)),
         },
