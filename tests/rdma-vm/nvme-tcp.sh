@@ -183,6 +183,20 @@ nvme_show_dmesg() {
     fi
 }
 
+# The end of a step that ran to its end: drops the EXIT trap, shows the
+# host's messages, stops the target (RESULT_NAME names its saved log;
+# none: no target to stop), removes the scratch directory. Fails, after
+# all of that, if the host reported errors or the target did not stop
+# cleanly, so the next step starts clean either way.
+nvme_step_end() { # [RESULT_NAME]
+    local rc=0
+    trap - EXIT
+    nvme_show_dmesg || rc=1
+    if [[ -n ${1:-} ]]; then nvme_stop_target "$1" || rc=1; fi
+    rm -rf "$NVME_DIR"
+    return $rc
+}
+
 # nvme id-ctrl / id-ns: mn and sn not blank, subnqn = NQN, nsze * LBA size
 # = SIZE bytes (and the block device's size).
 nvme_check_ids() { # CTRL DEV NQN SIZE
@@ -316,14 +330,11 @@ nvme_tcp_fs() {
     nvme_disconnect "$NQN"
     sleep 0.5
     [[ ! -e $DEV ]] || { echo "$DEV still exists after nvme disconnect"; exit 1; }
-    trap - EXIT
-    local drc=0
-    nvme_show_dmesg || drc=1
-    nvme_stop_target nvme-tcp-fs
-    rm -rf "$NVME_DIR"
+    local end=0
+    nvme_step_end nvme-tcp-fs || end=1
     [[ $wz -eq 0 ]] || { echo "FAIL: Write Zeroes through the namespace"; exit 1; }
     [[ $dc -eq 0 ]] || { echo "FAIL: discard (DSM deallocate) through the namespace"; exit 1; }
-    [[ $drc -eq 0 ]] || exit 1
+    [[ $end -eq 0 ]] || exit 1
 }
 
 # ------------------------------------------------------------- nvme-tcp-sighup
@@ -375,12 +386,7 @@ nvme_tcp_sighup() {
     cmp "$NVME_DIR/ref1m" <(dd if="$NVME_DIR/nvol0.img" bs=1M skip=5 count=1 status=none)
     echo "1 MiB through $dev2 and $dev1: read back and in the backing files"
     nvme_disconnect "$NQN"
-    trap - EXIT
-    local drc=0
-    nvme_show_dmesg || drc=1
-    nvme_stop_target nvme-tcp-sighup
-    rm -rf "$NVME_DIR"
-    [[ $drc -eq 0 ]] || exit 1
+    nvme_step_end nvme-tcp-sighup || exit 1
 }
 
 # ------------------------------------------------------------ nvme-tcp-restart
@@ -447,12 +453,7 @@ nvme_tcp_restart() {
     blockdev --flushbufs "$dev"
     e2fsck -fn "$dev"
     nvme_disconnect "$NQN"
-    trap - EXIT
-    local drc=0
-    nvme_show_dmesg || drc=1
-    nvme_stop_target nvme-tcp-restart
-    rm -rf "$NVME_DIR"
-    [[ $drc -eq 0 ]] || exit 1
+    nvme_step_end nvme-tcp-restart || exit 1
 }
 
 # ----------------------------------------------------------- nvme-tcp-vs-nvmet
@@ -743,10 +744,7 @@ PY
             nvmet) nvme_disconnect "$knqn"; nvmet_unexport "$knqn" 1 ;;
         esac
     done
-    trap - EXIT
-    local drc=0
-    nvme_show_dmesg || drc=1
-    if [[ " $systems " == *" rdmablk "* ]]; then nvme_stop_target nvme-tcp-vs-nvmet; fi
-    rm -rf "$NVME_DIR"
-    [[ $drc -eq 0 ]] || exit 1
+    local result=
+    if [[ " $systems " == *" rdmablk "* ]]; then result=nvme-tcp-vs-nvmet; fi
+    nvme_step_end "$result" || exit 1
 }
