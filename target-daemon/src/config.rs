@@ -693,32 +693,35 @@ impl RawConfig {
         let mut nvme_listen: Vec<NvmeListen> = Vec::new();
         // tcp:// and nvme+tcp:// listeners both bind TCP ports: two on one
         // port would fail when the target starts, so this says which.
-        let mut tcp_binds: Vec<(FabricUrl, String)> = Vec::new();
+        // (The address and the entry's index.)
+        let mut tcp_binds: Vec<(FabricUrl, usize)> = Vec::new();
         for (i, s) in t.listen.iter().enumerate() {
             let key = format!("target.listen[{i}]");
-            let (url, shown) = if s.starts_with("nvme+") {
+            let tcp_url = if s.starts_with("nvme+") {
                 let l = NvmeListen::parse(s).map_err(|why| cx.err(&key, why))?;
                 if nvme_listen.contains(&l) {
                     return Err(cx.err(&key, format!("{l} is listed twice")));
                 }
-                let shown = l.to_string();
+                let url = l.url.clone();
                 nvme_listen.push(l);
-                (nvme_listen.last().map(|l| l.url.clone()), shown)
+                Some(url)
             } else {
                 let url = FabricUrl::parse(s).map_err(|e| cx.err(&key, e.context))?;
                 if listen.contains(&url) {
                     return Err(cx.err(&key, format!("{url} is listed twice")));
                 }
-                let shown = url.to_string();
                 let tcp = (url.provider == ProviderKind::Tcp).then(|| url.clone());
                 listen.push(url);
-                (tcp, shown)
+                tcp
             };
-            if let Some(url) = url {
-                if let Some((_, other)) = tcp_binds.iter().find(|(u, _)| same_tcp_port(u, &url)) {
-                    return Err(cx.err(&key, format!("{shown} and {other} would share one TCP port; give each its own")));
+            if let Some(url) = tcp_url {
+                if let Some(&(_, j)) = tcp_binds.iter().find(|(u, _)| same_tcp_port(u, &url)) {
+                    return Err(cx.err(
+                        &key,
+                        format!("{s:?} and target.listen[{j}] ({:?}) would share one TCP port; give each its own", t.listen[j]),
+                    ));
                 }
-                tcp_binds.push((url, shown));
+                tcp_binds.push((url, i));
             }
         }
 
