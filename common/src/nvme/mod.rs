@@ -17,10 +17,13 @@
 //! - [`fabrics`]: Connect (command and its 1,024-byte data), Property
 //!   Get/Set, Disconnect;
 //! - [`tcp`]: the NVMe/TCP PDUs (ICReq/ICResp, CapsuleCmd/CapsuleResp,
-//!   H2CData, C2HData, R2T, the termination requests) and their digests.
+//!   H2CData, C2HData, R2T, the termination requests) and their digests;
+//! - [`rdma`]: the NVMe/RDMA connect request, accept and reject (rdma_cm
+//!   private data).
 
 pub mod cqe;
 pub mod fabrics;
+pub mod rdma;
 pub mod sqe;
 pub mod status;
 pub mod tcp;
