@@ -1269,6 +1269,9 @@ enum WindowUse {
     /// On another queue pair between the same nodes (type 2B: the window
     /// belongs to the queue pair it was bound on).
     OtherQueuePair,
+    /// After the peer's SEND with Invalidate of its rkey was received
+    /// (which reports the key).
+    AfterPeerInvalidate,
 }
 
 const WIN_OFF: usize = 1024;
@@ -1308,6 +1311,14 @@ fn window_use(how: WindowUse) {
                 == rdmablk_common::fabric::Invalidation::Pending =>
         {
             assert_success(env.server_comp(60), WcOpcode::LocalInvalidate);
+        }
+        WindowUse::AfterPeerInvalidate => {
+            let sge = [local.sge(0, 8)];
+            cqp.post_send(&[send_wr(52, SendOp::SendWithInvalidate { rkey }, &sge)]).unwrap();
+            assert_success(env.client_comp(52), WcOpcode::Send);
+            let c = env.server_comp(100);
+            assert_success(c, WcOpcode::Recv);
+            assert_eq!((c.byte_len, c.invalidated_rkey), (8, Some(rkey)), "the receive reports the key it invalidated");
         }
         WindowUse::AfterDrop => {
             drop(window.take());
@@ -1379,6 +1390,71 @@ fn window_refused_after_drop() {
 #[test]
 fn window_refused_on_another_queue_pair() {
     window_use(WindowUse::OtherQueuePair);
+}
+#[test]
+fn window_refused_after_the_peers_send_with_invalidate() {
+    window_use(WindowUse::AfterPeerInvalidate);
+}
+
+/// A plain SEND reports no invalidation; a SEND with Invalidate of a key
+/// that is no window of the receiving queue pair fails the receive and the
+/// receiving queue pair (IBTA: an invalid-request error of the responder).
+#[test]
+fn send_with_invalidate_of_an_unknown_key_fails_the_receive() {
+    let mut env = Env::new();
+    let target = Mem::new(&env.server.pd, PAGE, all_rights());
+    let local = Mem::new(&env.client.pd, PAGE, Access::LOCAL_WRITE);
+    let srx = Mem::new(&env.server.pd, PAGE, Access::LOCAL_WRITE);
+    let (s0, s1) = ([srx.sge(0, 64)], [srx.sge(64, 64)]);
+    let (cqp, sqp) =
+        env.connect(&[], &[RecvWr { wr_id: WrId(100), sges: &s0 }, RecvWr { wr_id: WrId(101), sges: &s1 }]);
+    let sge = [local.sge(0, 8)];
+    cqp.post_send(&[send_wr(1, SendOp::Send, &sge)]).unwrap();
+    let c = env.server_comp(100);
+    assert_success(c, WcOpcode::Recv);
+    assert_eq!(c.invalidated_rkey, None, "a plain SEND invalidates nothing");
+    // The region's own key: registered, but no window (a memory window or,
+    // on a NIC, a fast-registered region may be invalidated; this one not).
+    cqp.post_send(&[send_wr(2, SendOp::SendWithInvalidate { rkey: target.mr.rkey() }, &sge)]).unwrap();
+    let r = env.server_comp(101);
+    assert_ne!(r.status, WcStatus::Success, "{r:?}");
+    assert_eq!(r.invalidated_rkey, None);
+    env.pump_until("the receiving queue pair fails", |_| sqp.state() == QpState::Error);
+    // The SEND itself: refused (tcp) or acknowledged before the responder
+    // found the key bad (some RC devices); either way it completes.
+    let _ = env.client_comp(2);
+    drop(cqp);
+}
+
+/// Private data as stock peers (an NVMe/RDMA host) send it: no length
+/// prefix; the receiver sees the bytes as sent (rdma_cm pads them), and a
+/// binary reject reaches the connecting side as hex.
+#[test]
+fn raw_private_data_travels_as_sent() {
+    let env = Env::new();
+    let request: Vec<u8> = (1..=32).collect();
+    let cqp = env.client.fabric.create_qp(&env.client.pd, &env.client.cq, QpCaps::default()).expect("create_qp");
+    let sent = request.clone();
+    let connecting = thread::spawn(move || {
+        let r = cqp.connect_raw(&sent, CONNECT_TIMEOUT);
+        (cqp, r)
+    });
+    let req = env.next_request();
+    assert!(req.raw_private_data().starts_with(&request), "{:?}", req.raw_private_data());
+    let sqp = req.into_queue_pair(&env.server.pd, &env.server.cq, QpCaps::default()).expect("into_queue_pair");
+    let reply = [0u8, 0, 0x20, 0];
+    sqp.accept_raw(&reply).expect("accept_raw");
+    let (cqp, r) = connecting.join().expect("connect thread");
+    assert!(r.expect("connect_raw").starts_with(&reply));
+    assert_eq!(cqp.state(), QpState::Ready);
+
+    let cqp2 = env.client.fabric.create_qp(&env.client.pd, &env.client.cq, QpCaps::default()).expect("create_qp");
+    let connecting = thread::spawn(move || cqp2.connect_raw(&[9; 32], CONNECT_TIMEOUT).map(drop));
+    env.next_request().reject_raw(&[0, 0, 3, 0]);
+    let e = connecting.join().expect("connect thread").expect_err("rejected");
+    assert_eq!(e.kind, FabricErrorKind::ConnectFailed);
+    assert!(e.to_string().contains("rejected by peer: [00 00 03 00"), "{e}");
+    drop((cqp, sqp));
 }
 
 /// Rebinding gives a fresh rkey each time, and an old one does not come

@@ -161,6 +161,16 @@ pub struct Sge {
 pub enum SendOp {
     /// Two-sided: consumes one receive posted by the peer.
     Send,
+    /// A SEND that also invalidates `rkey` at the peer (`IBV_WR_SEND_WITH_INV`):
+    /// a memory window bound on the peer's queue pair (or, on a NIC, a
+    /// fast-registered region) stops granting access before the peer sees
+    /// the receive, which reports the key ([`Completion::invalidated_rkey`]).
+    /// NVMe/RDMA targets answer with it when the host asks. A key that is
+    /// no such window of the receiving queue pair fails the receive and the
+    /// receiving queue pair, as RC hardware does; the SEND completes in
+    /// error on tcp (`RemoteInvalidRequest`), and may complete with success
+    /// on a NIC that acknowledged it first.
+    SendWithInvalidate { rkey: Rkey },
     /// One-sided: places the local SGEs at `remote_addr` in the peer's region `rkey`.
     RdmaWrite { remote_addr: u64, rkey: Rkey },
     /// One-sided: fetches from the peer's `remote_addr` into the local SGEs.
@@ -264,6 +274,9 @@ pub struct Completion {
     pub status: WcStatus,
     /// Bytes received, for `Recv` and `RdmaRead`; otherwise unspecified.
     pub byte_len: u32,
+    /// `Recv` of a SEND with Invalidate: the key it invalidated
+    /// (`IBV_WC_WITH_INV`, `wc.invalidated_rkey`).
+    pub invalidated_rkey: Option<Rkey>,
 }
 
 impl Completion {
@@ -274,6 +287,7 @@ impl Completion {
         opcode: WcOpcode::Send,
         status: WcStatus::Success,
         byte_len: 0,
+        invalidated_rkey: None,
     };
 }
 
@@ -588,6 +602,18 @@ enum ConnectRequestImpl {
 /// caller must not take every other queue pair of the process down with it.
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What a connect's error says about the peer's reject: its private data
+/// as text (this layer's peers send a reason), or as hex bytes for a stock
+/// peer's binary reject (`connect_raw`).
+pub(crate) fn rejected_by_peer(private: &[u8], raw: bool) -> String {
+    if raw {
+        let hex: Vec<String> = private.iter().map(|b| format!("{b:02x}")).collect();
+        format!("rejected by peer: [{}]", hex.join(" "))
+    } else {
+        format!("rejected by peer: {}", String::from_utf8_lossy(private))
+    }
 }
 
 fn mixed(what: &str) -> FabricError {
@@ -936,6 +962,18 @@ impl QueuePair {
     pub fn accept(&self, private_data: &[u8]) -> Result<()> {
         dispatch!(QpImpl, &self.inner, qp => qp.accept(private_data))
     }
+    /// As [`connect`](QueuePair::connect), with private data as a stock
+    /// peer (an NVMe/RDMA host) sends it: no length prefix on rdma_cm, and
+    /// the reply as received (the CM may pad it). A reject's private data
+    /// is in the error's context as hex bytes (`rejected by peer: [00 00 02 00]`).
+    pub fn connect_raw(&self, private_data: &[u8], timeout: Duration) -> Result<Vec<u8>> {
+        dispatch!(QpImpl, &self.inner, qp => qp.connect_raw(private_data, timeout))
+    }
+    /// As [`accept`](QueuePair::accept), with private data as a stock peer
+    /// expects it (no length prefix on rdma_cm).
+    pub fn accept_raw(&self, private_data: &[u8]) -> Result<()> {
+        dispatch!(QpImpl, &self.inner, qp => qp.accept_raw(private_data))
+    }
     /// Binds a memory window over `[addr, addr + len)` of the region whose
     /// rkey is `parent` (registered with [`Access::MW_BIND`] in this queue
     /// pair's domain), granting `access` — `REMOTE_READ` and/or
@@ -1021,6 +1059,13 @@ impl ConnectRequest {
     pub fn private_data(&self) -> &[u8] {
         dispatch!(ConnectRequestImpl, &self.inner, r => r.private_data())
     }
+    /// The private data as it arrived, for stock peers that send it
+    /// without this layer's length prefix (an NVMe/RDMA host): on rdma_cm
+    /// padded to the CM message's size (56 bytes on IB and RoCE); on tcp
+    /// what the peer sent.
+    pub fn raw_private_data(&self) -> &[u8] {
+        dispatch!(ConnectRequestImpl, &self.inner, r => r.raw_private_data())
+    }
     /// The peer's address, for logs.
     pub fn peer(&self) -> String {
         dispatch!(ConnectRequestImpl, &self.inner, r => r.peer())
@@ -1048,6 +1093,11 @@ impl ConnectRequest {
     /// of it as the provider carries: 256 bytes on tcp, 147 on rdma_cm).
     pub fn reject(self, private_data: &[u8]) {
         dispatch!(ConnectRequestImpl, self.inner, r => r.reject(private_data))
+    }
+    /// As [`reject`](ConnectRequest::reject), with private data as a stock
+    /// peer expects it (no length prefix on rdma_cm).
+    pub fn reject_raw(self, private_data: &[u8]) {
+        dispatch!(ConnectRequestImpl, self.inner, r => r.reject_raw(private_data))
     }
 }
 

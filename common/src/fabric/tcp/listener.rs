@@ -244,6 +244,15 @@ impl TcpConnectRequest {
         &self.private_data
     }
 
+    /// The hello carries its own length: the same bytes.
+    pub fn raw_private_data(&self) -> &[u8] {
+        &self.private_data
+    }
+
+    pub fn reject_raw(self, private_data: &[u8]) {
+        self.reject(private_data)
+    }
+
     pub fn peer(&self) -> String {
         self.peer.clone()
     }

@@ -302,6 +302,22 @@ impl TcpWindow {
     }
 }
 
+impl PdShared {
+    /// A peer's SEND with Invalidate on queue pair `qp_num`: ends the
+    /// window `rkey` if it is one bound on that queue pair. False if not
+    /// (the receive fails, as on RC hardware).
+    pub(crate) fn invalidate_window(&self, qp_num: u32, rkey: u32) -> bool {
+        let mut windows = lock(&self.windows);
+        match windows.get(&rkey) {
+            Some(w) if w.qp_num == qp_num => {
+                windows.remove(&rkey);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
 impl Drop for TcpWindow {
     fn drop(&mut self) {
         // A placement already past its lookup holds a pin on the region,

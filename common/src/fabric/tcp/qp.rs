@@ -332,7 +332,8 @@ enum Job {
     /// RDMA WRITE into the region `rkey` at `addr`.
     Write { seq: u32, rkey: u32, addr: u64, len: u32, done: u32, ack_req: bool },
     /// SEND into the oldest posted receive.
-    Send { seq: u32, len: u32, done: u32, ack_req: bool },
+    /// `invalidated`: a SEND with Invalidate, whose window is already gone.
+    Send { seq: u32, len: u32, done: u32, ack_req: bool, invalidated: Option<u32> },
     /// READ_RESP into the SGEs of send-queue entry `abs`.
     ReadResp { abs: u64, len: u32, done: u32 },
     /// A request after one answered with a receiver-not-ready NAK: read
@@ -571,7 +572,12 @@ impl QpShared {
         lock(&self.inner)
     }
     fn complete(&self, wr_id: WrId, opcode: WcOpcode, status: WcStatus, byte_len: u32) {
-        self.cq.push(Completion { wr_id, qp_num: QpNum(self.qp_num), opcode, status, byte_len });
+        self.complete_invalidating(wr_id, opcode, status, byte_len, None);
+    }
+
+    fn complete_invalidating(&self, wr_id: WrId, opcode: WcOpcode, status: WcStatus, byte_len: u32, invalidated: Option<u32>) {
+        let invalidated_rkey = invalidated.map(Rkey);
+        self.cq.push(Completion { wr_id, qp_num: QpNum(self.qp_num), opcode, status, byte_len, invalidated_rkey });
     }
 }
 
@@ -743,6 +749,20 @@ impl TcpQp {
     /// Active side: TCP connect, HELLO, wait for HELLO_REPLY. Blocks up to
     /// `timeout` (holding the QP lock, so other calls on this QP wait).
     pub fn connect(&self, private_data: &[u8], timeout: Duration) -> Result<Vec<u8>> {
+        self.connect_with(private_data, timeout, false)
+    }
+
+    /// The hello carries its own length: raw private data is the same
+    /// bytes; only a reject's reason is shown as hex.
+    pub fn connect_raw(&self, private_data: &[u8], timeout: Duration) -> Result<Vec<u8>> {
+        self.connect_with(private_data, timeout, true)
+    }
+
+    pub fn accept_raw(&self, private_data: &[u8]) -> Result<()> {
+        self.accept(private_data)
+    }
+
+    fn connect_with(&self, private_data: &[u8], timeout: Duration, raw: bool) -> Result<Vec<u8>> {
         let sh = &*self.shared;
         if private_data.len() > MAX_PRIVATE_DATA {
             return Err(err(FabricErrorKind::InvalidArgument, format!("private data over {MAX_PRIVATE_DATA} bytes")));
@@ -753,7 +773,7 @@ impl TcpQp {
             Some(u) if q.state == QpState::Init && !q.passive && q.sock.is_none() => u,
             _ => return Err(err(FabricErrorKind::InvalidState, "connect needs an unconnected active-side queue pair")),
         };
-        match handshake(url, private_data, &sh.caps, timeout) {
+        match handshake(url, private_data, &sh.caps, timeout, raw) {
             Ok((stream, peer_addr, reply)) => {
                 q.fd = stream.as_raw_fd();
                 q.sock = Some(stream);
@@ -905,7 +925,7 @@ impl Drop for TcpQp {
 
 fn opcode_of(op: &SendOp) -> WcOpcode {
     match op {
-        SendOp::Send => WcOpcode::Send,
+        SendOp::Send | SendOp::SendWithInvalidate { .. } => WcOpcode::Send,
         SendOp::RdmaWrite { .. } => WcOpcode::RdmaWrite,
         SendOp::RdmaRead { .. } => WcOpcode::RdmaRead,
     }
@@ -935,12 +955,14 @@ fn validate_send(caps: &QpCaps, wr: &SendWr<'_>) -> Result<u32> {
 }
 
 /// Active-side handshake: returns the nonblocking stream, the peer address
-/// and the reply's private data.
+/// and the reply's private data. `raw`: a reject's private data is shown
+/// as hex bytes (a stock peer's binary reject), not as text.
 fn handshake(
     url: &FabricUrl,
     private_data: &[u8],
     caps: &QpCaps,
     timeout: Duration,
+    raw_private: bool,
 ) -> Result<(TcpStream, SocketAddr, Vec<u8>)> {
     let deadline = Instant::now() + timeout;
     let timed_out = || err(FabricErrorKind::Timeout, format!("connecting to {url}: no answer within {timeout:?}"));
@@ -1005,7 +1027,7 @@ fn handshake(
     if reply.status == wire::STATUS_REJECT {
         return Err(err(
             FabricErrorKind::ConnectFailed,
-            format!("{url}: rejected by peer: {}", String::from_utf8_lossy(reply.private)),
+            format!("{url}: {}", crate::fabric::rejected_by_peer(reply.private, raw_private)),
         ));
     }
     let configure = || -> io::Result<()> {
@@ -1459,6 +1481,13 @@ impl QpInner {
         let flags = if wr.signaled { FLAG_ACK_REQUESTED } else { 0 };
         let mut h = match wr.op {
             SendOp::Send => Header { flags, seq, length: total, ..Header::new(FrameType::Send) },
+            SendOp::SendWithInvalidate { rkey } => Header {
+                flags: flags | wire::FLAG_INVALIDATE,
+                seq,
+                length: total,
+                rkey: rkey.0,
+                ..Header::new(FrameType::Send)
+            },
             SendOp::RdmaWrite { remote_addr, rkey } => {
                 Header { flags, seq, length: total, remote_addr, rkey: rkey.0, ..Header::new(FrameType::Write) }
             }
@@ -1884,8 +1913,8 @@ impl QpInner {
         match std::mem::replace(&mut self.job, Job::None) {
             Job::None => {}
             Job::Write { seq, ack_req, .. } => self.processed(seq, ack_req),
-            Job::Send { seq, len, ack_req, .. } => {
-                self.complete_recv(sh, WcStatus::Success, len);
+            Job::Send { seq, len, ack_req, invalidated, .. } => {
+                self.complete_recv_invalidating(sh, WcStatus::Success, len, invalidated);
                 self.processed(seq, ack_req);
             }
             Job::ReadResp { abs, .. } => {
@@ -1899,8 +1928,12 @@ impl QpInner {
 
     /// Pops the oldest receive with a completion.
     fn complete_recv(&mut self, sh: &QpShared, status: WcStatus, byte_len: u32) {
+        self.complete_recv_invalidating(sh, status, byte_len, None);
+    }
+
+    fn complete_recv_invalidating(&mut self, sh: &QpShared, status: WcStatus, byte_len: u32, invalidated: Option<u32>) {
         if !self.rq.is_empty() {
-            sh.complete(self.rq.front().wr_id, WcOpcode::Recv, status, byte_len);
+            sh.complete_invalidating(self.rq.front().wr_id, WcOpcode::Recv, status, byte_len, invalidated);
             self.rq.head += 1;
             if self.held_until.is_some() && status == WcStatus::Success {
                 // Late send completions: the peer's next SEND (or the
@@ -1988,11 +2021,22 @@ impl QpInner {
                     self.complete_recv(sh, WcStatus::LocalLengthError, 0);
                     return self.fail(sh, Failure::Fault { code: wire::TERM_INVALID_REQUEST, seq: h.seq });
                 }
+                // SEND with Invalidate: the window goes before the
+                // receive completes; a key that is no window of this queue
+                // pair fails the receive and the connection, as on RC
+                // hardware (the sender sees an invalid request).
+                let invalidated = (h.flags & wire::FLAG_INVALIDATE != 0).then_some(h.rkey);
+                if let Some(rkey) = invalidated {
+                    if !sh.pd.invalidate_window(sh.qp_num, rkey) {
+                        self.complete_recv(sh, WcStatus::LocalProtectionError, 0);
+                        return self.fail(sh, Failure::Fault { code: wire::TERM_INVALID_REQUEST, seq: h.seq });
+                    }
+                }
                 if h.length == 0 {
-                    self.complete_recv(sh, WcStatus::Success, 0);
+                    self.complete_recv_invalidating(sh, WcStatus::Success, 0, invalidated);
                     return self.processed(h.seq, ack_req);
                 }
-                self.job = Job::Send { seq: h.seq, len: h.length, done: 0, ack_req };
+                self.job = Job::Send { seq: h.seq, len: h.length, done: 0, ack_req, invalidated };
             }
             FrameType::ReadReq => self.serve_read(sh, &h),
             FrameType::ReadResp => {

@@ -7,14 +7,16 @@
 //! offset size field
 //!      0    1 type         HELLO, HELLO_REPLY, SEND, WRITE, READ_REQ, READ_RESP,
 //!                          ACK, TERMINATE, DISCONNECT
-//!      1    1 flags        bit 0: ACK_REQUESTED; other bits must be zero
+//!      1    1 flags        bit 0: ACK_REQUESTED; bit 1: INVALIDATE (SEND only:
+//!                          a SEND with Invalidate of `rkey`); others zero
 //!      2    2 reserved     must be zero
 //!      4    4 seq          sequence number of a WR-bearing frame (SEND, WRITE,
 //!                          READ_REQ); TERMINATE: the offending peer seq (0: none)
 //!      8    4 ack          cumulative: highest peer seq fully processed
 //!     12    4 length       payload bytes that follow the header
 //!     16    8 remote_addr  WRITE, READ_REQ: target address in the peer's region
-//!     24    4 rkey         WRITE, READ_REQ: the peer region's rkey
+//!     24    4 rkey         WRITE, READ_REQ: the peer region's rkey; SEND with
+//!                          INVALIDATE: the key to invalidate
 //!     28    4 aux          READ_REQ: bytes requested; READ_RESP: the request's
 //!                          seq; TERMINATE: error code
 //! ```
@@ -119,7 +121,9 @@ impl FrameType {
 
 /// The sender wants an acknowledgement soon (a signaled work request).
 pub(crate) const FLAG_ACK_REQUESTED: u8 = 1;
-const KNOWN_FLAGS: u8 = FLAG_ACK_REQUESTED;
+/// A SEND with Invalidate: the receiver invalidates the window `rkey` names.
+pub(crate) const FLAG_INVALIDATE: u8 = 2;
+const KNOWN_FLAGS: u8 = FLAG_ACK_REQUESTED | FLAG_INVALIDATE;
 
 /// A decoded frame header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -187,7 +191,7 @@ impl Header {
         let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
         let ty = FrameType::from_u8(b[0]).ok_or(DecodeError::UnknownType(b[0]))?;
         let flags = b[1];
-        if flags & !KNOWN_FLAGS != 0 {
+        if flags & !KNOWN_FLAGS != 0 || (flags & FLAG_INVALIDATE != 0 && ty != FrameType::Send) {
             return Err(DecodeError::UnknownFlags(flags));
         }
         let reserved = u16::from_le_bytes([b[2], b[3]]);

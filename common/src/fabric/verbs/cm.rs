@@ -177,6 +177,9 @@ pub(crate) struct CmEvent {
     pub(crate) token: u64,
     /// Private data (CONNECT_REQUEST, CONNECT_RESPONSE, REJECTED), unframed.
     pub(crate) private: Vec<u8>,
+    /// The same as it arrived (a stock peer's, which has no length byte;
+    /// padded by the CM).
+    pub(crate) raw: Vec<u8>,
     /// CONNECT_REQUEST: the RDMA READ depth the peer serves for us.
     pub(crate) responder_resources: u8,
 }
@@ -237,16 +240,16 @@ impl CmChannel {
                 matches!(kind, ev::CONNECT_REQUEST | ev::CONNECT_RESPONSE | ev::REJECTED);
             // The conn member of the param union is the one RC connections use.
             let conn = &e.param.conn;
-            let private = if with_data && !conn.private_data.is_null() && conn.private_data_len > 0 {
-                let raw = std::slice::from_raw_parts(conn.private_data as *const u8, conn.private_data_len as usize);
-                unframe_private(raw)
+            let raw = if with_data && !conn.private_data.is_null() && conn.private_data_len > 0 {
+                std::slice::from_raw_parts(conn.private_data as *const u8, conn.private_data_len as usize).to_vec()
             } else {
                 Vec::new()
             };
+            let private = unframe_private(&raw);
             let responder_resources = if with_data { conn.responder_resources } else { 0 };
             let id = e.id;
             let token = if id.is_null() { 0 } else { (*id).context as usize as u64 };
-            let out = CmEvent { kind, status: e.status, id, token, private, responder_resources };
+            let out = CmEvent { kind, status: e.status, id, token, private, raw, responder_resources };
             sys::rdma_ack_cm_event(p);
             Ok(Some(out))
         }

@@ -77,6 +77,7 @@ impl VerbsListener {
                     dev: self.dev.clone(),
                     peer,
                     private_data: e.private,
+                    raw_private_data: e.raw,
                     responder_resources,
                     initiator_depth,
                 }));
@@ -105,6 +106,7 @@ pub struct VerbsConnectRequest {
     dev: Arc<Device>,
     peer: String,
     private_data: Vec<u8>,
+    raw_private_data: Vec<u8>,
     responder_resources: u8,
     initiator_depth: u8,
 }
@@ -112,6 +114,10 @@ pub struct VerbsConnectRequest {
 impl VerbsConnectRequest {
     pub fn private_data(&self) -> &[u8] {
         &self.private_data
+    }
+
+    pub fn raw_private_data(&self) -> &[u8] {
+        &self.raw_private_data
     }
 
     pub fn peer(&self) -> String {
@@ -137,10 +143,15 @@ impl VerbsConnectRequest {
         VerbsQp::create(&dev, pd, cq, caps, Endpoint { id, url: None, peer: self.peer.clone(), passive_rd: Some(rd) })
     }
 
-    pub fn reject(mut self, private_data: &[u8]) {
+    pub fn reject(self, private_data: &[u8]) {
+        let data = &private_data[..private_data.len().min(cm::MAX_REJECT_PRIVATE)];
+        self.reject_raw(&cm::frame_private(data));
+    }
+
+    pub fn reject_raw(mut self, private_data: &[u8]) {
         if let Some(id) = self.id.take() {
-            let data = &private_data[..private_data.len().min(cm::MAX_REJECT_PRIVATE)];
-            if let Err(e) = id.reject(&cm::frame_private(data)) {
+            let data = &private_data[..private_data.len().min(cm::MAX_REJECT_PRIVATE + cm::PRIVATE_HEADER)];
+            if let Err(e) = id.reject(data) {
                 tracing::debug!(peer = %self.peer, "rdma_reject: {e}");
             }
         }

@@ -124,7 +124,12 @@ impl Shadow {
             let wr_id = self.rq[(abs % self.rq.len() as u64) as usize];
             self.rq_head = abs + 1;
             let byte_len = if ok { wc.byte_len } else { 0 };
-            Some(Completion { wr_id, qp_num: QpNum(qp_num), opcode: WcOpcode::Recv, status, byte_len })
+            // SAFETY: both members of the union are four plain bytes, so
+            // reading either is defined; with IBV_WC_WITH_INV this one holds
+            // the invalidated rkey (otherwise it is not used).
+            let union_rkey = unsafe { wc.imm_data_invalidated_rkey_union.invalidated_rkey };
+            let invalidated_rkey = (ok && wc.wc_flags & sys::ibv_wc_flags::IBV_WC_WITH_INV.0 != 0).then_some(Rkey(union_rkey));
+            Some(Completion { wr_id, qp_num: QpNum(qp_num), opcode: WcOpcode::Recv, status, byte_len, invalidated_rkey })
         } else {
             let abs = wc.wr_id;
             if abs < self.sq_head || abs >= self.sq_tail {
@@ -134,7 +139,14 @@ impl Shadow {
             // Retires the unsignaled work requests before it too.
             self.sq_head = abs + 1;
             let byte_len = if ok && slot.opcode == WcOpcode::RdmaRead { slot.len } else { 0 };
-            Some(Completion { wr_id: slot.wr_id, qp_num: QpNum(qp_num), opcode: slot.opcode, status, byte_len })
+            Some(Completion {
+                wr_id: slot.wr_id,
+                qp_num: QpNum(qp_num),
+                opcode: slot.opcode,
+                status,
+                byte_len,
+                invalidated_rkey: None,
+            })
         }
     }
 }
@@ -429,6 +441,10 @@ impl SendBatch {
         w.send_flags = flags;
         match wr.op {
             SendOp::Send => w.opcode = sys::ibv_wr_opcode::IBV_WR_SEND,
+            SendOp::SendWithInvalidate { rkey } => {
+                w.opcode = sys::ibv_wr_opcode::IBV_WR_SEND_WITH_INV;
+                w.imm_data_invalidated_rkey_union = sys::imm_data_invalidated_rkey_union_t { invalidated_rkey: rkey.0 };
+            }
             SendOp::RdmaWrite { remote_addr, rkey } => {
                 w.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
                 w.wr.rdma = sys::rdma_t { remote_addr, rkey: rkey.0 };
@@ -557,7 +573,7 @@ fn post_error(what: &str, rc: libc::c_int) -> FabricError {
 
 fn opcode_of(op: &SendOp) -> WcOpcode {
     match op {
-        SendOp::Send => WcOpcode::Send,
+        SendOp::Send | SendOp::SendWithInvalidate { .. } => WcOpcode::Send,
         SendOp::RdmaWrite { .. } => WcOpcode::RdmaWrite,
         SendOp::RdmaRead { .. } => WcOpcode::RdmaRead,
     }
@@ -707,22 +723,37 @@ impl VerbsQp {
     /// Active side: rdma_connect, then INIT (again, with the connection's
     /// attributes), RTR and RTS on CONNECT_RESPONSE, and rdma_establish.
     pub fn connect(&self, private_data: &[u8], timeout: Duration) -> Result<Vec<u8>> {
-        let core = &*self.core;
-        let Some(url) = &self.url else {
-            return Err(err(FabricErrorKind::InvalidState, "connect needs an active-side queue pair"));
-        };
         if private_data.len() > cm::MAX_CONNECT_PRIVATE {
             return Err(err(
                 FabricErrorKind::InvalidArgument,
                 format!("private data over {} bytes (the rdma_cm connect limit)", cm::MAX_CONNECT_PRIVATE),
             ));
         }
+        self.connect_with(&cm::frame_private(private_data), timeout, false)
+    }
+
+    /// As `connect`, without the length byte: a stock peer's private data,
+    /// and its reply as it arrived (padded by the CM).
+    pub fn connect_raw(&self, private_data: &[u8], timeout: Duration) -> Result<Vec<u8>> {
+        if private_data.len() > cm::MAX_CONNECT_PRIVATE + cm::PRIVATE_HEADER {
+            return Err(err(
+                FabricErrorKind::InvalidArgument,
+                format!("private data over {} bytes (the rdma_cm connect limit)", cm::MAX_CONNECT_PRIVATE + cm::PRIVATE_HEADER),
+            ));
+        }
+        self.connect_with(private_data, timeout, true)
+    }
+
+    fn connect_with(&self, wire: &[u8], timeout: Duration, raw: bool) -> Result<Vec<u8>> {
+        let core = &*self.core;
+        let Some(url) = &self.url else {
+            return Err(err(FabricErrorKind::InvalidState, "connect needs an active-side queue pair"));
+        };
         if core.started.swap(true, Ordering::AcqRel) {
             return Err(err(FabricErrorKind::InvalidState, "connect needs an unconnected active-side queue pair"));
         }
         let deadline = Instant::now() + timeout;
-        let framed = cm::frame_private(private_data);
-        let mut param = cm::conn_param(&framed, core.dev.rd_atomic, core.dev.rd_atomic, core.qp_num);
+        let mut param = cm::conn_param(wire, core.dev.rd_atomic, core.dev.rd_atomic, core.qp_num);
         let failed = |kind: FabricErrorKind, why: String| {
             // Like the tcp provider: a failed connect leaves the QP in the
             // error state with its receives flushed.
@@ -756,11 +787,13 @@ impl VerbsQp {
                     if let Err(x) = core.id.migrate(&self.cq.cm) {
                         tracing::warn!(qp = core.qp_num, "rdma_migrate_id: {x}; disconnects will only be seen by the data path");
                     }
-                    return Ok(e.private);
+                    return Ok(if raw { e.raw } else { e.private });
                 }
                 ev::REJECTED => {
-                    let why = if !e.private.is_empty() {
-                        format!("rejected by peer: {}", String::from_utf8_lossy(&e.private))
+                    let why = if raw && !e.raw.is_empty() {
+                        crate::fabric::rejected_by_peer(&e.raw, true)
+                    } else if !e.private.is_empty() {
+                        crate::fabric::rejected_by_peer(&e.private, false)
                     } else if e.status == 8 || e.status == -libc::ECONNREFUSED {
                         "connection refused (nothing listens there)".to_owned()
                     } else {
@@ -788,16 +821,31 @@ impl VerbsQp {
     /// Passive side: RTR and RTS with the negotiated RDMA READ depths, then
     /// rdma_accept.
     pub fn accept(&self, private_data: &[u8]) -> Result<()> {
-        let core = &*self.core;
-        let Some((responder_resources, initiator_depth)) = self.passive_rd else {
-            return Err(err(FabricErrorKind::InvalidState, "accept needs a queue pair made from a connect request"));
-        };
         if private_data.len() > cm::MAX_ACCEPT_PRIVATE {
             return Err(err(
                 FabricErrorKind::InvalidArgument,
                 format!("private data over {} bytes (the rdma_cm accept limit)", cm::MAX_ACCEPT_PRIVATE),
             ));
         }
+        self.accept_with(&cm::frame_private(private_data))
+    }
+
+    /// As `accept`, without the length byte (a stock peer's private data).
+    pub fn accept_raw(&self, private_data: &[u8]) -> Result<()> {
+        if private_data.len() > cm::MAX_ACCEPT_PRIVATE + cm::PRIVATE_HEADER {
+            return Err(err(
+                FabricErrorKind::InvalidArgument,
+                format!("private data over {} bytes (the rdma_cm accept limit)", cm::MAX_ACCEPT_PRIVATE + cm::PRIVATE_HEADER),
+            ));
+        }
+        self.accept_with(private_data)
+    }
+
+    fn accept_with(&self, wire: &[u8]) -> Result<()> {
+        let core = &*self.core;
+        let Some((responder_resources, initiator_depth)) = self.passive_rd else {
+            return Err(err(FabricErrorKind::InvalidState, "accept needs a queue pair made from a connect request"));
+        };
         if core.started.swap(true, Ordering::AcqRel) {
             return Err(err(FabricErrorKind::InvalidState, "accept was already called"));
         }
@@ -809,8 +857,7 @@ impl VerbsQp {
         if lock(&core.shadow).errored {
             return Err(failed("the peer gave up before the accept".to_owned()));
         }
-        let framed = cm::frame_private(private_data);
-        let mut param = cm::conn_param(&framed, responder_resources, initiator_depth, core.qp_num);
+        let mut param = cm::conn_param(wire, responder_resources, initiator_depth, core.qp_num);
         let setup = core.to_rtr(Some(responder_resources)).and_then(|()| core.to_rts(Some(initiator_depth)));
         if let Err(x) = setup {
             return Err(failed(format!("preparing the queue pair: {x}")));
