@@ -51,7 +51,7 @@ pub fn check_invariants(c: &Config) {
     assert!(valid_name(&t.name), "target.name {:?}", t.name);
 
     // A target may serve NVMe-oF alone: `listen` then holds only
-    // nvme+tcp:// entries, which land in `nvme_listen`.
+    // NVMe-oF entries (nvme+tcp://, nvme+rdma://), which land in `nvme_listen`.
     assert!(!t.listen.is_empty() || !t.nvme_listen.is_empty(), "no listen URL");
     let unique: HashSet<_> = t.listen.iter().collect();
     assert_eq!(unique.len(), t.listen.len(), "a listen URL is listed twice: {:?}", t.listen);
@@ -60,13 +60,16 @@ pub fn check_invariants(c: &Config) {
     for url in t.listen.iter().chain(t.nvme_listen.iter().map(|l| &l.url)) {
         assert!(!url.host.is_empty(), "listen URL without a host: {url:?}");
     }
-    // tcp:// and nvme+tcp:// entries bind TCP ports, never one twice.
-    let tcp: Vec<_> = t.listen.iter().filter(|u| u.provider == ProviderKind::Tcp).chain(t.nvme_listen.iter().map(|l| &l.url)).collect();
+    // tcp:// and nvme+tcp:// entries bind TCP ports, rdma:// and
+    // nvme+rdma:// rdma_cm ports; never one port twice.
     let wildcard = |h: &str| h.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified());
-    for (i, a) in tcp.iter().enumerate() {
-        for b in &tcp[i + 1..] {
-            let shared = a.port != 0 && a.port == b.port && (a.host == b.host || wildcard(&a.host) || wildcard(&b.host));
-            assert!(!shared, "two listeners on one TCP port: {a:?} and {b:?}");
+    for provider in [ProviderKind::Tcp, ProviderKind::Rdma] {
+        let binds: Vec<_> = t.listen.iter().chain(t.nvme_listen.iter().map(|l| &l.url)).filter(|u| u.provider == provider).collect();
+        for (i, a) in binds.iter().enumerate() {
+            for b in &binds[i + 1..] {
+                let shared = a.port != 0 && a.port == b.port && (a.host == b.host || wildcard(&a.host) || wildcard(&b.host));
+                assert!(!shared, "two listeners on one {provider:?} port: {a:?} and {b:?}");
+            }
         }
     }
 

@@ -296,28 +296,49 @@ impl fmt::Display for BackendKind {
 pub enum NvmeTransport {
     /// `nvme+tcp://`: NVMe/TCP (TCP Transport Specification 1.0).
     Tcp,
+    /// `nvme+rdma://`: NVMe/RDMA (RDMA Transport Specification 1.0b),
+    /// through rdma_cm on the verbs provider.
+    Rdma,
 }
 
-/// An `nvme+tcp://host:port` entry of `listen` (4420 by convention).
+impl NvmeTransport {
+    /// The scheme of its `listen` entries.
+    pub fn scheme(self) -> &'static str {
+        match self {
+            NvmeTransport::Tcp => "nvme+tcp",
+            NvmeTransport::Rdma => "nvme+rdma",
+        }
+    }
+}
+
+/// An `nvme+tcp://host:port` or `nvme+rdma://host:port` entry of `listen`
+/// (4420 by convention).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct NvmeListen {
     pub transport: NvmeTransport,
-    /// The address, parsed as a `tcp://` URL is.
+    /// The address, as the fabric URL of its provider: `tcp://` for
+    /// NVMe/TCP (a plain TCP listener), `rdma://` for NVMe/RDMA.
     pub url: FabricUrl,
 }
 
 impl NvmeListen {
-    /// Parses `nvme+tcp://host:port`; the error says why not.
+    /// Parses `nvme+tcp://host:port` or `nvme+rdma://host:port`; the error says why not.
     pub fn parse(s: &str) -> std::result::Result<NvmeListen, String> {
-        let rest = s.strip_prefix("nvme+tcp://").ok_or_else(|| format!("{s:?}: unknown NVMe-oF transport (use nvme+tcp://)"))?;
-        let url = FabricUrl::parse(&format!("tcp://{rest}")).map_err(|e| format!("{s:?}: {}", e.context))?;
-        Ok(NvmeListen { transport: NvmeTransport::Tcp, url })
+        let (transport, fabric) = if let Some(rest) = s.strip_prefix("nvme+tcp://") {
+            (NvmeTransport::Tcp, format!("tcp://{rest}"))
+        } else if let Some(rest) = s.strip_prefix("nvme+rdma://") {
+            (NvmeTransport::Rdma, format!("rdma://{rest}"))
+        } else {
+            return Err(format!("{s:?}: unknown NVMe-oF transport (use nvme+tcp:// or nvme+rdma://)"));
+        };
+        let url = FabricUrl::parse(&fabric).map_err(|e| format!("{s:?}: {}", e.context))?;
+        Ok(NvmeListen { transport, url })
     }
 }
 
 impl std::fmt::Display for NvmeListen {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "nvme+tcp://{}", self.url.host_port())
+        write!(f, "{}://{}", self.transport.scheme(), self.url.host_port())
     }
 }
 
@@ -588,9 +609,9 @@ pub fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
 /// non-zero port (0 picks a free one each time) on the same address, or on
 /// any address where either is a wildcard (`0.0.0.0`, or `::`, which also
 /// takes IPv4 unless the host set `bindv6only`).
-fn same_tcp_port(a: &FabricUrl, b: &FabricUrl) -> bool {
+fn same_port(a: &FabricUrl, b: &FabricUrl) -> bool {
     let wildcard = |h: &str| h.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified());
-    a.port != 0 && a.port == b.port && (a.host == b.host || wildcard(&a.host) || wildcard(&b.host))
+    a.provider == b.provider && a.port != 0 && a.port == b.port && (a.host == b.host || wildcard(&a.host) || wildcard(&b.host))
 }
 
 struct Ctx<'a> {
@@ -691,38 +712,38 @@ impl RawConfig {
         }
         let mut listen = Vec::with_capacity(t.listen.len());
         let mut nvme_listen: Vec<NvmeListen> = Vec::new();
-        // tcp:// and nvme+tcp:// listeners both bind TCP ports: two on one
-        // port would fail when the target starts, so this says which.
-        // (The address and the entry's index.)
-        let mut tcp_binds: Vec<(FabricUrl, usize)> = Vec::new();
+        // tcp:// and nvme+tcp:// listeners both bind TCP ports, rdma:// and
+        // nvme+rdma:// both rdma_cm ports (its TCP port space, separate
+        // from the kernel's on RoCE and InfiniBand): two on one port would
+        // fail when the target starts, so this says which. (The address,
+        // whose provider tells the port space, and the entry's index.)
+        let mut binds: Vec<(FabricUrl, usize)> = Vec::new();
         for (i, s) in t.listen.iter().enumerate() {
             let key = format!("target.listen[{i}]");
-            let tcp_url = if s.starts_with("nvme+") {
+            let url = if s.starts_with("nvme+") {
                 let l = NvmeListen::parse(s).map_err(|why| cx.err(&key, why))?;
                 if nvme_listen.contains(&l) {
                     return Err(cx.err(&key, format!("{l} is listed twice")));
                 }
                 let url = l.url.clone();
                 nvme_listen.push(l);
-                Some(url)
+                url
             } else {
                 let url = FabricUrl::parse(s).map_err(|e| cx.err(&key, e.context))?;
                 if listen.contains(&url) {
                     return Err(cx.err(&key, format!("{url} is listed twice")));
                 }
-                let tcp = (url.provider == ProviderKind::Tcp).then(|| url.clone());
-                listen.push(url);
-                tcp
+                listen.push(url.clone());
+                url
             };
-            if let Some(url) = tcp_url {
-                if let Some(&(_, j)) = tcp_binds.iter().find(|(u, _)| same_tcp_port(u, &url)) {
-                    return Err(cx.err(
-                        &key,
-                        format!("{s:?} and target.listen[{j}] ({:?}) would share one TCP port; give each its own", t.listen[j]),
-                    ));
-                }
-                tcp_binds.push((url, i));
+            if let Some(&(_, j)) = binds.iter().find(|(u, _)| same_port(u, &url)) {
+                let space = if url.provider == ProviderKind::Tcp { "TCP" } else { "rdma_cm" };
+                return Err(cx.err(
+                    &key,
+                    format!("{s:?} and target.listen[{j}] ({:?}) would share one {space} port; give each its own", t.listen[j]),
+                ));
             }
+            binds.push((url, i));
         }
 
         let reactors = match t.reactors {
@@ -1341,12 +1362,16 @@ read_only = true
         assert!(e.contains("target.listen[1]") && e.contains("nvme+tcp://0.0.0.0:4420"), "{e}");
         let e = err(&listen("\"nvme+tcp://[::]:4420\", \"tcp://10.0.0.1:4420\""));
         assert!(e.contains("target.listen[1]"), "{e}");
-        // Port 0 picks a free port for each; other addresses and rdma_cm's
-        // own port space do not collide.
+        // rdma:// and nvme+rdma:// share rdma_cm's port space the same way.
+        let e = err(&listen("\"rdma://10.0.0.1:4420\", \"nvme+rdma://0.0.0.0:4420\""));
+        assert!(e.contains("target.listen[1]") && e.contains("rdma_cm port"), "{e}");
+        // Port 0 picks a free port for each; other addresses and the other
+        // port space do not collide.
         for ok in [
             "\"tcp://127.0.0.1:0\", \"nvme+tcp://127.0.0.1:0\"",
             "\"tcp://127.0.0.1:7420\", \"nvme+tcp://127.0.0.2:7420\"",
             "\"rdma://10.0.0.1:4420\", \"nvme+tcp://10.0.0.1:4420\"",
+            "\"nvme+rdma://10.0.0.1:4420\", \"nvme+tcp://10.0.0.1:4420\"",
         ] {
             let c = Config::parse(&listen(ok), "t.toml").unwrap_or_else(|e| panic!("{ok}: {e}"));
             assert_eq!(c.target.listen.len() + c.target.nvme_listen.len(), 2);
