@@ -26,7 +26,7 @@ use rdmablk_common::nvme::fabrics::{Connect, ConnectData, Property, CONNECT_DATA
 use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry, SQE_SIZE};
 use rdmablk_target::auth::AccessPolicy;
 use rdmablk_target::backend::{open_volumes, VolumeSet};
-use rdmablk_target::config::Config;
+use rdmablk_target::config::{Config, NvmeTransport};
 use rdmablk_target::nvmf::io_cmd::{plan, IoPlan};
 use rdmablk_target::nvmf::queue::{Action, Queue};
 use rdmablk_target::nvmf::{Subsystem, MAX_TRANSFER};
@@ -76,7 +76,7 @@ fn check_admin_answer(sqe: &SubmissionEntry, actions: &[Action]) {
     }
     assert_eq!(answers.len(), 1, "one answer per command: {actions:?}");
     match answers[0] {
-        Action::Respond(c) => assert_eq!(c.cid, sqe.cid),
+        Action::Respond(c, _) => assert_eq!(c.cid, sqe.cid),
         Action::SendData { cid, len, then, .. } => {
             assert_eq!((*cid, then.cid), (sqe.cid, sqe.cid));
             let named = sqe.sgl().map(|s| s.length()).unwrap_or(0);
@@ -110,7 +110,9 @@ pub fn run(data: &[u8]) {
     let Some((&control, mut rest)) = data.split_first() else { return };
     let sub = subsystem();
     let addr = "127.0.0.1:4420".parse().expect("an address");
-    let mut q = Queue::new(Arc::clone(sub), 1, addr, addr);
+    // Bit 1: the queue is NVMe/RDMA's (keyed SGLs) rather than NVMe/TCP's.
+    let transport = if control & 2 != 0 { NvmeTransport::Rdma } else { NvmeTransport::Tcp };
+    let mut q = Queue::new(Arc::clone(sub), transport, 1, addr, addr);
     if control & 1 != 0 {
         let c = Connect { recfmt: 0, qid: 0, sqsize: 31, cattr: 0, kato_ms: 0 };
         let mut d = [0u8; CONNECT_DATA_SIZE];

@@ -368,7 +368,7 @@ fn nvme_tcp_pdus() -> Vec<(String, Vec<u8>)> {
 }
 
 /// NVMe commands (`nvme_commands`): byte 0 bit 0 runs the harness's
-/// Connect and enable first; then records of a kind byte (bit 0: an I/O
+/// Connect and enable first, bit 1 makes the queue NVMe/RDMA's; then records of a kind byte (bit 0: an I/O
 /// command to plan), the 64-byte entry, N and N * 16 bytes of data.
 fn nvme_commands() -> Vec<(String, Vec<u8>)> {
     use rdmablk_common::nvme::sqe::{admin_opcode, io_opcode, DsmRange, Sgl, SubmissionEntry, DSM_RANGE_SIZE};
@@ -423,10 +423,23 @@ fn nvme_commands() -> Vec<(String, Vec<u8>)> {
     record(&mut io_plans, true, &dsm, &ranges);
     let mut before_connect = vec![0u8];
     record(&mut before_connect, false, &admin(admin_opcode::IDENTIFY, 1, [1, 0, 0, 0, 0, 0], 0, 4096), &[]);
+    // An NVMe/RDMA queue (byte 0 bit 1): keyed SGLs move the data; a
+    // transport SGL is NVMe/TCP's and refused.
+    let keyed = |mut e: SubmissionEntry, len: u32, invalidate: bool| {
+        e.set_sgl(Sgl::Keyed { addr: 0x7f00_0000_1000, length: len, key: 0x1234, invalidate });
+        e
+    };
+    let mut rdma = vec![3u8];
+    record(&mut rdma, false, &keyed(admin(admin_opcode::IDENTIFY, 1, [1, 0, 0, 0, 0, 0], 0, 0), 4096, true), &[]);
+    record(&mut rdma, false, &keyed(admin(admin_opcode::GET_LOG_PAGE, 2, [0x02 | 127 << 16, 0, 0, 0, 0, 0], 0, 0), 512, false), &[]);
+    record(&mut rdma, false, &keyed(admin(admin_opcode::KEEP_ALIVE, 3, [0; 6], 0, 0), 0, false), &[]);
+    record(&mut rdma, false, &admin(admin_opcode::IDENTIFY, 4, [1, 0, 0, 0, 0, 0], 0, 4096), &[]);
+    record(&mut rdma, true, &keyed(io(io_opcode::READ, 5, 1, 0, 8, 0), 4096, true), &[]);
     vec![
         ("identify_and_logs".into(), identify),
         ("features_aer_keep_alive".into(), features),
         ("io_plans".into(), io_plans),
         ("before_connect".into(), before_connect),
+        ("rdma_keyed".into(), rdma),
     ]
 }

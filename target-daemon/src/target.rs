@@ -26,7 +26,7 @@ use rdmablk_common::protocol::VolumeId;
 
 use crate::auth::AccessPolicy;
 use crate::backend::{self, Volume, VolumeSet};
-use crate::config::{Config, TargetConfig, MAX_VOLUMES};
+use crate::config::{Config, NvmeListen, TargetConfig, MAX_VOLUMES};
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::{self, HttpServer, ReactorStats};
 use crate::notify::{self, Notifier};
@@ -105,6 +105,7 @@ struct ReloadRequest {
 /// A started target.
 pub struct RunningTarget {
     urls: Vec<FabricUrl>,
+    nvme_listeners: Vec<NvmeListen>,
     metrics: Option<SocketAddr>,
     stop: Arc<EventFd>,
     reload_tx: mpsc::Sender<ReloadRequest>,
@@ -128,6 +129,11 @@ impl RunningTarget {
     /// The bound listen URLs (port 0 resolved), in configuration order.
     pub fn urls(&self) -> &[FabricUrl] {
         &self.urls
+    }
+
+    /// The bound NVMe-oF listeners (port 0 resolved), in configuration order.
+    pub fn nvme_listeners(&self) -> &[NvmeListen] {
+        &self.nvme_listeners
     }
 
     /// The first bound listen URL.
@@ -294,6 +300,7 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
         tracing::info!("listening on {l} (NVMe-oF subsystem {})", cfg.nqn);
     }
     let metrics_addr = metrics.as_ref().map(|m| m.local_addr());
+    let nvme_listeners: Vec<NvmeListen> = nvme.listeners.iter().map(|(l, _)| l.clone()).collect();
     if let Some(a) = metrics_addr {
         tracing::info!("metrics endpoint: http://{a}/metrics");
     }
@@ -335,7 +342,7 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
         .name("rdmablk-ctl".into())
         .spawn(move || ctl.run())
         .map_err(|e| Error::os("cannot spawn the control thread", e))?;
-    Ok(RunningTarget { urls, metrics: metrics_addr, stop, reload_tx, reload_wake, registry, control: Some(control) })
+    Ok(RunningTarget { urls, nvme_listeners, metrics: metrics_addr, stop, reload_tx, reload_wake, registry, control: Some(control) })
 }
 
 fn stop_reactors(reactors: &mut [ReactorHandle], deadline: Instant) -> Option<Error> {
@@ -417,7 +424,7 @@ impl ControlThread {
             epoll.add(l.fd(), i as u64).map_err(|e| Error::os("epoll_ctl", e))?;
         }
         for (i, (_, l)) in self.nvme.listeners.iter().enumerate() {
-            epoll.add(std::os::fd::AsRawFd::as_raw_fd(l), TOKEN_NVME + i as u64).map_err(|e| Error::os("epoll_ctl", e))?;
+            epoll.add(l.fd(), TOKEN_NVME + i as u64).map_err(|e| Error::os("epoll_ctl", e))?;
         }
         epoll.add(self.stop.fd(), TOKEN_STOP).map_err(|e| Error::os("epoll_ctl", e))?;
         epoll.add(self.exited.fd(), TOKEN_EXITED).map_err(|e| Error::os("epoll_ctl", e))?;

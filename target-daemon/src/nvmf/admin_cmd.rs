@@ -58,7 +58,7 @@ fn identify(q: &mut Queue, sqe: &SubmissionEntry, discovery: bool) -> Reply {
     let nsid = sqe.nsid;
     let cntlid = q.conn.as_ref().map_or(0, |c| c.ctrl.id);
     if which == cns::CONTROLLER {
-        return Reply::Data { data: identify::controller(&q.sub, cntlid, discovery) };
+        return Reply::Data { data: identify::controller(&q.sub, q.transport, cntlid, discovery) };
     }
     if discovery {
         return Reply::status(Status::INVALID_FIELD);

@@ -4,17 +4,24 @@
 use std::net::SocketAddr;
 
 use super::Subsystem;
+use crate::config::NvmeTransport;
 
 const HEADER: usize = 1024;
 const ENTRY: usize = 1024;
 
-/// TRTYPE: TCP. ADRFAM: IPv4, IPv6. SUBTYPE: an NVM subsystem.
+/// TRTYPE: RDMA, TCP. ADRFAM: IPv4, IPv6. SUBTYPE: an NVM subsystem.
+const TRTYPE_RDMA: u8 = 1;
 const TRTYPE_TCP: u8 = 3;
 const ADRFAM_IPV4: u8 = 1;
 const ADRFAM_IPV6: u8 = 2;
 const SUBTYPE_NVM: u8 = 2;
 /// TREQ: a secure channel is not required.
 const TREQ_NOT_REQUIRED: u8 = 0b10;
+/// TSAS for RDMA: reliable connected queue pairs, no particular RDMA
+/// provider type, connections through rdma_cm (as Linux nvmet reports).
+const RDMA_QPTYPE_CONNECTED: u8 = 1;
+const RDMA_PRTYPE_NOT_SPECIFIED: u8 = 1;
+const RDMA_CMS_RDMA_CM: u8 = 1;
 
 fn put_str(out: &mut [u8], s: &str) {
     out.fill(0);
@@ -31,10 +38,13 @@ pub fn log_page(sub: &Subsystem, local: SocketAddr) -> Vec<u8> {
     // GENCTR: listeners and the subsystem do not change while the target runs.
     d[0..8].copy_from_slice(&1u64.to_le_bytes());
     d[8..16].copy_from_slice(&(listeners.len() as u64).to_le_bytes());
-    for (i, addr) in listeners.iter().enumerate() {
+    for (i, (transport, addr)) in listeners.iter().enumerate() {
         let e = &mut d[HEADER + ENTRY * i..HEADER + ENTRY * (i + 1)];
         let ip = if addr.ip().is_unspecified() { local.ip() } else { addr.ip() };
-        e[0] = TRTYPE_TCP;
+        e[0] = match transport {
+            NvmeTransport::Tcp => TRTYPE_TCP,
+            NvmeTransport::Rdma => TRTYPE_RDMA,
+        };
         e[1] = if ip.is_ipv4() { ADRFAM_IPV4 } else { ADRFAM_IPV6 };
         e[2] = SUBTYPE_NVM;
         e[3] = TREQ_NOT_REQUIRED;
@@ -44,7 +54,12 @@ pub fn log_page(sub: &Subsystem, local: SocketAddr) -> Vec<u8> {
         put_str(&mut e[32..64], &addr.port().to_string());
         put_str(&mut e[256..512], &sub.nqn);
         put_str(&mut e[512..768], &ip.to_string());
-        // TSAS for TCP: SECTYPE 0, no security.
+        // TSAS. TCP: SECTYPE 0, no security.
+        if *transport == NvmeTransport::Rdma {
+            e[768] = RDMA_QPTYPE_CONNECTED;
+            e[769] = RDMA_PRTYPE_NOT_SPECIFIED;
+            e[770] = RDMA_CMS_RDMA_CM;
+        }
     }
     d
 }

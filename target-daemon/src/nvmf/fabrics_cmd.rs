@@ -95,7 +95,7 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
         let Some(ctrl) = q.sub.create_controller(&d.host_nqn, d.host_id, discovery, c.kato_ms) else {
             return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
         };
-        if let Some(s) = q.socket_clone() {
+        if let Some(s) = q.closer_clone() {
             ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).queues.push((0, s));
         }
         tracing::info!(
@@ -139,7 +139,7 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
     }
     {
         let mut t = ctrl.queues.lock().unwrap_or_else(|e| e.into_inner());
-        let socket = q.socket_clone();
+        let socket = q.closer_clone();
         match socket {
             Some(s) if !t.has(c.qid) => t.queues.push((c.qid, s)),
             _ => {

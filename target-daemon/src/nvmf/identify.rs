@@ -2,7 +2,7 @@
 //! 1.1 for the fabrics fields), 4,096 bytes each, little endian.
 
 use super::{namespace_ids, Namespace, Subsystem, ADMIN_IN_CAPSULE, IO_IN_CAPSULE, MAX_AERS, MAX_QUEUE_ENTRIES, MDTS};
-use crate::config::MAX_NSID;
+use crate::config::{NvmeTransport, MAX_NSID};
 
 pub const IDENTIFY_SIZE: usize = 4096;
 
@@ -51,7 +51,7 @@ fn put_u64(out: &mut [u8], at: usize, v: u64) {
 
 /// Identify Controller for controller `cntlid` (`discovery`: the
 /// discovery controller, which has no I/O queues or namespaces).
-pub fn controller(sub: &Subsystem, cntlid: u16, discovery: bool) -> Vec<u8> {
+pub fn controller(sub: &Subsystem, transport: NvmeTransport, cntlid: u16, discovery: bool) -> Vec<u8> {
     let mut d = vec![0u8; IDENTIFY_SIZE];
     put_str(&mut d[4..24], &sub.serial);
     put_str(&mut d[24..64], "rdmablk-target");
@@ -85,8 +85,10 @@ pub fn controller(sub: &Subsystem, cntlid: u16, discovery: bool) -> Vec<u8> {
         d[525] = 0b101;
     }
     // SGLS: SGLs supported (no alignment requirement), offsets in in-capsule
-    // data descriptors (bit 20).
-    put_u32(&mut d, 536, 1 | 1 << 20);
+    // data descriptors (bit 20); on NVMe/RDMA keyed data blocks (bit 2),
+    // without which the Linux host refuses the controller.
+    let keyed = if transport == NvmeTransport::Rdma { 1 << 2 } else { 0 };
+    put_u32(&mut d, 536, 1 | keyed | 1 << 20);
     let nqn = sub_nqn(sub, discovery);
     d[768..768 + nqn.len()].copy_from_slice(nqn.as_bytes());
     // Fabrics: IOCCSZ and IORCSZ in 16-byte units, ICDOFF 0, FCATT 0

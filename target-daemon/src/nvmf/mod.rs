@@ -11,6 +11,9 @@
 //! handler is one step away:
 //! - [`tcp`]: the NVMe/TCP transport: PDU framing, digests, R2T and the data
 //!   PDUs, termination; one thread per queue (connection).
+//! - [`rdma`]: the NVMe/RDMA transport: rdma_cm private data, capsules in
+//!   SEND/RECV, data by RDMA READ and WRITE under the host's keys; one
+//!   thread per queue (queue pair).
 //! - [`queue`]: a queue's commands: the slab, the data each one carries, the
 //!   engine operations, the answers.
 //! - [`fabrics_cmd`]: Connect, Property Get/Set, Disconnect.
@@ -27,6 +30,7 @@ pub mod fabrics_cmd;
 pub mod identify;
 pub mod io_cmd;
 pub mod queue;
+pub mod rdma;
 pub mod tcp;
 
 use std::collections::HashMap;
@@ -40,7 +44,7 @@ use sha2::{Digest, Sha256};
 
 use crate::auth::{Grant, Identity};
 use crate::backend::{Volume, VolumeSet};
-use crate::config::{NvmeListen, TargetConfig};
+use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
 use crate::session::Registry;
 use crate::sys::EventFd;
 
@@ -111,8 +115,8 @@ pub struct Subsystem {
     pub serial: String,
     pub registry: Arc<Registry>,
     pub cfg: TargetConfig,
-    /// The NVMe listeners' bound addresses, for the discovery log.
-    pub listeners: Mutex<Vec<SocketAddr>>,
+    /// The NVMe listeners' transports and bound addresses, for the discovery log.
+    pub listeners: Mutex<Vec<(NvmeTransport, SocketAddr)>>,
     controllers: Mutex<Controllers>,
     /// Set once the target is stopping: queues finish and close.
     pub stopping: AtomicBool,
@@ -144,10 +148,39 @@ pub struct Controller {
     pub state: Mutex<ControllerState>,
 }
 
-/// A controller's connected queues: queue id and a handle on its socket.
+/// A controller's connected queues: queue id and a handle on its connection.
 #[derive(Default)]
 pub struct QueueTable {
-    pub queues: Vec<(u16, TcpStream)>,
+    pub queues: Vec<(u16, QueueCloser)>,
+}
+
+/// How a controller's teardown ends one of its queues: a handle on the
+/// connection that another thread can close.
+pub enum QueueCloser {
+    /// NVMe/TCP: the socket, shut down (the queue's thread sees it at once).
+    Tcp(TcpStream),
+    /// NVMe/RDMA: the queue thread's wake-up; the thread finds the
+    /// controller dead and disconnects its queue pair itself (a queue
+    /// pair has one owner).
+    Wake(Arc<EventFd>),
+}
+
+impl QueueCloser {
+    pub fn try_clone(&self) -> Option<QueueCloser> {
+        match self {
+            QueueCloser::Tcp(s) => s.try_clone().ok().map(QueueCloser::Tcp),
+            QueueCloser::Wake(w) => Some(QueueCloser::Wake(Arc::clone(w))),
+        }
+    }
+
+    pub fn close(&self) {
+        match self {
+            QueueCloser::Tcp(s) => {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+            QueueCloser::Wake(w) => w.notify(),
+        }
+    }
 }
 
 impl QueueTable {
@@ -187,8 +220,8 @@ impl Controller {
             tracing::warn!("nvme controller {} of host {}: torn down: {why}", self.id, self.host_nqn);
         }
         let q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-        for (_, s) in &q.queues {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+        for (_, c) in &q.queues {
+            c.close();
         }
         self.wake.notify();
     }
@@ -374,35 +407,69 @@ impl Subsystem {
     }
 }
 
+/// A bound NVMe-oF listener.
+pub enum NvmeListener {
+    Tcp(TcpListener),
+    Rdma(Box<rdma::RdmaListener>),
+}
+
+impl NvmeListener {
+    /// Readable when a connection (request) is waiting.
+    pub fn fd(&self) -> std::os::fd::RawFd {
+        match self {
+            NvmeListener::Tcp(l) => std::os::fd::AsRawFd::as_raw_fd(l),
+            NvmeListener::Rdma(l) => l.fd(),
+        }
+    }
+}
+
 /// The NVMe listeners and their queue threads.
 pub struct NvmeFrontEnd {
     pub subsystem: Arc<Subsystem>,
-    pub listeners: Vec<(NvmeListen, TcpListener)>,
+    pub listeners: Vec<(NvmeListen, NvmeListener)>,
     threads: Vec<JoinHandle<()>>,
 }
 
 impl NvmeFrontEnd {
-    /// Binds every `nvme+tcp://` listener (port 0 picks a free one).
+    /// Binds every NVMe-oF listener (port 0 picks a free one).
     pub fn bind(cfg: &TargetConfig, registry: Arc<Registry>) -> crate::Result<NvmeFrontEnd> {
         let subsystem = Arc::new(Subsystem::new(cfg, registry));
         let mut listeners = Vec::new();
         for l in &cfg.nvme_listen {
-            let sock = TcpListener::bind(l.url.host_port())
-                .map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
-            sock.set_nonblocking(true).map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
-            let addr = sock.local_addr().map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
+            let (listener, addr) = match l.transport {
+                NvmeTransport::Tcp => {
+                    let sock = TcpListener::bind(l.url.host_port())
+                        .map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
+                    sock.set_nonblocking(true).map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
+                    let addr = sock.local_addr().map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
+                    (NvmeListener::Tcp(sock), addr)
+                }
+                NvmeTransport::Rdma => {
+                    let r = rdma::RdmaListener::bind(l, cfg)?;
+                    let addr = r.local_addr();
+                    (NvmeListener::Rdma(Box::new(r)), addr)
+                }
+            };
             let mut bound = l.clone();
             bound.url.port = addr.port();
-            subsystem.listeners.lock().unwrap_or_else(|e| e.into_inner()).push(addr);
-            listeners.push((bound, sock));
+            subsystem.listeners.lock().unwrap_or_else(|e| e.into_inner()).push((l.transport, addr));
+            listeners.push((bound, listener));
         }
         Ok(NvmeFrontEnd { subsystem, listeners, threads: Vec::new() })
     }
 
     /// Accepts every pending connection on listener `i` and starts its queue thread.
     pub fn accept(&mut self, i: usize) {
+        let port = i as u16 + 1;
+        if let NvmeListener::Rdma(l) = &self.listeners[i].1 {
+            let started = l.accept(&self.subsystem, port);
+            self.threads.extend(started);
+            self.threads.retain(|t| !t.is_finished());
+            return;
+        }
+        let NvmeListener::Tcp(listener) = &self.listeners[i].1 else { unreachable!("matched above") };
         loop {
-            match self.listeners[i].1.accept() {
+            match listener.accept() {
                 Ok((stream, peer)) => {
                     if self.subsystem.stopping.load(Ordering::Acquire) {
                         continue;
@@ -418,7 +485,6 @@ impl NvmeFrontEnd {
                         }
                     };
                     let sub = Arc::clone(&self.subsystem);
-                    let port = i as u16 + 1;
                     let serve = move || tcp::serve(stream, peer, port, sub, admission);
                     match std::thread::Builder::new().name("rdmablk-nvmeq".into()).spawn(serve) {
                         Ok(t) => self.threads.push(t),
@@ -435,7 +501,6 @@ impl NvmeFrontEnd {
         }
         self.threads.retain(|t| !t.is_finished());
     }
-
     /// Stops accepting, tears every controller down and waits (up to
     /// `deadline`) for the queue threads, which finish their disk operations.
     pub fn shutdown(&mut self, deadline: Instant) {

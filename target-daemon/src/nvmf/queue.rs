@@ -18,7 +18,11 @@ use rdmablk_common::nvme::status::Status;
 use rdmablk_common::protocol::Opcode;
 
 use super::io_cmd::{self, IoPlan};
-use super::{admin_cmd, fabrics_cmd, Controller, HostView, Namespace, NvmeStats, Subsystem, MAX_TRANSFER, QUEUE_CHUNKS, QUEUE_FILE_SLOTS};
+use super::{
+    admin_cmd, fabrics_cmd, Controller, HostView, Namespace, NvmeStats, QueueCloser, Subsystem, MAX_TRANSFER, QUEUE_CHUNKS,
+    QUEUE_FILE_SLOTS,
+};
+use crate::config::NvmeTransport;
 use crate::engine::BlockEngine;
 use crate::pool::Pool;
 use crate::uring::UringOptions;
@@ -39,12 +43,17 @@ pub enum Buf {
 /// What the transport must do next.
 #[derive(Debug)]
 pub enum Action {
-    /// Send this completion.
-    Respond(CompletionEntry),
-    /// Send `len` bytes of `buf` to the host for command `cid`, then the
-    /// completion. A chunk is given back with [`Queue::sent`].
-    SendData { cid: u16, buf: Buf, len: u32, then: CompletionEntry },
-    /// Ask the host for `len` bytes of command `cid`'s data, tagged `ttag`.
+    /// Send this completion. The SGL is the answered command's, where it
+    /// had one that moved data: NVMe/RDMA invalidates its key with the
+    /// completion when the host asked for that ([`Sgl::Keyed`] `invalidate`).
+    Respond(CompletionEntry, Option<Sgl>),
+    /// Send `len` bytes of `buf` to the host for command `cid`, to where
+    /// its SGL `to` says (NVMe/RDMA: an RDMA WRITE to the keyed address;
+    /// NVMe/TCP: C2HData), then the completion. A chunk is given back with
+    /// [`Queue::sent`].
+    SendData { cid: u16, buf: Buf, len: u32, to: Sgl, then: CompletionEntry },
+    /// Ask the host for `len` bytes of command `cid`'s data, tagged `ttag`
+    /// (the slot: NVMe/RDMA reads them from [`Queue::sgl`]).
     RequestData { cid: u16, ttag: u16, len: u32 },
     /// Close the connection (after sending what is queued).
     Close(String),
@@ -120,13 +129,15 @@ pub struct Connected {
 
 pub struct Queue {
     pub sub: Arc<Subsystem>,
+    /// The transport the queue's capsules come over: what SGLs it accepts.
+    pub transport: NvmeTransport,
     /// The listener's port id (discovery log) and the connection's ends.
     pub port: u16,
     pub local: SocketAddr,
     pub peer: SocketAddr,
     pub conn: Option<Connected>,
-    /// A second handle on the connection, for the controller's teardown.
-    pub socket: Option<std::net::TcpStream>,
+    /// How the controller's teardown closes this queue's connection.
+    pub closer: Option<QueueCloser>,
     /// The transport's epoll descriptor, for the engine's ring sleep.
     pub wake_fd: Option<std::os::fd::RawFd>,
     /// The transport's socket and its receive buffer size, for an I/O
@@ -151,14 +162,15 @@ pub struct Queue {
 }
 
 impl Queue {
-    pub fn new(sub: Arc<Subsystem>, port: u16, local: SocketAddr, peer: SocketAddr) -> Queue {
+    pub fn new(sub: Arc<Subsystem>, transport: NvmeTransport, port: u16, local: SocketAddr, peer: SocketAddr) -> Queue {
         Queue {
             sub,
+            transport,
             port,
             local,
             peer,
             conn: None,
-            socket: None,
+            closer: None,
             wake_fd: None,
             socket_fd: None,
             sq_entries: 0,
@@ -178,8 +190,9 @@ impl Queue {
         }
     }
 
-    pub fn socket_clone(&self) -> Option<std::net::TcpStream> {
-        self.socket.as_ref()?.try_clone().ok()
+    /// A second handle on the connection, for the controller's table.
+    pub fn closer_clone(&self) -> Option<QueueCloser> {
+        self.closer.as_ref()?.try_clone()
     }
 
     pub fn qid(&self) -> Option<u16> {
@@ -219,9 +232,33 @@ impl Queue {
         CompletionEntry { result, sq_head: self.sq_head as u16, sq_id: self.qid().unwrap_or(0), cid, status }
     }
 
+    /// Answers a command that has no slot (refused on arrival).
     fn respond(&mut self, cid: u16, status: Status, result: u64) {
         let c = self.completion(cid, status, result);
-        self.actions.push(Action::Respond(c));
+        self.actions.push(Action::Respond(c, None));
+    }
+
+    /// Frees command `slot` and answers it.
+    fn respond_slot(&mut self, slot: u16, status: Status, result: u64) {
+        let sqe = self.cmds[slot as usize].as_ref().expect("live command").sqe;
+        self.release_slot(slot);
+        let c = self.completion(sqe.cid, status, result);
+        self.actions.push(Action::Respond(c, sqe.sgl().ok()));
+    }
+
+    /// The SGL of command `slot` (checked when it arrived).
+    pub fn sgl(&self, slot: u16) -> Sgl {
+        let cmd = self.cmds[slot as usize].as_ref().expect("live command");
+        cmd.sqe.sgl().expect("checked on arrival")
+    }
+
+    /// The pool chunk command `slot`'s data is in, if it is in one (else
+    /// it is in heap memory, which `data_mut` reaches).
+    pub fn data_chunk(&self, slot: u16) -> Option<ChunkId> {
+        match self.cmds[slot as usize].as_ref().expect("live command").buf {
+            Buf::Chunk(c) => Some(c),
+            _ => None,
+        }
     }
 
     /// A command capsule arrived with `in_capsule` bytes of data to follow.
@@ -276,7 +313,11 @@ impl Queue {
                 }
                 length
             }
-            Sgl::Transport { length } if in_capsule == 0 => {
+            // Data the transport moves: NVMe/TCP by R2T and data PDUs,
+            // NVMe/RDMA by RDMA READ and WRITE under the host's key.
+            Sgl::Transport { length } | Sgl::Keyed { length, .. }
+                if in_capsule == 0 && matches!(sgl, Sgl::Keyed { .. }) == (self.transport == NvmeTransport::Rdma) =>
+            {
                 if h2c {
                     length
                 } else {
@@ -415,9 +456,7 @@ impl Queue {
     /// command fails with Transient Transport Error, which the host retries
     /// (the connection goes on, as with SPDK's target and Linux nvmet).
     pub fn data_corrupt(&mut self, slot: u16) {
-        let cid = self.cmds[slot as usize].as_ref().expect("live command").sqe.cid;
-        self.release_slot(slot);
-        self.respond(cid, Status::TRANSIENT_TRANSPORT_ERROR, 0);
+        self.respond_slot(slot, Status::TRANSIENT_TRANSPORT_ERROR, 0);
     }
 
     /// Runs a command whose data (if any) has arrived.
@@ -447,10 +486,7 @@ impl Queue {
         match reply {
             // A notice may already be waiting for a request to carry it.
             Reply::Held => self.send_events(),
-            Reply::Done { status, result } => {
-                self.release_slot(slot);
-                self.respond(cid, status, result);
-            }
+            Reply::Done { status, result } => self.respond_slot(slot, status, result),
             Reply::Data { data } => {
                 let sqe = self.cmds[slot as usize].as_ref().expect("live command").sqe;
                 self.release_slot(slot);
@@ -464,7 +500,8 @@ impl Queue {
                 }
                 let then = self.completion(cid, Status::SUCCESS, 0);
                 let len = data.len() as u32;
-                self.actions.push(Action::SendData { cid, buf: Buf::Heap(data), len, then });
+                let to = sqe.sgl().expect("checked on arrival");
+                self.actions.push(Action::SendData { cid, buf: Buf::Heap(data), len, to, then });
             }
         }
     }
@@ -472,8 +509,7 @@ impl Queue {
     /// Answers a held command (an AER) now.
     pub fn answer_held(&mut self, cid: u16, status: Status, result: u64) {
         if let Some(slot) = self.by_cid.get(&cid).copied() {
-            self.release_slot(slot);
-            self.respond(cid, status, result);
+            self.respond_slot(slot, status, result);
         }
     }
 
@@ -595,16 +631,16 @@ impl Queue {
                 let len = *len;
                 NvmeStats::add(&self.sub.stats.bytes_read, len as u64);
                 let buf = std::mem::replace(&mut cmd.buf, Buf::None);
+                let to = cmd.sqe.sgl().expect("checked on arrival");
                 let then = self.completion(cid, Status::SUCCESS, 0);
                 self.release_slot(slot);
-                self.actions.push(Action::SendData { cid, buf, len, then });
+                self.actions.push(Action::SendData { cid, buf, len, to, then });
             }
             (failed, _) => {
                 if let (None, IoPlan::Write { len, .. }) = (failed, &plan) {
                     NvmeStats::add(&self.sub.stats.bytes_written, *len as u64);
                 }
-                self.release_slot(slot);
-                self.respond(cid, failed.unwrap_or(Status::SUCCESS), 0);
+                self.respond_slot(slot, failed.unwrap_or(Status::SUCCESS), 0);
             }
         }
     }
@@ -711,6 +747,36 @@ impl Queue {
         self.waiting_chunk.clear();
     }
 
+    /// The connection is gone (the transport stopped using it): drops the
+    /// queued commands, waits for the disk operations (only then is the
+    /// queue out of the fence) and leaves the controller; the admin queue
+    /// closing ends the association.
+    pub fn close(&mut self, why: &str) {
+        self.drop_commands();
+        let started = Instant::now();
+        while self.busy() && started.elapsed() < Duration::from_secs(60) {
+            self.reap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(self.engine.take());
+        let Some(conn) = self.conn.take() else {
+            tracing::debug!("{} {}: closed before Connect: {why}", self.transport.scheme(), self.peer);
+            return;
+        };
+        self.sub.stats.queues.fetch_sub(1, Ordering::Relaxed);
+        let ctrl = conn.ctrl;
+        if conn.qid == 0 {
+            ctrl.tear_down(&format!("admin queue closed: {why}"));
+        } else {
+            ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).remove(conn.qid);
+            tracing::debug!("nvme controller {} queue {} closed: {why}", ctrl.id, conn.qid);
+        }
+        if ctrl.live_queues.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.sub.remove_controller(ctrl.id);
+            tracing::info!("nvme controller {} of host {:?} is gone", ctrl.id, ctrl.host_nqn);
+        }
+    }
+
     pub fn stopping(&self) -> bool {
         self.sub.stopping.load(Ordering::Acquire)
     }
@@ -777,7 +843,7 @@ mod tests {
 
     fn queue(sub: &Arc<Subsystem>) -> Queue {
         let a = "127.0.0.1:4420".parse().unwrap();
-        Queue::new(Arc::clone(sub), 1, a, a)
+        Queue::new(Arc::clone(sub), NvmeTransport::Tcp, 1, a, a)
     }
 
     /// Runs one command (with its data, if any) and returns what it answered.
@@ -794,7 +860,7 @@ mod tests {
 
     fn status(actions: &[Action]) -> (Status, u64) {
         match actions.last() {
-            Some(Action::Respond(c)) => (c.status, c.result),
+            Some(Action::Respond(c, _)) => (c.status, c.result),
             Some(Action::SendData { then, .. }) => (then.status, then.result),
             other => panic!("no answer: {other:?}"),
         }
@@ -985,7 +1051,7 @@ mod tests {
         let mut q = queue(sub);
         // The controller keeps a handle on each I/O queue's socket (for its teardown).
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        q.socket = Some(std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap());
+        q.closer = Some(QueueCloser::Tcp(std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap()));
         assert_eq!(connect_queue(&mut q, &sub.nqn.clone(), 1, cntlid, 0).0, Status::SUCCESS);
         assert!(q.engine.is_some(), "an I/O queue has an engine");
         (admin, q)

@@ -23,7 +23,6 @@
 use std::collections::{HashSet, VecDeque};
 use std::io::{IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,7 +33,8 @@ use rdmablk_common::nvme::tcp::{
 use rdmablk_common::nvme::WireError;
 
 use super::queue::{Action, Buf, H2cRefusal, Queue};
-use super::{Subsystem, MAX_TRANSFER};
+use super::{QueueCloser, Subsystem, MAX_TRANSFER};
+use crate::config::NvmeTransport;
 use crate::pool::ChunkId;
 use crate::session::{Admission, ConnectionSlot, HandshakeSlot};
 use crate::sys::{Epoll, READABLE, WRITABLE};
@@ -155,8 +155,8 @@ pub fn serve(stream: TcpStream, peer: SocketAddr, port: u16, sub: Arc<Subsystem>
             return;
         }
     };
-    let mut q = Queue::new(Arc::clone(&sub), port, local, peer);
-    q.socket = stream.try_clone().ok();
+    let mut q = Queue::new(Arc::clone(&sub), NvmeTransport::Tcp, port, local, peer);
+    q.closer = stream.try_clone().ok().map(QueueCloser::Tcp);
     q.wake_fd = Some(epoll.fd());
     q.socket_fd = Some((std::os::fd::AsRawFd::as_raw_fd(&stream), RX_BUFFER));
     let mut c = Connection {
@@ -345,31 +345,7 @@ impl Connection {
 
     fn finish(&mut self, why: &str) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
-        self.q.drop_commands();
-        // Dropping the engine waits for its disk operations: only then is
-        // this queue out of the fence.
-        let started = Instant::now();
-        while self.q.busy() && started.elapsed() < Duration::from_secs(60) {
-            self.q.reap();
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        drop(self.q.engine.take());
-        let Some(conn) = self.q.conn.take() else {
-            tracing::debug!("nvme+tcp {}: closed before Connect: {why}", self.q.peer);
-            return;
-        };
-        self.q.sub.stats.queues.fetch_sub(1, Ordering::Relaxed);
-        let ctrl = conn.ctrl;
-        if conn.qid == 0 {
-            ctrl.tear_down(&format!("admin queue closed: {why}"));
-        } else {
-            ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).remove(conn.qid);
-            tracing::debug!("nvme controller {} queue {} closed: {why}", ctrl.id, conn.qid);
-        }
-        if ctrl.live_queues.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.q.sub.remove_controller(ctrl.id);
-            tracing::info!("nvme controller {} of host {:?} is gone", ctrl.id, ctrl.host_nqn);
-        }
+        self.q.close(why);
     }
 
     /// Whether the data being received goes straight from the socket into
@@ -659,8 +635,8 @@ impl Connection {
     fn drain_actions(&mut self) {
         for a in std::mem::take(&mut self.q.actions) {
             match a {
-                Action::Respond(cqe) => self.queue_pdu(&Pdu::CapsuleResp(cqe), TxBody::None),
-                Action::SendData { cid, buf, len, then } => {
+                Action::Respond(cqe, _) => self.queue_pdu(&Pdu::CapsuleResp(cqe), TxBody::None),
+                Action::SendData { cid, buf, len, then, .. } => {
                     let body = match buf {
                         Buf::Chunk(c) => TxBody::Chunk(c, len as usize),
                         Buf::Heap(mut v) => {
