@@ -3,8 +3,10 @@
 //! RDMA READ and WRITE, SEND with Invalidate), and a host written directly
 //! against the fabric API as the Linux host drives a queue: the rdma_cm
 //! private data, 64-byte command capsules in SENDs, keyed SGLs into its
-//! registered memory, 16-byte completions. The kernel host over real verbs
-//! is the VM stage's (tests/rdma-vm/nvme-rdma.sh).
+//! registered memory, 16-byte completions. With `RDMABLK_NVME_RDMA_HOST=IP`
+//! the listener is real verbs on that address instead (the VM stage runs
+//! this file so on Soft-RoCE: `nvme-rdma-hostile`); the kernel host over
+//! verbs is the VM stage's other NVMe/RDMA steps.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -30,12 +32,18 @@ const NULL_SGL: Sgl = Sgl::Keyed { addr: 0, length: 0, key: 0, invalidate: false
 /// A target with a 4 MiB memory volume and an NVMe/RDMA listener on the
 /// tcp provider (port 0), and that listener's URL.
 fn target() -> (RunningTarget, FabricUrl, String) {
-    let text = "[target]\nname = \"rdma\"\nlisten = [\"nvme+rdma://127.0.0.1:0\"]\nshutdown_timeout = \"5s\"\n\
-                [[volume]]\nname = \"v\"\nbackend = \"memory\"\nsize = \"4MiB\"\nblock_size = 512\nallow_any_host = true\n";
-    let mut config = Config::parse(text, "rdma.toml").unwrap();
-    // The same transport on the software provider: what runs here is what
-    // runs on a NIC, minus the NIC.
-    config.target.nvme_listen[0].url.provider = ProviderKind::Tcp;
+    let verbs_host = std::env::var("RDMABLK_NVME_RDMA_HOST").ok();
+    let host = verbs_host.as_deref().unwrap_or("127.0.0.1");
+    let text = format!(
+        "[target]\nname = \"rdma\"\nlisten = [\"nvme+rdma://{host}:0\"]\nshutdown_timeout = \"5s\"\n\
+         [[volume]]\nname = \"v\"\nbackend = \"memory\"\nsize = \"4MiB\"\nblock_size = 512\nallow_any_host = true\n"
+    );
+    let mut config = Config::parse(&text, "rdma.toml").unwrap();
+    if verbs_host.is_none() {
+        // The same transport on the software provider: what runs here is
+        // what runs on a NIC, minus the NIC.
+        config.target.nvme_listen[0].url.provider = ProviderKind::Tcp;
+    }
     let nqn = config.target.nqn.clone();
     let t = Target::start(config).unwrap();
     let url = t.nvme_listeners()[0].url.clone();
@@ -318,6 +326,20 @@ fn a_host_writes_and_reads_through_keyed_sgls_and_in_capsule_data() {
     let sgl = io.keyed(8192, 4096);
     assert_eq!(io.rw(io_opcode::READ, 1000, 8, sgl, &[]).status, Status::SUCCESS);
     assert!(io.data()[8192..8192 + 4096] == small[..]);
+
+    // As the Linux host sends it after a keyed command on the same request:
+    // the descriptor's reserved bytes still hold the old key.
+    let again = pattern(4096, 78);
+    let cid = io.cid();
+    let mut w = SubmissionEntry::new(io_opcode::WRITE, cid);
+    w.nsid = 1;
+    w.set_rw(1008, 8, false);
+    w.set_sgl(Sgl::InCapsule { offset: 0, length: 4096 });
+    w.dptr[12..15].copy_from_slice(&[0xd4, 0xc3, 0xb2]);
+    assert_eq!(io.exec(w, &again).status, Status::SUCCESS, "stale reserved bytes in an in-capsule descriptor");
+    let sgl = io.keyed(0, 4096);
+    assert_eq!(io.rw(io_opcode::READ, 1008, 8, sgl, &[]).status, Status::SUCCESS);
+    assert!(io.data()[..4096] == again[..]);
 
     let cid = io.cid();
     let mut flush = SubmissionEntry::new(io_opcode::FLUSH, cid);

@@ -111,17 +111,18 @@ impl Sgl {
         }
     }
 
-    /// Decodes a descriptor; any other type, or reserved bytes set, is an
-    /// error (the front end answers it with "SGL descriptor type invalid").
+    /// Decodes a descriptor; any other type, or reserved bytes of a
+    /// transport descriptor set, is an error (the front end answers it with
+    /// "SGL descriptor type invalid").
     pub fn decode(b: &[u8]) -> Result<Sgl, WireError> {
         const WHAT: &str = "SGL descriptor";
         need(WHAT, b, SGL_DESCRIPTOR_SIZE)?;
         let b = &b[..SGL_DESCRIPTOR_SIZE];
         match b[15] {
-            sgl_id::DATA_BLOCK_OFFSET => {
-                reserved_zero(WHAT, b, 12..15)?;
-                Ok(Sgl::InCapsule { offset: get_u64(b, 0), length: get_u32(b, 8) })
-            }
+            // Bytes 12..15 are not checked: the Linux NVMe/RDMA host leaves
+            // a previous keyed SGL's key there when it reuses a request for
+            // in-capsule data, and Linux nvmet ignores them.
+            sgl_id::DATA_BLOCK_OFFSET => Ok(Sgl::InCapsule { offset: get_u64(b, 0), length: get_u32(b, 8) }),
             id @ (sgl_id::KEYED_ADDRESS | sgl_id::KEYED_INVALIDATE) => Ok(Sgl::Keyed {
                 addr: get_u64(b, 0),
                 length: u32::from_le_bytes([b[8], b[9], b[10], 0]),
@@ -357,6 +358,20 @@ mod tests {
         b[3] = 1;
         assert_eq!(Sgl::decode(&b), Err(WireError::ReservedNotZero { what: "SGL descriptor", offset: 3 }));
         assert!(matches!(Sgl::decode(&b[..15]), Err(WireError::Truncated { .. })));
+    }
+
+    #[test]
+    fn an_in_capsule_descriptor_ignores_what_its_reserved_bytes_hold() {
+        // The Linux NVMe/RDMA host fills in only the address, length and
+        // type of an in-capsule descriptor, and reuses a request's command:
+        // bytes 12..15 still hold the key of the keyed SGL the request
+        // carried before (seen on 6.12 over rxe). Linux nvmet ignores them.
+        let mut b = [0; 16];
+        Sgl::Keyed { addr: 0x1000, length: 0x2_0000, key: 0xa1b2_c3d4, invalidate: true }.encode(&mut b);
+        let stale = b;
+        Sgl::InCapsule { offset: 0, length: 4096 }.encode(&mut b);
+        b[12..15].copy_from_slice(&stale[12..15]);
+        assert_eq!(Sgl::decode(&b).unwrap(), Sgl::InCapsule { offset: 0, length: 4096 });
     }
 
     #[test]
