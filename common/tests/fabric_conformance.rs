@@ -1319,6 +1319,7 @@ fn window_use(how: WindowUse) {
             let c = env.server_comp(100);
             assert_success(c, WcOpcode::Recv);
             assert_eq!((c.byte_len, c.invalidated_rkey), (8, Some(rkey)), "the receive reports the key it invalidated");
+            sqp.window_invalidated_by_peer(window.take().unwrap()).expect("window_invalidated_by_peer");
         }
         WindowUse::AfterDrop => {
             drop(window.take());

@@ -382,10 +382,18 @@ fn a_completion_invalidates_the_hosts_key_when_the_sgl_asks() {
     let (c, invalidated) = io.completion().unwrap();
     assert_eq!((c.cid, c.status), (cid, Status::SUCCESS));
     assert_eq!(invalidated, Some(key), "the completion came as a SEND with Invalidate of the command's key");
+    // As the Linux host does: a key the target invalidated is not
+    // invalidated again.
+    io.qp.window_invalidated_by_peer(window).unwrap();
     // Without the request, a plain SEND.
     let sgl = io.keyed(0, 4096);
-    io.rw(io_opcode::READ, 0, 8, sgl, &[]);
-    drop(window);
+    let mut plain = SubmissionEntry::new(io_opcode::READ, io.cid());
+    plain.nsid = 1;
+    plain.set_rw(0, 8, false);
+    plain.set_sgl(sgl);
+    io.send(&plain, &[]);
+    let (c, invalidated) = io.completion().unwrap();
+    assert_eq!((c.status, invalidated), (Status::SUCCESS, None), "a plain SEND when the SGL did not ask");
     let _ = &io.pd;
     t.shutdown().unwrap();
 }

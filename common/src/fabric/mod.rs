@@ -1018,6 +1018,24 @@ impl QueuePair {
             _ => Err(mixed("invalidate_window")),
         }
     }
+    /// Forgets `window`, which the peer invalidated: a receive completion
+    /// on this queue pair reported its rkey ([`Completion::invalidated_rkey`],
+    /// from the peer's [`SendOp::SendWithInvalidate`]). Nothing is posted:
+    /// invalidating it again is at best wasted, and rxe on Linux 6.12
+    /// panics on it. Dropping such a window instead would post that
+    /// invalidation.
+    pub fn window_invalidated_by_peer(&self, window: MemoryWindow) -> Result<()> {
+        match (&self.inner, window.inner) {
+            (QpImpl::Tcp(_), MwImpl::Tcp(w)) => {
+                drop(w);
+                Ok(())
+            }
+            #[cfg(feature = "verbs")]
+            (QpImpl::Verbs(qp), MwImpl::Verbs(w)) => qp.window_invalidated_by_peer(w),
+            #[cfg(feature = "verbs")]
+            _ => Err(mixed("window_invalidated_by_peer")),
+        }
+    }
     /// Posts a chain of send-queue work requests, executed in order.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
         dispatch!(QpImpl, &self.inner, qp => qp.post_send(wrs))

@@ -171,6 +171,13 @@ impl WindowPool {
         }
     }
 
+    /// A bound window the peer invalidated (its SEND with Invalidate named
+    /// the rkey, and that receive has completed): free for the next bind
+    /// at once, its region no longer held.
+    pub(crate) fn invalidated_remotely(&mut self, mw: NonNull<sys::ibv_mw>) {
+        self.free.push_back(PooledWindow { mw });
+    }
+
     /// Releases the regions whose invalidations have executed: every send
     /// slot before `sq_head` has completed.
     pub(crate) fn release_retired(&mut self, sq_head: u64) {

@@ -910,6 +910,19 @@ impl VerbsQp {
     /// Posts the invalidation of `window`, bound on this queue pair,
     /// signaled: a `LocalInvalidate` completion with `wr_id` follows once
     /// its rkey is dead.
+    /// The peer's SEND with Invalidate ended `window`: no LOCAL_INV is
+    /// posted for it (rxe on Linux 6.12 dereferences a NULL region when a
+    /// window it already invalidated is invalidated again, and panics).
+    pub fn window_invalidated_by_peer(&self, mut window: VerbsWindow) -> Result<()> {
+        if !Arc::ptr_eq(&window.core, &self.core) {
+            return Err(err(FabricErrorKind::InvalidArgument, "window_invalidated_by_peer: the window belongs to another queue pair"));
+        }
+        if window.mr.take().is_some() {
+            lock(&self.core.windows).invalidated_remotely(window.mw);
+        }
+        Ok(())
+    }
+
     pub fn invalidate_window(&self, mut window: VerbsWindow, wr_id: WrId) -> Result<()> {
         if !Arc::ptr_eq(&window.core, &self.core) {
             return Err(err(FabricErrorKind::InvalidArgument, "invalidate_window: the window belongs to another queue pair"));
