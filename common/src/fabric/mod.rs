@@ -165,11 +165,17 @@ pub enum SendOp {
     /// a memory window bound on the peer's queue pair (or, on a NIC, a
     /// fast-registered region) stops granting access before the peer sees
     /// the receive, which reports the key ([`Completion::invalidated_rkey`]).
-    /// NVMe/RDMA targets answer with it when the host asks. A key that is
-    /// no such window of the receiving queue pair fails the receive and the
-    /// receiving queue pair, as RC hardware does; the SEND completes in
-    /// error on tcp (`RemoteInvalidRequest`), and may complete with success
-    /// on a NIC that acknowledged it first.
+    /// NVMe/RDMA targets answer with it when the host asks. Completes as
+    /// [`WcOpcode::Send`].
+    ///
+    /// A key the peer cannot invalidate (no window of the receiving queue
+    /// pair: a region registered the ordinary way, another queue pair's
+    /// window, no key at all) is IBTA's class J error, the receiver's
+    /// alone, as on RC hardware (rxe's responder, checked): the SEND is
+    /// acknowledged and completes with success, the peer's receive
+    /// completes with [`WcStatus::RemoteInvalidRequest`] and its queue pair
+    /// fails without a word to this side, which learns of it as of any peer
+    /// that stopped answering. The tcp provider does the same.
     SendWithInvalidate { rkey: Rkey },
     /// One-sided: places the local SGEs at `remote_addr` in the peer's region `rkey`.
     RdmaWrite { remote_addr: u64, rkey: Rkey },
@@ -274,8 +280,11 @@ pub struct Completion {
     pub status: WcStatus,
     /// Bytes received, for `Recv` and `RdmaRead`; otherwise unspecified.
     pub byte_len: u32,
-    /// `Recv` of a SEND with Invalidate: the key it invalidated
-    /// (`IBV_WC_WITH_INV`, `wc.invalidated_rkey`).
+    /// A successful `Recv` of the peer's [`SendOp::SendWithInvalidate`]: the
+    /// key it invalidated on this side, dead by now (`IBV_WC_WITH_INV`,
+    /// `wc.invalidated_rkey`). The window's owner hands it back with
+    /// [`QueuePair::window_invalidated_by_peer`]. `None` for every other
+    /// completion.
     pub invalidated_rkey: Option<Rkey>,
 }
 

@@ -120,6 +120,15 @@
 //!   `RnrRetryExceeded` (hardware with `rnr_retry` 0); the receiver only
 //!   answers with the NAK (a TERMINATE naming the SEND), stays Ready, and
 //!   drops the sender's later requests unexecuted.
+//! - A SEND with Invalidate (a SEND frame with the `INVALIDATE` flag and
+//!   the key in its rkey field) of a key that is no memory window bound on
+//!   the receiving queue pair (IBTA's class J): the receiver acknowledges
+//!   the SEND, completes the receive with `RemoteInvalidRequest` and fails
+//!   on its own, as rxe's responder does; the sender's work request
+//!   succeeds. A window the peer did invalidate is removed from the
+//!   domain before the receive completes; its `TcpWindow` stays with its
+//!   owner, whose drop then leaves alone any later window that drew the
+//!   same random key.
 //! - A queue pair that failed that way, or was told by a TERMINATE, keeps the
 //!   stream open ("lingers") until the application disconnects or drops it;
 //!   only then does the peer see DISCONNECT or EOF. A peer that stays Ready

@@ -17,7 +17,7 @@
 //! send backlog), so the wait is short.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, LazyLock, Mutex};
 
 use arc_swap::ArcSwap;
@@ -111,7 +111,14 @@ struct Window {
     /// The queue pair it was bound on: the only one whose peer may use it
     /// (as a type-2B window on a NIC).
     qp_num: u32,
+    /// Which bind this is (process-wide): the [`TcpWindow`] that made it
+    /// removes this entry only, not a later window that drew the same
+    /// rkey after the peer invalidated this one.
+    bind: u64,
 }
+
+/// Numbers the binds of every window in the process.
+static NEXT_BIND: AtomicU64 = AtomicU64::new(1);
 
 /// State shared by a PD, its regions and its queue pairs.
 pub(crate) struct PdShared {
@@ -259,6 +266,35 @@ impl PdShared {
     /// must have been registered with `MW_BIND` (and `LOCAL_WRITE` for a
     /// window that grants `REMOTE_WRITE`).
     pub(crate) fn bind_window(self: &Arc<PdShared>, qp_num: u32, parent: Rkey, addr: u64, len: u64, access: Access) -> Result<TcpWindow> {
+        self.bind_window_keyed(qp_num, parent, addr, len, access, None)
+    }
+
+    /// [`PdShared::bind_window`] under `rkey` (which must have the window
+    /// bit and be free): lets a test bind a window under the key of one the
+    /// peer invalidated, which a random draw reaches only by chance.
+    #[cfg(test)]
+    pub(crate) fn bind_window_with_key(
+        self: &Arc<PdShared>,
+        qp_num: u32,
+        parent: Rkey,
+        addr: u64,
+        len: u64,
+        access: Access,
+        rkey: u32,
+    ) -> Result<TcpWindow> {
+        assert!(rkey & WINDOW_KEY_BIT != 0 && !lock(&self.windows).contains_key(&rkey));
+        self.bind_window_keyed(qp_num, parent, addr, len, access, Some(rkey))
+    }
+
+    fn bind_window_keyed(
+        self: &Arc<PdShared>,
+        qp_num: u32,
+        parent: Rkey,
+        addr: u64,
+        len: u64,
+        access: Access,
+        key: Option<u32>,
+    ) -> Result<TcpWindow> {
         crate::fabric::check_window_access(access, len)?;
         let invalid = |why: String| Err(FabricError::new(FabricErrorKind::InvalidArgument, format!("bind_window: {why}")));
         let region = {
@@ -278,14 +314,15 @@ impl PdShared {
             return invalid(format!("[{addr:#x}, +{len}) is not inside the region"));
         }
         let mut windows = lock(&self.windows);
-        let rkey = loop {
+        let rkey = key.unwrap_or_else(|| loop {
             let k = rand::random::<u32>() | WINDOW_KEY_BIT;
             if !windows.contains_key(&k) {
                 break k;
             }
-        };
-        windows.insert(rkey, Window { addr, len, access, parent: region, qp_num });
-        Ok(TcpWindow { rkey, pd: self.clone() })
+        });
+        let bind = NEXT_BIND.fetch_add(1, Relaxed);
+        windows.insert(rkey, Window { addr, len, access, parent: region, qp_num, bind });
+        Ok(TcpWindow { rkey, bind, pd: self.clone() })
     }
 }
 
@@ -293,6 +330,8 @@ impl PdShared {
 /// access that arrives afterwards fails like any access with a bad rkey.
 pub struct TcpWindow {
     rkey: u32,
+    /// The bind that made it ([`Window::bind`]).
+    bind: u64,
     pd: Arc<PdShared>,
 }
 
@@ -304,8 +343,12 @@ impl TcpWindow {
 
 impl PdShared {
     /// A peer's SEND with Invalidate on queue pair `qp_num`: ends the
-    /// window `rkey` if it is one bound on that queue pair. False if not
-    /// (the receive fails, as on RC hardware).
+    /// window `rkey` if it is one bound on that queue pair, as a type-2B
+    /// window's remote invalidation does. False if not: a region (like one
+    /// from `ibv_reg_mr`, not fast-registered, it cannot be invalidated), a
+    /// window of another queue pair, or no key at all (the receive fails,
+    /// as on RC hardware). Its [`TcpWindow`] stays with its owner, whose
+    /// drop then has nothing left to remove.
     pub(crate) fn invalidate_window(&self, qp_num: u32, rkey: u32) -> bool {
         let mut windows = lock(&self.windows);
         match windows.get(&rkey) {
@@ -322,8 +365,12 @@ impl Drop for TcpWindow {
     fn drop(&mut self) {
         // A placement already past its lookup holds a pin on the region,
         // as it would after the region's own lookup: it completes, as a
-        // DMA in progress on a NIC would.
-        lock(&self.pd.windows).remove(&self.rkey);
+        // DMA in progress on a NIC would. A window the peer invalidated is
+        // gone already, and its key may name a later bind by now.
+        let mut windows = lock(&self.pd.windows);
+        if windows.get(&self.rkey).is_some_and(|w| w.bind == self.bind) {
+            windows.remove(&self.rkey);
+        }
     }
 }
 

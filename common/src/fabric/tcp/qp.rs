@@ -399,8 +399,9 @@ enum Failure {
     FrameTimeout,
     /// The application called `disconnect`.
     User,
-    /// This side failed on its own (a bad local SGE): as on RC hardware the
-    /// peer is not told and stays Ready.
+    /// This side failed on its own (a bad local SGE, a SEND with Invalidate
+    /// of a key it cannot invalidate): as on RC hardware the peer is not
+    /// told and stays Ready.
     Local,
 }
 
@@ -2021,15 +2022,12 @@ impl QpInner {
                     self.complete_recv(sh, WcStatus::LocalLengthError, 0);
                     return self.fail(sh, Failure::Fault { code: wire::TERM_INVALID_REQUEST, seq: h.seq });
                 }
-                // SEND with Invalidate: the window goes before the
-                // receive completes; a key that is no window of this queue
-                // pair fails the receive and the connection, as on RC
-                // hardware (the sender sees an invalid request).
+                // SEND with Invalidate: the window goes before the receive
+                // completes (and before the peer's next request is read).
                 let invalidated = (h.flags & wire::FLAG_INVALIDATE != 0).then_some(h.rkey);
                 if let Some(rkey) = invalidated {
                     if !sh.pd.invalidate_window(sh.qp_num, rkey) {
-                        self.complete_recv(sh, WcStatus::LocalProtectionError, 0);
-                        return self.fail(sh, Failure::Fault { code: wire::TERM_INVALID_REQUEST, seq: h.seq });
+                        return self.invalidation_refused(sh, &h);
                     }
                 }
                 if h.length == 0 {
@@ -2077,6 +2075,31 @@ impl QpInner {
         if !self.tx_ctrl(&mut t) {
             self.fail(sh, Failure::Transport);
         }
+    }
+
+    /// A SEND with Invalidate named a key this queue pair cannot invalidate
+    /// (no window bound on it): IBTA's class J error. As RC hardware does
+    /// (rxe's responder, checked), the SEND is acknowledged, so the
+    /// sender's work request succeeds, while the receive completes with
+    /// `RemoteInvalidRequest` (rxe's `IB_WC_REM_INV_REQ_ERR`) and this
+    /// queue pair fails without a word to the peer, as for a local fault:
+    /// the peer learns of it as of any responder that stopped answering.
+    /// Nothing is invalidated, and the SEND's payload is dropped.
+    fn invalidation_refused(&mut self, sh: &QpShared, h: &Header) {
+        tracing::warn!(
+            qp = sh.qp_num,
+            peer = %self.peer,
+            seq = h.seq,
+            rkey = format_args!("{:#x}", h.rkey),
+            "peer's SEND with Invalidate names a key that is no memory window of this queue pair: queue pair fails"
+        );
+        self.complete_recv(sh, WcStatus::RemoteInvalidRequest, 0);
+        self.processed(h.seq, true);
+        let mut ack = Header::new(FrameType::Ack);
+        if !self.tx_ctrl(&mut ack) {
+            return self.fail(sh, Failure::Transport);
+        }
+        self.fail(sh, Failure::Local);
     }
 
     /// Responder side of RDMA READ: check, then send READ_RESP with the

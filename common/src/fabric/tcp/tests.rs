@@ -1105,6 +1105,141 @@ fn a_window_serves_only_the_peer_of_the_queue_pair_it_was_bound_on() {
 
 const EVIL_BYTE: u8 = 0x66;
 
+// ------------------------------------------------ SEND with Invalidate --
+
+/// The raw peer's SEND `seq` with Invalidate of `rkey` (into receive 100),
+/// asking for an acknowledgement.
+fn send_invalidating(seq: u32, rkey: u32, payload: &[u8]) -> Vec<u8> {
+    let flags = wire::FLAG_ACK_REQUESTED | wire::FLAG_INVALIDATE;
+    let h = Header { seq, flags, rkey, length: payload.len() as u32, ..Header::new(FrameType::Send) };
+    let mut out = h.encode().to_vec();
+    out.extend_from_slice(payload);
+    out
+}
+
+#[test]
+fn the_invalidate_flag_belongs_to_send_frames_only() {
+    let send = Header { flags: wire::FLAG_INVALIDATE, rkey: 0x8000_0001, length: 8, ..Header::new(FrameType::Send) };
+    assert_eq!(Header::decode(&send.encode()), Ok(send));
+    for ty in [FrameType::Write, FrameType::ReadReq, FrameType::ReadResp, FrameType::Ack, FrameType::Terminate] {
+        let h = Header { flags: wire::FLAG_INVALIDATE, ..Header::new(ty) };
+        assert_eq!(Header::decode(&h.encode()), Err(DecodeError::UnknownFlags(wire::FLAG_INVALIDATE)), "{ty:?}");
+    }
+}
+
+#[test]
+fn a_send_with_invalidate_leaves_as_a_flagged_send_and_completes_as_a_send() {
+    let mut rig = passive_rig();
+    let tx = mem(&rig.pd, 4096, Access::LOCAL_WRITE);
+    let sge = [tx.mr_sge(0, 8)];
+    let op = SendOp::SendWithInvalidate { rkey: Rkey(0x8765_4321) };
+    rig.qp.post_send(&[SendWr { wr_id: WrId(1), op, payload: Payload::Sges(&sge), signaled: true }]).unwrap();
+    let (h, body) = read_frame(&mut rig.raw);
+    assert_eq!((h.ty, h.seq, h.rkey, body.len()), (FrameType::Send, 1, 0x8765_4321, 8));
+    assert_eq!(h.flags, wire::FLAG_ACK_REQUESTED | wire::FLAG_INVALIDATE);
+    rig.raw.write_all(&standalone_ack(1)).unwrap();
+    let mut comps = Vec::new();
+    poll_until(&rig.cq, &mut comps, "the send completion", |c| !c.is_empty());
+    assert_eq!(order(&comps), [(WcOpcode::Send, 1, WcStatus::Success)]);
+    assert_eq!(comps[0].invalidated_rkey, None);
+}
+
+/// The peer's SEND with Invalidate of a window bound on the queue pair
+/// ends the window before the receive completes, which reports the key;
+/// a WRITE through it afterwards is refused. An empty SEND does it too.
+#[test]
+fn a_peers_send_with_invalidate_ends_its_window_and_reports_the_key() {
+    for payload in [&b"done"[..], b""] {
+        let (mut rig, target) = window_rig();
+        let base = target.mr.addr();
+        let w = rig.qp.bind_window(target.mr.rkey(), base, 4096, Access::REMOTE_WRITE).unwrap();
+        let key = w.rkey().0;
+        rig.raw.write_all(&send_invalidating(1, key, payload)).unwrap();
+        let mut comps = Vec::new();
+        await_ack(&mut rig, &mut comps, 1);
+        poll_until(&rig.cq, &mut comps, "the receive", |c| status_of(c, 100).is_some());
+        let c = comps.iter().find(|c| c.wr_id == WrId(100)).unwrap();
+        assert_eq!((c.status, c.byte_len, c.invalidated_rkey), (WcStatus::Success, payload.len() as u32, Some(Rkey(key))));
+        assert_eq!(write_through(&mut rig, 2, key, base, 64), Some(wire::TERM_REMOTE_ACCESS));
+        assert!(bytes_of(&target).iter().all(|&b| b == 0x11), "a WRITE through an invalidated window placed");
+        drop(w);
+    }
+}
+
+/// A key the queue pair cannot invalidate is IBTA's class J error, which
+/// RC hardware (rxe's responder, checked) reports to the receiver only: the
+/// SEND is acknowledged (the sender's work request succeeds), the receive
+/// completes with `RemoteInvalidRequest`, and the receiving queue pair
+/// fails without telling the peer (no TERMINATE; the stream stays open
+/// until the application disconnects). Nothing is invalidated.
+#[test]
+fn a_send_with_invalidate_of_a_key_that_is_no_window_of_the_queue_pair_fails_only_the_receiver() {
+    for case in ["region", "unknown window", "another queue pair's window"] {
+        let (mut rig, target) = window_rig();
+        let base = target.mr.addr();
+        let open = mem(&rig.pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+        let other = accept_raw(&rig._listener, &rig.pd, &rig.cq);
+        let w = other.0.bind_window(target.mr.rkey(), base, 4096, Access::REMOTE_WRITE).unwrap();
+        let key = match case {
+            "region" => open.mr.rkey().0,
+            "unknown window" => w.rkey().0 ^ 1,
+            _ => w.rkey().0,
+        };
+        rig.raw.write_all(&send_invalidating(1, key, b"bye")).unwrap();
+        let mut comps = Vec::new();
+        let (qp, num) = (&rig.qp, rig.qp.qp_num());
+        let ours = |c: &[Completion]| c.iter().find(|c| c.wr_id == WrId(100) && c.qp_num == num).copied();
+        poll_until(&rig.cq, &mut comps, "the receive", |c| ours(c).is_some() && qp.state() == QpState::Error);
+        let c = ours(&comps).unwrap();
+        assert_eq!((c.status, c.invalidated_rkey), (WcStatus::RemoteInvalidRequest, None), "{case}");
+        let (h, _) = read_frame(&mut rig.raw);
+        assert_eq!((h.ty, h.ack), (FrameType::Ack, 1), "{case}: the SEND is acknowledged");
+        rig.raw.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let mut b = [0u8; 1];
+        let e = rig.raw.read(&mut b).expect_err("no TERMINATE, no EOF while the application keeps the queue pair");
+        assert!(matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut), "{case}: {e}");
+        rig.raw.set_read_timeout(Some(DEADLINE)).unwrap();
+        // The other queue pair's window still serves its own peer.
+        let (other_qp, mut other_raw, _rx) = other;
+        let h = Header { seq: 1, flags: wire::FLAG_ACK_REQUESTED, length: 64, rkey: w.rkey().0, remote_addr: base, ..Header::new(FrameType::Write) };
+        other_raw.write_all(&h.encode()).unwrap();
+        other_raw.write_all(&[0xEE; 64]).unwrap();
+        poll_until(&rig.cq, &mut comps, "the write through the window", |_| {
+            // SAFETY: read between polls: nothing writes the buffer meanwhile.
+            let placed = unsafe { target.buf.as_slice() };
+            placed[63] == 0xEE
+        });
+        assert_eq!(other_qp.state(), QpState::Ready, "{case}");
+        // The application's disconnect ends the lingering stream.
+        rig.qp.disconnect();
+        poll_until(&rig.cq, &mut comps, "the disconnect", |_| true);
+        assert_eq!(read_until(&mut rig.raw, FrameType::Disconnect).ty, FrameType::Disconnect);
+        drop(w);
+    }
+}
+
+/// A window the peer invalidated and its owner drops only later: a window
+/// bound meanwhile under the same rkey (tcp draws keys at random, so it
+/// may) must outlive that drop.
+#[test]
+fn dropping_a_window_the_peer_invalidated_spares_a_later_window_with_its_key() {
+    let (mut rig, target) = window_rig();
+    let base = target.mr.addr();
+    let w = rig.qp.bind_window(target.mr.rkey(), base, 4096, Access::REMOTE_WRITE).unwrap();
+    let key = w.rkey().0;
+    rig.raw.write_all(&send_invalidating(1, key, b"")).unwrap();
+    let mut comps = Vec::new();
+    await_ack(&mut rig, &mut comps, 1);
+    let again = rig
+        .pd
+        .shared()
+        .bind_window_with_key(rig.qp.qp_num().0, target.mr.rkey(), base, 4096, Access::REMOTE_WRITE, key)
+        .unwrap();
+    drop(w);
+    assert_eq!(write_through(&mut rig, 2, key, base, 64), None, "the later window was taken by the old one's drop");
+    drop(again);
+}
+
 // ------------------------------------------------------ receive staging --
 
 /// Appends a WRITE frame (header and payload) to `out`.

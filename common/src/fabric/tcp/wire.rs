@@ -37,6 +37,14 @@
 //!                          max_recv_sge, max_inline_data (u32 each)
 //!     32    n private data
 //! ```
+//!
+//! The `INVALIDATE` flag (SEND with Invalidate) left the version at 1: a
+//! queue pair that never sends one talks to a peer from before the flag as
+//! it always did, and such a peer refuses a flagged SEND as malformed
+//! (unknown flags: TERMINATE, the SEND fails with `RemoteInvalidRequest`)
+//! rather than taking it for a plain SEND, so nothing is silently left
+//! valid. Raw private data (`connect_raw` and friends) needs nothing on
+//! the wire: the hello carries the private data's length either way.
 
 use std::fmt;
 
