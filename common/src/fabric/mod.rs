@@ -283,8 +283,8 @@ pub struct Completion {
     /// A successful `Recv` of the peer's [`SendOp::SendWithInvalidate`]: the
     /// key it invalidated on this side, dead by now (`IBV_WC_WITH_INV`,
     /// `wc.invalidated_rkey`). The window's owner hands it back with
-    /// [`QueuePair::window_invalidated_by_peer`]. `None` for every other
-    /// completion.
+    /// [`QueuePair::window_invalidated_by_peer`] (or drops it: either way
+    /// nothing more is posted). `None` for every other completion.
     pub invalidated_rkey: Option<Rkey>,
 }
 
@@ -435,7 +435,9 @@ enum MrImpl {
 /// A memory window: remote rights over part of a region, under its own
 /// rkey, for as long as it lives. Dropping it invalidates the rkey: a
 /// peer's access with it afterwards fails (REMOTE_ACCESS), as after
-/// `IBV_WR_LOCAL_INV` of a type-2 window.
+/// `IBV_WR_LOCAL_INV` of a type-2 window; unless the peer invalidated it
+/// already ([`SendOp::SendWithInvalidate`], reported by a polled receive
+/// completion), when nothing more is done.
 pub struct MemoryWindow {
     inner: MwImpl,
 }
@@ -1000,6 +1002,11 @@ impl QueuePair {
     /// Dropping the window invalidates it: at once (tcp), or by an
     /// unsignaled `IBV_WR_LOCAL_INV` that takes one more slot (verbs). To
     /// know when a peer can no longer use it, use [`Self::invalidate_window`].
+    /// The peer may invalidate it itself with a
+    /// [`SendOp::SendWithInvalidate`]; the drop then posts nothing, once
+    /// the receive that reports it was polled. Do not drop or invalidate a
+    /// window the peer may still be invalidating (its SEND not received
+    /// yet): rxe panics on the second invalidation, whichever comes first.
     pub fn bind_window(&self, parent: Rkey, addr: u64, len: u64, access: Access) -> Result<MemoryWindow> {
         let inner = match &self.inner {
             QpImpl::Tcp(qp) => MwImpl::Tcp(qp.bind_window(parent, addr, len, access)?),
@@ -1014,6 +1021,10 @@ impl QueuePair {
     /// opcode [`WcOpcode::LocalInvalidate`] (posting it takes a send-queue
     /// slot). A caller that must not give the memory back while a peer can
     /// still write it waits for that completion, as NVMe-oF hosts do.
+    /// `Done` too for a window the peer's SEND with Invalidate ended (a
+    /// receive completion this queue pair's CQ polled reported its key):
+    /// nothing is posted for it (see
+    /// [`window_invalidated_by_peer`](Self::window_invalidated_by_peer)).
     pub fn invalidate_window(&self, window: MemoryWindow, wr_id: WrId) -> Result<Invalidation> {
         match (&self.inner, window.inner) {
             (QpImpl::Tcp(_), MwImpl::Tcp(w)) => {
@@ -1022,7 +1033,7 @@ impl QueuePair {
                 Ok(Invalidation::Done)
             }
             #[cfg(feature = "verbs")]
-            (QpImpl::Verbs(qp), MwImpl::Verbs(w)) => qp.invalidate_window(w, wr_id).map(|()| Invalidation::Pending),
+            (QpImpl::Verbs(qp), MwImpl::Verbs(w)) => qp.invalidate_window(w, wr_id),
             #[cfg(feature = "verbs")]
             _ => Err(mixed("invalidate_window")),
         }
@@ -1031,12 +1042,26 @@ impl QueuePair {
     /// on this queue pair reported its rkey ([`Completion::invalidated_rkey`],
     /// from the peer's [`SendOp::SendWithInvalidate`]). Nothing is posted:
     /// invalidating it again is at best wasted, and rxe on Linux 6.12
-    /// panics on it. Dropping such a window instead would post that
-    /// invalidation.
+    /// panics on it. Dropping the window, or [`Self::invalidate_window`]
+    /// (which then says [`Invalidation::Done`]), does the same for a window
+    /// the provider saw invalidated: the completion queue notes each such
+    /// key as it polls the receive; this call says so in the caller's code,
+    /// and checks it. A window no receive reported is invalidated as by a
+    /// drop, and the call fails with [`FabricErrorKind::InvalidArgument`].
     pub fn window_invalidated_by_peer(&self, window: MemoryWindow) -> Result<()> {
         match (&self.inner, window.inner) {
             (QpImpl::Tcp(_), MwImpl::Tcp(w)) => {
-                drop(w);
+                let rkey = w.rkey();
+                if w.is_bound() {
+                    drop(w);
+                    return Err(FabricError::new(
+                        FabricErrorKind::InvalidArgument,
+                        format!(
+                            "window_invalidated_by_peer: the peer did not invalidate rkey {:#x}; it was invalidated locally",
+                            rkey.0
+                        ),
+                    ));
+                }
                 Ok(())
             }
             #[cfg(feature = "verbs")]

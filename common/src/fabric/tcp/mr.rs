@@ -339,6 +339,13 @@ impl TcpWindow {
     pub fn rkey(&self) -> Rkey {
         Rkey(self.rkey)
     }
+
+    /// Whether the window still grants access: false once the peer's SEND
+    /// with Invalidate ended it ([`PdShared::invalidate_window`]) or its
+    /// region was deregistered.
+    pub(crate) fn is_bound(&self) -> bool {
+        lock(&self.pd.windows).get(&self.rkey).is_some_and(|w| w.bind == self.bind)
+    }
 }
 
 impl PdShared {

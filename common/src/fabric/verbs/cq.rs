@@ -195,7 +195,14 @@ impl VerbsCq {
                         shadow.errored = true;
                         kick.push(core.clone());
                     }
-                    if let Some(c) = shadow.translate(wc.qp_num, wc, status) {
+                    let c = shadow.translate(wc.qp_num, wc, status);
+                    drop(shadow);
+                    if let Some(c) = c {
+                        if let Some(rkey) = c.invalidated_rkey {
+                            // Before the owner can drop that window: the
+                            // device ended it, and must not see it again.
+                            core.invalidated_by_peer(rkey.0);
+                        }
                         out[k] = c;
                         k += 1;
                     }

@@ -36,7 +36,13 @@
 //! - Up to 16 RDMA READs may be in flight each way (capped by the device).
 //! - Private data travels with a length byte in front (IB and RoCE pad it),
 //!   so connect data is limited to 55 bytes, accept data to 195, reject
-//!   data to 147.
+//!   data to 147. The raw calls (`connect_raw`, `accept_raw`,
+//!   `reject_raw`, `raw_private_data`) leave the byte out, for stock peers
+//!   (an NVMe/RDMA host) whose protocol has its own fields: up to 56, 196
+//!   and 148 bytes go as given, and what arrives is handed over as the CM
+//!   delivered it, padding included (a request's 56 bytes on IB and
+//!   RoCE). A raw connect's error for a reject shows the reject's data as
+//!   hex bytes.
 //! - Once a connection is established (or a request is turned into a queue
 //!   pair), its rdma_cm id moves to the event channel of the queue pair's
 //!   completion queue, whose fd covers it. A DISCONNECTED there moves the

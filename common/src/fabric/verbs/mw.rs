@@ -22,6 +22,24 @@
 //! of that same window. That is the device's limit; the tcp provider draws
 //! 31 random bits.
 //!
+//! # Invalidated by the peer
+//!
+//! A peer's SEND with Invalidate may end a window on the device's side
+//! (`IBV_WC_WITH_INV` in the receive completion). Such a window must never
+//! be invalidated again: rxe (Linux 6.12) dereferences the window's
+//! cleared region and queue pair pointers on a second invalidation and the
+//! kernel panics, in the NVMe/RDMA host test and by `LOCAL_INV` alike. So
+//! the completion queue reports every such key to the receiving queue
+//! pair's pool as it translates the completion, before the application
+//! sees it, and the window's drop, `invalidate_window` or
+//! `window_invalidated_by_peer` then only takes it back: free for the next
+//! bind (the device has it FREE, as after a local invalidation) and its
+//! region released at once. A key that is no window bound here (a peer on
+//! a device that skips the queue pair check, as rxe does) is not recorded.
+//! What is not guarded against: dropping a window the peer is still about
+//! to invalidate (its SEND not yet received, or not yet polled); a host
+//! waits for the command's answer first, as NVMe/RDMA hosts do.
+//!
 //! # Lifetimes
 //!
 //! The device refuses to deregister a region while windows are bound over
@@ -30,7 +48,7 @@
 //! has completed), and the pool deallocates its windows before the queue
 //! pair's regions can go.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, Weak};
 
@@ -85,6 +103,11 @@ pub(crate) struct WindowPool {
     /// absolute send-queue index; released once the head has passed it.
     /// `u64::MAX`: never executed (the queue pair failed); released with the pool.
     retired: Vec<(u64, Arc<MemoryRegion>)>,
+    /// The rkeys of the windows bound now.
+    bound: HashSet<u32>,
+    /// Bound windows whose rkey a peer's SEND with Invalidate ended (a
+    /// receive completion reported it): their owner's drop posts nothing.
+    peer_invalidated: HashSet<u32>,
 }
 
 // SAFETY: the window pointers are owned by this pool and only passed to
@@ -93,7 +116,15 @@ unsafe impl Send for WindowPool {}
 
 impl WindowPool {
     pub(crate) fn new(pd: Arc<ProtectionDomain>, regions: BindableRegions) -> WindowPool {
-        WindowPool { pd, regions, all: Vec::new(), free: VecDeque::new(), retired: Vec::new() }
+        WindowPool {
+            pd,
+            regions,
+            all: Vec::new(),
+            free: VecDeque::new(),
+            retired: Vec::new(),
+            bound: HashSet::new(),
+            peer_invalidated: HashSet::new(),
+        }
     }
 
     /// Checks a bind against the parent region and returns the region and
@@ -153,6 +184,9 @@ impl WindowPool {
         // SAFETY: a live window of this pool, bound by nobody else: it left
         // the free list in `lease`.
         unsafe { (*lease.mw.as_ptr()).rkey = lease.rkey };
+        self.bound.insert(lease.rkey);
+        // An old report of this key (its window's 256th bind ago) is moot.
+        self.peer_invalidated.remove(&lease.rkey);
     }
 
     /// A lease whose bind was not posted: the window is free again, and
@@ -165,15 +199,32 @@ impl WindowPool {
     /// (`None`: it could not be posted; the queue pair has failed and the
     /// window stays bound to a dead queue pair until the pool goes).
     pub(crate) fn give_back(&mut self, mw: NonNull<sys::ibv_mw>, mr: Arc<MemoryRegion>, abs: Option<u64>) {
+        // SAFETY: a live window of this pool; its rkey is the last bind's.
+        self.bound.remove(&unsafe { mw.as_ref().rkey });
         self.retired.push((abs.unwrap_or(u64::MAX), mr));
         if abs.is_some() {
             self.free.push_back(PooledWindow { mw });
         }
     }
 
-    /// A bound window the peer invalidated (its SEND with Invalidate named
-    /// the rkey, and that receive has completed): free for the next bind
-    /// at once, its region no longer held.
+    /// A receive completion of this queue pair reported that the peer's
+    /// SEND with Invalidate ended `rkey`. Recorded if it is a window bound
+    /// here (see the module docs).
+    pub(crate) fn invalidated_by_peer(&mut self, rkey: u32) {
+        if self.bound.remove(&rkey) {
+            self.peer_invalidated.insert(rkey);
+        }
+    }
+
+    /// Whether the peer ended the bound window `rkey`; if so the window is
+    /// forgotten as bound, and the caller hands it back with
+    /// [`WindowPool::invalidated_remotely`] instead of invalidating it.
+    pub(crate) fn take_peer_invalidated(&mut self, rkey: u32) -> bool {
+        self.peer_invalidated.remove(&rkey)
+    }
+
+    /// A bound window the peer invalidated: free for the next bind at
+    /// once, its region (which the caller drops) no longer held.
     pub(crate) fn invalidated_remotely(&mut self, mw: NonNull<sys::ibv_mw>) {
         self.free.push_back(PooledWindow { mw });
     }

@@ -41,8 +41,8 @@ use super::mr::VerbsPd;
 use super::mw::WindowPool;
 use super::{MAX_MESSAGE, MIN_RNR_TIMER, QP_TIMEOUT, RETRY_CNT, RNR_RETRY};
 use crate::fabric::{
-    lock, Access, Completion, FabricError, FabricErrorKind, FabricUrl, Payload, QpCaps, QpNum, QpState, RecvWr, Result, Rkey,
-    SendOp, SendWr, WcOpcode, WcStatus, WrId,
+    lock, Access, Completion, FabricError, FabricErrorKind, FabricUrl, Invalidation, Payload, QpCaps, QpNum, QpState, RecvWr,
+    Result, Rkey, SendOp, SendWr, WcOpcode, WcStatus, WrId,
 };
 
 fn err(kind: FabricErrorKind, context: impl Into<String>) -> FabricError {
@@ -352,12 +352,22 @@ impl QpCore {
     }
 
     /// Posts the invalidation of a bound window (signaled with `wr_id` if
-    /// given) and hands the window back to the pool.
-    fn invalidate(&self, window: &mut VerbsWindow, wr_id: Option<WrId>) -> Result<()> {
+    /// given) and hands the window back to the pool: `Pending` until that
+    /// completes. A window the peer's SEND with Invalidate already ended
+    /// (a polled receive completion reported it) is only handed back:
+    /// `Done`, and nothing is posted, since rxe panics on a second
+    /// invalidation (see the `mw` module).
+    fn invalidate(&self, window: &mut VerbsWindow, wr_id: Option<WrId>) -> Result<Invalidation> {
         let Some(mr) = window.mr.take() else {
-            return Ok(());
+            return Ok(Invalidation::Done);
         };
         let mut pool = lock(&self.windows);
+        if pool.take_peer_invalidated(window.rkey) {
+            pool.invalidated_remotely(window.mw);
+            // The device holds the region no more: it may go.
+            drop(mr);
+            return Ok(Invalidation::Done);
+        }
         // SAFETY: ibv_send_wr is plain old data; all-zero is valid.
         let mut w: sys::ibv_send_wr = unsafe { MaybeUninit::zeroed().assume_init() };
         w.opcode = sys::ibv_wr_opcode::IBV_WR_LOCAL_INV;
@@ -368,7 +378,14 @@ impl QpCore {
         let sq_head = lock(&self.shadow).sq_head;
         pool.give_back(window.mw, mr, posted.as_ref().ok().copied());
         pool.release_retired(sq_head);
-        posted.map(|_| ())
+        posted.map(|_| Invalidation::Pending)
+    }
+
+    /// A receive completion of this queue pair reported that the peer's
+    /// SEND with Invalidate ended `rkey` (see the `mw` module). Called as
+    /// the completion is translated, before the application sees it.
+    pub(crate) fn invalidated_by_peer(&self, rkey: u32) {
+        lock(&self.windows).invalidated_by_peer(rkey);
     }
 }
 
@@ -907,23 +924,33 @@ impl VerbsQp {
         }
     }
 
-    /// Posts the invalidation of `window`, bound on this queue pair,
-    /// signaled: a `LocalInvalidate` completion with `wr_id` follows once
-    /// its rkey is dead.
     /// The peer's SEND with Invalidate ended `window`: no LOCAL_INV is
     /// posted for it (rxe on Linux 6.12 dereferences a NULL region when a
-    /// window it already invalidated is invalidated again, and panics).
+    /// window it already invalidated is invalidated again, and panics). A
+    /// window no receive of this queue pair reported is invalidated here
+    /// instead, and the call fails: the caller's bookkeeping is wrong.
     pub fn window_invalidated_by_peer(&self, mut window: VerbsWindow) -> Result<()> {
         if !Arc::ptr_eq(&window.core, &self.core) {
             return Err(err(FabricErrorKind::InvalidArgument, "window_invalidated_by_peer: the window belongs to another queue pair"));
         }
-        if window.mr.take().is_some() {
-            lock(&self.core.windows).invalidated_remotely(window.mw);
+        let rkey = window.rkey;
+        match self.core.invalidate(&mut window, None)? {
+            Invalidation::Done => Ok(()),
+            Invalidation::Pending => Err(err(
+                FabricErrorKind::InvalidArgument,
+                format!(
+                    "window_invalidated_by_peer: no receive of this queue pair reported rkey {rkey:#x} invalidated; \
+                     the window was invalidated locally"
+                ),
+            )),
         }
-        Ok(())
     }
 
-    pub fn invalidate_window(&self, mut window: VerbsWindow, wr_id: WrId) -> Result<()> {
+    /// Posts the invalidation of `window`, bound on this queue pair,
+    /// signaled: a `LocalInvalidate` completion with `wr_id` follows once
+    /// its rkey is dead (`Pending`). `Done` if the peer's SEND with
+    /// Invalidate ended it already: nothing is posted, no completion comes.
+    pub fn invalidate_window(&self, mut window: VerbsWindow, wr_id: WrId) -> Result<Invalidation> {
         if !Arc::ptr_eq(&window.core, &self.core) {
             return Err(err(FabricErrorKind::InvalidArgument, "invalidate_window: the window belongs to another queue pair"));
         }
