@@ -10,8 +10,8 @@ use rdmablk_common::protocol::{
 };
 
 use crate::tcp_frames::{
-    control, hello, CTL_SCATTER, Frame, Region, CLIENT_PRIVATE, FLAG_ACK_REQUESTED, RECV_LEN, SERVER_READ_LEN, TY_ACK,
-    TY_DISCONNECT, TY_READ_REQ, TY_READ_RESP, TY_SEND, TY_TERMINATE, TY_WRITE,
+    control, hello, CTL_SCATTER, CTL_WINDOW, Frame, Region, CLIENT_PRIVATE, FLAG_ACK_REQUESTED, FLAG_INVALIDATE, RECV_LEN,
+    SERVER_READ_LEN, TY_ACK, TY_DISCONNECT, TY_READ_REQ, TY_READ_RESP, TY_SEND, TY_TERMINATE, TY_WRITE, WINDOW_INDEX,
 };
 
 /// Directories (relative to the repository root) whose files are further
@@ -185,6 +185,17 @@ fn write(seq: u32, region: Region, offset: u64, payload: &[u8]) -> Vec<u8> {
     wr(f, seq, payload)
 }
 
+/// A SEND with Invalidate of the key `index` names (a region's, the
+/// window's; see the tcp_frames module).
+fn send_invalidate(seq: u32, index: u32, payload: &[u8]) -> Vec<u8> {
+    wr(Frame { flags: FLAG_ACK_REQUESTED | FLAG_INVALIDATE, rkey: index, ..Frame::new(TY_SEND) }, seq, payload)
+}
+
+/// An RDMA WRITE through the window (control bit 6), `offset` into it.
+fn window_write(seq: u32, offset: u64, payload: &[u8]) -> Vec<u8> {
+    wr(Frame { flags: FLAG_ACK_REQUESTED, remote_addr: offset, rkey: WINDOW_INDEX, ..Frame::new(TY_WRITE) }, seq, payload)
+}
+
 fn read_req(seq: u32, region: Region, offset: u64, len: u32) -> Vec<u8> {
     let f = Frame { remote_addr: offset, rkey: region.index(), aux: len, ..Frame::new(TY_READ_REQ) };
     wr(f, seq, &[])
@@ -247,6 +258,13 @@ fn frames() -> Vec<(String, Vec<u8>)> {
             Frame { seq: 1, aux: 1, ..Frame::new(TY_TERMINATE) }.encode().to_vec(),
         ])),
         ("disconnect".into(), seed(c(1), &[send(1, b"bye"), Frame::new(TY_DISCONNECT).encode().to_vec()])),
+        ("write-window".into(), seed(c(1) | CTL_WINDOW, &[window_write(1, 0, &[0xee; 64])])),
+        ("send-invalidate-window".into(), seed(c(2) | CTL_WINDOW, &[
+            send_invalidate(1, WINDOW_INDEX, b"done"),
+            window_write(2, 0, &[0xee; 16]),
+        ])),
+        ("send-invalidate-region".into(), seed(c(1), &[send_invalidate(1, Region::RemoteWrite.index(), b"not a window")])),
+        ("send-invalidate-no-window".into(), seed(c(1), &[send_invalidate(1, WINDOW_INDEX, b"none bound")])),
         ("hello-after-handshake".into(), seed(c(1), &[hello(b"again")])),
         ("wrong-seq".into(), seed(c(1), &[send(2, b"x")])),
         ("truncated-header".into(), seed(c(1), &[send(1, b"x")[..20].to_vec()])),

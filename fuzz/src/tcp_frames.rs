@@ -12,14 +12,19 @@
 //! | 1 | after `accept`, the endpoint posts a SEND, an RDMA WRITE and an RDMA READ (seqs 1, 2, 3) |
 //! | 2..5 | number of receives posted before `accept` (0..=7) |
 //! | 5 | scatter: every receive, and the endpoint's RDMA READ, uses two SGEs with a gap between them |
+//! | 6 | window: after `accept`, the endpoint binds a memory window (remote read and write) over the second half of [`Region::LocalOnly`] |
 //!
 //! The stream is walked frame by frame (32-byte header, `length` payload
 //! for frames that carry one) and every WRITE or READ_REQ whose rkey field
-//! is a small index (see [`Region`]) is *relocated*: the rkey becomes that
-//! region's real rkey and the address field an offset from its start. Keys
-//! are random and addresses differ between processes, so without this the
-//! fuzzer could never name registered memory; other rkey values pass through
-//! unchanged.
+//! is a small index (see [`Region`]; [`WINDOW_INDEX`] names the window) is
+//! *relocated*: the rkey becomes that region's (or window's) real rkey and
+//! the address field an offset from its start; so is the rkey of a SEND
+//! with the INVALIDATE flag (SEND with Invalidate), whose address field is
+//! left alone. Keys are random and addresses differ between processes, so
+//! without this the fuzzer could never name registered memory; other rkey
+//! values pass through unchanged. The bytes after the first frame (the
+//! hello) are held back and relocated once the endpoint has accepted, when
+//! the window's key is known; the endpoint reads nothing of them before.
 //!
 //! # What one run does
 //!
@@ -43,11 +48,12 @@
 //!   (all of its SGEs if it failed); in the RDMA READ's SGEs. The guard pages
 //!   between regions, the region with only remote-read rights, the region
 //!   without rights, the gaps between SGEs and the receive bytes beyond the
-//!   posted SGEs never change.
+//!   posted SGEs never change; the window's bytes only if it was bound.
 //! - Completions: every posted work request completes exactly once, with its
 //!   own opcode and the queue pair's number, in posting order per queue; a
 //!   successful receive reports at most the posted length, a successful READ
-//!   exactly the length asked for.
+//!   exactly the length asked for. Only a successful receive reports an
+//!   invalidated key, only the window's, and only once.
 //! - The hello private data the listener reports is the one the client sent.
 
 use std::io::{ErrorKind, Read, Write};
@@ -56,7 +62,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{
-    Access, AlignedBuf, Completion, CompletionQueue, Fabric, FabricUrl, Listener, MemoryRegion, Payload,
+    Access, AlignedBuf, Completion, CompletionQueue, Fabric, FabricUrl, Listener, MemoryRegion, MemoryWindow, Payload,
     ProtectionDomain, QpCaps, QpState, QueuePair, RecvWr, Rkey, SendOp, SendWr, WcOpcode, WcStatus, WrId,
 };
 
@@ -76,6 +82,8 @@ pub const TY_TERMINATE: u8 = 8;
 pub const TY_DISCONNECT: u8 = 9;
 /// Header flag: the sender wants an acknowledgement.
 pub const FLAG_ACK_REQUESTED: u8 = 1;
+/// Header flag (SEND only): a SEND with Invalidate of the rkey field.
+pub const FLAG_INVALIDATE: u8 = 2;
 
 /// Control byte bits.
 pub const CTL_HELLO: u8 = 1;
@@ -83,6 +91,7 @@ pub const CTL_SERVER_SENDS: u8 = 2;
 pub const CTL_RECVS_SHIFT: u32 = 2;
 const CTL_RECVS_MASK: u8 = 0x7;
 pub const CTL_SCATTER: u8 = 0x20;
+pub const CTL_WINDOW: u8 = 0x40;
 /// Bytes left out between the two SGEs of a scattered receive or READ.
 const SCATTER_GAP: usize = 32;
 
@@ -100,6 +109,11 @@ pub const RECV_LEN: u32 = 192;
 pub const SERVER_SEND_LEN: u32 = 48;
 pub const SERVER_WRITE_LEN: u32 = 64;
 pub const SERVER_READ_LEN: u32 = 128;
+/// The window (control bit 6) covers this part of [`Region::LocalOnly`].
+const WINDOW_OFFSET: usize = SECTION / 2;
+const WINDOW_LEN: usize = SECTION / 2;
+/// The rkey field value that names the window in the fuzz input.
+pub const WINDOW_INDEX: u32 = Region::ALL.len() as u32;
 /// Where the endpoint's WRITE and READ point in the client's (fake) memory.
 const CLIENT_WRITE_ADDR: u64 = 0x10_0000;
 const CLIENT_READ_ADDR: u64 = 0x20_0000;
@@ -118,7 +132,8 @@ pub enum Region {
     RemoteWrite,
     /// REMOTE_READ only: must never change.
     RemoteRead,
-    /// LOCAL_WRITE only: the endpoint's RDMA READ lands at its start.
+    /// LOCAL_WRITE | MW_BIND: the endpoint's RDMA READ lands at its start;
+    /// peers reach its second half only through the window (control bit 6).
     LocalOnly,
     /// No rights (local read): the source of the endpoint's SEND and WRITE.
     NoRights,
@@ -135,7 +150,8 @@ impl Region {
         match self {
             Region::RemoteWrite => Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
             Region::RemoteRead => Access::REMOTE_READ,
-            Region::LocalOnly | Region::Receives => Access::LOCAL_WRITE,
+            Region::LocalOnly => Access::LOCAL_WRITE | Access::MW_BIND,
+            Region::Receives => Access::LOCAL_WRITE,
             Region::NoRights => Access::NONE,
         }
     }
@@ -186,6 +202,7 @@ struct Control {
     server_sends: bool,
     recvs: usize,
     scatter: bool,
+    window: bool,
 }
 
 impl Control {
@@ -195,6 +212,7 @@ impl Control {
             server_sends: b & CTL_SERVER_SENDS != 0,
             recvs: ((b >> CTL_RECVS_SHIFT) & CTL_RECVS_MASK) as usize,
             scatter: b & CTL_SCATTER != 0,
+            window: b & CTL_WINDOW != 0,
         }
     }
 
@@ -286,8 +304,9 @@ pub fn hello(private: &[u8]) -> Vec<u8> {
     out
 }
 
-/// Rewrites WRITE and READ_REQ frames that name a region by index (see the
-/// module doc). `regions[i]` is region i's (start address, rkey).
+/// Rewrites WRITE and READ_REQ frames that name a region (or the window)
+/// by index, and the rkey of SEND with Invalidate frames (see the module
+/// doc). `regions[i]` is index i's (start address, rkey).
 fn relocate(stream: &mut [u8], regions: &[(u64, u32)]) {
     let u32_at = |b: &[u8], o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
     let mut pos = 0usize;
@@ -295,12 +314,17 @@ fn relocate(stream: &mut [u8], regions: &[(u64, u32)]) {
         let h = &mut stream[pos..pos + HDR_LEN];
         let ty = h[0];
         let length = u32_at(h, 12) as usize;
+        let named = regions.get(u32_at(h, 24) as usize).copied();
         if ty == TY_WRITE || ty == TY_READ_REQ {
-            if let Some(&(base, rkey)) = regions.get(u32_at(h, 24) as usize) {
+            if let Some((base, rkey)) = named {
                 let mut offset = [0u8; 8];
                 offset.copy_from_slice(&h[16..24]);
                 let addr = base.wrapping_add(u64::from_le_bytes(offset));
                 h[16..24].copy_from_slice(&addr.to_le_bytes());
+                h[24..28].copy_from_slice(&rkey.to_le_bytes());
+            }
+        } else if ty == TY_SEND && h[1] & FLAG_INVALIDATE != 0 {
+            if let Some((_, rkey)) = named {
                 h[24..28].copy_from_slice(&rkey.to_le_bytes());
             }
         }
@@ -318,9 +342,20 @@ const WR_WRITE: u64 = 2;
 const WR_READ: u64 = 3;
 const RECV_BASE: u64 = 100;
 
-/// The per-run fabric objects. Field order is drop order: the queue pair
-/// goes first, then the regions, the domain and the CQ.
+/// Where the first frame (the hello the listener reads) ends in `stream`:
+/// the bytes after it are held back until the endpoint accepted.
+fn first_frame_end(stream: &[u8]) -> usize {
+    if stream.len() < HDR_LEN {
+        return stream.len();
+    }
+    let length = u32::from_le_bytes([stream[12], stream[13], stream[14], stream[15]]) as usize;
+    HDR_LEN.saturating_add(length).min(stream.len())
+}
+
+/// The per-run fabric objects. Field order is drop order: the window and
+/// the queue pair go first, then the regions, the domain and the CQ.
 struct Endpoint {
+    window: Option<MemoryWindow>,
     qp: Option<QueuePair>,
     regions: Vec<MemoryRegion>,
     pd: ProtectionDomain,
@@ -333,6 +368,8 @@ struct Ledger {
     posted_sends: Vec<u64>,
     posted_recvs: Vec<u64>,
     completions: Vec<Completion>,
+    /// The window's rkey, once bound.
+    window: Option<Rkey>,
 }
 
 impl Ledger {
@@ -388,18 +425,21 @@ pub fn run_with_outcome(data: &[u8]) -> Outcome {
             .unwrap_or_else(|e| panic!("registering {r:?}: {e}"));
         regions.push(mr);
     }
-    let mut ep = Endpoint { qp: None, regions, pd, cq };
-    let keys: Vec<(u64, u32)> = ep.regions.iter().map(|m| (m.addr(), m.rkey().0)).collect();
+    let mut ep = Endpoint { window: None, qp: None, regions, pd, cq };
 
     let mut stream = if ctl.hello { hello(CLIENT_PRIVATE) } else { Vec::new() };
     stream.extend_from_slice(rest);
-    relocate(&mut stream, &keys);
+    let held = stream.split_off(first_frame_end(&stream));
 
     let mut ledger = Ledger::default();
     let mut received = Vec::new();
-    drive(&rig, &mut ep, &stream, ctl, &mut ledger, &mut received);
+    drive(&rig, &mut ep, stream, held, ctl, &mut ledger, &mut received);
 
     let qp_num = ep.qp.as_ref().map(|qp| qp.qp_num());
+    // The window goes before the last poll, as a host drops it once the
+    // peer is done: a receive that reported it invalidated lets the drop
+    // post nothing.
+    drop(ep.window.take());
     // One more poll: nothing may complete twice or late.
     let mut out = [Completion::EMPTY; 16];
     let late = ep.cq.poll(&mut out).expect("poll");
@@ -419,15 +459,33 @@ pub fn run_with_outcome(data: &[u8]) -> Outcome {
     }
 }
 
-/// Writes the stream and drives the endpoint until the run is over.
-fn drive(rig: &Rig, ep: &mut Endpoint, stream: &[u8], ctl: Control, ledger: &mut Ledger, received: &mut Vec<u8>) {
+/// Writes the stream (`stream`, then `held` once the endpoint accepted,
+/// relocated) and drives the endpoint until the run is over.
+fn drive(
+    rig: &Rig,
+    ep: &mut Endpoint,
+    mut stream: Vec<u8>,
+    held: Vec<u8>,
+    ctl: Control,
+    ledger: &mut Ledger,
+    received: &mut Vec<u8>,
+) {
     let mut client = TcpStream::connect(rig.listener.local_url().host_port()).expect("connect the raw client");
     client.set_nonblocking(true).expect("O_NONBLOCK on the client");
     let deadline = Instant::now() + RUN_DEADLINE;
+    let mut held = Some(held).filter(|h| !h.is_empty());
     let mut written = 0;
     let mut shut = false;
     let mut client_eof = false;
     loop {
+        if let Some(mut rest) = held.take_if(|_| ep.qp.is_some()) {
+            // Accepted (and the window bound): the keys are all known.
+            let mut keys: Vec<(u64, u32)> = ep.regions.iter().map(|m| (m.addr(), m.rkey().0)).collect();
+            let base = ep.regions[Region::LocalOnly as usize].addr() + WINDOW_OFFSET as u64;
+            keys.extend(ep.window.as_ref().map(|w| (base, w.rkey().0)));
+            relocate(&mut rest, &keys);
+            stream.extend_from_slice(&rest);
+        }
         // Client: write what the socket takes, then EOF; drain what comes back.
         if written < stream.len() {
             match client.write(&stream[written..]) {
@@ -437,7 +495,7 @@ fn drive(rig: &Rig, ep: &mut Endpoint, stream: &[u8], ctl: Control, ledger: &mut
                 Err(_) => written = stream.len(),
             }
         }
-        if written == stream.len() && !shut {
+        if written == stream.len() && held.is_none() && !shut {
             let _ = client.shutdown(Shutdown::Write);
             shut = true;
         }
@@ -446,13 +504,15 @@ fn drive(rig: &Rig, ep: &mut Endpoint, stream: &[u8], ctl: Control, ledger: &mut
         match &ep.qp {
             None => {
                 if let Some(req) = rig.listener.poll_request().expect("poll_request") {
-                    check_private_data(stream, ctl, req.private_data());
+                    check_private_data(&stream, ctl, req.private_data());
                     let caps =
                         QpCaps { max_send_wr: 8, max_recv_wr: 8, max_send_sge: 2, max_recv_sge: 2, max_inline_data: 64 };
                     let qp = req.into_queue_pair(&ep.pd, &ep.cq, caps).expect("into_queue_pair");
                     open(ep, qp, ctl, ledger);
                 } else if client_eof {
-                    // The listener dropped the connection during the hello.
+                    // The listener dropped the connection during the hello
+                    // (a whole first frame always makes it decide, so bytes
+                    // held back behind it never leave it waiting).
                     return;
                 }
             }
@@ -521,7 +581,15 @@ fn open(ep: &mut Endpoint, qp: QueuePair, ctl: Control, ledger: &mut Ledger) {
     }
     // A failed accept leaves the queue pair in the error state; the run
     // then waits for the flushes like any other.
-    let _ = qp.accept(SERVER_PRIVATE);
+    let accepted = qp.accept(SERVER_PRIVATE).is_ok();
+    if ctl.window && accepted {
+        let parent = &ep.regions[Region::LocalOnly as usize];
+        let access = Access::REMOTE_READ | Access::REMOTE_WRITE;
+        let w = qp.bind_window(parent.rkey(), parent.addr() + WINDOW_OFFSET as u64, WINDOW_LEN as u64, access);
+        let w = w.expect("bind the window over LocalOnly");
+        ledger.window = Some(w.rkey());
+        ep.window = Some(w);
+    }
     if ctl.server_sends {
         let src = &ep.regions[Region::NoRights as usize];
         let dst = &ep.regions[Region::LocalOnly as usize];
@@ -546,8 +614,15 @@ fn open(ep: &mut Endpoint, qp: QueuePair, ctl: Control, ledger: &mut Ledger) {
 fn check_completions(ledger: &Ledger, qp_num: Option<rdmablk_common::fabric::QpNum>) {
     let mut seen_sends = Vec::new();
     let mut seen_recvs = Vec::new();
+    let mut invalidations = 0;
     for c in &ledger.completions {
         assert_eq!(Some(c.qp_num), qp_num, "completion of another queue pair: {c:?}");
+        if c.invalidated_rkey.is_some() {
+            assert!(c.opcode == WcOpcode::Recv && c.status == WcStatus::Success, "an invalidated key on {c:?}");
+            assert_eq!(c.invalidated_rkey, ledger.window, "an invalidated key that is not the window's: {c:?}");
+            invalidations += 1;
+            assert_eq!(invalidations, 1, "the window reported invalidated twice: {:?}", ledger.completions);
+        }
         let wr = c.wr_id.0;
         let expected_opcode = match wr {
             WR_SEND => WcOpcode::Send,
@@ -587,7 +662,8 @@ fn may_change(i: usize, ledger: &Ledger, ctl: Control) -> bool {
         Some(Region::RemoteWrite) => true,
         Some(Region::RemoteRead | Region::NoRights) => false,
         Some(Region::LocalOnly) => {
-            ledger.posted_sends.contains(&WR_READ) && placed(&ctl.sges(0, SERVER_READ_LEN), None, within)
+            (ledger.posted_sends.contains(&WR_READ) && placed(&ctl.sges(0, SERVER_READ_LEN), None, within))
+                || (ledger.window.is_some() && (WINDOW_OFFSET..WINDOW_OFFSET + WINDOW_LEN).contains(&within))
         }
         Some(Region::Receives) => {
             let (slot, offset) = (within / SLOT, within % SLOT);
@@ -655,6 +731,25 @@ mod tests {
         assert_eq!(field(&stream, read_at, 16, 8), 0x1010);
         assert_eq!(field(&stream, read_at, 24, 4), 0xAAAA_AAAA);
         assert_eq!(stream[read_at + HDR_LEN..], before[read_at + HDR_LEN..]);
+
+        // A SEND with Invalidate gets the key, not an address; a plain
+        // SEND's rkey field is left alone.
+        let invalidating = Frame { flags: FLAG_INVALIDATE, rkey: 1, remote_addr: 8, ..Frame::new(TY_SEND) };
+        let plain = Frame { rkey: 1, ..Frame::new(TY_SEND) };
+        let mut stream = [invalidating.encode(), plain.encode()].concat();
+        relocate(&mut stream, &regions);
+        assert_eq!((field(&stream, 0, 24, 4), field(&stream, 0, 16, 8)), (0xBBBB_BBBB, 8));
+        assert_eq!(field(&stream, HDR_LEN, 24, 4), 1);
+    }
+
+    #[test]
+    fn the_first_frame_ends_where_its_length_says() {
+        let hello = hello(b"x");
+        assert_eq!(first_frame_end(&hello), hello.len());
+        assert_eq!(first_frame_end(&[hello.clone(), vec![9; 40]].concat()), hello.len());
+        assert_eq!(first_frame_end(&hello[..20]), 20, "a partial header: all of it");
+        let huge = Frame { length: u32::MAX, ..Frame::new(TY_HELLO) }.encode();
+        assert_eq!(first_frame_end(&huge), HDR_LEN, "a length past the end: all of it");
     }
 
     fn seed(name: &str) -> Vec<u8> {
@@ -722,6 +817,27 @@ mod tests {
         let o = run_with_outcome(&seed("send-too-long"));
         assert_eq!(status(&o, RECV_BASE).map(|s| s.0), Some(WcStatus::LocalLengthError));
 
+        // The window: reachable through its key, and no more once the
+        // peer's SEND with Invalidate ended it (the receive says so).
+        let o = run_with_outcome(&seed("write-window"));
+        let window = &o.regions[Region::LocalOnly as usize][WINDOW_OFFSET..];
+        assert!(window[..64].iter().all(|&b| b == 0xee));
+        assert_eq!(terminate_code(&o), None);
+        let o = run_with_outcome(&seed("send-invalidate-window"));
+        let c = o.completions.iter().find(|c| c.wr_id == WrId(RECV_BASE)).expect("the receive");
+        assert_eq!((c.status, c.byte_len), (WcStatus::Success, 4));
+        assert!(c.invalidated_rkey.is_some());
+        assert_eq!(terminate_code(&o), Some(1), "a WRITE through the invalidated window: REMOTE_ACCESS");
+        let window = &o.regions[Region::LocalOnly as usize][WINDOW_OFFSET..];
+        assert!(!window[..16].iter().all(|&b| b == 0xee), "the WRITE after the invalidation placed");
+        // Keys that are no window: IBTA's class J, the receiver's alone.
+        for name in ["send-invalidate-region", "send-invalidate-no-window"] {
+            let o = run_with_outcome(&seed(name));
+            assert_eq!(status(&o, RECV_BASE).map(|s| s.0), Some(WcStatus::RemoteInvalidRequest), "{name}");
+            assert_eq!(terminate_code(&o), None, "{name}");
+            assert!(frames_sent(&o.received).iter().any(|f| f.0 == TY_ACK), "{name}: the SEND is acknowledged");
+        }
+
         let o = run_with_outcome(&seed("server-sends-acked"));
         assert_eq!(status(&o, WR_SEND), Some((WcStatus::Success, 0)));
         assert_eq!(status(&o, WR_WRITE), Some((WcStatus::Success, 0)));
@@ -756,8 +872,9 @@ mod tests {
     #[test]
     fn control_byte_round_trips() {
         let c = Control::parse(control(true, false, 5));
-        assert!(c.hello && !c.server_sends);
+        assert!(c.hello && !c.server_sends && !c.window);
         assert_eq!(c.recvs, 5);
+        assert!(Control::parse(CTL_WINDOW).window);
     }
 
     /// The memory check can fail: a write into the remote-read-only region
