@@ -1148,6 +1148,11 @@ fn private_data_limits() {
     let qp = node.fabric.create_qp(&node.pd, &node.cq, QpCaps::default()).unwrap();
     let e = qp.connect(&[0u8; 257], CONNECT_TIMEOUT).unwrap_err();
     assert_eq!(e.kind, FabricErrorKind::InvalidArgument, "{e}");
+    // Raw: the CM's REQ carries 56 bytes (rdma_cm); the tcp hello 256.
+    let over = if is_tcp() { 257 } else { 57 };
+    let e = qp.connect_raw(&vec![0u8; over], CONNECT_TIMEOUT).unwrap_err();
+    assert_eq!(e.kind, FabricErrorKind::InvalidArgument, "{e}");
+    assert_eq!(qp.state(), QpState::Init, "a refused argument leaves the queue pair unused");
 }
 
 #[test]
@@ -1313,13 +1318,24 @@ fn window_use(how: WindowUse) {
             assert_success(env.server_comp(60), WcOpcode::LocalInvalidate);
         }
         WindowUse::AfterPeerInvalidate => {
+            // The window leaves the test's hands before any assertion: one
+            // the peer invalidated must not be invalidated again (rxe on
+            // Linux 6.12 panics), even by the unwinding of a failed check.
+            // If the receive does not say so, the device may have ended it
+            // all the same: it is leaked, never invalidated.
+            let w = window.take().unwrap();
             let sge = [local.sge(0, 8)];
             cqp.post_send(&[send_wr(52, SendOp::SendWithInvalidate { rkey }, &sge)]).unwrap();
-            assert_success(env.client_comp(52), WcOpcode::Send);
+            let s = env.client_comp(52);
             let c = env.server_comp(100);
+            if c.invalidated_rkey == Some(rkey) {
+                sqp.window_invalidated_by_peer(w).expect("window_invalidated_by_peer");
+            } else {
+                std::mem::forget(w);
+            }
+            assert_success(s, WcOpcode::Send);
             assert_success(c, WcOpcode::Recv);
             assert_eq!((c.byte_len, c.invalidated_rkey), (8, Some(rkey)), "the receive reports the key it invalidated");
-            sqp.window_invalidated_by_peer(window.take().unwrap()).expect("window_invalidated_by_peer");
         }
         WindowUse::AfterDrop => {
             drop(window.take());
@@ -1397,34 +1413,129 @@ fn window_refused_after_the_peers_send_with_invalidate() {
     window_use(WindowUse::AfterPeerInvalidate);
 }
 
-/// A plain SEND reports no invalidation; a SEND with Invalidate of a key
-/// that is no window of the receiving queue pair fails the receive and the
-/// receiving queue pair (IBTA: an invalid-request error of the responder).
+/// A plain SEND reports no invalidation. A SEND with Invalidate of a key
+/// that is no window of the receiving queue pair (here a region's, which
+/// an ordinary registration cannot give up) is IBTA's class J error: as
+/// rxe's responder does, the SEND is acknowledged and succeeds, the
+/// receive completes with `RemoteInvalidRequest` and the receiving queue
+/// pair fails on its own, without a word to the sender.
 #[test]
 fn send_with_invalidate_of_an_unknown_key_fails_the_receive() {
     let mut env = Env::new();
     let target = Mem::new(&env.server.pd, PAGE, all_rights());
+    target.fill(0x5A);
     let local = Mem::new(&env.client.pd, PAGE, Access::LOCAL_WRITE);
+    local.put(0, &[0xEE; 64]);
     let srx = Mem::new(&env.server.pd, PAGE, Access::LOCAL_WRITE);
-    let (s0, s1) = ([srx.sge(0, 64)], [srx.sge(64, 64)]);
-    let (cqp, sqp) =
-        env.connect(&[], &[RecvWr { wr_id: WrId(100), sges: &s0 }, RecvWr { wr_id: WrId(101), sges: &s1 }]);
+    let (s0, s1, s2) = ([srx.sge(0, 64)], [srx.sge(64, 64)], [srx.sge(128, 64)]);
+    let (cqp, sqp) = env.connect(&[], &[
+        RecvWr { wr_id: WrId(100), sges: &s0 },
+        RecvWr { wr_id: WrId(101), sges: &s1 },
+        RecvWr { wr_id: WrId(102), sges: &s2 },
+    ]);
     let sge = [local.sge(0, 8)];
     cqp.post_send(&[send_wr(1, SendOp::Send, &sge)]).unwrap();
     let c = env.server_comp(100);
     assert_success(c, WcOpcode::Recv);
     assert_eq!(c.invalidated_rkey, None, "a plain SEND invalidates nothing");
-    // The region's own key: registered, but no window (a memory window or,
-    // on a NIC, a fast-registered region may be invalidated; this one not).
     cqp.post_send(&[send_wr(2, SendOp::SendWithInvalidate { rkey: target.mr.rkey() }, &sge)]).unwrap();
     let r = env.server_comp(101);
-    assert_ne!(r.status, WcStatus::Success, "{r:?}");
-    assert_eq!(r.invalidated_rkey, None);
+    assert_eq!((r.status, r.invalidated_rkey), (WcStatus::RemoteInvalidRequest, None), "{r:?}");
+    assert_success(env.client_comp(2), WcOpcode::Send);
     env.pump_until("the receiving queue pair fails", |_| sqp.state() == QpState::Error);
-    // The SEND itself: refused (tcp) or acknowledged before the responder
-    // found the key bad (some RC devices); either way it completes.
-    let _ = env.client_comp(2);
-    drop(cqp);
+    let flushed = env.server_comp(102);
+    assert_eq!(flushed.status, WcStatus::WrFlushError, "{flushed:?}");
+    assert_eq!(cqp.state(), QpState::Ready, "the sender is not told");
+    drop((cqp, sqp));
+    // Nothing was invalidated: the region's key serves a new connection.
+    let (cqp, _sqp) = env.connect(&[], &[]);
+    let data = [local.sge(0, 64)];
+    cqp.post_send(&[send_wr(3, write_op(&target, 0), &data)]).unwrap();
+    assert_success(env.client_comp(3), WcOpcode::RdmaWrite);
+    assert_eq!(target.bytes()[..64], [0xEE; 64]);
+}
+
+/// A window the peer invalidated needs nothing more from its owner:
+/// invalidating it says `Done` at once and posts nothing (rxe on Linux
+/// 6.12 panics on a second invalidation), and the next bind, which may
+/// reuse the device's window, works under a fresh key while the old one
+/// stays dead.
+#[test]
+fn a_window_the_peer_invalidated_is_given_back_and_bound_again() {
+    let mut env = Env::new();
+    let target = Mem::new(&env.server.pd, 2 * PAGE, Access::LOCAL_WRITE | Access::MW_BIND);
+    target.fill(0x5A);
+    let local = Mem::new(&env.client.pd, PAGE, Access::LOCAL_WRITE);
+    local.put(0, &pattern(11, WIN_LEN));
+    let srx = Mem::new(&env.server.pd, PAGE, Access::LOCAL_WRITE);
+    let crx = Mem::new(&env.client.pd, PAGE, Access::LOCAL_WRITE);
+    let (c0, c1) = ([crx.sge(0, 64)], [crx.sge(64, 64)]);
+    let s0 = [srx.sge(0, 64)];
+    let (cqp, sqp) = env.connect(
+        &[RecvWr { wr_id: WrId(200), sges: &c0 }, RecvWr { wr_id: WrId(201), sges: &c1 }],
+        &[RecvWr { wr_id: WrId(100), sges: &s0 }],
+    );
+    let bind = || sqp.bind_window(target.mr.rkey(), target.addr(WIN_OFF), WIN_LEN as u64, Access::REMOTE_WRITE).unwrap();
+    let note = [srx.sge(128, 8)];
+    let first = bind();
+    let old = first.rkey();
+    sqp.post_send(&[send_wr(50, SendOp::Send, &note)]).unwrap();
+    assert_success(env.client_comp(200), WcOpcode::Recv);
+    let sge = [local.sge(0, 8)];
+    cqp.post_send(&[send_wr(1, SendOp::SendWithInvalidate { rkey: old }, &sge)]).unwrap();
+    let c = env.server_comp(100);
+    if c.invalidated_rkey != Some(old) {
+        // The device may have ended the window all the same: leaked, never
+        // invalidated a second time (rxe panics).
+        std::mem::forget(first);
+        panic!("the receive does not report the key it invalidated: {c:?}");
+    }
+    let given_back = sqp.invalidate_window(first, WrId(60)).expect("invalidate_window");
+    assert_eq!(given_back, rdmablk_common::fabric::Invalidation::Done);
+    assert_success(env.client_comp(1), WcOpcode::Send);
+
+    let second = bind();
+    assert_ne!(second.rkey(), old);
+    sqp.post_send(&[send_wr(51, SendOp::Send, &note)]).unwrap();
+    assert_success(env.client_comp(201), WcOpcode::Recv);
+    let data = [local.sge(0, WIN_LEN)];
+    let write = |rkey| SendOp::RdmaWrite { remote_addr: target.addr(WIN_OFF), rkey };
+    cqp.post_send(&[send_wr(2, write(second.rkey()), &data)]).unwrap();
+    assert_success(env.client_comp(2), WcOpcode::RdmaWrite);
+    assert_eq!(target.bytes()[WIN_OFF..WIN_OFF + WIN_LEN], pattern(11, WIN_LEN)[..]);
+    cqp.post_send(&[send_wr(3, write(old), &data)]).unwrap();
+    assert_eq!(env.client_comp(3).status, WcStatus::RemoteAccessError, "the invalidated key came back");
+    env.pump_until("the faulting queue pair fails", |_| cqp.state() == QpState::Error);
+    assert!(env.server.get(60).is_none(), "a completion for an invalidation that was never posted");
+    drop(second);
+}
+
+/// `window_invalidated_by_peer` checks its claim: for a window the peer did
+/// not invalidate it fails, and the window is invalidated all the same.
+#[test]
+fn window_invalidated_by_peer_refuses_a_window_the_peer_did_not_invalidate() {
+    let mut env = Env::new();
+    let target = Mem::new(&env.server.pd, 2 * PAGE, Access::LOCAL_WRITE | Access::MW_BIND);
+    target.fill(0x5A);
+    let local = Mem::new(&env.client.pd, PAGE, Access::LOCAL_WRITE);
+    let crx = Mem::new(&env.client.pd, PAGE, Access::LOCAL_WRITE);
+    let srx = Mem::new(&env.server.pd, PAGE, Access::LOCAL_WRITE);
+    let (c0, c1) = ([crx.sge(0, 64)], [crx.sge(64, 64)]);
+    let (cqp, sqp) = env.connect(&[RecvWr { wr_id: WrId(200), sges: &c0 }, RecvWr { wr_id: WrId(201), sges: &c1 }], &[]);
+    let window = sqp.bind_window(target.mr.rkey(), target.addr(WIN_OFF), WIN_LEN as u64, Access::REMOTE_WRITE).unwrap();
+    let rkey = window.rkey();
+    let e = sqp.window_invalidated_by_peer(window).expect_err("the peer invalidated nothing");
+    assert_eq!(e.kind, FabricErrorKind::InvalidArgument, "{e}");
+    // The local invalidation (posted in send-queue order) executed before
+    // a later SEND's completion.
+    let note = [srx.sge(0, 8)];
+    sqp.post_send(&[send_wr(50, SendOp::Send, &note)]).unwrap();
+    assert_success(env.server_comp(50), WcOpcode::Send);
+    assert_success(env.client_comp(200), WcOpcode::Recv);
+    let data = [local.sge(0, 64)];
+    cqp.post_send(&[send_wr(1, SendOp::RdmaWrite { remote_addr: target.addr(WIN_OFF), rkey }, &data)]).unwrap();
+    assert_eq!(env.client_comp(1).status, WcStatus::RemoteAccessError);
+    assert!(target.bytes().iter().all(|&b| b == 0x5A));
 }
 
 /// Private data as stock peers (an NVMe/RDMA host) send it: no length
@@ -1441,12 +1552,18 @@ fn raw_private_data_travels_as_sent() {
         (cqp, r)
     });
     let req = env.next_request();
-    assert!(req.raw_private_data().starts_with(&request), "{:?}", req.raw_private_data());
+    // tcp: exactly what was sent; rdma_cm: padded to the REQ's 56 bytes
+    // (IB and RoCE), never cut.
+    let raw = req.raw_private_data();
+    assert!(raw.starts_with(&request), "{raw:?}");
+    assert!(if is_tcp() { raw.len() == request.len() } else { raw[request.len()..].iter().all(|&b| b == 0) }, "{raw:?}");
     let sqp = req.into_queue_pair(&env.server.pd, &env.server.cq, QpCaps::default()).expect("into_queue_pair");
     let reply = [0u8, 0, 0x20, 0];
     sqp.accept_raw(&reply).expect("accept_raw");
     let (cqp, r) = connecting.join().expect("connect thread");
-    assert!(r.expect("connect_raw").starts_with(&reply));
+    let got = r.expect("connect_raw");
+    assert!(got.starts_with(&reply), "{got:?}");
+    assert!(if is_tcp() { got.len() == reply.len() } else { got[reply.len()..].iter().all(|&b| b == 0) }, "{got:?}");
     assert_eq!(cqp.state(), QpState::Ready);
 
     let cqp2 = env.client.fabric.create_qp(&env.client.pd, &env.client.cq, QpCaps::default()).expect("create_qp");

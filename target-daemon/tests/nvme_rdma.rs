@@ -288,6 +288,12 @@ fn connect_requests_with_bad_private_data_are_rejected_with_their_status() {
         ("receive queue size", CmRequest { hrqsize: 8, ..good }.encode().to_vec(), reject::INVALID_HRQSIZE),
         ("length", good.encode()[..20].to_vec(), reject::INVALID_LENGTH),
     ] {
+        if what == "length" && std::env::var_os("RDMABLK_NVME_RDMA_HOST").is_some() {
+            // rdma_cm pads a request's private data to the CM message's
+            // size with zeroes: on verbs a short request arrives as a whole
+            // one (zero fields past the end), which is valid.
+            continue;
+        }
         let err = Host::connect_raw(&url, &req).err().unwrap_or_else(|| panic!("{what}: accepted"));
         let want = format!("{:02x} {:02x} {:02x} {:02x}", RECFMT_1_0 as u8, 0, status as u8, 0);
         assert!(err.contains(&want), "{what}: the reject carries status {status} ({want}): {err}");
@@ -380,11 +386,16 @@ fn a_completion_invalidates_the_hosts_key_when_the_sgl_asks() {
     read.set_sgl(Sgl::Keyed { addr: io.data_mr.addr(), length: 4096, key: key.0, invalidate: true });
     io.send(&read, &[]);
     let (c, invalidated) = io.completion().unwrap();
+    // As the Linux host does: a key the target invalidated is not
+    // invalidated again (before any assertion: rxe on Linux 6.12 panics on
+    // a second invalidation, which a failed check's unwinding would post).
+    if invalidated == Some(key) {
+        io.qp.window_invalidated_by_peer(window).unwrap();
+    } else {
+        drop(window);
+    }
     assert_eq!((c.cid, c.status), (cid, Status::SUCCESS));
     assert_eq!(invalidated, Some(key), "the completion came as a SEND with Invalidate of the command's key");
-    // As the Linux host does: a key the target invalidated is not
-    // invalidated again.
-    io.qp.window_invalidated_by_peer(window).unwrap();
     // Without the request, a plain SEND.
     let sgl = io.keyed(0, 4096);
     let mut plain = SubmissionEntry::new(io_opcode::READ, io.cid());

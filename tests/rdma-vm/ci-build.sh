@@ -40,6 +40,7 @@ log "building rdmablk (binaries and test executables)"
 cargo build --workspace --bins --locked --quiet
 tests_json=$(
     cargo test --locked --no-run --message-format=json -p rdmablk-common --test fabric_conformance 2>/dev/null
+    cargo test --locked --no-run --message-format=json -p rdmablk-target --test nvme_rdma 2>/dev/null
     cargo test --locked --no-run --message-format=json -p rdmablk-system-tests --test data_path --test bad_commands --test scoping \
         --test fence --test command_slots --test capacity 2>/dev/null
 )
@@ -54,9 +55,10 @@ ci_scoping=$(test_executable scoping)
 ci_fence=$(test_executable fence)
 ci_command_slots=$(test_executable command_slots)
 ci_capacity=$(test_executable capacity)
+ci_nvme_rdma=$(test_executable nvme_rdma)
 ci_target_dir=$(cargo metadata --format-version 1 --no-deps | grep -o '"target_directory":"[^"]*"' | sed 's/.*:"\(.*\)"/\1/')
 ci_bin=$ci_target_dir/debug
-for f in "$ci_conformance" "$ci_data_path" "$ci_bad_commands" "$ci_scoping" "$ci_fence" "$ci_command_slots" "$ci_capacity" \
+for f in "$ci_conformance" "$ci_data_path" "$ci_bad_commands" "$ci_scoping" "$ci_fence" "$ci_command_slots" "$ci_capacity" "$ci_nvme_rdma" \
     "$ci_bin/rdmablk-target" "$ci_bin/rdmablk"; do
     [[ -n $f && -x $f ]] || { echo "run.sh: missing build output: '$f'" >&2; exit 1; }
 done
@@ -73,7 +75,7 @@ SCRIPTS+=("$HERE/ci-guest.sh")
 ENVS+=("RDMABLK_BIN_DIR=$ci_bin" "RDMABLK_CONFORMANCE=$ci_conformance"
        "RDMABLK_DATA_PATH=$ci_data_path" "RDMABLK_BAD_COMMANDS=$ci_bad_commands"
        "RDMABLK_SCOPING=$ci_scoping" "RDMABLK_FENCE=$ci_fence" "RDMABLK_COMMAND_SLOTS=$ci_command_slots"
-       "RDMABLK_CAPACITY=$ci_capacity")
+       "RDMABLK_CAPACITY=$ci_capacity" "RDMABLK_NVME_RDMA_TESTS=$ci_nvme_rdma")
 # 900 s no longer leaves room: the stage took 7 to 8.5 minutes before, and
 # the ublk steps (ublk-fs-rdma moves about 500 MiB through ublk at 2 to 4
 # MiB/s under TCG on shared cores) added about 8 minutes in one loaded run.

@@ -27,6 +27,10 @@
 #   capacity-rdma             tests/tests/capacity.rs over rdma://: 160 sessions on a
 #                             two-reactor target (more than one rxe completion queue
 #                             holds per reactor) are all served, the 161st is refused
+#   nvme-rdma-hostile         target-daemon/tests/nvme_rdma.rs on verbs: an NVMe/RDMA
+#                             host on the fabric API (keyed SGLs, SEND with
+#                             Invalidate) and hostile input: bad CM private data,
+#                             keys outside the host's memory, bad SGLs, short capsules
 #   nbd-fs-rdma               rdmablk nbd over rdma:// on a unix socket, the kernel's
 #                             nbd-client on /dev/nbd0: mkfs.ext4, mount, the small
 #                             file tree (tree_write), unmount, disconnect, reconnect,
@@ -73,7 +77,7 @@
 #                             e2fsck -fn, fio crc32c verify on the raw namespace while
 #                             the rdmablk CLI reads the same volume over tcp://,
 #                             Write Zeroes and discard, disconnect; no I/O error or
-#                             "Firmware bug" in the host's messages (nvme-tcp.sh)
+#                             "Firmware bug" in the host's messages (nvme-of.sh)
 #   nvme-tcp-sighup           a [[volume]] added by SIGHUP shows up on the connected
 #                             host as namespace 2 (AEN, rescan), no reconnect
 #   nvme-tcp-restart          the target SIGKILLed and restarted under a mounted ext4
@@ -82,6 +86,12 @@
 #   nvme-tcp-vs-nvmet         rdmablk-target's NVMe/TCP against the kernel's nvmet-tcp,
 #                             same host and boot: IOPS, latency, CPU per I/O
 #                             ($RES/nvme-tcp-vs-nvmet.md; figures only)
+#   nvme-rdma-fs, -sighup, -restart, -vs-nvmet
+#                             the same four over NVMe/RDMA: the kernel's nvme-rdma
+#                             host over rxe against nvme+rdma://SIP:4420 beside
+#                             rdma://, the rdmablk CLI over rdma:// on the other
+#                             volume at the same time, and nvmet-rdma as the peer
+#                             ($RES/nvme-rdma-vs-nvmet.md)
 #   port-down-logged          taking the server's link down makes rdmablk-target log
 #                             the RDMA port going down (runs last: it breaks the link)
 #
@@ -786,17 +796,17 @@ scoping_cost() {
     stop_target scoping-cost
 }
 
-# The NVMe/TCP step bodies (nvme_tcp_fs, nvme_tcp_sighup, nvme_tcp_restart,
-# nvme_tcp_vs_nvmet) live in nvme-tcp.sh beside this script in the
+# The NVMe-oF step bodies (nvme_tcp_fs ... nvme_rdma_vs_nvmet) live in
+# nvme-of.sh beside this script in the
 # repository. run.sh copies only this file into the VM, so it is found
 # through the directory the steps run in (the repository's root in the CI
 # stage) when it is not next to this file.
 NVME_TCP_SH=
-for _f in "$(dirname "$SELF")/nvme-tcp.sh" "${RDMAVM_CWD:-$PWD}/tests/rdma-vm/nvme-tcp.sh" "$PWD/tests/rdma-vm/nvme-tcp.sh"; do
+for _f in "$(dirname "$SELF")/nvme-of.sh" "${RDMAVM_CWD:-$PWD}/tests/rdma-vm/nvme-of.sh" "$PWD/tests/rdma-vm/nvme-of.sh"; do
     if [[ -r $_f ]]; then NVME_TCP_SH=$_f; break; fi
 done
 if [[ -n $NVME_TCP_SH ]]; then
-    # shellcheck source=nvme-tcp.sh
+    # shellcheck source=nvme-of.sh
     source "$NVME_TCP_SH"
 fi
 
@@ -821,7 +831,7 @@ if [[ -n ${RDMABLK_CI_STEPS:-} ]]; then
     }
     skip() { :; }
     : "${RDMABLK_CONFORMANCE:=}" "${RDMABLK_DATA_PATH:=}" "${RDMABLK_BAD_COMMANDS:=}" "${RDMABLK_SCOPING:=}"
-    : "${RDMABLK_FENCE:=}" "${RDMABLK_COMMAND_SLOTS:=}" "${RDMABLK_CAPACITY:=}"
+    : "${RDMABLK_FENCE:=}" "${RDMABLK_COMMAND_SLOTS:=}" "${RDMABLK_CAPACITY:=}" "${RDMABLK_NVME_RDMA_TESTS:=}"
     echo "RDMABLK_CI_STEPS: only scratch-fs $RDMABLK_CI_STEPS"
 fi
 step scratch-fs --timeout 120 bash "$SELF" scratch_fs || rc=1
@@ -837,6 +847,14 @@ rxe_defects=(--skip window_refuses_a_byte_before --skip window_refuses_a_byte_pa
 # and rxe on 6.1 report LOC_PROT_ERR (or LOC_QP_OP_ERR) for it. The two
 # tests pass on 6.1 and check the hardware behaviour; on later kernels they
 # are skipped, and the summary says so.
+# rxe on 6.12 panics the kernel (NULL pointer in rxe_invalidate_mw, from
+# rxe_requester) once a SEND with Invalidate has ended a type-2 memory
+# window on the receiving side, even when nothing invalidates that window
+# again: the test that does it on a window is skipped there. SEND with
+# Invalidate itself runs on every NVMe/RDMA I/O of the nvme-rdma-* steps
+# (the Linux host asks for it on its fast-registered regions), and the
+# unknown-key case of the suite runs.
+rxe_defects+=(--skip window_refused_after_the_peers_send_with_invalidate)
 case $(uname -r) in
     6.1.*) ;;
     *) rxe_defects+=(--skip invalid_local_lkey_in_send --skip local_sge_outside_its_region)
@@ -863,6 +881,15 @@ step fence-rdma --timeout 300 "${sys[@]}" "$RDMABLK_FENCE" --test-threads=1 || r
 step command-slots-rdma --timeout 300 "${sys[@]}" "$RDMABLK_COMMAND_SLOTS" --test-threads=1 \
     --exact late_send_completions_never_turn_a_legal_queue_depth_into_queue_full || rc=1
 step capacity-rdma --timeout 300 "${sys[@]}" "$RDMABLK_CAPACITY" --test-threads=1 || rc=1
+# target-daemon/tests/nvme_rdma.rs on real verbs: a host written against
+# the fabric API (keyed SGLs, raw rdma_cm private data, SEND with
+# Invalidate) and the hostile cases: CM requests with bad fields, keys
+# outside the host's registration, bad SGL types, short capsules, a Connect
+# for another queue than the CM request named.
+# (Its SEND with Invalidate of a host's memory window is skipped: the rxe
+# panic described at conformance-verbs.)
+step nvme-rdma-hostile --timeout 300 env RDMABLK_NVME_RDMA_HOST="$SIP" "$RDMABLK_NVME_RDMA_TESTS" --test-threads=1 \
+    --skip a_completion_invalidates_the_hosts_key_when_the_sgl_asks || rc=1
 step nbd-fs-rdma --timeout 600 bash "$SELF" nbd_fs || rc=1
 step ublk-fs-rdma --timeout 600 bash "$SELF" ublk_fs || rc=1
 step ublk-fs-tcp --timeout 300 bash "$SELF" ublk_fs_tcp || rc=1
@@ -874,9 +901,13 @@ if [[ -n $NVME_TCP_SH ]]; then
     step nvme-tcp-sighup --timeout 300 bash "$SELF" nvme_tcp_sighup || rc=1
     step nvme-tcp-restart --timeout 600 bash "$SELF" nvme_tcp_restart || rc=1
     step nvme-tcp-vs-nvmet --timeout 600 bash "$SELF" nvme_tcp_vs_nvmet || rc=1
+    step nvme-rdma-fs --timeout 600 bash "$SELF" nvme_rdma_fs || rc=1
+    step nvme-rdma-sighup --timeout 300 bash "$SELF" nvme_rdma_sighup || rc=1
+    step nvme-rdma-restart --timeout 600 bash "$SELF" nvme_rdma_restart || rc=1
+    step nvme-rdma-vs-nvmet --timeout 600 bash "$SELF" nvme_rdma_vs_nvmet || rc=1
 else
     # Recorded as failed: the steps exist, their script was not found.
-    step nvme-tcp-fs --timeout 30 bash -c "echo 'nvme-tcp.sh not found (next to $SELF or under ${RDMAVM_CWD:-$PWD}/tests/rdma-vm)'; exit 1" || rc=1
+    step nvme-tcp-fs --timeout 30 bash -c "echo 'nvme-of.sh not found (next to $SELF or under ${RDMAVM_CWD:-$PWD}/tests/rdma-vm)'; exit 1" || rc=1
 fi
 if [[ -x $BIN/rdmablk-bench ]]; then
     step bench-verify-rdma --timeout 300 bash "$SELF" bench || rc=1

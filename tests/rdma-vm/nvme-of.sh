@@ -1,22 +1,27 @@
-# NVMe/TCP steps of the Soft-RoCE CI stage: the kernel's NVMe-oF host
-# (nvme-tcp, nvme-cli) against rdmablk-target's NVMe/TCP front end
-# (`nvme+tcp://` in [target] listen, beside `tcp://`), and the kernel's own
-# nvmet-tcp target as a measured peer. Sourced by ci-guest.sh, which records
-# each body as one step (`step nvme-tcp-fs ... bash ci-guest.sh nvme_tcp_fs`)
-# and provides WORK, SIP, BIN, RES, tree_write and tree_check.
+# NVMe-oF steps of the Soft-RoCE CI stage: the kernel's NVMe-oF host
+# (nvme-tcp or nvme-rdma, nvme-cli) against rdmablk-target's NVMe-oF front
+# end (`nvme+tcp://` or `nvme+rdma://` in [target] listen, beside `tcp://`
+# or `rdma://`), and the kernel's own nvmet-tcp or nvmet-rdma target as a
+# measured peer. Sourced by ci-guest.sh, which records each body as one
+# step (`step nvme-tcp-fs ... bash ci-guest.sh nvme_tcp_fs`) and provides
+# WORK, SIP, BIN, RES, tree_write and tree_check. Every body runs for both
+# transports: nvme_tcp_X and nvme_rdma_X set NVME_TRANSPORT (tcp, rdma) and
+# run nvme_X; below, "tcp" stands for either (rdma: the v1 listener is
+# rdma://, the host connects with -t rdma over rxe, nvmet-rdma is the peer).
 #
-#   nvme-tcp-fs        rdmablk-target with one file volume, listening on
+#   nvme-tcp-fs        rdmablk-target with two file volumes, listening on
 #                      tcp:// and nvme+tcp://SIP:4420 at once; modprobe nvme-tcp;
 #                      `nvme discover` lists the subsystem NQN (the default,
-#                      nqn.2014-08.io.rdmablk:ci); `nvme connect` gives
+#                      nqn.2014-08.io.rdmablk:ci) with trtype tcp; `nvme connect` gives
 #                      /dev/nvmeXnY; id-ctrl (mn, sn, subnqn) and id-ns (nsze *
 #                      LBA size = the volume's size) are sane; mkfs.ext4, mount,
 #                      the small file tree, unmount, e2fsck -fn clean, mount,
 #                      every sha256 checked; fio on the raw namespace (io_uring,
 #                      direct=1, 4 KiB to 128 KiB random writes at QD16, crc32c
-#                      verify of 64 MiB) while the rdmablk CLI reads the same
-#                      volume over tcp:// in a loop (bytes written through
-#                      NVMe, compared); a write over tcp:// is read back through
+#                      verify of 64 MiB) while the rdmablk CLI, over tcp:// in a
+#                      loop, reads the same volume (bytes written through NVMe,
+#                      compared) and writes, reads back and checks 1 MiB of the
+#                      other volume (nvol1); a write over tcp:// is read back through
 #                      NVMe; Write Zeroes (blkdiscard -z, read back as zeroes)
 #                      and Dataset Management (blkdiscard) through the
 #                      namespace; `nvme disconnect`; SIGTERM ends the target with 0
@@ -45,13 +50,25 @@ NVME_PORT=4420
 NVMET_PORT=4421
 NVME_DIR=$WORK/nvme
 NVME_DEFAULT_NQN=nqn.2014-08.io.rdmablk:ci
+NVME_TRANSPORT=${NVME_TRANSPORT:-tcp}
+
+# The step bodies for each transport.
+nvme_tcp_fs() { NVME_TRANSPORT=tcp nvme_fs; }
+nvme_tcp_sighup() { NVME_TRANSPORT=tcp nvme_sighup; }
+nvme_tcp_restart() { NVME_TRANSPORT=tcp nvme_restart; }
+nvme_tcp_vs_nvmet() { NVME_TRANSPORT=tcp nvme_vs_nvmet; }
+nvme_rdma_fs() { NVME_TRANSPORT=rdma nvme_fs; }
+nvme_rdma_sighup() { NVME_TRANSPORT=rdma nvme_sighup; }
+nvme_rdma_restart() { NVME_TRANSPORT=rdma nvme_restart; }
+nvme_rdma_vs_nvmet() { NVME_TRANSPORT=rdma nvme_vs_nvmet; }
 
 # The kernel's messages since nvme_dmesg_mark (for each step's log).
 nvme_dmesg_mark() { NVME_DMESG0=$(dmesg | wc -l); }
 nvme_dmesg_since() { dmesg | tail -n +$((${NVME_DMESG0:-0} + 1)); }
 
 # Writes $NVME_DIR/target.toml: rdmablk-target on tcp://SIP:0 and
-# nvme+tcp://SIP:4420 with the file volumes given as NAME:SIZE[:NSID]...;
+# nvme+tcp://SIP:4420 (rdma: rdma:// and nvme+rdma://) with the file
+# volumes given as NAME:SIZE[:NSID]...;
 # NVME_NQN, when set, goes in as [target] nqn.
 nvme_target_conf() {
     local v name size nsid
@@ -59,7 +76,7 @@ nvme_target_conf() {
     {
         echo '[target]'
         echo 'name = "ci"'
-        echo "listen = [\"tcp://$SIP:0\", \"nvme+tcp://$SIP:$NVME_PORT\"]"
+        echo "listen = [\"$NVME_TRANSPORT://$SIP:0\", \"nvme+$NVME_TRANSPORT://$SIP:$NVME_PORT\"]"
         echo 'reactors = 2'
         [[ -z ${NVME_NQN:-} ]] || echo "nqn = \"$NVME_NQN\""
     } >"$NVME_DIR/target.toml"
@@ -75,8 +92,9 @@ nvme_conf_volume() { # NAME:SIZE[:NSID]
 }
 
 # Starts rdmablk-target on $NVME_DIR/target.toml (appending to its log);
-# waits for tcp:// in the log and the NVMe/TCP port in `ss`; sets TPID and
-# TCP_URL.
+# waits for tcp:// in the log and the NVMe/TCP port in `ss` (rdma: rdma://
+# and nvme+rdma:// in the log: rdma_cm ports are not sockets); sets TPID and
+# TCP_URL (the v1 listener's URL, rdma:// for rdma).
 nvme_start_target() {
     local log=$NVME_DIR/target.log
     touch "$log"
@@ -86,15 +104,21 @@ nvme_start_target() {
     TCP_URL=
     local up=0
     for _ in $(seq 1 300); do
-        TCP_URL=$(tail -n +$((from + 1)) "$log" | grep -o 'listening on tcp://[^ ",]*' | head -n1 | sed 's/listening on //') || true
-        if [[ -n $TCP_URL ]] && ss -Hltn "sport = :$NVME_PORT" | grep -q .; then up=1; break; fi
+        TCP_URL=$(tail -n +$((from + 1)) "$log" | grep -o "listening on $NVME_TRANSPORT://[^ \",]*" | head -n1 | sed 's/listening on //') || true
+        if [[ -n $TCP_URL ]]; then
+            if [[ $NVME_TRANSPORT == tcp ]]; then
+                ss -Hltn "sport = :$NVME_PORT" | grep -q . && { up=1; break; }
+            else
+                tail -n +$((from + 1)) "$log" | grep -q "listening on nvme+rdma://$SIP:$NVME_PORT" && { up=1; break; }
+            fi
+        fi
         kill -0 "$TPID" 2>/dev/null || break
         sleep 0.1
     done
     if [[ $up -ne 1 ]]; then
-        echo "rdmablk-target did not start listening on tcp:// and port $NVME_PORT:"; cat "$log"; return 1
+        echo "rdmablk-target did not start listening on $NVME_TRANSPORT:// and port $NVME_PORT:"; cat "$log"; return 1
     fi
-    echo "rdmablk-target (pid $TPID) at $TCP_URL and nvme+tcp://$SIP:$NVME_PORT"
+    echo "rdmablk-target (pid $TPID) at $TCP_URL and nvme+$NVME_TRANSPORT://$SIP:$NVME_PORT"
 }
 
 nvme_stop_target() { # RESULT_NAME
@@ -107,12 +131,12 @@ nvme_stop_target() { # RESULT_NAME
     [[ $rc -eq 0 ]] || { echo "rdmablk-target exited with $rc after SIGTERM"; return 1; }
 }
 
-# The controller (nvmeN) connected to NQN over tcp at SIP:PORT, live.
+# The controller (nvmeN) connected to NQN over $NVME_TRANSPORT at SIP:PORT, live.
 nvme_ctrl_of() { # NQN PORT
     local c
     for c in /sys/class/nvme/nvme*; do
         [[ -r $c/subsysnqn ]] || continue
-        [[ $(cat "$c/subsysnqn") == "$1" && $(cat "$c/transport") == tcp ]] || continue
+        [[ $(cat "$c/subsysnqn") == "$1" && $(cat "$c/transport") == "$NVME_TRANSPORT" ]] || continue
         grep -Eq "trsvcid=$2(,|$)" "$c/address" || continue
         echo "${c##*/}"; return 0
     done
@@ -139,8 +163,8 @@ nvme_connect() { # NQN PORT NSID [connect options...]
     local nqn=$1 port=$2 nsid=$3 t0
     shift 3
     t0=$(date +%s.%N)
-    echo "+ nvme connect -t tcp -a $SIP -s $port -n $nqn $*"
-    nvme connect -t tcp -a "$SIP" -s "$port" -n "$nqn" "$@"
+    echo "+ nvme connect -t $NVME_TRANSPORT -a $SIP -s $port -n $nqn $*"
+    nvme connect -t "$NVME_TRANSPORT" -a "$SIP" -s "$port" -n "$nqn" "$@"
     DEV= CTRL=
     for _ in $(seq 1 150); do
         CTRL=$(nvme_ctrl_of "$nqn" "$port") && DEV=$(nvme_ns_dev "$nqn" "$nsid") && [[ -b $DEV ]] && break
@@ -226,22 +250,25 @@ sys.exit(1 if bad else 0)
 PY
 }
 
-# ---------------------------------------------------------------- nvme-tcp-fs
-nvme_tcp_fs() {
+# ------------------------------------------------------- nvme-tcp-fs, nvme-rdma-fs
+nvme_fs() {
     set -euo pipefail
+    local t=$NVME_TRANSPORT
     nvme_dmesg_mark
-    modprobe nvme-tcp
+    modprobe "nvme-$t"
     rm -rf "$NVME_DIR"; mkdir -p "$NVME_DIR/mnt"
     local mnt=$NVME_DIR/mnt size=$((256 << 20))
     NQN=$NVME_DEFAULT_NQN FPID= RPID= TPID=
-    nvme_target_conf nvol0:256MiB
+    # nvol1 is the rdmablk initiator's while the kernel host uses nvol0.
+    nvme_target_conf nvol0:256MiB nvol1:64MiB
     cat "$NVME_DIR/target.toml"
     trap nvme_cleanup EXIT
     nvme_start_target
-    echo "+ nvme discover -t tcp -a $SIP -s $NVME_PORT"
-    nvme discover -t tcp -a "$SIP" -s "$NVME_PORT" | tee "$NVME_DIR/discover.out"
+    echo "+ nvme discover -t $t -a $SIP -s $NVME_PORT"
+    nvme discover -t "$t" -a "$SIP" -s "$NVME_PORT" | tee "$NVME_DIR/discover.out"
     grep -q "subnqn: *$NQN\$" "$NVME_DIR/discover.out" || { echo "discovery does not list $NQN"; exit 1; }
     grep -q "trsvcid: *$NVME_PORT\$" "$NVME_DIR/discover.out" || { echo "discovery gives no trsvcid $NVME_PORT"; exit 1; }
+    grep -q "trtype: *$t\$" "$NVME_DIR/discover.out" || { echo "discovery does not say trtype $t"; exit 1; }
     nvme_connect "$NQN" "$NVME_PORT" 1
     nvme list
     nvme_check_ids "$CTRL" "$DEV" "$NQN" "$size"
@@ -260,8 +287,9 @@ nvme_tcp_fs() {
     umount "$mnt"
 
     # Raw namespace: fio's verified random writes in the first 64 MiB while
-    # the rdmablk CLI reads 4 MiB at 128 MiB over tcp:// in a loop (bytes
-    # written there through NVMe first).
+    # the rdmablk CLI, over tcp:// (rdma: rdma://) in a loop, reads 4 MiB at
+    # 128 MiB (bytes written there through NVMe first) and writes, flushes
+    # and reads back 1 MiB of fresh bytes on the other volume, nvol1.
     local ref=$NVME_DIR/ref4m
     head -c 4M /dev/urandom >"$ref"
     dd if="$ref" of="$DEV" bs=1M seek=128 oflag=direct status=none
@@ -275,9 +303,17 @@ nvme_tcp_fs() {
             "$BIN/rdmablk" --target "$TCP_URL" read nvol0 --offset $((128 << 20)) --length 4MiB \
                 --output "$NVME_DIR/tcpread" || { echo "rdmablk read over $TCP_URL failed"; exit 1; }
             cmp "$ref" "$NVME_DIR/tcpread" || { echo "rdmablk read over $TCP_URL: not the bytes written through NVMe"; exit 1; }
+            head -c 1M /dev/urandom >"$NVME_DIR/v1ref"
+            "$BIN/rdmablk" --target "$TCP_URL" write nvol1 --offset $(((n % 32) << 20)) --input "$NVME_DIR/v1ref" &&
+                "$BIN/rdmablk" --target "$TCP_URL" flush nvol1 &&
+                "$BIN/rdmablk" --target "$TCP_URL" read nvol1 --offset $(((n % 32) << 20)) --length 1MiB \
+                    --output "$NVME_DIR/v1read" || { echo "rdmablk write/read of nvol1 over $TCP_URL failed"; exit 1; }
+            cmp "$NVME_DIR/v1ref" "$NVME_DIR/v1read" || { echo "nvol1 over $TCP_URL: read back differs from what was written"; exit 1; }
+            cmp "$NVME_DIR/v1ref" <(dd if="$NVME_DIR/nvol1.img" bs=1M skip=$((n % 32)) count=1 status=none) ||
+                { echo "nvol1's backing file does not hold what was written over $TCP_URL"; exit 1; }
             n=$((n + 1))
         done
-        echo "$n reads of 4 MiB over $TCP_URL during fio: identical to what NVMe wrote"
+        echo "$n rounds over $TCP_URL during fio: 4 MiB of nvol0 identical to what NVMe wrote; 1 MiB of nvol1 written, read back and in its file"
         [[ $n -ge 1 ]]
     ) >"$NVME_DIR/tcpreads.out" 2>&1 &
     RPID=$!
@@ -288,13 +324,13 @@ nvme_tcp_fs() {
     wait "$RPID" || rrc=$?
     RPID=
     cat "$NVME_DIR/raw.fio"
-    cp "$NVME_DIR/raw.fio" "$RES/nvme-tcp-fs-raw.fio" 2>/dev/null || true
+    cp "$NVME_DIR/raw.fio" "$RES/nvme-$t-fs-raw.fio" 2>/dev/null || true
     [[ $frc -eq 0 ]] || { echo "fio exited with $frc"; exit 1; }
     grep -q 'read: IOPS=' "$NVME_DIR/raw.fio" || { echo "fio shows no verify (read) phase"; exit 1; }
     if grep -qi 'verify.*fail\|bad magic\|bad header' "$NVME_DIR/raw.fio"; then echo "fio reported a verify failure"; exit 1; fi
     echo "fio randwrite 4k..128k QD16 + crc32c verify of 64 MiB on $DEV: ok"
     cat "$NVME_DIR/tcpreads.out"
-    [[ $rrc -eq 0 ]] || { echo "the concurrent rdmablk reads over tcp:// failed"; exit 1; }
+    [[ $rrc -eq 0 ]] || { echo "the concurrent rdmablk I/O over $t:// failed"; exit 1; }
     # The other way: written over tcp://, read through NVMe.
     head -c 1M /dev/urandom >"$NVME_DIR/ref1m"
     "$BIN/rdmablk" --target "$TCP_URL" write nvol0 --offset $((192 << 20)) --input "$NVME_DIR/ref1m"
@@ -331,17 +367,17 @@ nvme_tcp_fs() {
     sleep 0.5
     [[ ! -e $DEV ]] || { echo "$DEV still exists after nvme disconnect"; exit 1; }
     local end=0
-    nvme_step_end nvme-tcp-fs || end=1
+    nvme_step_end "nvme-$t-fs" || end=1
     [[ $wz -eq 0 ]] || { echo "FAIL: Write Zeroes through the namespace"; exit 1; }
     [[ $dc -eq 0 ]] || { echo "FAIL: discard (DSM deallocate) through the namespace"; exit 1; }
     [[ $end -eq 0 ]] || exit 1
 }
 
-# ------------------------------------------------------------- nvme-tcp-sighup
-nvme_tcp_sighup() {
+# ----------------------------------------------- nvme-tcp-sighup, nvme-rdma-sighup
+nvme_sighup() {
     set -euo pipefail
     nvme_dmesg_mark
-    modprobe nvme-tcp
+    modprobe "nvme-$NVME_TRANSPORT"
     rm -rf "$NVME_DIR"; mkdir -p "$NVME_DIR"
     NQN=$NVME_DEFAULT_NQN FPID= RPID= TPID=
     nvme_target_conf nvol0:64MiB
@@ -386,14 +422,14 @@ nvme_tcp_sighup() {
     cmp "$NVME_DIR/ref1m" <(dd if="$NVME_DIR/nvol0.img" bs=1M skip=5 count=1 status=none)
     echo "1 MiB through $dev2 and $dev1: read back and in the backing files"
     nvme_disconnect "$NQN"
-    nvme_step_end nvme-tcp-sighup || exit 1
+    nvme_step_end "nvme-$NVME_TRANSPORT-sighup" || exit 1
 }
 
-# ------------------------------------------------------------ nvme-tcp-restart
-nvme_tcp_restart() {
+# --------------------------------------------- nvme-tcp-restart, nvme-rdma-restart
+nvme_restart() {
     set -euo pipefail
     nvme_dmesg_mark
-    modprobe nvme-tcp
+    modprobe "nvme-$NVME_TRANSPORT"
     rm -rf "$NVME_DIR"; mkdir -p "$NVME_DIR/mnt"
     local mnt=$NVME_DIR/mnt
     NQN=nqn.2014-08.io.rdmablk.ci:restart FPID= RPID= TPID=
@@ -438,7 +474,7 @@ nvme_tcp_restart() {
     wait "$FPID" || rc=$?
     FPID=
     cat "$NVME_DIR/rfio.out"
-    cp "$NVME_DIR/rfio.out" "$RES/nvme-tcp-restart-fio.out" 2>/dev/null || true
+    cp "$NVME_DIR/rfio.out" "$RES/nvme-$NVME_TRANSPORT-restart-fio.out" 2>/dev/null || true
     [[ $rc -eq 0 ]] || { echo "fio failed across the restart ($rc)"; exit 1; }
     grep -q 'read: IOPS=' "$NVME_DIR/rfio.out" || { echo "fio shows no verify (read) phase"; exit 1; }
     if grep -qi 'verify.*fail\|bad magic\|bad header' "$NVME_DIR/rfio.out"; then echo "fio reported a verify failure"; exit 1; fi
@@ -453,7 +489,7 @@ nvme_tcp_restart() {
     blockdev --flushbufs "$dev"
     e2fsck -fn "$dev"
     nvme_disconnect "$NQN"
-    nvme_step_end nvme-tcp-restart || exit 1
+    nvme_step_end "nvme-$NVME_TRANSPORT-restart" || exit 1
 }
 
 # ----------------------------------------------------------- nvme-tcp-vs-nvmet
@@ -506,11 +542,11 @@ nvme_tcp_restart() {
 
 nvmet_cfs=/sys/kernel/config/nvmet
 
-# Exports FILE through the kernel's nvmet-tcp as namespace 1 of NQN on
-# SIP:PORT (port id PORTID).
+# Exports FILE through the kernel's nvmet-tcp (rdma: nvmet-rdma) as
+# namespace 1 of NQN on SIP:PORT (port id PORTID).
 nvmet_export() { # NQN PORTID PORT FILE
     local nqn=$1 pid=$2 port=$3 file=$4
-    modprobe -a nvmet nvmet-tcp
+    modprobe -a nvmet "nvmet-$NVME_TRANSPORT"
     mountpoint -q /sys/kernel/config || mount -t configfs none /sys/kernel/config
     local s=$nvmet_cfs/subsystems/$nqn p=$nvmet_cfs/ports/$pid
     mkdir "$s"
@@ -519,12 +555,12 @@ nvmet_export() { # NQN PORTID PORT FILE
     echo -n "$file" >"$s/namespaces/1/device_path"
     echo 1 >"$s/namespaces/1/enable"
     mkdir "$p"
-    echo tcp >"$p/addr_trtype"
+    echo "$NVME_TRANSPORT" >"$p/addr_trtype"
     echo ipv4 >"$p/addr_adrfam"
     echo "$SIP" >"$p/addr_traddr"
     echo "$port" >"$p/addr_trsvcid"
     ln -s "$s" "$p/subsystems/$nqn"
-    echo "nvmet-tcp exports $file as $nqn namespace 1 on $SIP:$port" \
+    echo "nvmet-$NVME_TRANSPORT exports $file as $nqn namespace 1 on $SIP:$port" \
         "(buffered_io $(cat "$s/namespaces/1/buffered_io" 2>/dev/null || echo ?))"
 }
 
@@ -564,17 +600,18 @@ proc_ticks() { # PID: utime + stime
     echo $((${12} + ${13}))
 }
 
-nvme_tcp_vs_nvmet() {
+nvme_vs_nvmet() {
     set -euo pipefail
+    local t=$NVME_TRANSPORT
     nvme_dmesg_mark
-    modprobe -a nvme-tcp nvmet nvmet-tcp
+    modprobe -a "nvme-$t" nvmet "nvmet-$t"
     # global: the EXIT trap reads it
     NVME_VS_SYSTEMS=${RDMABLK_NVME_VS_SYSTEMS:-rdmablk nvmet}
     local systems=$NVME_VS_SYSTEMS
     NVME_TARGET_BIN=${RDMABLK_NVME_VS_TARGET:-$BIN/rdmablk-target}
     local profile=unknown
     case $(readlink -f "$NVME_TARGET_BIN") in */release/*) profile=release ;; */debug/*) profile=debug ;; esac
-    local out=$RES/nvme-tcp-vs-nvmet knqn=nqn.2014-08.io.rdmablk.ci:nvmet
+    local out=$RES/nvme-$t-vs-nvmet knqn=nqn.2014-08.io.rdmablk.ci:nvmet
     rm -rf "$NVME_DIR"; mkdir -p "$NVME_DIR" "$out"
     NQN=nqn.2014-08.io.rdmablk.ci:vs FPID= RPID= TPID=
     df -h /tmp
@@ -621,7 +658,10 @@ nvme_tcp_vs_nvmet() {
     # RDMABLK_NVME_VS_CASES (names, default all four) for a longer look at
     # one row: TCG's noise needs more rounds than CI can afford.
     local rounds=${RDMABLK_NVME_VS_ROUNDS:-2}
-    local cases=${RDMABLK_NVME_VS_CASES:-randread-4k-qd1 randread-4k-qd16 read-128k-qd16 randwrite-4k-qd16}
+    # NVMe/RDMA's rows are issue 22's: 128 KiB reads at QD4.
+    local default_cases="randread-4k-qd1 randread-4k-qd16 read-128k-qd16 randwrite-4k-qd16"
+    [[ $t == rdma ]] && default_cases="randread-4k-qd1 randread-4k-qd16 read-128k-qd4 randwrite-4k-qd16"
+    local cases=${RDMABLK_NVME_VS_CASES:-$default_cases}
     for round in $(seq 1 "$rounds"); do
         local order=($systems)
         ((round % 2 == 0)) && order=($(printf '%s\n' $systems | tac))
@@ -630,6 +670,7 @@ nvme_tcp_vs_nvmet() {
                 randread-4k-qd1) rw=randread bs=4k qd=1 ;;
                 randread-4k-qd16) rw=randread bs=4k qd=16 ;;
                 read-128k-qd16) rw=read bs=128k qd=16 ;;
+                read-128k-qd4) rw=read bs=128k qd=4 ;;
                 randwrite-4k-qd16) rw=randwrite bs=4k qd=16 ;;
                 *) echo "unknown case $name"; exit 1 ;;
             esac
@@ -655,10 +696,12 @@ nvme_tcp_vs_nvmet() {
             done
         done
     done
-    /usr/bin/python3 - "$out" "$systems" "$(uname -r)" "$NVME_TARGET_BIN ($profile build)" "$rounds" "$cases" >"$RES/nvme-tcp-vs-nvmet.md" <<'PY'
+    local tname=NVMe/TCP; [[ $t == rdma ]] && tname=NVMe/RDMA
+    /usr/bin/python3 - "$out" "$systems" "$(uname -r)" "$NVME_TARGET_BIN ($profile build)" "$rounds" "$cases" "$t" "$tname" >"$RES/nvme-$t-vs-nvmet.md" <<'PY'
 import json, os, re, sys
 out, systems, kver, tbin = sys.argv[1], sys.argv[2].split(), sys.argv[3], sys.argv[4]
 rounds, cases = int(sys.argv[5]), sys.argv[6].split()
+t, tname = sys.argv[7], sys.argv[8]
 def secs(t):
     m = re.fullmatch(r"(\d+)m([\d.]+)s", t)
     return int(m.group(1)) * 60 + float(m.group(2))
@@ -688,18 +731,22 @@ def m(c, s, key):
     if (c, s) not in r: return None
     return mean([x[key] for x in r[(c, s)]])
 def f(v, fmt): return "-" if v is None else format(v, fmt)
-print(f"## rdmablk-target NVMe/TCP vs the kernel's nvmet-tcp (kernel {kver}, qemu TCG, 2 vCPUs)")
+print(f"## rdmablk-target {tname} vs the kernel's nvmet-{t} (kernel {kver}, qemu TCG, 2 vCPUs" + (", Soft-RoCE" if t == "rdma" else "") + ")")
 print()
-print("fio on the kernel's nvme-tcp host, io_uring, direct=1, 256 MiB file-backed namespaces, "
+print(f"fio on the kernel's nvme-{t} host, io_uring, direct=1, 256 MiB file-backed namespaces, "
       f"10 s per run, {rounds} rounds alternated (order swapped in even rounds); figures are the means of the rounds.")
 print("lat = mean total latency. CPU per I/O: `proc` = rdmablk-target's own utime+stime; "
       "`sys-fio` = all CPUs' busy time minus fio's CPU minus the idle rate "
-      f"({idle_rate:.1f} ticks/s), which includes the host's nvme-tcp kernel work for both targets; "
+      f"({idle_rate:.1f} ticks/s), which includes the host's nvme-{t} kernel work for both targets; "
       "`all` = all CPUs' busy time minus the idle rate, fio and the host included (on loopback the "
       "sender's context runs the receiver's TCP work, so only this column charges each side in full).")
 if "rdmablk" in systems:
     print(f"rdmablk-target: {tbin}.")
 print("TCG-emulated: compare ratios within this table, not absolute figures.")
+if t == "rdma":
+    print("Soft-RoCE: the RDMA work itself (rxe's packet processing for both targets and the host) is "
+          "kernel CPU, in the submitting context or in rxe's tasks: `proc` holds the part rdmablk-target's "
+          "own system calls run, `sys-fio` all of it for both.")
 print()
 print("| case | rdmablk IOPS | nvmet IOPS | IOPS ratio rdmablk/nvmet (per round) | rdmablk lat µs | nvmet lat µs "
       "| rdmablk-target CPU µs/IO (proc) | rdmablk CPU µs/IO (sys-fio) | nvmet CPU µs/IO (sys-fio) | fio CPU µs/IO rdmablk / nvmet "
@@ -737,7 +784,7 @@ if "rdmablk" in systems:
             top = ", ".join(f"{comm}/{tid} {d}" for d, comm, tid in deltas[:4] if d > 0)
             print(f"- {c} round {k}: {top or 'none'}")
 PY
-    cat "$RES/nvme-tcp-vs-nvmet.md"
+    cat "$RES/nvme-$t-vs-nvmet.md"
     for s in $systems; do
         case $s in
             rdmablk) nvme_disconnect "$NQN" ;;
@@ -745,6 +792,6 @@ PY
         esac
     done
     local result=
-    if [[ " $systems " == *" rdmablk "* ]]; then result=nvme-tcp-vs-nvmet; fi
+    if [[ " $systems " == *" rdmablk "* ]]; then result=nvme-$t-vs-nvmet; fi
     nvme_step_end "$result" || exit 1
 }
