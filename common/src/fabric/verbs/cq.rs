@@ -195,7 +195,7 @@ impl VerbsCq {
                         shadow.errored = true;
                         kick.push(core.clone());
                     }
-                    let c = shadow.translate(wc.qp_num, wc, status);
+                    let c = shadow.translate(wc.qp_num, wc, status, core.dev.wc_with_inv);
                     drop(shadow);
                     if let Some(c) = c {
                         if let Some(rkey) = c.invalidated_rkey {

@@ -104,7 +104,22 @@ pub(crate) struct Device {
     /// RDMA READs in flight per queue pair, each way (responder resources
     /// and initiator depth), capped at [`MAX_RD_ATOMIC`].
     pub(crate) rd_atomic: u8,
+    /// The `wc_flags` bit that marks the receive of a SEND with Invalidate
+    /// (whose `invalidated_rkey` is then valid): `IBV_WC_WITH_INV` (8),
+    /// except on rxe. Its user-space provider hands over the completions
+    /// the kernel wrote (a plain copy of `ib_uverbs_wc`), whose flags are
+    /// the kernel's `ib_wc_flags`: there the bit is `IB_WC_WITH_INVALIDATE`
+    /// (4, which libibverbs calls `IBV_WC_IP_CSUM_OK`), and bit 8 is never
+    /// set. Reading it the libibverbs way on rxe would miss every remote
+    /// invalidation, and the window's owner would invalidate it a second
+    /// time, which panics rxe (see the `mw` module).
+    pub(crate) wc_with_inv: u32,
 }
+
+/// `ibv_device_attr.vendor_id` of rxe (Soft-RoCE), `RXE_VENDOR_ID`.
+const RXE_VENDOR_ID: u32 = 0xFF_FFFF;
+/// `IB_WC_WITH_INVALIDATE` in the kernel's `enum ib_wc_flags`.
+const KERNEL_WC_WITH_INVALIDATE: u32 = 1 << 2;
 
 // SAFETY: `raw` is librdmacm's ibv_context, which lives for the whole
 // process and whose calls are thread-safe; the rest is plain data.
@@ -142,6 +157,11 @@ impl Device {
             max_sge_rd: attr.max_sge_rd().max(1) as u32,
             windows: attr.max_mw() > 0 && attr.device_cap_flags().contains(DeviceCapabilityFlags::MemoryWindowType2B),
             rd_atomic: attr.max_qp_rd_atom().min(attr.max_qp_init_rd_atom()).clamp(1, MAX_RD_ATOMIC) as u8,
+            wc_with_inv: if attr.vendor_id() == RXE_VENDOR_ID {
+                KERNEL_WC_WITH_INVALIDATE
+            } else {
+                sys::ibv_wc_flags::IBV_WC_WITH_INV.0
+            },
             name,
         });
         devs.insert(raw.as_ptr() as usize, dev.clone());
@@ -154,6 +174,7 @@ impl Device {
             max_sge_rd = dev.max_sge_rd,
             windows = dev.windows,
             rd_atomic = dev.rd_atomic,
+            wc_with_inv = dev.wc_with_inv,
             "RDMA device opened"
         );
         Ok(dev)

@@ -114,7 +114,9 @@ impl Shadow {
     }
 
     /// The caller's view of a device completion; None for a stale one.
-    pub(crate) fn translate(&mut self, qp_num: u32, wc: &sys::ibv_wc, status: WcStatus) -> Option<Completion> {
+    /// `with_inv`: the device's `wc_flags` bit for a SEND with Invalidate
+    /// ([`Device::wc_with_inv`]).
+    pub(crate) fn translate(&mut self, qp_num: u32, wc: &sys::ibv_wc, status: WcStatus, with_inv: u32) -> Option<Completion> {
         let ok = status == WcStatus::Success;
         if wc.wr_id & RECV_BIT != 0 {
             let abs = wc.wr_id & !RECV_BIT;
@@ -125,10 +127,10 @@ impl Shadow {
             self.rq_head = abs + 1;
             let byte_len = if ok { wc.byte_len } else { 0 };
             // SAFETY: both members of the union are four plain bytes, so
-            // reading either is defined; with IBV_WC_WITH_INV this one holds
+            // reading either is defined; with the WITH_INV flag this one holds
             // the invalidated rkey (otherwise it is not used).
             let union_rkey = unsafe { wc.imm_data_invalidated_rkey_union.invalidated_rkey };
-            let invalidated_rkey = (ok && wc.wc_flags & sys::ibv_wc_flags::IBV_WC_WITH_INV.0 != 0).then_some(Rkey(union_rkey));
+            let invalidated_rkey = (ok && wc.wc_flags & with_inv != 0).then_some(Rkey(union_rkey));
             Some(Completion { wr_id, qp_num: QpNum(qp_num), opcode: WcOpcode::Recv, status, byte_len, invalidated_rkey })
         } else {
             let abs = wc.wr_id;
@@ -162,7 +164,7 @@ pub(crate) struct QpCore {
     max_read_sge: u32,
     passive: bool,
     token: u64,
-    dev: Arc<Device>,
+    pub(crate) dev: Arc<Device>,
     peer: Mutex<String>,
     pub(crate) shadow: Mutex<Shadow>,
     /// connect() or accept() succeeded.
