@@ -12,7 +12,11 @@
 //! | [`Fabric::create_qp`] + [`QueuePair::connect`] | `rdma_resolve_addr`/`_route` + `ibv_create_qp` (INIT) + `rdma_connect`, RTR/RTS, `rdma_establish` (active side) |
 //! | [`Fabric::listen`] / [`Listener::poll_request`] | `rdma_listen` / `RDMA_CM_EVENT_CONNECT_REQUEST` |
 //! | [`ConnectRequest::into_queue_pair`] + [`QueuePair::accept`] | `ibv_create_qp` (INIT) + RTR/RTS, `rdma_accept` (passive side) |
+//! | [`ConnectRequest::private_data`] / [`ConnectRequest::reject`] | the request's private data / `rdma_reject`, behind a length byte |
+//! | [`QueuePair::connect_raw`] / [`QueuePair::accept_raw`] / [`ConnectRequest::raw_private_data`] / [`ConnectRequest::reject_raw`] | the same, the private data as the peer's protocol has it (no length byte; what arrives, padding included) |
 //! | [`QueuePair::post_send`] / [`QueuePair::post_recv`] | `ibv_post_send` / `ibv_post_recv` |
+//! | [`SendOp::SendWithInvalidate`] / [`Completion::invalidated_rkey`] | `IBV_WR_SEND_WITH_INV` / `IBV_WC_WITH_INV` with `wc.invalidated_rkey` |
+//! | [`QueuePair::window_invalidated_by_peer`] | nothing: the window is taken back (no `IBV_WR_LOCAL_INV`) |
 //! | [`QueuePair::disconnect`] | `rdma_disconnect` + `ibv_modify_qp(ERR)` |
 //! | [`QueuePair::state`] | `ibv_query_qp` |
 //!
@@ -52,6 +56,12 @@
 //!   the responder only answers with a NAK), as RC hardware does. Either
 //!   side learns that its peer is gone when the peer disconnects or drops
 //!   its queue pair, or when the peer stops responding.
+//! - A SEND with Invalidate ends the receiver's memory window with that
+//!   key (bound on the receiving queue pair) before the receiver's receive
+//!   completes, which reports the key. A key that is no such window is the
+//!   receiver's fault alone (IBTA's class J): its receive completes with
+//!   [`WcStatus::RemoteInvalidRequest`] and its queue pair fails, while
+//!   the SEND is acknowledged and completes with success.
 //! - A peer that stops responding fails the requester's queue pair as
 //!   RC's retry limit does (`IBV_WC_RETRY_EXC_ERR`): the send-queue work
 //!   request it left unacknowledged (or, for a READ, unanswered) completes
@@ -976,12 +986,17 @@ impl QueuePair {
     /// As [`connect`](QueuePair::connect), with private data as a stock
     /// peer (an NVMe/RDMA host) sends it: no length prefix on rdma_cm, and
     /// the reply as received (the CM may pad it). A reject's private data
-    /// is in the error's context as hex bytes (`rejected by peer: [00 00 02 00]`).
+    /// is in the error's context as hex bytes (`rejected by peer: [00 00 02 00]`),
+    /// as received. rdma_cm: at most 56 bytes, and the reply comes padded
+    /// to the REP's 196 bytes on IB and RoCE (a reject's to 148). tcp: at
+    /// most 256 bytes; the hello carries a length, so the bytes are the
+    /// framed call's and the reply is exactly what the peer sent.
     pub fn connect_raw(&self, private_data: &[u8], timeout: Duration) -> Result<Vec<u8>> {
         dispatch!(QpImpl, &self.inner, qp => qp.connect_raw(private_data, timeout))
     }
     /// As [`accept`](QueuePair::accept), with private data as a stock peer
-    /// expects it (no length prefix on rdma_cm).
+    /// expects it (no length prefix on rdma_cm): at most 196 bytes there
+    /// (the IB CM REP), 256 on tcp (the same bytes as `accept`).
     pub fn accept_raw(&self, private_data: &[u8]) -> Result<()> {
         dispatch!(QpImpl, &self.inner, qp => qp.accept_raw(private_data))
     }
@@ -1113,8 +1128,9 @@ impl ConnectRequest {
     }
     /// The private data as it arrived, for stock peers that send it
     /// without this layer's length prefix (an NVMe/RDMA host): on rdma_cm
-    /// padded to the CM message's size (56 bytes on IB and RoCE); on tcp
-    /// what the peer sent.
+    /// padded to the CM message's size (56 bytes on IB and RoCE), so the
+    /// peer's protocol says how much of it counts; on tcp what the peer
+    /// sent (the same bytes as [`private_data`](Self::private_data)).
     pub fn raw_private_data(&self) -> &[u8] {
         dispatch!(ConnectRequestImpl, &self.inner, r => r.raw_private_data())
     }
@@ -1147,7 +1163,8 @@ impl ConnectRequest {
         dispatch!(ConnectRequestImpl, self.inner, r => r.reject(private_data))
     }
     /// As [`reject`](ConnectRequest::reject), with private data as a stock
-    /// peer expects it (no length prefix on rdma_cm).
+    /// peer expects it (no length prefix on rdma_cm): as much of it as the
+    /// provider carries, 148 bytes on rdma_cm (the IB CM REJ), 256 on tcp.
     pub fn reject_raw(self, private_data: &[u8]) {
         dispatch!(ConnectRequestImpl, self.inner, r => r.reject_raw(private_data))
     }
