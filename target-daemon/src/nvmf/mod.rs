@@ -65,6 +65,9 @@ pub const MAX_IO_QUEUES: u16 = 64;
 pub const MAX_AERS: usize = 4;
 /// Pool chunks per I/O queue: commands beyond this wait for a chunk.
 pub const QUEUE_CHUNKS: u32 = 32;
+/// How long the admin queue (and a queue before Connect) sleeps at most
+/// between its checks (keep-alive, namespaces, the handshake's deadline).
+pub const ADMIN_TICK: Duration = Duration::from_millis(250);
 /// Fixed-file slots of an I/O queue's engine: the volumes one queue
 /// touches (a queue never detaches; past this many it takes slots over).
 pub const QUEUE_FILE_SLOTS: u32 = 64;

@@ -19,8 +19,8 @@ use rdmablk_common::protocol::Opcode;
 
 use super::io_cmd::{self, IoPlan};
 use super::{
-    admin_cmd, fabrics_cmd, Controller, HostView, Namespace, NvmeStats, QueueCloser, Subsystem, MAX_TRANSFER, QUEUE_CHUNKS,
-    QUEUE_FILE_SLOTS,
+    admin_cmd, fabrics_cmd, Controller, HostView, Namespace, NvmeStats, QueueCloser, Subsystem, ADMIN_TICK, MAX_TRANSFER,
+    QUEUE_CHUNKS, QUEUE_FILE_SLOTS,
 };
 use crate::config::NvmeTransport;
 use crate::engine::BlockEngine;
@@ -118,6 +118,13 @@ struct Cmd {
     written: Vec<(u64, u64)>,
     /// When an I/O command arrived, if it is timed (`metrics::clock_is_cheap`).
     started: Option<Instant>,
+}
+
+/// A descriptor of the queue's (not its transport's) that wakes its thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WakeSource {
+    Engine,
+    Controller,
 }
 
 /// The queue's place in its association.
@@ -745,6 +752,63 @@ impl Queue {
             }
         }
         self.waiting_chunk.clear();
+    }
+
+    /// Before a queue thread sleeps, whatever its transport: how long it
+    /// may (the handshake's deadline before Connect, the keep-alive's and
+    /// the namespace checks' on the admin queue; an I/O queue has no
+    /// deadline and reads no clock, which on some virtual machines is a
+    /// system call), or why the queue must close now (its association
+    /// was torn down, the target is stopping, no Connect came in time).
+    pub fn sleep_limit(&self, handshake_due: Instant) -> Result<Option<Duration>, String> {
+        let Some(conn) = &self.conn else {
+            if self.stopping() {
+                return Err("the target is stopping".into());
+            }
+            let now = Instant::now();
+            if now >= handshake_due {
+                return Err(format!("no Connect within {:?}", self.sub.cfg.handshake_timeout));
+            }
+            return Ok(Some(handshake_due.saturating_duration_since(now).min(ADMIN_TICK)));
+        };
+        if conn.ctrl.is_dead() {
+            return Err("the controller was torn down".into());
+        }
+        if conn.qid != 0 {
+            return Ok(None);
+        }
+        let ka = self.keep_alive_due.map_or(ADMIN_TICK, |d| d.saturating_duration_since(Instant::now()));
+        Ok(Some(ka.min(ADMIN_TICK)))
+    }
+
+    /// The descriptors a queue thread watches once they exist: the
+    /// engine's (its ring's eventfd, its blocking worker's) and, on the
+    /// admin queue, the controller's wake-up.
+    pub fn wake_sources(&self) -> Vec<(std::os::fd::RawFd, WakeSource)> {
+        let mut fds = Vec::new();
+        if let Some(e) = &self.engine {
+            fds.extend(e.wait_fds().map(|fd| (fd, WakeSource::Engine)));
+        }
+        if let Some(c) = self.conn.as_ref().filter(|c| c.qid == 0) {
+            fds.push((c.ctrl.wake.fd(), WakeSource::Controller));
+        }
+        fds
+    }
+
+    /// Consumes the wake-up of `source` after it fired.
+    pub fn woken_by(&mut self, source: WakeSource) {
+        match source {
+            WakeSource::Engine => {
+                if let Some(e) = self.engine.as_mut() {
+                    e.clear_wake();
+                }
+            }
+            WakeSource::Controller => {
+                if let Some(c) = &self.conn {
+                    c.ctrl.wake.drain();
+                }
+            }
+        }
     }
 
     /// The connection is gone (the transport stopped using it): drops the

@@ -41,15 +41,13 @@ use rdmablk_common::nvme::fabrics::{fctype, Connect};
 use rdmablk_common::nvme::rdma::{reject, CmAccept, CmReject, CmRequest, RECFMT_1_0};
 use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry, SQE_SIZE};
 
-use super::queue::{Action, Buf, Queue};
+use super::queue::{Action, Buf, Queue, WakeSource};
 use super::{QueueCloser, Subsystem, ADMIN_IN_CAPSULE, IO_IN_CAPSULE, MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, MAX_TRANSFER};
 use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
 use crate::pool::{PoolRegion, SlotBuf};
 use crate::session::{Admission, ConnectionSlot, HandshakeSlot};
 use crate::sys::{Epoll, EventFd};
 
-/// How long the admin queue sleeps at most between namespace checks.
-const ADMIN_TICK: Duration = Duration::from_millis(250);
 /// How long a closing queue waits for its flushed work requests.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Staging slots (of `MAX_TRANSFER`) for data in heap memory: the admin
@@ -320,18 +318,13 @@ impl Connection {
                 }
             }
             self.watch_new_fds();
-            let connected = self.q.conn.is_some();
-            if connected {
+            if self.q.conn.is_some() {
                 self.handshake = None;
             }
-            if let Some(conn) = &self.q.conn {
-                if conn.ctrl.is_dead() {
-                    return "the controller was torn down".into();
-                }
-            }
-            if self.q.stopping() && !connected {
-                return "the target is stopping".into();
-            }
+            let timeout = match self.q.sleep_limit(handshake_due) {
+                Ok(t) => t,
+                Err(why) => return why,
+            };
             if self.q.is_admin() {
                 self.q.tick(Instant::now());
             }
@@ -342,17 +335,6 @@ impl Connection {
             let reaped = self.q.reap();
             if polled > 0 || reaped > 0 || !self.q.actions.is_empty() {
                 continue;
-            }
-            let mut timeout: Option<Duration> = None;
-            if !connected {
-                let now = Instant::now();
-                if now >= handshake_due {
-                    return format!("no Connect within {:?}", self.q.sub.cfg.handshake_timeout);
-                }
-                timeout = Some(handshake_due.saturating_duration_since(now).min(ADMIN_TICK));
-            } else if self.q.is_admin() {
-                let ka = self.q.keep_alive_due.map_or(ADMIN_TICK, |d| d.saturating_duration_since(Instant::now()));
-                timeout = Some(ka.min(ADMIN_TICK));
             }
             if let Err(e) = self.cq.arm() {
                 return format!("arming the completion queue: {e}");
@@ -397,16 +379,8 @@ impl Connection {
                     TOKEN_KICK => {
                         self.kick.drain();
                     }
-                    TOKEN_WAKE => {
-                        if let Some(c) = &self.q.conn {
-                            c.ctrl.wake.drain();
-                        }
-                    }
-                    TOKEN_ENGINE => {
-                        if let Some(e) = self.q.engine.as_mut() {
-                            e.clear_wake();
-                        }
-                    }
+                    TOKEN_WAKE => self.q.woken_by(WakeSource::Controller),
+                    TOKEN_ENGINE => self.q.woken_by(WakeSource::Engine),
                     _ => {}
                 }
             }
@@ -427,16 +401,11 @@ impl Connection {
 
     /// Registers the engine's and the controller's descriptors once they exist.
     fn watch_new_fds(&mut self) {
-        let mut fds: Vec<(i32, u64)> = Vec::new();
-        if let Some(e) = &self.q.engine {
-            fds.extend(e.wait_fds().map(|fd| (fd, TOKEN_ENGINE)));
-        }
-        if let Some(c) = &self.q.conn {
-            if c.qid == 0 {
-                fds.push((c.ctrl.wake.fd(), TOKEN_WAKE));
-            }
-        }
-        for (fd, token) in fds {
+        for (fd, source) in self.q.wake_sources() {
+            let token = match source {
+                WakeSource::Engine => TOKEN_ENGINE,
+                WakeSource::Controller => TOKEN_WAKE,
+            };
             if !self.watched.contains(&fd) {
                 self.watched.push(fd);
                 if let Err(e) = self.epoll.add(fd, token) {

@@ -32,7 +32,7 @@ use rdmablk_common::nvme::tcp::{
 };
 use rdmablk_common::nvme::WireError;
 
-use super::queue::{Action, Buf, H2cRefusal, Queue};
+use super::queue::{Action, Buf, H2cRefusal, Queue, WakeSource};
 use super::{QueueCloser, Subsystem, MAX_TRANSFER};
 use crate::config::NvmeTransport;
 use crate::pool::ChunkId;
@@ -43,8 +43,6 @@ use crate::sys::{Epoll, READABLE, WRITABLE};
 const RX_BUFFER: usize = 16 << 10;
 /// MAXH2CDATA offered in ICResp: one R2T covers a whole command.
 pub const MAXH2CDATA: u32 = MAX_TRANSFER;
-/// How long the admin queue sleeps at most between namespace checks.
-const ADMIN_TICK: Duration = Duration::from_millis(250);
 /// How long a closing connection may take to send its last PDUs.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Answers (PDUs) a connection may have waiting to be sent, beyond what the
@@ -209,31 +207,13 @@ impl Connection {
                 }
             }
             self.watch_new_fds();
-            let connected = self.q.conn.is_some();
-            if connected {
+            if self.q.conn.is_some() {
                 self.handshake = None;
             }
-            if let Some(conn) = &self.q.conn {
-                if conn.ctrl.is_dead() {
-                    return "the controller was torn down".into();
-                }
-            }
-            if self.q.stopping() && !connected {
-                return "the target is stopping".into();
-            }
-            // An I/O queue has no deadline and reads no clock per turn (on
-            // some virtual machines a clock read is a system call).
-            let mut timeout: Option<Duration> = None;
-            if !connected {
-                let now = Instant::now();
-                if now >= handshake_due {
-                    return format!("no Connect within {:?}", self.q.sub.cfg.handshake_timeout);
-                }
-                timeout = Some(handshake_due.saturating_duration_since(now).min(ADMIN_TICK));
-            } else if self.q.is_admin() {
-                let ka = self.q.keep_alive_due.map_or(ADMIN_TICK, |d| d.saturating_duration_since(Instant::now()));
-                timeout = Some(ka.min(ADMIN_TICK));
-            }
+            let mut timeout = match self.q.sleep_limit(handshake_due) {
+                Ok(t) => t,
+                Err(why) => return why,
+            };
             if self.closing.is_some() {
                 timeout = Some(Duration::from_millis(20));
             }
@@ -287,16 +267,8 @@ impl Connection {
                             self.fail(f);
                         }
                     }
-                    TOKEN_WAKE => {
-                        if let Some(c) = &self.q.conn {
-                            c.ctrl.wake.drain();
-                        }
-                    }
-                    TOKEN_ENGINE => {
-                        if let Some(e) = self.q.engine.as_mut() {
-                            e.clear_wake();
-                        }
-                    }
+                    TOKEN_WAKE => self.q.woken_by(WakeSource::Controller),
+                    TOKEN_ENGINE => self.q.woken_by(WakeSource::Engine),
                     _ => {}
                 }
             }
@@ -309,16 +281,11 @@ impl Connection {
 
     /// Registers the engine's and the controller's descriptors once they exist.
     fn watch_new_fds(&mut self) {
-        let mut fds: Vec<(i32, u64)> = Vec::new();
-        if let Some(e) = &self.q.engine {
-            fds.extend(e.wait_fds().map(|fd| (fd, TOKEN_ENGINE)));
-        }
-        if let Some(c) = &self.q.conn {
-            if c.qid == 0 {
-                fds.push((c.ctrl.wake.fd(), TOKEN_WAKE));
-            }
-        }
-        for (fd, token) in fds {
+        for (fd, source) in self.q.wake_sources() {
+            let token = match source {
+                WakeSource::Engine => TOKEN_ENGINE,
+                WakeSource::Controller => TOKEN_WAKE,
+            };
             if self.watched.insert(fd) {
                 if let Err(e) = self.epoll.add(fd, token) {
                     tracing::error!("nvme+tcp {}: epoll: {e}", self.q.peer);
