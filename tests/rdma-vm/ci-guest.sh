@@ -847,14 +847,6 @@ rxe_defects=(--skip window_refuses_a_byte_before --skip window_refuses_a_byte_pa
 # and rxe on 6.1 report LOC_PROT_ERR (or LOC_QP_OP_ERR) for it. The two
 # tests pass on 6.1 and check the hardware behaviour; on later kernels they
 # are skipped, and the summary says so.
-# rxe on 6.12 panics the kernel (NULL pointer in rxe_invalidate_mw, from
-# rxe_requester) once a SEND with Invalidate has ended a type-2 memory
-# window on the receiving side, even when nothing invalidates that window
-# again: the test that does it on a window is skipped there. SEND with
-# Invalidate itself runs on every NVMe/RDMA I/O of the nvme-rdma-* steps
-# (the Linux host asks for it on its fast-registered regions), and the
-# unknown-key case of the suite runs.
-rxe_defects+=(--skip window_refused_after_the_peers_send_with_invalidate)
 case $(uname -r) in
     6.1.*) ;;
     *) rxe_defects+=(--skip invalid_local_lkey_in_send --skip local_sge_outside_its_region)
@@ -886,10 +878,7 @@ step capacity-rdma --timeout 300 "${sys[@]}" "$RDMABLK_CAPACITY" --test-threads=
 # Invalidate) and the hostile cases: CM requests with bad fields, keys
 # outside the host's registration, bad SGL types, short capsules, a Connect
 # for another queue than the CM request named.
-# (Its SEND with Invalidate of a host's memory window is skipped: the rxe
-# panic described at conformance-verbs.)
-step nvme-rdma-hostile --timeout 300 env RDMABLK_NVME_RDMA_HOST="$SIP" "$RDMABLK_NVME_RDMA_TESTS" --test-threads=1 \
-    --skip a_completion_invalidates_the_hosts_key_when_the_sgl_asks || rc=1
+step nvme-rdma-hostile --timeout 300 env RDMABLK_NVME_RDMA_HOST="$SIP" "$RDMABLK_NVME_RDMA_TESTS" --test-threads=1 || rc=1
 step nbd-fs-rdma --timeout 600 bash "$SELF" nbd_fs || rc=1
 step ublk-fs-rdma --timeout 600 bash "$SELF" ublk_fs || rc=1
 step ublk-fs-tcp --timeout 300 bash "$SELF" ublk_fs_tcp || rc=1
