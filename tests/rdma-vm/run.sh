@@ -46,7 +46,7 @@ SKIPPED steps are shown and do not fail the run.
 
 options:
   --timeout SECS       overall wall-clock limit; qemu is killed after it (default 900;
-                       1800 for the CI stage)
+                       2400 for the CI stage)
   --step-timeout SECS  limit for each payload/script step (default: the overall limit)
   --script FILE        run FILE (bash) in the guest as one step named after FILE;
                        may be given several times; the file is copied into the VM,
