@@ -65,9 +65,17 @@ mkdir -p "$out"
 envs=(-e "RDMABLK_BIN_DIR=$bin" -e "RDMABLK_NVME_VS_TARGET=$bin/rdmablk-target" -e "RDMABLK_NVME_VS_ROUNDS=$rounds"
     -e "RDMABLK_CI_STEPS=$steps")
 [[ -z $cases ]] || envs+=(-e "RDMABLK_NVME_VS_CASES=$cases")
-echo "==> booting the VM for: $steps ($rounds rounds; about 3 minutes per round and transport under TCG)"
+echo "==> booting the VM for: $steps ($rounds rounds; about 2 minutes per round and transport under TCG, plus a minute of setup)"
 rc=0
-tests/rdma-vm/run.sh --no-smoke --topology routed --timeout $((600 + 400 * rounds)) \
+# The guest's limit for each step is 280 s + 40 s per case and round, at
+# least 600 s (ci-guest.sh); the boot and scratch file system about a
+# minute more. The whole run's limit covers the steps' limits.
+ncases=4
+[[ -z $cases ]] || ncases=$(wc -w <<<"$cases")
+ntransports=$(wc -w <<<"$steps")
+step_limit=$((280 + 40 * rounds * ncases))
+((step_limit >= 600)) || step_limit=600
+tests/rdma-vm/run.sh --no-smoke --topology routed --timeout $((180 + ntransports * step_limit)) \
     --script tests/rdma-vm/ci-guest.sh "${envs[@]}" --out "$out" || rc=$?
 shown=0
 for s in $steps; do
