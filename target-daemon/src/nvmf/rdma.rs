@@ -449,14 +449,8 @@ impl Connection {
             K_SEND => {
                 self.sends_outstanding -= 1;
                 self.resp.reclaim(index);
-                match std::mem::replace(&mut self.sent_with[index], SentWith::Nothing) {
-                    SentWith::Nothing => {}
-                    SentWith::Chunk(c) => self.q.sent(c),
-                    SentWith::Staging(i) => {
-                        self.staging.reclaim(i);
-                        self.free_staging.push(i);
-                    }
-                }
+                let with = std::mem::replace(&mut self.sent_with[index], SentWith::Nothing);
+                self.give_back(with);
                 self.free_resp.push(index);
             }
             K_READ => {
@@ -656,15 +650,21 @@ impl Connection {
             Err(e) => {
                 self.resp.reclaim(r);
                 self.free_resp.push(r);
-                match with {
-                    SentWith::Nothing => {}
-                    SentWith::Chunk(c) => self.q.sent(c),
-                    SentWith::Staging(i) => {
-                        self.staging.reclaim(i);
-                        self.free_staging.push(i);
-                    }
-                }
+                self.give_back(with);
                 self.close(format!("posting a completion: {e}"));
+            }
+        }
+    }
+
+    /// Frees what a response's data went out of, once the send is done
+    /// with it (its completion came, or it was never posted).
+    fn give_back(&mut self, with: SentWith) {
+        match with {
+            SentWith::Nothing => {}
+            SentWith::Chunk(c) => self.q.sent(c),
+            SentWith::Staging(i) => {
+                self.staging.reclaim(i);
+                self.free_staging.push(i);
             }
         }
     }
