@@ -29,11 +29,21 @@ const SEND_SLOT: usize = SQE_SIZE + 16384;
 const DATA: usize = 1 << 20;
 const NULL_SGL: Sgl = Sgl::Keyed { addr: 0, length: 0, key: 0, invalidate: false };
 
+/// The address the host connects to: `RDMABLK_NVME_RDMA_HOST` (verbs) or
+/// 127.0.0.1 (the tcp provider).
+fn host_address() -> String {
+    std::env::var("RDMABLK_NVME_RDMA_HOST").unwrap_or_else(|_| "127.0.0.1".to_owned())
+}
+
 /// A target with a 4 MiB memory volume and an NVMe/RDMA listener on the
 /// tcp provider (port 0), and that listener's URL.
 fn target() -> (RunningTarget, FabricUrl, String) {
+    target_listening_on(&host_address())
+}
+
+/// [`target`], its listener bound to `host` (`0.0.0.0`: every address).
+fn target_listening_on(host: &str) -> (RunningTarget, FabricUrl, String) {
     let verbs_host = std::env::var("RDMABLK_NVME_RDMA_HOST").ok();
-    let host = verbs_host.as_deref().unwrap_or("127.0.0.1");
     let text = format!(
         "[target]\nname = \"rdma\"\nlisten = [\"nvme+rdma://{host}:0\"]\nshutdown_timeout = \"5s\"\n\
          [[volume]]\nname = \"v\"\nbackend = \"memory\"\nsize = \"4MiB\"\nblock_size = 512\nallow_any_host = true\n"
@@ -370,6 +380,25 @@ fn the_discovery_log_lists_the_rdma_listener_as_rdma() {
     assert_eq!((e[768], e[769], e[770]), (1, 1, 1), "TSAS: connected QPs, any provider, rdma_cm");
     assert_eq!(&e[32..32 + url.port.to_string().len()], url.port.to_string().as_bytes());
     assert_eq!(&e[256..256 + nqn.len()], nqn.as_bytes());
+    t.shutdown().unwrap();
+}
+
+/// A listener on every address is listed with the address the host
+/// reached it on (as nvmet-rdma and the NVMe/TCP listener do): a host that
+/// connects by the entry must get somewhere, and 0.0.0.0 is nowhere.
+#[test]
+fn a_wildcard_listener_is_listed_with_the_address_the_host_connected_to() {
+    let (t, mut url, _) = target_listening_on("0.0.0.0");
+    url.host = host_address();
+    let mut d = Host::connect(&url, 0, 32);
+    d.nvme_connect(DISCOVERY_NQN, 0, 0xffff).unwrap();
+    d.enable();
+    let mut log = SubmissionEntry::new(admin_opcode::GET_LOG_PAGE, d.cid());
+    log.cdw[0] = 0x70 | ((2048 / 4 - 1) << 16);
+    let page = d.admin_data(log, 2048);
+    let traddr = &page[1024 + 512..1024 + 768];
+    let end = traddr.iter().position(|&b| b == 0 || b == b' ').unwrap_or(traddr.len());
+    assert_eq!(std::str::from_utf8(&traddr[..end]).unwrap(), url.host, "TRADDR");
     t.shutdown().unwrap();
 }
 
