@@ -1138,6 +1138,12 @@ impl ConnectRequest {
     pub fn peer(&self) -> String {
         dispatch!(ConnectRequestImpl, &self.inner, r => r.peer())
     }
+    /// The local address the request arrived on: on a listener bound to
+    /// every address, the one the peer connected to. `None` if the
+    /// provider cannot tell.
+    pub fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        dispatch!(ConnectRequestImpl, &self.inner, r => r.local_addr())
+    }
     /// Creates the passive-side queue pair. Post receives, then call
     /// [`QueuePair::accept`].
     pub fn into_queue_pair(self, pd: &ProtectionDomain, cq: &CompletionQueue, caps: QpCaps) -> Result<QueuePair> {

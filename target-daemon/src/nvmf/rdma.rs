@@ -141,7 +141,13 @@ impl RdmaListener {
                     continue;
                 }
             };
-            let (fabric, sub, local) = (Arc::clone(&self.fabric), Arc::clone(sub), self.addr);
+            // The discovery log names a wildcard listener by the address
+            // this host reached it on.
+            let local = match req.local_addr() {
+                Some(a) if self.addr.ip().is_unspecified() && !a.ip().is_unspecified() => SocketAddr::new(a.ip(), self.addr.port()),
+                _ => self.addr,
+            };
+            let (fabric, sub) = (Arc::clone(&self.fabric), Arc::clone(sub));
             let serve = move || serve(req, cm, &fabric, Peer { addr: peer, local, port }, sub, admission);
             match std::thread::Builder::new().name("rdmablk-nvmeq".into()).spawn(serve) {
                 Ok(t) => started.push(t),

@@ -257,6 +257,10 @@ impl TcpConnectRequest {
         self.peer.clone()
     }
 
+    pub fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        self.stream.local_addr().ok()
+    }
+
     pub fn into_queue_pair(self, pd: &TcpPd, cq: &TcpCq, caps: QpCaps) -> Result<TcpQp> {
         TcpQp::new(pd, cq, caps, None, Some((self.stream, self.peer)), self.options)
     }

@@ -62,6 +62,7 @@ impl VerbsListener {
                 // SAFETY: the new id of a CONNECT_REQUEST read from this channel.
                 let Some(id) = (unsafe { CmId::from_request(e.id, &self.chan) }) else { continue };
                 let peer = id.peer_addr().map(|a| a.to_string()).unwrap_or_else(|| "unknown peer".to_owned());
+                let local = id.local_addr();
                 if id.verbs() != self.dev.raw() {
                     tracing::warn!(%peer, "connect request on another RDMA device than {}; rejecting", self.dev.name);
                     let _ = id.reject(&cm::frame_private(b"wrong RDMA device"));
@@ -76,6 +77,7 @@ impl VerbsListener {
                     id: Some(id),
                     dev: self.dev.clone(),
                     peer,
+                    local,
                     private_data: e.private,
                     raw_private_data: e.raw,
                     responder_resources,
@@ -105,6 +107,8 @@ pub struct VerbsConnectRequest {
     id: Option<CmId>,
     dev: Arc<Device>,
     peer: String,
+    /// The address the request arrived on (the listener's may be a wildcard).
+    local: Option<SocketAddr>,
     private_data: Vec<u8>,
     raw_private_data: Vec<u8>,
     responder_resources: u8,
@@ -122,6 +126,10 @@ impl VerbsConnectRequest {
 
     pub fn peer(&self) -> String {
         self.peer.clone()
+    }
+
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.local
     }
 
     pub fn into_queue_pair(mut self, pd: &VerbsPd, cq: &VerbsCq, caps: QpCaps) -> Result<VerbsQp> {
