@@ -228,9 +228,13 @@ impl Host {
     /// Connect (admin: controller 0xffff, data under a keyed SGL as the
     /// Linux host sends it; I/O: in-capsule). Returns the controller id.
     fn nvme_connect(&mut self, subnqn: &str, qid: u16, cntlid: u16) -> Result<u16, Status> {
+        self.nvme_connect_as(HOST_NQN, subnqn, qid, cntlid)
+    }
+
+    fn nvme_connect_as(&mut self, hostnqn: &str, subnqn: &str, qid: u16, cntlid: u16) -> Result<u16, Status> {
         let mut d = [0u8; CONNECT_DATA_SIZE];
         let host_id = [0x5a; 16];
-        ConnectData { host_id, controller_id: cntlid, subsystem_nqn: subnqn.into(), host_nqn: HOST_NQN.into() }.encode(&mut d).unwrap();
+        ConnectData { host_id, controller_id: cntlid, subsystem_nqn: subnqn.into(), host_nqn: hostnqn.into() }.encode(&mut d).unwrap();
         let cid = self.cid();
         let mut e = Connect { recfmt: 0, qid, sqsize: 31, cattr: 0, kato_ms: 0 }.to_entry(cid);
         let c = if qid == 0 {
@@ -399,6 +403,70 @@ fn a_wildcard_listener_is_listed_with_the_address_the_host_connected_to() {
     let traddr = &page[1024 + 512..1024 + 768];
     let end = traddr.iter().position(|&b| b == 0 || b == b' ').unwrap_or(traddr.len());
     assert_eq!(std::str::from_utf8(&traddr[..end]).unwrap(), url.host, "TRADDR");
+    t.shutdown().unwrap();
+}
+
+/// The target's log, captured in memory (this test binary's subscriber).
+#[derive(Clone, Default)]
+struct LogCapture(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogCapture {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl LogCapture {
+    /// Installs the capture as the process's subscriber (at INFO).
+    fn install() -> LogCapture {
+        let capture = LogCapture::default();
+        let writer = capture.clone();
+        tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .with_writer(move || writer.clone())
+            .try_init()
+            .expect("no other subscriber in this test");
+        capture
+    }
+
+    /// The captured lines that contain `needle`, waiting up to `within`
+    /// for at least one.
+    fn lines_with(&self, needle: &str, within: Duration) -> Vec<String> {
+        let until = Instant::now() + within;
+        loop {
+            let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
+            let lines: Vec<String> = text.lines().filter(|l| l.contains(needle)).map(str::to_owned).collect();
+            if !lines.is_empty() || Instant::now() >= until {
+                return lines;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// A host that disconnects its admin queue ends the association: that is
+/// how an NVMe/RDMA host disconnects, not a fault, and the log must not
+/// warn about it (a WARN per `nvme disconnect` hides the real ones).
+#[test]
+fn a_host_that_disconnects_ends_its_controller_without_a_warning() {
+    let log = LogCapture::install();
+    let host_nqn = "nqn.2014-08.org.example:rdma-disconnecting-host";
+    let (t, url, nqn) = target();
+    let mut admin = Host::connect(&url, 0, 32);
+    admin.nvme_connect_as(host_nqn, &nqn, 0, 0xffff).unwrap();
+    admin.enable();
+    admin.qp.disconnect();
+    drop(admin);
+    let lines = log.lines_with(&format!("of host {host_nqn}: "), Duration::from_secs(10));
+    assert!(!lines.is_empty(), "the controller's end was not logged");
+    for l in &lines {
+        assert!(l.contains(" INFO ") && !l.contains("torn down"), "a clean disconnect logged: {l}");
+    }
     t.shutdown().unwrap();
 }
 
