@@ -209,6 +209,11 @@ pub struct ControllerState {
     pub aen_config: u32,
 }
 
+/// Why a queue ended when its host closed the connection (a TCP FIN, an
+/// rdma_cm disconnect): how a host disconnects, so an ended association
+/// whose admin queue closed for it is logged at INFO, not as a fault.
+pub const HOST_CLOSED: &str = "the host closed the connection";
+
 impl Controller {
     /// Ends the association: marks it dead and shuts every queue's socket,
     /// so their threads wake, drop what is queued and finish.
@@ -216,8 +221,7 @@ impl Controller {
         if self.dead.swap(true, Ordering::AcqRel) {
             return;
         }
-        // The host closing its admin queue is how NVMe/TCP disconnects.
-        if why.contains("the host closed the connection") {
+        if why.contains(HOST_CLOSED) {
             tracing::info!("nvme controller {} of host {}: ended: {why}", self.id, self.host_nqn);
         } else {
             tracing::warn!("nvme controller {} of host {}: torn down: {why}", self.id, self.host_nqn);

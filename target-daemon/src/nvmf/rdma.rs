@@ -42,7 +42,7 @@ use rdmablk_common::nvme::rdma::{reject, CmAccept, CmReject, CmRequest, RECFMT_1
 use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry, SQE_SIZE};
 
 use super::queue::{Action, Buf, Queue, WakeSource};
-use super::{QueueCloser, Subsystem, ADMIN_IN_CAPSULE, IO_IN_CAPSULE, MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, MAX_TRANSFER};
+use super::{QueueCloser, Subsystem, ADMIN_IN_CAPSULE, HOST_CLOSED, IO_IN_CAPSULE, MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, MAX_TRANSFER};
 use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
 use crate::pool::{PoolRegion, SlotBuf};
 use crate::session::{Admission, ConnectionSlot, HandshakeSlot};
@@ -434,8 +434,11 @@ impl Connection {
         let index = (wc.wr_id.0 & !KIND_MASK) as usize;
         let ok = wc.status == WcStatus::Success;
         if !ok {
+            // A flush before this side closed: the queue pair was
+            // disconnected by the host (a failed work request of its own
+            // comes first, with its status, and sets the reason).
             let why = if wc.status == WcStatus::WrFlushError {
-                "the queue pair was disconnected".to_owned()
+                format!("{HOST_CLOSED} (the queue pair was disconnected)")
             } else {
                 format!("a {:?} work request failed: {:?}", wc.opcode, wc.status)
             };

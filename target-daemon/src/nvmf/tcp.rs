@@ -33,7 +33,7 @@ use rdmablk_common::nvme::tcp::{
 use rdmablk_common::nvme::WireError;
 
 use super::queue::{Action, Buf, H2cRefusal, Queue, WakeSource};
-use super::{QueueCloser, Subsystem, MAX_TRANSFER};
+use super::{QueueCloser, Subsystem, HOST_CLOSED, MAX_TRANSFER};
 use crate::config::NvmeTransport;
 use crate::pool::ChunkId;
 use crate::session::{Admission, ConnectionSlot, HandshakeSlot};
@@ -350,7 +350,7 @@ impl Connection {
         let Some(engine) = self.q.engine.as_mut() else { return Ok(false) };
         let n = match engine.take_received() {
             None => return Ok(false),
-            Some(Ok([])) => return Err(Fatal::closed("the host closed the connection")),
+            Some(Ok([])) => return Err(Fatal::closed(HOST_CLOSED)),
             Some(Ok(bytes)) => {
                 // `arm_ring_recv` asked for no more than the room left here.
                 self.rx[self.rx_end..self.rx_end + bytes.len()].copy_from_slice(bytes);
@@ -399,7 +399,7 @@ impl Connection {
                     let buf = self.q.data_mut(slot, offset + placed, len - placed);
                     let asked = buf.len();
                     match (&self.stream).read(buf) {
-                        Ok(0) => return Err(Fatal::closed("the host closed the connection")),
+                        Ok(0) => return Err(Fatal::closed(HOST_CLOSED)),
                         Ok(n) => {
                             drained = n < asked;
                             if let Rx::Data { placed, .. } = &mut self.state {
@@ -420,7 +420,7 @@ impl Connection {
             }
             let asked = self.rx.len() - self.rx_end;
             match (&self.stream).read(&mut self.rx[self.rx_end..]) {
-                Ok(0) => return Err(Fatal::closed("the host closed the connection")),
+                Ok(0) => return Err(Fatal::closed(HOST_CLOSED)),
                 Ok(n) => {
                     drained = n < asked;
                     self.rx_end += n;
