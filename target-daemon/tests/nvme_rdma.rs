@@ -375,15 +375,21 @@ fn a_host_writes_and_reads_through_keyed_sgls_and_in_capsule_data() {
     t.shutdown().unwrap();
 }
 
-#[test]
-fn the_discovery_log_lists_the_rdma_listener_as_rdma() {
-    let (t, url, nqn) = target();
-    let mut d = Host::connect(&url, 0, 32);
+/// The discovery log page (header and one entry) as a host reads it
+/// through the discovery controller at `url`.
+fn discovery_log(url: &FabricUrl) -> Vec<u8> {
+    let mut d = Host::connect(url, 0, 32);
     d.nvme_connect(DISCOVERY_NQN, 0, 0xffff).unwrap();
     d.enable();
     let mut log = SubmissionEntry::new(admin_opcode::GET_LOG_PAGE, d.cid());
     log.cdw[0] = 0x70 | ((2048 / 4 - 1) << 16);
-    let page = d.admin_data(log, 2048);
+    d.admin_data(log, 2048)
+}
+
+#[test]
+fn the_discovery_log_lists_the_rdma_listener_as_rdma() {
+    let (t, url, nqn) = target();
+    let page = discovery_log(&url);
     assert_eq!(u64::from_le_bytes(page[8..16].try_into().unwrap()), 1, "one record");
     let e = &page[1024..2048];
     assert_eq!(e[0], 1, "TRTYPE: RDMA");
@@ -407,12 +413,7 @@ fn a_wildcard_listener_is_listed_with_the_address_the_host_connected_to() {
     }
     let (t, mut url, _) = target_listening_on("0.0.0.0");
     url.host = host_address();
-    let mut d = Host::connect(&url, 0, 32);
-    d.nvme_connect(DISCOVERY_NQN, 0, 0xffff).unwrap();
-    d.enable();
-    let mut log = SubmissionEntry::new(admin_opcode::GET_LOG_PAGE, d.cid());
-    log.cdw[0] = 0x70 | ((2048 / 4 - 1) << 16);
-    let page = d.admin_data(log, 2048);
+    let page = discovery_log(&url);
     let traddr = &page[1024 + 512..1024 + 768];
     let end = traddr.iter().position(|&b| b == 0 || b == b' ').unwrap_or(traddr.len());
     assert_eq!(std::str::from_utf8(&traddr[..end]).unwrap(), url.host, "TRADDR");
