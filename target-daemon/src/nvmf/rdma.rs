@@ -141,12 +141,9 @@ impl RdmaListener {
                     continue;
                 }
             };
-            // The discovery log names a wildcard listener by the address
-            // this host reached it on.
-            let local = match req.local_addr() {
-                Some(a) if self.addr.ip().is_unspecified() && !a.ip().is_unspecified() => SocketAddr::new(a.ip(), self.addr.port()),
-                _ => self.addr,
-            };
+            // The address this host reached: the discovery log names a
+            // wildcard listener by it.
+            let local = req.local_addr().unwrap_or(self.addr);
             let (fabric, sub) = (Arc::clone(&self.fabric), Arc::clone(sub));
             let serve = move || serve(req, cm, &fabric, Peer { addr: peer, local, port }, sub, admission);
             match std::thread::Builder::new().name("rdmablk-nvmeq".into()).spawn(serve) {
