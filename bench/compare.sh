@@ -28,7 +28,10 @@
 # against local fio bounds what a block protocol over loopback TCP can reach
 # in that run: the same reads and TCP, with no protocol work at all.
 # The page cache is dropped before every run (nbdkit file reads through it;
-# the others use O_DIRECT), or a warning says it could not be.
+# the others use O_DIRECT), or a warning says it could not be, and nbdkit
+# file's page cache is held to the target's buffer memory (a memory cgroup)
+# so that a run re-reading the file does not read it from memory; the
+# "disk / served" column shows what each row took from the disk.
 # Cases: 4 KiB randread QD1, 4 KiB randread QD32, 4 KiB randwrite QD32,
 # 128 KiB sequential read QD16. Prints a markdown table (IOPS, bandwidth,
 # p50/p99 latency, ratios against the ceiling and the peer, CPU time of
@@ -151,11 +154,13 @@ CEIL="$WORK/bin/tcp-ceiling"
 RDMABLK="$WORK/bin/rdmablk"
 FILE="$DIR/compare.img"
 PIDS=()
+PEER_CG=""
 HALT_POLL_OLD=""
 cleanup() {
     if [ -n "$HALT_POLL_OLD" ]; then echo "$HALT_POLL_OLD" >"$HALT_POLL_PARAM" || true; fi
     for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
     for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+    if [ -n "$PEER_CG" ]; then rmdir "$PEER_CG" 2>/dev/null || true; fi
     if [ "$KEEP" = 0 ]; then rm -rf "$WORK" "$FILE"; else log "kept $WORK and $FILE"; fi
 }
 trap cleanup EXIT
@@ -179,6 +184,7 @@ fi
 # --- the file ------------------------------------------------------------------
 SIZE_BYTES=$(size_bytes "$SIZE")
 fill_file "$FILE" "$SIZE_BYTES"
+DISK_STAT=$(disk_stat_file "$FILE")
 
 # --- servers -------------------------------------------------------------------
 RDMA_PORT=$(free_port)
@@ -247,7 +253,24 @@ wait_port "$RNBD_PORT" "$RNPID"
 
 NBD_PORT=$(free_port)
 log "starting nbdkit file on nbd://127.0.0.1:$NBD_PORT"
-nbdkit -f -i 127.0.0.1 -p "$NBD_PORT" file file="$FILE" cache=none 2>"$WORK/nbdkit.log" &
+# nbdkit file reads through the page cache. cache=none evicts what a read
+# asked for, not what the kernel's readahead brought in ahead of it, so a
+# sequential run that wraps around the file reads the disk once and memory
+# afterwards (BENCHMARKS.md, "The peer read from memory"). Its page cache is
+# therefore held, in a memory cgroup, to the buffer memory rdmablk-target
+# has: its pools, DEFAULT_BUFFER_POOL (64 MiB) per reactor, one reactor per
+# CPU. The "disk / served" column shows what each row read from the disk.
+PEER_CACHE_BYTES=$(( $(nproc) * (64 << 20) ))
+PEER_CG=$(memory_cgroup "rdmablk-compare-$$" "$PEER_CACHE_BYTES")
+if [ -n "$PEER_CG" ]; then
+    PEER_CACHE="nbdkit file's page cache held to $((PEER_CACHE_BYTES >> 20)) MiB (memory cgroup)"
+    sh -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' sh "$PEER_CG" \
+        nbdkit -f -i 127.0.0.1 -p "$NBD_PORT" file file="$FILE" cache=none 2>"$WORK/nbdkit.log" &
+else
+    PEER_CACHE="nbdkit file's page cache not bounded (no memory cgroup here): its sequential rows may read from memory"
+    log "warning: $PEER_CACHE"
+    nbdkit -f -i 127.0.0.1 -p "$NBD_PORT" file file="$FILE" cache=none 2>"$WORK/nbdkit.log" &
+fi
 NPID=$!; PIDS+=("$NPID")
 wait_port "$NBD_PORT" "$NPID"
 
@@ -302,16 +325,24 @@ drop_page_cache() {
         DROP_CACHES_OK=0
     fi
 }
+# Bytes read and written on the file's disk since boot ("- -" when the file
+# is not on a block device).
+disk_bytes() {
+    if [ -n "$DISK_STAT" ]; then awk '{ printf "%.0f %.0f\n", $3 * 512, $7 * 512 }' "$DISK_STAT"; else echo "- -"; fi
+}
 measure() {
     local name=$1 spid=$2; shift 3
-    local c0 c1
+    local c0 c1 d0 d1
     drop_page_cache
     snapshot "$WORK/$name.procs0"
     c0=$(server_cpu "$spid")
+    d0=$(disk_bytes)
     "$@" >"$WORK/$name.json" 2>"$WORK/$name.err" || { echo "compare.sh: $name failed:" >&2; cat "$WORK/$name.err" >&2; }
+    d1=$(disk_bytes)
     c1=$(server_cpu "$spid")
     snapshot "$WORK/$name.procs1"
     python3 -c "print($c1 - $c0)" >"$WORK/$name.cpu"
+    echo "$d0 $d1" >"$WORK/$name.disk"
     echo "$*" >"$WORK/$name.cmd"
 }
 
@@ -382,7 +413,7 @@ LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 snapshot "$WORK/procs1.json"
 
 # --- table ---------------------------------------------------------------------
-OURS="$TPID $PPID_POLLED $NPID $NNPID $RNPID $$ $BASHPID" PLACEMENT="$PLACEMENT" HALT_POLL="$HALT_POLL" CASE_NAMES="$CASE_NAMES" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
+OURS="$TPID $PPID_POLLED $NPID $NNPID $RNPID $$ $BASHPID" PLACEMENT="$PLACEMENT" PEER_CACHE="$PEER_CACHE" HALT_POLL="$HALT_POLL" CASE_NAMES="$CASE_NAMES" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
 RUNTIME="$RUNTIME" RAMP="$RAMP" SIZE_BYTES="$SIZE_BYTES" ONLY_NBD="$ONLY_NBD" python3 - <<'PY'
 import functools, json, os
 
@@ -407,6 +438,13 @@ def load1(name):
             cmd = f.read().strip()
     except Exception:  # noqa: BLE001 - a failed run is a row of dashes
         return None
+    # Bytes the file's disk read and wrote while the command ran.
+    disk_read = disk_written = None
+    try:
+        r0, w0, r1, w1 = open(f"{work}/{name}.disk").read().split()
+        disk_read, disk_written = int(r1) - int(r0), int(w1) - int(w0)
+    except Exception:  # noqa: BLE001 - not on a block device: no column
+        pass
     foreign = None
     try:
         p0 = json.load(open(f"{work}/{name}.procs0")); p1 = json.load(open(f"{work}/{name}.procs1"))
@@ -427,6 +465,7 @@ def load1(name):
             "server_cpu_pct": doc["server"]["cpu_us_per_op"] * iops / 1e4,
             "iops_per_server_cpu_s": 1e6 / doc["server"]["cpu_us_per_op"] if doc["server"]["cpu_us_per_op"] else None,
             "foreign_cpu_s": foreign,
+            "disk_share": disk_share(disk_read, doc["mib_s"]),
             "cmd": cmd,
         }
     j = doc["jobs"][0]
@@ -448,8 +487,20 @@ def load1(name):
         # IOPS divided by the CPUs the server kept busy: I/Os per CPU-second.
         "iops_per_server_cpu_s": (d["iops"] * WALL / cpu) if cpu > 0 else None,
         "foreign_cpu_s": foreign,
+        "disk_share": disk_share(disk_written if d is j["write"] else disk_read, d["bw_bytes"] / 1048576.0),
         "cmd": cmd,
     }
+
+# What the disk moved over what the row served, both over ramp + runtime:
+# about 1 for a row served from the disk, well below 1 for one served
+# (partly) from the page cache, a little above 1 with readahead.
+def disk_share(disk_bytes, served_mib_s):
+    if disk_bytes is None or not served_mib_s:
+        return None
+    return disk_bytes / (served_mib_s * 1048576.0 * WALL)
+
+# Below this disk / served a file row was served partly from memory.
+MIN_DISK_SHARE = 0.9
 
 # A run during which other processes used this much CPU is left out of
 # the medians when clean runs of the same row exist.
@@ -553,15 +604,18 @@ print()
 print(f"Runtime {os.environ['RUNTIME']} s per run after {os.environ['RAMP']} s ramp, {REPEAT} run(s) per row "
       f"(medians{', IOPS range in brackets' if REPEAT > 1 else ''}); file {int(os.environ['SIZE_BYTES'])>>20} MiB; "
       f"load average before {os.environ['LOAD_BEFORE']}, after {os.environ['LOAD_AFTER']}; "
-      f"{os.environ['PLACEMENT']}; {os.environ['HALT_POLL']}; page cache dropped before each run.")
+      f"{os.environ['PLACEMENT']}; {os.environ['HALT_POLL']}; page cache dropped before each run; "
+      f"{os.environ['PEER_CACHE']}.")
 if others:
     print("Other long-lived processes that used CPU during the runs (CPU-seconds): " +
           ", ".join(f"{c} (pid {p}) {d:.1f}" for d, c, p in others[:6]) + ".")
 else:
     print("No other long-lived process used more than 0.5 CPU-seconds during the runs.")
 print()
-print("| case | system | IOPS | MiB/s | p50 µs | p99 µs | vs ceiling | vs peer | client CPU % | server CPU % | IOPS per server CPU-s |")
-print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+print("| case | system | IOPS | MiB/s | p50 µs | p99 µs | vs ceiling | vs peer | client CPU % | server CPU % | IOPS per server CPU-s | disk / served |")
+print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+def file_row(r):
+    return "null" not in r["system"]
 for r in rows:
     iops = f(r.get('iops'), ',.0f')
     if REPEAT > 1 and r.get('iops') is not None:
@@ -571,11 +625,19 @@ for r in rows:
           f"{f(r.get('p50_us'), '.1f')} | {f(r.get('p99_us'), '.1f')} | {f(r['vs_ceiling'], '.2f')} | "
           f"{f(r['vs_peer'], '.2f')} | {f(r.get('client_cpu_pct'), '.0f')} | "
           f"{'-' if local else f(r.get('server_cpu_pct'), '.0f')} | "
-          f"{'-' if local else f(r.get('iops_per_server_cpu_s'), ',.0f')} |")
+          f"{'-' if local else f(r.get('iops_per_server_cpu_s'), ',.0f')} | "
+          f"{f(r.get('disk_share'), '.2f') if file_row(r) else '-'} |")
 if iperf:
     rng = f" [{min(iperf_runs)/1048576:,.0f}–{max(iperf_runs)/1048576:,.0f}]" if REPEAT > 1 else ""
-    print(f"| fabric ceiling | iperf3, one loopback TCP stream | - | {iperf/1048576.0:,.1f}{rng} | - | - | - | - | - | - | - |")
+    print(f"| fabric ceiling | iperf3, one loopback TCP stream | - | {iperf/1048576.0:,.1f}{rng} | - | - | - | - | - | - | - | - |")
 print()
+# A file row that moved much less on the disk than it served was measured
+# (partly) out of memory, against rows that read the disk.
+from_memory = [r for r in rows if file_row(r) and r.get("disk_share") is not None and r["disk_share"] < MIN_DISK_SHARE]
+if from_memory:
+    print("Warning: these file rows moved less than " f"{MIN_DISK_SHARE:.0%} of what they served on the disk, so they were "
+          "measured partly out of the page cache: " + "; ".join(f"{r['case']} / {r['system']} ({r['disk_share']:.2f})" for r in from_memory) + ".")
+    print()
 flagged = [r for r in rows if r.get("runs_with_other_load")]
 if len(flagged) > 4:
     print(f"{len(flagged)} of {len(rows)} rows had runs during which other processes used >= 1 CPU-second "
@@ -587,6 +649,9 @@ elif flagged:
                     + (" (all runs affected; median includes them)" if r["other_load_in_median"] else " (left out of the median)")
                     for r in flagged))
     print()
+print("disk / served = bytes the file's disk read (written, on write rows) over bytes the row served, over ramp + "
+      "runtime: about 1 from the disk, above 1 with readahead, below 1 from the page cache.")
+print()
 print("client CPU % = the client's job (fio or rdmablk-bench) in usr+sys, of one CPU; server CPU % = the whole "
       "serving side (rdmablk-target or nbdkit, all threads; on the rdmablk nbd rows rdmablk nbd and rdmablk-target "
       "together), of one CPU, over ramp + runtime; IOPS per server CPU-s = IOPS / (server CPU % / 100).")
@@ -606,6 +671,11 @@ def get(case, system_prefix):
         if r["case"] == case and r["system"].startswith(system_prefix):
             return r
     return {}
+
+# Appended to a target's detail when its peer row read (partly) from memory.
+def peer_note(r):
+    share = r.get("disk_share")
+    return f" (nbdkit's row partly from memory: disk / served {share:.2f})" if share is not None and share < MIN_DISK_SHARE else ""
 
 targets = []
 def target(name, ok, detail, paired=None, bound=None):
@@ -678,7 +748,7 @@ for case in ("randread-4k-qd32", "randwrite-4k-qd32"):
     a, b = get(case, RDMABLK_NBD), get(case, "fio nbd -> nbdkit file")
     if a.get("iops") and b.get("iops"):
         nbd_oks.append(a["iops"] >= b["iops"])
-        part = f"{case}: {a['iops']:,.0f} vs {b['iops']:,.0f} ({a['iops']/b['iops']:.2f}x)"
+        part = f"{case}: {a['iops']:,.0f} vs {b['iops']:,.0f} ({a['iops']/b['iops']:.2f}x){peer_note(b)}"
         pr = paired(case, "rdmablk-nbd", "iops", lambda v: v >= 1.0, ".2f", base="nbd")
         if pr:
             nbd_pairs[case] = pr
@@ -695,7 +765,7 @@ if nbd_oks:
 a, b, c = get("randread-4k-qd1", "rdmablk-bench -> rdmablk-target, file"), get("randread-4k-qd1", "fio nbd -> nbdkit file"), get("randread-4k-qd1", BOUND)
 if a.get("p50_us") and b.get("p50_us") and a.get("iops") and b.get("iops"):
     ok = a["p50_us"] <= b["p50_us"] and a["iops"] >= b["iops"]
-    detail = f"p50 {a['p50_us']:.1f} us vs {b['p50_us']:.1f} us, IOPS {a['iops']/b['iops']:.2f}x"
+    detail = f"p50 {a['p50_us']:.1f} us vs {b['p50_us']:.1f} us, IOPS {a['iops']/b['iops']:.2f}x{peer_note(b)}"
     if c.get("p50_us"):
         ok = ok and a["p50_us"] <= c["p50_us"] + 10
         detail += f"; sleeping bound p50 {c['p50_us']:.1f} us (+{a['p50_us']-c['p50_us']:.1f} us, within 10 us: {'yes' if a['p50_us'] <= c['p50_us'] + 10 else 'no'})"
@@ -707,7 +777,7 @@ if a.get("p50_us") and b.get("p50_us"):
            paired("randread-4k-qd1", "rdmablk-null", "p50_us", lambda v: v <= 0, "+.1f", base="nbd-null"))
 a, b = get("read-128k-qd16", "rdmablk-bench -> rdmablk-target, file"), get("read-128k-qd16", "fio nbd -> nbdkit file")
 if a.get("bw_mib") and b.get("bw_mib"):
-    target("8. file read 128k QD16 >= 1.0x nbdkit file", a["bw_mib"] >= b["bw_mib"], f"{a['bw_mib']:,.0f} MiB/s vs {b['bw_mib']:,.0f} MiB/s ({a['bw_mib']/b['bw_mib']:.2f}x)",
+    target("8. file read 128k QD16 >= 1.0x nbdkit file", a["bw_mib"] >= b["bw_mib"], f"{a['bw_mib']:,.0f} MiB/s vs {b['bw_mib']:,.0f} MiB/s ({a['bw_mib']/b['bw_mib']:.2f}x){peer_note(b)}",
            paired("read-128k-qd16", "rdmablk", "iops", lambda v: v >= 1.0, ".2f", base="nbd"))
 print()
 print("| target | met | measured |")
@@ -720,7 +790,7 @@ if os.environ.get("JSON_OUT"):
         json.dump({"rows": rows, "iperf3_bytes_per_sec": iperf, "targets": targets,
                    "load_before": os.environ["LOAD_BEFORE"], "load_after": os.environ["LOAD_AFTER"],
                    "other_cpu": [{"comm": c, "pid": p, "cpu_s": d} for d, c, p in others],
-                   "repeat": REPEAT, "placement": os.environ["PLACEMENT"], "guest_halt_poll": os.environ["HALT_POLL"], "iperf3_runs_bytes_per_sec": iperf_runs,
+                   "repeat": REPEAT, "placement": os.environ["PLACEMENT"], "peer_page_cache": os.environ["PEER_CACHE"], "guest_halt_poll": os.environ["HALT_POLL"], "iperf3_runs_bytes_per_sec": iperf_runs,
                    "runtime_s": int(os.environ["RUNTIME"]), "ramp_s": int(os.environ["RAMP"])}, fh, indent=2)
     print(f"\nrows written to {os.environ['JSON_OUT']}")
 PY

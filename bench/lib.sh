@@ -144,3 +144,34 @@ c['server']=s['server']; print(json.dumps(c))" "$out" "$sout" || rc=1
     rm -f "$sout" "$serr"
     return $rc
 }
+
+# The /sys stat file of the block device that holds FILE (a partition's own
+# file when FILE is on one), or nothing when FILE is not on a block device
+# (tmpfs, overlay): its fields 3 and 7 count the 512-byte sectors read and
+# written, so the bytes a run moved to and from the disk can be set against
+# the bytes it served.
+disk_stat_file() { # FILE
+    local dev
+    dev=$(stat -c '%Hd:%Ld' "$1" 2>/dev/null) || return 0
+    if [ -r "/sys/dev/block/$dev/stat" ]; then echo "/sys/dev/block/$dev/stat"; fi
+}
+
+# Runs COMMAND in a new memory cgroup named NAME whose limit is BYTES (cgroup
+# v2, or v1's memory controller), so that the page cache it fills is held
+# to BYTES; prints the cgroup's directory, or nothing (and runs nothing)
+# when this machine has no memory cgroup to create. The caller starts
+# COMMAND itself, as `sh -c 'echo $$ >"$CG/cgroup.procs"; exec COMMAND'`:
+# everything it reads from its first byte on is charged to the cgroup.
+memory_cgroup() { # NAME BYTES
+    local cg
+    if grep -qw memory /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null; then
+        cg=/sys/fs/cgroup/$1
+        mkdir -p "$cg" && echo "$2" >"$cg/memory.max" || return 0
+    elif [ -d /sys/fs/cgroup/memory ]; then
+        cg=/sys/fs/cgroup/memory/$1
+        mkdir -p "$cg" && echo "$2" >"$cg/memory.limit_in_bytes" || return 0
+    else
+        return 0
+    fi
+    echo "$cg"
+}

@@ -2,7 +2,8 @@
 # Smoke runs of the benchmark scripts on the debug build: bench/compare.sh
 # (every row of one short case measured, the no-protocol bound and rdmablk
 # nbd included;
-# the JSON carries the targets with their per-repeat pairs and bounds),
+# the JSON carries the targets with their per-repeat pairs and bounds, and
+# every file row what it read from the disk),
 # bench/ceiling.sh (every measurement made) and bench/per-io.sh (one null
 # case). No figure is judged (timing does not
 # belong in the test suite); this only catches a script that no longer runs.
@@ -33,7 +34,13 @@ for name in ("2.", "2'."):
     assert t is not None, f"target {name} missing: {list(targets)}"
     assert len(t["per_run"]["values"]) == 2, f"target {name}: expected 2 pairs, got {t['per_run']}"
     assert len(t["bound"]["values"]) == 2, f"target {name}: expected the bound of 2 pairs, got {t.get('bound')}"
-assert doc["repeat"] == 2 and "guest_halt_poll" in doc and "placement" in doc
+assert doc["repeat"] == 2 and "guest_halt_poll" in doc and "placement" in doc and "peer_page_cache" in doc
+# On a block device every file row says what it took from the disk.
+import os
+st = os.stat(os.path.dirname(sys.argv[1]))
+if os.path.exists(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat"):
+    no_disk = [r["system"] for r in doc["rows"] if "null" not in r["system"] and r.get("disk_share") is None]
+    assert not no_disk, f"compare.sh file rows without disk / served: {no_disk}"
 assert "| target | met | measured |" in table, "no targets table in the output"
 print(f"bench smoke: {len(doc['rows'])} rows measured, targets {', '.join(targets)} reported")
 PY
