@@ -55,6 +55,9 @@ pub(crate) struct CqShared {
     /// The eventfd was written and may not be drained yet: an owner woken by
     /// a socket, not by the channel, need not read it (a syscall per wake).
     signaled: AtomicBool,
+    /// The owner was woken from a sleep on the channel and has not polled
+    /// since (see [`TcpCq::poll`]).
+    woken: AtomicBool,
     qps: Mutex<HashMap<u32, Weak<QpShared>>>,
     /// How long a standalone ACK may be held back, in nanoseconds;
     /// `ACKS_NOT_HELD` when coalescing is off (see
@@ -121,6 +124,25 @@ impl CqShared {
         if self.signaled.swap(false, Ordering::AcqRel) {
             sys::counter_drain(self.evfd.as_raw_fd());
         }
+    }
+
+    /// Moves up to `out.len()` queued completions to `out`.
+    fn take_completions(&self, out: &mut [Completion]) -> usize {
+        let mut queue = lock(&self.queue);
+        let k = out.len().min(queue.len());
+        for (slot, c) in out.iter_mut().zip(queue.drain(..k)) {
+            *slot = c;
+        }
+        k
+    }
+
+    /// The queue pair attached, when it is the only one.
+    fn only_qp(&self) -> Option<Arc<QpShared>> {
+        let qps = lock(&self.qps);
+        if qps.len() != 1 {
+            return None;
+        }
+        qps.values().next().and_then(Weak::upgrade)
     }
 
     pub(crate) fn epfd(&self) -> RawFd {
@@ -351,6 +373,7 @@ impl TcpCq {
                 queue: Mutex::new(VecDeque::with_capacity(capacity.clamp(1, 1 << 16) as usize)),
                 armed: AtomicBool::new(false),
                 signaled: AtomicBool::new(false),
+                woken: AtomicBool::new(false),
                 qps: Mutex::new(HashMap::new()),
                 ack_hold_ns: AtomicU64::new(ACKS_NOT_HELD),
                 deferred_acks: Mutex::new(VecDeque::new()),
@@ -387,6 +410,23 @@ impl TcpCq {
     pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
         let sh = &*self.shared;
         sh.send_deferred_acks(false);
+        // The first poll after a wake-up, with one queue pair attached: its
+        // socket is what woke the owner, nearly always, so it is read
+        // without asking epoll first (a system call per I/O at queue depth
+        // 1, on both sides). Only when that brings no completion is epoll
+        // asked, as always, so the timers and the channel are still served
+        // whenever the socket is quiet. Never in the late mode (its timer
+        // must be seen after the socket) or while busy polling (no wake-up:
+        // an empty poll stays one system call).
+        if sh.woken.swap(false, Ordering::AcqRel) && !sh.late_send_completions() {
+            if let Some(qp) = sh.only_qp() {
+                qp::progress(&qp, 0);
+                let k = sh.take_completions(out);
+                if k > 0 {
+                    return Ok(k);
+                }
+            }
+        }
         let mut events = [sys::EMPTY_EVENT; EVENTS_PER_POLL];
         let n = sys::epoll_wait(sh.epfd(), &mut events, 0)
             .map_err(|e| FabricError::io("epoll_wait on a completion queue", e))?;
@@ -434,15 +474,7 @@ impl TcpCq {
         if checks_due {
             sh.run_checks();
         }
-        let k = {
-            let mut queue = lock(&sh.queue);
-            let k = out.len().min(queue.len());
-            for (slot, c) in out.iter_mut().zip(queue.drain(..k)) {
-                *slot = c;
-            }
-            k
-        };
-        Ok(k)
+        Ok(sh.take_completions(out))
     }
 
     pub fn fd(&self) -> RawFd {
@@ -539,6 +571,7 @@ impl TcpCq {
     /// poll read it back: two system calls for a wake-up nobody waits for.
     pub fn ack_event(&self) -> Result<()> {
         self.disarm();
+        self.shared.woken.store(true, Ordering::Release);
         Ok(())
     }
 }
