@@ -1885,6 +1885,38 @@ fn a_send_or_read_the_peer_takes_but_never_answers_fails_after_the_timeout() {
     }
 }
 
+#[test]
+fn a_deadline_due_when_the_socket_woke_the_owner_is_enforced_by_the_next_poll() {
+    // The first poll after a wake-up reads a lone queue pair's socket
+    // without asking epoll; a deadline check that fell due meanwhile waits
+    // for the poll an owner makes before it sleeps again, and no longer.
+    let mut rig = passive_rig_with(short_timeouts());
+    let buf = mem(&rig.pd, 4096, Access::LOCAL_WRITE);
+    let sge = [buf.mr_sge(0, 64)];
+    rig.qp.post_send(&[SendWr { wr_id: WrId(1), op: SendOp::Send, payload: Payload::Sges(&sge), signaled: true }]).unwrap();
+    let (h, _) = read_frame(&mut rig.raw);
+    assert_eq!(h.seq, 1);
+    // Nobody polls while the timeout passes; then the peer sends a SEND
+    // that does not acknowledge ours, and the owner wakes for both.
+    std::thread::sleep(TRANSPORT_TIMEOUT + Duration::from_millis(200));
+    let mut frame = Vec::new();
+    push_send(&mut frame, 1, false, b"late");
+    rig.raw.write_all(&frame).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(readable_within(rig.cq.fd(), DEADLINE), "the CQ fd is not readable");
+    rig.cq.ack_event().unwrap();
+    let mut out = [Completion::EMPTY; 16];
+    let mut comps = Vec::new();
+    for _ in 0..2 {
+        let n = rig.cq.poll(&mut out).unwrap();
+        comps.extend_from_slice(&out[..n]);
+    }
+    let got = order(&comps);
+    assert_eq!(got.first(), Some(&(WcOpcode::Recv, 100, WcStatus::Success)), "{got:?}");
+    assert!(got.contains(&(WcOpcode::Send, 1, WcStatus::TransportError)), "the due deadline was not enforced within two polls: {got:?}");
+    assert_eq!(rig.qp.state(), QpState::Error);
+}
+
 /// A connected pair whose queue pairs follow `options`.
 fn pair_with(options: FabricOptions) -> Pair {
     let fabric = TcpFabric::open_with(&url(), options).unwrap();
