@@ -262,15 +262,16 @@ log "starting nbdkit file on nbd://127.0.0.1:$NBD_PORT"
 # CPU. The "disk / served" column shows what each row read from the disk.
 PEER_CACHE_BYTES=$(( $(nproc) * (64 << 20) ))
 PEER_CG=$(memory_cgroup "rdmablk-compare-$$" "$PEER_CACHE_BYTES")
+IN_PEER_CG=()
 if [ -n "$PEER_CG" ]; then
     PEER_CACHE="nbdkit file's page cache held to $((PEER_CACHE_BYTES >> 20)) MiB (memory cgroup)"
-    sh -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' sh "$PEER_CG" \
-        nbdkit -f -i 127.0.0.1 -p "$NBD_PORT" file file="$FILE" cache=none 2>"$WORK/nbdkit.log" &
+    # Joins the cgroup, then becomes nbdkit (same pid): all it reads is charged there.
+    IN_PEER_CG=(sh -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' sh "$PEER_CG")
 else
     PEER_CACHE="nbdkit file's page cache not bounded (no memory cgroup here): its sequential rows may read from memory"
     log "warning: $PEER_CACHE"
-    nbdkit -f -i 127.0.0.1 -p "$NBD_PORT" file file="$FILE" cache=none 2>"$WORK/nbdkit.log" &
 fi
+"${IN_PEER_CG[@]}" nbdkit -f -i 127.0.0.1 -p "$NBD_PORT" file file="$FILE" cache=none 2>"$WORK/nbdkit.log" &
 NPID=$!; PIDS+=("$NPID")
 wait_port "$NBD_PORT" "$NPID"
 

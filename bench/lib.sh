@@ -156,12 +156,12 @@ disk_stat_file() { # FILE
     if [ -r "/sys/dev/block/$dev/stat" ]; then echo "/sys/dev/block/$dev/stat"; fi
 }
 
-# Runs COMMAND in a new memory cgroup named NAME whose limit is BYTES (cgroup
-# v2, or v1's memory controller), so that the page cache it fills is held
-# to BYTES; prints the cgroup's directory, or nothing (and runs nothing)
-# when this machine has no memory cgroup to create. The caller starts
-# COMMAND itself, as `sh -c 'echo $$ >"$CG/cgroup.procs"; exec COMMAND'`:
-# everything it reads from its first byte on is charged to the cgroup.
+# Creates a memory cgroup named NAME whose limit is BYTES (cgroup v2, or
+# v1's memory controller) and prints its directory, or prints nothing when
+# this machine has no memory cgroup to create. A command started in it
+# (its pid written to the directory's cgroup.procs before it reads
+# anything, as compare.sh does for nbdkit) has the page cache it fills
+# held to BYTES. The caller removes the directory once the command ended.
 memory_cgroup() { # NAME BYTES
     local cg
     if grep -qw memory /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null; then
