@@ -91,8 +91,7 @@ cp "$BIN_DIR/tcp-ceiling" "$WORK/tcp-ceiling"
 CEIL="$WORK/tcp-ceiling"
 PIDS=()
 cleanup() {
-    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-    for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+    stop_in_reverse "${PIDS[@]}"
     rm -rf "$WORK"
 }
 trap cleanup EXIT

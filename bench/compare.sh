@@ -158,8 +158,7 @@ PEER_CG=""
 HALT_POLL_OLD=""
 cleanup() {
     if [ -n "$HALT_POLL_OLD" ]; then echo "$HALT_POLL_OLD" >"$HALT_POLL_PARAM" || true; fi
-    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-    for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+    stop_in_reverse "${PIDS[@]}"
     if [ -n "$PEER_CG" ]; then rmdir "$PEER_CG" 2>/dev/null || true; fi
     if [ "$KEEP" = 0 ]; then rm -rf "$WORK" "$FILE"; else log "kept $WORK and $FILE"; fi
 }

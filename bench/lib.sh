@@ -23,6 +23,25 @@ print((int(f[11])+int(f[12]))/os.sysconf('SC_CLK_TCK'))"; }
 # The directory holding the binaries to measure: $BIN (relative to the
 # repository, where the scripts run) or target/release. Prints it, or fails
 # naming the first BINARY that is not there.
+# Stops the servers a script started, the last started first, each gone
+# before the next is asked: `rdmablk nbd` flushes its volume at SIGTERM, so
+# its target must outlive it (killed together, the flush waited for the
+# target to come back, and the process outlived the script). One still
+# running after 30 s is killed, and said so.
+stop_in_reverse() { # PID...
+    local i p n
+    for ((i = $#; i >= 1; i--)); do
+        p=${!i}
+        kill "$p" 2>/dev/null || continue
+        for ((n = 0; n < 300; n++)); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+        if kill -0 "$p" 2>/dev/null; then
+            echo "${0##*/}: pid $p ($(cat "/proc/$p/comm" 2>/dev/null)) still running 30 s after SIGTERM; killing it" >&2
+            kill -KILL "$p" 2>/dev/null || true
+        fi
+        wait "$p" 2>/dev/null || true
+    done
+}
+
 bin_dir() { # BINARY...
     local dir b
     dir=$(realpath -m "${BIN:-target/release}")

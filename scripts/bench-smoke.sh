@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Smoke runs of the benchmark scripts on the debug build: bench/compare.sh
 # (every row of one short case measured, the no-protocol bound and rdmablk
-# nbd included;
+# nbd included, and nothing it started left running;
 # the JSON carries the targets with their per-repeat pairs and bounds, and
 # every file row what it read from the disk),
 # bench/ceiling.sh (every measurement made) and bench/per-io.sh (one null
@@ -14,6 +14,13 @@ out=$(mktemp -d /var/tmp/rdmablk-bench-smoke.XXXXXX)
 trap 'rm -rf "$out"' EXIT
 BIN=target/debug bench/compare.sh --no-build --runtime 1 --ramp 0 --size 64M --repeat 2 \
     --case randread-4k-qd1 --dir "$out" --json "$out/compare.json" >"$out/table.md"
+# Every server it started is gone when it returns (they run from copies
+# under its --dir).
+if left=$(pgrep -af "$out/"); then
+    echo "compare.sh left processes running:" >&2; echo "$left" >&2
+    pkill -KILL -f "$out/" || true
+    exit 1
+fi
 
 python3 - "$out/compare.json" "$out/table.md" <<'PY'
 import json, sys
