@@ -4,7 +4,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -39,6 +39,9 @@ fn late_send_completions_from_env() -> u32 {
     })
 }
 
+/// `CqShared::recent_qp` before any socket brought a completion.
+const NO_QP: u32 = u32::MAX;
+
 /// `CqShared::ack_hold_ns` when standalone ACKs are not held back.
 const ACKS_NOT_HELD: u64 = u64::MAX;
 
@@ -58,6 +61,9 @@ pub(crate) struct CqShared {
     /// The owner was woken from a sleep on the channel and has not polled
     /// since (see [`TcpCq::poll`]).
     woken: AtomicBool,
+    /// The queue pair whose socket brought completions last (`NO_QP`:
+    /// none yet): the first poll after a wake-up reads it first.
+    recent_qp: AtomicU32,
     qps: Mutex<HashMap<u32, Weak<QpShared>>>,
     /// How long a standalone ACK may be held back, in nanoseconds;
     /// `ACKS_NOT_HELD` when coalescing is off (see
@@ -136,13 +142,20 @@ impl CqShared {
         k
     }
 
-    /// The queue pair attached, when it is the only one.
-    fn only_qp(&self) -> Option<Arc<QpShared>> {
+    /// The queue pair whose socket most likely woke the owner: the only
+    /// one attached, or else the one whose socket brought completions
+    /// last (a reactor's idle sessions do not move it). `None` when
+    /// nothing has yet, or that queue pair is gone.
+    fn likely_waker(&self) -> Option<Arc<QpShared>> {
         let qps = lock(&self.qps);
-        if qps.len() != 1 {
-            return None;
+        if qps.len() == 1 {
+            return qps.values().next().and_then(Weak::upgrade);
         }
-        qps.values().next().and_then(Weak::upgrade)
+        qps.get(&self.recent_qp.load(Ordering::Relaxed)).and_then(Weak::upgrade)
+    }
+
+    fn queued(&self) -> usize {
+        lock(&self.queue).len()
     }
 
     pub(crate) fn epfd(&self) -> RawFd {
@@ -374,6 +387,7 @@ impl TcpCq {
                 armed: AtomicBool::new(false),
                 signaled: AtomicBool::new(false),
                 woken: AtomicBool::new(false),
+                recent_qp: AtomicU32::new(NO_QP),
                 qps: Mutex::new(HashMap::new()),
                 ack_hold_ns: AtomicU64::new(ACKS_NOT_HELD),
                 deferred_acks: Mutex::new(VecDeque::new()),
@@ -410,16 +424,20 @@ impl TcpCq {
     pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
         let sh = &*self.shared;
         sh.send_deferred_acks(false);
-        // The first poll after a wake-up, with one queue pair attached: its
-        // socket is what woke the owner, nearly always, so it is read
-        // without asking epoll first (a system call per I/O at queue depth
-        // 1, on both sides). Only when that brings no completion is epoll
-        // asked, as always, so the timers and the channel are still served
-        // whenever the socket is quiet. Never in the late mode (its timer
-        // must be seen after the socket) or while busy polling (no wake-up:
-        // an empty poll stays one system call).
+        // The first poll after a wake-up reads the socket that most likely
+        // woke the owner (the lone queue pair's, or the one that brought
+        // completions last, see `likely_waker`) without asking epoll first:
+        // a system call per I/O at queue depth 1, on both sides, also on a
+        // reactor that holds idle sessions. Only when that brings no
+        // completion is epoll asked, as always, so the timers, the channel
+        // and the other sockets are still served: at once when the guess
+        // was wrong, and by the next poll when it was right (an owner polls
+        // again after a poll that brought work; level-triggered epoll keeps
+        // reporting them). Never in the late mode (its timer must be seen
+        // after the socket) or while busy polling (no wake-up: an empty
+        // poll stays one system call).
         if sh.woken.swap(false, Ordering::AcqRel) && !sh.late_send_completions() {
-            if let Some(qp) = sh.only_qp() {
+            if let Some(qp) = sh.likely_waker() {
                 qp::progress(&qp, 0);
                 let k = sh.take_completions(out);
                 if k > 0 {
@@ -464,7 +482,11 @@ impl TcpCq {
             }
             let qp = lock(&sh.qps).get(&(token as u32)).and_then(Weak::upgrade);
             if let Some(qp) = qp {
+                let before = sh.queued();
                 qp::progress(&qp, flags);
+                if sh.queued() > before {
+                    sh.recent_qp.store(token as u32, Ordering::Relaxed);
+                }
             }
         }
         if sh.late_send_completions() {

@@ -2201,3 +2201,46 @@ fn a_frames_deadline_grows_with_its_payload() {
     assert_eq!(frame_deadline(t0, ten, wire::MAX_PAYLOAD), Some(t0 + ten + Duration::from_secs(1024)));
     assert_eq!(frame_deadline(t0, Duration::MAX, 64), None, "Duration::MAX is never");
 }
+
+#[test]
+fn the_first_poll_after_a_wake_up_reads_the_queue_pair_that_brought_completions_last_and_the_next_poll_the_others() {
+    // Two queue pairs on one CQ, as on a reactor that holds an idle
+    // session besides a busy one. The first poll after a wake-up reads the
+    // socket that brought completions last without asking epoll; a SEND
+    // that arrived on the other socket meanwhile is not lost but comes with
+    // the next poll (level-triggered epoll still reports it).
+    let mut rig = passive_rig();
+    let (busy, mut busy_raw, busy_rx) = accept_raw(&rig._listener, &rig.pd, &rig.cq);
+    // Small frames leave at once (no Nagle wait for the ACK of the last).
+    busy_raw.set_nodelay(true).unwrap();
+    rig.raw.set_nodelay(true).unwrap();
+    busy.post_recv(&[RecvWr { wr_id: WrId(101), sges: &[busy_rx.mr_sge(64, 64)] }]).unwrap();
+    let mut frame = Vec::new();
+    push_send(&mut frame, 1, false, b"first");
+    busy_raw.write_all(&frame).unwrap();
+    let mut comps = Vec::new();
+    poll_until(&rig.cq, &mut comps, "the busy queue pair's first SEND", |c| !c.is_empty());
+    assert_eq!(comps.iter().map(|c| (c.qp_num, c.wr_id.0)).collect::<Vec<_>>(), [(busy.qp_num(), 100)]);
+
+    // The owner sleeps; the other queue pair's SEND arrives first, then
+    // the busy one's, and the owner wakes.
+    rig.cq.arm().unwrap();
+    let mut frame = Vec::new();
+    push_send(&mut frame, 1, false, b"other");
+    rig.raw.write_all(&frame).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let mut frame = Vec::new();
+    push_send(&mut frame, 2, false, b"second");
+    busy_raw.write_all(&frame).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(readable_within(rig.cq.fd(), DEADLINE), "the CQ fd is not readable");
+    rig.cq.ack_event().unwrap();
+    let mut out = [Completion::EMPTY; 16];
+    let n = rig.cq.poll(&mut out).unwrap();
+    let first: Vec<_> = out[..n].iter().map(|c| (c.qp_num, c.wr_id.0)).collect();
+    let n = rig.cq.poll(&mut out).unwrap();
+    let next: Vec<_> = out[..n].iter().map(|c| (c.qp_num, c.wr_id.0, c.status)).collect();
+
+    assert_eq!(first, [(busy.qp_num(), 101)], "the first poll after the wake-up did not read the busy socket alone");
+    assert_eq!(next.iter().map(|c| (c.0, c.1)).collect::<Vec<_>>(), [(rig.qp.qp_num(), 100)], "the other queue pair's SEND did not come with the next poll");
+}
