@@ -20,9 +20,6 @@ import os
 f=open('/proc/$1/stat').read().rsplit(')',1)[1].split()
 print((int(f[11])+int(f[12]))/os.sysconf('SC_CLK_TCK'))"; }
 
-# The directory holding the binaries to measure: $BIN (relative to the
-# repository, where the scripts run) or target/release. Prints it, or fails
-# naming the first BINARY that is not there.
 # Stops the servers a script started, the last started first, each gone
 # before the next is asked: `rdmablk nbd` flushes its volume at SIGTERM, so
 # its target must outlive it (killed together, the flush waited for the
@@ -42,6 +39,9 @@ stop_in_reverse() { # PID...
     done
 }
 
+# The directory holding the binaries to measure: $BIN (relative to the
+# repository, where the scripts run) or target/release. Prints it, or fails
+# naming the first BINARY that is not there.
 bin_dir() { # BINARY...
     local dir b
     dir=$(realpath -m "${BIN:-target/release}")

@@ -39,7 +39,7 @@ fn late_send_completions_from_env() -> u32 {
     })
 }
 
-/// `CqShared::recent_qp` before any socket brought a completion.
+/// `CqShared::recent_qp` before any completion was queued.
 const NO_QP: u32 = u32::MAX;
 
 /// `CqShared::ack_hold_ns` when standalone ACKs are not held back.
@@ -61,8 +61,8 @@ pub(crate) struct CqShared {
     /// The owner was woken from a sleep on the channel and has not polled
     /// since (see [`TcpCq::poll`]).
     woken: AtomicBool,
-    /// The queue pair whose socket brought completions last (`NO_QP`:
-    /// none yet): the first poll after a wake-up reads it first.
+    /// The queue pair of the completion queued last (`NO_QP`: none yet):
+    /// the first poll after a wake-up reads its socket first.
     recent_qp: AtomicU32,
     qps: Mutex<HashMap<u32, Weak<QpShared>>>,
     /// How long a standalone ACK may be held back, in nanoseconds;
@@ -112,6 +112,7 @@ struct Checks {
 impl CqShared {
     /// Queues a completion; if the CQ is armed, fires the channel.
     pub(crate) fn push(&self, c: Completion) {
+        self.recent_qp.store(c.qp_num.0, Ordering::Relaxed);
         lock(&self.queue).push_back(c);
         if self.armed.swap(false, Ordering::AcqRel) {
             self.signal();
@@ -143,19 +144,15 @@ impl CqShared {
     }
 
     /// The queue pair whose socket most likely woke the owner: the only
-    /// one attached, or else the one whose socket brought completions
-    /// last (a reactor's idle sessions do not move it). `None` when
-    /// nothing has yet, or that queue pair is gone.
+    /// one attached, or else the one whose completion was queued last (a
+    /// reactor's idle sessions do not move it). `None` when nothing was
+    /// queued yet, or that queue pair is gone.
     fn likely_waker(&self) -> Option<Arc<QpShared>> {
         let qps = lock(&self.qps);
         if qps.len() == 1 {
             return qps.values().next().and_then(Weak::upgrade);
         }
         qps.get(&self.recent_qp.load(Ordering::Relaxed)).and_then(Weak::upgrade)
-    }
-
-    fn queued(&self) -> usize {
-        lock(&self.queue).len()
     }
 
     pub(crate) fn epfd(&self) -> RawFd {
@@ -425,8 +422,8 @@ impl TcpCq {
         let sh = &*self.shared;
         sh.send_deferred_acks(false);
         // The first poll after a wake-up reads the socket that most likely
-        // woke the owner (the lone queue pair's, or the one that brought
-        // completions last, see `likely_waker`) without asking epoll first:
+        // woke the owner (the lone queue pair's, or the one whose completion
+        // was queued last, see `likely_waker`) without asking epoll first:
         // a system call per I/O at queue depth 1, on both sides, also on a
         // reactor that holds idle sessions. Only when that brings no
         // completion is epoll asked, as always, so the timers, the channel
@@ -482,11 +479,7 @@ impl TcpCq {
             }
             let qp = lock(&sh.qps).get(&(token as u32)).and_then(Weak::upgrade);
             if let Some(qp) = qp {
-                let before = sh.queued();
                 qp::progress(&qp, flags);
-                if sh.queued() > before {
-                    sh.recent_qp.store(token as u32, Ordering::Relaxed);
-                }
             }
         }
         if sh.late_send_completions() {
