@@ -462,6 +462,22 @@ impl Conn {
         op: Opcode,
         timeout: Duration,
     ) -> Result<()> {
+        self.submit_raw_at(cid, capsule, inline, op, timeout, Instant::now())
+    }
+
+    /// [`submit_raw`](Conn::submit_raw) with the command's `timeout`
+    /// counted from `now`, a moment the caller read already (an
+    /// [`IoQueue`](crate::IoQueue) reads the clock once for a batch, and
+    /// its own deadline for the command is the same).
+    pub(crate) fn submit_raw_at(
+        &mut self,
+        cid: CommandId,
+        capsule: &[u8; COMMAND_CAPSULE_SIZE],
+        inline: &[u8],
+        op: Opcode,
+        timeout: Duration,
+        now: Instant,
+    ) -> Result<()> {
         let index = usize::from(cid.0);
         if let Err(e) = self.check_alive() {
             self.release_slot(index);
@@ -495,7 +511,6 @@ impl Conn {
             slot[COMMAND_CAPSULE_SIZE..].copy_from_slice(inline);
         }
         self.windows[index] = window;
-        let now = Instant::now();
         let slot = &mut self.slots[index];
         *slot = Slot {
             send_pending: true,
@@ -595,6 +610,19 @@ impl Conn {
         self.submit_raw(cid, &capsule.to_bytes(), inline, capsule.opcode, timeout)
     }
 
+    /// [`submit`](Conn::submit) with the timeout counted from `now` (see
+    /// [`submit_raw_at`](Conn::submit_raw_at)).
+    pub(crate) fn submit_at(
+        &mut self,
+        cid: CommandId,
+        capsule: &CommandCapsule,
+        inline: &[u8],
+        timeout: Duration,
+        now: Instant,
+    ) -> Result<()> {
+        self.submit_raw_at(cid, &capsule.to_bytes(), inline, capsule.opcode, timeout, now)
+    }
+
     /// Hands command `cid` (just submitted) to an `IoQueue`: its response
     /// will be kept under the returned ticket for
     /// [`take_detached`](Conn::take_detached), and its slot freed as soon as
@@ -661,12 +689,14 @@ impl Conn {
     /// gets, closed: by the peer, by a missed deadline (then
     /// [`timed_out`](Conn::timed_out) names the command) or by the session.
     pub(crate) fn progress(&mut self) -> Result<bool> {
-        self.progress_or(None)
+        self.progress_or(None, Instant::now())
     }
 
     /// [`progress`](Conn::progress), except that a sleep on the completion
     /// channel also ends when `wake` is woken (see [`crate::IoWaker`]).
-    pub(crate) fn progress_or(&mut self, wake: Option<&Wake>) -> Result<bool> {
+    /// `now`: the caller's clock reading, taken just before (keep-alives,
+    /// deadlines and the wait slice go by it; one read per wait, not two).
+    pub(crate) fn progress_or(&mut self, wake: Option<&Wake>, now: Instant) -> Result<bool> {
         self.check_usable()?;
         // A caller that will sleep need not poll before it arms: the poll
         // after arming finds the same completions (tcp: the wait after it
@@ -676,7 +706,6 @@ impl Conn {
         if !sleeper && self.poll_once()? > 0 {
             return Ok(true);
         }
-        let now = Instant::now();
         self.keepalive(now)?;
         let Some(deadline) = self.check_deadlines(now)? else {
             return Ok(false);

@@ -534,20 +534,23 @@ impl IoQueue {
                 }
                 return;
             };
-            if finished || Instant::now() >= until || self.take_wake() {
+            // One clock read serves the time limit and the wait below.
+            let now = (!finished).then(Instant::now);
+            if now.is_none_or(|now| now >= until) || self.take_wake() {
                 drop(q);
                 if reaped {
                     slot.notify_freed();
                 }
                 return;
             }
+            let now = now.expect("read when not finished");
             if self.inflight.is_empty() {
                 // Everything waits for a slot that other users of the queue hold.
-                let wait = until.saturating_duration_since(Instant::now()).min(Duration::from_millis(5));
+                let wait = until.saturating_duration_since(now).min(Duration::from_millis(5));
                 drop(slot.wait_freed(q, wait));
                 continue;
             }
-            let _ = conn.progress_or(self.wake.as_deref());
+            let _ = conn.progress_or(self.wake.as_deref(), now);
             drop(q);
             if reaped {
                 slot.notify_freed();
@@ -667,6 +670,9 @@ impl IoQueue {
 
     fn issue_each(&mut self, conn: &mut Conn, shared: &Shared) {
         let gen = conn.gen;
+        // One clock read for the batch: every command's deadline (the
+        // connection's and the flight's) counts from it.
+        let mut sent_at = None;
         while let Some(&piece) = self.pending.front() {
             let req = self.reqs[piece.req].as_ref().expect("a live request");
             if req.error.is_some() {
@@ -745,10 +751,11 @@ impl IoQueue {
                 _ => {}
             }
             let timeout = conn.params.io_timeout;
-            match conn.submit(cid, &c, &[], timeout) {
+            let now = *sent_at.get_or_insert_with(Instant::now);
+            match conn.submit_at(cid, &c, &[], timeout, now) {
                 Ok(()) => {
                     let ticket = conn.detach(cid);
-                    self.inflight.push(Flight { piece, gen, ticket, deadline: Instant::now() + timeout });
+                    self.inflight.push(Flight { piece, gen, ticket, deadline: now + timeout });
                 }
                 Err(_) => {
                     // The slot went back; the connection is broken.

@@ -523,6 +523,11 @@ struct Reactor {
     /// `[target] busy_poll`, and when the last turn with work ended.
     busy_poll: Duration,
     last_work: Instant,
+    /// When this turn began (the wake-up, or the end of the turn before):
+    /// the clock of what the turn does that needs no finer one (when a
+    /// command arrived, deadlines of seconds), so a command costs no clock
+    /// read of its own before its answer leaves.
+    turn_start: Instant,
     /// The last sleep in the ring ended without the wake poll firing (a
     /// disk completion, or the timeout): the CQs, armed before it, had
     /// nothing, or the epoll fd would have been readable. The next turn
@@ -703,6 +708,7 @@ impl Reactor {
             uring_done: Vec::with_capacity(256),
             busy_poll: cfg.busy_poll,
             last_work: Instant::now(),
+            turn_start: Instant::now(),
             fabrics_quiet: false,
             fence_timeout: cfg.fence_timeout,
             idle_timeout: cfg.idle_timeout,
@@ -720,7 +726,7 @@ impl Reactor {
     }
 
     fn run(mut self) -> Result<()> {
-        let mut turn_start = Instant::now();
+        self.turn_start = Instant::now();
         loop {
             let mut work = if std::mem::take(&mut self.fabrics_quiet) { 0 } else { self.poll_fabrics()? };
             work += self.reap_engine();
@@ -755,15 +761,14 @@ impl Reactor {
             // system call each) is saved.
             let now = Instant::now();
             if work > 0 {
-                self.stats.busy_ns.add(now.saturating_duration_since(turn_start).as_nanos() as u64);
+                self.stats.busy_ns.add(now.saturating_duration_since(self.turn_start).as_nanos() as u64);
                 self.last_work = now;
             }
             if !self.engine.needs_polling() && now.saturating_duration_since(self.last_work) >= self.busy_poll {
-                self.idle_wait()?;
-                turn_start = Instant::now();
+                self.turn_start = self.idle_wait()?;
                 continue;
             }
-            turn_start = now;
+            self.turn_start = now;
         }
     }
 
@@ -777,11 +782,13 @@ impl Reactor {
 
     /// Sleeps until there is something to do (or returns at once if the
     /// last poll finds some), in the ring or in epoll (see the module docs).
-    fn idle_wait(&mut self) -> Result<()> {
+    /// Returns when it woke: the next turn's start.
+    fn idle_wait(&mut self) -> Result<Instant> {
         if self.engine.sleeps_in_ring() {
             self.idle_wait_in_ring()
         } else {
-            self.idle_wait_in_epoll()
+            self.idle_wait_in_epoll()?;
+            Ok(Instant::now())
         }
     }
 
@@ -832,7 +839,7 @@ impl Reactor {
     /// same `io_uring_enter` that sleeps, before it sleeps (with `sqpoll`
     /// the kernel's thread picks it up a little later, and the readiness
     /// check when it arms covers whatever happened in between).
-    fn idle_wait_in_ring(&mut self) -> Result<()> {
+    fn idle_wait_in_ring(&mut self) -> Result<Instant> {
         // A busy turn reaped the wake poll: handle what is ready before the
         // CQs are armed again (acknowledging a CQ event after arming it
         // would disarm it on tcp) and let a turn read the control channel
@@ -840,30 +847,32 @@ impl Reactor {
         if self.engine.take_wake() {
             // The turn's SQEs wait for no sleep: submit them now.
             self.engine.submit()?;
-            return self.clear_wake_sources();
+            self.clear_wake_sources()?;
+            return Ok(Instant::now());
         }
         if self.arm_cqs()? && self.poll_fabrics()? > 0 {
             self.engine.submit()?;
             self.disarm_cqs();
-            return Ok(());
+            return Ok(Instant::now());
         }
         let timeout = self.next_deadline().map(|d| d.saturating_duration_since(Instant::now()));
         self.stats.idle_waits.add(1);
         self.engine.sleep(timeout)?;
-        let woke = Instant::now();
+        let mut woke = Instant::now();
         if self.reap_engine() > 0 {
             // Work as a turn's would be: counted busy, and `busy_poll`
-            // runs from here.
+            // runs from here (the next turn's time from here too).
             let now = Instant::now();
             self.stats.busy_ns.add(now.saturating_duration_since(woke).as_nanos() as u64);
             self.last_work = now;
+            woke = now;
         }
         if self.engine.take_wake() {
             self.clear_wake_sources()?;
         } else {
             self.fabrics_quiet = true;
         }
-        Ok(())
+        Ok(woke)
     }
 
     /// After the wake poll fired: makes every source in the epoll set
@@ -981,7 +990,9 @@ impl Reactor {
     }
 
     fn check_deadlines(&mut self) {
-        let now = Instant::now();
+        // Deadlines here are of seconds (handshake, idle, shutdown) or a
+        // readahead chunk's life: the turn's start is clock enough.
+        let now = self.turn_start;
         self.expire_chunk_waits(now);
         if self.readahead.next_deadline().is_some_and(|due| now >= due) {
             self.readahead.expire(now);

@@ -163,7 +163,8 @@ impl Reactor {
     }
 
     pub(super) fn on_recv(&mut self, si: u16, slot: u16, wc: Completion) {
-        let start = Instant::now();
+        // The command came in by this turn's start (its poll found it).
+        let start = self.turn_start;
         let s = self.sessions[si as usize].s.as_mut().expect("live session");
         s.recv_posted -= 1;
         s.last_heard = start;

@@ -70,8 +70,10 @@ pub(crate) struct CqShared {
     /// `CompletionQueue::set_ack_coalescing`).
     ack_hold_ns: AtomicU64,
     /// Queue pairs owing a standalone ACK, oldest first, with the moment it
-    /// was deferred (see `qp::progress`).
-    deferred_acks: Mutex<VecDeque<(u32, Instant)>>,
+    /// was deferred (see `qp::progress`); `None` with a zero hold, which
+    /// needs no clock (the ACK leaves at the next poll or arm unless a
+    /// frame carried it).
+    deferred_acks: Mutex<VecDeque<(u32, Option<Instant>)>>,
     /// Fires when the oldest deferred ACK's hold ends, so an owner asleep
     /// on the channel wakes to send it (see [`TcpCq::arm`]).
     ack_timer: OwnedFd,
@@ -173,7 +175,8 @@ impl CqShared {
     }
 
     pub(crate) fn defer_ack(&self, qp_num: u32) {
-        lock(&self.deferred_acks).push_back((qp_num, Instant::now()));
+        let since = (self.ack_hold_ns.load(Ordering::Relaxed) != 0).then(Instant::now);
+        lock(&self.deferred_acks).push_back((qp_num, since));
     }
 
     /// Sends the deferred ACKs that have been held for the hold time (all of
@@ -185,7 +188,9 @@ impl CqShared {
             // One entry at a time: the progress routine takes this lock too.
             let next = {
                 let mut deferred = lock(&self.deferred_acks);
-                let mut held = |since: Instant| now.get_or_insert_with(Instant::now).saturating_duration_since(since) < hold;
+                let mut held = |since: Option<Instant>| {
+                    since.is_some_and(|since| now.get_or_insert_with(Instant::now).saturating_duration_since(since) < hold)
+                };
                 match deferred.front() {
                     Some(&(_, since)) if !all && held(since) => None,
                     _ => deferred.pop_front().map(|(qp_num, _)| qp_num),
@@ -212,7 +217,7 @@ impl CqShared {
             let Some((qp_num, since)) = front else { return };
             let qp = lock(&self.qps).get(&qp_num).and_then(Weak::upgrade);
             if qp.as_deref().is_some_and(qp::owes_deferred_ack) {
-                break since.checked_add(hold);
+                break since.and_then(|since| since.checked_add(hold));
             }
             // Carried by a frame, or its queue pair is gone: forget it.
             // (Only that entry: one pushed meanwhile stays behind it.)
