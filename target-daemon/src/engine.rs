@@ -303,6 +303,12 @@ impl BlockEngine {
         self.uring.take_received()
     }
 
+    /// Whether the wake poll of [`BlockEngine::sleep`] is queued or
+    /// waiting for its descriptor (its completion not reaped yet).
+    pub fn wake_poll_armed(&self) -> bool {
+        self.uring.wake_poll_armed()
+    }
+
     /// Whether the epoll descriptor woke the last sleep (reap first).
     pub fn take_wake(&mut self) -> bool {
         self.uring.take_wake_poll_fired()

@@ -783,8 +783,18 @@ impl Reactor {
     /// Sleeps until there is something to do (or returns at once if the
     /// last poll finds some), in the ring or in epoll (see the module docs).
     /// Returns when it woke: the next turn's start.
+    ///
+    /// A ring with nothing in flight and no wake poll armed has no
+    /// completion to bring: the reactor then sleeps in `epoll_wait` on the
+    /// same descriptor the wake poll would watch. One wake-up per command
+    /// either way, but a command's arrival then wakes the reactor straight
+    /// from the epoll set instead of through a poll request and its task
+    /// work, which the sender pays for on loopback (about 1.5 us per I/O
+    /// at QD1 on the null volume, `bench/compare.sh`). A wake poll still
+    /// armed from a sleep in the ring keeps the reactor there: it fires
+    /// at the next command anyway.
     fn idle_wait(&mut self) -> Result<Instant> {
-        if self.engine.sleeps_in_ring() {
+        if self.engine.sleeps_in_ring() && (self.engine.inflight() > 0 || self.engine.wake_poll_armed()) {
             self.idle_wait_in_ring()
         } else {
             self.idle_wait_in_epoll()?;
