@@ -18,8 +18,10 @@
 //! `io_uring_enter` both submits and waits, a disk completion wakes it
 //! without an eventfd, and a fired wake poll is answered by clearing every
 //! source (free on tcp, see `clear_wake_sources`) rather than by asking
-//! epoll which one fired. Otherwise it blocks in `epoll_wait`, the
-//! ring's eventfd being in the set too. (On an iopoll ring, which cannot
+//! epoll which one fired; while the ring holds nothing (no disk I/O, no
+//! wake poll armed) it sleeps in `epoll_wait` on the same set, which is
+//! cheaper for whoever wakes it (see `idle_wait`). Otherwise it blocks in
+//! `epoll_wait`, the ring's eventfd being in the set too. (On an iopoll ring, which cannot
 //! carry the wake poll, the reactor keeps polling while disk I/O is in
 //! flight.)
 //!
