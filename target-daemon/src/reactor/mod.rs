@@ -791,8 +791,9 @@ impl Reactor {
     /// same descriptor the wake poll would watch. One wake-up per command
     /// either way, but a command's arrival then wakes the reactor straight
     /// from the epoll set instead of through a poll request and its task
-    /// work, which the sender pays for on loopback (about 1.5 us per I/O
-    /// at QD1 on the null volume, `bench/compare.sh`). A wake poll still
+    /// work, which the sender pays for on loopback (about 1.5 us of `lat`
+    /// per I/O at QD1 on the null volume: BENCHMARKS.md, "Issue 20, sixth
+    /// look"). A wake poll still
     /// armed from a sleep in the ring keeps the reactor there: it fires
     /// at the next command anyway.
     fn idle_wait(&mut self) -> Result<Instant> {
