@@ -454,22 +454,10 @@ impl Conn {
 
     /// Sends a command in slot `cid` (which must have been acquired): the
     /// 64-byte capsule (its command id is set to `cid`) followed by `inline`.
-    pub(crate) fn submit_raw(
-        &mut self,
-        cid: CommandId,
-        capsule: &[u8; COMMAND_CAPSULE_SIZE],
-        inline: &[u8],
-        op: Opcode,
-        timeout: Duration,
-    ) -> Result<()> {
-        self.submit_raw_at(cid, capsule, inline, op, timeout, Instant::now())
-    }
-
-    /// [`submit_raw`](Conn::submit_raw) with the command's `timeout`
-    /// counted from `now`, a moment the caller read already (an
+    /// Its `timeout` counts from `now`, the caller's clock reading (an
     /// [`IoQueue`](crate::IoQueue) reads the clock once for a batch, and
     /// its own deadline for the command is the same).
-    pub(crate) fn submit_raw_at(
+    pub(crate) fn submit_raw(
         &mut self,
         cid: CommandId,
         capsule: &[u8; COMMAND_CAPSULE_SIZE],
@@ -607,11 +595,11 @@ impl Conn {
         inline: &[u8],
         timeout: Duration,
     ) -> Result<()> {
-        self.submit_raw(cid, &capsule.to_bytes(), inline, capsule.opcode, timeout)
+        self.submit_at(cid, capsule, inline, timeout, Instant::now())
     }
 
     /// [`submit`](Conn::submit) with the timeout counted from `now` (see
-    /// [`submit_raw_at`](Conn::submit_raw_at)).
+    /// [`submit_raw`](Conn::submit_raw)).
     pub(crate) fn submit_at(
         &mut self,
         cid: CommandId,
@@ -620,7 +608,7 @@ impl Conn {
         timeout: Duration,
         now: Instant,
     ) -> Result<()> {
-        self.submit_raw_at(cid, &capsule.to_bytes(), inline, capsule.opcode, timeout, now)
+        self.submit_raw(cid, &capsule.to_bytes(), inline, capsule.opcode, timeout, now)
     }
 
     /// Hands command `cid` (just submitted) to an `IoQueue`: its response

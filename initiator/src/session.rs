@@ -581,7 +581,7 @@ impl Session {
         let result = (|| {
             conn.check_usable()?;
             let cid = conn.acquire()?;
-            conn.submit_raw(cid, &capsule, inline, op, conn.params.io_timeout)?;
+            conn.submit_raw(cid, &capsule, inline, op, conn.params.io_timeout, std::time::Instant::now())?;
             conn.wait_for(cid)
         })();
         let broken = conn.broken_reason().map(str::to_owned);

@@ -535,15 +535,14 @@ impl IoQueue {
                 return;
             };
             // One clock read serves the time limit and the wait below.
-            let now = (!finished).then(Instant::now);
-            if now.is_none_or(|now| now >= until) || self.take_wake() {
+            let awake = (!finished).then(Instant::now).filter(|&now| now < until && !self.take_wake());
+            let Some(now) = awake else {
                 drop(q);
                 if reaped {
                     slot.notify_freed();
                 }
                 return;
-            }
-            let now = now.expect("read when not finished");
+            };
             if self.inflight.is_empty() {
                 // Everything waits for a slot that other users of the queue hold.
                 let wait = until.saturating_duration_since(now).min(Duration::from_millis(5));
