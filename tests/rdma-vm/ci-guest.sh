@@ -720,7 +720,10 @@ ublk_vs_bench() {
     mkdir -p "$out"
     RDMABLK_LOG=info "$BIN/rdmablk" --target "$URL" attach vol0 --queues 1 --depth 32 >"$WORK/vdev" 2>"$WORK/vattach.log" &
     upid=$!
-    trap 'kill $upid $TPID 2>/dev/null; cat "$WORK/vattach.log"' EXIT
+    # On a failure: the attach log, then the target's last lines (the host
+    # shows only a failed step's last 40 lines; a closed connection's
+    # reason is in the target's log).
+    trap 'kill $upid $TPID 2>/dev/null; echo "--- rdmablk attach log (last lines)"; tail -n 8 "$WORK/vattach.log"; echo "--- target log (last lines)"; tail -n 20 "$WORK/target.log"' EXIT
     for _ in $(seq 1 300); do [[ -s $WORK/vdev ]] && break; kill -0 $upid || break; sleep 0.1; done
     dev=$(cat "$WORK/vdev")
     [[ -b $dev ]] || { echo "rdmablk attach gave no device"; exit 1; }
