@@ -71,9 +71,15 @@ struct NbdProcess {
 
 impl NbdProcess {
     fn start(target: &TargetProcess, volume: &str, socket: &Path) -> NbdProcess {
+        NbdProcess::start_with(target, volume, socket, &[])
+    }
+
+    /// `start` with `extra` arguments after the socket.
+    fn start_with(target: &TargetProcess, volume: &str, socket: &Path, extra: &[&str]) -> NbdProcess {
         let mut child = Command::new(bin("rdmablk"))
             .args(["--target", &target.url, "nbd", volume, "--socket"])
             .arg(socket)
+            .args(extra)
             .env("RDMABLK_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -132,6 +138,12 @@ impl NbdProcess {
             // SAFETY: kill(2) takes plain integers; the pid is our own child.
             unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         }
+        self.wait()
+    }
+
+    /// Waits (up to 30 s) for the process to exit, sending nothing; the
+    /// exit code and the log.
+    fn wait(mut self) -> (Option<i32>, String) {
         let deadline = Instant::now() + Duration::from_secs(30);
         let status = loop {
             if let Some(s) = self.child.try_wait().unwrap() {
@@ -694,6 +706,34 @@ fn requests_of_one_connection_are_in_flight_together_and_sigterm_answers_them_th
         let want = if i < 64 { i as u8 } else { 0x80 | (i - 64) as u8 };
         assert!(file[i * 65536..(i + 1) * 65536].iter().all(|&b| b == want), "block {i}");
     }
+}
+
+#[test]
+fn a_second_sigterm_gives_up_the_final_flush_of_a_lost_target_and_exits_non_zero() {
+    let mut s = setup();
+    let nbd = NbdProcess::start_with(&s.target, "vol0", &s.dir.path().join("vol0.sock"), &["--ctrl-loss-timeout", "120"]);
+    let mut c = Raw::connect(&nbd.socket);
+    c.go("vol0");
+    c.request(Cmd::Write, 0, 1, 0, 4096, &[0x5a; 4096]);
+    assert_eq!(c.reply().error, 0);
+    drop(c);
+    s.target.kill_and_wait();
+    let pid = nbd.child.id() as i32;
+    // SAFETY: kill(2) takes plain integers; the pid is our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    nbd.wait_for_log("SIGTERM: stopping");
+    // The final flush waits for the target to come back (up to 120 s).
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(!nbd.log().contains("flushed"), "{}", nbd.log());
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let given_up = Instant::now();
+    let socket = nbd.socket.clone();
+    let (code, log) = nbd.wait();
+    assert!(given_up.elapsed() < Duration::from_secs(10), "exited {:?} after the second SIGTERM", given_up.elapsed());
+    assert!(code.is_some_and(|c| c != 0), "exit code {code:?}; log:\n{log}");
+    assert!(log.contains("not flushed"), "the log says the volume was not flushed:\n{log}");
+    assert!(!socket.exists(), "the socket file was left behind");
 }
 
 #[test]
