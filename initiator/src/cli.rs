@@ -177,8 +177,9 @@ pub enum Command {
         #[arg(long, value_parser = parse_size)]
         length: u64,
     },
-    /// Serve a volume as an NBD export (fixed newstyle) until SIGINT or SIGTERM;
-    /// prints its URI on standard output when ready
+    /// Serve a volume as an NBD export (fixed newstyle) until SIGINT or SIGTERM (a second one
+    /// gives up waiting for requests in flight and the final flush); prints its URI on standard
+    /// output when ready
     Nbd {
         /// Volume name (also the export name; the empty default name selects it too)
         volume: String,

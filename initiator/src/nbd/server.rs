@@ -9,7 +9,7 @@ use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -179,9 +179,14 @@ impl Listener {
 }
 
 /// The stop signal shared by the server, its connections and [`Stopper`]s.
-#[derive(Debug)]
 struct Stop {
     stopping: AtomicBool,
+    /// [`Stopper::give_up`] was called: the session is closed, so the
+    /// requests in flight and the final flush fail instead of waiting.
+    given_up: AtomicBool,
+    /// The server's session, closed by [`Stopper::give_up`] (weak: a
+    /// `Stopper` the signal thread keeps does not keep it open).
+    session: Weak<crate::shared::Shared>,
     /// Readable once stopping: wakes the accept loop.
     fd: OwnedFd,
     /// The sockets of live connections, to end their reading.
@@ -214,6 +219,15 @@ pub struct Stopper {
     stop: Arc<Stop>,
 }
 
+impl std::fmt::Debug for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stop")
+            .field("stopping", &self.stopping)
+            .field("given_up", &self.given_up)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Stopper {
     pub fn stop(&self) {
         let conns = self.stop.conns.lock().unwrap_or_else(|e| e.into_inner());
@@ -229,6 +243,20 @@ impl Stopper {
     /// Whether [`stop`](Stopper::stop) was called.
     pub fn is_stopping(&self) -> bool {
         self.stop.stopping.load(Ordering::Acquire)
+    }
+
+    /// Stops without waiting: closes the session, so that requests still
+    /// in flight and the final flush fail at once (their clients get
+    /// errors) instead of waiting, up to `ctrl_loss_timeout`, for a target
+    /// that went away. [`Server::run`] then returns the flush's error:
+    /// writes answered since the volume's last flush may not be durable.
+    pub fn give_up(&self) {
+        self.stop();
+        if !self.stop.given_up.swap(true, Ordering::AcqRel) {
+            if let Some(session) = self.stop.session.upgrade() {
+                session.close("the NBD server gave up waiting for the target");
+            }
+        }
     }
 }
 
@@ -274,7 +302,13 @@ impl Server {
         use rustix::event::{eventfd, EventfdFlags};
         let fd = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
             .map_err(|e| Error::io("creating the stop eventfd", e.into()))?;
-        let stop = Arc::new(Stop { stopping: AtomicBool::new(false), fd, conns: Mutex::new(HashMap::new()) });
+        let stop = Arc::new(Stop {
+            stopping: AtomicBool::new(false),
+            given_up: AtomicBool::new(false),
+            session: Arc::downgrade(&session.shared),
+            fd,
+            conns: Mutex::new(HashMap::new()),
+        });
         let depth = session.queue_depth().max(1) as usize;
         let shared = Arc::new(conn::Shared {
             session: session.clone(),
@@ -382,6 +416,10 @@ impl Server {
         }
         let flushed = if self.shared.volume.read_only() { Ok(()) } else { self.shared.volume.flush() };
         match (&result, &flushed) {
+            (_, Err(_)) if self.stop.given_up.load(Ordering::Acquire) => tracing::error!(
+                "gave up waiting: volume {:?} not flushed (writes answered since its last flush may not be durable on the target)",
+                self.shared.export.name
+            ),
             (_, Err(e)) => tracing::error!("the final flush of volume {:?} failed: {e}", self.shared.export.name),
             (Ok(()), Ok(())) => tracing::info!("stopped; volume {:?} flushed", self.shared.export.name),
             (Err(_), Ok(())) => {}

@@ -25,13 +25,17 @@ impl StopSignals {
     }
 
     /// Starts a thread that stops the server at the first SIGINT or
-    /// SIGTERM; a later one is logged (the stop is already under way).
+    /// SIGTERM (in order: the requests in flight are answered and the
+    /// volume is flushed) and gives up waiting at the second
+    /// ([`Stopper::give_up`]): a target that went away would otherwise
+    /// hold the stop for up to `ctrl_loss_timeout`.
     pub fn stop_on_signal(mut self, stopper: Stopper) -> io::Result<()> {
         std::thread::Builder::new().name("nbd-signals".into()).spawn(move || {
             for sig in self.signals.forever() {
                 let name = if sig == SIGINT { "SIGINT" } else { "SIGTERM" };
                 if stopper.is_stopping() {
-                    tracing::info!("{name}: already stopping, waiting for the requests in flight");
+                    tracing::warn!("{name} again: giving up the requests in flight and the final flush");
+                    stopper.give_up();
                 } else {
                     tracing::info!("{name}: stopping");
                     stopper.stop();
