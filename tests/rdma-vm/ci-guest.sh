@@ -200,6 +200,11 @@ EOF
     echo "target at $URL and $TCP_URL (pid $TPID)"
 }
 
+# The steps' EXIT traps begin with `set +e`: the steps run under errexit,
+# which would end a trap at its first failing command (a kill of a process
+# already gone), leaving the rest, such as the target it should stop, to
+# the next steps (ublk-reconnect-rdma's target on a fixed port did).
+
 # Stops a server process with SIGTERM and requires exit status 0; shows its
 # log and keeps a copy in the results. From here on only the target is left
 # for the EXIT trap to kill.
@@ -356,7 +361,7 @@ nbd_fs() {
     mkdir -p "$mnt"
     "$BIN/rdmablk" --target "$URL" nbd vol0 --socket "$sock" >"$WORK/nbd.uri" 2>"$WORK/nbd.log" &
     npid=$!
-    trap 'umount "$mnt" 2>/dev/null; nbd-client -d '"$dev"' 2>/dev/null; kill $npid $TPID 2>/dev/null; cat "$WORK/nbd.log"' EXIT
+    trap 'set +e; umount "$mnt" 2>/dev/null; nbd-client -d '"$dev"' 2>/dev/null; kill $npid $TPID 2>/dev/null; cat "$WORK/nbd.log"' EXIT
     for _ in $(seq 1 300); do [[ -s $WORK/nbd.uri ]] && break; sleep 0.1; done
     echo "rdmablk nbd serves $(cat "$WORK/nbd.uri")"
     modprobe nbd nbds_max=2
@@ -413,7 +418,7 @@ ublk_roundtrip() {
         echo "$dev over $url: $(($(cat $sysd/size) * 512)) bytes, logical block $(cat $sysd/queue/logical_block_size)," \
             "max $(cat $sysd/queue/max_hw_sectors_kb) KiB, discard max $(cat $sysd/queue/discard_max_bytes)"
     }
-    trap 'umount "$mnt" 2>/dev/null; kill $upid $TPID 2>/dev/null; cat "$WORK/ublk.log"' EXIT
+    trap 'set +e; umount "$mnt" 2>/dev/null; kill $upid $TPID 2>/dev/null; cat "$WORK/ublk.log"' EXIT
     attach
     mkfs.ext4 -q -F "$dev"
     mount "$dev" "$mnt"
@@ -527,7 +532,7 @@ EOF
         dev=$(cat "$WORK/rdev")
         [[ -b $dev ]] || { echo "rdmablk attach gave no device"; exit 1; }
     }
-    trap 'kill $fio 2>/dev/null; umount "$mnt" 2>/dev/null; kill $upid $TPID 2>/dev/null; cat "$WORK/rattach.log"' EXIT
+    trap 'set +e; kill $fio 2>/dev/null; umount "$mnt" 2>/dev/null; kill $upid $TPID 2>/dev/null; cat "$WORK/rattach.log"' EXIT
     fio=
     target
     attach 90
@@ -611,7 +616,7 @@ ublk_recover() {
         [[ -b $dev ]] || { echo "rdmablk attach gave no device"; exit 1; }
         echo "$dev served by rdmablk attach pid $upid"
     }
-    trap 'kill $fpid 2>/dev/null; umount "$mnt" 2>/dev/null; kill $upid $TPID 2>/dev/null; cat "$log"' EXIT
+    trap 'set +e; kill $fpid 2>/dev/null; umount "$mnt" 2>/dev/null; kill $upid $TPID 2>/dev/null; cat "$log"' EXIT
     attach
     first=$dev
     mkfs.ext4 -q -F "$dev"
@@ -680,7 +685,7 @@ while True:
     : >"$WORK/bdev"
     NOTIFY_SOCKET=$WORK/notify.sock "$BIN/rdmablk" attach --config "$afile" >"$WORK/bdev" 2>"$WORK/battach.log" &
     local upid=$!
-    trap 'kill $upid $tpid $npid 2>/dev/null; cat "$WORK/battach.log"' EXIT
+    trap 'set +e; kill $upid $tpid $npid 2>/dev/null; cat "$WORK/battach.log"' EXIT
     sleep 4
     [[ ! -s $WORK/bdev ]] || { echo "attached with no target"; exit 1; }
     grep -q "waiting for the target $url" "$WORK/battach.log" || { echo "no retry line"; exit 1; }
@@ -723,7 +728,7 @@ ublk_vs_bench() {
     # On a failure: the attach log, then the target's last lines (the host
     # shows only a failed step's last 40 lines; a closed connection's
     # reason is in the target's log).
-    trap 'kill $upid $TPID 2>/dev/null; echo "--- rdmablk attach log (last lines)"; tail -n 8 "$WORK/vattach.log"; echo "--- target log (last lines)"; tail -n 20 "$WORK/target.log"' EXIT
+    trap 'set +e; kill $upid $TPID 2>/dev/null; echo "--- rdmablk attach log (last lines)"; tail -n 8 "$WORK/vattach.log"; echo "--- target log (last lines)"; tail -n 20 "$WORK/target.log"' EXIT
     for _ in $(seq 1 300); do [[ -s $WORK/vdev ]] && break; kill -0 $upid || break; sleep 0.1; done
     dev=$(cat "$WORK/vdev")
     [[ -b $dev ]] || { echo "rdmablk attach gave no device"; exit 1; }
@@ -947,7 +952,7 @@ port_down() {
     start_target
     local netdev
     netdev=$(cat /sys/class/infiniband/${RDMAVM_SERVER_DEV:-rxe0}/ports/1/gid_attrs/ndevs/0)
-    trap 'kill $TPID 2>/dev/null; ip link set "$netdev" up' EXIT
+    trap 'set +e; kill $TPID 2>/dev/null; ip link set "$netdev" up' EXIT
     echo "+ ip link set $netdev down"
     ip link set "$netdev" down
     for _ in $(seq 1 100); do

@@ -185,6 +185,9 @@ nvme_disconnect() { # NQN
 # messages and the target's log.
 nvme_cleanup() { # [RC]
     local rc=${1:-$?}
+    # Every step of the cleanup runs: under errexit, the first that fails
+    # (umount of what is not mounted) would end the trap there.
+    set +e
     [[ -z ${FPID:-} ]] || kill "$FPID" 2>/dev/null
     [[ -z ${RPID:-} ]] || kill "$RPID" 2>/dev/null
     umount "$NVME_DIR/mnt" 2>/dev/null
@@ -627,7 +630,7 @@ nvme_vs_nvmet() {
         dd if=/dev/zero of="$NVME_DIR/$f.img" bs=1M count=256 conv=fsync status=none
     done
     declare -A dev=()
-    trap 'rc=$?; if [[ " $NVME_VS_SYSTEMS " == *" nvmet "* ]]; then nvme disconnect -n '"$knqn"' >/dev/null 2>&1; nvmet_unexport '"$knqn"' 1; fi; nvme_cleanup $rc; exit $rc' EXIT
+    trap 'rc=$?; set +e; if [[ " $NVME_VS_SYSTEMS " == *" nvmet "* ]]; then nvme disconnect -n '"$knqn"' >/dev/null 2>&1; nvmet_unexport '"$knqn"' 1; fi; nvme_cleanup $rc; exit $rc' EXIT
     local s
     for s in $systems; do
         case $s in
