@@ -211,14 +211,7 @@ impl Stop {
     }
 }
 
-/// Stops a running [`Server`] from any thread: it stops accepting, every
-/// connection stops reading requests, the requests in flight finish and
-/// are answered, the volume is flushed, and [`Server::run`] returns.
-#[derive(Clone, Debug)]
-pub struct Stopper {
-    stop: Arc<Stop>,
-}
-
+// By hand: the session's `Shared` has no `Debug`.
 impl std::fmt::Debug for Stop {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Stop")
@@ -226,6 +219,14 @@ impl std::fmt::Debug for Stop {
             .field("given_up", &self.given_up)
             .finish_non_exhaustive()
     }
+}
+
+/// Stops a running [`Server`] from any thread: it stops accepting, every
+/// connection stops reading requests, the requests in flight finish and
+/// are answered, the volume is flushed, and [`Server::run`] returns.
+#[derive(Clone, Debug)]
+pub struct Stopper {
+    stop: Arc<Stop>,
 }
 
 impl Stopper {
