@@ -2,12 +2,13 @@
 //! the attached queue pairs, and the eventfd used as completion channel.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+use super::keymap::KeyMap;
 use super::qp::{self, QpShared};
 use super::sys;
 use crate::fabric::{lock, Completion, FabricError, Result};
@@ -64,7 +65,7 @@ pub(crate) struct CqShared {
     /// The queue pair of the completion queued last (`NO_QP`: none yet):
     /// the first poll after a wake-up reads its socket first.
     recent_qp: AtomicU32,
-    qps: Mutex<HashMap<u32, Weak<QpShared>>>,
+    qps: Mutex<KeyMap<Weak<QpShared>>>,
     /// How long a standalone ACK may be held back, in nanoseconds;
     /// `ACKS_NOT_HELD` when coalescing is off (see
     /// `CompletionQueue::set_ack_coalescing`).
@@ -390,7 +391,7 @@ impl TcpCq {
                 signaled: AtomicBool::new(false),
                 woken: AtomicBool::new(false),
                 recent_qp: AtomicU32::new(NO_QP),
-                qps: Mutex::new(HashMap::new()),
+                qps: Mutex::new(KeyMap::default()),
                 ack_hold_ns: AtomicU64::new(ACKS_NOT_HELD),
                 deferred_acks: Mutex::new(VecDeque::new()),
                 ack_timer,

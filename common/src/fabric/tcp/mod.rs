@@ -169,6 +169,7 @@
 //! The wire format is documented in the `wire` module.
 
 mod cq;
+mod keymap;
 mod listener;
 mod mr;
 mod qp;

@@ -16,12 +16,13 @@
 //! Pins are held only across one nonblocking syscall (or a memcpy into the
 //! send backlog), so the wait is short.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, LazyLock, Mutex};
 
 use arc_swap::ArcSwap;
 
+use super::keymap::KeyMap;
 use super::MAX_SGE;
 use crate::fabric::{check_registration, lock, Access, FabricError, FabricErrorKind, Lkey, Result, Rkey};
 
@@ -83,8 +84,8 @@ impl Region {
 /// An immutable snapshot of a PD's regions.
 #[derive(Default, Clone)]
 pub(crate) struct RegionTable {
-    by_rkey: HashMap<u32, Arc<Region>>,
-    by_lkey: HashMap<u32, Arc<Region>>,
+    by_rkey: KeyMap<Arc<Region>>,
+    by_lkey: KeyMap<Arc<Region>>,
 }
 
 impl RegionTable {
@@ -126,7 +127,7 @@ pub(crate) struct PdShared {
     writer: Mutex<()>,
     /// Bound windows by rkey. A mutex, not a snapshot: windows come and go
     /// with every command, and a lookup is one short critical section.
-    windows: Mutex<HashMap<u32, Window>>,
+    windows: Mutex<KeyMap<Window>>,
 }
 
 impl PdShared {
@@ -221,7 +222,7 @@ impl TcpPd {
             shared: Arc::new(PdShared {
                 table: ArcSwap::from_pointee(RegionTable::default()),
                 writer: Mutex::new(()),
-                windows: Mutex::new(HashMap::new()),
+                windows: Mutex::new(KeyMap::default()),
             }),
         }
     }
