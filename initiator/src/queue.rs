@@ -41,7 +41,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{
-    Access, Completion, CompletionQueue, Invalidation, MemoryWindow, Payload, QueuePair, RecvWr, Rkey, SendOp, SendWr,
+    Access, Completion, CompletionQueue, Invalidation, Lkey, MemoryWindow, Payload, QueuePair, RecvWr, Rkey, SendOp, SendWr, Sge,
     WcOpcode, WcStatus, WrId,
 };
 use rdmablk_common::protocol::{
@@ -56,6 +56,8 @@ use crate::error::{fmt_duration, op_name, Error, Result};
 use crate::session::Domain;
 use crate::submit::Wake;
 
+/// Most commands one `post_send` of a batch carries (see `flush_batch`).
+const POST_CHUNK: usize = 16;
 const TAG_SEND: u64 = 1 << 32;
 const TAG_RECV: u64 = 2 << 32;
 /// The invalidation of a command's memory window (verbs).
@@ -566,21 +568,32 @@ impl Conn {
         if self.batch.is_empty() {
             return Ok(());
         }
-        let sges: Vec<_> = self.batch.iter().map(|&(i, total)| self.send.sge(i * self.send_slot_size, total)).collect();
-        let wrs: Vec<_> = self
-            .batch
-            .iter()
-            .zip(&sges)
-            .map(|(&(i, _), sge)| SendWr {
-                wr_id: WrId(TAG_SEND | i as u64),
-                op: SendOp::Send,
-                payload: Payload::Sges(std::slice::from_ref(sge)),
-                signaled: true,
-            })
-            .collect();
         let n = self.batch.len();
+        // Posted a chunk at a time from the stack: no allocation per
+        // flush. A chunk is what one `sendmsg` carries on tcp anyway (its
+        // batch holds 16 frames), as the target's TX_CHUNK.
+        let mut posted = Ok(());
+        for chunk in self.batch.chunks(POST_CHUNK) {
+            let mut sges = [Sge { addr: 0, length: 0, lkey: Lkey(0) }; POST_CHUNK];
+            for (sge, &(i, total)) in sges.iter_mut().zip(chunk) {
+                *sge = self.send.sge(i * self.send_slot_size, total);
+            }
+            let mut wrs = [SendWr { wr_id: WrId(0), op: SendOp::Send, payload: Payload::Sges(&[]), signaled: true }; POST_CHUNK];
+            for ((wr, sge), &(i, _)) in wrs.iter_mut().zip(&sges).zip(chunk) {
+                *wr = SendWr {
+                    wr_id: WrId(TAG_SEND | i as u64),
+                    op: SendOp::Send,
+                    payload: Payload::Sges(std::slice::from_ref(sge)),
+                    signaled: true,
+                };
+            }
+            posted = self.qp.post_send(&wrs[..chunk.len()]);
+            if posted.is_err() {
+                break;
+            }
+        }
         self.batch.clear();
-        if let Err(e) = self.qp.post_send(&wrs) {
+        if let Err(e) = posted {
             self.fail(format!("posting {n} commands failed: {e}"));
             return Err(Error::fabric(format!("sending {n} commands to {}", self.peer), e));
         }
