@@ -27,6 +27,9 @@
 # busy-polled, placed as the polled target and bench are. What it reaches
 # against local fio bounds what a block protocol over loopback TCP can reach
 # in that run: the same reads and TCP, with no protocol work at all.
+# The null QD1 case runs tcp-ceiling without --file (the null bound): the
+# same request and 4 KiB answer over loopback TCP between two sleeping
+# processes, the floor under both null rows.
 # The page cache is dropped before every run (nbdkit file reads through it;
 # the others use O_DIRECT), or a warning says it could not be, and nbdkit
 # file's page cache is held to the target's buffer memory (a memory cgroup)
@@ -394,6 +397,9 @@ for c in "${CASES[@]}"; do
         log "[$rep/$REPEAT] $name: rdmablk-bench --hipri -> rdmablk-target busy_poll (null)"
         measure "$name.rdmablk-polled-null.$rep" "$PPID_POLLED" -- "${PIN_BENCH[@]}" "$BENCH" "${job[@]}" --hipri \
             --target="tcp://127.0.0.1:$POLL_PORT" --volume=null0 --target_pid="$PPID_POLLED" "${COMMON[@]}"
+        log "[$rep/$REPEAT] $name: tcp-ceiling (loopback TCP, no disk, no protocol)"
+        measure "$name.bound-null.$rep" - -- tcp_ceiling "$CEIL" "" "" --bs "$bs" --qd "$qd" \
+            --runtime "$RUNTIME" --ramp "$RAMP"
     fi
     log "[$rep/$REPEAT] $name: fio nbd -> nbdkit null"
     measure "$name.nbd-null.$rep" "$NNPID" -- fio "${job[@]}" --ioengine=nbd --uri="nbd://127.0.0.1:$NBDNULL_PORT" \
@@ -541,6 +547,7 @@ iperf = median(iperf_runs)
 
 BOUND = "tcp-ceiling --file: disk over TCP, no protocol (bound)"
 BOUND_POLLED = "tcp-ceiling --file --busy: the same, polled and placed (bound)"
+BOUND_NULL = "tcp-ceiling: loopback TCP, no disk, no protocol (null bound)"
 
 rows = []
 def row(case, system, r, ceiling, peer, metric):
@@ -581,6 +588,9 @@ for c in ([] if ONLY_NBD else cases):
     if polled:
         row(c, "rdmablk-bench --hipri -> rdmablk-target busy_poll, null", polled, ceil, nbdn, metric)
     row(c, "fio nbd -> nbdkit null", nbdn, ceil, rbn, metric)
+    bnull = load(f"{c}.bound-null")
+    if bnull:
+        row(c, BOUND_NULL, bnull, ceil, None, metric)
 
 # Long-lived processes other than our servers that used CPU during the runs.
 others = []
@@ -665,6 +675,11 @@ if any(r["system"] in (BOUND, BOUND_POLLED) for r in rows):
     print("Bound rows: tcp-ceiling --file, a server with no protocol that reads each request's block from the same "
           "file (the target's io_uring engine, O_DIRECT) and answers over loopback TCP; its client and server CPU are "
           "its own threads'. Their vs ceiling bounds what a block protocol over loopback TCP could reach in this run.")
+if any(r["system"] == BOUND_NULL for r in rows):
+    print()
+    print("Null bound row: tcp-ceiling without --file, two processes exchanging a 64-byte request and a 4 KiB answer "
+          "over loopback TCP, each blocking in read: the floor under the null rows, so that what each stack adds "
+          "over it can be read off the table.")
 
 def get(case, system_prefix):
     for r in rows:
@@ -773,7 +788,9 @@ if a.get("p50_us") and b.get("p50_us") and a.get("iops") and b.get("iops"):
            paired("randread-4k-qd1", "rdmablk", "p50_us", lambda v: v <= 0, "+.1f", base="nbd"))
 a, b = get("randread-4k-qd1", "rdmablk-bench -> rdmablk-target, null"), get("randread-4k-qd1", "fio nbd -> nbdkit null")
 if a.get("p50_us") and b.get("p50_us"):
-    target("7. null randread 4k QD1 p50 <= nbdkit null", a["p50_us"] <= b["p50_us"], f"{a['p50_us']:.1f} us vs {b['p50_us']:.1f} us",
+    c = get("randread-4k-qd1", BOUND_NULL)
+    over = f"; null bound p50 {c['p50_us']:.1f} us (rdmablk +{a['p50_us']-c['p50_us']:.1f}, nbdkit +{b['p50_us']-c['p50_us']:.1f})" if c.get("p50_us") else ""
+    target("7. null randread 4k QD1 p50 <= nbdkit null", a["p50_us"] <= b["p50_us"], f"{a['p50_us']:.1f} us vs {b['p50_us']:.1f} us{over}",
            paired("randread-4k-qd1", "rdmablk-null", "p50_us", lambda v: v <= 0, "+.1f", base="nbd-null"))
 a, b = get("read-128k-qd16", "rdmablk-bench -> rdmablk-target, file"), get("read-128k-qd16", "fio nbd -> nbdkit file")
 if a.get("bw_mib") and b.get("bw_mib"):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Smoke runs of the benchmark scripts on the debug build: bench/compare.sh
-# (every row of one short case measured, the no-protocol bound and rdmablk
-# nbd included, and nothing it started left running;
+# (every row of one short case measured, the no-protocol bounds (file and
+# null) and rdmablk nbd included, and nothing it started left running;
 # the JSON carries the targets with their per-repeat pairs and bounds, and
 # every file row what it read from the disk),
 # bench/ceiling.sh (every measurement made) and bench/per-io.sh (one null
@@ -33,7 +33,8 @@ for want in ("fio io_uring, local file", "rdmablk-bench -> rdmablk-target, file"
              "rdmablk-bench --hipri -> rdmablk-target busy_poll, file", "fio nbd -> nbdkit file",
              "fio nbd -> rdmablk nbd -> rdmablk-target, file",
              "rdmablk-bench -> rdmablk-target, null", "fio nbd -> nbdkit null",
-             "tcp-ceiling --file: disk over TCP", "tcp-ceiling --file --busy: the same"):
+             "tcp-ceiling --file: disk over TCP", "tcp-ceiling --file --busy: the same",
+             "tcp-ceiling: loopback TCP, no disk"):
     assert any(s.startswith(want) for s in systems), f"no row {want!r} in {systems}"
 targets = {t["target"].split(" ")[0]: t for t in doc["targets"]}
 for name in ("2.", "2'."):
