@@ -1238,6 +1238,25 @@ fn losing_the_admin_queue_ends_the_controller_and_its_io_queues() {
     target.assert_no_panic();
 }
 
+/// A host that ends its association by closing the admin queue's socket
+/// is doing what hosts do: the log says the controller ended, at INFO,
+/// and never that it was torn down (the kind of the close travels with
+/// it from the queue thread to the controller; nothing matches its text).
+#[test]
+fn a_host_closing_its_admin_queue_is_logged_as_an_end_not_as_a_fault() {
+    let (_dir, target, addr, _) = one_volume_target();
+    let (admin, cntlid) = controller(addr);
+    drop(admin);
+    let line = target.wait_for_log_all(
+        &[&format!("nvme controller {cntlid} "), "ended: admin queue closed: the host closed the connection"],
+        Duration::from_secs(10),
+    );
+    assert!(line.contains(" INFO "), "a host closing its admin queue is logged as: {line}");
+    let faults: Vec<String> = target.log().into_iter().filter(|l| l.contains("torn down")).collect();
+    assert!(faults.is_empty(), "an association the host ended was logged as torn down: {faults:?}");
+    target.assert_no_panic();
+}
+
 #[test]
 fn digests_are_granted_as_asked_and_checked_on_the_admin_queue() {
     let dir = tempfile::tempdir().unwrap();

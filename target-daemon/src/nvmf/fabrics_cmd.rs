@@ -36,7 +36,7 @@ pub fn handle(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
         fctype::DISCONNECT => {
             // The queue closes once the answer is out (NVMe/TCP: the host
             // then closes the connection).
-            q.actions.push(super::queue::Action::Close("Disconnect".into()));
+            q.actions.push(super::queue::Action::Close(super::CloseReason::by_host("Disconnect")));
             Reply::ok()
         }
         _ => Reply::status(Status::INVALID_OPCODE),

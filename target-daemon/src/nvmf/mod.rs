@@ -209,22 +209,89 @@ pub struct ControllerState {
     pub aen_config: u32,
 }
 
-/// Why a queue ended when its host closed the connection (a TCP FIN, an
-/// rdma_cm disconnect): how a host disconnects, so an ended association
-/// whose admin queue closed for it is logged at INFO, not as a fault.
+/// What a queue says when its host closed the connection (a TCP FIN, an
+/// rdma_cm disconnect).
 pub const HOST_CLOSED: &str = "the host closed the connection";
+
+/// Why a queue's connection or a whole association ended: the kind says
+/// how to log it, the text what happened. Made where the end is detected
+/// (the transport's thread, the keep-alive check, a Disconnect command)
+/// and passed up unchanged in kind, so nothing above reads the text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CloseReason {
+    pub kind: CloseKind,
+    pub why: String,
+}
+
+/// Whose doing an end was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CloseKind {
+    /// The host ended it (a TCP FIN, an rdma_cm disconnect, a Disconnect
+    /// command): how a host disconnects, logged at INFO.
+    ByHost,
+    /// The host sends commands and does not read the answers: the target
+    /// closes, logged at WARN although no PDU was malformed.
+    HostStalled,
+    /// Anything else: a protocol error, a timeout, a local failure, the
+    /// target stopping. Logged at WARN.
+    Fault,
+}
+
+impl CloseReason {
+    /// The host closed the connection ([`HOST_CLOSED`]).
+    pub fn host_closed() -> CloseReason {
+        CloseReason::by_host(HOST_CLOSED)
+    }
+
+    pub fn by_host(why: impl Into<String>) -> CloseReason {
+        CloseReason { kind: CloseKind::ByHost, why: why.into() }
+    }
+
+    pub fn host_stalled(why: impl Into<String>) -> CloseReason {
+        CloseReason { kind: CloseKind::HostStalled, why: why.into() }
+    }
+
+    pub fn fault(why: impl Into<String>) -> CloseReason {
+        CloseReason { kind: CloseKind::Fault, why: why.into() }
+    }
+
+    /// The same kind, the text rewritten (a prefix or a note added).
+    pub fn map(&self, f: impl FnOnce(&str) -> String) -> CloseReason {
+        CloseReason { kind: self.kind, why: f(&self.why) }
+    }
+}
+
+/// A failure described in words is a fault.
+impl From<String> for CloseReason {
+    fn from(why: String) -> CloseReason {
+        CloseReason::fault(why)
+    }
+}
+
+impl From<&str> for CloseReason {
+    fn from(why: &str) -> CloseReason {
+        CloseReason::fault(why)
+    }
+}
+
+impl std::fmt::Display for CloseReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.why)
+    }
+}
 
 impl Controller {
     /// Ends the association: marks it dead and shuts every queue's socket,
     /// so their threads wake, drop what is queued and finish.
-    pub fn tear_down(&self, why: &str) {
+    pub fn tear_down(&self, reason: &CloseReason) {
         if self.dead.swap(true, Ordering::AcqRel) {
             return;
         }
-        if why.contains(HOST_CLOSED) {
-            tracing::info!("nvme controller {} of host {}: ended: {why}", self.id, self.host_nqn);
-        } else {
-            tracing::warn!("nvme controller {} of host {}: torn down: {why}", self.id, self.host_nqn);
+        match reason.kind {
+            CloseKind::ByHost => tracing::info!("nvme controller {} of host {}: ended: {reason}", self.id, self.host_nqn),
+            CloseKind::HostStalled | CloseKind::Fault => {
+                tracing::warn!("nvme controller {} of host {}: torn down: {reason}", self.id, self.host_nqn)
+            }
         }
         let q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
         for (_, c) in &q.queues {
@@ -402,10 +469,10 @@ impl Subsystem {
     }
 
     /// Tears down every controller (shutdown).
-    pub fn tear_down_all(&self, why: &str) {
+    pub fn tear_down_all(&self, reason: &CloseReason) {
         let all: Vec<Arc<Controller>> = self.controllers().by_id.values().cloned().collect();
         for c in all {
-            c.tear_down(why);
+            c.tear_down(reason);
         }
     }
 
@@ -513,7 +580,7 @@ impl NvmeFrontEnd {
     pub fn shutdown(&mut self, deadline: Instant) {
         self.subsystem.stopping.store(true, Ordering::Release);
         self.listeners.clear();
-        self.subsystem.tear_down_all("the target is stopping");
+        self.subsystem.tear_down_all(&CloseReason::fault("the target is stopping"));
         while self.threads.iter().any(|t| !t.is_finished()) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
         }

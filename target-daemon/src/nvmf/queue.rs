@@ -19,7 +19,7 @@ use rdmablk_common::protocol::Opcode;
 
 use super::io_cmd::{self, IoPlan};
 use super::{
-    admin_cmd, fabrics_cmd, Controller, HostView, Namespace, NvmeStats, QueueCloser, Subsystem, ADMIN_TICK, MAX_TRANSFER,
+    admin_cmd, fabrics_cmd, CloseReason, Controller, HostView, Namespace, NvmeStats, QueueCloser, Subsystem, ADMIN_TICK, MAX_TRANSFER,
     QUEUE_CHUNKS, QUEUE_FILE_SLOTS,
 };
 use crate::config::NvmeTransport;
@@ -56,7 +56,7 @@ pub enum Action {
     /// (the slot: NVMe/RDMA reads them from [`Queue::sgl`]).
     RequestData { cid: u16, ttag: u16, len: u32 },
     /// Close the connection (after sending what is queued).
-    Close(String),
+    Close(CloseReason),
 }
 
 /// Why an H2CData PDU was refused.
@@ -685,8 +685,8 @@ impl Queue {
             if now >= due {
                 let kato = ctrl.state.lock().unwrap_or_else(|e| e.into_inner()).kato_ms;
                 NvmeStats::add(&self.sub.stats.keep_alive_timeouts, 1);
-                ctrl.tear_down(&format!("no keep-alive within {kato} ms"));
-                self.actions.push(Action::Close("keep-alive timeout".into()));
+                ctrl.tear_down(&CloseReason::fault(format!("no keep-alive within {kato} ms")));
+                self.actions.push(Action::Close(CloseReason::fault("keep-alive timeout")));
                 return;
             }
         }
@@ -815,7 +815,7 @@ impl Queue {
     /// queued commands, waits for the disk operations (only then is the
     /// queue out of the fence) and leaves the controller; the admin queue
     /// closing ends the association.
-    pub fn close(&mut self, why: &str) {
+    pub fn close(&mut self, why: &CloseReason) {
         self.drop_commands();
         let started = Instant::now();
         while self.busy() && started.elapsed() < Duration::from_secs(60) {
@@ -830,7 +830,7 @@ impl Queue {
         self.sub.stats.queues.fetch_sub(1, Ordering::Relaxed);
         let ctrl = conn.ctrl;
         if conn.qid == 0 {
-            ctrl.tear_down(&format!("admin queue closed: {why}"));
+            ctrl.tear_down(&why.map(|w| format!("admin queue closed: {w}")));
         } else {
             ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).remove(conn.qid);
             tracing::debug!("nvme controller {} queue {} closed: {why}", ctrl.id, conn.qid);

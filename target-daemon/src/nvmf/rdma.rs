@@ -42,7 +42,7 @@ use rdmablk_common::nvme::rdma::{reject, CmAccept, CmReject, CmRequest, RECFMT_1
 use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry, SQE_SIZE};
 
 use super::queue::{Action, Buf, Queue, WakeSource};
-use super::{QueueCloser, Subsystem, ADMIN_IN_CAPSULE, HOST_CLOSED, IO_IN_CAPSULE, MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, MAX_TRANSFER};
+use super::{CloseReason, QueueCloser, Subsystem, ADMIN_IN_CAPSULE, HOST_CLOSED, IO_IN_CAPSULE, MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, MAX_TRANSFER};
 use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
 use crate::pool::{PoolRegion, SlotBuf};
 use crate::session::{Admission, ConnectionSlot, HandshakeSlot};
@@ -206,7 +206,7 @@ struct Connection {
     epoll: Epoll,
     kick: Arc<EventFd>,
     watched: Vec<i32>,
-    closing: Option<String>,
+    closing: Option<CloseReason>,
     handshake: Option<HandshakeSlot>,
     _connection: ConnectionSlot,
 }
@@ -302,7 +302,7 @@ impl Connection {
         }
     }
 
-    fn run(&mut self) -> String {
+    fn run(&mut self) -> CloseReason {
         let handshake_due = Instant::now() + self.q.sub.cfg.handshake_timeout;
         let mut wcs = [Completion::EMPTY; 32];
         let mut tokens = Vec::new();
@@ -312,12 +312,12 @@ impl Connection {
                 return why.clone();
             }
             if let Err(e) = self.register_pool() {
-                return e;
+                return e.into();
             }
             // A ring the thread sleeps in submits as it sleeps.
             if let Some(e) = self.q.engine.as_mut().filter(|e| !e.sleeps_in_ring()) {
                 if let Err(e) = e.submit() {
-                    return format!("io_uring: {e}");
+                    return format!("io_uring: {e}").into();
                 }
             }
             self.watch_new_fds();
@@ -326,27 +326,27 @@ impl Connection {
             }
             let timeout = match self.q.sleep_limit(handshake_due) {
                 Ok(t) => t,
-                Err(why) => return why,
+                Err(why) => return why.into(),
             };
             if self.q.is_admin() {
                 self.q.tick(Instant::now());
             }
             let polled = match self.poll(&mut wcs) {
                 Ok(n) => n,
-                Err(why) => return why,
+                Err(why) => return why.into(),
             };
             let reaped = self.q.reap();
             if polled > 0 || reaped > 0 || !self.q.actions.is_empty() {
                 continue;
             }
             if let Err(e) = self.cq.arm() {
-                return format!("arming the completion queue: {e}");
+                return format!("arming the completion queue: {e}").into();
             }
             if self.cq.needs_poll_after_arm() {
                 match self.poll(&mut wcs) {
                     Ok(0) => {}
                     Ok(_) => continue,
-                    Err(why) => return why,
+                    Err(why) => return why.into(),
                 }
             }
             tokens.clear();
@@ -356,19 +356,19 @@ impl Connection {
                 // through the epoll descriptor's poll.
                 Some(engine) => {
                     if let Err(e) = engine.sleep(timeout) {
-                        return format!("io_uring: {e}");
+                        return format!("io_uring: {e}").into();
                     }
                     self.q.reap();
                     let engine = self.q.engine.as_mut().expect("matched above");
                     if engine.take_wake() {
                         if let Err(e) = self.epoll.wait(&mut tokens, Some(Duration::ZERO)) {
-                            return format!("epoll: {e}");
+                            return format!("epoll: {e}").into();
                         }
                     }
                 }
                 None => {
                     if let Err(e) = self.epoll.wait(&mut tokens, timeout) {
-                        return format!("epoll: {e}");
+                        return format!("epoll: {e}").into();
                     }
                 }
             }
@@ -376,7 +376,7 @@ impl Connection {
                 match t {
                     TOKEN_CQ => {
                         if let Err(e) = self.cq.ack_event() {
-                            return format!("completion channel: {e}");
+                            return format!("completion channel: {e}").into();
                         }
                     }
                     TOKEN_KICK => {
@@ -435,9 +435,9 @@ impl Connection {
             // disconnected by the host (a failed work request of its own
             // comes first, with its status, and sets the reason).
             let why = if wc.status == WcStatus::WrFlushError {
-                format!("{HOST_CLOSED} (the queue pair was disconnected)")
+                CloseReason::by_host(format!("{HOST_CLOSED} (the queue pair was disconnected)"))
             } else {
-                format!("a {:?} work request failed: {:?}", wc.opcode, wc.status)
+                CloseReason::fault(format!("a {:?} work request failed: {:?}", wc.opcode, wc.status))
             };
             if wc.status != WcStatus::WrFlushError {
                 tracing::warn!("nvme+rdma {}: {why}", self.q.peer);
@@ -521,8 +521,8 @@ impl Connection {
         }
     }
 
-    fn close(&mut self, why: String) {
-        self.closing.get_or_insert(why);
+    fn close(&mut self, why: impl Into<CloseReason>) {
+        self.closing.get_or_insert_with(|| why.into());
     }
 
     /// Turns the queue's actions into work requests.
@@ -677,7 +677,7 @@ impl Connection {
 
     /// Disconnects, lets every outstanding work request flush (the memory
     /// they name must not be reused before), and leaves the controller.
-    fn finish(&mut self, why: &str) {
+    fn finish(&mut self, why: &CloseReason) {
         self.qp.disconnect();
         let deadline = Instant::now() + CLOSE_GRACE;
         let mut wcs = [Completion::EMPTY; 32];

@@ -33,7 +33,7 @@ use rdmablk_common::nvme::tcp::{
 use rdmablk_common::nvme::WireError;
 
 use super::queue::{Action, Buf, H2cRefusal, Queue, WakeSource};
-use super::{QueueCloser, Subsystem, HOST_CLOSED, MAX_TRANSFER};
+use super::{CloseReason, QueueCloser, Subsystem, MAX_TRANSFER};
 use crate::config::NvmeTransport;
 use crate::pool::ChunkId;
 use crate::session::{Admission, ConnectionSlot, HandshakeSlot};
@@ -59,11 +59,12 @@ const TOKEN_ENGINE: u64 = 2;
 struct Fatal {
     fes: Option<(u16, u32)>,
     header: Vec<u8>,
-    why: String,
+    why: CloseReason,
 }
 
 impl Fatal {
-    fn closed(why: impl Into<String>) -> Fatal {
+    /// The connection closes without a termination request.
+    fn closed(why: impl Into<CloseReason>) -> Fatal {
         Fatal { fes: None, header: Vec::new(), why: why.into() }
     }
 }
@@ -127,7 +128,7 @@ struct Connection {
     epoll: Epoll,
     watching_write: bool,
     watched: HashSet<i32>,
-    closing: Option<String>,
+    closing: Option<CloseReason>,
     /// Bytes the ring's socket receive was asked for (it is armed).
     ring_asked: usize,
     /// Counts against the handshake limits until Connect succeeds.
@@ -182,7 +183,7 @@ pub fn serve(stream: TcpStream, peer: SocketAddr, port: u16, sub: Arc<Subsystem>
 }
 
 impl Connection {
-    fn run(&mut self) -> String {
+    fn run(&mut self) -> CloseReason {
         let handshake_due = Instant::now() + self.q.sub.cfg.handshake_timeout;
         let mut close_due: Option<Instant> = None;
         let mut tokens = Vec::new();
@@ -197,13 +198,13 @@ impl Connection {
                 }
                 let due = *close_due.get_or_insert_with(|| Instant::now() + CLOSE_GRACE);
                 if Instant::now() >= due {
-                    return format!("{why} (the host did not take the last PDUs)");
+                    return why.map(|w| format!("{w} (the host did not take the last PDUs)"));
                 }
             }
             // A ring the thread sleeps in submits as it sleeps.
             if let Some(e) = self.q.engine.as_mut().filter(|e| !e.sleeps_in_ring()) {
                 if let Err(e) = e.submit() {
-                    return format!("io_uring: {e}");
+                    return format!("io_uring: {e}").into();
                 }
             }
             self.watch_new_fds();
@@ -212,7 +213,7 @@ impl Connection {
             }
             let mut timeout = match self.q.sleep_limit(handshake_due) {
                 Ok(t) => t,
-                Err(why) => return why,
+                Err(why) => return why.into(),
             };
             if self.closing.is_some() {
                 timeout = Some(Duration::from_millis(20));
@@ -225,7 +226,7 @@ impl Connection {
                     self.arm_ring_recv();
                     let engine = self.q.engine.as_mut().expect("matched above");
                     if let Err(e) = engine.sleep(timeout) {
-                        return format!("io_uring: {e}");
+                        return format!("io_uring: {e}").into();
                     }
                     self.q.reap();
                     let received = match self.take_ring_bytes() {
@@ -250,13 +251,13 @@ impl Connection {
                         }
                     } else if woken {
                         if let Err(e) = self.epoll.wait(&mut tokens, Some(Duration::ZERO)) {
-                            return format!("epoll: {e}");
+                            return format!("epoll: {e}").into();
                         }
                     }
                 }
                 None => {
                     if let Err(e) = self.epoll.wait(&mut tokens, timeout) {
-                        return format!("epoll: {e}");
+                        return format!("epoll: {e}").into();
                     }
                 }
             }
@@ -302,7 +303,7 @@ impl Connection {
             tracing::warn!("nvme+tcp {}: {} (termination request, FES {fes:#x})", self.q.peer, f.why);
             super::NvmeStats::add(&self.q.sub.stats.terminations, 1);
             self.queue_pdu(&Pdu::C2HTermReq(TermReq { fes, fei }), TxBody::Heap(header));
-        } else if f.why.contains("does not read") {
+        } else if f.why.kind == super::CloseKind::HostStalled {
             tracing::warn!("nvme+tcp {}: {}; closing", self.q.peer, f.why);
         } else {
             tracing::debug!("nvme+tcp {}: {}", self.q.peer, f.why);
@@ -310,7 +311,7 @@ impl Connection {
         self.closing.get_or_insert(f.why);
     }
 
-    fn finish(&mut self, why: &str) {
+    fn finish(&mut self, why: &CloseReason) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
         self.q.close(why);
     }
@@ -350,7 +351,7 @@ impl Connection {
         let Some(engine) = self.q.engine.as_mut() else { return Ok(false) };
         let n = match engine.take_received() {
             None => return Ok(false),
-            Some(Ok([])) => return Err(Fatal::closed(HOST_CLOSED)),
+            Some(Ok([])) => return Err(Fatal::closed(CloseReason::host_closed())),
             Some(Ok(bytes)) => {
                 // `arm_ring_recv` asked for no more than the room left here.
                 self.rx[self.rx_end..self.rx_end + bytes.len()].copy_from_slice(bytes);
@@ -383,9 +384,9 @@ impl Connection {
                 return Ok(());
             }
             if self.q.actions.len() + self.tx.len() > MAX_UNSENT {
-                return Err(Fatal::closed(format!(
+                return Err(Fatal::closed(CloseReason::host_stalled(format!(
                     "the host sends commands and does not read their answers ({MAX_UNSENT} PDUs unsent)"
-                )));
+                ))));
             }
             if self.parse()? {
                 continue;
@@ -399,7 +400,7 @@ impl Connection {
                     let buf = self.q.data_mut(slot, offset + placed, len - placed);
                     let asked = buf.len();
                     match (&self.stream).read(buf) {
-                        Ok(0) => return Err(Fatal::closed(HOST_CLOSED)),
+                        Ok(0) => return Err(Fatal::closed(CloseReason::host_closed())),
                         Ok(n) => {
                             drained = n < asked;
                             if let Rx::Data { placed, .. } = &mut self.state {
@@ -420,7 +421,7 @@ impl Connection {
             }
             let asked = self.rx.len() - self.rx_end;
             match (&self.stream).read(&mut self.rx[self.rx_end..]) {
-                Ok(0) => return Err(Fatal::closed(HOST_CLOSED)),
+                Ok(0) => return Err(Fatal::closed(CloseReason::host_closed())),
                 Ok(n) => {
                     drained = n < asked;
                     self.rx_end += n;
@@ -564,7 +565,7 @@ impl Connection {
                         H2cRefusal::WrongCommand => (fes::INVALID_HEADER_FIELD, 8),
                         H2cRefusal::UnknownTag | H2cRefusal::NotRequested => (fes::INVALID_HEADER_FIELD, 10),
                     };
-                    Err(Fatal { fes: Some((fes, fei)), header: header.to_vec(), why: format!("H2CData: {why}") })
+                    Err(Fatal { fes: Some((fes, fei)), header: header.to_vec(), why: format!("H2CData: {why}").into() })
                 }
             },
             Pdu::H2CTermReq(t) => {
@@ -573,7 +574,7 @@ impl Connection {
             _ => Err(Fatal {
                 fes: Some((fes::INVALID_HEADER_FIELD, 0)),
                 header: header.to_vec(),
-                why: format!("a {:?} PDU from a host", pdu.pdu_type()),
+                why: format!("a {:?} PDU from a host", pdu.pdu_type()).into(),
             }),
         }
     }
@@ -698,7 +699,7 @@ fn invalid(e: &WireError, header: Vec<u8>) -> Fatal {
         WireError::ReservedNotZero { offset, .. } => (fes::INVALID_HEADER_FIELD, *offset as u32),
         _ => (fes::INVALID_HEADER_FIELD, 0),
     };
-    Fatal { fes: Some((fes, fei)), header, why: e.to_string() }
+    Fatal { fes: Some((fes, fei)), header, why: e.to_string().into() }
 }
 
 /// Byte offset of a common-header or PDU field, for FEI.
