@@ -279,6 +279,21 @@ impl BlockEngine {
         self.uring.sleep(timeout)
     }
 
+    /// Withdraws the wake poll an earlier [`BlockEngine::sleep`] left
+    /// armed, for a caller about to sleep on its epoll descriptor itself:
+    /// one `io_uring_enter`, which also reaps the poll's end (the kernel
+    /// completes a cancelled poll before the call returns; if it has not,
+    /// [`BlockEngine::wake_poll_armed`] stays true until a later reap).
+    /// [`BlockEngine::take_wake`] then says whether the descriptor was
+    /// readable before the withdrawal caught the poll.
+    pub fn withdraw_wake_poll(&mut self) -> Result<()> {
+        self.uring.withdraw_wake_poll();
+        self.uring.submit()?;
+        let immediate = &mut self.immediate;
+        self.uring.reap(&mut self.pool, |tag, res| immediate.push((tag, res)));
+        Ok(())
+    }
+
     /// Whether the ring receives from the caller's socket
     /// (`UringOptions::socket_fd`; see [`Uring::arm_recv`]).
     pub fn receives(&self) -> bool {

@@ -22,7 +22,10 @@
 //! ends the sleep, and so does the wake poll's completion when the watched
 //! descriptor becomes readable. [`Uring::reap`] consumes the wake poll's
 //! completion itself (callers never see it; [`Uring::take_wake_poll_fired`]
-//! says it came) and re-arming is the caller's choice. Otherwise
+//! says it came) and re-arming is the caller's choice. A caller about to
+//! sleep elsewhere may withdraw an armed wake poll
+//! ([`Uring::withdraw_wake_poll`], an AsyncCancel); a withdrawn poll that
+//! the cancellation caught does not count as fired. Otherwise
 //! ("eventfd mode") an eventfd is registered so that the caller can block
 //! on it in epoll. `UringFeatures::ring_sleep` says which mode a ring is
 //! in, and its Display (logged by the daemon) names where the caller sleeps.
@@ -73,6 +76,15 @@ const WAKE_POLL: u64 = u64::MAX;
 const SOCKET_RECV: u64 = u64::MAX - 1;
 /// `user_data` of the cancellation of a socket receive at teardown.
 const RECV_CANCEL: u64 = u64::MAX - 2;
+/// `user_data` of the withdrawal of the wake poll ([`Uring::withdraw_wake_poll`]).
+const WAKE_CANCEL: u64 = u64::MAX - 3;
+
+/// Whether a completion is one of the ring's own (the wake poll, the socket
+/// receive and their cancellations) rather than an operation's, whose
+/// `user_data` is a `u32` slab index.
+fn is_internal(user_data: u64) -> bool {
+    user_data > u64::from(u32::MAX)
+}
 
 /// Ring options.
 #[derive(Clone, Copy, Debug)]
@@ -181,6 +193,9 @@ pub struct Uring {
     /// A failed wake poll was logged (once: the caller may re-arm it on
     /// every turn).
     wake_poll_failure_logged: bool,
+    /// The wake poll's withdrawal was queued and the poll's completion not
+    /// reaped yet.
+    wake_poll_withdrawn: bool,
     /// The socket the ring receives from, when `UringOptions::socket_fd`.
     recv: Option<SocketRecv>,
     mem: Arc<PoolMemory>,
@@ -298,11 +313,13 @@ impl Uring {
             restrictions.push(Restriction::sqe_op(opcode::Fallocate::CODE));
         }
         if features.ring_sleep {
+            // AsyncCancel withdraws the wake poll, and cancels the socket
+            // receive at teardown.
             restrictions.push(Restriction::sqe_op(opcode::PollAdd::CODE));
+            restrictions.push(Restriction::sqe_op(opcode::AsyncCancel::CODE));
         }
         if socket_fd.is_some() {
             restrictions.push(Restriction::sqe_op(opcode::Recv::CODE));
-            restrictions.push(Restriction::sqe_op(opcode::AsyncCancel::CODE));
         }
         submitter.register_restrictions(&mut restrictions).map_err(|e| uring_err("cannot register restrictions", e))?;
         submitter.register_enable_rings().map_err(|e| uring_err("cannot enable ring", e))?;
@@ -321,6 +338,7 @@ impl Uring {
             wake_poll_armed: false,
             wake_poll_fired: false,
             wake_poll_failure_logged: false,
+            wake_poll_withdrawn: false,
             recv: socket_fd.map(|_| SocketRecv {
                 slot: nfiles + 1,
                 buf: vec![0; opts.recv_buffer].into_boxed_slice(),
@@ -389,6 +407,26 @@ impl Uring {
         let entry = opcode::PollAdd::new(types::Fixed(self.nfiles), libc::POLLIN as u32).build().user_data(WAKE_POLL);
         self.wake_poll_armed = true;
         self.push(entry);
+    }
+
+    /// Withdraws the armed wake poll: queues its cancellation, submitted
+    /// with the next `submit` or `sleep`. The poll's completion is reaped
+    /// as usual (until then [`Uring::wake_poll_armed`] stays true); if the
+    /// cancellation caught it, it does not count as fired, and if the
+    /// watched descriptor became readable first, it does. For a caller
+    /// that is about to sleep on the watched descriptor itself: a poll
+    /// left armed there would fire at its next readiness anyway, through
+    /// a poll wake-up and task work that the waker pays for. Nothing to do
+    /// when the wake poll is not armed or already withdrawn.
+    pub fn withdraw_wake_poll(&mut self) {
+        if !self.wake_poll_armed || self.wake_poll_withdrawn {
+            return;
+        }
+        // FIXED_FILE: the restrictions require the flag on every entry (a
+        // cancellation by `user_data` takes no file and ignores it).
+        let cancel = opcode::AsyncCancel::new(WAKE_POLL).build().flags(squeue::Flags::FIXED_FILE).user_data(WAKE_CANCEL);
+        self.wake_poll_withdrawn = true;
+        self.push(cancel);
     }
 
     /// Whether the wake poll's completion was reaped since the last call:
@@ -657,7 +695,8 @@ impl Uring {
                     r.result = Some(res);
                     continue;
                 }
-                if user_data == RECV_CANCEL {
+                if is_internal(user_data) {
+                    // RECV_CANCEL, WAKE_CANCEL: their target's completion says it all.
                     continue;
                 }
                 let idx = user_data as u32;
@@ -689,9 +728,13 @@ impl Uring {
     }
 
     /// The wake poll's completion: a mask of ready events, or an error
-    /// (-ECANCELED when the ring is torn down).
+    /// (-ECANCELED when withdrawn or when the ring is torn down).
     fn wake_poll_reaped(&mut self, res: i32) {
         self.wake_poll_armed = false;
+        let withdrawn = std::mem::take(&mut self.wake_poll_withdrawn);
+        if withdrawn && res == -libc::ECANCELED {
+            return;
+        }
         self.wake_poll_fired = true;
         if res < 0 && res != -libc::ECANCELED && !self.wake_poll_failure_logged {
             self.wake_poll_failure_logged = true;
@@ -759,6 +802,7 @@ impl Uring {
             for (idx, res) in cqes {
                 if idx == WAKE_POLL {
                     self.wake_poll_armed = false;
+                    self.wake_poll_withdrawn = false;
                     continue;
                 }
                 if idx == SOCKET_RECV {
@@ -767,7 +811,7 @@ impl Uring {
                     }
                     continue;
                 }
-                if idx == RECV_CANCEL {
+                if is_internal(idx) {
                     continue;
                 }
                 let Some(op) = self.ops[idx as usize].as_mut() else { continue };
@@ -1066,6 +1110,50 @@ mod tests {
         assert!(ring.take_wake_poll_fired());
         assert!(start.elapsed() < Duration::from_secs(5));
         pool.release(c);
+    }
+
+    #[test]
+    fn a_withdrawn_wake_poll_ends_without_firing_unless_its_fd_was_readable_first() {
+        let (_path, file) = odirect_file(1 << 20);
+        let mut pool = Pool::new(4096, 4096);
+        let (epoll, efd) = watched_epoll();
+        let mut ring = Uring::new(&[file.as_raw_fd()], &pool, sleeping_opts(&epoll)).unwrap();
+        let reap_all = |ring: &mut Uring, pool: &mut Pool| {
+            let start = std::time::Instant::now();
+            while ring.wake_poll_armed() {
+                ring.submit().unwrap();
+                assert_eq!(ring.reap(pool, |u, r| panic!("unexpected completion ({u}, {r})")), 0);
+                assert!(start.elapsed() < Duration::from_secs(5), "the withdrawn poll never completed");
+            }
+        };
+
+        // Armed and waiting (nothing readable): the withdrawal catches it.
+        ring.arm_wake_poll();
+        ring.submit().unwrap();
+        ring.withdraw_wake_poll();
+        ring.withdraw_wake_poll(); // once is enough; a second is a no-op
+        assert!(ring.wake_poll_armed(), "armed until its completion is reaped");
+        reap_all(&mut ring, &mut pool);
+        assert!(!ring.take_wake_poll_fired(), "a withdrawn poll is not a wake-up");
+
+        // Not armed: nothing to withdraw, nothing queued.
+        ring.withdraw_wake_poll();
+        ring.submit().unwrap();
+        assert_eq!(ring.reap(&mut pool, |u, r| panic!("unexpected completion ({u}, {r})")), 0);
+
+        // Readable before the withdrawal: the poll fired, and says so.
+        efd.notify();
+        ring.arm_wake_poll();
+        ring.submit().unwrap();
+        ring.withdraw_wake_poll();
+        reap_all(&mut ring, &mut pool);
+        assert!(ring.take_wake_poll_fired(), "a poll that fired before its withdrawal is a wake-up");
+
+        // And the ring sleeps on as before: a new poll fires at once.
+        ring.arm_wake_poll();
+        ring.sleep(Some(Duration::from_secs(10))).unwrap();
+        ring.reap(&mut pool, |u, r| panic!("unexpected completion ({u}, {r})"));
+        assert!(ring.take_wake_poll_fired());
     }
 
     #[test]

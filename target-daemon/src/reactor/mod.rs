@@ -786,19 +786,30 @@ impl Reactor {
     /// last poll finds some), in the ring or in epoll (see the module docs).
     /// Returns when it woke: the next turn's start.
     ///
-    /// A ring with nothing in flight and no wake poll armed has no
-    /// completion to bring: the reactor then sleeps in `epoll_wait` on the
-    /// same descriptor the wake poll would watch. One wake-up per command
-    /// either way, but a command's arrival then wakes the reactor straight
-    /// from the epoll set instead of through a poll request and its task
-    /// work, which the sender pays for on loopback (about 1.5 us of `lat`
-    /// per I/O at QD1 on the null volume: BENCHMARKS.md, "Issue 20, sixth
-    /// look"). A wake poll still
-    /// armed from a sleep in the ring keeps the reactor there: it fires
-    /// at the next command anyway.
+    /// A ring with nothing in flight has no completion to bring: the
+    /// reactor then sleeps in `epoll_wait` on the same descriptor the wake
+    /// poll would watch. One wake-up per command either way, but a
+    /// command's arrival then wakes the reactor straight from the epoll
+    /// set instead of through a poll request and its task work, which the
+    /// sender pays for on loopback (about 1.5 us of `lat` per I/O at QD1
+    /// on the null volume: BENCHMARKS.md, "Issue 20, sixth look"). A wake
+    /// poll still armed from a sleep in the ring (the file volume at QD1:
+    /// the reactor slept for the disk, answered, and has nothing in
+    /// flight) is withdrawn first, one `io_uring_enter` after the answer
+    /// went out, off the next command's path ("Issue 20, eighth look").
+    /// If it fired before the withdrawal caught it, the wake-up is handled
+    /// as a sleep's would be; if its end is not reaped yet, the reactor
+    /// sleeps in the ring, where that end wakes it.
     fn idle_wait(&mut self) -> Result<Instant> {
+        if self.engine.sleeps_in_ring() && self.engine.inflight() == 0 && self.engine.wake_poll_armed() {
+            self.engine.withdraw_wake_poll()?;
+        }
         if self.engine.sleeps_in_ring() && (self.engine.inflight() > 0 || self.engine.wake_poll_armed()) {
             self.idle_wait_in_ring()
+        } else if self.engine.take_wake() {
+            // The withdrawn poll had fired: what woke it is ready now.
+            self.clear_wake_sources()?;
+            Ok(Instant::now())
         } else {
             self.idle_wait_in_epoll()?;
             Ok(Instant::now())
