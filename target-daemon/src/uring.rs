@@ -86,6 +86,13 @@ fn is_internal(user_data: u64) -> bool {
     user_data > u64::from(u32::MAX)
 }
 
+/// An AsyncCancel of the request tagged `target`, itself tagged `tag`.
+/// FIXED_FILE: the restrictions require the flag on every entry (a
+/// cancellation by `user_data` takes no file and ignores it).
+fn cancel_entry(target: u64, tag: u64) -> squeue::Entry {
+    opcode::AsyncCancel::new(target).build().flags(squeue::Flags::FIXED_FILE).user_data(tag)
+}
+
 /// Ring options.
 #[derive(Clone, Copy, Debug)]
 pub struct UringOptions {
@@ -422,11 +429,8 @@ impl Uring {
         if !self.wake_poll_armed || self.wake_poll_withdrawn {
             return;
         }
-        // FIXED_FILE: the restrictions require the flag on every entry (a
-        // cancellation by `user_data` takes no file and ignores it).
-        let cancel = opcode::AsyncCancel::new(WAKE_POLL).build().flags(squeue::Flags::FIXED_FILE).user_data(WAKE_CANCEL);
         self.wake_poll_withdrawn = true;
-        self.push(cancel);
+        self.push(cancel_entry(WAKE_POLL, WAKE_CANCEL));
     }
 
     /// Whether the wake poll's completion was reaped since the last call:
@@ -764,8 +768,7 @@ impl Uring {
         if self.recv.as_ref().is_some_and(|r| r.inflight) {
             // A receive may wait for the peer forever: cancel it, and wait
             // below until the kernel is done with its buffer.
-            let cancel = opcode::AsyncCancel::new(SOCKET_RECV).build().flags(squeue::Flags::FIXED_FILE).user_data(RECV_CANCEL);
-            self.push(cancel);
+            self.push(cancel_entry(SOCKET_RECV, RECV_CANCEL));
         }
         while self.inflight > 0 || self.recv.as_ref().is_some_and(|r| r.inflight) {
             while let Some(entry) = self.backlog.pop_front() {

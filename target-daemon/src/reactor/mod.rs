@@ -804,12 +804,19 @@ impl Reactor {
         if self.engine.sleeps_in_ring() && self.engine.inflight() == 0 && self.engine.wake_poll_armed() {
             self.engine.withdraw_wake_poll()?;
         }
+        // A busy turn (or the withdrawal) reaped the wake poll: handle what
+        // is ready before the CQs are armed again (acknowledging a CQ event
+        // after arming it would disarm it on tcp) and let a turn read the
+        // control channel after its eventfd is drained. The next idle turn
+        // sleeps.
+        if self.engine.take_wake() {
+            // The turn's SQEs wait for no sleep: submit them now.
+            self.engine.submit()?;
+            self.clear_wake_sources()?;
+            return Ok(Instant::now());
+        }
         if self.engine.sleeps_in_ring() && (self.engine.inflight() > 0 || self.engine.wake_poll_armed()) {
             self.idle_wait_in_ring()
-        } else if self.engine.take_wake() {
-            // The withdrawn poll had fired: what woke it is ready now.
-            self.clear_wake_sources()?;
-            Ok(Instant::now())
         } else {
             self.idle_wait_in_epoll()?;
             Ok(Instant::now())
@@ -858,22 +865,12 @@ impl Reactor {
     /// queue, so there is no gap) and completes at once if it is readable;
     /// armed at an earlier sleep and not fired, it is still on the wait
     /// queue; fired since, its completion is in the queue and ends the
-    /// sleep at once, or a busy turn reaped it and it is handled here
+    /// sleep at once, or a busy turn reaped it and `idle_wait` handled it
     /// before anything is armed. The wake poll's SQE is submitted by the
     /// same `io_uring_enter` that sleeps, before it sleeps (with `sqpoll`
     /// the kernel's thread picks it up a little later, and the readiness
     /// check when it arms covers whatever happened in between).
     fn idle_wait_in_ring(&mut self) -> Result<Instant> {
-        // A busy turn reaped the wake poll: handle what is ready before the
-        // CQs are armed again (acknowledging a CQ event after arming it
-        // would disarm it on tcp) and let a turn read the control channel
-        // after its eventfd is drained. The next idle turn sleeps.
-        if self.engine.take_wake() {
-            // The turn's SQEs wait for no sleep: submit them now.
-            self.engine.submit()?;
-            self.clear_wake_sources()?;
-            return Ok(Instant::now());
-        }
         if self.arm_cqs()? && self.poll_fabrics()? > 0 {
             self.engine.submit()?;
             self.disarm_cqs();
