@@ -525,7 +525,7 @@ enum QpImpl {
 /// retransmissions when a segment is lost (200 ms, 400 ms, 800 ms...: three
 /// of them take 1.4 s). The longest a healthy peer normally leaves it is
 /// the initiator library's monitor visiting an idle queue, at most once a
-/// second, and the target's ACK hold (200 µs, about one disk read; a frame
+/// second, and the target's ACK hold (20 ms, many disk reads; a frame
 /// is acknowledged when it is received, never after the disk). Eight times
 /// verbs' bound, four times the monitor's period and above three TCP
 /// retransmissions: a peer that stops acknowledging is found within

@@ -90,13 +90,20 @@ pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// removed ones still finishing their last commands.
 pub const RING_FILE_SLOTS: u32 = 2 * MAX_VOLUMES as u32;
 /// How long the tcp provider may hold a command's acknowledgement back for
-/// the response to carry it: longer than a disk read usually takes, so that
-/// the reactor does not send an ACK frame of its own for every command that
-/// waits for the disk (and the initiator is not woken for it). A reactor
-/// asleep meanwhile is woken by the CQ's timer when the hold ends. The
-/// initiator needs the acknowledgement only to reuse the command's slot,
-/// which waits for the response anyway.
-const ACK_HOLD: Duration = Duration::from_millis(1);
+/// the response to carry it: far longer than a disk read usually takes, so
+/// that the reactor does not send an ACK frame of its own for every command
+/// that waits for the disk (and the initiator is not woken for it). A
+/// reactor asleep meanwhile is woken by the CQ's timer when the hold ends.
+/// The initiator needs the acknowledgement only to reuse the command's
+/// slot, which waits for the response anyway, and to know the target is
+/// alive, which its transport timeout (4 s by default) asks 200 times later.
+/// The timer is set when the reactor sleeps with an ACK held and nothing
+/// armed, and fires once per hold while commands keep coming (one carried
+/// since only costs that wake-up): with a 1 ms hold that was a
+/// `timerfd_settime` of about 10 µs (a VM exit to reprogram the timer) ahead
+/// of the disk read on one in eight I/Os at file QD1, and a wake-up per
+/// millisecond (BENCHMARKS.md, "Issue 20, tenth look").
+const ACK_HOLD: Duration = Duration::from_millis(20);
 /// Least time between two sweeps of the wait line for commands past
 /// `target.chunk_wait_timeout` (each is a pass over the line and a log
 /// line): the first one due is answered on time, later ones within this.
