@@ -1188,13 +1188,33 @@ fn disconnect_of_an_io_queue_closes_it_and_frees_its_queue_id() {
     let (_dir, target, addr, _) = one_volume_target();
     let (mut admin, cntlid) = controller(addr);
     let mut q = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 1, SUBNQN, HOSTNQN);
-    q.write(1, 0, &[0x33; 4096], false).unwrap();
-    q.disconnect().expect("Fabrics Disconnect of I/O queue 1");
-    let t = q.wait_for_termination(Duration::from_secs(5));
-    assert!(t.closed && t.term.is_none() && t.other.is_empty(), "after Disconnect: {}", summary(&t));
-    let mut q = NvmeTcpConn::connect(addr, NO_DIGESTS);
-    q.io_connect(cntlid, 1, SUBNQN, HOSTNQN).unwrap_or_else(|s| panic!("I/O queue 1 again after its Disconnect: {s}"));
-    assert!(q.read(1, 0, 1, BS).unwrap() == [0x33; 4096]);
+    // Once the host sees the connection closed, the queue id is free: a
+    // Connect sent right then must not find it still taken. The window
+    // is short (the target's thread must lose its CPU inside it), so it
+    // is crossed many times with every CPU kept busy.
+    let stop = Arc::new(AtomicBool::new(false));
+    let spinners: Vec<_> = (0..2 * std::thread::available_parallelism().map_or(2, |n| n.get()))
+        .map(|_| {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    for round in 0..=255u8 {
+        q.write(1, 0, &[round; 4096], false).unwrap();
+        q.disconnect().unwrap_or_else(|s| panic!("round {round}: Fabrics Disconnect of I/O queue 1: {s}"));
+        let t = q.wait_for_termination(Duration::from_secs(5));
+        assert!(t.closed && t.term.is_none() && t.other.is_empty(), "round {round}: after Disconnect: {}", summary(&t));
+        q = NvmeTcpConn::connect(addr, NO_DIGESTS);
+        q.io_connect(cntlid, 1, SUBNQN, HOSTNQN)
+            .unwrap_or_else(|s| panic!("round {round}: I/O queue 1 again right after its Disconnect: {s}"));
+        assert!(q.read(1, 0, 1, BS).unwrap() == [round; 4096], "round {round}: the write before the Disconnect is lost");
+    }
+    stop.store(true, Ordering::Relaxed);
+    spinners.into_iter().for_each(|s| s.join().unwrap());
     admin.keep_alive().unwrap();
     target.assert_no_panic();
 }
