@@ -311,9 +311,12 @@ impl Connection {
         self.closing.get_or_insert(f.why);
     }
 
+    /// Leaves the controller before the socket closes: a host that sees
+    /// the close may at once connect the same queue id again, and must
+    /// find it free (and the old queue's disk writes done).
     fn finish(&mut self, why: &CloseReason) {
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
         self.q.close(why);
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
 
     /// Whether the data being received goes straight from the socket into
