@@ -595,3 +595,50 @@ fn a_connect_for_another_queue_than_the_cm_request_named_fails_the_queue() {
     assert_eq!(io.nvme_connect(&nqn, 1, cntlid), Ok(cntlid));
     t.shutdown().unwrap();
 }
+
+/// A Fabrics Disconnect of an I/O queue: the queue pair goes, and once the
+/// host sees it gone the queue id is free again with the queue's writes
+/// done. The window between the two is short (the target's thread must
+/// lose its CPU inside it), so it is crossed many times with every CPU
+/// kept busy.
+#[test]
+fn after_an_io_queues_disconnect_its_queue_id_is_free_at_once() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let (t, url, nqn) = target();
+    let mut admin = Host::connect(&url, 0, 32);
+    let cntlid = admin.nvme_connect(&nqn, 0, 0xffff).unwrap();
+    admin.enable();
+    let mut io = Host::connect(&url, 1, 32);
+    assert_eq!(io.nvme_connect(&nqn, 1, cntlid), Ok(cntlid));
+    let stop = Arc::new(AtomicBool::new(false));
+    let spinners: Vec<_> = (0..2 * std::thread::available_parallelism().map_or(2, |n| n.get()))
+        .map(|_| {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    for round in 0..=255u8 {
+        let data = pattern(4096, round);
+        let c = io.rw(io_opcode::WRITE, 0, 8, Sgl::InCapsule { offset: 0, length: 4096 }, &data);
+        assert_eq!(c.status, Status::SUCCESS, "round {round}: write");
+        let mut e = SubmissionEntry::new(admin_opcode::FABRICS, io.cid());
+        e.nsid = rdmablk_common::nvme::fabrics::fctype::DISCONNECT as u32;
+        assert_eq!(io.exec(e, &[]).status, Status::SUCCESS, "round {round}: Disconnect");
+        assert!(io.completion().is_err(), "round {round}: the queue pair outlived its Disconnect");
+        io = Host::connect(&url, 1, 32);
+        let again = io.nvme_connect(&nqn, 1, cntlid);
+        assert_eq!(again, Ok(cntlid), "round {round}: I/O queue 1 again right after its Disconnect");
+        let c = io.rw(io_opcode::READ, 0, 8, io.keyed(0, 4096), &[]);
+        assert_eq!(c.status, Status::SUCCESS, "round {round}: read");
+        assert!(io.data()[..4096] == data[..], "round {round}: the write before the Disconnect is lost");
+    }
+    stop.store(true, Ordering::Relaxed);
+    spinners.into_iter().for_each(|s| s.join().unwrap());
+    drop(admin);
+    t.shutdown().unwrap();
+}
