@@ -527,9 +527,17 @@ impl Connection {
 
     /// Turns the queue's actions into work requests.
     fn drain_actions(&mut self) {
+        // The queue's own close (a Disconnect) comes before the answer made
+        // with it, and that answer must still go out: it closes the queue
+        // after the whole batch.
+        let mut close = None;
         for a in std::mem::take(&mut self.q.actions) {
             if self.closing.is_some() {
                 break;
+            }
+            if let Action::Close(why) = a {
+                close.get_or_insert(why);
+                continue;
             }
             if !self.waiting.is_empty() {
                 // Answers leave in the order they were made.
@@ -537,6 +545,9 @@ impl Connection {
                 continue;
             }
             self.act(a);
+        }
+        if let Some(why) = close {
+            self.close(why);
         }
         if self.waiting.len() > MAX_WAITING {
             self.close(format!("the host takes no completions ({} answers waiting)", self.waiting.len()));
