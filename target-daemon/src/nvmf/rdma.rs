@@ -686,13 +686,38 @@ impl Connection {
         }
     }
 
-    /// Disconnects, lets every outstanding work request flush (the memory
-    /// they name must not be reused before), and leaves the controller.
+    /// Lets the answers already posted (a Disconnect's among them) reach
+    /// the host and, when they did, leaves the controller: a host that
+    /// sees the queue pair go may at once connect the same queue id
+    /// again, and must find it free (and the old queue's disk writes
+    /// done). Then disconnects and lets every outstanding work request
+    /// flush: the memory they name must not be reused before, so a queue
+    /// whose answers did not go out leaves the controller only then.
     fn finish(&mut self, why: &CloseReason) {
+        let delivered = self.settle(|c| c.sends_outstanding == 0);
+        if delivered {
+            self.q.close(why);
+        }
         self.qp.disconnect();
+        if !self.settle(|c| c.recvs_posted == 0 && c.sends_outstanding == 0) {
+            tracing::warn!(
+                "nvme+rdma {}: {} receives and {} sends did not flush within {CLOSE_GRACE:?}",
+                self.q.peer,
+                self.recvs_posted,
+                self.sends_outstanding
+            );
+        }
+        if !delivered {
+            self.q.close(why);
+        }
+    }
+
+    /// Handles completions until `done` holds (true) or `CLOSE_GRACE` has
+    /// passed (false). A closing queue starts nothing new from them.
+    fn settle(&mut self, done: impl Fn(&Self) -> bool) -> bool {
         let deadline = Instant::now() + CLOSE_GRACE;
         let mut wcs = [Completion::EMPTY; 32];
-        while (self.recvs_posted > 0 || self.sends_outstanding > 0) && Instant::now() < deadline {
+        while !done(self) && Instant::now() < deadline {
             match self.cq.poll(&mut wcs) {
                 Ok(0) => std::thread::sleep(Duration::from_millis(1)),
                 Ok(n) => {
@@ -703,14 +728,6 @@ impl Connection {
                 Err(_) => break,
             }
         }
-        if self.recvs_posted > 0 || self.sends_outstanding > 0 {
-            tracing::warn!(
-                "nvme+rdma {}: {} receives and {} sends did not flush within {CLOSE_GRACE:?}",
-                self.q.peer,
-                self.recvs_posted,
-                self.sends_outstanding
-            );
-        }
-        self.q.close(why);
+        done(self)
     }
 }
