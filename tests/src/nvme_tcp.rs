@@ -667,6 +667,8 @@ pub struct IdCtrl {
     pub ioccsz: u32,
     /// I/O queue response capsule size, in 16-byte units.
     pub iorcsz: u32,
+    /// Optional fabrics commands supported (bit 0: Disconnect).
+    pub ofcs: u16,
     pub kas: u16,
 }
 
@@ -685,6 +687,7 @@ impl IdCtrl {
             subnqn: String::from_utf8_lossy(&nqn[..end]).into_owned(),
             ioccsz: u32_at(1792),
             iorcsz: u32_at(1796),
+            ofcs: u16_at(1804),
             kas: u16_at(320),
         }
     }

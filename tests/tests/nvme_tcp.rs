@@ -151,6 +151,7 @@ fn admin_queue_connects_enables_and_identifies_controller_and_namespaces() {
     assert!(ctrl.nn >= 7, "NN ({}) must cover the largest namespace id (7)", ctrl.nn);
     assert_eq!(ctrl.ioccsz, 1028, "IOCCSZ: 64-byte SQE + 16 KiB in-capsule data, in 16-byte units");
     assert_eq!(ctrl.iorcsz, 1, "IORCSZ: a 16-byte CQE");
+    assert_eq!(ctrl.ofcs, 1, "OFCS: Disconnect of an I/O queue is supported (and tested below)");
     assert_ne!(ctrl.sgls & 0b11, 0, "SGLS: SGLs are mandatory on fabrics ({:#x})", ctrl.sgls);
     assert_ne!(ctrl.kas, 0, "KAS: keep alive is mandatory on fabrics");
 

@@ -1001,6 +1001,7 @@ mod tests {
         assert_eq!(c[77], super::super::MDTS);
         assert_eq!(u32::from_le_bytes(c[80..84].try_into().unwrap()), super::super::identify::VERSION);
         assert_eq!(u32::from_le_bytes(c[1792..1796].try_into().unwrap()), (64 + 16384) / 16, "IOCCSZ");
+        assert_eq!(u16::from_le_bytes([c[1804], c[1805]]), 1, "OFCS: Disconnect supported");
         assert!(u16::from_le_bytes(c[514..516].try_into().unwrap()) > 0, "MAXCMD");
         assert_eq!(&c[768..768 + sub.nqn.len()], sub.nqn.as_bytes());
         let list = data(&run(&mut q, identify(2, 0), &[]));
