@@ -97,6 +97,11 @@ pub fn controller(sub: &Subsystem, transport: NvmeTransport, cntlid: u16, discov
     put_u32(&mut d, 1792, (64 + in_capsule) / 16);
     put_u32(&mut d, 1796, 1);
     d[1803] = 1;
+    // OFCS bit 0: a Disconnect deletes the I/O queue it is sent on (a
+    // discovery controller has none).
+    if !discovery {
+        put_u16(&mut d, 1804, 1);
+    }
     // Power state 0: 25 W maximum, as a placeholder the host only displays.
     put_u16(&mut d, 2048, 2500);
     d
