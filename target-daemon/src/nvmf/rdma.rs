@@ -42,7 +42,7 @@ use rdmablk_common::nvme::rdma::{reject, CmAccept, CmReject, CmRequest, RECFMT_1
 use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry, SQE_SIZE};
 
 use super::queue::{Action, Buf, Queue, WakeSource};
-use super::{CloseReason, QueueCloser, Subsystem, ADMIN_IN_CAPSULE, HOST_CLOSED, IO_IN_CAPSULE, MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, MAX_TRANSFER};
+use super::{CloseKind, CloseReason, QueueCloser, Subsystem, ADMIN_IN_CAPSULE, HOST_CLOSED, IO_IN_CAPSULE, MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, MAX_TRANSFER};
 use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
 use crate::pool::{PoolRegion, SlotBuf};
 use crate::session::{Admission, ConnectionSlot, HandshakeSlot};
@@ -686,15 +686,17 @@ impl Connection {
         }
     }
 
-    /// Lets the answers already posted (a Disconnect's among them) reach
-    /// the host and, when they did, leaves the controller: a host that
-    /// sees the queue pair go may at once connect the same queue id
-    /// again, and must find it free (and the old queue's disk writes
-    /// done). Then disconnects and lets every outstanding work request
-    /// flush: the memory they name must not be reused before, so a queue
-    /// whose answers did not go out leaves the controller only then.
+    /// When the host ended the queue (a Disconnect), lets the answers
+    /// already posted (the Disconnect's among them) reach it and, when
+    /// they did, leaves the controller: a host that sees the queue pair go
+    /// may at once connect the same queue id again, and must find it free
+    /// (and the old queue's disk writes done). Then disconnects and lets
+    /// every outstanding work request flush: the memory they name must not
+    /// be reused before, so a queue whose answers did not go out (or that
+    /// ends on a fault, with a host that may take none) leaves the
+    /// controller only then.
     fn finish(&mut self, why: &CloseReason) {
-        let delivered = self.settle(|c| c.sends_outstanding == 0);
+        let delivered = why.kind == CloseKind::ByHost && self.settle(|c| c.sends_outstanding == 0);
         if delivered {
             self.q.close(why);
         }
