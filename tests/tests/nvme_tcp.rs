@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
-use rdmablk_common::nvme::fabrics::{connect_data_offset, invalid_connect_parameter, property, ANY_CONTROLLER};
+use rdmablk_common::nvme::fabrics::{connect_data_offset, invalid_connect_parameter, property, Property, ANY_CONTROLLER};
 use rdmablk_common::nvme::sqe::{admin_opcode, io_opcode, Sgl, SubmissionEntry};
 use rdmablk_common::nvme::status::Status;
 use rdmablk_common::nvme::tcp::{fes, DataPdu, Digests, Pdu, R2t, TermReq};
@@ -1216,6 +1216,38 @@ fn disconnect_of_an_io_queue_closes_it_and_frees_its_queue_id() {
     }
     stop.store(true, Ordering::Relaxed);
     spinners.into_iter().for_each(|s| s.join().unwrap());
+    admin.keep_alive().unwrap();
+    target.assert_no_panic();
+}
+
+/// The Fabrics commands sent where they do not belong (NVMe Base 2.x,
+/// Figures 574 and 105, section 6.4): a Disconnect on the admin queue
+/// fails with Invalid Queue Type and ends nothing; a Disconnect of another
+/// record format fails with Incompatible Format and keeps the I/O queue; a
+/// Property Get or Set on an I/O queue fails with Invalid Field.
+#[test]
+fn fabrics_commands_on_the_wrong_queue_or_format_are_refused_and_end_nothing() {
+    let (_dir, target, addr, _) = one_volume_target();
+    let (mut admin, cntlid) = controller(addr);
+    let disconnect = |recfmt: u32| {
+        let mut e = SubmissionEntry::new(admin_opcode::FABRICS, 0);
+        e.nsid = rdmablk_common::nvme::fabrics::fctype::DISCONNECT as u32;
+        e.cdw[0] = recfmt;
+        e
+    };
+    let c = admin.exec(disconnect(0), &[], &[], 0);
+    assert_eq!(c.cqe.status, Status::INVALID_QUEUE_TYPE, "Disconnect on the admin queue");
+    admin.keep_alive().expect("the admin queue after a refused Disconnect");
+    let mut q = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 1, SUBNQN, HOSTNQN);
+    q.write(1, 0, &[0x44; 4096], false).unwrap();
+    let c = q.exec(disconnect(1), &[], &[], 0);
+    assert_eq!(c.cqe.status, Status::CONNECT_INCOMPATIBLE_FORMAT, "Disconnect with record format 1");
+    for (what, set) in [("Property Get", false), ("Property Set", true)] {
+        let e = Property { offset: property::CC, wide: false, value: 0 }.to_entry(0, set);
+        assert_eq!(q.exec(e, &[], &[], 0).cqe.status, Status::INVALID_FIELD, "{what} on an I/O queue");
+    }
+    assert!(q.read(1, 0, 1, BS).unwrap() == [0x44; 4096], "the I/O queue after the refused commands");
+    q.disconnect().expect("a proper Disconnect of the I/O queue");
     admin.keep_alive().unwrap();
     target.assert_no_panic();
 }

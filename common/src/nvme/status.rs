@@ -47,7 +47,7 @@ impl Status {
     pub const ASYNC_EVENT_LIMIT_EXCEEDED: Status = Status::specific(0x05).no_retry();
     pub const INVALID_LOG_PAGE: Status = Status::specific(0x09).no_retry();
     pub const FEATURE_NOT_SAVEABLE: Status = Status::specific(0x0d).no_retry();
-    /// Connect: the format (RECFMT) is not supported.
+    /// Connect, Disconnect: the format (RECFMT) is not supported.
     pub const CONNECT_INCOMPATIBLE_FORMAT: Status = Status::specific(0x80).no_retry();
     /// Connect: the controller is busy (e.g. the queue is already connected).
     pub const CONNECT_CONTROLLER_BUSY: Status = Status::specific(0x81);
@@ -55,6 +55,8 @@ impl Status {
     pub const CONNECT_INVALID_PARAMETERS: Status = Status::specific(0x82).no_retry();
     /// Connect: the host may not reach this subsystem.
     pub const CONNECT_INVALID_HOST: Status = Status::specific(0x84).no_retry();
+    /// Disconnect: sent on the admin queue (it deletes an I/O queue).
+    pub const INVALID_QUEUE_TYPE: Status = Status::specific(0x85).no_retry();
 
     pub const WRITE_FAULT: Status = Status::media(0x80);
     pub const UNRECOVERED_READ_ERROR: Status = Status::media(0x81);
