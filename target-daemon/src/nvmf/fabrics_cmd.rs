@@ -33,14 +33,26 @@ pub fn handle(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
     match sqe.fctype() {
         fctype::CONNECT => connect(q, sqe, data),
         fctype::PROPERTY_GET | fctype::PROPERTY_SET if q.is_admin() => property(q, sqe),
-        fctype::DISCONNECT => {
-            // The queue closes once the answer is out (NVMe/TCP: the host
-            // then closes the connection).
-            q.actions.push(super::queue::Action::Close(super::CloseReason::by_host("Disconnect")));
-            Reply::ok()
-        }
+        // Fabrics commands an I/O queue does not take (NVMe Base, Figure 574).
+        fctype::PROPERTY_GET | fctype::PROPERTY_SET => Reply::status(Status::INVALID_FIELD),
+        fctype::DISCONNECT => disconnect(q, sqe),
         _ => Reply::status(Status::INVALID_OPCODE),
     }
+}
+
+/// Deletes the I/O queue it is sent on: the queue closes once the answer
+/// is out (NVMe/TCP: the host then closes the connection). The admin queue
+/// is not deleted this way (NVMe Base, section 6.4).
+fn disconnect(q: &mut Queue, sqe: &SubmissionEntry) -> Reply {
+    if q.is_admin() {
+        return Reply::status(Status::INVALID_QUEUE_TYPE);
+    }
+    // RECFMT, bytes 41:40: only format 0 is defined.
+    if sqe.cdw[0] & 0xffff != 0 {
+        return Reply::status(Status::CONNECT_INCOMPATIBLE_FORMAT);
+    }
+    q.actions.push(super::queue::Action::Close(super::CloseReason::by_host("Disconnect")));
+    Reply::ok()
 }
 
 fn bad_data(offset: u16) -> Reply {
