@@ -20,6 +20,7 @@ use rdmablk_common::nvme::fabrics::{Connect, ConnectData, Property, CONNECT_DATA
 use rdmablk_common::nvme::rdma::{reject, CmAccept, CmRequest, RECFMT_1_0};
 use rdmablk_common::nvme::sqe::{admin_opcode, io_opcode, Sgl, SubmissionEntry, SQE_SIZE};
 use rdmablk_common::nvme::status::Status;
+use rdmablk_system_tests::BusyCpus;
 use rdmablk_target::{Config, RunningTarget, Target};
 
 const HOST_NQN: &str = "nqn.2014-08.org.example:rdma-host";
@@ -603,25 +604,13 @@ fn a_connect_for_another_queue_than_the_cm_request_named_fails_the_queue() {
 /// kept busy.
 #[test]
 fn after_an_io_queues_disconnect_its_queue_id_is_free_at_once() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
     let (t, url, nqn) = target();
     let mut admin = Host::connect(&url, 0, 32);
     let cntlid = admin.nvme_connect(&nqn, 0, 0xffff).unwrap();
     admin.enable();
     let mut io = Host::connect(&url, 1, 32);
     assert_eq!(io.nvme_connect(&nqn, 1, cntlid), Ok(cntlid));
-    let stop = Arc::new(AtomicBool::new(false));
-    let spinners: Vec<_> = (0..2 * std::thread::available_parallelism().map_or(2, |n| n.get()))
-        .map(|_| {
-            let stop = Arc::clone(&stop);
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    std::hint::spin_loop();
-                }
-            })
-        })
-        .collect();
+    let busy = BusyCpus::start();
     for round in 0..=255u8 {
         let data = pattern(4096, round);
         let c = io.rw(io_opcode::WRITE, 0, 8, Sgl::InCapsule { offset: 0, length: 4096 }, &data);
@@ -637,8 +626,6 @@ fn after_an_io_queues_disconnect_its_queue_id_is_free_at_once() {
         assert_eq!(c.status, Status::SUCCESS, "round {round}: read");
         assert!(io.data()[..4096] == data[..], "round {round}: the write before the Disconnect is lost");
     }
-    stop.store(true, Ordering::Relaxed);
-    spinners.into_iter().for_each(|s| s.join().unwrap());
-    drop(admin);
+    drop((busy, admin));
     t.shutdown().unwrap();
 }

@@ -447,6 +447,40 @@ pub fn wait_until(what: &str, timeout: Duration, mut condition: impl FnMut() -> 
     t0.elapsed()
 }
 
+/// Threads that keep every CPU busy (two per CPU) until dropped: a race
+/// whose window is a thread losing its CPU shows far more often under them.
+pub struct BusyCpus {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    spinners: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl BusyCpus {
+    pub fn start() -> BusyCpus {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = Arc::new(AtomicBool::new(false));
+        let spinners = (0..2 * std::thread::available_parallelism().map_or(2, |n| n.get()))
+            .map(|_| {
+                let stop = Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        BusyCpus { stop, spinners }
+    }
+}
+
+impl Drop for BusyCpus {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for s in self.spinners.drain(..) {
+            let _ = s.join();
+        }
+    }
+}
+
 impl TargetProcess {
     /// Panics with the whole log when the daemon logged a Rust panic.
     pub fn assert_no_panic(&self) {

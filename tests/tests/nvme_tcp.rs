@@ -35,7 +35,7 @@ use rdmablk_system_tests::nvme_tcp::{
     Termination,
 };
 use rdmablk_system_tests::{
-    file_bytes, file_volume, listen_host, random_bytes, sample, scrape, sparse_file, wait_until, TargetProcess,
+    file_bytes, file_volume, listen_host, random_bytes, sample, scrape, sparse_file, wait_until, BusyCpus, TargetProcess,
 };
 
 const KIB: usize = 1024;
@@ -1193,17 +1193,7 @@ fn disconnect_of_an_io_queue_closes_it_and_frees_its_queue_id() {
     // Connect sent right then must not find it still taken. The window
     // is short (the target's thread must lose its CPU inside it), so it
     // is crossed many times with every CPU kept busy.
-    let stop = Arc::new(AtomicBool::new(false));
-    let spinners: Vec<_> = (0..2 * std::thread::available_parallelism().map_or(2, |n| n.get()))
-        .map(|_| {
-            let stop = Arc::clone(&stop);
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    std::hint::spin_loop();
-                }
-            })
-        })
-        .collect();
+    let busy = BusyCpus::start();
     for round in 0..=255u8 {
         q.write(1, 0, &[round; 4096], false).unwrap();
         q.disconnect().unwrap_or_else(|s| panic!("round {round}: Fabrics Disconnect of I/O queue 1: {s}"));
@@ -1214,8 +1204,7 @@ fn disconnect_of_an_io_queue_closes_it_and_frees_its_queue_id() {
             .unwrap_or_else(|s| panic!("round {round}: I/O queue 1 again right after its Disconnect: {s}"));
         assert!(q.read(1, 0, 1, BS).unwrap() == [round; 4096], "round {round}: the write before the Disconnect is lost");
     }
-    stop.store(true, Ordering::Relaxed);
-    spinners.into_iter().for_each(|s| s.join().unwrap());
+    drop(busy);
     admin.keep_alive().unwrap();
     target.assert_no_panic();
 }
