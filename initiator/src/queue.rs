@@ -738,7 +738,9 @@ impl Conn {
         }
         let slice = (deadline - now).min(self.params.wait_slice).max(Duration::from_millis(1));
         let waited = match wake {
-            None => self.cq.wait(Some(slice)).map(|_| ()),
+            // The connection's thread is the only user of its CQ and queue
+            // pair (the monitor takes an idle one, never a waiting one).
+            None => self.cq.wait_alone(Some(slice)).map(|_| ()),
             Some(w) => self.cq.wait_or(Some(slice), w.fd()).map(|woken| {
                 if woken {
                     w.drain();

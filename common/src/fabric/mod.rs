@@ -926,6 +926,22 @@ impl CompletionQueue {
         self.ack_event()?;
         Ok(true)
     }
+    /// As [`wait`](CompletionQueue::wait), for an owner that is the only
+    /// thread using this CQ and its queue pairs. tcp, with one queue pair
+    /// attached: sleeps in a receive on its socket and processes what
+    /// arrives in the same call, one system call where `wait` and the
+    /// `poll` after it take two, and the next `poll` takes the completions
+    /// without one. Nothing another thread does to the CQ or the queue
+    /// pair wakes that sleep (a post or disconnect from one waits for it),
+    /// hence the rule. Otherwise, and on verbs, it is `wait`.
+    pub fn wait_alone(&self, timeout: Option<Duration>) -> Result<bool> {
+        if let CqImpl::Tcp(cq) = &self.inner {
+            if let Some(woken) = cq.wait_receiving(timeout) {
+                return Ok(woken);
+            }
+        }
+        self.wait(timeout)
+    }
     /// As [`wait`](CompletionQueue::wait), but also returns when `other`
     /// is readable: an eventfd that another thread writes to wake the owner
     /// (the owner reads it). Returns whether `other` was readable; the CQ's

@@ -46,6 +46,14 @@ const NO_QP: u32 = u32::MAX;
 /// `CqShared::ack_hold_ns` when standalone ACKs are not held back.
 const ACKS_NOT_HELD: u64 = u64::MAX;
 
+/// Longest sleep of [`TcpCq::wait_receiving`] in one receive; a caller
+/// with a longer timeout (or none) gets `false` after it and waits again.
+const LONGEST_RECEIVING_WAIT: Duration = Duration::from_secs(1);
+
+/// Shortest one: a sooner timeout or timer is left to `poll`'s millisecond
+/// timeout, because the receive's timeout runs on the kernel's tick.
+const SHORTEST_RECEIVING_WAIT: Duration = Duration::from_millis(16);
+
 /// Most socket events handled per poll call; the rest stay ready (epoll is
 /// level-triggered) and are handled by the next call.
 const EVENTS_PER_POLL: usize = 64;
@@ -62,6 +70,9 @@ pub(crate) struct CqShared {
     /// The owner was woken from a sleep on the channel and has not polled
     /// since (see [`TcpCq::poll`]).
     woken: AtomicBool,
+    /// A [`TcpCq::wait_receiving`] queued completions and the owner has
+    /// not polled since: its next poll takes them without a system call.
+    received: AtomicBool,
     /// The queue pair of the completion queued last (`NO_QP`: none yet):
     /// the first poll after a wake-up reads its socket first.
     recent_qp: AtomicU32,
@@ -390,6 +401,7 @@ impl TcpCq {
                 armed: AtomicBool::new(false),
                 signaled: AtomicBool::new(false),
                 woken: AtomicBool::new(false),
+                received: AtomicBool::new(false),
                 recent_qp: AtomicU32::new(NO_QP),
                 qps: Mutex::new(KeyMap::default()),
                 ack_hold_ns: AtomicU64::new(ACKS_NOT_HELD),
@@ -426,6 +438,16 @@ impl TcpCq {
     /// first, which sets a timer that wakes it when the oldest hold ends.
     pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
         let sh = &*self.shared;
+        // A receiving wait just processed its socket: what it queued is
+        // returned as is. The next poll asks epoll, as always, and sends
+        // the ACKs due then: sent now, the ACK of the answer just received
+        // would leave on its own, ahead of the next request that carries it.
+        if sh.received.swap(false, Ordering::AcqRel) {
+            let k = sh.take_completions(out);
+            if k > 0 {
+                return Ok(k);
+            }
+        }
         sh.send_deferred_acks(false);
         // The first poll after a wake-up reads the socket that most likely
         // woke the owner (the lone queue pair's, or the one whose completion
@@ -577,6 +599,65 @@ impl TcpCq {
     #[cfg(test)]
     pub(crate) fn set_late_send_hold(&self, hold: Duration) {
         self.shared.late_hold_ns.store(hold.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// The owner's sleep and its first receive in one system call, for an
+    /// owner that is the only thread using this CQ and its one queue pair
+    /// (the initiator's connection): it sleeps in a receive on the
+    /// socket, as a bare TCP client does, instead of in `poll` on the fd
+    /// followed by a `read`. Returns whether completions may be queued
+    /// (`false`: `timeout` passed, or less: at most
+    /// [`LONGEST_RECEIVING_WAIT`]); the next [`poll`](TcpCq::poll) takes
+    /// them without a system call.
+    ///
+    /// `None` when the CQ cannot wait so; the owner then sleeps on the fd
+    /// (`CompletionQueue::wait`). That is when more or fewer than one queue
+    /// pair is attached, that one cannot ([`qp::wait_receiving`]), the
+    /// late mode is on, a deferred ACK waits for its hold to end, or a
+    /// deadline check is due within [`SHORTEST_RECEIVING_WAIT`]: the wait
+    /// sleeps no longer than the next check, so the transport and frame
+    /// timeouts still fire. Nothing else can wake it: a completion another
+    /// thread queued meanwhile waits for the receive, which is why the
+    /// owner must be alone.
+    pub fn wait_receiving(&self, timeout: Option<Duration>) -> Option<bool> {
+        let sh = &*self.shared;
+        if sh.late_send_completions() {
+            return None;
+        }
+        // Disarmed: completions the receive brings are polled next, with no
+        // write to the channel (an owner usually arms before it waits).
+        self.disarm();
+        sh.send_deferred_acks(false);
+        if !lock(&sh.deferred_acks).is_empty() {
+            return None;
+        }
+        if !lock(&sh.queue).is_empty() {
+            sh.received.store(true, Ordering::Release);
+            return Some(true);
+        }
+        let qp = {
+            let qps = lock(&sh.qps);
+            if qps.len() != 1 {
+                return None;
+            }
+            qps.values().next().and_then(Weak::upgrade)?
+        };
+        let mut limit = timeout.unwrap_or(LONGEST_RECEIVING_WAIT).min(LONGEST_RECEIVING_WAIT);
+        if let Some(at) = lock(&sh.checks).armed {
+            limit = limit.min(at.saturating_duration_since(Instant::now()));
+        }
+        if limit < SHORTEST_RECEIVING_WAIT {
+            return None;
+        }
+        // Whole milliseconds, halved down to a power of two: the socket's
+        // timeout changes (a system call) only when the limit halves.
+        let ms = limit.as_millis() as u64;
+        let limit = Duration::from_millis(1 << (63 - ms.leading_zeros()));
+        let got = qp::wait_receiving(&qp, limit)?;
+        if got {
+            sh.received.store(true, Ordering::Release);
+        }
+        Some(got)
     }
 
     /// Takes back an `arm`: the owner stays awake and polls.

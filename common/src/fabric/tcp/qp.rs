@@ -653,6 +653,12 @@ pub(crate) struct QpInner {
     /// (`None`: none is): earlier entries are stale, and a deadline no
     /// earlier than this one needs no entry of its own.
     check_at: Option<Instant>,
+    /// The socket has no `O_NONBLOCK` (the active side's): every other
+    /// receive and send passes `MSG_DONTWAIT`, and only
+    /// [`wait_receiving`] sleeps in a receive.
+    blocking_socket: bool,
+    /// The socket's `SO_RCVTIMEO` as last set (`None`: never set).
+    recv_timeout: Option<Duration>,
 }
 
 /// A reliable-connected queue pair of the tcp provider.
@@ -711,6 +717,8 @@ impl TcpQp {
             rx_headers: 0,
             rx_partial: None,
             check_at: None,
+            blocking_socket: false,
+            recv_timeout: None,
         };
         let qp_num = loop {
             let n = NEXT_QP_NUM.fetch_add(1, Ordering::Relaxed);
@@ -778,6 +786,7 @@ impl TcpQp {
             Ok((stream, peer_addr, reply)) => {
                 q.fd = stream.as_raw_fd();
                 q.sock = Some(stream);
+                q.blocking_socket = true;
                 q.peer = peer_addr.to_string();
                 q.state = QpState::Ready;
                 sh.cq.attach(sh.qp_num, Arc::downgrade(&self.shared));
@@ -1031,10 +1040,12 @@ fn handshake(
             format!("{url}: {}", crate::fabric::rejected_by_peer(reply.private, raw_private)),
         ));
     }
+    // The socket stays blocking: the provider's receives and sends pass
+    // `MSG_DONTWAIT`, except the one an owner waiting alone sleeps in
+    // (`wait_receiving`), which takes its answer in the same call.
     let configure = || -> io::Result<()> {
         stream.set_read_timeout(None)?;
-        stream.set_write_timeout(None)?;
-        stream.set_nonblocking(true)
+        stream.set_write_timeout(None)
     };
     configure().map_err(|e| failed("configuring", e))?;
     let private = reply.private.to_vec();
@@ -1046,6 +1057,21 @@ fn handshake(
 pub(crate) fn progress(sh: &QpShared, _events: u32) {
     let mut g = sh.lock();
     g.progress(sh);
+}
+
+/// The owner's sleep merged with its first receive (see
+/// `TcpCq::wait_receiving`): sleeps in a receive on the socket for at most
+/// `timeout` (the kernel rounds it up to its tick), then processes what
+/// came as a progress round does. `None` when this queue pair cannot wait
+/// so (the socket is not blocking, a frame is half received or a backlog
+/// waits for the socket to drain, or it is not connected): the caller
+/// sleeps on the CQ's fd instead. `Some(false)`: the timeout passed (or
+/// a signal came) and nothing arrived. The queue pair's lock is held
+/// while it sleeps, so only an owner that is the sole user of the queue
+/// pair may call it: another thread's post or disconnect would wait.
+pub(crate) fn wait_receiving(sh: &QpShared, timeout: Duration) -> Option<bool> {
+    let mut g = sh.lock();
+    g.wait_receiving(sh, timeout)
 }
 
 /// The CQ's deadline check that this queue pair queued for `at` is due
@@ -1120,6 +1146,44 @@ impl QpInner {
     /// One progress round: flush the backlog, receive and process frames,
     /// acknowledge.
     fn progress(&mut self, sh: &QpShared) {
+        self.progress_after(sh, None);
+    }
+
+    /// See [`wait_receiving`]. Between frames only: the receive lands in
+    /// staging, as a progress round's first read would.
+    fn wait_receiving(&mut self, sh: &QpShared, timeout: Duration) -> Option<bool> {
+        let between_frames = matches!(self.job, Job::None) && self.staging.len() < HDR_LEN;
+        let usable = self.sock.is_some() && self.attached && self.blocking_socket && self.state == QpState::Ready;
+        if !usable || !between_frames || !self.rx_open || !self.tx_open || !self.backlog.is_empty() {
+            return None;
+        }
+        if self.recv_timeout != Some(timeout) {
+            if let Err(e) = sys::set_recv_timeout(self.fd, timeout) {
+                tracing::debug!(qp = sh.qp_num, error = %e, "SO_RCVTIMEO failed; waiting on the CQ's fd");
+                return None;
+            }
+            self.recv_timeout = Some(timeout);
+        }
+        let spare = self.staging.spare();
+        let asked = spare.len();
+        let received = match sys::recv_blocking(self.fd, spare) {
+            Err(e) if is_would_block(&e) || e.kind() == io::ErrorKind::Interrupted => return Some(false),
+            r => match self.rx_result(sh, r, asked) {
+                Some((n, received)) => {
+                    self.staging.commit(n);
+                    received
+                }
+                // The stream ended or broke: the round below reports it.
+                None => Received::Nothing,
+            },
+        };
+        self.progress_after(sh, Some(received));
+        Some(true)
+    }
+
+    /// A progress round, after the receive `first` if the caller made one
+    /// (its bytes are staged).
+    fn progress_after(&mut self, sh: &QpShared, first: Option<Received>) {
         if self.sock.is_none() || !self.attached {
             return;
         }
@@ -1127,7 +1191,7 @@ impl QpInner {
             self.tx_broken(sh);
         }
         if self.rx_open {
-            self.rx_pump(sh);
+            self.rx_pump(sh, first);
         }
         if self.state == QpState::Ready && self.ack_needed && self.last_ack_sent != self.rx_processed && !self.ack_deferred {
             if sh.cq.coalesces_acks() {
@@ -1679,9 +1743,9 @@ impl QpInner {
     /// never leaves a whole frame waiting in staging: level-triggered epoll
     /// would not report it. A short read ends the round without a further
     /// read that would only fail with EAGAIN.
-    fn rx_pump(&mut self, sh: &QpShared) {
-        let mut reads = 0;
-        let mut drained = false;
+    fn rx_pump(&mut self, sh: &QpShared, first: Option<Received>) {
+        let mut reads = usize::from(first.is_some());
+        let mut drained = matches!(first, Some(Received::Short | Received::Nothing));
         loop {
             if !self.rx_open {
                 return;

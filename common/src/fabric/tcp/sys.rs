@@ -167,11 +167,12 @@ pub(crate) fn unacked_bytes(fd: RawFd) -> Option<usize> {
     (rc == 0).then_some(n.max(0) as usize)
 }
 
-/// `read` retrying `EINTR`.
+/// A receive that never blocks (`MSG_DONTWAIT`, whether or not the
+/// socket is `O_NONBLOCK`), retrying `EINTR`.
 pub(crate) fn read(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
     loop {
         // SAFETY: `buf` is valid for writes of `buf.len()` bytes.
-        let rc = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        let rc = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
         if rc >= 0 {
             return Ok(rc as usize);
         }
@@ -182,16 +183,54 @@ pub(crate) fn read(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
     }
 }
 
-/// `readv` retrying `EINTR`.
+/// A receive that sleeps until bytes arrive, the stream ends or the
+/// socket's `SO_RCVTIMEO` passes (then `WouldBlock`), on a socket without
+/// `O_NONBLOCK`. A signal ends it too (`Interrupted`, not retried: the
+/// caller's wait ends early, as a `poll` would).
+pub(crate) fn recv_blocking(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is valid for writes of `buf.len()` bytes.
+    let rc = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0) };
+    if rc >= 0 {
+        return Ok(rc as usize);
+    }
+    Err(io::Error::last_os_error())
+}
+
+/// `SO_RCVTIMEO`: how long [`recv_blocking`] sleeps at most. The kernel
+/// rounds it up to its tick.
+pub(crate) fn set_recv_timeout(fd: RawFd, timeout: Duration) -> io::Result<()> {
+    let tv = libc::timeval {
+        tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t,
+        tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+    };
+    // SAFETY: `tv` is valid for reads of its size during the call.
+    cvt(unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    })?;
+    Ok(())
+}
+
+/// A vectored receive that never blocks (`MSG_DONTWAIT`), retrying `EINTR`.
 ///
 /// # Safety
 /// Every iovec must describe memory valid for writes for the duration of the
 /// call, and nothing may hold a Rust reference to that memory meanwhile.
 pub(crate) unsafe fn readv(fd: RawFd, iov: &[libc::iovec]) -> io::Result<usize> {
+    // SAFETY: msghdr is a plain C struct; all-zero is a valid value (no
+    // address, no control data).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = iov.len() as _;
     loop {
         // SAFETY: the caller guarantees the iovecs describe writable memory;
-        // the array itself is valid for `iov.len()` entries.
-        let rc = unsafe { libc::readv(fd, iov.as_ptr(), iov.len() as libc::c_int) };
+        // `msg` and the iovec array are valid for the duration of the call.
+        let rc = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
         if rc >= 0 {
             return Ok(rc as usize);
         }

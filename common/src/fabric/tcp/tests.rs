@@ -2243,3 +2243,189 @@ fn the_first_poll_after_a_wake_up_reads_the_queue_pair_that_brought_completions_
     assert_eq!(first, [(busy.qp_num(), 101)], "the first poll after the wake-up did not read the busy socket alone");
     assert_eq!(next, [(rig.qp.qp_num(), 100)], "the other queue pair's SEND did not come with the next poll");
 }
+
+// ---------------------------------------------- the receiving wait --
+
+/// Polls `cq` into `comps` until `wr` completed, waiting in
+/// `TcpCq::wait_receiving` between polls; every wait must be one (`None`
+/// would mean the CQ fell back to its fd).
+fn receive_until(cq: &TcpCq, comps: &mut Vec<Completion>, wr: u64) {
+    let deadline = Instant::now() + DEADLINE;
+    while status_of(comps, wr).is_none() {
+        assert!(Instant::now() < deadline, "no completion of {wr}: {comps:?}");
+        assert!(cq.wait_receiving(Some(DEADLINE)).is_some(), "the CQ could not wait in a receive");
+        let mut out = [Completion::EMPTY; 16];
+        let n = cq.poll(&mut out).unwrap();
+        comps.extend_from_slice(&out[..n]);
+    }
+}
+
+#[test]
+fn a_receiving_wait_takes_each_answer_in_its_receive() {
+    // Request and answer, as the initiator runs them: the client SENDs,
+    // sleeps in the socket's receive, and the answer lands in its buffer
+    // in the same call; the poll after it hands out the completions.
+    let p = pair();
+    let csrc = mem(&p.cpd, 4096, Access::LOCAL_WRITE);
+    let cdst = mem(&p.cpd, 4096, Access::LOCAL_WRITE);
+    let sbuf = mem(&p.spd, 4096, Access::LOCAL_WRITE);
+    for round in 0..5u64 {
+        p.cqp.post_recv(&[RecvWr { wr_id: WrId(100 + round), sges: &[cdst.mr_sge(0, 64)] }]).unwrap();
+        p.sqp.post_recv(&[RecvWr { wr_id: WrId(200 + round), sges: &[sbuf.mr_sge(0, 64)] }]).unwrap();
+        let sge = [csrc.mr_sge(0, 16)];
+        let wr = SendWr { wr_id: WrId(300 + round), op: SendOp::Send, payload: Payload::Sges(&sge), signaled: true };
+        p.cqp.post_send(&[wr]).unwrap();
+        let mut sc = Vec::new();
+        poll_until(&p.scq, &mut sc, "the request", |c| status_of(c, 200 + round).is_some());
+        // SAFETY: the buffers are ours between operations.
+        unsafe { sbuf.buf.as_mut_slice()[..32].fill(0xA0 + round as u8) };
+        let answer = [sbuf.mr_sge(0, 32)];
+        let wr = SendWr { wr_id: WrId(400 + round), op: SendOp::Send, payload: Payload::Sges(&answer), signaled: false };
+        p.sqp.post_send(&[wr]).unwrap();
+        let mut cc = Vec::new();
+        receive_until(&p.ccq, &mut cc, 100 + round);
+        assert_eq!(status_of(&cc, 100 + round), Some(WcStatus::Success), "{cc:?}");
+        assert_eq!(cc.iter().find(|c| c.wr_id == WrId(100 + round)).unwrap().byte_len, 32);
+        // SAFETY: the receive completed; nothing else writes the buffer.
+        assert!(unsafe { cdst.buf.as_slice() }[..32].iter().all(|&b| b == 0xA0 + round as u8));
+        // The answer carried the acknowledgement of the request.
+        receive_until(&p.ccq, &mut cc, 300 + round);
+        assert_eq!(status_of(&cc, 300 + round), Some(WcStatus::Success), "{cc:?}");
+    }
+}
+
+#[test]
+fn a_receiving_wait_ends_at_its_timeout_and_falls_back_when_that_is_too_short() {
+    let p = pair();
+    let cdst = mem(&p.cpd, 4096, Access::LOCAL_WRITE);
+    p.cqp.post_recv(&[RecvWr { wr_id: WrId(1), sges: &[cdst.mr_sge(0, 64)] }]).unwrap();
+    assert_eq!(p.ccq.wait_receiving(Some(Duration::from_millis(40))), Some(false));
+    let mut out = [Completion::EMPTY; 4];
+    assert_eq!(p.ccq.poll(&mut out).unwrap(), 0);
+    // Below the kernel tick's reach: the caller sleeps on the fd instead.
+    assert_eq!(p.ccq.wait_receiving(Some(Duration::from_millis(5))), None);
+    // A completion already queued ends the wait before any receive: a
+    // poll with no room leaves the receive's completion queued.
+    let sbuf = mem(&p.spd, 4096, Access::LOCAL_WRITE);
+    // SAFETY: nothing else uses the buffer yet.
+    unsafe { sbuf.buf.as_mut_slice() }.fill(0x77);
+    let sge = [sbuf.mr_sge(0, 8)];
+    p.sqp.post_send(&[SendWr { wr_id: WrId(2), op: SendOp::Send, payload: Payload::Sges(&sge), signaled: false }]).unwrap();
+    let deadline = Instant::now() + DEADLINE;
+    while cdst_filled(&cdst) == 0 {
+        assert!(Instant::now() < deadline, "the SEND never arrived");
+        p.ccq.poll(&mut []).unwrap();
+    }
+    assert_eq!(p.ccq.wait_receiving(Some(DEADLINE)), Some(true));
+    let mut out = [Completion::EMPTY; 4];
+    assert_eq!(p.ccq.poll(&mut out).unwrap(), 1);
+    assert_eq!((out[0].wr_id, out[0].status, out[0].byte_len), (WrId(1), WcStatus::Success, 8));
+}
+
+/// How many of the first 8 bytes of `m` are not zero (the client's
+/// buffer before and after the peer's SEND of non-zero bytes).
+fn cdst_filled(m: &Mem) -> usize {
+    // SAFETY: a racy read of bytes the provider may be placing: only
+    // used to see that they arrived.
+    let bytes = unsafe { m.buf.as_slice() };
+    bytes[..8].iter().filter(|&&b| b != 0).count()
+}
+
+#[test]
+fn a_receiving_wait_wakes_when_the_peer_leaves() {
+    let p = pair();
+    let cdst = mem(&p.cpd, 4096, Access::LOCAL_WRITE);
+    p.cqp.post_recv(&[RecvWr { wr_id: WrId(1), sges: &[cdst.mr_sge(0, 64)] }]).unwrap();
+    let Pair { ccq, cqp, sqp, .. } = p;
+    let leaver = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        drop(sqp);
+    });
+    // Woken by the end of the stream, not by the (longer) timeout.
+    assert_eq!(ccq.wait_receiving(Some(DEADLINE)), Some(true));
+    leaver.join().unwrap();
+    let mut cc = Vec::new();
+    poll_until(&ccq, &mut cc, "the flushed receive", |c| status_of(c, 1).is_some());
+    assert_eq!(status_of(&cc, 1), Some(WcStatus::WrFlushError));
+    assert_eq!(cqp.state(), QpState::Error);
+}
+
+#[test]
+fn a_receiving_wait_leaves_a_due_deadline_check_to_the_fd() {
+    // The client's SEND is never acknowledged (the server's owner never
+    // polls). Its transport timeout is due sooner than a receive's timeout
+    // can be trusted to end, so the CQ refuses to sleep in the receive:
+    // the check's timer on the fd must wake the owner.
+    let p = pair_with(FabricOptions { transport_timeout: Duration::from_millis(10), ..short_timeouts() });
+    let csrc = mem(&p.cpd, 4096, Access::LOCAL_WRITE);
+    let sge = [csrc.mr_sge(0, 16)];
+    p.cqp.post_send(&[SendWr { wr_id: WrId(1), op: SendOp::Send, payload: Payload::Sges(&sge), signaled: true }]).unwrap();
+    assert_eq!(p.ccq.wait_receiving(Some(DEADLINE)), None);
+    let mut cc = Vec::new();
+    poll_until(&p.ccq, &mut cc, "the transport error", |c| status_of(c, 1).is_some());
+    assert_eq!(status_of(&cc, 1), Some(WcStatus::TransportError));
+}
+
+#[test]
+fn a_receiving_wait_needs_a_cq_with_one_queue_pair() {
+    let p = pair();
+    // A second queue pair on the client's CQ, connected to the same server.
+    let fabric = TcpFabric::open(&p._listener.local_url()).unwrap();
+    let second = fabric.create_qp(&p.cpd, &p.ccq, QpCaps::default()).unwrap();
+    let connecting = std::thread::spawn(move || {
+        let r = second.connect(b"", DEADLINE);
+        (second, r)
+    });
+    let deadline = Instant::now() + DEADLINE;
+    let req = loop {
+        if let Some(r) = p._listener.poll_request().unwrap() {
+            break r;
+        }
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let server_side = req.into_queue_pair(&p.spd, &p.scq, QpCaps::default()).unwrap();
+    server_side.accept(b"").unwrap();
+    let (second, r) = connecting.join().unwrap();
+    r.unwrap();
+    assert_eq!(p.ccq.wait_receiving(Some(Duration::from_millis(40))), None, "two queue pairs, one receive");
+    drop(second);
+    assert_eq!(p.ccq.wait_receiving(Some(Duration::from_millis(40))), Some(false), "one queue pair again");
+    // The passive side's socket does not block: its CQ sleeps on the fd.
+    assert_eq!(p.scq.wait_receiving(Some(Duration::from_millis(40))), None);
+}
+
+#[test]
+fn the_poll_after_a_receiving_wait_leaves_the_answers_ack_to_the_next_request() {
+    // The initiator's CQ holds ACKs with a zero hold: the ACK of an answer
+    // rides on the next request. The poll that hands out what a receiving
+    // wait brought must not send it on its own first (a frame and a
+    // wake-up of the peer per I/O).
+    let p = pair();
+    p.ccq.set_ack_coalescing(Some(Duration::ZERO));
+    let cbuf = mem(&p.cpd, 4096, Access::LOCAL_WRITE);
+    let sbuf = mem(&p.spd, 4096, Access::LOCAL_WRITE);
+    p.cqp.post_recv(&[RecvWr { wr_id: WrId(1), sges: &[cbuf.mr_sge(0, 64)] }]).unwrap();
+    p.sqp.post_recv(&[RecvWr { wr_id: WrId(2), sges: &[sbuf.mr_sge(0, 64)] }]).unwrap();
+    // The answer is signaled: its send completes when the client ACKs it.
+    let answer = [sbuf.mr_sge(0, 16)];
+    p.sqp.post_send(&[SendWr { wr_id: WrId(3), op: SendOp::Send, payload: Payload::Sges(&answer), signaled: true }]).unwrap();
+    let mut cc = Vec::new();
+    receive_until(&p.ccq, &mut cc, 1);
+    let mut sc = Vec::new();
+    let quiet_until = Instant::now() + Duration::from_millis(50);
+    while Instant::now() < quiet_until {
+        let mut out = [Completion::EMPTY; 4];
+        let n = p.scq.poll(&mut out).unwrap();
+        sc.extend_from_slice(&out[..n]);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(status_of(&sc, 3), None, "the answer's ACK left on its own: {sc:?}");
+    // The next request carries it.
+    let request = [cbuf.mr_sge(0, 16)];
+    p.cqp.post_send(&[SendWr { wr_id: WrId(4), op: SendOp::Send, payload: Payload::Sges(&request), signaled: false }]).unwrap();
+    poll_until(&p.scq, &mut sc, "the request and the answer's completion", |c| {
+        status_of(c, 2).is_some() && status_of(c, 3).is_some()
+    });
+    assert_eq!(status_of(&sc, 3), Some(WcStatus::Success));
+}
