@@ -708,7 +708,7 @@ impl Conn {
             return Ok(true);
         }
         self.keepalive(now)?;
-        let Some(deadline) = self.check_deadlines(now)? else {
+        let Some((deadline, outstanding)) = self.check_deadlines(now)? else {
             return Ok(false);
         };
         // A response held for its window's invalidation is a local work
@@ -738,9 +738,14 @@ impl Conn {
         }
         let slice = (deadline - now).min(self.params.wait_slice).max(Duration::from_millis(1));
         let waited = match wake {
-            // The connection's thread is the only user of its CQ and queue
-            // pair (the monitor takes an idle one, never a waiting one).
-            None => self.cq.wait_alone(Some(slice)).map(|_| ()),
+            // With one command outstanding, its answer is one frame: the
+            // sleep takes it in its own receive (the connection's thread is
+            // the only user of its CQ and queue pair; the monitor visits
+            // only queues no caller holds). With more, the sleep on the fd
+            // and the read after it gather more answers per wake-up
+            // (measured: null 4 KiB at QD32 ran 4% slower with the receive).
+            None if outstanding == 1 => self.cq.wait_alone(Some(slice)).map(|_| ()),
+            None => self.cq.wait(Some(slice)).map(|_| ()),
             Some(w) => self.cq.wait_or(Some(slice), w.fd()).map(|woken| {
                 if woken {
                     w.drain();
@@ -767,20 +772,22 @@ impl Conn {
     }
 
     /// Closes the connection if an outstanding command missed its deadline;
-    /// otherwise returns the earliest deadline, if anything is outstanding.
-    fn check_deadlines(&mut self, now: Instant) -> Result<Option<Instant>> {
-        let Some((index, deadline)) = self
-            .slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.outstanding())
-            .map(|(i, s)| (i, s.deadline))
-            .min_by_key(|&(_, d)| d)
-        else {
+    /// otherwise returns the earliest deadline and how many commands are
+    /// outstanding, if any is.
+    fn check_deadlines(&mut self, now: Instant) -> Result<Option<(Instant, usize)>> {
+        let mut earliest: Option<(usize, Instant)> = None;
+        let mut outstanding = 0;
+        for (i, s) in self.slots.iter().enumerate().filter(|(_, s)| s.outstanding()) {
+            outstanding += 1;
+            if earliest.is_none_or(|(_, d)| s.deadline < d) {
+                earliest = Some((i, s.deadline));
+            }
+        }
+        let Some((index, deadline)) = earliest else {
             return Ok(None);
         };
         if now < deadline {
-            return Ok(Some(deadline));
+            return Ok(Some((deadline, outstanding)));
         }
         let slot = &self.slots[index];
         let after = fmt_duration(slot.timeout);
