@@ -126,15 +126,20 @@ pub(crate) fn timerfd_set(fd: RawFd, after: Option<Duration>) -> io::Result<()> 
 /// `SO_LINGER` with a zero timeout: closing the socket then resets the
 /// connection (RST) and drops whatever is still queued for the peer.
 pub(crate) fn set_linger_zero(fd: RawFd) -> io::Result<()> {
-    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
-    // SAFETY: `linger` is valid for reads of its size during the call.
+    set_socket_option(fd, libc::SO_LINGER, &libc::linger { l_onoff: 1, l_linger: 0 })
+}
+
+/// `setsockopt(fd, SOL_SOCKET, name, value)`; `T` is the C type the option
+/// takes (`linger`, `timeval`).
+fn set_socket_option<T>(fd: RawFd, name: libc::c_int, value: &T) -> io::Result<()> {
+    // SAFETY: `value` is valid for reads of its size during the call.
     cvt(unsafe {
         libc::setsockopt(
             fd,
             libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            (&linger as *const libc::linger).cast(),
-            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            name,
+            (value as *const T).cast(),
+            std::mem::size_of::<T>() as libc::socklen_t,
         )
     })?;
     Ok(())
@@ -203,17 +208,7 @@ pub(crate) fn set_recv_timeout(fd: RawFd, timeout: Duration) -> io::Result<()> {
         tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t,
         tv_usec: timeout.subsec_micros() as libc::suseconds_t,
     };
-    // SAFETY: `tv` is valid for reads of its size during the call.
-    cvt(unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&tv as *const libc::timeval).cast(),
-            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-        )
-    })?;
-    Ok(())
+    set_socket_option(fd, libc::SO_RCVTIMEO, &tv)
 }
 
 /// A vectored receive that never blocks (`MSG_DONTWAIT`), retrying `EINTR`.
