@@ -4,8 +4,8 @@
 # null) and rdmablk nbd included, and nothing it started left running;
 # the JSON carries the targets with their per-repeat pairs and bounds, and
 # every file row what it read from the disk),
-# bench/ceiling.sh (every measurement made) and bench/per-io.sh (one null
-# case). No figure is judged (timing does not
+# bench/ceiling.sh (every measurement made), bench/per-io.sh (one null
+# case) and bench/qd1-legs.sh (one null round, traced). No figure is judged (timing does not
 # belong in the test suite); this only catches a script that no longer runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -73,3 +73,20 @@ BIN=target/debug bench/per-io.sh --runtime 2 null:randread:4k:1 >"$out/per-io.tx
 grep -Eq '^null:randread:4k:1 +[0-9,]+ IOPS .*CPU per I/O: target +[0-9.]+ us, client +[0-9.]+ us' "$out/per-io.txt" \
     || { echo "per-io.sh printed no result line:" >&2; cat "$out/per-io.txt" >&2; exit 1; }
 echo "bench smoke: per-io.sh measured null:randread:4k:1"
+
+# qd1-legs.sh: one round on the null volume (its file volume on a small
+# file); both runs' rows carry a p50, the placement shares and all four
+# legs of a traced cycle.
+dd if=/dev/urandom of="$out/legs.img" bs=1M count=64 status=none
+BIN=target/debug bench/qd1-legs.sh --volume null --rounds 1 --runtime 3 --trace 0.5 --file "$out/legs.img" >"$out/legs.txt"
+python3 - "$out/legs.txt" <<'PY'
+import re, sys
+# The runs' rows, not the medians' ("rdmablk med ...").
+rows = {f[0]: f for f in map(str.split, open(sys.argv[1])) if f and f[0] in ("rdmablk", "bound") and f[1] != "med"}
+num = re.compile(r"^[0-9]+(\.[0-9]+)?$")
+for who in ("rdmablk", "bound"):
+    r = rows.get(who)
+    assert r and len(r) == 9 and all(num.match(f) for f in r[1:3] + r[4:9]) and int(r[8]) > 0, \
+        f"qd1-legs.sh: no complete {who} row in:\n" + open(sys.argv[1]).read()
+print(f"bench smoke: qd1-legs.sh traced {rows['rdmablk'][8]} and {rows['bound'][8]} cycles")
+PY

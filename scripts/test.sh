@@ -6,9 +6,9 @@ cd "$(dirname "$0")/.."
 
 # The verbs provider (rdma://, default feature of rdmablk-common) builds
 # rdma-mummy-sys: cmake for its C part, libclang for bindgen; the unit check
-# needs systemd-analyze.
+# needs systemd-analyze, the bench smoke's bench/qd1-legs.sh perf.
 . scripts/lib/build-deps.sh
-install_build_deps systemd-analyze:systemd nbdinfo:libnbd-bin qemu-img:qemu-utils mkfs.ext4:e2fsprogs fio:fio
+install_build_deps systemd-analyze:systemd nbdinfo:libnbd-bin qemu-img:qemu-utils mkfs.ext4:e2fsprogs fio:fio perf:linux-perf
 if ! cargo nextest --version >/dev/null 2>&1; then
     echo "==> installing cargo-nextest"
     cargo install --locked cargo-nextest
