@@ -1,4 +1,4 @@
-# Helpers shared by the bench scripts (compare.sh, ceiling.sh, per-io.sh); source it.
+# Helpers shared by the bench scripts (compare.sh, ceiling.sh, per-io.sh, qd1-legs.sh); source it.
 
 # A free TCP port on 127.0.0.1.
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -12,6 +12,29 @@ wait_port() { # PORT PID
         sleep 0.05
     done
     echo "${0##*/}: nothing listens on port $1" >&2; return 1
+}
+
+# The config of a target for the bench scripts: listening on
+# tcp://127.0.0.1:PORT, a 1 GiB volume "null" (null backend) and a volume
+# "file" on FILE; EXTRA lines go into [target].
+null_and_file_target_config() { # PORT FILE [EXTRA]
+    cat <<EOF
+[target]
+listen = ["tcp://127.0.0.1:$1"]
+${3:-}
+
+[[volume]]
+name = "null"
+backend = "null"
+size = "1GiB"
+allow_any_host = true
+
+[[volume]]
+name = "file"
+backend = "file"
+path = "$2"
+allow_any_host = true
+EOF
 }
 
 # CPU seconds (user+system, all threads) of a process so far.

@@ -45,7 +45,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 [ ${#CASES[@]} -gt 0 ] || CASES=(null:randread:4k:1 null:randread:4k:32 file:randread:4k:32 null:read:128k:16)
-# bin_dir, free_port, wait_port
+# bin_dir, free_port, wait_port, null_and_file_target_config
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 BIN=$(bin_dir rdmablk-target rdmablk-bench)
 if [ "$SYSCALLS" = 1 ] && ! command -v perf >/dev/null; then
@@ -56,23 +56,7 @@ fi
 
 WORK=$(mktemp -d)
 PORT=$(free_port)
-cat >"$WORK/target.toml" <<EOF
-[target]
-listen = ["tcp://127.0.0.1:$PORT"]
-$TARGET_EXTRA
-
-[[volume]]
-name = "null"
-backend = "null"
-size = "1GiB"
-allow_any_host = true
-
-[[volume]]
-name = "file"
-backend = "file"
-path = "$FILE"
-allow_any_host = true
-EOF
+null_and_file_target_config "$PORT" "$FILE" "$TARGET_EXTRA" >"$WORK/target.toml"
 TP=""
 trap 'if [ -n "$TP" ]; then kill "$TP" 2>/dev/null || true; fi; rm -rf "$WORK"' EXIT
 tick=$(getconf CLK_TCK)

@@ -52,7 +52,7 @@ case "$VOLUME" in file|null) ;; *) echo "qd1-legs.sh: --volume is file or null" 
 if ! python3 -c "import sys; sys.exit(0 if $RUNTIME >= 2 * $TRACE + 2 else 1)"; then
     echo "qd1-legs.sh: --runtime must be at least 2 x --trace + 2 seconds" >&2; exit 2
 fi
-# bin_dir, free_port, wait_port, disk_irq_cpu
+# bin_dir, free_port, wait_port, disk_irq_cpu, null_and_file_target_config
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 BIN=$(bin_dir rdmablk-target rdmablk-bench tcp-ceiling)
 command -v perf >/dev/null || { echo "qd1-legs.sh: needs perf (apt-get install linux-perf)" >&2; exit 1; }
@@ -64,22 +64,7 @@ WORK=$(mktemp -d)
 PIDS=()
 trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; if [ -n "${KEEP:-}" ]; then echo "kept $WORK" >&2; else rm -rf "$WORK"; fi' EXIT
 PORT=$(free_port)
-cat >"$WORK/target.toml" <<EOF
-[target]
-listen = ["tcp://127.0.0.1:$PORT"]
-
-[[volume]]
-name = "null"
-backend = "null"
-size = "1GiB"
-allow_any_host = true
-
-[[volume]]
-name = "file"
-backend = "file"
-path = "$FILE"
-allow_any_host = true
-EOF
+null_and_file_target_config "$PORT" "$FILE" >"$WORK/target.toml"
 
 # The thread of PID that switched most: a process's serving (or job) thread.
 busiest_thread() { # PID
