@@ -153,6 +153,17 @@ fill_file() { # FILE BYTES
     fi
 }
 
+# Waits (5 s at most) until a tcp-ceiling server PID, whose standard error
+# goes to ERR_FILE, says it listens (it accepts one connection only), or
+# has died.
+tcp_ceiling_listening() { # ERR_FILE PID
+    for _ in $(seq 1 250); do
+        grep -q listening "$1" 2>/dev/null && return 0
+        kill -0 "$2" 2>/dev/null || return 0
+        sleep 0.02
+    done
+}
+
 # Runs tcp-ceiling (BIN, e.g. a private copy of target/release/tcp-ceiling)
 # as two processes, the server pinned to SERVER_CPUS and the client to
 # CLIENT_CPUS with taskset (an empty list: not pinned), with ARGS for both;
@@ -167,12 +178,7 @@ tcp_ceiling() { # BIN SERVER_CPUS CLIENT_CPUS ARGS...
     sout=$(mktemp); serr=$(mktemp)
     "${pin_server[@]}" "$bin" --json --server "127.0.0.1:$port" "$@" >"$sout" 2>"$serr" &
     spid=$!
-    # The server prints its address once it listens (it accepts one connection only).
-    for _ in $(seq 1 250); do
-        grep -q listening "$serr" 2>/dev/null && break
-        kill -0 "$spid" 2>/dev/null || break
-        sleep 0.02
-    done
+    tcp_ceiling_listening "$serr" "$spid"
     if ! out=$("${pin_client[@]}" "$bin" --json --connect "127.0.0.1:$port" "$@"); then
         kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null; rc=1
     elif ! wait "$spid"; then

@@ -52,7 +52,7 @@ case "$VOLUME" in file|null) ;; *) echo "qd1-legs.sh: --volume is file or null" 
 if ! python3 -c "import sys; sys.exit(0 if $RUNTIME >= 2 * $TRACE + 2 else 1)"; then
     echo "qd1-legs.sh: --runtime must be at least 2 x --trace + 2 seconds" >&2; exit 2
 fi
-# bin_dir, free_port, wait_port, disk_irq_cpu, null_and_file_target_config
+# bin_dir, free_port, wait_port, disk_irq_cpu, null_and_file_target_config, tcp_ceiling_listening
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 BIN=$(bin_dir rdmablk-target rdmablk-bench tcp-ceiling)
 command -v perf >/dev/null || { echo "qd1-legs.sh: needs perf (apt-get install linux-perf)" >&2; exit 1; }
@@ -168,7 +168,7 @@ run_bound() {
     "$BIN/tcp-ceiling" --json --server "127.0.0.1:$port" --bs 4096 --qd 1 "${file_arg[@]}" --runtime "$RUNTIME" --ramp 0 \
         >"$WORK/server.json" 2>"$WORK/server.err" &
     local sp=$!; PIDS+=("$sp")
-    for _ in $(seq 1 250); do grep -q listening "$WORK/server.err" 2>/dev/null && break; sleep 0.02; done
+    tcp_ceiling_listening "$WORK/server.err" "$sp"
     settle
     "$BIN/tcp-ceiling" --json --connect "127.0.0.1:$port" --bs 4096 --qd 1 "${file_arg[@]}" --runtime "$RUNTIME" --ramp 0 \
         >"$WORK/client.json" &
