@@ -157,7 +157,7 @@ run_rdmablk() {
     wait "$bp"
     kill -INT "$tp"; wait "$tp" 2>/dev/null || true
     local p50
-    p50=$(python3 -c "import json; j=json.load(open('$WORK/bench.json'))['jobs'][0]['read']; print('%.1f' % (j['clat_ns']['percentile']['50.000000'] / 1000))")
+    p50=$(python3 -c "import json; j=json.load(open('$WORK/bench.json'))['jobs'][0]['read']; print('%.1f' % (j['lat_ns']['percentile']['50.000000'] / 1000))")
     echo "rdmablk $p50 $place $legs_out"
 }
 
