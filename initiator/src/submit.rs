@@ -337,6 +337,30 @@ impl IoQueue {
         Ok(IoWaker { wake: Arc::clone(self.wake.as_ref().expect("just set")) })
     }
 
+    /// Sleeps until an [`IoWaker`] of this queue wakes it (a wake-up given
+    /// before the call counts, and is consumed) or `timeout` passes; true if
+    /// woken. For a thread with nothing outstanding whose next work comes
+    /// from the thread holding the waker: it then sleeps on the same
+    /// eventfd as [`wait`](IoQueue::wait) does, so the waker's one `write`
+    /// wakes it in either state. Without a waker it only sleeps.
+    pub fn wait_woken(&mut self, timeout: Duration) -> bool {
+        let Some(wake) = self.wake.clone() else {
+            std::thread::sleep(timeout);
+            return false;
+        };
+        if wake.take() {
+            return true;
+        }
+        let ts = rustix::event::Timespec {
+            tv_sec: timeout.as_secs().min(i64::MAX as u64) as i64,
+            tv_nsec: i64::from(timeout.subsec_nanos()),
+        };
+        let mut fds = [rustix::event::PollFd::new(&wake.fd, rustix::event::PollFlags::IN)];
+        // EINTR: a signal; the caller comes back.
+        let _ = rustix::event::poll(&mut fds, Some(&ts));
+        wake.take()
+    }
+
     /// Consumes a pending wake-up; true if there was one.
     fn take_wake(&self) -> bool {
         self.wake.as_ref().is_some_and(|w| w.take())

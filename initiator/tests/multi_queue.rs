@@ -439,6 +439,45 @@ fn a_waker_ends_a_wait_early_from_another_thread() {
 }
 
 #[test]
+fn an_idle_queue_sleeps_until_its_waker_wakes_it() {
+    let target = one_volume(FakeConfig::default(), 4 * MIB);
+    let s = Session::connect(&target.url, options(1)).unwrap();
+    let mut q = s.io_queue();
+    let waker = q.waker().unwrap();
+    // Nothing outstanding: `wait` would return at once, `wait_woken` sleeps.
+    let w = waker.clone();
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        w.wake();
+    });
+    let start = std::time::Instant::now();
+    assert!(q.wait_woken(Duration::from_secs(8)));
+    let took = start.elapsed();
+    t.join().unwrap();
+    assert!(took >= Duration::from_millis(250) && took < Duration::from_secs(3), "the sleep took {took:?}");
+    // A wake-up given before the sleep ends it at once, and is consumed.
+    waker.wake();
+    let start = std::time::Instant::now();
+    assert!(q.wait_woken(Duration::from_secs(8)));
+    assert!(start.elapsed() < Duration::from_secs(1), "a pending wake-up was lost: {:?}", start.elapsed());
+    let start = std::time::Instant::now();
+    assert!(!q.wait_woken(Duration::from_millis(400)), "a consumed wake-up ended a sleep");
+    assert!(start.elapsed() >= Duration::from_millis(350), "the sleep ended early: {:?}", start.elapsed());
+    // The wake-up that ends a sleep does not also end the next `wait`.
+    waker.wake();
+    assert!(q.wait_woken(Duration::from_secs(8)));
+    let vol = s.open("vol0").unwrap();
+    target.set_hang(true);
+    q.submit(IoRequest::read(&vol, 0, s.alloc_buffer(4096).unwrap()), 1);
+    let mut out = Vec::new();
+    let start = std::time::Instant::now();
+    q.wait(&mut out, 1, Some(Duration::from_millis(400)));
+    assert!(start.elapsed() >= Duration::from_millis(350), "a consumed wake-up ended a wait: {:?}", start.elapsed());
+    target.set_hang(false);
+    assert_eq!(wait_all(&mut q).len(), 1);
+}
+
+#[test]
 fn write_zeroes_with_no_hole_is_written_from_the_zero_region() {
     let target = one_volume(FakeConfig::default(), 4 * MIB);
     let s = Session::connect(&target.url, options(1)).unwrap();
