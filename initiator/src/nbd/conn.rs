@@ -1,8 +1,8 @@
-//! Transmission: the reader, I/O and writer threads of one connection.
+//! Transmission: the reader and I/O threads of one connection.
 //!
 //! ```text
-//!  socket ─▶ reader ──jobs──▶ I/O thread (IoQueue) ──replies──▶ writer ─▶ socket
-//!              └────────── refused requests: replies ──────────────┘
+//!  socket ─▶ reader ──jobs──▶ I/O thread (IoQueue) ──replies──▶ socket
+//!                   (requests, and replies the reader decided: refusals)
 //! ```
 //!
 //! The reader takes a slot (at most the queue depth of requests between
@@ -10,12 +10,17 @@
 //! buffer from the connection's pool (bounded by a byte budget), reads a
 //! WRITE's payload into it, and hands the request to the I/O thread, waking
 //! it. The I/O thread submits to its `IoQueue` and sleeps on the queue's
-//! completions (or a wake-up); each completion becomes a reply. The writer
-//! sends each reply, a READ's data from its buffer, gives the buffer back
-//! and frees the slot. A connection ends when the reader stops (NBD_CMD_DISC,
-//! EOF, an error, a bad request, or the server stopping): the requests in
-//! flight are still answered, then a FLUSH makes the connection's writes
-//! durable if it left any unflushed.
+//! completions, or (nothing outstanding) on the waker alone; each
+//! completion becomes a reply, which it sends itself, the replies of one
+//! wake-up in one `writev`, a READ's data from its buffer; then it gives the
+//! buffers back and frees the slots. A request thus costs the server two
+//! wake-ups (the reader's for the request, the I/O thread's for it and for
+//! its answer), no hand-over to a third thread. The reader keeps reading
+//! while the I/O thread sends: a client that writes requests before it
+//! reads replies is served up to the queue depth. A connection ends when
+//! the reader stops (NBD_CMD_DISC, EOF, an error, a bad request, or the
+//! server stopping): the requests in flight are still answered, then a
+//! FLUSH makes the connection's writes durable if it left any unflushed.
 
 use std::collections::BTreeMap;
 use std::io::{self, IoSlice, Read, Write};
@@ -45,14 +50,17 @@ pub(crate) struct Shared {
     pub buffer_budget: usize,
 }
 
-/// A request on its way to the I/O thread.
-struct Job {
-    request: Request,
-    buffer: Option<IoBuffer>,
+/// What the reader hands the I/O thread.
+enum Job {
+    /// A request for the volume.
+    Io { request: Request, buffer: Option<IoBuffer> },
+    /// A reply the reader decided on (a refusal, an empty READ or WRITE);
+    /// its slot is taken.
+    Reply { cookie: u64, error: u32 },
 }
 
-/// A reply on its way to the writer; a successful READ carries its data
-/// (the first `len` bytes of the buffer).
+/// A reply about to be sent; a successful READ carries its data (the
+/// first `len` bytes of the buffer).
 struct Reply {
     cookie: u64,
     error: u32,
@@ -80,26 +88,16 @@ pub(crate) fn serve(shared: &Shared, stream: Stream, peer: &str) {
     let slots = Slots::new(shared.depth);
     let broken = AtomicBool::new(false);
     let (job_tx, job_rx) = mpsc::channel::<Job>();
-    let (reply_tx, reply_rx) = mpsc::channel::<Reply>();
     let ended = std::thread::scope(|scope| {
         let (pool, slots, broken, volume) = (&pool, &slots, &broken, &*shared.volume);
-        let io_replies = reply_tx.clone();
-        let writer = std::thread::Builder::new()
-            .name("nbd-writer".into())
-            .spawn_scoped(scope, move || write_replies(&writer_stream, reply_rx, pool, slots, broken, peer));
-        if let Err(e) = writer {
-            tracing::warn!("{peer}: closing, no thread for it: {e}");
-            return "no thread".to_owned();
-        }
-        let io = std::thread::Builder::new()
-            .name("nbd-io".into())
-            .spawn_scoped(scope, move || run_io(queue, volume, job_rx, io_replies, pool, peer));
+        let out = Replies { stream: &writer_stream, pool, slots, broken, peer };
+        let io = std::thread::Builder::new().name("nbd-io".into()).spawn_scoped(scope, move || run_io(queue, volume, job_rx, out));
         if let Err(e) = io {
             tracing::warn!("{peer}: closing, no thread for it: {e}");
             return "no thread".to_owned();
         }
-        let ended = read_requests(&stream, job_tx, &waker, reply_tx, pool, slots, broken, peer);
-        // The writer may be blocked on a client that stopped reading.
+        let ended = read_requests(&stream, job_tx, &waker, pool, slots, broken, peer);
+        // The I/O thread may be blocked sending to a client that stopped reading.
         if broken.load(Ordering::Acquire) {
             stream.shutdown(Shutdown::Both);
         }
@@ -115,7 +113,6 @@ fn read_requests(
     stream: &Stream,
     jobs: Sender<Job>,
     waker: &IoWaker,
-    replies: Sender<Reply>,
     pool: &Pool,
     slots: &Slots,
     broken: &AtomicBool,
@@ -150,14 +147,20 @@ fn read_requests(
             if let Err(err) = input.discard(request.payload_len()) {
                 break format!("reading the payload of a refused request failed: {err}");
             }
-            refuse(&request, Failure::Request(e), &replies, slots, peer);
+            if !refuse(&request, Failure::Request(e), &jobs, waker, slots, peer) {
+                break "the I/O thread ended".to_owned();
+            }
             continue;
         }
         match request.command {
             Command::Disc => break "NBD_CMD_DISC".to_owned(),
             Command::Read | Command::Write if request.length == 0 => {
                 slots.acquire();
-                let _ = replies.send(Reply { cookie: request.cookie, error: 0, data: None });
+                if jobs.send(Job::Reply { cookie: request.cookie, error: 0 }).is_err() {
+                    slots.release();
+                    break "the I/O thread ended".to_owned();
+                }
+                waker.wake();
                 continue;
             }
             _ => {}
@@ -172,7 +175,9 @@ fn read_requests(
                         break format!("reading the payload of a refused request failed: {err}");
                     }
                     slots.release();
-                    refuse(&request, Failure::Io(e), &replies, slots, peer);
+                    if !refuse(&request, Failure::Io(e), &jobs, waker, slots, peer) {
+                        break "the I/O thread ended".to_owned();
+                    }
                     continue;
                 }
             },
@@ -187,7 +192,10 @@ fn read_requests(
                 break format!("reading the payload of a {}-byte write failed: {e}", request.length);
             }
         }
-        if jobs.send(Job { request, buffer }).is_err() {
+        if let Err(mpsc::SendError(job)) = jobs.send(Job::Io { request, buffer }) {
+            if let Job::Io { buffer: Some(b), .. } = job {
+                pool.give(b);
+            }
             slots.release();
             break "the I/O thread ended".to_owned();
         }
@@ -280,12 +288,18 @@ impl<'a> RequestStream<'a> {
     }
 }
 
-/// Answers a request refused before it reached the I/O thread, logged.
-fn refuse(request: &Request, failure: Failure, replies: &Sender<Reply>, slots: &Slots, peer: &str) {
+/// Has the I/O thread answer a request refused before it reached the
+/// volume, logged; false if the I/O thread is gone.
+fn refuse(request: &Request, failure: Failure, jobs: &Sender<Job>, waker: &IoWaker, slots: &Slots, peer: &str) -> bool {
     let error = errno(request.command, &failure);
     log_failure(peer, request, &failure, error);
     slots.acquire();
-    let _ = replies.send(Reply { cookie: request.cookie, error, data: None });
+    if jobs.send(Job::Reply { cookie: request.cookie, error }).is_err() {
+        slots.release();
+        return false;
+    }
+    waker.wake();
+    true
 }
 
 fn log_failure(peer: &str, r: &Request, failure: &Failure, error: u32) {
@@ -312,22 +326,25 @@ struct Pending {
 }
 
 /// The I/O thread: submits the reader's requests to the connection's
-/// `IoQueue`, keeps them in flight together, and turns completions into
-/// replies. Ends when the reader is gone and nothing is in flight, after a
-/// FLUSH if the connection's writes were not flushed.
-fn run_io(mut queue: IoQueue, volume: &Volume, jobs: Receiver<Job>, replies: Sender<Reply>, pool: &Pool, peer: &str) {
+/// `IoQueue`, keeps them in flight together, turns completions into replies
+/// and sends them. Ends when the reader is gone and nothing is in flight,
+/// after a FLUSH if the connection's writes were not flushed.
+fn run_io(mut queue: IoQueue, volume: &Volume, jobs: Receiver<Job>, out: Replies<'_>) {
+    let (peer, pool) = (out.peer, out.pool);
     let mut pending = Slab::default();
     let mut batch: Vec<(IoRequest, u64)> = Vec::new();
     let mut done: Vec<IoCompletion> = Vec::new();
+    let mut replies: Vec<Reply> = Vec::with_capacity(REPLIES_PER_SEND);
     let mut open = true;
     let mut unflushed = false;
     loop {
         loop {
             match jobs.try_recv() {
-                Ok(job) => {
-                    let (request, p) = build(volume, job);
+                Ok(Job::Io { request, buffer }) => {
+                    let (request, p) = build(volume, request, buffer);
                     batch.push((request, pending.insert(p)));
                 }
+                Ok(Job::Reply { cookie, error }) => replies.push(Reply { cookie, error, data: None }),
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
                     open = false;
@@ -338,17 +355,13 @@ fn run_io(mut queue: IoQueue, volume: &Volume, jobs: Receiver<Job>, replies: Sen
         if !batch.is_empty() {
             queue.submit_batch(batch.drain(..));
         }
+        out.send(&mut replies);
         if queue.outstanding() == 0 {
             if !open {
                 break;
             }
-            match jobs.recv() {
-                Ok(job) => {
-                    let (request, p) = build(volume, job);
-                    batch.push((request, pending.insert(p)));
-                }
-                Err(_) => open = false,
-            }
+            // The reader wakes this sleep with each job (and when it ends).
+            queue.wait_woken(Duration::from_millis(500));
             continue;
         }
         queue.wait(&mut done, 1, Some(Duration::from_millis(500)));
@@ -388,12 +401,9 @@ fn run_io(mut queue: IoQueue, volume: &Volume, jobs: Receiver<Job>, replies: Sen
                     (error, None)
                 }
             };
-            if let Err(mpsc::SendError(r)) = replies.send(Reply { cookie: p.request.cookie, error, data }) {
-                if let Some((b, _)) = r.data {
-                    pool.give(b);
-                }
-            }
+            replies.push(Reply { cookie: p.request.cookie, error, data });
         }
+        out.send(&mut replies);
     }
     if unflushed && !volume.read_only() {
         queue.submit(IoRequest::flush(volume), u64::MAX);
@@ -439,18 +449,17 @@ impl Slab {
     }
 }
 
-/// The `IoRequest` of a job and its bookkeeping.
-fn build(volume: &Volume, job: Job) -> (IoRequest, Pending) {
-    let r = job.request;
+/// The `IoRequest` of a request and its bookkeeping.
+fn build(volume: &Volume, r: Request, buffer: Option<IoBuffer>) -> (IoRequest, Pending) {
     let fua = r.flags & CMD_FLAG_FUA != 0;
     let (offset, len) = (r.offset, u64::from(r.length));
     let request = match r.command {
         Command::Read => {
-            IoRequest::read(volume, offset, job.buffer.expect("reads have a buffer")).with_range(0, len as usize)
+            IoRequest::read(volume, offset, buffer.expect("reads have a buffer")).with_range(0, len as usize)
         }
         Command::Write => {
             let w =
-                IoRequest::write(volume, offset, job.buffer.expect("writes have a buffer")).with_range(0, len as usize);
+                IoRequest::write(volume, offset, buffer.expect("writes have a buffer")).with_range(0, len as usize);
             if fua {
                 w.with_fua()
             } else {
@@ -473,39 +482,37 @@ fn build(volume: &Volume, job: Job) -> (IoRequest, Pending) {
     (request, Pending { request: r, flush_after, flushing: false })
 }
 
-/// Replies the writer sends with one `writev` at most: the replies waiting
-/// when it wakes (each is a header and, for a READ, its data).
+/// Replies sent with one `writev` at most (each is a header and, for a
+/// READ, its data); more go out in further calls.
 const REPLIES_PER_SEND: usize = 32;
 
-/// The writer: sends the replies, as many as are waiting in one system
-/// call, gives buffers back and frees slots. After a failed send it keeps
-/// doing the latter (and ends the reader).
-fn write_replies(
-    stream: &Stream,
-    replies: Receiver<Reply>,
-    pool: &Pool,
-    slots: &Slots,
-    broken: &AtomicBool,
-    peer: &str,
-) {
-    let mut batch: Vec<Reply> = Vec::with_capacity(REPLIES_PER_SEND);
-    while let Ok(first) = replies.recv() {
-        batch.push(first);
-        while batch.len() < REPLIES_PER_SEND {
-            match replies.try_recv() {
-                Ok(r) => batch.push(r),
-                Err(_) => break,
+/// The connection's sending side, used by the I/O thread only (so replies
+/// never interleave on the socket).
+struct Replies<'a> {
+    stream: &'a Stream,
+    pool: &'a Pool,
+    slots: &'a Slots,
+    broken: &'a AtomicBool,
+    peer: &'a str,
+}
+
+impl Replies<'_> {
+    /// Sends `replies` (emptied), as many per system call as fit, then gives
+    /// their buffers back and frees their slots. After a failed send it only
+    /// does the latter (and the reader ends).
+    fn send(&self, replies: &mut Vec<Reply>) {
+        for batch in replies.chunks(REPLIES_PER_SEND) {
+            if self.broken.load(Ordering::Acquire) {
+                break;
             }
-        }
-        if !broken.load(Ordering::Acquire) {
             // On the stack: a batch allocates nothing.
             let mut headers = [[0u8; SimpleReply::SIZE]; REPLIES_PER_SEND];
-            for (h, r) in headers.iter_mut().zip(&batch) {
+            for (h, r) in headers.iter_mut().zip(batch) {
                 *h = SimpleReply { error: r.error, cookie: r.cookie }.encode();
             }
             let mut slices = [IoSlice::new(&[]); 2 * REPLIES_PER_SEND];
             let mut n = 0;
-            for (h, r) in headers.iter().zip(&batch) {
+            for (h, r) in headers.iter().zip(batch) {
                 slices[n] = IoSlice::new(h);
                 n += 1;
                 if let Some((b, len)) = &r.data {
@@ -513,19 +520,21 @@ fn write_replies(
                     n += 1;
                 }
             }
-            if let Err(e) = write_all_vectored(stream, &mut slices[..n]) {
-                tracing::warn!("{peer}: sending a reply failed: {e}; closing");
-                broken.store(true, Ordering::Release);
-                stream.shutdown(Shutdown::Both);
+            if let Err(e) = write_all_vectored(self.stream, &mut slices[..n]) {
+                tracing::warn!("{}: sending a reply failed: {e}; closing", self.peer);
+                self.broken.store(true, Ordering::Release);
+                self.stream.shutdown(Shutdown::Both);
             }
         }
-        let n = batch.len();
-        for reply in batch.drain(..) {
+        let n = replies.len();
+        for reply in replies.drain(..) {
             if let Some((b, _)) = reply.data {
-                pool.give(b);
+                self.pool.give(b);
             }
         }
-        slots.release_many(n);
+        if n > 0 {
+            self.slots.release_many(n);
+        }
     }
 }
 
@@ -544,22 +553,31 @@ fn write_all_vectored(mut s: &Stream, mut slices: &mut [IoSlice<'_>]) -> io::Res
 
 /// A counting semaphore: requests between their header and their reply.
 struct Slots {
-    used: Mutex<usize>,
+    state: Mutex<SlotCount>,
     freed: Condvar,
     max: usize,
 }
 
+struct SlotCount {
+    used: usize,
+    /// Threads in `acquire`'s wait: a release wakes (a system call) only
+    /// when there is one.
+    waiting: usize,
+}
+
 impl Slots {
     fn new(max: usize) -> Slots {
-        Slots { used: Mutex::new(0), freed: Condvar::new(), max: max.max(1) }
+        Slots { state: Mutex::new(SlotCount { used: 0, waiting: 0 }), freed: Condvar::new(), max: max.max(1) }
     }
 
     fn acquire(&self) {
-        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
-        while *used >= self.max {
-            used = self.freed.wait(used).unwrap_or_else(|e| e.into_inner());
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        while st.used >= self.max {
+            st.waiting += 1;
+            st = self.freed.wait(st).unwrap_or_else(|e| e.into_inner());
+            st.waiting -= 1;
         }
-        *used += 1;
+        st.used += 1;
     }
 
     fn release(&self) {
@@ -567,9 +585,11 @@ impl Slots {
     }
 
     fn release_many(&self, n: usize) {
-        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
-        *used -= n;
-        self.freed.notify_one();
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.used -= n;
+        if st.waiting > 0 {
+            self.freed.notify_one();
+        }
     }
 }
 
@@ -586,13 +606,16 @@ struct PoolState {
     free: BTreeMap<usize, Vec<IoBuffer>>,
     /// Bytes allocated (free and in use).
     bytes: usize,
+    /// Threads in `take`'s wait: `give` wakes (a system call) only when
+    /// there is one.
+    waiting: usize,
 }
 
 impl Pool {
     fn new(session: Session, budget: usize) -> Pool {
         Pool {
             session,
-            state: Mutex::new(PoolState { free: BTreeMap::new(), bytes: 0 }),
+            state: Mutex::new(PoolState { free: BTreeMap::new(), bytes: 0, waiting: 0 }),
             freed: Condvar::new(),
             budget,
         }
@@ -620,14 +643,18 @@ impl Pool {
                 st.bytes -= size;
                 continue;
             }
+            st.waiting += 1;
             st = self.freed.wait(st).unwrap_or_else(|e| e.into_inner());
+            st.waiting -= 1;
         }
     }
 
     fn give(&self, b: IoBuffer) {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         st.free.entry(b.len()).or_default().push(b);
-        self.freed.notify_one();
+        if st.waiting > 0 {
+            self.freed.notify_one();
+        }
     }
 }
 
