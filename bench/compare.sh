@@ -245,7 +245,7 @@ fi
 
 # rdmablk nbd: the CLI's NBD server for vol0 of the first (sleeping) target,
 # on TCP 127.0.0.1 like nbdkit. Default queues (one per CPU); each fio job
-# is one NBD connection with its own reader and I/O threads.
+# is one NBD connection served by one thread of its own.
 RNBD_PORT=$(free_port)
 log "starting rdmablk nbd vol0 on nbd://127.0.0.1:$RNBD_PORT (-> tcp://127.0.0.1:$RDMA_PORT)"
 RDMABLK_LOG=warn "$RDMABLK" --target "tcp://127.0.0.1:$RDMA_PORT" nbd vol0 --listen "127.0.0.1:$RNBD_PORT" \

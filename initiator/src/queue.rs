@@ -56,6 +56,18 @@ use crate::error::{fmt_duration, op_name, Error, Result};
 use crate::session::Domain;
 use crate::submit::Wake;
 
+/// What else ends a sleep on a connection's completion channel
+/// ([`Conn::progress_or`]).
+#[derive(Clone, Copy)]
+pub(crate) enum AlsoWake<'a> {
+    Nothing,
+    /// An [`crate::IoWaker`]'s eventfd: drained when it fired.
+    Waker(&'a Wake),
+    /// A descriptor the caller reads itself (an NBD connection's socket):
+    /// `fired` is set when it was readable.
+    Readable { fd: std::os::fd::BorrowedFd<'a>, fired: &'a std::cell::Cell<bool> },
+}
+
 /// Most commands one `post_send` of a batch carries (see `flush_batch`).
 const POST_CHUNK: usize = 16;
 const TAG_SEND: u64 = 1 << 32;
@@ -690,14 +702,15 @@ impl Conn {
     /// gets, closed: by the peer, by a missed deadline (then
     /// [`timed_out`](Conn::timed_out) names the command) or by the session.
     pub(crate) fn progress(&mut self) -> Result<bool> {
-        self.progress_or(None, Instant::now())
+        self.progress_or(AlsoWake::Nothing, Instant::now())
     }
 
     /// [`progress`](Conn::progress), except that a sleep on the completion
-    /// channel also ends when `wake` is woken (see [`crate::IoWaker`]).
+    /// channel also ends when `also` is woken (see [`crate::IoWaker`]) or
+    /// readable.
     /// `now`: the caller's clock reading, taken just before (keep-alives,
     /// deadlines and the wait slice go by it; one read per wait, not two).
-    pub(crate) fn progress_or(&mut self, wake: Option<&Wake>, now: Instant) -> Result<bool> {
+    pub(crate) fn progress_or(&mut self, also: AlsoWake<'_>, now: Instant) -> Result<bool> {
         self.check_usable()?;
         // A caller that will sleep need not poll before it arms: the poll
         // after arming finds the same completions (tcp: the wait after it
@@ -737,20 +750,21 @@ impl Conn {
             return Ok(true);
         }
         let slice = (deadline - now).min(self.params.wait_slice).max(Duration::from_millis(1));
-        let waited = match wake {
+        let waited = match also {
             // With one command outstanding, its answer is one frame: the
             // sleep takes it in its own receive (the connection's thread is
             // the only user of its CQ and queue pair; the monitor visits
             // only queues no caller holds). With more, the sleep on the fd
             // and the read after it gather more answers per wake-up
             // (measured: null 4 KiB at QD32 ran 4% slower with the receive).
-            None if outstanding == 1 => self.cq.wait_alone(Some(slice)).map(|_| ()),
-            None => self.cq.wait(Some(slice)).map(|_| ()),
-            Some(w) => self.cq.wait_or(Some(slice), w.fd()).map(|woken| {
+            AlsoWake::Nothing if outstanding == 1 => self.cq.wait_alone(Some(slice)).map(|_| ()),
+            AlsoWake::Nothing => self.cq.wait(Some(slice)).map(|_| ()),
+            AlsoWake::Waker(w) => self.cq.wait_or(Some(slice), w.fd()).map(|woken| {
                 if woken {
                     w.drain();
                 }
             }),
+            AlsoWake::Readable { fd, fired } => self.cq.wait_or(Some(slice), fd).map(|readable| fired.set(readable)),
         };
         if let Err(e) = waited {
             self.fail(format!("waiting on the completion channel failed: {e}"));

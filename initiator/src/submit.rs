@@ -46,7 +46,7 @@ use rdmablk_common::protocol::{BlockCount, CommandCapsule, CommandId, DataDescri
 use crate::buffer::IoBuffer;
 use crate::device::max_piece;
 use crate::error::{op_name, Error, Result};
-use crate::queue::{status_error, Conn, Response, Stats, ZEROES_PIECE};
+use crate::queue::{status_error, AlsoWake, Conn, Response, Stats, ZEROES_PIECE};
 use crate::session::{Session, Volume};
 use crate::shared::{lock, Phase, Shared, VolumeEntry};
 
@@ -337,30 +337,6 @@ impl IoQueue {
         Ok(IoWaker { wake: Arc::clone(self.wake.as_ref().expect("just set")) })
     }
 
-    /// Sleeps until an [`IoWaker`] of this queue wakes it (a wake-up given
-    /// before the call counts, and is consumed) or `timeout` passes; true if
-    /// woken. For a thread with nothing outstanding whose next work comes
-    /// from the thread holding the waker: it then sleeps on the same
-    /// eventfd as [`wait`](IoQueue::wait) does, so the waker's one `write`
-    /// wakes it in either state. Without a waker it only sleeps.
-    pub fn wait_woken(&mut self, timeout: Duration) -> bool {
-        let Some(wake) = self.wake.clone() else {
-            std::thread::sleep(timeout);
-            return false;
-        };
-        if wake.take() {
-            return true;
-        }
-        let ts = rustix::event::Timespec {
-            tv_sec: timeout.as_secs().min(i64::MAX as u64) as i64,
-            tv_nsec: i64::from(timeout.subsec_nanos()),
-        };
-        let mut fds = [rustix::event::PollFd::new(&wake.fd, rustix::event::PollFlags::IN)];
-        // EINTR: a signal; the caller comes back.
-        let _ = rustix::event::poll(&mut fds, Some(&ts));
-        wake.take()
-    }
-
     /// Consumes a pending wake-up; true if there was one.
     fn take_wake(&self) -> bool {
         self.wake.as_ref().is_some_and(|w| w.take())
@@ -468,6 +444,26 @@ impl IoQueue {
         self.hand_out(out, usize::MAX)
     }
 
+    /// [`wait`](IoQueue::wait) that also returns when `fd` is readable (an
+    /// NBD connection's socket, which the caller reads itself: the thread
+    /// that serves a connection sleeps for its next request and for its
+    /// answers in one `poll`). Returns how many completions it moved into
+    /// `out`, and whether `fd` was readable. Without outstanding requests
+    /// it returns at once; sleep on the descriptor itself then.
+    pub fn wait_or_readable(
+        &mut self,
+        out: &mut Vec<IoCompletion>,
+        min: usize,
+        timeout: Option<Duration>,
+        fd: BorrowedFd<'_>,
+    ) -> (usize, bool) {
+        let want = min.min(self.outstanding);
+        let until = timeout.map_or_else(|| Instant::now() + Duration::from_secs(365 * 86400), |t| Instant::now() + t);
+        let fired = std::cell::Cell::new(false);
+        self.drive_full(want, Some(until), true, Some((fd, &fired)));
+        (self.hand_out(out, usize::MAX), fired.get())
+    }
+
     fn hand_out(&mut self, out: &mut Vec<IoCompletion>, max: usize) -> usize {
         let n = self.done.len().min(max);
         out.extend(self.done.drain(..n));
@@ -486,6 +482,19 @@ impl IoQueue {
     /// [`drive`](IoQueue::drive); without `poll_fabric`, a non-blocking round
     /// only sends (and takes responses already received).
     fn drive_with(&mut self, want: usize, until: Option<Instant>, poll_fabric: bool) {
+        self.drive_full(want, until, poll_fabric, None);
+    }
+
+    /// [`drive_with`](IoQueue::drive_with); with `readable`, a sleep also
+    /// ends (and so does the drive) when its descriptor is readable, which
+    /// sets its cell.
+    fn drive_full(
+        &mut self,
+        want: usize,
+        until: Option<Instant>,
+        poll_fabric: bool,
+        readable: Option<(BorrowedFd<'_>, &std::cell::Cell<bool>)>,
+    ) {
         let shared = Arc::clone(&self.session.shared);
         loop {
             if let Some(e) = shared.final_error() {
@@ -573,10 +582,20 @@ impl IoQueue {
                 drop(slot.wait_freed(q, wait));
                 continue;
             }
-            let _ = conn.progress_or(self.wake.as_deref(), now);
+            let also = match (readable, self.wake.as_deref()) {
+                (Some((fd, fired)), _) => AlsoWake::Readable { fd, fired },
+                (None, Some(w)) => AlsoWake::Waker(w),
+                (None, None) => AlsoWake::Nothing,
+            };
+            let _ = conn.progress_or(also, now);
             drop(q);
             if reaped {
                 slot.notify_freed();
+            }
+            if readable.is_some_and(|(_, fired)| fired.get()) {
+                // The caller's descriptor: take what came with it, and return.
+                self.drive_with(usize::MAX, None, false);
+                return;
             }
         }
     }

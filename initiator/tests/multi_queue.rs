@@ -439,42 +439,39 @@ fn a_waker_ends_a_wait_early_from_another_thread() {
 }
 
 #[test]
-fn an_idle_queue_sleeps_until_its_waker_wakes_it() {
+fn a_wait_also_ends_when_the_callers_descriptor_is_readable() {
+    use std::io::{Read, Write};
+    use std::os::fd::AsFd;
     let target = one_volume(FakeConfig::default(), 4 * MIB);
     let s = Session::connect(&target.url, options(1)).unwrap();
-    let mut q = s.io_queue();
-    let waker = q.waker().unwrap();
-    // Nothing outstanding: `wait` would return at once, `wait_woken` sleeps.
-    let w = waker.clone();
-    let t = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(300));
-        w.wake();
-    });
-    let start = std::time::Instant::now();
-    assert!(q.wait_woken(Duration::from_secs(8)));
-    let took = start.elapsed();
-    t.join().unwrap();
-    assert!(took >= Duration::from_millis(250) && took < Duration::from_secs(3), "the sleep took {took:?}");
-    // A wake-up given before the sleep ends it at once, and is consumed.
-    waker.wake();
-    let start = std::time::Instant::now();
-    assert!(q.wait_woken(Duration::from_secs(8)));
-    assert!(start.elapsed() < Duration::from_secs(1), "a pending wake-up was lost: {:?}", start.elapsed());
-    let start = std::time::Instant::now();
-    assert!(!q.wait_woken(Duration::from_millis(400)), "a consumed wake-up ended a sleep");
-    assert!(start.elapsed() >= Duration::from_millis(350), "the sleep ended early: {:?}", start.elapsed());
-    // The wake-up that ends a sleep does not also end the next `wait`.
-    waker.wake();
-    assert!(q.wait_woken(Duration::from_secs(8)));
     let vol = s.open("vol0").unwrap();
+    let mut q = s.io_queue();
+    let (mut mine, mut peer) = std::os::unix::net::UnixStream::pair().unwrap();
+    // Nothing answers: only the descriptor can end the wait before its timeout.
     target.set_hang(true);
     q.submit(IoRequest::read(&vol, 0, s.alloc_buffer(4096).unwrap()), 1);
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        peer.write_all(b"x").unwrap();
+        peer
+    });
     let mut out = Vec::new();
     let start = std::time::Instant::now();
-    q.wait(&mut out, 1, Some(Duration::from_millis(400)));
-    assert!(start.elapsed() >= Duration::from_millis(350), "a consumed wake-up ended a wait: {:?}", start.elapsed());
+    assert_eq!(q.wait_or_readable(&mut out, 1, Some(Duration::from_secs(8)), mine.as_fd()), (0, true));
+    let took = start.elapsed();
+    let _peer = t.join().unwrap();
+    assert!(took >= Duration::from_millis(250) && took < Duration::from_secs(3), "the wait took {took:?}");
+    // The caller reads the descriptor; unread, it would end the next wait at once.
+    let mut b = [0u8; 1];
+    mine.read_exact(&mut b).unwrap();
+    let start = std::time::Instant::now();
+    assert_eq!(q.wait_or_readable(&mut out, 1, Some(Duration::from_millis(400)), mine.as_fd()), (0, false));
+    assert!(start.elapsed() >= Duration::from_millis(350), "the wait ended early: {:?}", start.elapsed());
+    // The answer ends it too, and says the descriptor was not readable.
     target.set_hang(false);
-    assert_eq!(wait_all(&mut q).len(), 1);
+    let (n, readable) = q.wait_or_readable(&mut out, 1, Some(Duration::from_secs(8)), mine.as_fd());
+    assert_eq!((n, readable), (1, false));
+    out.into_iter().for_each(|c| c.result.unwrap());
 }
 
 #[test]

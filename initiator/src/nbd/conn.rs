@@ -1,33 +1,32 @@
-//! Transmission: the reader and I/O threads of one connection.
+//! Transmission: one thread per connection.
 //!
 //! ```text
-//!  socket ─▶ reader ──jobs──▶ I/O thread (IoQueue) ──replies──▶ socket
-//!                   (requests, and replies the reader decided: refusals)
+//!  socket ─▶ requests ─▶ IoQueue ─▶ rdmablk-target
+//!  socket ◀─ replies  ◀─ completions
 //! ```
 //!
-//! The reader takes a slot (at most the queue depth of requests between
-//! their header and their reply) and, for a READ or WRITE, a registered
-//! buffer from the connection's pool (bounded by a byte budget), reads a
-//! WRITE's payload into it, and hands the request to the I/O thread, waking
-//! it. The I/O thread submits to its `IoQueue` and sleeps on the queue's
-//! completions, or (nothing outstanding) on the waker alone; each
-//! completion becomes a reply, which it sends itself, the replies of one
-//! wake-up in one `writev`, a READ's data from its buffer; then it gives the
-//! buffers back and frees the slots. A request thus costs the server two
-//! wake-ups (the reader's for the request, the I/O thread's for it and for
-//! its answer), no hand-over to a third thread. The reader keeps reading
-//! while the I/O thread sends: a client that writes requests before it
-//! reads replies is served up to the queue depth. A connection ends when
-//! the reader stops (NBD_CMD_DISC, EOF, an error, a bad request, or the
-//! server stopping): the requests in flight are still answered, then a
-//! FLUSH makes the connection's writes durable if it left any unflushed.
+//! The connection's thread (the one that negotiated it) reads requests,
+//! takes for each READ or WRITE a registered buffer from the connection's
+//! pool (bounded by a byte budget), reads a WRITE's payload into it,
+//! submits to the connection's `IoQueue`, and sends each completion's reply
+//! itself, the replies of one wake-up in one `writev`, a READ's data from
+//! its buffer. It sleeps in one place: in the socket's receive when nothing
+//! is in flight, else in [`IoQueue::wait_or_readable`], which ends at a
+//! completion or when the socket has more requests, so requests that come
+//! while others are in flight are sent at once. A request costs the server
+//! two wake-ups at QD1 (its arrival and its answer) and no hand-over
+//! between threads. At most the queue depth of requests are between their
+//! header and their reply: at the limit (or while the buffer budget is
+//! taken) the thread waits for completions only and leaves further
+//! requests in the socket. A connection ends when reading ends
+//! (NBD_CMD_DISC, EOF, an error, a bad request, or the server stopping):
+//! the requests in flight are still answered, then a FLUSH makes the
+//! connection's writes durable if it left any unflushed.
 
 use std::collections::BTreeMap;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::Shutdown;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::server::{Export, Stream};
@@ -37,7 +36,7 @@ use crate::buffer::IoBuffer;
 use crate::device::BlockDevice;
 use crate::error::Result;
 use crate::session::{Session, Volume};
-use crate::submit::{IoCompletion, IoQueue, IoRequest, IoWaker};
+use crate::submit::{IoCompletion, IoQueue, IoRequest};
 
 /// What every connection of a server shares.
 pub(crate) struct Shared {
@@ -50,15 +49,6 @@ pub(crate) struct Shared {
     pub buffer_budget: usize,
 }
 
-/// What the reader hands the I/O thread.
-enum Job {
-    /// A request for the volume.
-    Io { request: Request, buffer: Option<IoBuffer> },
-    /// A reply the reader decided on (a refusal, an empty READ or WRITE);
-    /// its slot is taken.
-    Reply { cookie: u64, error: u32 },
-}
-
 /// A reply about to be sent; a successful READ carries its data (the
 /// first `len` bytes of the buffer).
 struct Reply {
@@ -67,143 +57,317 @@ struct Reply {
     data: Option<(IoBuffer, usize)>,
 }
 
+/// How long one sleep lasts at most: the loop looks at the connection
+/// again (a lost session ends its requests within `io_timeout` anyway).
+const WAIT_SLICE: Duration = Duration::from_millis(500);
+
 /// Serves one negotiated connection until it ends; logs how it ended.
 pub(crate) fn serve(shared: &Shared, stream: Stream, peer: &str) {
-    let writer_stream = match stream.try_clone() {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!("{peer}: closing, cannot duplicate its socket: {e}");
-            return;
-        }
+    let conn = Connection {
+        volume: &shared.volume,
+        queue: shared.session.io_queue(),
+        pool: Pool::new(shared.session.clone(), shared.buffer_budget),
+        depth: shared.depth.max(1),
+        pending: Slab::default(),
+        batch: Vec::new(),
+        replies: Vec::with_capacity(REPLIES_PER_SEND),
+        unflushed: false,
+        broken: false,
+        stream: &stream,
+        peer,
     };
-    let mut queue = shared.session.io_queue();
-    let waker = match queue.waker() {
-        Ok(w) => w,
-        Err(e) => {
-            tracing::warn!("{peer}: closing: {e}");
-            return;
-        }
-    };
-    let pool = Pool::new(shared.session.clone(), shared.buffer_budget);
-    let slots = Slots::new(shared.depth);
-    let broken = AtomicBool::new(false);
-    let (job_tx, job_rx) = mpsc::channel::<Job>();
-    let ended = std::thread::scope(|scope| {
-        let (pool, slots, broken, volume) = (&pool, &slots, &broken, &*shared.volume);
-        let out = Replies { stream: &writer_stream, pool, slots, broken, peer };
-        let io = std::thread::Builder::new().name("nbd-io".into()).spawn_scoped(scope, move || run_io(queue, volume, job_rx, out));
-        if let Err(e) = io {
-            tracing::warn!("{peer}: closing, no thread for it: {e}");
-            return "no thread".to_owned();
-        }
-        let ended = read_requests(&stream, job_tx, &waker, pool, slots, broken, peer);
-        // The I/O thread may be blocked sending to a client that stopped reading.
-        if broken.load(Ordering::Acquire) {
-            stream.shutdown(Shutdown::Both);
-        }
-        ended
-    });
+    let ended = conn.run();
     stream.shutdown(Shutdown::Both);
     tracing::info!("{peer}: disconnected ({ended})");
 }
 
-/// The reader: decodes requests until the connection ends; returns why.
-#[allow(clippy::too_many_arguments)]
-fn read_requests(
-    stream: &Stream,
-    jobs: Sender<Job>,
-    waker: &IoWaker,
-    pool: &Pool,
-    slots: &Slots,
-    broken: &AtomicBool,
-    peer: &str,
-) -> String {
-    let max = wire::MAX_PAYLOAD;
-    let mut input = RequestStream::new(stream);
-    let ended = loop {
-        if broken.load(Ordering::Acquire) {
-            break "sending a reply failed".to_owned();
+/// What taking one request from the input did.
+enum Taken {
+    /// Submitted, or answered at once (a refusal, an empty READ or WRITE).
+    Done,
+    /// Its buffer must wait for buffers in use to come back.
+    NoBuffer(Request),
+    /// Reading ends: why.
+    End(String),
+}
+
+/// One connection's state, owned by its thread.
+struct Connection<'a> {
+    volume: &'a Volume,
+    queue: IoQueue,
+    pool: Pool,
+    /// Requests between their header and their reply, at most.
+    depth: usize,
+    pending: Slab,
+    /// Requests taken this turn, submitted together.
+    batch: Vec<(IoRequest, u64)>,
+    /// Replies of this turn, sent together.
+    replies: Vec<Reply>,
+    /// A WRITE, TRIM or WRITE_ZEROES succeeded since the last FLUSH.
+    unflushed: bool,
+    /// Sending failed: nothing more is sent, and reading ends.
+    broken: bool,
+    stream: &'a Stream,
+    peer: &'a str,
+}
+
+impl Connection<'_> {
+    /// Serves requests until reading ends and every request taken is
+    /// answered; returns why it ended.
+    fn run(mut self) -> String {
+        let mut input = RequestStream::new(self.stream);
+        let mut done: Vec<IoCompletion> = Vec::new();
+        // Why reading ended, once it has.
+        let mut ended: Option<String> = None;
+        // A request whose header was read and that waits for a buffer.
+        let mut stalled: Option<Request> = None;
+        loop {
+            // Every request already received, up to the queue depth.
+            while ended.is_none() && self.pending.len() < self.depth {
+                let request = match stalled.take() {
+                    Some(r) => r,
+                    None if input.has_header() => match self.next_request(&mut input) {
+                        Ok(Some(r)) => r,
+                        Ok(None) => continue,
+                        Err(why) => {
+                            ended = Some(why);
+                            break;
+                        }
+                    },
+                    None => break,
+                };
+                match self.take(request, &mut input) {
+                    Taken::Done => {}
+                    Taken::NoBuffer(r) => {
+                        stalled = Some(r);
+                        break;
+                    }
+                    Taken::End(why) => ended = Some(why),
+                }
+            }
+            if !self.batch.is_empty() {
+                self.queue.submit_batch(self.batch.drain(..));
+            }
+            self.send_replies();
+            if self.broken && ended.is_none() {
+                ended = Some("sending a reply failed".to_owned());
+            }
+            if ended.is_some() && self.queue.outstanding() == 0 {
+                break;
+            }
+            let room = ended.is_none() && stalled.is_none() && self.pending.len() < self.depth;
+            if self.queue.outstanding() == 0 {
+                // Nothing in flight: sleep in the socket's receive.
+                if let Err(why) = receive(&mut input, true) {
+                    ended = Some(why);
+                }
+                continue;
+            }
+            if room {
+                let (_, readable) =
+                    self.queue.wait_or_readable(&mut done, 1, Some(WAIT_SLICE), self.stream.as_fd());
+                if readable {
+                    if let Err(why) = receive(&mut input, false) {
+                        ended = Some(why);
+                    }
+                }
+            } else {
+                self.queue.wait(&mut done, 1, Some(WAIT_SLICE));
+            }
+            for c in done.drain(..) {
+                self.complete(c);
+            }
+            self.send_replies();
         }
+        self.flush_at_end();
+        ended.unwrap_or_default()
+    }
+
+    /// Decodes and checks the next request header. `Ok(None)`: it was
+    /// refused (and answered) or needs no volume; `Err`: reading ends.
+    fn next_request(&mut self, input: &mut RequestStream<'_>) -> std::result::Result<Option<Request>, String> {
         let mut h = [0u8; Request::SIZE];
-        match input.read_header(&mut h) {
-            Ok(true) => {}
-            Ok(false) => break "closed by the client without NBD_CMD_DISC, or the server is stopping".to_owned(),
-            Err(e) => break format!("reading a request failed: {e}"),
-        }
+        input.take_header(&mut h);
         let request = match Request::decode(&h) {
             Ok(r) => r,
             Err(e) => {
-                tracing::warn!("{peer}: {e}: the stream is out of step, disconnecting");
-                break format!("{e}");
+                tracing::warn!("{}: {e}: the stream is out of step, disconnecting", self.peer);
+                return Err(format!("{e}"));
             }
         };
-        if let Err(e) = request.validate(max) {
+        if let Err(e) = request.validate(wire::MAX_PAYLOAD) {
             if e.is_fatal() {
-                tracing::warn!("{peer}: {e}: disconnecting");
-                break format!("{e}");
+                tracing::warn!("{}: {e}: disconnecting", self.peer);
+                return Err(format!("{e}"));
             }
             // Refused, but the connection stays in step: a WRITE's payload
             // is read and thrown away.
             if let Err(err) = input.discard(request.payload_len()) {
-                break format!("reading the payload of a refused request failed: {err}");
+                return Err(format!("reading the payload of a refused request failed: {err}"));
             }
-            if !refuse(&request, Failure::Request(e), &jobs, waker, slots, peer) {
-                break "the I/O thread ended".to_owned();
-            }
-            continue;
+            self.refuse(&request, Failure::Request(e));
+            return Ok(None);
         }
         match request.command {
-            Command::Disc => break "NBD_CMD_DISC".to_owned(),
+            Command::Disc => Err("NBD_CMD_DISC".to_owned()),
             Command::Read | Command::Write if request.length == 0 => {
-                slots.acquire();
-                if jobs.send(Job::Reply { cookie: request.cookie, error: 0 }).is_err() {
-                    slots.release();
-                    break "the I/O thread ended".to_owned();
-                }
-                waker.wake();
-                continue;
+                self.replies.push(Reply { cookie: request.cookie, error: 0, data: None });
+                Ok(None)
             }
-            _ => {}
+            _ => Ok(Some(request)),
         }
-        slots.acquire();
-        let buffer = match request.command {
-            Command::Read | Command::Write => match pool.take(request.length as usize) {
-                Ok(b) => Some(b),
+    }
+
+    /// Gives a valid request its buffer (and a WRITE its payload) and
+    /// queues it for submission.
+    fn take(&mut self, request: Request, input: &mut RequestStream<'_>) -> Taken {
+        let mut buffer = None;
+        if matches!(request.command, Command::Read | Command::Write) {
+            match self.pool.try_take(request.length as usize) {
+                Ok(Some(b)) => buffer = Some(b),
+                // Only while others are in flight: their buffers come back.
+                Ok(None) if self.pending.len() > 0 => return Taken::NoBuffer(request),
+                Ok(None) => unreachable!("an idle connection's pool has room for one request"),
                 Err(e) => {
                     if let Err(err) = input.discard(request.payload_len()) {
-                        slots.release();
-                        break format!("reading the payload of a refused request failed: {err}");
+                        return Taken::End(format!("reading the payload of a refused request failed: {err}"));
                     }
-                    slots.release();
-                    if !refuse(&request, Failure::Io(e), &jobs, waker, slots, peer) {
-                        break "the I/O thread ended".to_owned();
-                    }
-                    continue;
+                    self.refuse(&request, Failure::Io(e));
+                    return Taken::Done;
                 }
-            },
-            _ => None,
-        };
-        let mut buffer = buffer;
+            }
+        }
         if request.command == Command::Write {
             let buf = buffer.as_mut().expect("writes have a buffer");
             if let Err(e) = input.read_payload(&mut buf.as_mut_slice()[..request.length as usize]) {
-                pool.give(buffer.take().expect("taken above"));
-                slots.release();
-                break format!("reading the payload of a {}-byte write failed: {e}", request.length);
+                self.pool.give(buffer.take().expect("taken above"));
+                return Taken::End(format!("reading the payload of a {}-byte write failed: {e}", request.length));
             }
         }
-        if let Err(mpsc::SendError(job)) = jobs.send(Job::Io { request, buffer }) {
-            if let Job::Io { buffer: Some(b), .. } = job {
-                pool.give(b);
-            }
-            slots.release();
-            break "the I/O thread ended".to_owned();
+        let (io, p) = build(self.volume, request, buffer);
+        self.batch.push((io, self.pending.insert(p)));
+        Taken::Done
+    }
+
+    /// Answers a request refused before it reached the volume, logged.
+    fn refuse(&mut self, request: &Request, failure: Failure) {
+        let error = errno(request.command, &failure);
+        log_failure(self.peer, request, &failure, error);
+        self.replies.push(Reply { cookie: request.cookie, error, data: None });
+    }
+
+    /// Turns a completion into a reply (or the FLUSH a FUA TRIM or
+    /// WRITE_ZEROES needs first).
+    fn complete(&mut self, c: IoCompletion) {
+        let p = self.pending.get_mut(c.tag);
+        let command = p.request.command;
+        match (&c.result, command) {
+            (Ok(()), Command::Write | Command::Trim | Command::WriteZeroes) => self.unflushed = true,
+            (Ok(()), Command::Flush) => self.unflushed = false,
+            _ => {}
         }
-        waker.wake();
-    };
-    drop(jobs);
-    waker.wake();
-    ended
+        if c.result.is_ok() && p.flush_after && !p.flushing {
+            p.flushing = true;
+            self.queue.submit(IoRequest::flush(self.volume), c.tag);
+            return;
+        }
+        let p = self.pending.remove(c.tag);
+        let (error, data) = match c.result {
+            Ok(()) => {
+                let data = match (command, c.buffer) {
+                    (Command::Read, Some(b)) => Some((b, p.request.length as usize)),
+                    (_, Some(b)) => {
+                        self.pool.give(b);
+                        None
+                    }
+                    (_, None) => None,
+                };
+                (0, data)
+            }
+            Err(e) => {
+                if let Some(b) = c.buffer {
+                    self.pool.give(b);
+                }
+                let failure = Failure::Io(e);
+                let error = errno(command, &failure);
+                log_failure(self.peer, &p.request, &failure, error);
+                (error, None)
+            }
+        };
+        self.replies.push(Reply { cookie: p.request.cookie, error, data });
+    }
+
+    /// Sends this turn's replies, as many per system call as fit, then
+    /// gives their buffers back. After a failed send nothing more is sent.
+    fn send_replies(&mut self) {
+        for batch in self.replies.chunks(REPLIES_PER_SEND) {
+            if self.broken {
+                break;
+            }
+            // On the stack: a batch allocates nothing.
+            let mut headers = [[0u8; SimpleReply::SIZE]; REPLIES_PER_SEND];
+            for (h, r) in headers.iter_mut().zip(batch) {
+                *h = SimpleReply { error: r.error, cookie: r.cookie }.encode();
+            }
+            let mut slices = [IoSlice::new(&[]); 2 * REPLIES_PER_SEND];
+            let mut n = 0;
+            for (h, r) in headers.iter().zip(batch) {
+                slices[n] = IoSlice::new(h);
+                n += 1;
+                if let Some((b, len)) = &r.data {
+                    slices[n] = IoSlice::new(&b.as_slice()[..*len]);
+                    n += 1;
+                }
+            }
+            if let Err(e) = write_all_vectored(self.stream, &mut slices[..n]) {
+                tracing::warn!("{}: sending a reply failed: {e}; closing", self.peer);
+                self.broken = true;
+                self.stream.shutdown(Shutdown::Both);
+            }
+        }
+        for reply in self.replies.drain(..) {
+            if let Some((b, _)) = reply.data {
+                self.pool.give(b);
+            }
+        }
+    }
+
+    /// The FLUSH after the connection's last writes, if they were not flushed.
+    fn flush_at_end(&mut self) {
+        if !self.unflushed || self.volume.read_only() {
+            return;
+        }
+        let mut done = Vec::new();
+        self.queue.submit(IoRequest::flush(self.volume), u64::MAX);
+        while self.queue.outstanding() > 0 {
+            self.queue.wait(&mut done, 1, None);
+        }
+        for c in done.drain(..) {
+            if let Err(e) = c.result {
+                tracing::warn!("{}: the flush after the connection's last writes failed: {}", self.peer, e.one_line());
+            }
+        }
+    }
+}
+
+/// Receives more requests: blocking (`wait`) or what has arrived. `Err`:
+/// why reading ends (EOF, an error).
+fn receive(input: &mut RequestStream<'_>, wait: bool) -> std::result::Result<(), String> {
+    match input.fill(wait) {
+        Ok(0) if wait || input.at_eof() => {
+            if input.is_empty() {
+                Err("closed by the client without NBD_CMD_DISC, or the server is stopping".to_owned())
+            } else {
+                Err(format!(
+                    "reading a request failed: closed after {} of {} bytes",
+                    input.buffered(),
+                    Request::SIZE
+                ))
+            }
+        }
+        Ok(_) => Ok(()),
+        Err(e) => Err(format!("reading a request failed: {e}")),
+    }
 }
 
 /// What the reader takes from the socket in one receive, at most: several
@@ -220,50 +384,75 @@ struct RequestStream<'a> {
     buf: Box<[u8]>,
     start: usize,
     end: usize,
+    /// A receive that did not wait saw the end of the stream.
+    eof: bool,
 }
 
 impl<'a> RequestStream<'a> {
     fn new(stream: &'a Stream) -> Self {
-        RequestStream { stream, buf: vec![0u8; RECEIVE_BUFFER].into_boxed_slice(), start: 0, end: 0 }
+        RequestStream { stream, buf: vec![0u8; RECEIVE_BUFFER].into_boxed_slice(), start: 0, end: 0, eof: false }
     }
 
-    /// Receives more into the buffer; the bytes received (0 at EOF).
-    fn fill(&mut self) -> io::Result<usize> {
+    /// Receives more into the buffer: waiting for bytes (`wait`), or only
+    /// what has arrived. Returns the bytes received: with `wait`, 0 is the
+    /// end of the stream; without, 0 is that too if [`at_eof`] says so,
+    /// else nothing had arrived.
+    ///
+    /// [`at_eof`]: RequestStream::at_eof
+    fn fill(&mut self, wait: bool) -> io::Result<usize> {
         if self.start == self.end {
             (self.start, self.end) = (0, 0);
         } else if self.end == self.buf.len() {
             self.buf.copy_within(self.start..self.end, 0);
             (self.start, self.end) = (0, self.end - self.start);
         }
-        let mut s = self.stream;
         loop {
-            match s.read(&mut self.buf[self.end..]) {
+            let got = if wait {
+                let mut s = self.stream;
+                s.read(&mut self.buf[self.end..])
+            } else {
+                rustix::net::recv(self.stream.as_fd(), &mut self.buf[self.end..], rustix::net::RecvFlags::DONTWAIT)
+                    .map(|(n, _)| n)
+                    .map_err(io::Error::from)
+            };
+            match got {
                 Ok(n) => {
                     self.end += n;
+                    self.eof |= n == 0 && !wait;
                     return Ok(n);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if !wait && e.kind() == io::ErrorKind::WouldBlock => return Ok(0),
                 Err(e) => return Err(e),
             }
         }
     }
 
-    /// Fills `out` (a header); `Ok(false)` at EOF before its first byte.
-    fn read_header(&mut self, out: &mut [u8]) -> io::Result<bool> {
-        while self.end - self.start < out.len() {
-            if self.fill()? == 0 {
-                if self.start == self.end {
-                    return Ok(false);
-                }
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("closed after {} of {} bytes", self.end - self.start, out.len()),
-                ));
-            }
-        }
-        out.copy_from_slice(&self.buf[self.start..self.start + out.len()]);
-        self.start += out.len();
-        Ok(true)
+    /// Whether a receive that did not wait found the end of the stream.
+    fn at_eof(&self) -> bool {
+        self.eof
+    }
+
+    /// Bytes received and not taken yet.
+    fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
+    fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+
+    /// Whether a whole request header is buffered.
+    fn has_header(&self) -> bool {
+        self.buffered() >= Request::SIZE
+    }
+
+    /// Takes the buffered header into `out`; only after [`has_header`].
+    ///
+    /// [`has_header`]: RequestStream::has_header
+    fn take_header(&mut self, out: &mut [u8; Request::SIZE]) {
+        out.copy_from_slice(&self.buf[self.start..self.start + Request::SIZE]);
+        self.start += Request::SIZE;
     }
 
     /// Fills `out` (a payload): what is buffered, then straight from the socket.
@@ -288,20 +477,6 @@ impl<'a> RequestStream<'a> {
     }
 }
 
-/// Has the I/O thread answer a request refused before it reached the
-/// volume, logged; false if the I/O thread is gone.
-fn refuse(request: &Request, failure: Failure, jobs: &Sender<Job>, waker: &IoWaker, slots: &Slots, peer: &str) -> bool {
-    let error = errno(request.command, &failure);
-    log_failure(peer, request, &failure, error);
-    slots.acquire();
-    if jobs.send(Job::Reply { cookie: request.cookie, error }).is_err() {
-        slots.release();
-        return false;
-    }
-    waker.wake();
-    true
-}
-
 fn log_failure(peer: &str, r: &Request, failure: &Failure, error: u32) {
     let why = match failure {
         Failure::Request(e) => e.to_string(),
@@ -316,7 +491,7 @@ fn log_failure(peer: &str, r: &Request, failure: &Failure, error: u32) {
     );
 }
 
-/// A request in the I/O thread.
+/// A request in flight.
 struct Pending {
     request: Request,
     /// FUA on TRIM or WRITE_ZEROES: a FLUSH follows before the reply.
@@ -325,100 +500,7 @@ struct Pending {
     flushing: bool,
 }
 
-/// The I/O thread: submits the reader's requests to the connection's
-/// `IoQueue`, keeps them in flight together, turns completions into replies
-/// and sends them. Ends when the reader is gone and nothing is in flight,
-/// after a FLUSH if the connection's writes were not flushed.
-fn run_io(mut queue: IoQueue, volume: &Volume, jobs: Receiver<Job>, out: Replies<'_>) {
-    let (peer, pool) = (out.peer, out.pool);
-    let mut pending = Slab::default();
-    let mut batch: Vec<(IoRequest, u64)> = Vec::new();
-    let mut done: Vec<IoCompletion> = Vec::new();
-    let mut replies: Vec<Reply> = Vec::with_capacity(REPLIES_PER_SEND);
-    let mut open = true;
-    let mut unflushed = false;
-    loop {
-        loop {
-            match jobs.try_recv() {
-                Ok(Job::Io { request, buffer }) => {
-                    let (request, p) = build(volume, request, buffer);
-                    batch.push((request, pending.insert(p)));
-                }
-                Ok(Job::Reply { cookie, error }) => replies.push(Reply { cookie, error, data: None }),
-                Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => {
-                    open = false;
-                    break;
-                }
-            }
-        }
-        if !batch.is_empty() {
-            queue.submit_batch(batch.drain(..));
-        }
-        out.send(&mut replies);
-        if queue.outstanding() == 0 {
-            if !open {
-                break;
-            }
-            // The reader wakes this sleep with each job (and when it ends).
-            queue.wait_woken(Duration::from_millis(500));
-            continue;
-        }
-        queue.wait(&mut done, 1, Some(Duration::from_millis(500)));
-        for c in done.drain(..) {
-            let p = pending.get_mut(c.tag);
-            let command = p.request.command;
-            match (&c.result, command) {
-                (Ok(()), Command::Write | Command::Trim | Command::WriteZeroes) => unflushed = true,
-                (Ok(()), Command::Flush) => unflushed = false,
-                _ => {}
-            }
-            if c.result.is_ok() && p.flush_after && !p.flushing {
-                p.flushing = true;
-                queue.submit(IoRequest::flush(volume), c.tag);
-                continue;
-            }
-            let p = pending.remove(c.tag);
-            let (error, data) = match c.result {
-                Ok(()) => {
-                    let data = match (command, c.buffer) {
-                        (Command::Read, Some(b)) => Some((b, p.request.length as usize)),
-                        (_, Some(b)) => {
-                            pool.give(b);
-                            None
-                        }
-                        (_, None) => None,
-                    };
-                    (0, data)
-                }
-                Err(e) => {
-                    if let Some(b) = c.buffer {
-                        pool.give(b);
-                    }
-                    let failure = Failure::Io(e);
-                    let error = errno(command, &failure);
-                    log_failure(peer, &p.request, &failure, error);
-                    (error, None)
-                }
-            };
-            replies.push(Reply { cookie: p.request.cookie, error, data });
-        }
-        out.send(&mut replies);
-    }
-    if unflushed && !volume.read_only() {
-        queue.submit(IoRequest::flush(volume), u64::MAX);
-        while queue.outstanding() > 0 {
-            queue.wait(&mut done, 1, None);
-        }
-        for c in done.drain(..) {
-            if let Err(e) = c.result {
-                tracing::warn!("{peer}: the flush after the connection's last writes failed: {}", e.one_line());
-            }
-        }
-    }
-}
-
-/// The I/O thread's requests by tag.
+/// The connection's requests in flight, by tag.
 #[derive(Default)]
 struct Slab {
     entries: Vec<Option<Pending>>,
@@ -437,6 +519,11 @@ impl Slab {
                 (self.entries.len() - 1) as u64
             }
         }
+    }
+
+    /// Requests in it.
+    fn len(&self) -> usize {
+        self.entries.len() - self.free.len()
     }
 
     fn get_mut(&mut self, tag: u64) -> &mut Pending {
@@ -486,58 +573,6 @@ fn build(volume: &Volume, r: Request, buffer: Option<IoBuffer>) -> (IoRequest, P
 /// READ, its data); more go out in further calls.
 const REPLIES_PER_SEND: usize = 32;
 
-/// The connection's sending side, used by the I/O thread only (so replies
-/// never interleave on the socket).
-struct Replies<'a> {
-    stream: &'a Stream,
-    pool: &'a Pool,
-    slots: &'a Slots,
-    broken: &'a AtomicBool,
-    peer: &'a str,
-}
-
-impl Replies<'_> {
-    /// Sends `replies` (emptied), as many per system call as fit, then gives
-    /// their buffers back and frees their slots. After a failed send it only
-    /// does the latter (and the reader ends).
-    fn send(&self, replies: &mut Vec<Reply>) {
-        for batch in replies.chunks(REPLIES_PER_SEND) {
-            if self.broken.load(Ordering::Acquire) {
-                break;
-            }
-            // On the stack: a batch allocates nothing.
-            let mut headers = [[0u8; SimpleReply::SIZE]; REPLIES_PER_SEND];
-            for (h, r) in headers.iter_mut().zip(batch) {
-                *h = SimpleReply { error: r.error, cookie: r.cookie }.encode();
-            }
-            let mut slices = [IoSlice::new(&[]); 2 * REPLIES_PER_SEND];
-            let mut n = 0;
-            for (h, r) in headers.iter().zip(batch) {
-                slices[n] = IoSlice::new(h);
-                n += 1;
-                if let Some((b, len)) = &r.data {
-                    slices[n] = IoSlice::new(&b.as_slice()[..*len]);
-                    n += 1;
-                }
-            }
-            if let Err(e) = write_all_vectored(self.stream, &mut slices[..n]) {
-                tracing::warn!("{}: sending a reply failed: {e}; closing", self.peer);
-                self.broken.store(true, Ordering::Release);
-                self.stream.shutdown(Shutdown::Both);
-            }
-        }
-        let n = replies.len();
-        for reply in replies.drain(..) {
-            if let Some((b, _)) = reply.data {
-                self.pool.give(b);
-            }
-        }
-        if n > 0 {
-            self.slots.release_many(n);
-        }
-    }
-}
-
 /// Writes every slice with as few system calls as the socket allows.
 fn write_all_vectored(mut s: &Stream, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
     while !slices.is_empty() && slices.iter().any(|b| !b.is_empty()) {
@@ -551,110 +586,47 @@ fn write_all_vectored(mut s: &Stream, mut slices: &mut [IoSlice<'_>]) -> io::Res
     Ok(())
 }
 
-/// A counting semaphore: requests between their header and their reply.
-struct Slots {
-    state: Mutex<SlotCount>,
-    freed: Condvar,
-    max: usize,
-}
-
-struct SlotCount {
-    used: usize,
-    /// Threads in `acquire`'s wait: a release wakes (a system call) only
-    /// when there is one.
-    waiting: usize,
-}
-
-impl Slots {
-    fn new(max: usize) -> Slots {
-        Slots { state: Mutex::new(SlotCount { used: 0, waiting: 0 }), freed: Condvar::new(), max: max.max(1) }
-    }
-
-    fn acquire(&self) {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        while st.used >= self.max {
-            st.waiting += 1;
-            st = self.freed.wait(st).unwrap_or_else(|e| e.into_inner());
-            st.waiting -= 1;
-        }
-        st.used += 1;
-    }
-
-    fn release(&self) {
-        self.release_many(1);
-    }
-
-    fn release_many(&self, n: usize) {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.used -= n;
-        if st.waiting > 0 {
-            self.freed.notify_one();
-        }
-    }
-}
-
 /// The connection's registered buffers, by size class (powers of two from
 /// 4 KiB), allocated on first use and reused; at most `budget` bytes.
 struct Pool {
     session: Session,
-    state: Mutex<PoolState>,
-    freed: Condvar,
-    budget: usize,
-}
-
-struct PoolState {
     free: BTreeMap<usize, Vec<IoBuffer>>,
     /// Bytes allocated (free and in use).
     bytes: usize,
-    /// Threads in `take`'s wait: `give` wakes (a system call) only when
-    /// there is one.
-    waiting: usize,
+    budget: usize,
 }
 
 impl Pool {
     fn new(session: Session, budget: usize) -> Pool {
-        Pool {
-            session,
-            state: Mutex::new(PoolState { free: BTreeMap::new(), bytes: 0, waiting: 0 }),
-            freed: Condvar::new(),
-            budget,
-        }
+        Pool { session, free: BTreeMap::new(), bytes: 0, budget }
     }
 
-    /// A buffer of at least `len` bytes; waits while the budget is taken by
-    /// buffers in use. Idle buffers of other sizes are freed to make room.
-    fn take(&self, len: usize) -> Result<IoBuffer> {
+    /// A buffer of at least `len` bytes, or `None` while the budget is taken
+    /// by buffers in use (never when none is: a request larger than the
+    /// budget gets one of its own). Idle buffers of other sizes are freed
+    /// to make room.
+    fn try_take(&mut self, len: usize) -> Result<Option<IoBuffer>> {
         let class = len.max(4096).next_power_of_two();
         let budget = self.budget.max(class);
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            if let Some(b) = st.free.get_mut(&class).and_then(Vec::pop) {
-                return Ok(b);
+            if let Some(b) = self.free.get_mut(&class).and_then(Vec::pop) {
+                return Ok(Some(b));
             }
-            if st.bytes + class <= budget {
-                st.bytes += class;
-                drop(st);
-                return self.session.alloc_buffer(class).inspect_err(|_| {
-                    self.state.lock().unwrap_or_else(|e| e.into_inner()).bytes -= class;
-                });
+            if self.bytes + class <= budget {
+                let b = self.session.alloc_buffer(class)?;
+                self.bytes += class;
+                return Ok(Some(b));
             }
-            if let Some((&size, list)) = st.free.iter_mut().find(|(_, l)| !l.is_empty()) {
-                list.pop();
-                st.bytes -= size;
-                continue;
-            }
-            st.waiting += 1;
-            st = self.freed.wait(st).unwrap_or_else(|e| e.into_inner());
-            st.waiting -= 1;
+            let Some((&size, list)) = self.free.iter_mut().find(|(_, l)| !l.is_empty()) else {
+                return Ok(None);
+            };
+            list.pop();
+            self.bytes -= size;
         }
     }
 
-    fn give(&self, b: IoBuffer) {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.free.entry(b.len()).or_default().push(b);
-        if st.waiting > 0 {
-            self.freed.notify_one();
-        }
+    fn give(&mut self, b: IoBuffer) {
+        self.free.entry(b.len()).or_default().push(b);
     }
 }
 
@@ -662,6 +634,16 @@ impl Pool {
 mod tests {
     use super::*;
     use std::os::unix::net::UnixStream;
+
+    /// The next header, receiving (waiting) as needed; `Err`: why reading ended.
+    fn header(input: &mut RequestStream<'_>) -> std::result::Result<[u8; Request::SIZE], String> {
+        while !input.has_header() {
+            receive(input, true)?;
+        }
+        let mut h = [0u8; Request::SIZE];
+        input.take_header(&mut h);
+        Ok(h)
+    }
 
     #[test]
     fn the_request_stream_splits_buffered_bytes_and_reads_the_rest_from_the_socket() {
@@ -674,11 +656,9 @@ mod tests {
         first.extend_from_slice(&[2u8; 28]);
         first.extend_from_slice(&payload[..100]);
         b.write_all(&first).unwrap();
-        let mut h = [0u8; 28];
-        assert!(input.read_header(&mut h).unwrap());
-        assert_eq!(h, [1u8; 28]);
-        assert!(input.read_header(&mut h).unwrap());
-        assert_eq!(h, [2u8; 28]);
+        assert_eq!(header(&mut input).unwrap(), [1u8; 28]);
+        assert!(input.has_header(), "one receive took both headers");
+        assert_eq!(header(&mut input).unwrap(), [2u8; 28]);
         // The payload: 100 bytes buffered, the rest (more than the buffer) from the socket.
         let writer = std::thread::spawn(move || {
             b.write_all(&payload[100..]).unwrap();
@@ -691,14 +671,11 @@ mod tests {
         assert!(got.iter().enumerate().all(|(i, &x)| x == (i as u32 * 7) as u8));
         // A header split across two receives, then EOF in the middle of the next.
         b.write_all(&[3u8; 8]).unwrap();
-        let mut h3 = [0u8; 28];
-        assert!(input.read_header(&mut h3).unwrap());
-        assert_eq!(h3, [3u8; 28]);
+        assert_eq!(header(&mut input).unwrap(), [3u8; 28]);
         b.write_all(&[4u8; 10]).unwrap();
         drop(b);
-        let e = input.read_header(&mut h).unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
-        assert!(e.to_string().contains("closed after 10 of 28 bytes"), "{e}");
+        let e = header(&mut input).unwrap_err();
+        assert!(e.contains("closed after 10 of 28 bytes"), "{e}");
     }
 
     #[test]
@@ -713,12 +690,35 @@ mod tests {
                 b.write_all(&[(i % 251) as u8; 28]).unwrap();
             }
         });
-        let mut h = [0u8; 28];
         for i in 0..n {
-            assert!(input.read_header(&mut h).unwrap(), "header {i}");
-            assert_eq!(h, [(i % 251) as u8; 28], "header {i}");
+            assert_eq!(header(&mut input).unwrap(), [(i % 251) as u8; 28], "header {i}");
         }
         writer.join().unwrap();
-        assert!(!input.read_header(&mut h).unwrap(), "EOF between requests is a clean end");
+        let e = header(&mut input).unwrap_err();
+        assert!(e.starts_with("closed by the client without NBD_CMD_DISC"), "EOF between requests is a clean end: {e}");
+    }
+
+    #[test]
+    fn a_receive_that_does_not_wait_takes_what_arrived_and_tells_nothing_from_the_end() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let a = Stream::Unix(a);
+        let mut input = RequestStream::new(&a);
+        // Nothing yet: no bytes, not the end, and the call returns at once.
+        assert_eq!(input.fill(false).unwrap(), 0);
+        assert!(!input.at_eof());
+        assert_eq!(receive(&mut input, false), Ok(()));
+        b.write_all(&[5u8; 30]).unwrap();
+        assert_eq!(input.fill(false).unwrap(), 30);
+        assert!(input.has_header());
+        let mut h = [0u8; Request::SIZE];
+        input.take_header(&mut h);
+        assert_eq!(h, [5u8; 28]);
+        assert_eq!(input.buffered(), 2);
+        // The end, with 2 bytes of a header left: an error naming them.
+        drop(b);
+        assert_eq!(input.fill(false).unwrap(), 0);
+        assert!(input.at_eof());
+        let e = receive(&mut input, false).unwrap_err();
+        assert!(e.contains("closed after 2 of 28 bytes"), "{e}");
     }
 }

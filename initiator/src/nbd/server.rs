@@ -99,6 +99,14 @@ impl Stream {
         })
     }
 
+    pub fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        match self {
+            Stream::Unix(s) => s.as_fd(),
+            Stream::Tcp(s) => s.as_fd(),
+        }
+    }
+
     pub fn shutdown(&self, how: Shutdown) {
         let _ = match self {
             Stream::Unix(s) => s.shutdown(how),
