@@ -25,7 +25,9 @@
 //! [`IoQueue::waker`] gives an [`IoWaker`] that another thread uses to make
 //! a [`IoQueue::wait`] in progress (or the next one) return early, so one
 //! thread can sleep on the queue's completions and still take new work
-//! that other threads hand it (the NBD server's I/O thread does).
+//! that other threads hand it (the ublk server's queue threads do).
+//! [`IoQueue::wait_or_readable`] also returns when a descriptor the caller
+//! reads itself is readable (the NBD server's connection socket).
 //!
 //! # Failures
 //! After a connection failure the pieces that had not completed are sent

@@ -563,7 +563,7 @@ fn build(volume: &Volume, r: Request, buffer: Option<IoBuffer>) -> (IoRequest, P
                 z
             }
         }
-        Command::Disc | Command::Other(_) => unreachable!("the reader keeps {} from the I/O thread", r.command),
+        Command::Disc | Command::Other(_) => unreachable!("next_request keeps {} from the volume", r.command),
     };
     let flush_after = fua && matches!(r.command, Command::Trim | Command::WriteZeroes);
     (request, Pending { request: r, flush_after, flushing: false })

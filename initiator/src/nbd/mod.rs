@@ -32,14 +32,16 @@
 //! does not ask for block sizes: give it `-b` with the volume's block size.)
 //!
 //! # Threads and data copies
-//! Each connection has three threads: a reader that decodes requests, reads
-//! a WRITE's payload straight from the socket into a registered
-//! [`IoBuffer`](crate::IoBuffer) and hands the request on; an I/O thread
-//! that owns the connection's own [`IoQueue`](crate::IoQueue) and keeps the
-//! requests in flight together (bounded by the session's queue depth and a
-//! per-connection buffer budget); a writer that sends replies, a READ's
-//! data straight from the registered buffer the target placed it in, in
-//! whatever order they complete (replies carry the client's cookie). So the
+//! Each connection has one thread. It decodes requests, reads a WRITE's
+//! payload straight from the socket into a registered
+//! [`IoBuffer`](crate::IoBuffer), keeps the requests in flight together on
+//! the connection's own [`IoQueue`](crate::IoQueue) (bounded by the
+//! session's queue depth and a per-connection buffer budget), and sends
+//! the replies, a READ's data straight from the registered buffer the
+//! target placed it in, in whatever order they complete (replies carry the
+//! client's cookie). With requests in flight it sleeps in
+//! [`IoQueue::wait_or_readable`](crate::IoQueue::wait_or_readable), so the
+//! next request and the answers wake the same thread. So the
 //! only copies are the kernel's socket copies: socket → registered buffer
 //! for writes, registered buffer → socket for reads; the fabric moves the
 //! data between that buffer and the target without a copy (RDMA READ and
