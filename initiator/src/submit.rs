@@ -451,7 +451,8 @@ impl IoQueue {
     /// that serves a connection sleeps for its next request and for its
     /// answers in one `poll`). Returns how many completions it moved into
     /// `out`, and whether `fd` was readable. Without outstanding requests
-    /// it returns at once; sleep on the descriptor itself then.
+    /// it returns at once; sleep on the descriptor itself then. An
+    /// [`IoWaker`] of this queue does not end this wait.
     pub fn wait_or_readable(
         &mut self,
         out: &mut Vec<IoCompletion>,
