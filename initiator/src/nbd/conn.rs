@@ -354,7 +354,7 @@ impl Connection<'_> {
 /// why reading ends (EOF, an error).
 fn receive(input: &mut RequestStream<'_>, wait: bool) -> std::result::Result<(), String> {
     match input.fill(wait) {
-        Ok(0) if wait || input.at_eof() => {
+        Ok(0) if input.at_eof() => {
             if input.is_empty() {
                 Err("closed by the client without NBD_CMD_DISC, or the server is stopping".to_owned())
             } else {
@@ -384,7 +384,7 @@ struct RequestStream<'a> {
     buf: Box<[u8]>,
     start: usize,
     end: usize,
-    /// A receive that did not wait saw the end of the stream.
+    /// A receive saw the end of the stream.
     eof: bool,
 }
 
@@ -394,9 +394,8 @@ impl<'a> RequestStream<'a> {
     }
 
     /// Receives more into the buffer: waiting for bytes (`wait`), or only
-    /// what has arrived. Returns the bytes received: with `wait`, 0 is the
-    /// end of the stream; without, 0 is that too if [`at_eof`] says so,
-    /// else nothing had arrived.
+    /// what has arrived. Returns the bytes received; 0 is the end of the
+    /// stream if [`at_eof`] says so, else (not waiting) nothing had arrived.
     ///
     /// [`at_eof`]: RequestStream::at_eof
     fn fill(&mut self, wait: bool) -> io::Result<usize> {
@@ -406,29 +405,22 @@ impl<'a> RequestStream<'a> {
             self.buf.copy_within(self.start..self.end, 0);
             (self.start, self.end) = (0, self.end - self.start);
         }
+        let flags = if wait { rustix::net::RecvFlags::empty() } else { rustix::net::RecvFlags::DONTWAIT };
         loop {
-            let got = if wait {
-                let mut s = self.stream;
-                s.read(&mut self.buf[self.end..])
-            } else {
-                rustix::net::recv(self.stream.as_fd(), &mut self.buf[self.end..], rustix::net::RecvFlags::DONTWAIT)
-                    .map(|(n, _)| n)
-                    .map_err(io::Error::from)
-            };
-            match got {
-                Ok(n) => {
+            match rustix::net::recv(self.stream.as_fd(), &mut self.buf[self.end..], flags) {
+                Ok((n, _)) => {
                     self.end += n;
-                    self.eof |= n == 0 && !wait;
+                    self.eof |= n == 0;
                     return Ok(n);
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if !wait && e.kind() == io::ErrorKind::WouldBlock => return Ok(0),
-                Err(e) => return Err(e),
+                Err(rustix::io::Errno::INTR) => {}
+                Err(rustix::io::Errno::AGAIN) if !wait => return Ok(0),
+                Err(e) => return Err(e.into()),
             }
         }
     }
 
-    /// Whether a receive that did not wait found the end of the stream.
+    /// Whether a receive found the end of the stream.
     fn at_eof(&self) -> bool {
         self.eof
     }
