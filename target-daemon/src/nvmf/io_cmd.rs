@@ -15,10 +15,33 @@ pub enum IoPlan {
     Write { ns: Namespace, offset: u64, len: u32, fua: bool },
     Flush { ns: Namespace },
     /// Write Zeroes: byte ranges, done the backend's way.
-    Range { ns: Namespace, op: RangeOp, ranges: Vec<(u64, u64)> },
+    Range { ns: Namespace, op: RangeOp, ranges: ByteRanges },
     /// Dataset Management with Deallocate: its `ranges` ranges arrive as
     /// data (possibly followed by more bytes; see [`plan`]).
     Deallocate { ns: Namespace, op: RangeOp, ranges: u32 },
+}
+
+/// A command's byte ranges `(offset, len)`. One range, which every Write
+/// and Write Zeroes has, is held inline: the per-I/O path allocates
+/// nothing. Only a Dataset Management command's ranges (up to 256, read
+/// from its data) go to the heap.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ByteRanges {
+    None,
+    One((u64, u64)),
+    Many(Vec<(u64, u64)>),
+}
+
+impl std::ops::Deref for ByteRanges {
+    type Target = [(u64, u64)];
+
+    fn deref(&self) -> &[(u64, u64)] {
+        match self {
+            ByteRanges::None => &[],
+            ByteRanges::One(r) => std::slice::from_ref(r),
+            ByteRanges::Many(v) => v,
+        }
+    }
 }
 
 impl IoPlan {
@@ -122,7 +145,7 @@ pub fn plan(sqe: &SubmissionEntry, nss: &[Namespace], sgl_len: u32) -> Result<Io
                 .backend
                 .write_zeroes()
                 .ok_or_else(|| Error::new(ErrorKind::NotSupported, format!("namespace {} cannot write zeroes", ns.nsid)))?;
-            Ok(IoPlan::Range { ns, op, ranges: vec![range] })
+            Ok(IoPlan::Range { ns, op, ranges: ByteRanges::One(range) })
         }
         _ => {
             let (nr, deallocate) = sqe.dsm_ranges();
@@ -215,6 +238,18 @@ mod tests {
         // The last block of the namespace (2048 blocks of 512 bytes).
         let p = plan(&rw(io_opcode::WRITE, 2047, 1), &nss, 512).unwrap();
         assert!(matches!(p, IoPlan::Write { offset, len: 512, fua: false, .. } if offset == (1 << 20) - 512), "{p:?}");
+    }
+
+    #[test]
+    fn write_zeroes_holds_its_one_range_inline() {
+        let nss = [ns(false)];
+        let mut wz = rw(io_opcode::WRITE_ZEROES, 2, 8);
+        wz.set_sgl(Sgl::NONE);
+        let p = plan(&wz, &nss, 0).unwrap();
+        assert!(matches!(&p, IoPlan::Range { ranges: ByteRanges::One((1024, 4096)), .. }), "{p:?}");
+        let IoPlan::Range { ranges, .. } = p else { unreachable!() };
+        assert_eq!(&ranges[..], &[(1024, 4096)]);
+        assert!(ByteRanges::None.is_empty());
     }
 
     #[test]

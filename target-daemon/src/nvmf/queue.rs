@@ -17,7 +17,7 @@ use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry};
 use rdmablk_common::nvme::status::Status;
 use rdmablk_common::protocol::Opcode;
 
-use super::io_cmd::{self, IoPlan};
+use super::io_cmd::{self, ByteRanges, IoPlan};
 use super::{
     admin_cmd, fabrics_cmd, CloseReason, Controller, HostView, Namespace, NvmeStats, QueueCloser, Subsystem, ADMIN_TICK, MAX_TRANSFER,
     QUEUE_CHUNKS, QUEUE_FILE_SLOTS,
@@ -115,7 +115,7 @@ struct Cmd {
     failed: Option<Status>,
     /// Byte ranges the command writes: their write epochs move when its
     /// disk work starts and again when it is done (see `WriteEpochs`).
-    written: Vec<(u64, u64)>,
+    written: ByteRanges,
     /// When an I/O command arrived, if it is timed (`metrics::clock_is_cheap`).
     started: Option<Instant>,
 }
@@ -355,7 +355,7 @@ impl Queue {
         }
         let slot = self.alloc_slot();
         let started = if plan.is_some() && crate::metrics::clock_is_cheap() { Some(Instant::now()) } else { None };
-        let mut cmd = Cmd { sqe, buf: Buf::None, expect, received: 0, plan, pending_ops: 0, failed: None, written: Vec::new(), started };
+        let mut cmd = Cmd { sqe, buf: Buf::None, expect, received: 0, plan, pending_ops: 0, failed: None, written: ByteRanges::None, started };
         if expect > 0 {
             cmd.buf = if cmd.plan.as_ref().is_some_and(|p| p.uses_chunk()) {
                 match self.engine.as_mut().and_then(|e| e.alloc()) {
@@ -544,7 +544,7 @@ impl Queue {
             IoPlan::Write { ns, offset, len, fua } => {
                 let Buf::Chunk(c) = cmd.buf else { unreachable!("a chunk was taken above") };
                 ns.volume.writes.bump(*offset, *len as u64);
-                cmd.written.push((*offset, *len as u64));
+                cmd.written = ByteRanges::One((*offset, *len as u64));
                 engine.write(&ns.volume, c, *len, *offset, *fua, tag).map(|()| cmd.pending_ops = 1)
             }
             IoPlan::Flush { ns } => engine.flush(&ns.volume, tag).map(|()| cmd.pending_ops = 1),
@@ -565,7 +565,7 @@ impl Queue {
                         self.finish(slot, Reply::ok());
                         return;
                     }
-                    Ok(ranges) => submit_ranges(engine, cmd, ns, *op, ranges, tag),
+                    Ok(ranges) => submit_ranges(engine, cmd, ns, *op, ByteRanges::Many(ranges), tag),
                 }
             }
         };
@@ -629,7 +629,7 @@ impl Queue {
         self.record_io(slot, self.cmds[slot as usize].as_ref().is_some_and(|c| c.failed.is_none()));
         let cmd = self.cmds[slot as usize].as_mut().expect("live command");
         let plan = cmd.plan.clone().expect("an I/O command");
-        for &(offset, len) in &cmd.written {
+        for &(offset, len) in cmd.written.iter() {
             plan.namespace().volume.writes.bump(offset, len);
         }
         let cid = cmd.sqe.cid;
@@ -853,11 +853,11 @@ fn submit_ranges(
     cmd: &mut Cmd,
     ns: &Namespace,
     op: crate::backend::RangeOp,
-    ranges: Vec<(u64, u64)>,
+    ranges: ByteRanges,
     tag: u64,
 ) -> crate::Result<()> {
     let mut r = Ok(());
-    for &(offset, len) in &ranges {
+    for &(offset, len) in ranges.iter() {
         ns.volume.writes.bump(offset, len);
         match engine.range(&ns.volume, op, offset, len, tag) {
             Ok(()) => cmd.pending_ops += 1,
