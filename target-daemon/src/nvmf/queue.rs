@@ -158,6 +158,12 @@ pub struct Queue {
     by_cid: HashMap<u16, u16>,
     waiting_chunk: VecDeque<u16>,
     pub actions: Vec<Action>,
+    /// The buffer `actions` is swapped with while the transport carries a
+    /// batch out ([`Queue::take_actions`]). Kept, as `reaped` is, with its
+    /// capacity: a turn of the per-I/O path allocates nothing.
+    spare_actions: Vec<Action>,
+    /// The engine's completions, between its reap and their answers.
+    reaped: Vec<(u64, i32)>,
     ns_cache: (u64, Vec<Namespace>),
     /// Admin queue: held AERs, changed namespaces not yet read, whether
     /// namespace notices wait for the log to be read, what the host saw.
@@ -188,6 +194,8 @@ impl Queue {
             by_cid: HashMap::new(),
             waiting_chunk: VecDeque::new(),
             actions: Vec::new(),
+            spare_actions: Vec::new(),
+            reaped: Vec::new(),
             ns_cache: (u64::MAX, Vec::new()),
             aers: Vec::new(),
             changed_nsids: Vec::new(),
@@ -251,6 +259,23 @@ impl Queue {
         self.release_slot(slot);
         let c = self.completion(sqe.cid, status, result);
         self.actions.push(Action::Respond(c, sqe.sgl().ok()));
+    }
+
+    /// The actions made so far, for the transport to carry out in order;
+    /// the ones made meanwhile go to the spare buffer. Hand the batch back
+    /// with [`Queue::actions_done`]: the two buffers take turns and keep
+    /// their capacity (taking `actions` itself would leave it without, and
+    /// the next answer would allocate).
+    pub fn take_actions(&mut self) -> Vec<Action> {
+        let spare = std::mem::take(&mut self.spare_actions);
+        std::mem::replace(&mut self.actions, spare)
+    }
+
+    /// A batch from [`Queue::take_actions`] was carried out (what is left
+    /// of it, after a close, is dropped): its buffer is the next spare.
+    pub fn actions_done(&mut self, mut batch: Vec<Action>) {
+        batch.clear();
+        self.spare_actions = batch;
     }
 
     /// The SGL of command `slot` (checked when it arrived).
@@ -583,12 +608,16 @@ impl Queue {
     /// Reaps the engine and turns finished operations into answers.
     pub fn reap(&mut self) -> usize {
         let Some(mut engine) = self.engine.take() else { return 0 };
-        let mut done: Vec<(u64, i32)> = Vec::new();
+        // Into the kept buffer: taken out meanwhile, as `op_done` needs the
+        // whole queue.
+        let mut done = std::mem::take(&mut self.reaped);
         let n = engine.reap(|tag, res| done.push((tag, res)));
         self.engine = Some(engine);
-        for (tag, res) in done {
+        for &(tag, res) in &done {
             self.op_done(tag as u16, res);
         }
+        done.clear();
+        self.reaped = done;
         n
     }
 
@@ -784,15 +813,11 @@ impl Queue {
     /// The descriptors a queue thread watches once they exist: the
     /// engine's (its ring's eventfd, its blocking worker's) and, on the
     /// admin queue, the controller's wake-up.
-    pub fn wake_sources(&self) -> Vec<(std::os::fd::RawFd, WakeSource)> {
-        let mut fds = Vec::new();
-        if let Some(e) = &self.engine {
-            fds.extend(e.wait_fds().map(|fd| (fd, WakeSource::Engine)));
-        }
-        if let Some(c) = self.conn.as_ref().filter(|c| c.qid == 0) {
-            fds.push((c.ctrl.wake.fd(), WakeSource::Controller));
-        }
-        fds
+    /// An iterator, not a list: the transports ask every turn.
+    pub fn wake_sources(&self) -> impl Iterator<Item = (std::os::fd::RawFd, WakeSource)> + '_ {
+        let engine = self.engine.iter().flat_map(|e| e.wait_fds().map(|fd| (fd, WakeSource::Engine)));
+        let controller = self.conn.as_ref().filter(|c| c.qid == 0).map(|c| (c.ctrl.wake.fd(), WakeSource::Controller));
+        engine.chain(controller)
     }
 
     /// Consumes the wake-up of `source` after it fired.
@@ -1133,6 +1158,59 @@ mod tests {
             }
             assert!(Instant::now() < deadline, "no answer within 10 s");
             std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn reads_and_writes_keep_the_queues_buffers_from_turn_to_turn() {
+        use rdmablk_common::nvme::sqe::io_opcode;
+        let (sub, _) = subsystem(&["v"]);
+        let (_admin, mut q) = io_queue(&sub);
+        let block: Vec<u8> = (0..512u32).map(|i| i as u8).collect();
+        // Driven as a transport does: a command, then turns of submitting
+        // and reaping until the answers come, taken and handed back.
+        let turn = |q: &mut Queue, sqe: SubmissionEntry, data: &[u8]| -> Action {
+            if let Some(slot) = q.command(sqe, data.len() as u32) {
+                q.data_mut(slot, 0, data.len() as u32).copy_from_slice(data);
+                q.data_placed(slot, data.len() as u32, true).unwrap();
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while q.actions.is_empty() {
+                assert!(Instant::now() < deadline, "no answer within 10 s");
+                q.engine.as_mut().expect("engine").submit().unwrap();
+                q.reap();
+            }
+            let mut batch = q.take_actions();
+            assert_eq!(batch.len(), 1, "{batch:?}");
+            let a = batch.pop().expect("one");
+            q.actions_done(batch);
+            a
+        };
+        for round in 0..3u16 {
+            if round > 0 {
+                // Both action buffers and the reaped list kept what they
+                // grew to: the next answer and completion allocate nothing.
+                assert!(q.actions.capacity() > 0 && q.spare_actions.capacity() > 0, "round {round}");
+                assert!(q.reaped.capacity() > 0, "round {round}");
+            }
+            let mut write = SubmissionEntry::new(io_opcode::WRITE, 40 + 2 * round);
+            write.nsid = 1;
+            write.set_rw(8, 1, false);
+            write.set_sgl(Sgl::InCapsule { offset: 0, length: 512 });
+            let a = turn(&mut q, write, &block);
+            assert!(matches!(a, Action::Respond(c, _) if c.status == Status::SUCCESS), "{a:?}");
+            let mut read = SubmissionEntry::new(io_opcode::READ, 41 + 2 * round);
+            read.nsid = 1;
+            read.set_rw(8, 1, false);
+            read.set_sgl(Sgl::Transport { length: 512 });
+            match turn(&mut q, read, &[]) {
+                Action::SendData { buf: Buf::Chunk(c), len: 512, then, .. } => {
+                    assert_eq!(then.status, Status::SUCCESS);
+                    assert_eq!(&q.engine.as_ref().expect("engine").bytes(c)[..512], &block[..]);
+                    q.sent(c);
+                }
+                other => panic!("round {round}: {other:?}"),
+            }
         }
     }
 

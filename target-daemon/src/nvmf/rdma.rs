@@ -482,8 +482,11 @@ impl Connection {
             _ => {}
         }
         if !self.waiting.is_empty() && self.closing.is_none() {
-            let waiting = std::mem::take(&mut self.waiting);
-            for a in waiting {
+            // Each waiting answer once, in place (the deque keeps its
+            // capacity): one that still finds no slot goes to the back,
+            // behind the others that wait, in the order they were made.
+            for _ in 0..self.waiting.len() {
+                let a = self.waiting.pop_front().expect("counted");
                 self.act(a);
             }
         }
@@ -531,7 +534,8 @@ impl Connection {
         // with it, and that answer must still go out: it closes the queue
         // after the whole batch.
         let mut close = None;
-        for a in std::mem::take(&mut self.q.actions) {
+        let mut batch = self.q.take_actions();
+        for a in batch.drain(..) {
             if self.closing.is_some() {
                 break;
             }
@@ -546,6 +550,7 @@ impl Connection {
             }
             self.act(a);
         }
+        self.q.actions_done(batch);
         if let Some(why) = close {
             self.close(why);
         }

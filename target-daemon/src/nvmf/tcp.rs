@@ -604,7 +604,8 @@ impl Connection {
 
     /// Turns the queue's actions into PDUs.
     fn drain_actions(&mut self) {
-        for a in std::mem::take(&mut self.q.actions) {
+        let mut batch = self.q.take_actions();
+        for a in batch.drain(..) {
             match a {
                 Action::Respond(cqe, _) => self.queue_pdu(&Pdu::CapsuleResp(cqe), TxBody::None),
                 Action::SendData { cid, buf, len, then, .. } => {
@@ -628,6 +629,7 @@ impl Connection {
                 }
             }
         }
+        self.q.actions_done(batch);
     }
 
     /// Sends what is queued, as far as the socket takes it.
