@@ -462,12 +462,21 @@ impl Connection {
                 if avail < layout.header_with_digest {
                     return Ok(false);
                 }
-                let header = b[..layout.header_with_digest].to_vec();
-                let pdu = Pdu::decode(&ch, &layout, b).map_err(|e| invalid(&e, header.clone()))?;
+                // Copied, as `on_header` changes the connection; on the
+                // stack, as every command's PDU comes here. No type's
+                // header with its digest is longer than MAX_HEADER (the
+                // ICReq's, which has none).
+                let n = layout.header_with_digest;
+                let mut copy = [0u8; MAX_HEADER];
+                copy[..n].copy_from_slice(&b[..n]);
+                let header = &copy[..n];
+                let pdu = Pdu::decode(&ch, &layout, b).map_err(|e| invalid(&e, header.to_vec()))?;
                 self.rx_start += layout.header_with_digest;
-                let dest = self.on_header(pdu, layout.data_len as u32, &header)?;
+                let dest = self.on_header(pdu, layout.data_len as u32, header)?;
                 if layout.data_len > 0 {
-                    self.last_header = header;
+                    // Into the kept buffer, which keeps its capacity.
+                    self.last_header.clear();
+                    self.last_header.extend_from_slice(header);
                     self.state = Rx::Data {
                         dest,
                         pad: layout.data_offset - layout.header_with_digest,
@@ -636,7 +645,9 @@ impl Connection {
     fn flush_tx(&mut self) -> Result<(), Fatal> {
         while !self.tx.is_empty() {
             let written = {
-                let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(48);
+                // Three parts of each of the first 16 items, on the stack.
+                let mut slices = [IoSlice::new(&[]); 48];
+                let mut count = 0;
                 let mut skip = self.tx_sent;
                 for item in self.tx.iter().take(16) {
                     let body: &[u8] = match &item.body {
@@ -650,11 +661,12 @@ impl Connection {
                             skip -= part.len();
                             continue;
                         }
-                        slices.push(IoSlice::new(&part[skip..]));
+                        slices[count] = IoSlice::new(&part[skip..]);
+                        count += 1;
                         skip = 0;
                     }
                 }
-                match (&self.stream).write_vectored(&slices) {
+                match (&self.stream).write_vectored(&slices[..count]) {
                     Ok(0) => return Err(Fatal::closed("send: the connection is closed")),
                     Ok(n) => n,
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
