@@ -109,7 +109,7 @@ pub enum Command {
     /// One line per volume: name, size in bytes, block size, ro|rw
     List,
     /// Write a new random key file (mode 0600) for a host id: give the same
-    /// file to the target's [[host]] entry and to --key-file
+    /// file to the target's `[[host]]` entry and to --key-file
     Keygen {
         /// The file to create (never overwritten)
         path: PathBuf,

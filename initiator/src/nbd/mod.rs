@@ -49,7 +49,7 @@
 //!
 //! # Errors
 //! Every failed request gets one NBD errno, chosen in one place
-//! ([`errno`]), and a log line naming the client, the command, the range
+//! (`errno`), and a log line naming the client, the command, the range
 //! and the reason. A request that cannot be parsed (bad magic), a WRITE
 //! longer than 32 MiB (its payload is too long to read and discard), or a
 //! protocol violation during

@@ -4,7 +4,7 @@
 //! One ublk queue per session queue pair, each served by its own thread
 //! that owns the queue's io_uring and an [`IoQueue`](crate::IoQueue) (see
 //! `serve.rs`). This file holds what runs without a kernel: how a ublk
-//! request becomes a volume request ([`translate`]) and the device
+//! request becomes a volume request (`translate`) and the device
 //! parameters the volume gives ([`DeviceParams`]); both are unit-tested on
 //! a host without ublk.
 
