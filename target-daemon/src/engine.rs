@@ -286,12 +286,25 @@ impl BlockEngine {
     /// [`BlockEngine::wake_poll_armed`] stays true until a later reap).
     /// [`BlockEngine::take_wake`] then says whether the descriptor was
     /// readable before the withdrawal caught the poll.
-    pub fn withdraw_wake_poll(&mut self) -> Result<()> {
-        self.uring.withdraw_wake_poll();
-        self.uring.submit()?;
+    ///
+    /// A poll that already fired needs no withdrawal, and its completion
+    /// may be in the completion queue already: the caller was preempted
+    /// by the peer its answer woke (client and reactor on one CPU), the
+    /// peer's next command fired the poll meanwhile, and its task work ran
+    /// on the caller's way back to user space. So the queue is reaped
+    /// first (no system call) and the cancellation is entered only for a
+    /// poll still armed. Returns whether it entered the kernel.
+    pub fn withdraw_wake_poll(&mut self) -> Result<bool> {
         let immediate = &mut self.immediate;
         self.uring.reap(&mut self.pool, |tag, res| immediate.push((tag, res)));
-        Ok(())
+        if !self.uring.wake_poll_armed() {
+            return Ok(false);
+        }
+        self.uring.withdraw_wake_poll();
+        let entered = self.uring.submit()? > 0;
+        let immediate = &mut self.immediate;
+        self.uring.reap(&mut self.pool, |tag, res| immediate.push((tag, res)));
+        Ok(entered)
     }
 
     /// Whether the ring receives from the caller's socket
@@ -343,7 +356,9 @@ impl BlockEngine {
     /// moved, or `-errno`. No system call: cheap to call every turn.
     pub fn reap(&mut self, mut f: impl FnMut(u64, i32)) -> usize {
         let mut n = 0;
-        for (tag, res) in std::mem::take(&mut self.immediate) {
+        // Drained in place: the list keeps its capacity, so that a null
+        // volume's read (completed here on every command) allocates nothing.
+        for (tag, res) in self.immediate.drain(..) {
             f(tag, res);
             n += 1;
         }
@@ -352,5 +367,71 @@ impl BlockEngine {
             n += b.reap(&mut f);
         }
         n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sys::{Epoll, EventFd};
+    use std::time::{Duration, Instant};
+
+    /// An engine that sleeps in its ring, woken by an epoll set that
+    /// holds one eventfd.
+    fn sleeping_engine() -> (BlockEngine, Epoll, EventFd) {
+        let epoll = Epoll::new().unwrap();
+        let efd = EventFd::new().unwrap();
+        epoll.add(efd.fd(), 7).unwrap();
+        let opts = UringOptions { entries: 16, wake_fd: Some(epoll.fd()), ..Default::default() };
+        let engine = BlockEngine::new(Pool::new(4096, 4096), opts, 0).unwrap();
+        assert!(engine.sleeps_in_ring(), "this kernel has PollAdd and EXT_ARG");
+        (engine, epoll, efd)
+    }
+
+    #[test]
+    fn completions_done_without_the_kernel_are_reported_once_and_their_list_keeps_its_capacity() {
+        let (mut engine, _epoll, _efd) = sleeping_engine();
+        for round in 0..3u64 {
+            // As a null volume's reads and a memory volume's flushes complete.
+            engine.immediate.push((round, 4096));
+            engine.immediate.push((round + 100, 0));
+            let mut seen = Vec::new();
+            assert_eq!(engine.reap(|tag, res| seen.push((tag, res))), 2);
+            assert_eq!(seen, [(round, 4096), (round + 100, 0)]);
+            assert_eq!(engine.reap(|tag, res| panic!("reported twice: ({tag}, {res})")), 0);
+            assert!(engine.immediate.capacity() >= 2, "round {round}: the list was given away, the next push allocates");
+        }
+    }
+
+    #[test]
+    fn a_wake_poll_that_already_fired_is_taken_without_entering_a_cancellation() {
+        let (mut engine, _epoll, efd) = sleeping_engine();
+        let no_op = |tag: u64, res: i32| panic!("unexpected completion ({tag}, {res})");
+
+        // A sleep arms the poll; nothing readable, so it is still armed
+        // after the timeout, and withdrawing it takes a cancellation.
+        engine.sleep(Some(Duration::from_millis(1))).unwrap();
+        assert!(engine.wake_poll_armed());
+        assert!(engine.withdraw_wake_poll().unwrap(), "an armed, quiet poll is cancelled");
+        let start = Instant::now();
+        while engine.wake_poll_armed() {
+            assert_eq!(engine.reap(no_op), 0);
+            assert!(start.elapsed() < Duration::from_secs(5), "the cancelled poll never ended");
+        }
+        assert!(!engine.take_wake(), "a cancelled poll is not a wake-up");
+
+        // Armed again, then its descriptor becomes readable. The poll's
+        // task work runs on this thread's way back from a system call (the
+        // eventfd write, at the latest the sleep after it), so its
+        // completion waits in the queue: the withdrawal takes it and
+        // enters nothing.
+        engine.sleep(Some(Duration::from_millis(1))).unwrap();
+        assert!(engine.wake_poll_armed());
+        efd.notify();
+        std::thread::sleep(Duration::from_millis(10));
+        assert!(!engine.withdraw_wake_poll().unwrap(), "a fired poll needs no cancellation");
+        assert!(!engine.wake_poll_armed());
+        assert!(engine.take_wake(), "the poll fired: a wake-up");
+        assert_eq!(engine.reap(no_op), 0);
     }
 }

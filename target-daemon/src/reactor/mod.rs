@@ -803,7 +803,8 @@ impl Reactor {
     /// poll still armed from a sleep in the ring (the file volume at QD1:
     /// the reactor slept for the disk, answered, and has nothing in
     /// flight) is withdrawn first, one `io_uring_enter` after the answer
-    /// went out, off the next command's path ("Issue 20, eighth look").
+    /// went out, off the next command's path ("Issue 20, eighth look"),
+    /// unless it already fired (`BlockEngine::withdraw_wake_poll`).
     /// If it fired before the withdrawal caught it, the wake-up is handled
     /// as a sleep's would be; if its end is not reaped yet, the reactor
     /// sleeps in the ring, where that end wakes it.
