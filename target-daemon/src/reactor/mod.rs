@@ -36,11 +36,11 @@
 //! concern (one `Reactor` type, one `impl` per file):
 //! - this file: the thread, its loop, sleeping and waking, control
 //!   messages, deadlines;
-//! - [`v1`]: what the v1 wire asks: sessions, capsules and their plans
+//! - `v1`: what the v1 wire asks: sessions, capsules and their plans
 //!   (`crate::command`), CONNECT, the fence, authentication, answers;
-//! - [`fabric_io`]: the completion queues and the RDMA READ/WRITE/SEND
+//! - `fabric_io`: the completion queues and the RDMA READ/WRITE/SEND
 //!   work that moves data between the initiator and the pool;
-//! - [`disk`]: the commands' disk side: command slab, pool chunks and their
+//! - `disk`: the commands' disk side: command slab, pool chunks and their
 //!   waits, the engine operations they issue and their completions,
 //!   readahead, volume slots, per-volume counters. Nothing there reads or
 //!   writes the v1 wire.

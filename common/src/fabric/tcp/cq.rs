@@ -607,14 +607,14 @@ impl TcpCq {
     /// socket, as a bare TCP client does, instead of in `poll` on the fd
     /// followed by a `read`. Returns whether completions may be queued
     /// (`false`: `timeout` passed, or less: at most
-    /// [`LONGEST_RECEIVING_WAIT`]); the next [`poll`](TcpCq::poll) takes
+    /// `LONGEST_RECEIVING_WAIT`); the next [`poll`](TcpCq::poll) takes
     /// them without a system call.
     ///
     /// `None` when the CQ cannot wait so; the owner then sleeps on the fd
     /// (`CompletionQueue::wait`). That is when more or fewer than one queue
-    /// pair is attached, that one cannot ([`qp::wait_receiving`]), the
+    /// pair is attached, that one cannot (`qp::wait_receiving`), the
     /// late mode is on, a deferred ACK waits for its hold to end, or a
-    /// deadline check is due within [`SHORTEST_RECEIVING_WAIT`]: the wait
+    /// deadline check is due within `SHORTEST_RECEIVING_WAIT`: the wait
     /// sleeps no longer than the next check, so the transport and frame
     /// timeouts still fire. Nothing else can wake it: a completion another
     /// thread queued meanwhile waits for the receive, which is why the
