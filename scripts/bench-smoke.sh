@@ -5,7 +5,8 @@
 # the JSON carries the targets with their per-repeat pairs and bounds, and
 # every file row what it read from the disk),
 # bench/ceiling.sh (every measurement made), bench/per-io.sh (one null
-# case) and bench/qd1-legs.sh (one null round, traced). No figure is judged (timing does not
+# case), bench/qd1-legs.sh (one null round, traced) and bench/placement.sh
+# (one round). No figure is judged (timing does not
 # belong in the test suite); this only catches a script that no longer runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -90,3 +91,20 @@ for who in ("rdmablk", "bound"):
         f"qd1-legs.sh: no complete {who} row in:\n" + open(sys.argv[1]).read()
 print(f"bench smoke: qd1-legs.sh traced {rows['rdmablk'][8]} and {rows['bound'][8]} cycles")
 PY
+
+# placement.sh: one round of its six runs on the same small file; the
+# summary has a p50 for both systems under each placement. A machine with
+# no disk interrupt to place by (or one CPU) is told so and skipped.
+if BIN=target/debug bench/placement.sh --rounds 1 --runtime 1 --file "$out/legs.img" >"$out/placement.txt" 2>"$out/placement.err"; then
+    python3 - "$out/placement.txt" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+rows = {m.group(1): m for m in re.finditer(r"^(split|together|unpinned) +([0-9.]+) \([0-9.]+-[0-9.]+\) +([0-9.]+) \([0-9.]+-[0-9.]+\) +[-+][0-9.]+$", text, re.M)}
+assert set(rows) == {"split", "together", "unpinned"}, "placement.sh: no complete summary in:\n" + text
+print("bench smoke: placement.sh ran rdmablk and its bound split, together and unpinned")
+PY
+elif grep -q "nothing to place" "$out/placement.err"; then
+    echo "bench smoke: placement.sh skipped: $(cat "$out/placement.err")"
+else
+    cat "$out/placement.err" >&2; exit 1
+fi
