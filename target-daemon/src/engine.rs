@@ -295,16 +295,21 @@ impl BlockEngine {
     /// first (no system call) and the cancellation is entered only for a
     /// poll still armed. Returns whether it entered the kernel.
     pub fn withdraw_wake_poll(&mut self) -> Result<bool> {
-        let immediate = &mut self.immediate;
-        self.uring.reap(&mut self.pool, |tag, res| immediate.push((tag, res)));
+        self.reap_ring_for_later();
         if !self.uring.wake_poll_armed() {
             return Ok(false);
         }
         self.uring.withdraw_wake_poll();
         let entered = self.uring.submit()? > 0;
+        self.reap_ring_for_later();
+        Ok(entered)
+    }
+
+    /// Reaps the ring (which is how the wake poll's end is seen) and keeps
+    /// the operations' completions for the caller's next [`BlockEngine::reap`].
+    fn reap_ring_for_later(&mut self) {
         let immediate = &mut self.immediate;
         self.uring.reap(&mut self.pool, |tag, res| immediate.push((tag, res)));
-        Ok(entered)
     }
 
     /// Whether the ring receives from the caller's socket

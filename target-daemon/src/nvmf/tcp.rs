@@ -645,11 +645,12 @@ impl Connection {
     fn flush_tx(&mut self) -> Result<(), Fatal> {
         while !self.tx.is_empty() {
             let written = {
-                // Three parts of each of the first 16 items, on the stack.
-                let mut slices = [IoSlice::new(&[]); 48];
+                // The three parts of each of the first ITEMS items, on the stack.
+                const ITEMS: usize = 16;
+                let mut slices = [IoSlice::new(&[]); ITEMS * 3];
                 let mut count = 0;
                 let mut skip = self.tx_sent;
-                for item in self.tx.iter().take(16) {
+                for item in self.tx.iter().take(ITEMS) {
                     let body: &[u8] = match &item.body {
                         TxBody::None => &[],
                         TxBody::Chunk(c, n) => &self.q.engine.as_ref().expect("engine").bytes(*c)[..*n],
