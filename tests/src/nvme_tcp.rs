@@ -509,8 +509,14 @@ impl NvmeTcpConn {
 
     /// Connect of I/O queue `qid` to controller `cntlid`.
     pub fn io_connect(&mut self, cntlid: u16, qid: u16, subnqn: &str, hostnqn: &str) -> Result<CompletionEntry, Status> {
+        self.io_connect_sized(cntlid, qid, 31, subnqn, hostnqn)
+    }
+
+    /// [`io_connect`](Self::io_connect) with a 0-based `sqsize` (Linux
+    /// asks for 127).
+    pub fn io_connect_sized(&mut self, cntlid: u16, qid: u16, sqsize: u16, subnqn: &str, hostnqn: &str) -> Result<CompletionEntry, Status> {
         let data = connect_data(cntlid, subnqn, hostnqn);
-        let c = self.exec_ok(connect_entry(qid, 31, 0), &data, &[], 0)?;
+        let c = self.exec_ok(connect_entry(qid, sqsize, 0), &data, &[], 0)?;
         self.qid = qid;
         Ok(c.cqe)
     }

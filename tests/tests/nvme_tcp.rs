@@ -424,6 +424,39 @@ fn pipelined_commands_on_one_queue_all_complete_and_land() {
     target.assert_no_panic();
 }
 
+#[test]
+fn a_queue_deeper_than_its_chunks_gets_every_write_by_r2t_and_reads_it_back() {
+    // A queue has 32 chunks and Linux keeps up to 128 commands in flight:
+    // the writes beyond the 32nd get their R2T when a chunk frees.
+    const DEPTH: u64 = 96;
+    const BLOCKS: u32 = 32; // 128 KiB, MDTS
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_file(dir.path(), "vol.img", VOL_SIZE);
+    let (target, addr, _) =
+        start_on(dir.path(), &format!("{}\n{}", nvme_section(""), nvme_volume("vol", &img, VOL_SIZE, false, Some(1), "")));
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed());
+    let (mut admin, cntlid) = controller(addr);
+    for (qid, digests) in [(1u16, NO_DIGESTS), (2, BOTH_DIGESTS)] {
+        let mut q = NvmeTcpConn::connect(addr, digests);
+        q.io_connect_sized(cntlid, qid, 127, SUBNQN, HOSTNQN).unwrap_or_else(|s| panic!("I/O Connect with 128 entries: {s}"));
+        let datas: Vec<Vec<u8>> = (0..DEPTH).map(|_| random_bytes(&mut rng, BLOCKS as usize * BS as usize)).collect();
+        let cmds: Vec<Cmd<'_>> =
+            datas.iter().enumerate().map(|(i, d)| Cmd::new(rw_entry(io_opcode::WRITE, 1, i as u64 * BLOCKS as u64, BLOCKS, false), &[], d, 0)).collect();
+        let done = q.execute_many(&cmds).unwrap_or_else(|e| panic!("{digests:?}: {DEPTH} writes by R2T in flight: {e}"));
+        assert!(done.iter().all(|c| c.cqe.status.is_success()), "{digests:?}: {:?}", done.iter().map(|c| c.cqe.status).collect::<Vec<_>>());
+        let cmds: Vec<Cmd<'_>> = (0..DEPTH)
+            .map(|i| Cmd::new(rw_entry(io_opcode::READ, 1, i * BLOCKS as u64, BLOCKS, false), &[], &[], BLOCKS as usize * BS as usize))
+            .collect();
+        let done = q.execute_many(&cmds).unwrap_or_else(|e| panic!("{digests:?}: {DEPTH} reads in flight: {e}"));
+        for (i, c) in done.iter().enumerate() {
+            assert!(c.cqe.status.is_success() && c.data == datas[i], "{digests:?}: read {i}: {}", c.cqe.status);
+            assert!(file_bytes(&img, i as u64 * BLOCKS as u64 * BS as u64, datas[i].len()) == datas[i], "{digests:?}: file at write {i}");
+        }
+    }
+    admin.keep_alive().unwrap();
+    target.assert_no_panic();
+}
+
 /// Reconnects I/O queue 1 of `cntlid` once its old connection is cleaned up.
 fn wait_until_reconnects(addr: SocketAddr, cntlid: u16, digests: Digests) {
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -36,7 +36,8 @@ pub enum Buf {
     /// A pool chunk: disk data goes to and from it directly.
     Chunk(ChunkId),
     /// Heap memory: admin data, DSM ranges, in-capsule writes that found no
-    /// free chunk.
+    /// free chunk (a write whose data comes when asked waits for a chunk
+    /// before it asks, with no buffer).
     Heap(Vec<u8>),
 }
 
@@ -385,16 +386,26 @@ impl Queue {
             cmd.buf = if cmd.plan.as_ref().is_some_and(|p| p.uses_chunk()) {
                 match self.engine.as_mut().and_then(|e| e.alloc()) {
                     Some(c) => Buf::Chunk(c),
-                    None => Buf::Heap(vec![0; expect as usize]),
+                    // In-capsule data is already on its way: held in heap
+                    // memory (at most IO_IN_CAPSULE) until a chunk frees.
+                    None if in_capsule > 0 => Buf::Heap(vec![0; expect as usize]),
+                    // Data the host sends when asked is asked for when a
+                    // chunk frees, so the queue's memory stays its chunks.
+                    None => Buf::None,
                 }
             } else {
                 Buf::Heap(vec![0; expect as usize])
             };
         }
+        let waits_for_chunk = expect > 0 && matches!(cmd.buf, Buf::None);
         self.cmds[slot as usize] = Some(cmd);
         self.by_cid.insert(cid, slot);
         if in_capsule > 0 {
             return Some(slot);
+        }
+        if waits_for_chunk {
+            self.waiting_chunk.push_back(slot);
+            return None;
         }
         if expect > 0 {
             // The data comes in H2CData PDUs tagged with the slot.
@@ -432,8 +443,26 @@ impl Queue {
             e.release(c);
         }
         if let Some(next) = self.waiting_chunk.pop_front() {
-            self.run_io(next);
+            self.chunk_freed_for(next);
         }
+    }
+
+    /// A chunk is free for command `slot`, which waited for one: a write
+    /// whose data was not asked for yet asks for it into that chunk; any
+    /// other command runs.
+    fn chunk_freed_for(&mut self, slot: u16) {
+        let cmd = self.cmds[slot as usize].as_mut().expect("live command");
+        if cmd.expect == 0 || !matches!(cmd.buf, Buf::None) {
+            self.run_io(slot);
+            return;
+        }
+        let Some(c) = self.engine.as_mut().and_then(|e| e.alloc()) else {
+            self.waiting_chunk.push_front(slot);
+            return;
+        };
+        cmd.buf = Buf::Chunk(c);
+        let (cid, len) = (cmd.sqe.cid, cmd.expect);
+        self.actions.push(Action::RequestData { cid, ttag: slot, len });
     }
 
     /// A chunk the transport finished sending.
@@ -460,7 +489,12 @@ impl Queue {
         if cmd.sqe.cid != cccid {
             return Err(H2cRefusal::WrongCommand);
         }
-        if cmd.expect == 0 || cmd.received >= cmd.expect || matches!(cmd.sqe.sgl(), Ok(Sgl::InCapsule { .. })) {
+        // A command waiting for a chunk (no buffer yet) has not asked.
+        if cmd.expect == 0
+            || cmd.received >= cmd.expect
+            || matches!(cmd.buf, Buf::None)
+            || matches!(cmd.sqe.sgl(), Ok(Sgl::InCapsule { .. }))
+        {
             return Err(H2cRefusal::NotRequested);
         }
         if offset != cmd.received || offset as u64 + len as u64 > cmd.expect as u64 {
@@ -1211,6 +1245,83 @@ mod tests {
                 }
                 other => panic!("round {round}: {other:?}"),
             }
+        }
+    }
+
+    /// An I/O queue of 64 entries: more than its 32 chunks.
+    fn deep_io_queue(sub: &Arc<Subsystem>) -> (Queue, Queue) {
+        let (admin, cntlid) = admin_of_controller(sub);
+        let mut q = queue(sub);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        q.closer = Some(QueueCloser::Tcp(std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap()));
+        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid: 1, sqsize: 63, cattr: 0, kato_ms: 0 };
+        let mut d = [0u8; CONNECT_DATA_SIZE];
+        ConnectData { host_id: [7; 16], controller_id: cntlid, subsystem_nqn: sub.nqn.clone(), host_nqn: HOST.into() }.encode(&mut d).unwrap();
+        assert_eq!(status(&run(&mut q, c.to_entry(1), &d)).0, Status::SUCCESS);
+        assert_eq!(q.sq_entries, 64);
+        (admin, q)
+    }
+
+    #[test]
+    fn a_write_that_finds_every_chunk_in_use_asks_for_its_data_only_when_one_frees() {
+        use rdmablk_common::nvme::sqe::io_opcode;
+        let (sub, _) = subsystem(&["v"]);
+        let (_admin, mut q) = deep_io_queue(&sub);
+        // Reads take every chunk of the queue (their disk work is queued,
+        // not yet submitted).
+        for cid in 0..QUEUE_CHUNKS as u16 {
+            let mut read = SubmissionEntry::new(io_opcode::READ, 100 + cid);
+            read.nsid = 1;
+            read.set_rw(cid as u64, 1, false);
+            read.set_sgl(Sgl::Transport { length: 512 });
+            assert_eq!(q.command(read, 0), None);
+        }
+        // A write whose data the host sends when asked (R2T): no chunk is
+        // free, so it is not asked for, and none is accepted unasked.
+        let mut write = SubmissionEntry::new(io_opcode::WRITE, 7);
+        write.nsid = 1;
+        write.set_rw(900, 1, false);
+        write.set_sgl(Sgl::Transport { length: 512 });
+        assert_eq!(q.command(write, 0), None);
+        assert!(q.actions.is_empty(), "asked for data with every chunk in use: {:?}", q.actions);
+        for ttag in 0..64 {
+            assert!(q.check_h2c(ttag, 7, 0, 512).is_err(), "data for the waiting write accepted under tag {ttag}");
+        }
+        // The reads finish; the first chunk sent back goes to the write.
+        let mut sent = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while sent.len() < QUEUE_CHUNKS as usize {
+            assert!(Instant::now() < deadline, "reads unanswered after 10 s: {} of {QUEUE_CHUNKS}", sent.len());
+            for a in reap_until_answered(&mut q) {
+                match a {
+                    Action::SendData { buf: Buf::Chunk(c), then, .. } if then.status == Status::SUCCESS => sent.push(c),
+                    other => panic!("a read answered {other:?}"),
+                }
+            }
+        }
+        assert!(q.actions.is_empty(), "{:?}", q.actions);
+        q.sent(sent.pop().unwrap());
+        let ttag = match std::mem::take(&mut q.actions).as_slice() {
+            [Action::RequestData { cid: 7, ttag, len: 512 }] => *ttag,
+            other => panic!("the write's data was not asked for when a chunk freed: {other:?}"),
+        };
+        assert!(q.data_chunk(ttag).is_some(), "the write's data goes to the chunk that freed");
+        let block = [0x5au8; 512];
+        assert_eq!(q.check_h2c(ttag, 7, 0, 512), Ok(ttag));
+        q.data_mut(ttag, 0, 512).copy_from_slice(&block);
+        q.data_placed(ttag, 512, true).unwrap();
+        assert_eq!(status(&reap_until_answered(&mut q)).0, Status::SUCCESS);
+        for c in sent {
+            q.sent(c);
+        }
+        let mut read = SubmissionEntry::new(io_opcode::READ, 8);
+        read.nsid = 1;
+        read.set_rw(900, 1, false);
+        read.set_sgl(Sgl::Transport { length: 512 });
+        assert_eq!(q.command(read, 0), None);
+        match reap_until_answered(&mut q).as_slice() {
+            [Action::SendData { buf: Buf::Chunk(c), .. }] => assert_eq!(&q.engine.as_ref().expect("engine").bytes(*c)[..512], &block[..]),
+            other => panic!("{other:?}"),
         }
     }
 
