@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Cost of one I/O: CPU microseconds of the target process and of the
-# rdmablk-bench job per I/O, and (with --syscalls) system calls and context
+# rdmablk-bench job per I/O, and of that the user-space part (the rest is
+# the kernel's), and (with --syscalls) system calls and context
 # switches per I/O of each, counted with `perf stat -e
 # 'syscalls:sys_enter_*,context-switches'` over each whole process (a
 # target per case) and divided by the I/Os the bench reports. Starts its
@@ -60,7 +61,9 @@ null_and_file_target_config "$PORT" "$FILE" "$TARGET_EXTRA" >"$WORK/target.toml"
 TP=""
 trap 'if [ -n "$TP" ]; then kill "$TP" 2>/dev/null || true; fi; rm -rf "$WORK"' EXIT
 tick=$(getconf CLK_TCK)
-cpu() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# User and system CPU ticks of a process (all its threads).
+cpu_user() { awk '{print $14}' "/proc/$1/stat"; }
+cpu_sys() { awk '{print $15}' "/proc/$1/stat"; }
 # The counters: every system call by name, and context switches.
 EVENTS='syscalls:sys_enter_*,context-switches'
 
@@ -81,7 +84,7 @@ for c in "${CASES[@]}"; do
     fi
     [ -n "${TP:-}" ] || { echo "per-io.sh: the target did not start" >&2; cat "$WORK/target.log" >&2; exit 1; }
     wait_port "$PORT" "$TP"
-    t0=$(cpu "$TP")
+    u0=$(cpu_user "$TP"); s0=$(cpu_sys "$TP")
     BENCH=("$BIN/rdmablk-bench" --name=j --target="tcp://127.0.0.1:$PORT" --volume="$vol" --rw="$rw" --bs="$bs"
            --iodepth="$qd" --runtime="$RUNTIME" --time_based --output-format=json)
     # shellcheck disable=SC2086 # BENCH_EXTRA is a list of options
@@ -90,10 +93,10 @@ for c in "${CASES[@]}"; do
     else
         "${BENCH_PIN[@]}" "${BENCH[@]}" $BENCH_EXTRA >"$WORK/out.json"
     fi
-    t1=$(cpu "$TP")
+    u1=$(cpu_user "$TP"); s1=$(cpu_sys "$TP")
     kill -INT "$TP"; wait "$PERF_PID" 2>/dev/null || true
     TP=""
-    WORK="$WORK" CASE="$c" TCPU=$(python3 -c "print(($t1 - $t0) / $tick)") SYSCALLS="$SYSCALLS" python3 - <<'PY'
+    WORK="$WORK" CASE="$c" TUSER=$(python3 -c "print(($u1 - $u0) / $tick)") TSYS=$(python3 -c "print(($s1 - $s0) / $tick)") SYSCALLS="$SYSCALLS" python3 - <<'PY'
 import json, os
 work = os.environ["WORK"]
 d = json.load(open(f"{work}/out.json"))
@@ -102,9 +105,13 @@ io = j["read"] if j["read"]["total_ios"] >= j["write"]["total_ios"] else j["writ
 ios = j["read"]["total_ios"] + j["write"]["total_ios"]
 iops = j["read"]["iops"] + j["write"]["iops"]
 runtime = io["runtime"] / 1000
-client = (j["usr_cpu"] + j["sys_cpu"]) / 100 * runtime
+client_user = j["usr_cpu"] / 100 * runtime
+client = client_user + j["sys_cpu"] / 100 * runtime
+target_user = float(os.environ["TUSER"])
+target = target_user + float(os.environ["TSYS"])
 line = (f"{os.environ['CASE']:<22} {iops:9,.0f} IOPS  p50 {io['clat_ns']['percentile']['50.000000']/1000:7.1f} us  "
-        f"CPU per I/O: target {float(os.environ['TCPU'])/ios*1e6:5.1f} us, client {client/ios*1e6:5.1f} us")
+        f"CPU per I/O: target {target/ios*1e6:5.1f} us (user {target_user/ios*1e6:4.1f}), "
+        f"client {client/ios*1e6:5.1f} us (user {client_user/ios*1e6:4.1f})")
 print(line)
 if os.environ["SYSCALLS"] == "1":
     # Whole-process counts (set-up and teardown included: a few hundred
