@@ -334,6 +334,16 @@ nvme_fs() {
     echo "fio randwrite 4k..128k QD16 + crc32c verify of 64 MiB on $DEV: ok"
     cat "$NVME_DIR/tcpreads.out"
     [[ $rrc -eq 0 ]] || { echo "the concurrent rdmablk I/O over $t:// failed"; exit 1; }
+    # Deeper than a queue's 32 chunks: 128 KiB writes at Linux's queue
+    # depth, each beyond the 32nd asked for (R2T, RDMA READ) only when a
+    # chunk frees; then every block checked.
+    fio --name=ndeep --filename="$DEV" --ioengine=io_uring --direct=1 --rw=randwrite --bs=128k --iodepth=128 \
+        --offset=64M --size=32M --verify=crc32c --verify_fatal=1 --verify_state_save=0 --randrepeat=1 --do_verify=1 \
+        --output="$NVME_DIR/deep.fio" || { cat "$NVME_DIR/deep.fio"; echo "fio at QD128 failed"; exit 1; }
+    cp "$NVME_DIR/deep.fio" "$RES/nvme-$t-fs-deep.fio" 2>/dev/null || true
+    grep -q 'read: IOPS=' "$NVME_DIR/deep.fio" || { cat "$NVME_DIR/deep.fio"; echo "fio at QD128 shows no verify (read) phase"; exit 1; }
+    if grep -qi 'verify.*fail\|bad magic\|bad header' "$NVME_DIR/deep.fio"; then cat "$NVME_DIR/deep.fio"; echo "fio at QD128 reported a verify failure"; exit 1; fi
+    echo "fio randwrite 128k QD128 + crc32c verify of 32 MiB on $DEV: ok ($(grep -o 'write: IOPS=[^,]*' "$NVME_DIR/deep.fio" | head -1))"
     # The other way: written over tcp://, read through NVMe.
     head -c 1M /dev/urandom >"$NVME_DIR/ref1m"
     "$BIN/rdmablk" --target "$TCP_URL" write nvol0 --offset $((192 << 20)) --input "$NVME_DIR/ref1m"
