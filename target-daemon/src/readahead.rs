@@ -84,31 +84,31 @@ pub struct Counters {
     pub invalidated: u64,
 }
 
+/// A stream's state apart from where it ends and when it was last read,
+/// which its volume keeps in two short arrays ([`VolumeReadahead`]).
 #[derive(Clone, Copy, Debug, Default)]
 struct Stream {
-    /// Where the next READ of the stream is expected.
-    next: u64,
     /// Its lowest offset read.
     start: u64,
     /// Bytes it read.
     bytes: u64,
     /// Reads in a row.
     run: u32,
-    /// Bytes read ahead of `next` (0 until sequential).
+    /// Bytes read ahead of where the next READ is expected (0 until
+    /// sequential).
     window: u64,
     /// The next chunk-aligned offset to read ahead.
     ahead: u64,
     /// Its reads ahead of this turn have started (`BATCH_DIVISOR`).
     filling: bool,
-    /// `None`: the slot is unused.
-    last_use: Option<Instant>,
 }
 
 impl Stream {
     /// Enough reads in a row, and dense: random READs that happen to land
     /// near each other leave gaps at least as large as what they read.
-    fn sequential(&self) -> bool {
-        self.run >= SEQUENTIAL_READS && 2 * self.bytes >= self.next - self.start
+    /// `next`: where the stream's next READ is expected.
+    fn sequential(&self, next: u64) -> bool {
+        self.run >= SEQUENTIAL_READS && 2 * self.bytes >= next - self.start
     }
 }
 
@@ -145,6 +145,16 @@ impl Entry {
 
 #[derive(Debug, Default)]
 struct VolumeReadahead {
+    /// Where each stream's next READ is expected. Every READ compares its
+    /// offset with all of them (a random one matches none), so they sit
+    /// apart from the streams: two cache lines with `last_read` rather
+    /// than the whole table, which a reactor back from a disk wait finds
+    /// cold (BENCHMARKS.md, "Issue 20, fifteenth look").
+    expected: [u64; STREAMS],
+    /// The volume's READ count at each stream's last READ (0: unused):
+    /// the least recent stream gives way to a new one.
+    last_read: [u64; STREAMS],
+    reads: u64,
     streams: [Stream; STREAMS],
     /// The stream of the last READ.
     active: usize,
@@ -229,45 +239,39 @@ impl Readahead {
 
     /// Records a READ of `len` bytes at `offset` on volume slot `vslot`;
     /// returns whether its stream is sequential.
-    pub fn on_read(&mut self, vslot: u16, offset: u64, len: u32, now: Instant) -> bool {
+    pub fn on_read(&mut self, vslot: u16, offset: u64, len: u32) -> bool {
         if !self.enabled() {
             return false;
         }
         let (initial, max_window) = (INITIAL_WINDOW.min(self.settings.max_window), self.settings.max_window);
         let v = &mut self.vols[vslot as usize];
         let slack = reorder_slack(len);
-        let near = |s: &Stream| s.last_use.is_some() && offset + slack >= s.next && offset <= s.next + slack;
-        let i = match v.streams.iter().position(near) {
+        let near = |i: usize| v.last_read[i] != 0 && offset + slack >= v.expected[i] && offset <= v.expected[i] + slack;
+        let i = match (0..STREAMS).find(|&i| near(i)) {
             Some(i) => {
+                let next = v.expected[i].max(offset + len as u64);
+                v.expected[i] = next;
                 let s = &mut v.streams[i];
                 s.run = s.run.saturating_add(1);
                 s.bytes += len as u64;
                 s.start = s.start.min(offset);
-                s.next = s.next.max(offset + len as u64);
                 s.filling = false;
-                if s.sequential() {
+                if s.sequential(next) {
                     s.window = if s.window == 0 { initial } else { (s.window + len as u64).min(max_window) };
                 }
                 i
             }
             None => {
-                let i = (0..STREAMS).min_by_key(|&i| v.streams[i].last_use).expect("streams");
-                v.streams[i] = Stream {
-                    next: offset + len as u64,
-                    start: offset,
-                    bytes: len as u64,
-                    run: 1,
-                    window: 0,
-                    ahead: 0,
-                    filling: false,
-                    last_use: None,
-                };
+                let i = (0..STREAMS).min_by_key(|&i| v.last_read[i]).expect("streams");
+                v.expected[i] = offset + len as u64;
+                v.streams[i] = Stream { start: offset, bytes: len as u64, run: 1, window: 0, ahead: 0, filling: false };
                 i
             }
         };
-        v.streams[i].last_use = Some(now);
+        v.reads += 1;
+        v.last_read[i] = v.reads;
         v.active = i;
-        v.streams[i].sequential()
+        v.streams[i].sequential(v.expected[i])
     }
 
     /// The next range to read ahead of the stream of the last READ on
@@ -285,14 +289,15 @@ impl Readahead {
         if v.entries.len() >= self.settings.max_chunks_per_volume {
             return None;
         }
+        let next = v.expected[v.active];
         let s = &mut v.streams[v.active];
-        if !s.sequential() {
+        if !s.sequential(next) {
             return None;
         }
         // From the chunk holding the next expected byte: the stream's own
         // READs cover what lies before it.
-        s.ahead = s.ahead.max(s.next / cs * cs);
-        let end = (s.next + s.window).min(size);
+        s.ahead = s.ahead.max(next / cs * cs);
+        let end = (next + s.window).min(size);
         if !s.filling && s.ahead + (s.window / BATCH_DIVISOR).max(cs) > end && end < size {
             return None;
         }
@@ -466,6 +471,9 @@ impl Readahead {
         }
         let v = &mut self.vols[vslot as usize];
         v.streams = Default::default();
+        v.expected = Default::default();
+        v.last_read = Default::default();
+        v.reads = 0;
         v.active = 0;
     }
 
@@ -568,9 +576,9 @@ mod tests {
 
     /// Three chunk-sized READs from offset 0 of `vslot`: its stream is
     /// sequential after them.
-    fn start_stream(ra: &mut Readahead, vslot: u16, now: Instant) {
+    fn start_stream(ra: &mut Readahead, vslot: u16) {
         for k in 0..3u64 {
-            assert_eq!(ra.on_read(vslot, k * CS as u64, CS, now), k == 2);
+            assert_eq!(ra.on_read(vslot, k * CS as u64, CS), k == 2);
         }
     }
 
@@ -593,11 +601,10 @@ mod tests {
     #[test]
     fn three_reads_in_a_row_make_a_stream_sequential_and_read_ahead_one_mib() {
         let mut ra = Readahead::new(settings(), 4);
-        let now = Instant::now();
-        assert!(!ra.on_read(0, 0, CS, now));
+        assert!(!ra.on_read(0, 0, CS));
         assert_eq!(ra.want(0, SIZE), None);
-        assert!(!ra.on_read(0, CS as u64, CS, now));
-        assert!(ra.on_read(0, 2 * CS as u64, CS, now));
+        assert!(!ra.on_read(0, CS as u64, CS));
+        assert!(ra.on_read(0, 2 * CS as u64, CS));
         let mut c = 100;
         let issued = issue_all(&mut ra, 0, SIZE, &mut c, 0);
         // The window starts at 1 MiB beyond the next expected read, chunk-aligned.
@@ -615,7 +622,7 @@ mod tests {
         let mut c = 0;
         let mut ahead_of_stream = Vec::new();
         for k in 0..100u64 {
-            ra.on_read(0, k * cs, CS, now);
+            ra.on_read(0, k * cs, CS);
             for (off, _) in issue_all(&mut ra, 0, SIZE, &mut c, 0) {
                 let chunk = ra.vols[0].entries.iter().find(|e| e.offset == off).unwrap().chunk;
                 done(&mut ra, 0, chunk, CS as i32, now);
@@ -641,42 +648,55 @@ mod tests {
     #[test]
     fn random_reads_never_read_ahead() {
         let mut ra = Readahead::new(settings(), 1);
-        let t0 = Instant::now();
-        // A fixed pseudo-random sequence of 4 KiB reads over 1 GiB, 10 µs apart.
+        // A fixed pseudo-random sequence of 4 KiB reads over 1 GiB.
         let mut x: u64 = 0x9e3779b97f4a7c15;
-        for i in 0..100_000u64 {
+        for _ in 0..100_000u64 {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
             let off = (x % (SIZE / 4096)) * 4096;
-            let now = t0 + Duration::from_micros(10 * i);
-            assert!(!ra.on_read(0, off, 4096, now), "a random read at {off} looked sequential");
+            assert!(!ra.on_read(0, off, 4096), "a random read at {off} looked sequential");
             assert_eq!(ra.want(0, SIZE), None);
         }
         assert_eq!(ra.counters.issued, 0);
     }
 
     #[test]
+    fn a_new_stream_replaces_the_least_recently_read_one() {
+        let mut ra = Readahead::new(settings(), 1);
+        let base = |k: u64| k << 28;
+        // Eight streams, one READ each, then a second READ of stream 0.
+        for k in 0..STREAMS as u64 {
+            assert!(!ra.on_read(0, base(k), CS));
+        }
+        assert!(!ra.on_read(0, base(0) + CS as u64, CS));
+        // A ninth stream takes the place of stream 1, the least recent.
+        assert!(!ra.on_read(0, base(STREAMS as u64), CS));
+        assert!(ra.on_read(0, base(0) + 2 * CS as u64, CS), "stream 0 was read last and kept its run");
+        assert!(!ra.on_read(0, base(1) + CS as u64, CS), "stream 1 was replaced: a new stream");
+        assert!(!ra.on_read(0, base(1) + 2 * CS as u64, CS));
+        assert!(ra.on_read(0, base(1) + 3 * CS as u64, CS));
+    }
+
+    #[test]
     fn interleaved_streams_are_each_detected() {
         let mut ra = Readahead::new(settings(), 1);
-        let now = Instant::now();
         let (a, b) = (0u64, 512 << 20);
         for k in 0..3u64 {
-            ra.on_read(0, a + k * CS as u64, CS, now);
-            assert_eq!(ra.on_read(0, b + k * CS as u64, CS, now), k == 2);
+            ra.on_read(0, a + k * CS as u64, CS);
+            assert_eq!(ra.on_read(0, b + k * CS as u64, CS), k == 2);
         }
         // Reads that overtake each other a little stay in their stream.
-        assert!(ra.on_read(0, a + 4 * CS as u64, CS, now));
-        assert!(ra.on_read(0, a + 3 * CS as u64, CS, now));
+        assert!(ra.on_read(0, a + 4 * CS as u64, CS));
+        assert!(ra.on_read(0, a + 3 * CS as u64, CS));
     }
 
     #[test]
     fn never_reads_past_the_volume_end() {
         let mut ra = Readahead::new(settings(), 1);
-        let now = Instant::now();
         // A volume of 5.5 chunks (a whole number of 4 KiB blocks).
         let size = 5 * CS as u64 + (CS as u64) / 2;
-        start_stream(&mut ra, 0, now);
+        start_stream(&mut ra, 0);
         let mut c = 0;
         let issued = issue_all(&mut ra, 0, size, &mut c, 0);
         assert_eq!(issued, vec![(3 * CS as u64, CS), (4 * CS as u64, CS), (5 * CS as u64, CS / 2)]);
@@ -689,7 +709,7 @@ mod tests {
     fn a_whole_chunk_is_handed_over_and_a_part_is_copied() {
         let mut ra = Readahead::new(settings(), 1);
         let now = Instant::now();
-        start_stream(&mut ra, 0, now);
+        start_stream(&mut ra, 0);
         let mut c = 100;
         issue_all(&mut ra, 0, SIZE, &mut c, 7);
         let cs = CS as u64;
@@ -725,7 +745,7 @@ mod tests {
         let mut ra = Readahead::new(settings(), 1);
         let now = Instant::now();
         for k in 0..3u64 {
-            ra.on_read(0, k * 4096, 4096, now);
+            ra.on_read(0, k * 4096, 4096);
         }
         let mut c = 100;
         let issued = issue_all(&mut ra, 0, SIZE, &mut c, 0);
@@ -741,7 +761,7 @@ mod tests {
     fn a_changed_epoch_makes_a_chunk_unusable_cached_or_in_flight() {
         let mut ra = Readahead::new(settings(), 1);
         let now = Instant::now();
-        start_stream(&mut ra, 0, now);
+        start_stream(&mut ra, 0);
         let mut c = 100;
         issue_all(&mut ra, 0, SIZE, &mut c, 5);
         let cs = CS as u64;
@@ -766,7 +786,7 @@ mod tests {
     fn a_local_write_drops_what_it_overlaps_only() {
         let mut ra = Readahead::new(settings(), 1);
         let now = Instant::now();
-        start_stream(&mut ra, 0, now);
+        start_stream(&mut ra, 0);
         let mut c = 100;
         issue_all(&mut ra, 0, SIZE, &mut c, 0);
         let cs = CS as u64;
@@ -789,7 +809,7 @@ mod tests {
     fn a_failed_or_short_read_drops_the_chunk_and_its_waiters_read_the_disk() {
         let mut ra = Readahead::new(settings(), 1);
         let now = Instant::now();
-        start_stream(&mut ra, 0, now);
+        start_stream(&mut ra, 0);
         let mut c = 100;
         issue_all(&mut ra, 0, SIZE, &mut c, 0);
         let cs = CS as u64;
@@ -806,7 +826,7 @@ mod tests {
     fn cached_chunks_expire_after_the_ttl_and_an_idle_reactor_holds_none() {
         let mut ra = Readahead::new(settings(), 2);
         let t0 = Instant::now();
-        start_stream(&mut ra, 1, t0);
+        start_stream(&mut ra, 1);
         let mut c = 0;
         let n = issue_all(&mut ra, 1, SIZE, &mut c, 0).len();
         assert_eq!(ra.next_deadline(), None, "nothing cached yet");
@@ -827,7 +847,7 @@ mod tests {
     fn eviction_gives_up_the_oldest_cached_chunk() {
         let mut ra = Readahead::new(settings(), 1);
         let t0 = Instant::now();
-        start_stream(&mut ra, 0, t0);
+        start_stream(&mut ra, 0);
         let mut c = 0;
         issue_all(&mut ra, 0, SIZE, &mut c, 0);
         assert!(!ra.evict(), "nothing cached: reads in flight are not evicted");
@@ -841,13 +861,12 @@ mod tests {
     fn limits_per_volume_and_per_reactor_hold() {
         // 4 MiB windows of 128 KiB: 64 chunks per volume; a pool of 256: 64 per reactor.
         let mut ra = Readahead::new(Settings::new(CS, 4 << 20, 256), 4);
-        let now = Instant::now();
         let mut c = 0;
         for vslot in 0..4u16 {
             for stream in 0..3u64 {
                 let base = stream << 28;
                 for k in 0..40u64 {
-                    ra.on_read(vslot, base + k * CS as u64, CS, now);
+                    ra.on_read(vslot, base + k * CS as u64, CS);
                     issue_all(&mut ra, vslot, SIZE, &mut c, 0);
                 }
             }
@@ -860,7 +879,7 @@ mod tests {
     fn a_dropped_volume_keeps_nothing_and_off_means_off() {
         let mut ra = Readahead::new(settings(), 1);
         let now = Instant::now();
-        start_stream(&mut ra, 0, now);
+        start_stream(&mut ra, 0);
         let mut c = 0;
         let n = issue_all(&mut ra, 0, SIZE, &mut c, 0).len();
         done(&mut ra, 0, ChunkId(0), CS as i32, now);
@@ -870,11 +889,11 @@ mod tests {
             assert_eq!(done(&mut ra, 0, ChunkId(k as u16), CS as i32, now), vec![]);
         }
         assert_eq!(ra.held(), 0);
-        assert!(!ra.on_read(0, 3 * CS as u64, CS, now), "streams forgotten");
+        assert!(!ra.on_read(0, 3 * CS as u64, CS), "streams forgotten");
 
         let mut off = Readahead::new(Settings::new(CS, 0, 512), 1);
         for k in 0..10u64 {
-            assert!(!off.on_read(0, k * CS as u64, CS, now));
+            assert!(!off.on_read(0, k * CS as u64, CS));
             assert_eq!(off.want(0, SIZE), None);
         }
     }

@@ -614,8 +614,8 @@ impl Reactor {
     /// Counts a READ of a file volume in its stream and, once the stream
     /// is sequential, reads chunks ahead of it: never a chunk a command
     /// waits for, and never the last quarter of the pool.
-    pub(super) fn read_ahead(&mut self, vslot: u16, offset: u64, len: u32, now: Instant) {
-        if !self.readahead.on_read(vslot, offset, len, now) {
+    pub(super) fn read_ahead(&mut self, vslot: u16, offset: u64, len: u32) {
+        if !self.readahead.on_read(vslot, offset, len) {
             return;
         }
         let lv = self.vols.slots[vslot as usize].as_ref().expect("live volume slot");

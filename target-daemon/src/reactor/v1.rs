@@ -641,7 +641,7 @@ impl Reactor {
         }
         match kind {
             CmdKind::Write | CmdKind::WriteInline | CmdKind::Range => self.begin_write(ci),
-            CmdKind::Read if matches!(*backend, Backend::File(_)) => self.read_ahead(vslot, offset, len, start),
+            CmdKind::Read if matches!(*backend, Backend::File(_)) => self.read_ahead(vslot, offset, len),
             _ => {}
         }
         match kind {
