@@ -430,10 +430,7 @@ fn a_queue_deeper_than_its_chunks_gets_every_write_by_r2t_and_reads_it_back() {
     // the writes beyond the 32nd get their R2T when a chunk frees.
     const DEPTH: u64 = 96;
     const BLOCKS: u32 = 32; // 128 KiB, MDTS
-    let dir = tempfile::tempdir().unwrap();
-    let img = sparse_file(dir.path(), "vol.img", VOL_SIZE);
-    let (target, addr, _) =
-        start_on(dir.path(), &format!("{}\n{}", nvme_section(""), nvme_volume("vol", &img, VOL_SIZE, false, Some(1), "")));
+    let (_dir, target, addr, img) = one_volume_target();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed());
     let (mut admin, cntlid) = controller(addr);
     for (qid, digests) in [(1u16, NO_DIGESTS), (2, BOTH_DIGESTS)] {
