@@ -71,7 +71,7 @@ print(f"bench smoke: ceiling.sh made {len(runs)} measurements and {len(bounds)} 
 PY
 
 BIN=target/debug bench/per-io.sh --runtime 2 null:randread:4k:1 >"$out/per-io.txt"
-grep -Eq '^null:randread:4k:1 +[0-9,]+ IOPS .*CPU per I/O: target +[0-9.]+ us, client +[0-9.]+ us' "$out/per-io.txt" \
+grep -Eq '^null:randread:4k:1 +[0-9,]+ IOPS .*CPU per I/O: target +[0-9.]+ us \(user +[0-9.]+\), client +[0-9.]+ us \(user +[0-9.]+\)' "$out/per-io.txt" \
     || { echo "per-io.sh printed no result line:" >&2; cat "$out/per-io.txt" >&2; exit 1; }
 echo "bench smoke: per-io.sh measured null:randread:4k:1"
 
