@@ -121,6 +121,14 @@ struct Cmd {
     started: Option<Instant>,
 }
 
+impl Cmd {
+    /// Whether the command carries data it has not asked for yet: it
+    /// waits for a chunk to receive it into (and has no buffer until then).
+    fn data_waits_for_chunk(&self) -> bool {
+        self.expect > 0 && matches!(self.buf, Buf::None)
+    }
+}
+
 /// A descriptor of the queue's (not its transport's) that wakes its thread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WakeSource {
@@ -397,7 +405,7 @@ impl Queue {
                 Buf::Heap(vec![0; expect as usize])
             };
         }
-        let waits_for_chunk = expect > 0 && matches!(cmd.buf, Buf::None);
+        let waits_for_chunk = cmd.data_waits_for_chunk();
         self.cmds[slot as usize] = Some(cmd);
         self.by_cid.insert(cid, slot);
         if in_capsule > 0 {
@@ -452,7 +460,7 @@ impl Queue {
     /// other command runs.
     fn chunk_freed_for(&mut self, slot: u16) {
         let cmd = self.cmds[slot as usize].as_mut().expect("live command");
-        if cmd.expect == 0 || !matches!(cmd.buf, Buf::None) {
+        if !cmd.data_waits_for_chunk() {
             self.run_io(slot);
             return;
         }
@@ -489,10 +497,10 @@ impl Queue {
         if cmd.sqe.cid != cccid {
             return Err(H2cRefusal::WrongCommand);
         }
-        // A command waiting for a chunk (no buffer yet) has not asked.
+        // A command waiting for a chunk has not asked.
         if cmd.expect == 0
             || cmd.received >= cmd.expect
-            || matches!(cmd.buf, Buf::None)
+            || cmd.data_waits_for_chunk()
             || matches!(cmd.sqe.sgl(), Ok(Sgl::InCapsule { .. }))
         {
             return Err(H2cRefusal::NotRequested);
@@ -1002,7 +1010,12 @@ mod tests {
 
     /// Connect of queue `qid` (0: admin, with controller id 0xffff).
     fn connect_queue(q: &mut Queue, subnqn: &str, qid: u16, cntlid: u16, kato_ms: u32) -> (Status, u64) {
-        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid, sqsize: 31, cattr: 0, kato_ms };
+        connect_queue_sized(q, subnqn, qid, cntlid, kato_ms, 31)
+    }
+
+    /// [`connect_queue`] with a 0-based `sqsize`.
+    fn connect_queue_sized(q: &mut Queue, subnqn: &str, qid: u16, cntlid: u16, kato_ms: u32, sqsize: u16) -> (Status, u64) {
+        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid, sqsize, cattr: 0, kato_ms };
         let mut d = [0u8; CONNECT_DATA_SIZE];
         ConnectData { host_id: [7; 16], controller_id: cntlid, subsystem_nqn: subnqn.into(), host_nqn: HOST.into() }.encode(&mut d).unwrap();
         status(&run(q, c.to_entry(1), &d))
@@ -1171,12 +1184,17 @@ mod tests {
 
     /// An enabled admin queue and I/O queue 1 of one controller.
     fn io_queue(sub: &Arc<Subsystem>) -> (Queue, Queue) {
+        io_queue_sized(sub, 31)
+    }
+
+    /// An admin queue and I/O queue 1 of its controller, of `sqsize + 1` entries.
+    fn io_queue_sized(sub: &Arc<Subsystem>, sqsize: u16) -> (Queue, Queue) {
         let (admin, cntlid) = admin_of_controller(sub);
         let mut q = queue(sub);
         // The controller keeps a handle on each I/O queue's socket (for its teardown).
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         q.closer = Some(QueueCloser::Tcp(std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap()));
-        assert_eq!(connect_queue(&mut q, &sub.nqn.clone(), 1, cntlid, 0).0, Status::SUCCESS);
+        assert_eq!(connect_queue_sized(&mut q, &sub.nqn.clone(), 1, cntlid, 0, sqsize).0, Status::SUCCESS);
         assert!(q.engine.is_some(), "an I/O queue has an engine");
         (admin, q)
     }
@@ -1248,25 +1266,13 @@ mod tests {
         }
     }
 
-    /// An I/O queue of 64 entries: more than its 32 chunks.
-    fn deep_io_queue(sub: &Arc<Subsystem>) -> (Queue, Queue) {
-        let (admin, cntlid) = admin_of_controller(sub);
-        let mut q = queue(sub);
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        q.closer = Some(QueueCloser::Tcp(std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap()));
-        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid: 1, sqsize: 63, cattr: 0, kato_ms: 0 };
-        let mut d = [0u8; CONNECT_DATA_SIZE];
-        ConnectData { host_id: [7; 16], controller_id: cntlid, subsystem_nqn: sub.nqn.clone(), host_nqn: HOST.into() }.encode(&mut d).unwrap();
-        assert_eq!(status(&run(&mut q, c.to_entry(1), &d)).0, Status::SUCCESS);
-        assert_eq!(q.sq_entries, 64);
-        (admin, q)
-    }
-
     #[test]
     fn a_write_that_finds_every_chunk_in_use_asks_for_its_data_only_when_one_frees() {
         use rdmablk_common::nvme::sqe::io_opcode;
         let (sub, _) = subsystem(&["v"]);
-        let (_admin, mut q) = deep_io_queue(&sub);
+        // 64 entries: more than the queue's 32 chunks.
+        let (_admin, mut q) = io_queue_sized(&sub, 63);
+        assert_eq!(q.sq_entries, 64);
         // Reads take every chunk of the queue (their disk work is queued,
         // not yet submitted).
         for cid in 0..QUEUE_CHUNKS as u16 {
