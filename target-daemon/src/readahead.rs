@@ -469,12 +469,9 @@ impl Readahead {
             }
             i += 1;
         }
+        // Everything but the entries whose reads are still in flight.
         let v = &mut self.vols[vslot as usize];
-        v.streams = Default::default();
-        v.expected = Default::default();
-        v.last_read = Default::default();
-        v.reads = 0;
-        v.active = 0;
+        *v = VolumeReadahead { entries: std::mem::take(&mut v.entries), ..VolumeReadahead::default() };
     }
 
     /// Drops cached chunks nobody read within `ttl`.
