@@ -61,9 +61,8 @@ null_and_file_target_config "$PORT" "$FILE" "$TARGET_EXTRA" >"$WORK/target.toml"
 TP=""
 trap 'if [ -n "$TP" ]; then kill "$TP" 2>/dev/null || true; fi; rm -rf "$WORK"' EXIT
 tick=$(getconf CLK_TCK)
-# User and system CPU ticks of a process (all its threads).
-cpu_user() { awk '{print $14}' "/proc/$1/stat"; }
-cpu_sys() { awk '{print $15}' "/proc/$1/stat"; }
+# User and system CPU ticks of a process (all its threads), one read.
+cpu() { awk '{print $14, $15}' "/proc/$1/stat"; }
 # The counters: every system call by name, and context switches.
 EVENTS='syscalls:sys_enter_*,context-switches'
 
@@ -84,7 +83,7 @@ for c in "${CASES[@]}"; do
     fi
     [ -n "${TP:-}" ] || { echo "per-io.sh: the target did not start" >&2; cat "$WORK/target.log" >&2; exit 1; }
     wait_port "$PORT" "$TP"
-    u0=$(cpu_user "$TP"); s0=$(cpu_sys "$TP")
+    read -r u0 s0 < <(cpu "$TP")
     BENCH=("$BIN/rdmablk-bench" --name=j --target="tcp://127.0.0.1:$PORT" --volume="$vol" --rw="$rw" --bs="$bs"
            --iodepth="$qd" --runtime="$RUNTIME" --time_based --output-format=json)
     # shellcheck disable=SC2086 # BENCH_EXTRA is a list of options
@@ -93,10 +92,10 @@ for c in "${CASES[@]}"; do
     else
         "${BENCH_PIN[@]}" "${BENCH[@]}" $BENCH_EXTRA >"$WORK/out.json"
     fi
-    u1=$(cpu_user "$TP"); s1=$(cpu_sys "$TP")
+    read -r u1 s1 < <(cpu "$TP")
     kill -INT "$TP"; wait "$PERF_PID" 2>/dev/null || true
     TP=""
-    WORK="$WORK" CASE="$c" TUSER=$(python3 -c "print(($u1 - $u0) / $tick)") TSYS=$(python3 -c "print(($s1 - $s0) / $tick)") SYSCALLS="$SYSCALLS" python3 - <<'PY'
+    WORK="$WORK" CASE="$c" TUSER=$(((u1 - u0))) TSYS=$(((s1 - s0))) TICK=$tick SYSCALLS="$SYSCALLS" python3 - <<'PY'
 import json, os
 work = os.environ["WORK"]
 d = json.load(open(f"{work}/out.json"))
@@ -107,8 +106,9 @@ iops = j["read"]["iops"] + j["write"]["iops"]
 runtime = io["runtime"] / 1000
 client_user = j["usr_cpu"] / 100 * runtime
 client = client_user + j["sys_cpu"] / 100 * runtime
-target_user = float(os.environ["TUSER"])
-target = target_user + float(os.environ["TSYS"])
+tick = int(os.environ["TICK"])
+target_user = int(os.environ["TUSER"]) / tick
+target = target_user + int(os.environ["TSYS"]) / tick
 line = (f"{os.environ['CASE']:<22} {iops:9,.0f} IOPS  p50 {io['clat_ns']['percentile']['50.000000']/1000:7.1f} us  "
         f"CPU per I/O: target {target/ios*1e6:5.1f} us (user {target_user/ios*1e6:4.1f}), "
         f"client {client/ios*1e6:5.1f} us (user {client_user/ios*1e6:4.1f})")
