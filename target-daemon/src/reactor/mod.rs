@@ -7,9 +7,8 @@
 //! completion finds its command in O(1).
 //!
 //! One loop turn: poll the fabric CQs in batches, reap io_uring (and
-//! blocking-worker) completions, hand free chunks to waiting commands, post
-//! the turn's sends, then take control messages and check fences and
-//! deadlines, submit the io_uring batch once. When nothing happened:
+//! blocking-worker) completions, hand free chunks to waiting commands, take
+//! control messages, submit the io_uring batch once. When nothing happened:
 //! arm the CQs, poll once more, then sleep until a disk completion, a CQ
 //! event, a blocking-worker result, a control message or the next deadline.
 //! The reactor's epoll set watches the CQ fds, the blocking worker's
@@ -545,11 +544,6 @@ struct Reactor {
     /// that need it, see `arm_cqs`), so a completion that lands meanwhile
     /// ends that sleep at once or is found by that poll.
     fabrics_quiet: bool,
-    /// Completions the last sleep's wake-up reaped at once: work of the
-    /// turn that follows (which starts at the wake-up), so that turn counts
-    /// as busy and `busy_poll` runs from its end, without a clock read of
-    /// the reap's own.
-    reaped_at_wake: usize,
     /// `target.fence_timeout`.
     fence_timeout: Duration,
     /// `target.idle_timeout`.
@@ -725,7 +719,6 @@ impl Reactor {
             last_work: Instant::now(),
             turn_start: Instant::now(),
             fabrics_quiet: false,
-            reaped_at_wake: 0,
             fence_timeout: cfg.fence_timeout,
             idle_timeout: cfg.idle_timeout,
             fence_generation: 0,
@@ -744,17 +737,9 @@ impl Reactor {
     fn run(mut self) -> Result<()> {
         self.turn_start = Instant::now();
         loop {
-            let mut work = std::mem::take(&mut self.reaped_at_wake);
-            work += if std::mem::take(&mut self.fabrics_quiet) { 0 } else { self.poll_fabrics()? };
+            let mut work = if std::mem::take(&mut self.fabrics_quiet) { 0 } else { self.poll_fabrics()? };
             work += self.reap_engine();
             self.pump_waitq();
-            // The turn's answers leave before the housekeeping below: the
-            // control channel, the fence generation and the deadline scan
-            // are shared or rarely written state, which a turn after a
-            // sleep finds cold, and at QD1 the initiator waits for them.
-            // What the housekeeping itself answers (a CONNECT after its
-            // fence, a refusal) goes out in the second flush.
-            self.flush_sends();
             work += self.control();
             self.check_fences();
             self.check_deadlines();
@@ -902,8 +887,15 @@ impl Reactor {
         let timeout = self.next_deadline().map(|d| d.saturating_duration_since(Instant::now()));
         self.stats.idle_waits.add(1);
         self.engine.sleep(timeout)?;
-        let woke = Instant::now();
-        self.reaped_at_wake = self.reap_engine();
+        let mut woke = Instant::now();
+        if self.reap_engine() > 0 {
+            // Work as a turn's would be: counted busy, and `busy_poll`
+            // runs from here (the next turn's time from here too).
+            let now = Instant::now();
+            self.stats.busy_ns.add(now.saturating_duration_since(woke).as_nanos() as u64);
+            self.last_work = now;
+            woke = now;
+        }
         if self.engine.take_wake() {
             self.clear_wake_sources()?;
         } else {
