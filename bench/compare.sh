@@ -741,12 +741,12 @@ if a.get("iops") and b.get("iops"):
            bound("randread-4k-qd32", "bound-polled", "iops", lambda v: v >= 0.9, ".2f"))
 a = get("randread-4k-qd1", "rdmablk-bench -> rdmablk-target, file"); b = get("randread-4k-qd1", "fio io_uring")
 if a.get("p50_us") and b.get("p50_us"):
-    target("2. file randread 4k QD1 p50 <= local p50 + 15 us", a["p50_us"] <= b["p50_us"] + 15, f"{a['p50_us']:.1f} us vs {b['p50_us']:.1f} us (+{a['p50_us']-b['p50_us']:.1f} us)",
+    target("2. file randread 4k QD1 p50 <= local p50 + 15 us", a["p50_us"] <= b["p50_us"] + 15, f"{a['p50_us']:.1f} us vs {b['p50_us']:.1f} us ({a['p50_us']-b['p50_us']:+.1f} us)",
            paired("randread-4k-qd1", "rdmablk", "p50_us", lambda v: v <= 15, "+.1f"),
            bound("randread-4k-qd1", "bound", "p50_us", lambda v: v <= 15, "+.1f"))
 a = get("randread-4k-qd1", "rdmablk-bench --hipri -> rdmablk-target busy_poll, file")
 if a.get("p50_us") and b.get("p50_us"):
-    target("2'. the same, polling (--hipri, busy_poll = 1ms)", a["p50_us"] <= b["p50_us"] + 15, f"{a['p50_us']:.1f} us vs {b['p50_us']:.1f} us (+{a['p50_us']-b['p50_us']:.1f} us)",
+    target("2'. the same, polling (--hipri, busy_poll = 1ms)", a["p50_us"] <= b["p50_us"] + 15, f"{a['p50_us']:.1f} us vs {b['p50_us']:.1f} us ({a['p50_us']-b['p50_us']:+.1f} us)",
            paired("randread-4k-qd1", "rdmablk-polled", "p50_us", lambda v: v <= 15, "+.1f"),
            bound("randread-4k-qd1", "bound-polled", "p50_us", lambda v: v <= 15, "+.1f"))
 a = get("randread-4k-qd32", "rdmablk-bench -> rdmablk-target, null"); b = get("randread-4k-qd32", "fio nbd -> nbdkit null")
@@ -783,7 +783,7 @@ if a.get("p50_us") and b.get("p50_us") and a.get("iops") and b.get("iops"):
     detail = f"p50 {a['p50_us']:.1f} us vs {b['p50_us']:.1f} us, IOPS {a['iops']/b['iops']:.2f}x{peer_note(b)}"
     if c.get("p50_us"):
         ok = ok and a["p50_us"] <= c["p50_us"] + 10
-        detail += f"; sleeping bound p50 {c['p50_us']:.1f} us (+{a['p50_us']-c['p50_us']:.1f} us, within 10 us: {'yes' if a['p50_us'] <= c['p50_us'] + 10 else 'no'})"
+        detail += f"; sleeping bound p50 {c['p50_us']:.1f} us ({a['p50_us']-c['p50_us']:+.1f} us, within 10 us: {'yes' if a['p50_us'] <= c['p50_us'] + 10 else 'no'})"
         # The bound runs in every repeat too: the clause pair by pair.
         over_bound = paired("randread-4k-qd1", "rdmablk", "p50_us", lambda v: v <= 10, "+.1f", always=True, base="bound")
         if over_bound:
@@ -793,7 +793,7 @@ if a.get("p50_us") and b.get("p50_us") and a.get("iops") and b.get("iops"):
 a, b = get("randread-4k-qd1", "rdmablk-bench -> rdmablk-target, null"), get("randread-4k-qd1", "fio nbd -> nbdkit null")
 if a.get("p50_us") and b.get("p50_us"):
     c = get("randread-4k-qd1", BOUND_NULL)
-    over = f"; null bound p50 {c['p50_us']:.1f} us (rdmablk +{a['p50_us']-c['p50_us']:.1f}, nbdkit +{b['p50_us']-c['p50_us']:.1f})" if c.get("p50_us") else ""
+    over = f"; null bound p50 {c['p50_us']:.1f} us (rdmablk {a['p50_us']-c['p50_us']:+.1f}, nbdkit {b['p50_us']-c['p50_us']:+.1f})" if c.get("p50_us") else ""
     target("7. null randread 4k QD1 p50 <= nbdkit null", a["p50_us"] <= b["p50_us"], f"{a['p50_us']:.1f} us vs {b['p50_us']:.1f} us{over}",
            paired("randread-4k-qd1", "rdmablk-null", "p50_us", lambda v: v <= 0, "+.1f", base="nbd-null"))
 a, b = get("read-128k-qd16", "rdmablk-bench -> rdmablk-target, file"), get("read-128k-qd16", "fio nbd -> nbdkit file")
