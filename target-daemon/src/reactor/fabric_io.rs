@@ -2,6 +2,8 @@
 //! and WRITEs that move a command's data between the initiator's buffer
 //! and a pool chunk (direct placement), and the queued SENDs.
 
+use arrayvec::ArrayVec;
+
 use super::*;
 
 impl Reactor {
@@ -203,14 +205,16 @@ impl Reactor {
         };
         let mut failed = None;
         for chunk in s.tx.chunks(TX_CHUNK) {
-            let mut wrs = [SendWr { wr_id: WrId(0), op: SendOp::Send, payload: Payload::Sges(&[]), signaled: true }; TX_CHUNK];
-            for (wr, q) in wrs.iter_mut().zip(chunk) {
+            // Filled in place, neither over a zeroed array nor collected
+            // (which copies the whole array out): this runs for every answer.
+            let mut wrs = ArrayVec::<SendWr, TX_CHUNK>::new();
+            wrs.extend(chunk.iter().map(|q| {
                 // An inline response is copied from its (lent) slot at post time.
                 let payload =
                     if q.inline { Payload::Inline(res.resp.lent_bytes(&q.sge)) } else { Payload::Sges(std::slice::from_ref(&q.sge)) };
-                *wr = SendWr { wr_id: q.wr_id, op: q.op, payload, signaled: true };
-            }
-            if let Err(e) = res.qp.post_send(&wrs[..chunk.len()]) {
+                SendWr { wr_id: q.wr_id, op: q.op, payload, signaled: true }
+            }));
+            if let Err(e) = res.qp.post_send(&wrs) {
                 failed = Some(e);
                 break;
             }

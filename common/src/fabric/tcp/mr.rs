@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed, O
 use std::sync::{Arc, LazyLock, Mutex};
 
 use arc_swap::ArcSwap;
+use arrayvec::ArrayVec;
 
 use super::keymap::KeyMap;
 use super::MAX_SGE;
@@ -164,44 +165,39 @@ const MAX_PINS: usize = MAX_SGE;
 
 /// Regions pinned for the duration of one syscall; unpinned on drop.
 pub(crate) struct Pins<'a> {
-    regs: [Option<&'a Region>; MAX_PINS],
-    n: usize,
+    regs: ArrayVec<&'a Region, MAX_PINS>,
 }
 
 impl<'a> Pins<'a> {
     pub(crate) fn new() -> Pins<'a> {
-        Pins { regs: [None; MAX_PINS], n: 0 }
+        Pins { regs: ArrayVec::new() }
     }
 
     /// Pins `r`; false if it was deregistered (or, defensively, if too many
     /// pins are held).
     pub(crate) fn pin(&mut self, r: &'a Region) -> bool {
-        if self.regs[..self.n].iter().flatten().any(|p| std::ptr::eq(*p, r)) {
+        if self.regs.iter().any(|p| std::ptr::eq(*p, r)) {
             // Already pinned by this holder (a chain of work requests on one
             // region): the region stays valid until the holder drops.
             return true;
         }
-        if self.n == MAX_PINS || !r.try_pin() {
+        if self.regs.is_full() || !r.try_pin() {
             return false;
         }
-        self.regs[self.n] = Some(r);
-        self.n += 1;
+        self.regs.push(r);
         true
     }
 
     /// How many more distinct regions can be pinned.
     pub(crate) fn room(&self) -> usize {
-        MAX_PINS - self.n
+        self.regs.remaining_capacity()
     }
 
     /// Unpins everything pinned so far.
     pub(crate) fn release(&mut self) {
-        for r in self.regs[..self.n].iter_mut() {
-            if let Some(r) = r.take() {
-                r.unpin();
-            }
+        for r in self.regs.drain(..) {
+            r.unpin();
         }
-        self.n = 0;
     }
 }
 
