@@ -1,4 +1,4 @@
-# Helpers shared by the bench scripts (compare.sh, ceiling.sh, per-io.sh, qd1-legs.sh, placement.sh); source it.
+# Helpers shared by the bench scripts (compare.sh, ceiling.sh, per-io.sh, instr-per-io.sh, qd1-legs.sh, placement.sh); source it.
 
 # A free TCP port on 127.0.0.1.
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }

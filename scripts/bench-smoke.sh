@@ -4,8 +4,8 @@
 # null) and rdmablk nbd included, and nothing it started left running;
 # the JSON carries the targets with their per-repeat pairs and bounds, and
 # every file row what it read from the disk),
-# bench/ceiling.sh (every measurement made), bench/per-io.sh (one null
-# case), bench/qd1-legs.sh (one null round, traced) and bench/placement.sh
+# bench/ceiling.sh (every measurement made), bench/per-io.sh and
+# bench/instr-per-io.sh (one null case each), bench/qd1-legs.sh (one null round, traced) and bench/placement.sh
 # (one round). No figure is judged (timing does not
 # belong in the test suite); this only catches a script that no longer runs.
 set -euo pipefail
@@ -74,6 +74,13 @@ BIN=target/debug bench/per-io.sh --runtime 2 null:randread:4k:1 >"$out/per-io.tx
 grep -Eq '^null:randread:4k:1 +[0-9,]+ IOPS .*CPU per I/O: target +[0-9.]+ us \(user +[0-9.]+\), client +[0-9.]+ us \(user +[0-9.]+\)' "$out/per-io.txt" \
     || { echo "per-io.sh printed no result line:" >&2; cat "$out/per-io.txt" >&2; exit 1; }
 echo "bench smoke: per-io.sh measured null:randread:4k:1"
+
+# instr-per-io.sh: one null case at each end under callgrind (installing
+# valgrind if missing); the line carries both counts.
+BIN=target/debug bench/instr-per-io.sh --runtime 1 --top 1 null:randread:4k:1 >"$out/instr.txt"
+grep -Eq '^null:randread:4k:1 +instructions per I/O: client +[0-9,]+ .*target +[0-9,]+ ' "$out/instr.txt" \
+    || { echo "instr-per-io.sh printed no result line:" >&2; cat "$out/instr.txt" >&2; exit 1; }
+echo "bench smoke: instr-per-io.sh counted null:randread:4k:1"
 
 # qd1-legs.sh: one round on the null volume (its file volume on a small
 # file); both runs' rows carry a p50, the placement shares and all four
