@@ -7,8 +7,8 @@
 # and CPU time on a shared VM, the counts repeat to within a fraction of a
 # percent, so they can show a change of a few hundred instructions that
 # per-io.sh cannot; they say nothing about cache misses. Set-up inside the
-# loops (the connection, the first I/O) is counted too: a few thousand
-# instructions per run, against tens of thousands of I/Os.
+# loops (on the target, accepting the connection) is counted too: a few
+# thousand instructions per run, against tens of thousands of I/Os.
 #
 # usage: bench/instr-per-io.sh [--runtime S] [--file PATH] [--top N] CASE...
 #   CASE          VOLUME:RW:BS:QD as in per-io.sh, e.g. null:randread:4k:1
@@ -79,9 +79,14 @@ run_one() { # END VOLUME RW BS QD
         "${target[@]}" >"$WORK/target.log" 2>&1 &
     fi
     TP=$!
-    # Under callgrind the target takes seconds to start listening.
-    for _ in 1 2 3 4 5 6; do wait_port "$port" "$TP" 2>/dev/null && break; done
-    wait_port "$port" "$TP" || { cat "$WORK/target.log" >&2; exit 1; }
+    # Under callgrind the target takes seconds to start listening: up to
+    # six of wait_port's 10 s waits.
+    local tries=0
+    until wait_port "$port" "$TP" 2>/dev/null; do
+        tries=$((tries + 1))
+        [ "$tries" -lt 6 ] && kill -0 "$TP" 2>/dev/null && continue
+        echo "instr-per-io.sh: the target did not start listening:" >&2; cat "$WORK/target.log" >&2; exit 1
+    done
     if [ "$end" = client ]; then
         "${cg[@]}" "${bench[@]}" >"$WORK/$end.json" 2>"$WORK/bench.err" || { cat "$WORK/bench.err" >&2; exit 1; }
     else
@@ -104,10 +109,11 @@ def ios(end):
     j = json.load(open(f"{work}/{end}.json"))["jobs"][0]
     return j["read"]["total_ios"] + j["write"]["total_ios"]
 
-def annotate(end, inclusive):
-    args = ["callgrind_annotate", f"--inclusive={'yes' if inclusive else 'no'}", f"{work}/{end}.cg"]
+def own_costs(end):
+    """Each function's instructions of its own, largest first."""
     rows = []
-    for line in subprocess.run(args, capture_output=True, text=True, check=True).stdout.splitlines():
+    out = subprocess.run(["callgrind_annotate", f"{work}/{end}.cg"], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
         m = re.match(r"\s*([\d,]+) \([ \d.]+%\)\s+(\S.*)$", line)
         if m and "PROGRAM TOTALS" not in line:
             rows.append((int(m.group(1).replace(",", "")), m.group(2)))
@@ -125,7 +131,7 @@ target = loop("target") / target_ios
 print(f"{os.environ['CASE']:<22} instructions per I/O: client {client:7,.0f} (rdmablk-bench job loop, {client_ios:,} I/Os), "
       f"target {target:7,.0f} (reactors, {target_ios:,} I/Os)")
 for end, n in (("client", client_ios), ("target", target_ios)):
-    for count, name in annotate(end, False)[:top]:
+    for count, name in own_costs(end)[:top]:
         name = re.sub(r"\s*\[[^\]]*\]$", "", name).split(":", 1)[-1]
         print(f"    {end}: {count / n:6,.0f}  {name[:110]}")
 PY

@@ -268,7 +268,7 @@ enum Seg {
 /// the SEND behind it) leaves in one `sendmsg` instead of one per work
 /// request. Lives on the caller's stack for the call only: payload regions
 /// stay pinned until the batch is sent. Its lists are `ArrayVec`s, not
-/// zeroed arrays: zeroing them cost every `post_send` about 2.5 KiB of
+/// zeroed arrays: zeroing them cost every `post_send` about 2.3 KiB of
 /// stores, a few hundred instructions per I/O on each side (callgrind).
 struct TxBatch<'t> {
     headers: ArrayVec<[u8; HDR_LEN], BATCH_FRAMES>,
