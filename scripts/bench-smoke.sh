@@ -76,10 +76,15 @@ grep -Eq '^null:randread:4k:1 +[0-9,]+ IOPS .*CPU per I/O: target +[0-9.]+ us \(
 echo "bench smoke: per-io.sh measured null:randread:4k:1"
 
 # instr-per-io.sh: one null case at each end under callgrind (installing
-# valgrind if missing); the line carries both counts.
-BIN=target/debug bench/instr-per-io.sh --runtime 1 --top 1 null:randread:4k:1 >"$out/instr.txt"
+# valgrind if missing), and tcp-ceiling's ends (--bound); the lines carry
+# both ends' counts and code lines, and the bound's.
+BIN=target/debug bench/instr-per-io.sh --runtime 1 --top 1 --bound null:randread:4k:1 >"$out/instr.txt"
 grep -Eq '^null:randread:4k:1 +instructions per I/O: client +[0-9,]+ .*target +[0-9,]+ ' "$out/instr.txt" \
     || { echo "instr-per-io.sh printed no result line:" >&2; cat "$out/instr.txt" >&2; exit 1; }
+grep -Eq '^null:randread:4k:1 +code lines per I/O: +client +[1-9][0-9,]* \([0-9]+ pages\), target +[1-9][0-9,]* \([0-9]+ pages\)' "$out/instr.txt" \
+    || { echo "instr-per-io.sh printed no code lines:" >&2; cat "$out/instr.txt" >&2; exit 1; }
+grep -Eq '^null:randread:4k:1 +bound \(tcp-ceiling\): +client +[0-9,]+ instructions, [1-9][0-9,]* lines .*server +[0-9,]+ instructions, [1-9][0-9,]* lines' "$out/instr.txt" \
+    || { echo "instr-per-io.sh printed no bound line:" >&2; cat "$out/instr.txt" >&2; exit 1; }
 echo "bench smoke: instr-per-io.sh counted null:randread:4k:1"
 
 # qd1-legs.sh: one round on the null volume (its file volume on a small
