@@ -272,6 +272,27 @@ bench() {
     stop_target bench
 }
 
+# Sectors the block device DEV (/dev/NAME) has written since it appeared
+# (the seventh field of its stat).
+sectors_written() { # DEV
+    awk '{ print $7 }' "/sys/block/${1##*/}/stat"
+}
+
+# Waits until DEV has written BYTES beyond FROM (its sectors_written before
+# the job started) while process PID runs. Fails if PID ends first or after
+# 120 s. A step that kills a server during a job's writes waits for them
+# with this, not for a fixed time: a host that runs the VM fast had fio
+# write all of its file before a 2 s sleep ended.
+wait_written() { # DEV FROM BYTES PID
+    local want=$(($2 + $3 / 512))
+    for _ in $(seq 1 1200); do
+        (($(sectors_written "$1") >= want)) && return 0
+        kill -0 "$4" 2>/dev/null || return 1
+        sleep 0.1
+    done
+    return 1
+}
+
 # A tree of files for the file system round trips, written by one python3
 # process (a process start costs about 0.3 s under TCG):
 #   tree_write DIR SUMS [full|small]
@@ -540,15 +561,18 @@ EOF
     mount "$dev" "$mnt"
     # fio writes through the file system (io_uring, O_DIRECT, 4 KiB to 128 KiB
     # at random, queue depth 16) and then reads every block back and checks
-    # its crc32c; the target dies and comes back during the writes.
+    # its crc32c; the target dies and comes back during the writes: once the
+    # device has written a quarter of them (fio lays its file out with
+    # fallocate, which writes no data).
     local job=(--name=rc --directory="$mnt" --filename=rc.dat --size=96M --rw=randwrite --bsrange=4k-128k
         --direct=1 --ioengine=io_uring --iodepth=16 --verify=crc32c --verify_fatal=1 --verify_state_save=0
         --randrepeat=1)
+    local written; written=$(sectors_written "$dev")
     fio "${job[@]}" --do_verify=1 --output="$WORK/rfio.out" &
     fio=$!
     local t0; t0=$(date +%s.%N)
-    for _ in $(seq 1 100); do [[ -s $mnt/rc.dat ]] && break; sleep 0.1; done
-    sleep 2
+    wait_written "$dev" "$written" $((24 << 20)) "$fio" \
+        || { cat "$WORK/rfio.out"; echo "fio ended (or wrote too little in 120 s) before the target was killed"; exit 1; }
     kill -0 "$fio" 2>/dev/null || { cat "$WORK/rfio.out"; echo "fio ended before the target was killed"; exit 1; }
     kill -KILL "$TPID"; wait "$TPID" || true
     echo "target killed at $(date +%T.%N) while fio writes"
@@ -621,10 +645,14 @@ ublk_recover() {
     first=$dev
     mkfs.ext4 -q -F "$dev"
     mount "$dev" "$mnt"
+    # The attach dies during the writes: once the device has written a
+    # quarter of them (fio lays its file out with fallocate).
+    local written; written=$(sectors_written "$dev")
     fio --name=recover --directory="$mnt" --rw=randwrite --bs=4k-128k --size=96M --ioengine=io_uring \
         --direct=1 --iodepth=16 --verify=crc32c --verify_fatal=1 >"$WORK/cfio.out" 2>&1 &
     fpid=$!
-    sleep 4
+    wait_written "$dev" "$written" $((24 << 20)) "$fpid" \
+        || { echo "fio ended (or wrote too little in 120 s) before the kill"; cat "$WORK/cfio.out"; exit 1; }
     kill -0 "$fpid" || { echo "fio ended before the kill: nothing was in flight"; cat "$WORK/cfio.out"; exit 1; }
     kill -KILL "$upid"; wait "$upid" || true
     echo "rdmablk attach killed at $(date +%T.%N) while fio writes"

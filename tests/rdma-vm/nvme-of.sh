@@ -4,7 +4,8 @@
 # or `rdma://`), and the kernel's own nvmet-tcp or nvmet-rdma target as a
 # measured peer. Sourced by ci-guest.sh, which records each body as one
 # step (`step nvme-tcp-fs ... bash ci-guest.sh nvme_tcp_fs`) and provides
-# WORK, SIP, BIN, RES, tree_write and tree_check. Every body runs for both
+# WORK, SIP, BIN, RES, tree_write, tree_check, sectors_written and
+# wait_written. Every body runs for both
 # transports: nvme_tcp_X and nvme_rdma_X set NVME_TRANSPORT (tcp, rdma) and
 # run nvme_X; below, "tcp" stands for either (rdma: the v1 listener is
 # rdma://, the host connects with -t rdma over rxe, nvmet-rdma is the peer).
@@ -466,14 +467,17 @@ nvme_restart() {
     tree_write "$mnt/a" "$NVME_DIR/sums-a" small
     sync
     # fio writes a file through ext4 and then checks every block; the target
-    # dies (SIGKILL) 2 s into the writes and is back 3 s later.
+    # dies (SIGKILL) during the writes, once the namespace has written a
+    # quarter of them (fio lays its file out with fallocate, which writes no
+    # data), and is back 3 s later.
     local job=(--name=rs --directory="$mnt" --filename=rs.dat --size=48M --rw=randwrite --bsrange=4k-128k
         --direct=1 --ioengine=io_uring --iodepth=16 --verify=crc32c --verify_fatal=1 --verify_state_save=0
         --randrepeat=1)
+    local written; written=$(sectors_written "$dev")
     fio "${job[@]}" --do_verify=1 --output="$NVME_DIR/rfio.out" &
     FPID=$!
-    for _ in $(seq 1 100); do [[ -s $mnt/rs.dat ]] && break; sleep 0.1; done
-    sleep 2
+    wait_written "$dev" "$written" $((12 << 20)) "$FPID" \
+        || { cat "$NVME_DIR/rfio.out"; echo "fio ended (or wrote too little in 120 s) before the target was killed"; exit 1; }
     kill -0 "$FPID" 2>/dev/null || { cat "$NVME_DIR/rfio.out"; echo "fio ended before the target was killed"; exit 1; }
     kill -KILL "$TPID"; wait "$TPID" || true
     echo "target killed at $(date +%T.%N) while fio writes"
