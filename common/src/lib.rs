@@ -7,6 +7,7 @@
 
 pub mod auth;
 pub mod fabric;
+pub mod keymap;
 pub mod notify;
 pub mod nvme;
 pub mod protocol;

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use super::keymap::KeyMap;
+use crate::keymap::KeyMap;
 use super::qp::{self, QpShared};
 use super::sys;
 use crate::fabric::{lock, Completion, FabricError, Result};

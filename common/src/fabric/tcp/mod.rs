@@ -169,7 +169,6 @@
 //! The wire format is documented in the `wire` module.
 
 mod cq;
-mod keymap;
 mod listener;
 mod mr;
 mod qp;

@@ -23,7 +23,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 use arc_swap::ArcSwap;
 use arrayvec::ArrayVec;
 
-use super::keymap::KeyMap;
+use crate::keymap::KeyMap;
 use super::MAX_SGE;
 use crate::fabric::{check_registration, lock, Access, FabricError, FabricErrorKind, Lkey, Result, Rkey};
 

@@ -1,27 +1,32 @@
-//! Maps keyed by the provider's own 32-bit numbers: rkeys, lkeys and queue
-//! pair numbers.
+//! Maps keyed by 32-bit numbers this process draws itself: the tcp
+//! provider's rkeys, lkeys and queue pair numbers, and the target's volume
+//! ids (the block engine's fixed-file slots).
 //!
-//! Every command touches them several times on the data path (an initiator
-//! binds a window, the peer's RDMA WRITE looks it up, the SEND with
-//! Invalidate and the window's drop remove it), and std's SipHash cost
-//! about 100 instructions a lookup, 9 % of an initiator's instructions per
-//! 4 KiB read (callgrind, BENCHMARKS.md "Issue 20, seventh look"). SipHash
-//! defends a table against keys an attacker chooses to insert; here this
-//! process draws every inserted key itself (at random, or in sequence), and
-//! a peer's key is only ever looked up, which costs one probe sequence
-//! whatever the key. A multiply by an odd 64-bit constant (Fibonacci
-//! hashing) spreads a key over all 64 bits, so both the bucket (low bits)
-//! and hashbrown's tag (top 7 bits) vary.
+//! Every command touches them on the data path (an initiator binds a
+//! window, the peer's RDMA WRITE looks it up, the SEND with Invalidate and
+//! the window's drop remove it; a disk operation finds its volume's fixed
+//! file), and std's SipHash cost about 100 instructions a lookup, 9 % of an
+//! initiator's instructions per 4 KiB read (callgrind, BENCHMARKS.md "Issue
+//! 20, seventh look"). SipHash defends a table against keys an attacker
+//! chooses to insert; here this process draws every inserted key itself (at
+//! random, or in sequence), and a peer's key is only ever looked up, which
+//! costs one probe sequence whatever the key. A multiply by an odd 64-bit
+//! constant (Fibonacci hashing) spreads a key over all 64 bits, so both the
+//! bucket (low bits) and hashbrown's tag (top 7 bits) vary.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-/// A `HashMap` from a provider-chosen `u32` key.
-pub(crate) type KeyMap<V> = HashMap<u32, V, BuildHasherDefault<KeyHasher>>;
+/// A `HashMap` from a `u32` key this process chose.
+pub type KeyMap<V> = HashMap<u32, V, KeyHashing>;
+
+/// The hasher builder of [`KeyMap`], for maps keyed by a newtype of such a
+/// `u32` (one whose `Hash` writes only that `u32`, as `#[derive(Hash)]` does).
+pub type KeyHashing = BuildHasherDefault<KeyHasher>;
 
 /// The hasher of [`KeyMap`]: Fibonacci hashing of one `u32`.
 #[derive(Default, Clone, Copy)]
-pub(crate) struct KeyHasher(u64);
+pub struct KeyHasher(u64);
 
 /// 2^64 / φ, odd: consecutive keys land far apart.
 const FIBONACCI: u64 = 0x9e37_79b9_7f4a_7c15;
