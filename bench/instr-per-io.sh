@@ -121,7 +121,7 @@ run_bound() { # END VOLUME BS QD
     local loop=tcp_ceiling::drive
     [ "$end" = server ] && loop=tcp_ceiling::serve_any
     local cg=(valgrind --tool=callgrind --toggle-collect="$loop" --dump-instr=yes --callgrind-out-file="$WORK/bound-$end.cg")
-    [ "$end" = server ] && server=("${cg[@]}" "${server[@]}") || client=("${cg[@]}" "${client[@]}")
+    if [ "$end" = server ]; then server=("${cg[@]}" "${server[@]}"); else client=("${cg[@]}" "${client[@]}"); fi
     "${server[@]}" >"$WORK/bound-server.json" 2>"$WORK/bound-server.log" &
     TP=$!
     # Not wait_port: the server serves the first connection only. Under
