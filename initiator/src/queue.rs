@@ -113,6 +113,13 @@ struct Slot {
     /// memory window has completed: until then the target could still
     /// write the buffer.
     held: Option<Response>,
+    /// The SEND gathers a range of its owner's registered buffer
+    /// ([`Conn::submit_gathered`]), which goes back with the response: the
+    /// response waits in `after_send` for the SEND's completion, as a NIC
+    /// may read that range again (to retransmit) until it has one. The
+    /// Linux NVMe/RDMA host ends a request after both the same way.
+    gathered: bool,
+    after_send: Option<Response>,
 }
 
 impl Slot {
@@ -126,6 +133,8 @@ impl Slot {
             op: Opcode::KeepAlive,
             detached: None,
             held: None,
+            gathered: false,
+            after_send: None,
         }
     }
 
@@ -267,8 +276,9 @@ pub(crate) struct Conn {
     /// leaves the SEND to [`flush_batch`](Conn::flush_batch), which posts
     /// every batched command in one call (one `sendmsg` on tcp).
     batching: bool,
-    /// Batched commands: slot index and capsule-plus-inline length.
-    batch: Vec<(usize, usize)>,
+    /// Batched commands: slot index, capsule-plus-inline length, and the
+    /// registered range a gathered write's data is sent from.
+    batch: Vec<(usize, usize, Option<Sge>)>,
     /// Per slot: the memory window the target may use for that command's
     /// data, dropped (invalidated) when the response arrives.
     windows: Vec<Option<MemoryWindow>>,
@@ -480,16 +490,48 @@ impl Conn {
         timeout: Duration,
         now: Instant,
     ) -> Result<()> {
+        self.post_command(cid, capsule, inline, None, op, timeout, now)
+    }
+
+    /// [`submit_at`](Conn::submit_at) for a WRITE whose inline data
+    /// (`capsule.inline_len` bytes) is `data`, a range of a registered
+    /// buffer that the SEND gathers after the capsule: nothing is copied,
+    /// and the caller keeps the buffer unchanged until the response.
+    pub(crate) fn submit_gathered(
+        &mut self,
+        cid: CommandId,
+        capsule: &CommandCapsule,
+        data: Sge,
+        timeout: Duration,
+        now: Instant,
+    ) -> Result<()> {
+        debug_assert_eq!(capsule.inline_len, data.length);
+        self.post_command(cid, &capsule.to_bytes(), &[], Some(data), capsule.opcode, timeout, now)
+    }
+
+    /// Fills command slot `cid` with the capsule (and `inline`, copied) and
+    /// sends it, with `gathered` as a second piece of the SEND.
+    #[allow(clippy::too_many_arguments)]
+    fn post_command(
+        &mut self,
+        cid: CommandId,
+        capsule: &[u8; COMMAND_CAPSULE_SIZE],
+        inline: &[u8],
+        gathered: Option<Sge>,
+        op: Opcode,
+        timeout: Duration,
+        now: Instant,
+    ) -> Result<()> {
         let index = usize::from(cid.0);
         if let Err(e) = self.check_alive() {
             self.release_slot(index);
             return Err(e);
         }
-        if inline.len() > self.inline_capacity() {
+        let inline_len = inline.len() + gathered.map_or(0, |g| g.length as usize);
+        if inline_len > self.inline_capacity() {
             self.release_slot(index);
             return Err(Error::invalid(format!(
-                "{} bytes of inline data do not fit the {}-byte send slot",
-                inline.len(),
+                "{inline_len} bytes of inline data do not fit the {}-byte send slot",
                 self.inline_capacity()
             )));
         }
@@ -523,17 +565,19 @@ impl Conn {
             op,
             detached: None,
             held: None,
+            gathered: gathered.is_some(),
+            after_send: None,
         };
         Stats::add(&self.stats.commands, 1);
         if self.batching {
-            self.batch.push((index, total));
+            self.batch.push((index, total, gathered));
             return Ok(());
         }
-        let sge = [self.send.sge(base, total)];
+        let sges = [self.send.sge(base, total), gathered.unwrap_or(Sge { addr: 0, length: 0, lkey: Lkey(0) })];
         let wr = SendWr {
             wr_id: WrId(TAG_SEND | index as u64),
             op: SendOp::Send,
-            payload: Payload::Sges(&sge),
+            payload: Payload::Sges(&sges[..1 + usize::from(gathered.is_some())]),
             signaled: true,
         };
         if let Err(e) = self.qp.post_send(&[wr]) {
@@ -585,17 +629,19 @@ impl Conn {
         // flush. A chunk is what one `sendmsg` carries on tcp anyway (its
         // batch holds 16 frames), as the target's TX_CHUNK.
         let mut posted = Ok(());
+        const NO_SGE: Sge = Sge { addr: 0, length: 0, lkey: Lkey(0) };
         for chunk in self.batch.chunks(POST_CHUNK) {
-            let mut sges = [Sge { addr: 0, length: 0, lkey: Lkey(0) }; POST_CHUNK];
-            for (sge, &(i, total)) in sges.iter_mut().zip(chunk) {
-                *sge = self.send.sge(i * self.send_slot_size, total);
+            // Each command's slot, and a gathered write's data after it.
+            let mut sges = [[NO_SGE; 2]; POST_CHUNK];
+            for (sge, &(i, total, gathered)) in sges.iter_mut().zip(chunk) {
+                *sge = [self.send.sge(i * self.send_slot_size, total), gathered.unwrap_or(NO_SGE)];
             }
             let mut wrs = [SendWr { wr_id: WrId(0), op: SendOp::Send, payload: Payload::Sges(&[]), signaled: true }; POST_CHUNK];
-            for ((wr, sge), &(i, _)) in wrs.iter_mut().zip(&sges).zip(chunk) {
+            for ((wr, sge), &(i, _, gathered)) in wrs.iter_mut().zip(&sges).zip(chunk) {
                 *wr = SendWr {
                     wr_id: WrId(TAG_SEND | i as u64),
                     op: SendOp::Send,
-                    payload: Payload::Sges(std::slice::from_ref(sge)),
+                    payload: Payload::Sges(&sge[..1 + usize::from(gathered.is_some())]),
                     signaled: true,
                 };
             }
@@ -902,7 +948,9 @@ impl Conn {
             (TAG_SEND, WcOpcode::Send) if index < self.slots.len() && self.slots[index].send_pending => {
                 let slot = &mut self.slots[index];
                 slot.send_pending = false;
-                if !slot.awaiting {
+                if let Some(response) = slot.after_send.take() {
+                    self.deliver(index, response);
+                } else if !slot.awaiting {
                     self.release_slot(index);
                 }
             }
@@ -937,7 +985,7 @@ impl Conn {
         };
         let cid = usize::from(response.capsule.command_id.0);
         match self.slots.get(cid) {
-            Some(slot) if slot.awaiting && slot.response.is_none() && slot.held.is_none() => {}
+            Some(slot) if slot.awaiting && slot.response.is_none() && slot.held.is_none() && slot.after_send.is_none() => {}
             _ => {
                 self.fail(format!("protocol error: response for command id {cid}, which is not outstanding"));
                 return;
@@ -973,9 +1021,14 @@ impl Conn {
         }
     }
 
-    /// Hands a response to the command's owner.
+    /// Hands a response to the command's owner (once a SEND that gathered
+    /// the owner's buffer has completed).
     fn deliver(&mut self, cid: usize, response: Response) {
         let slot = &mut self.slots[cid];
+        if slot.gathered && slot.send_pending {
+            slot.after_send = Some(response);
+            return;
+        }
         if let Some(ticket) = slot.detached.take() {
             // An IoQueue's command: its owner may be busy elsewhere (even
             // waiting for a slot of this very queue), so the response waits

@@ -897,12 +897,13 @@ fn connect_queue(
     }
     // With scoping, a command may hold three send-queue slots on a
     // provider that binds windows with work requests: the bind, the SEND
-    // and the invalidation.
+    // and the invalidation. A SEND gathers two pieces: the capsule and a
+    // small write's data from its registered buffer (`IoQueue`).
     let send_wrs_per_command = if domain.scoped() { 3 } else { 1 };
     let caps = QpCaps {
         max_send_wr: depth * send_wrs_per_command + 1,
         max_recv_wr: recv_count as u32,
-        max_send_sge: 1,
+        max_send_sge: 2,
         max_recv_sge: 1,
         ..QpCaps::default()
     };

@@ -42,8 +42,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdmablk_common::fabric::Rkey;
-use rdmablk_common::protocol::{BlockCount, CommandCapsule, CommandId, DataDescriptor, Lba, Opcode, Status, FLAG_FUA};
+use rdmablk_common::fabric::{Rkey, Sge};
+use rdmablk_common::protocol::{
+    BlockCount, CommandCapsule, CommandId, DataDescriptor, Lba, Opcode, Status, FLAG_FUA, FLAG_INLINE_DATA,
+};
 
 use crate::buffer::IoBuffer;
 use crate::device::max_piece;
@@ -112,7 +114,9 @@ impl IoRequest {
         IoRequest::new(Kind::Read, volume, offset, len, Some(buffer))
     }
 
-    /// Writes the whole of `buffer` at `offset`, zero-copy.
+    /// Writes the whole of `buffer` at `offset`, zero-copy: the target
+    /// RDMA-READs it, or, for a piece of at most the negotiated inline data
+    /// size, the command's SEND gathers it after the capsule.
     pub fn write(volume: &Volume, offset: u64, buffer: IoBuffer) -> IoRequest {
         let len = buffer.len() as u64;
         IoRequest::new(Kind::Write { fua: false }, volume, offset, len, Some(buffer))
@@ -777,13 +781,28 @@ impl IoQueue {
                 c.start_block = Lba((offset + piece.rel) / bs);
                 c.block_count = BlockCount((piece.len / bs) as u32);
             }
+            // A write of at most the negotiated inline size rides in its
+            // command's SEND, gathered from the registered buffer after the
+            // capsule (as NVMe-oF hosts send small writes in-capsule): an
+            // RDMA READ would cost a round trip from the target and back
+            // before its disk write. The target pulls larger ones.
+            let gathered = match kind {
+                Kind::Write { .. } if piece.len as usize <= conn.params.inline_limit => {
+                    Some(piece_sge(&self.reqs, piece))
+                }
+                _ => None,
+            };
+            if kind == (Kind::Write { fua: true }) {
+                c.flags |= FLAG_FUA;
+            }
             match kind {
+                Kind::Write { .. } if gathered.is_some() => {
+                    c.flags |= FLAG_INLINE_DATA;
+                    c.inline_len = piece.len as u32;
+                }
                 Kind::Read | Kind::Write { .. } => {
                     c.descriptor =
                         DataDescriptor { remote_addr: addr + piece.rel, length: piece.len as u32, rkey: rkey.0 };
-                    if kind == (Kind::Write { fua: true }) {
-                        c.flags |= FLAG_FUA;
-                    }
                 }
                 Kind::WriteZeroes if emulated => {
                     c.opcode = Opcode::Write;
@@ -797,9 +816,17 @@ impl IoQueue {
             }
             let timeout = conn.params.io_timeout;
             let now = *sent_at.get_or_insert_with(Instant::now);
-            match conn.submit_at(cid, &c, &[], timeout, now) {
+            let submitted = match gathered {
+                Some(data) => conn.submit_gathered(cid, &c, data, timeout, now),
+                None => conn.submit_at(cid, &c, &[], timeout, now),
+            };
+            match submitted {
                 Ok(()) => {
                     let ticket = conn.detach(cid);
+                    if gathered.is_some() {
+                        Stats::add(&conn.stats().inline_writes, 1);
+                        Stats::add(&conn.stats().inline_bytes, piece.len);
+                    }
                     self.inflight.push(Flight { piece, gen, ticket, deadline: now + timeout });
                 }
                 Err(_) => {
@@ -929,6 +956,14 @@ impl Wake {
             false
         }
     }
+}
+
+/// Where `piece` lies in its request's registered buffer (a read or write
+/// has one), as a gather entry for a SEND.
+fn piece_sge(reqs: &[Option<Req>], piece: Piece) -> Sge {
+    let req = reqs[piece.req].as_ref().expect("a live request");
+    let region = req.buffer.as_ref().expect("a read or write has a buffer").region();
+    region.sge((req.addr - region.addr() + piece.rel) as usize, piece.len as usize)
 }
 
 /// A copy of a session-level error for each request it ends.

@@ -177,6 +177,57 @@ fn zero_copy_reads_and_writes_land_in_the_registered_buffer_without_a_bounce() {
 }
 
 #[test]
+fn queued_writes_that_fit_the_inline_size_ride_in_the_command_and_larger_ones_are_read_by_the_target() {
+    use rdmablk_common::protocol::{FLAG_FUA, FLAG_INLINE_DATA};
+    let target = one_volume(FakeConfig::default(), 8 * MIB);
+    let s = Session::connect(&target.url, options(1)).unwrap();
+    assert_eq!(s.inline_data_size(), 4096);
+    let vol = s.open("vol0").unwrap();
+    let mut q = s.io_queue();
+    let data = pattern(3 * 4096, 7);
+    let mut buf = s.alloc_buffer(3 * 4096).unwrap();
+    buf.as_mut_slice().copy_from_slice(&data);
+    // 4 KiB from the middle of the buffer, with FUA: inline, its own bytes.
+    let before = s.stats();
+    q.submit(IoRequest::write(&vol, 8192, buf).with_range(4096, 4096).with_fua(), 1);
+    let buf = wait_all(&mut q).pop().unwrap().buffer.unwrap();
+    let after = s.stats();
+    assert_eq!(after.inline_writes - before.inline_writes, 1);
+    assert_eq!(after.inline_bytes - before.inline_bytes, 4096);
+    // Gathered from the registered buffer by the SEND: still no copy.
+    assert_eq!(after.zero_copy_bytes - before.zero_copy_bytes, 4096);
+    assert_eq!(after.bounce_copies, before.bounce_copies);
+    let w = *target.commands().last().unwrap();
+    assert_eq!((w.opcode, w.flags & (FLAG_INLINE_DATA | FLAG_FUA), w.inline_len), (Opcode::Write, FLAG_INLINE_DATA | FLAG_FUA, 4096));
+    assert_eq!(w.descriptor.length, 0, "an inline write names no buffer for the target to read");
+    assert_eq!(target.volume_data(0)[8192..12288], data[4096..8192]);
+    // 8 KiB: above the inline size, so the target RDMA-READs it.
+    let before = s.stats();
+    q.submit(IoRequest::write(&vol, 16384, buf).with_range(0, 8192), 2);
+    wait_all(&mut q).pop().unwrap().result.unwrap();
+    let after = s.stats();
+    assert_eq!(after.inline_writes, before.inline_writes);
+    assert_eq!(after.zero_copy_bytes - before.zero_copy_bytes, 8192);
+    let w = *target.commands().last().unwrap();
+    assert_eq!((w.flags & FLAG_INLINE_DATA, w.descriptor.length), (0, 8192));
+    assert_eq!(target.volume_data(0)[16384..24576], data[..8192]);
+
+    // A target that takes no inline data gets every write by RDMA READ.
+    let target = one_volume(FakeConfig { inline: 0, ..FakeConfig::default() }, 8 * MIB);
+    let s = Session::connect(&target.url, options(1)).unwrap();
+    let vol = s.open("vol0").unwrap();
+    let mut q = s.io_queue();
+    let mut buf = s.alloc_buffer(4096).unwrap();
+    buf.as_mut_slice().copy_from_slice(&data[..4096]);
+    q.submit(IoRequest::write(&vol, 0, buf), 3);
+    wait_all(&mut q).pop().unwrap().result.unwrap();
+    assert_eq!(s.stats().inline_writes, 0);
+    let w = *target.commands().last().unwrap();
+    assert_eq!((w.flags & FLAG_INLINE_DATA, w.descriptor.length), (0, 4096));
+    assert_eq!(target.volume_data(0)[..4096], data[..4096]);
+}
+
+#[test]
 fn large_submissions_are_split_and_reassembled() {
     let target = one_volume(FakeConfig { max_io: 64 << 10, ..FakeConfig::default() }, 8 * MIB);
     let s = Session::connect(&target.url, options(1)).unwrap();
