@@ -109,17 +109,17 @@ struct Slot {
     /// Owned by an `IoQueue` under this ticket: its response is moved out
     /// on arrival and the slot freed (see [`Conn::detach`]).
     detached: Option<u64>,
-    /// The response, held back until the invalidation of the command's
-    /// memory window has completed: until then the target could still
-    /// write the buffer.
+    /// The response, held back until a local completion: the invalidation
+    /// of the command's memory window (until then the target could still
+    /// write the buffer), or for a `gathered` command its SEND's.
     held: Option<Response>,
     /// The SEND gathers a range of its owner's registered buffer
     /// ([`Conn::submit_gathered`]), which goes back with the response: the
-    /// response waits in `after_send` for the SEND's completion, as a NIC
-    /// may read that range again (to retransmit) until it has one. The
-    /// Linux NVMe/RDMA host ends a request after both the same way.
+    /// response is `held` until the SEND has completed, as a NIC may read
+    /// that range again (to retransmit) until then. The Linux NVMe/RDMA
+    /// host ends a request after both the same way. Such a command has no
+    /// window (its descriptor is empty), so the two holds never meet.
     gathered: bool,
-    after_send: Option<Response>,
 }
 
 impl Slot {
@@ -134,7 +134,6 @@ impl Slot {
             detached: None,
             held: None,
             gathered: false,
-            after_send: None,
         }
     }
 
@@ -566,7 +565,6 @@ impl Conn {
             detached: None,
             held: None,
             gathered: gathered.is_some(),
-            after_send: None,
         };
         Stats::add(&self.stats.commands, 1);
         if self.batching {
@@ -939,7 +937,9 @@ impl Conn {
         }
         match (wc.wr_id.0 & TAG_MASK, wc.opcode) {
             (TAG_RECV, WcOpcode::Recv) if index < self.recv_count => self.handle_response(index, wc.byte_len as usize),
-            (TAG_INVALIDATE, WcOpcode::LocalInvalidate) if self.slots.get(index).is_some_and(|s| s.held.is_some()) => {
+            (TAG_INVALIDATE, WcOpcode::LocalInvalidate)
+                if self.slots.get(index).is_some_and(|s| s.held.is_some() && !s.gathered) =>
+            {
                 if let Some(response) = self.slots[index].held.take() {
                     self.invalidations_pending -= 1;
                     self.deliver(index, response);
@@ -948,7 +948,8 @@ impl Conn {
             (TAG_SEND, WcOpcode::Send) if index < self.slots.len() && self.slots[index].send_pending => {
                 let slot = &mut self.slots[index];
                 slot.send_pending = false;
-                if let Some(response) = slot.after_send.take() {
+                // A gathered command's response waited for this.
+                if let Some(response) = if slot.gathered { slot.held.take() } else { None } {
                     self.deliver(index, response);
                 } else if !slot.awaiting {
                     self.release_slot(index);
@@ -985,7 +986,7 @@ impl Conn {
         };
         let cid = usize::from(response.capsule.command_id.0);
         match self.slots.get(cid) {
-            Some(slot) if slot.awaiting && slot.response.is_none() && slot.held.is_none() && slot.after_send.is_none() => {}
+            Some(slot) if slot.awaiting && slot.response.is_none() && slot.held.is_none() => {}
             _ => {
                 self.fail(format!("protocol error: response for command id {cid}, which is not outstanding"));
                 return;
@@ -1026,7 +1027,7 @@ impl Conn {
     fn deliver(&mut self, cid: usize, response: Response) {
         let slot = &mut self.slots[cid];
         if slot.gathered && slot.send_pending {
-            slot.after_send = Some(response);
+            slot.held = Some(response);
             return;
         }
         if let Some(ticket) = slot.detached.take() {
