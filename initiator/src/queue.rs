@@ -70,6 +70,8 @@ pub(crate) enum AlsoWake<'a> {
 
 /// Most commands one `post_send` of a batch carries (see `flush_batch`).
 const POST_CHUNK: usize = 16;
+/// The unused second entry of a SEND's gather list (`Conn::send_gather`).
+const NO_SGE: Sge = Sge { addr: 0, length: 0, lkey: Lkey(0) };
 const TAG_SEND: u64 = 1 << 32;
 const TAG_RECV: u64 = 2 << 32;
 /// The invalidation of a command's memory window (verbs).
@@ -571,11 +573,11 @@ impl Conn {
             self.batch.push((index, total, gathered));
             return Ok(());
         }
-        let sges = [self.send.sge(base, total), gathered.unwrap_or(Sge { addr: 0, length: 0, lkey: Lkey(0) })];
+        let (sges, used) = self.send_gather(index, total, gathered);
         let wr = SendWr {
             wr_id: WrId(TAG_SEND | index as u64),
             op: SendOp::Send,
-            payload: Payload::Sges(&sges[..1 + usize::from(gathered.is_some())]),
+            payload: Payload::Sges(&sges[..used]),
             signaled: true,
         };
         if let Err(e) = self.qp.post_send(&[wr]) {
@@ -614,6 +616,17 @@ impl Conn {
         self.batching = true;
     }
 
+    /// The gather list of command slot `index`'s SEND and how many of its
+    /// entries the SEND uses: the slot's first `total` bytes (the capsule
+    /// and any copied inline data), then a gathered write's data.
+    fn send_gather(&self, index: usize, total: usize, gathered: Option<Sge>) -> ([Sge; 2], usize) {
+        let slot = self.send.sge(index * self.send_slot_size, total);
+        match gathered {
+            Some(data) => ([slot, data], 2),
+            None => ([slot, NO_SGE], 1),
+        }
+    }
+
     /// Posts the batched commands in one `post_send` call and ends the batch.
     /// On failure the connection is closed (its commands are then resent or
     /// failed by their owners, as for any broken connection).
@@ -627,19 +640,17 @@ impl Conn {
         // flush. A chunk is what one `sendmsg` carries on tcp anyway (its
         // batch holds 16 frames), as the target's TX_CHUNK.
         let mut posted = Ok(());
-        const NO_SGE: Sge = Sge { addr: 0, length: 0, lkey: Lkey(0) };
         for chunk in self.batch.chunks(POST_CHUNK) {
-            // Each command's slot, and a gathered write's data after it.
-            let mut sges = [[NO_SGE; 2]; POST_CHUNK];
+            let mut sges = [([NO_SGE; 2], 0); POST_CHUNK];
             for (sge, &(i, total, gathered)) in sges.iter_mut().zip(chunk) {
-                *sge = [self.send.sge(i * self.send_slot_size, total), gathered.unwrap_or(NO_SGE)];
+                *sge = self.send_gather(i, total, gathered);
             }
             let mut wrs = [SendWr { wr_id: WrId(0), op: SendOp::Send, payload: Payload::Sges(&[]), signaled: true }; POST_CHUNK];
-            for ((wr, sge), &(i, _, gathered)) in wrs.iter_mut().zip(&sges).zip(chunk) {
+            for ((wr, (sge, used)), &(i, _, _)) in wrs.iter_mut().zip(&sges).zip(chunk) {
                 *wr = SendWr {
                     wr_id: WrId(TAG_SEND | i as u64),
                     op: SendOp::Send,
-                    payload: Payload::Sges(&sge[..1 + usize::from(gathered.is_some())]),
+                    payload: Payload::Sges(&sge[..*used]),
                     signaled: true,
                 };
             }
@@ -949,7 +960,8 @@ impl Conn {
                 let slot = &mut self.slots[index];
                 slot.send_pending = false;
                 // A gathered command's response waited for this.
-                if let Some(response) = if slot.gathered { slot.held.take() } else { None } {
+                let waited = if slot.gathered { slot.held.take() } else { None };
+                if let Some(response) = waited {
                     self.deliver(index, response);
                 } else if !slot.awaiting {
                     self.release_slot(index);
