@@ -63,9 +63,7 @@
 
 pub mod auth;
 pub mod backend;
-pub mod blocking;
 pub mod fault;
-pub mod command;
 pub mod config;
 pub mod error;
 pub mod engine;
@@ -73,13 +71,11 @@ pub mod metrics;
 pub mod nvmf;
 /// systemd notifications live in `rdmablk-common`, shared with the `rdmablk` CLI.
 pub use rdmablk_common::notify;
-pub mod pool;
 pub mod reactor;
-pub mod readahead;
 pub mod session;
 pub mod sys;
 pub mod target;
-pub mod uring;
+pub mod v1;
 
 pub use config::Config;
 pub use error::{Error, ErrorKind, Result};

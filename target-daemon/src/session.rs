@@ -19,7 +19,7 @@ use rdmablk_common::protocol::{SessionId, VolumeId};
 
 use crate::backend::VolumeSet;
 use crate::error::{Error, ErrorKind, Result};
-use crate::pool::PoolAccount;
+use crate::engine::pool::PoolAccount;
 use crate::sys::EventFd;
 
 /// The volumes a session has opened, by id (a bitmap), and those it was
@@ -258,8 +258,8 @@ pub struct HostPool {
 }
 
 impl HostPool {
-    fn new(reactors: usize) -> HostPool {
-        HostPool { accounts: (0..reactors).map(|_| Arc::new(PoolAccount::default())).collect() }
+    fn new(address: IpAddr, reactors: usize) -> HostPool {
+        HostPool { accounts: (0..reactors).map(|_| Arc::new(PoolAccount::named(format!("peer={address}")))).collect() }
     }
 
     /// The host's account on `reactor`.
@@ -533,7 +533,7 @@ impl Registry {
         let host_pool = from.map(|a| {
             *open.entry(a).or_insert(0) += 1;
             let mut pools = self.host_pools.lock().unwrap_or_else(|e| e.into_inner());
-            Arc::clone(pools.entry(a).or_insert_with(|| Arc::new(HostPool::new(self.reactors))))
+            Arc::clone(pools.entry(a).or_insert_with(|| Arc::new(HostPool::new(a, self.reactors))))
         });
         Ok(Admission {
             handshake: HandshakeSlot { registry: Arc::clone(self), address: from },
@@ -589,7 +589,7 @@ impl Registry {
             id,
             host_id: host_id.to_owned(),
             open: ArcSwap::from_pointee(OpenSet::default()),
-            pool_accounts: (0..self.reactors).map(|_| Arc::new(PoolAccount::default())).collect(),
+            pool_accounts: (0..self.reactors).map(|_| Arc::new(PoolAccount::named(format!("host={host_id} session={:#x}", id.0)))).collect(),
             retired: AtomicBool::new(false),
             ended: AtomicBool::new(false),
             dropped: AtomicU64::new(0),

@@ -31,7 +31,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::{self, HttpServer, ReactorStats};
 use crate::notify::{self, Notifier};
 use crate::nvmf::NvmeFrontEnd;
-use crate::reactor::{self, Accept, Control, ReactorHandle, ReactorSpec};
+use crate::reactor::{self, Control, ReactorHandle, ReactorSpec, Transport};
 use crate::session::{HandshakeRefusal, Registry, SessionLimits, SessionSummary};
 use crate::sys::{self, Epoll, EventFd, SignalFd};
 
@@ -212,6 +212,9 @@ const TOKEN_HTTP: u64 = 1 << 41;
 const TOKEN_NVME: u64 = 1 << 42;
 /// How often STATUS= is refreshed (when it changed).
 const STATUS_EVERY: Duration = Duration::from_secs(5);
+/// The reactors' transports, by index (what their fabrics, epoll tokens
+/// and executor commands name).
+const TRANSPORT_V1: usize = 0;
 /// How often removed volumes are checked for release.
 const RETIRED_EVERY: Duration = Duration::from_millis(200);
 
@@ -262,11 +265,17 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
     let mut reactor_stats = Vec::with_capacity(cfg.reactors);
     for id in 0..cfg.reactors {
         let stats = Arc::new(ReactorStats::default());
+        let v1_cfg = cfg.clone();
+        let transports: reactor::TransportFactory = Box::new(move |_rt| {
+            let v1: Box<dyn Transport> = Box::new(crate::v1::V1::new(TRANSPORT_V1, &v1_cfg));
+            Ok(vec![v1])
+        });
         let spec = ReactorSpec {
             id,
             cfg: cfg.clone(),
             registry: Arc::clone(&registry),
-            fabrics: fabrics.clone(),
+            fabrics: fabrics.iter().map(|f| (Arc::clone(f), TRANSPORT_V1, cfg.queue_depth)).collect(),
+            transports,
             cpu: cfg.pin_reactors.then(|| cpus[id % cpus.len()]),
             exited: Arc::clone(&exited),
             stats: Arc::clone(&stats),
@@ -590,11 +599,13 @@ impl ControlThread {
                             continue;
                         }
                     };
-                    let r = &self.reactors[*next % self.reactors.len()];
-                    *next += 1;
+                    let r = &self.reactors[reactor::least_loaded(&self.reactors, next)];
                     tracing::debug!("connection request from {} → reactor {}", req.peer(), r.id);
-                    if let Err(Control::Connect(a)) = r.send(Control::Connect(Box::new(Accept { req, fabric: li, admission }))) {
-                        a.req.reject(b"target is shutting down");
+                    let accept = crate::v1::Accept { req, fabric: li, admission };
+                    if let Err(back) = r.hand_off(TRANSPORT_V1, Box::new(accept)) {
+                        if let Ok(a) = back.downcast::<crate::v1::Accept>() {
+                            a.req.reject(b"target is shutting down");
+                        }
                     }
                 }
                 Ok(None) => return,

@@ -541,7 +541,7 @@ impl Suite {
         );
         // Refused commands are logged at debug level (a flood of bad
         // commands must not flood the log by default); this suite wants them.
-        let target = TargetProcess::start_with_env(&config, &[("RUST_LOG", "info,rdmablk_target::reactor=debug")], &[]);
+        let target = TargetProcess::start_with_env(&config, &[("RUST_LOG", "info,rdmablk_target::v1=debug")], &[]);
         let opts = ConnectOptions { host_id: "good-host".into(), queues: 1, ..ConnectOptions::default() };
         let session = Session::connect(target.url.as_str(), opts).expect("good session connects");
         let vol = session.open("vol").expect("good session opens vol");

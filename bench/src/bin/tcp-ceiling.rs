@@ -51,9 +51,9 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 use rdmablk_bench::cpu::{thread_usage, CpuUsage};
 use rdmablk_bench::units::{parse_size, parse_time, parse_u64};
-use rdmablk_target::pool::{ChunkId, Pool};
+use rdmablk_target::engine::pool::{ChunkId, Pool};
 use rdmablk_target::sys::{Epoll, READABLE};
-use rdmablk_target::uring::{Uring, UringOptions};
+use rdmablk_target::engine::uring::{Uring, UringOptions};
 
 /// A request: the size of a command capsule. Bytes 0..8 carry the tag.
 const REQUEST_LEN: usize = 64;

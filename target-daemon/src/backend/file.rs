@@ -36,9 +36,9 @@ use rdmablk_common::size::ByteSize;
 use crate::backend::RangeOp;
 use crate::config::{VolumeConfig, DEFAULT_FILE_BLOCK_SIZE};
 use crate::error::{Error, ErrorKind, Result};
-use crate::pool::ALIGN;
+use crate::engine::pool::ALIGN;
 use crate::sys;
-use crate::uring::{PUNCH_HOLE, ZERO_RANGE};
+use crate::engine::uring::{PUNCH_HOLE, ZERO_RANGE};
 
 /// What the path is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -29,7 +29,9 @@ use rdmablk_common::protocol::{
 };
 use rdmablk_common::size::ByteSize;
 
-use crate::command::{VolumeMeta, VolumeTable};
+pub mod table;
+
+use table::{VolumeMeta, VolumeTable};
 use crate::config::{BackendKind, Config, VolumeConfig, DEFAULT_FILE_BLOCK_SIZE};
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::VolumeStats;
@@ -49,11 +51,34 @@ pub enum RangeOp {
     Nothing,
 }
 
+/// A command's byte ranges `(offset, len)`. One range, which every Write
+/// and Write Zeroes has, is held inline: the per-I/O path allocates
+/// nothing. Only a Dataset Management command's ranges (up to 256, read
+/// from its data) go to the heap.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ByteRanges {
+    None,
+    One((u64, u64)),
+    Many(Vec<(u64, u64)>),
+}
+
+impl std::ops::Deref for ByteRanges {
+    type Target = [(u64, u64)];
+
+    fn deref(&self) -> &[(u64, u64)] {
+        match self {
+            ByteRanges::None => &[],
+            ByteRanges::One(r) => std::slice::from_ref(r),
+            ByteRanges::Many(v) => v,
+        }
+    }
+}
+
 impl fmt::Display for RangeOp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
-            RangeOp::Fallocate(m) if m == crate::uring::PUNCH_HOLE => f.write_str("fallocate(PUNCH_HOLE)"),
-            RangeOp::Fallocate(m) if m == crate::uring::ZERO_RANGE => f.write_str("fallocate(ZERO_RANGE)"),
+            RangeOp::Fallocate(m) if m == crate::engine::uring::PUNCH_HOLE => f.write_str("fallocate(PUNCH_HOLE)"),
+            RangeOp::Fallocate(m) if m == crate::engine::uring::ZERO_RANGE => f.write_str("fallocate(ZERO_RANGE)"),
             RangeOp::Fallocate(m) => write!(f, "fallocate({m:#x})"),
             RangeOp::BlkDiscard => f.write_str("BLKDISCARD"),
             RangeOp::BlkZeroout => f.write_str("BLKZEROOUT"),
@@ -96,7 +121,7 @@ impl Backend {
     pub fn discard(&self) -> Option<RangeOp> {
         match self {
             Backend::File(f) => f.discard(),
-            Backend::Memory(_) => Some(RangeOp::Fallocate(crate::uring::PUNCH_HOLE)),
+            Backend::Memory(_) => Some(RangeOp::Fallocate(crate::engine::uring::PUNCH_HOLE)),
             Backend::Null => Some(RangeOp::Nothing),
         }
     }
@@ -106,7 +131,7 @@ impl Backend {
         match self {
             Backend::File(f) => f.write_zeroes(),
             // shmem has no ZERO_RANGE; a punched hole reads back as zeroes.
-            Backend::Memory(_) => Some(RangeOp::Fallocate(crate::uring::PUNCH_HOLE)),
+            Backend::Memory(_) => Some(RangeOp::Fallocate(crate::engine::uring::PUNCH_HOLE)),
             Backend::Null => Some(RangeOp::Nothing),
         }
     }

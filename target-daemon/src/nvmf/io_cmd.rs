@@ -5,6 +5,7 @@
 use rdmablk_common::nvme::sqe::{io_opcode, DsmRange, SubmissionEntry, DSM_RANGE_SIZE};
 
 use super::{Namespace, MAX_TRANSFER};
+pub use crate::backend::ByteRanges;
 use crate::backend::RangeOp;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -19,29 +20,6 @@ pub enum IoPlan {
     /// Dataset Management with Deallocate: its `ranges` ranges arrive as
     /// data (possibly followed by more bytes; see [`plan`]).
     Deallocate { ns: Namespace, op: RangeOp, ranges: u32 },
-}
-
-/// A command's byte ranges `(offset, len)`. One range, which every Write
-/// and Write Zeroes has, is held inline: the per-I/O path allocates
-/// nothing. Only a Dataset Management command's ranges (up to 256, read
-/// from its data) go to the heap.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ByteRanges {
-    None,
-    One((u64, u64)),
-    Many(Vec<(u64, u64)>),
-}
-
-impl std::ops::Deref for ByteRanges {
-    type Target = [(u64, u64)];
-
-    fn deref(&self) -> &[(u64, u64)] {
-        match self {
-            ByteRanges::None => &[],
-            ByteRanges::One(r) => std::slice::from_ref(r),
-            ByteRanges::Many(v) => v,
-        }
-    }
 }
 
 impl IoPlan {

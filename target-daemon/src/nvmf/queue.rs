@@ -24,10 +24,10 @@ use super::{
 };
 use crate::config::NvmeTransport;
 use crate::engine::BlockEngine;
-use crate::pool::Pool;
-use crate::uring::UringOptions;
+use crate::engine::pool::Pool;
+use crate::engine::uring::UringOptions;
 use crate::error::{Error, ErrorKind};
-use crate::pool::ChunkId;
+use crate::engine::pool::ChunkId;
 
 /// Where a command's data lives.
 #[derive(Debug)]

@@ -44,7 +44,7 @@ use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry, SQE_SIZE};
 use super::queue::{Action, Buf, Queue, WakeSource};
 use super::{CloseKind, CloseReason, QueueCloser, Subsystem, ADMIN_IN_CAPSULE, HOST_CLOSED, IO_IN_CAPSULE, MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, MAX_TRANSFER};
 use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
-use crate::pool::{PoolRegion, SlotBuf};
+use crate::engine::pool::{PoolRegion, SlotBuf};
 use crate::session::{Admission, ConnectionSlot, HandshakeSlot};
 use crate::sys::{Epoll, EventFd};
 
@@ -175,7 +175,7 @@ enum ReadInto {
 enum SentWith {
     Nothing,
     /// The pool chunk a read's data went out of.
-    Chunk(crate::pool::ChunkId),
+    Chunk(crate::engine::pool::ChunkId),
     /// The staging slot heap data went out of.
     Staging(usize),
 }

@@ -35,7 +35,7 @@ use rdmablk_common::nvme::WireError;
 use super::queue::{Action, Buf, H2cRefusal, Queue, WakeSource};
 use super::{CloseReason, QueueCloser, Subsystem, MAX_TRANSFER};
 use crate::config::NvmeTransport;
-use crate::pool::ChunkId;
+use crate::engine::pool::ChunkId;
 use crate::session::{Admission, ConnectionSlot, HandshakeSlot};
 use crate::sys::{Epoll, READABLE, WRITABLE};
 

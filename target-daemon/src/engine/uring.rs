@@ -58,7 +58,7 @@ use std::time::Duration;
 use io_uring::{opcode, register::Restriction, squeue, types, IoUring, Probe};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::pool::{ChunkId, Pool, PoolMemory};
+use crate::engine::pool::{ChunkId, Pool, PoolMemory};
 use crate::sys::EventFd;
 
 /// `fallocate` mode for DISCARD.

@@ -20,7 +20,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::pool::ChunkId;
+use crate::engine::pool::ChunkId;
 
 /// Streams tracked per volume slot.
 const STREAMS: usize = 8;

@@ -92,21 +92,35 @@ enum ChunkState {
 }
 
 /// The chunks one holder (a session, or a host, on one reactor) has taken
-/// from a pool and not returned. Only that reactor's pool changes it.
+/// from a pool and not returned. Only that reactor's pool changes it. Its
+/// name says whose it is in logs (`host=... session=...`, `peer=ADDR`).
 #[derive(Debug, Default)]
-pub struct PoolAccount(AtomicU32);
+pub struct PoolAccount {
+    held: AtomicU32,
+    name: String,
+}
 
 impl PoolAccount {
+    /// An account named `name` (how logs name its holder).
+    pub fn named(name: impl Into<String>) -> PoolAccount {
+        PoolAccount { held: AtomicU32::new(0), name: name.into() }
+    }
+
     /// Chunks held now.
     #[inline]
     pub fn held(&self) -> u32 {
-        self.0.load(Ordering::Relaxed)
+        self.held.load(Ordering::Relaxed)
+    }
+
+    /// Whose account it is.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// Single writer (the pool's thread): a plain load and store.
     fn add(&self, delta: i32) {
-        let v = self.0.load(Ordering::Relaxed);
-        self.0.store(v.saturating_add_signed(delta), Ordering::Relaxed);
+        let v = self.held.load(Ordering::Relaxed);
+        self.held.store(v.saturating_add_signed(delta), Ordering::Relaxed);
     }
 }
 

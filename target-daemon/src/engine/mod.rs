@@ -24,11 +24,17 @@ use std::sync::Arc;
 use rdmablk_common::keymap::KeyHashing;
 use rdmablk_common::protocol::{SessionId, VolumeId};
 
+pub mod blocking;
+pub mod exec;
+pub mod pool;
+pub mod readahead;
+pub mod uring;
+
 use crate::backend::{Backend, RangeOp, Volume};
-use crate::blocking::{BlockingWorker, Job, JobKind};
+use crate::engine::blocking::{BlockingWorker, Job, JobKind};
 use crate::error::Result;
-use crate::pool::{ChunkId, Pool};
-use crate::uring::{Uring, UringFeatures, UringOptions};
+use crate::engine::pool::{ChunkId, Pool};
+use crate::engine::uring::{Uring, UringFeatures, UringOptions};
 
 /// What a finished operation reports: its tag and bytes moved or `-errno`.
 pub type Completion = (u64, i32);
@@ -320,6 +326,11 @@ impl BlockEngine {
     /// (`UringOptions::socket_fd`; see [`Uring::arm_recv`]).
     pub fn receives(&self) -> bool {
         self.uring.receives()
+    }
+
+    /// Socket receives queued or in flight: each ends a sleep in the ring.
+    pub fn recvs_armed(&self) -> usize {
+        self.uring.recv_armed() as usize
     }
 
     /// Whether a socket receive is queued, in flight or not yet taken: the

@@ -1,0 +1,1275 @@
+//! The executor: a reactor's commands on its block engine, whatever
+//! protocol they came in by. One per reactor, shared by every transport
+//! on it (rdmablk v1, NVMe/TCP, NVMe/RDMA), as SPDK's poll group shares
+//! its bdev channels and nvmet its per-CPU workers.
+//!
+//! A front end decodes and checks a command, then hands the executor a
+//! [`Request`] (read, write, flush, a range operation, or a chunk for its
+//! own answer data) under an [`Owner`]: the transport and that
+//! transport's own tag for the command. The executor owns the rest of the
+//! disk side: the pool chunks and their waits (a FIFO line with the
+//! session and host shares, `chunk_wait_timeout`), the pipelining of
+//! large commands chunk by chunk (at most [`CHUNK_WINDOW`] chunks in
+//! flight each), readahead, the write epochs, the volume snapshot with
+//! its fixed-file slots, and the per-volume counters. It never touches a
+//! wire: what must cross one comes back to the owner as an [`Event`]:
+//!
+//! - [`Event::Read`]: a piece of a read's data is in a chunk; the owner
+//!   sends it and gives the chunk back with [`Executor::sent`];
+//! - [`Event::Fetch`]: a write's piece wants its data in a chunk; the owner
+//!   places it (in-capsule bytes, an RDMA READ, R2T and data PDUs) and
+//!   calls [`Executor::placed`];
+//! - [`Event::Buffer`]: a chunk for the owner's own data (v1's LIST answer),
+//!   given back with [`Executor::sent`];
+//! - [`Event::Done`]: nothing of the command is in flight any more, on the
+//!   disk or with the owner: its result. It comes exactly once, last, and
+//!   the command's id is free afterwards.
+//!
+//! Ordering: a write's data is on the disk (durable with `fua`) when its
+//! `Done(Ok)` comes; a read's last piece comes with `last`. Commands are
+//! independent of one another, as on a disk. An owner that loses interest
+//! (its connection failed) calls [`Executor::abandon`]: what has not
+//! reached the disk is dropped, what has runs to completion, and `Done`
+//! says whether any of it reached the disk.
+//!
+//! A command's id is encoded into the engine's tags (with the chunk), so
+//! every disk completion finds its command in O(1).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdmablk_common::keymap::KeyHashing;
+use rdmablk_common::protocol::{SessionId, VolumeId};
+
+use super::pool::{ChunkId, PoolAccount};
+use super::readahead::{self, Readahead, Serve};
+use super::BlockEngine;
+use crate::backend::{Backend, ByteRanges, RangeOp, Volume, VolumeSet};
+use crate::error::{Error, ErrorKind, Result};
+use crate::metrics::ReactorStats;
+use crate::session::Registry;
+
+/// Most pool chunks one command may have in flight at once.
+pub const CHUNK_WINDOW: u32 = 8;
+/// Least time between two sweeps of the wait line for commands past
+/// `target.chunk_wait_timeout` (each is a pass over the line and a log
+/// line): the first one due is answered on time, later ones within this.
+const CHUNK_SWEEP_INTERVAL: Duration = Duration::from_millis(250);
+/// A volume slot that names no volume (a Buffer request).
+pub const NO_VOLUME: u16 = u16::MAX;
+
+// Engine tag layout: kind:4 | command:32 | chunk:16. Kinds 8 and up are
+// the runtime's (its transports' socket receives), never the executor's.
+const U_READ: u64 = 1;
+const U_WRITE: u64 = 2;
+const U_FSYNC: u64 = 3;
+const U_FALLOC: u64 = 4;
+/// BLKDISCARD / BLKZEROOUT on the blocking worker.
+const U_BLKDEV: u64 = 5;
+/// A disk write held by fault injection (`crate::fault`), on the blocking
+/// worker; the write goes to the ring when the hold ends.
+const U_HOLD: u64 = 6;
+/// A read ahead (`readahead`): no command; the command field holds the
+/// volume slot.
+const U_READAHEAD: u64 = 7;
+const NO_CHUNK: u16 = u16::MAX;
+
+fn tag(kind: u64, cmd: u32, chunk: u16) -> u64 {
+    kind << 60 | (cmd as u64) << 16 | chunk as u64
+}
+
+fn split_tag(t: u64) -> (u64, u32, u16) {
+    (t >> 60, (t >> 16) as u32, t as u16)
+}
+
+/// Whether an engine tag is one of the executor's (else the runtime's).
+pub fn is_executor_tag(t: u64) -> bool {
+    (1..8).contains(&(t >> 60))
+}
+
+/// A command's id, valid from [`Executor::submit`] until its
+/// [`Event::Done`] has been handed out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CmdId(pub u32);
+
+/// Who a command belongs to: a transport of the reactor (its index in the
+/// runtime) and that transport's own tag for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Owner {
+    pub transport: u8,
+    pub tag: u32,
+}
+
+/// The pool accounts a command's chunks are charged to: its session's (or
+/// controller's) and its host's (the peer's source address) on this
+/// reactor, for `session_pool_share` and `host_pool_share`.
+pub type Accounts = [Option<Arc<PoolAccount>>; 2];
+
+/// What a command asks of the disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// `len` bytes at `offset`, piece by piece into chunks ([`Event::Read`]).
+    Read,
+    /// `len` bytes at `offset`, each piece fetched into a chunk first
+    /// ([`Event::Fetch`]); durably with `fua`.
+    Write { fua: bool },
+    /// Makes the volume's completed writes durable.
+    Flush,
+    /// Deallocates or zeroes byte ranges the volume's way (`op`, from
+    /// `Backend::discard` or `write_zeroes`).
+    Range { op: RangeOp, ranges: ByteRanges },
+    /// One chunk for the owner's own data ([`Event::Buffer`]); no disk.
+    Buffer,
+}
+
+/// A command for the executor.
+#[derive(Debug)]
+pub struct Request {
+    pub op: Op,
+    /// The volume's slot in this executor ([`Executor::slot_of_id`],
+    /// [`Executor::slot_of_index`]); [`NO_VOLUME`] for a Buffer.
+    pub vslot: u16,
+    pub offset: u64,
+    pub len: u32,
+    /// Index in `metrics::IO_OPS` to count it under, if it is counted.
+    pub metric: Option<u8>,
+    /// When the command arrived (its latency runs from here).
+    pub start: Instant,
+    pub accounts: Accounts,
+    /// The rdmablk v1 session whose disk writes fault injection may hold
+    /// (`crate::fault`, test builds only).
+    pub hold_key: Option<SessionId>,
+}
+
+/// What the executor tells a command's owner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// Bytes `off..off + len` of the read's data are in `chunk` (zeroes,
+    /// to be sent from the zero chunk, if `zero`); `last`: the read has
+    /// every byte now. The chunk is the owner's until [`Executor::sent`].
+    Read { chunk: ChunkId, off: u32, len: u32, zero: bool, last: bool },
+    /// Place bytes `off..off + len` of the write's data into `chunk`, then
+    /// call [`Executor::placed`].
+    Fetch { chunk: ChunkId, off: u32, len: u32 },
+    /// A chunk for the owner's data, until [`Executor::sent`].
+    Buffer { chunk: ChunkId },
+    /// Nothing of the command is in flight any more: its result, and
+    /// whether any of it reached the disk (or the blocking worker).
+    Done { result: std::result::Result<(), ErrorKind>, reached_disk: bool },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Read,
+    Write,
+    Flush,
+    Range,
+    Buffer,
+}
+
+struct Cmd {
+    owner: Owner,
+    kind: Kind,
+    /// The range operation and its ranges (Range only).
+    range: Option<(RangeOp, ByteRanges)>,
+    vslot: u16,
+    /// The volume's backend is `null`: no disk I/O.
+    null: bool,
+    offset: u64,
+    len: u32,
+    fua: bool,
+    metric: Option<u8>,
+    start: Instant,
+    accounts: Accounts,
+    hold_key: Option<SessionId>,
+    /// Bytes handed to chunks so far.
+    next: u32,
+    /// Bytes finished (read from the disk; written to it).
+    done: u32,
+    /// Chunks or operations in flight: on the disk, on the blocking
+    /// worker, or lent to the owner (a read's piece being sent, a write's
+    /// being fetched, a buffer).
+    inflight: u32,
+    error: Option<ErrorKind>,
+    abandoned: bool,
+    /// Part of it went to the disk (or the blocking worker).
+    at_disk: bool,
+    in_waitq: bool,
+    /// While `in_waitq`: since when it has been waiting for a chunk (it
+    /// queued, or got its last chunk), for `target.chunk_wait_timeout`.
+    waiting_since: Instant,
+    /// A write that bumped its ranges' write epochs when it started and
+    /// bumps them again once nothing of it is in flight (`end_write`).
+    write_epoch_open: bool,
+    /// Counted in the volume's metrics already.
+    recorded: bool,
+}
+
+#[derive(Clone, Copy, Default)]
+struct ChunkUse {
+    cmd: u32,
+    off: u32,
+    len: u32,
+    /// Zeroes (the `null` backend's reads) instead of the chunk's bytes.
+    zero: bool,
+}
+
+/// A volume as this executor serves it.
+struct LocalVolume {
+    vol: Arc<Volume>,
+    /// The engine could not register its descriptor: its commands fail
+    /// with InternalError.
+    broken: bool,
+    /// Commands (and reads ahead) on this volume, not yet finished.
+    inflight: u32,
+    /// Gone from the published set; released when `inflight` drops to 0.
+    retiring: bool,
+}
+
+/// This executor's snapshot of the published volume set.
+struct LocalVolumes {
+    generation: u64,
+    set: Arc<VolumeSet>,
+    /// Index = fixed-file slot.
+    slots: Vec<Option<LocalVolume>>,
+    /// Position in `set` → slot (NO_VOLUME if it has none).
+    by_index: Vec<u16>,
+    /// Volume id → slot, for front ends that name volumes by id.
+    by_id: HashMap<VolumeId, u16, KeyHashing>,
+}
+
+/// Settings an executor is built with.
+pub struct Settings {
+    pub id: usize,
+    /// Fixed-file slots of the engine: the most volumes served at once.
+    pub volume_slots: u32,
+    /// `target.session_pool_share` and `host_pool_share`, in chunks.
+    pub pool_share: u32,
+    pub host_pool_share: u32,
+    pub chunk_wait_timeout: Duration,
+    /// `target.readahead`.
+    pub readahead: u64,
+}
+
+/// A reactor's commands on its block engine.
+pub struct Executor {
+    // Field order is drop order: the engine (whose ring waits for its
+    // in-flight operations) goes last.
+    cmds: Vec<Option<Cmd>>,
+    free_cmds: Vec<u32>,
+    /// Commands waiting for a chunk, in order.
+    waitq: VecDeque<u32>,
+    /// No command in `waitq` has waited since before this (a lower bound:
+    /// exact after each sweep, `None` when none waits for a deadline).
+    waitq_oldest: Option<Instant>,
+    chunk_wait_timeout: Duration,
+    /// The next sweep for commands past the timeout runs no earlier.
+    chunk_sweep_after: Instant,
+    /// Scratch list of the commands a sweep gives up (kept for its capacity).
+    chunk_expired: Vec<u32>,
+    chunk_use: Vec<ChunkUse>,
+    vols: LocalVolumes,
+    readahead: Readahead,
+    /// Scratch list of the pieces that waited for a read ahead.
+    readahead_waiters: Vec<ChunkId>,
+    /// The engine's completions of one reap (kept for its capacity).
+    reaped: Vec<(u64, i32)>,
+    /// Completions of the engine that are not the executor's (the
+    /// runtime's socket receives), for the runtime to route.
+    foreign: Vec<(u64, i32)>,
+    events: VecDeque<(Owner, CmdId, Event)>,
+    pool_share: u32,
+    host_pool_share: u32,
+    id: usize,
+    registry: Arc<Registry>,
+    stats: Arc<ReactorStats>,
+    engine: BlockEngine,
+}
+
+impl Executor {
+    pub fn new(engine: BlockEngine, settings: Settings, registry: Arc<Registry>, stats: Arc<ReactorStats>) -> Executor {
+        let chunks = engine.pool().capacity();
+        let chunk_size = engine.chunk_size() as u32;
+        let set = registry.volumes();
+        let mut exec = Executor {
+            cmds: Vec::new(),
+            free_cmds: Vec::new(),
+            waitq: VecDeque::new(),
+            waitq_oldest: None,
+            chunk_wait_timeout: settings.chunk_wait_timeout,
+            chunk_sweep_after: Instant::now(),
+            chunk_expired: Vec::new(),
+            chunk_use: vec![ChunkUse::default(); chunks],
+            vols: LocalVolumes {
+                generation: u64::MAX,
+                set,
+                slots: (0..settings.volume_slots).map(|_| None).collect(),
+                by_index: Vec::new(),
+                by_id: HashMap::default(),
+            },
+            readahead: Readahead::new(
+                readahead::Settings::new(chunk_size, settings.readahead, chunks),
+                settings.volume_slots as usize,
+            ),
+            readahead_waiters: Vec::new(),
+            reaped: Vec::with_capacity(256),
+            foreign: Vec::new(),
+            events: VecDeque::with_capacity(64),
+            pool_share: settings.pool_share,
+            host_pool_share: settings.host_pool_share,
+            id: settings.id,
+            registry,
+            stats,
+            engine,
+        };
+        exec.refresh_volumes();
+        exec
+    }
+
+    pub fn engine(&self) -> &BlockEngine {
+        &self.engine
+    }
+
+    pub fn engine_mut(&mut self) -> &mut BlockEngine {
+        &mut self.engine
+    }
+
+    /// The next event for an owner, in the order they happened.
+    #[inline]
+    pub fn pop_event(&mut self) -> Option<(Owner, CmdId, Event)> {
+        self.events.pop_front()
+    }
+
+    /// Commands not yet done (waiting, on the disk, or with their owner).
+    pub fn live(&self) -> usize {
+        self.cmds.len() - self.free_cmds.len()
+    }
+
+    /// Commands waiting for a chunk.
+    pub fn waiting(&self) -> usize {
+        self.waitq.len()
+    }
+
+    /// Chunks readahead holds (a cache it gives back on demand).
+    pub fn readahead_held(&self) -> usize {
+        self.readahead.held()
+    }
+
+    // ---------------------------------------------------------------- volumes
+
+    /// The published volume set as this executor last saw it.
+    pub fn volume_set(&self) -> &Arc<VolumeSet> {
+        &self.vols.set
+    }
+
+    /// Picks up a newly published volume set, if there is one (one load).
+    #[inline]
+    pub fn maybe_refresh(&mut self) {
+        if self.registry.generation() != self.vols.generation {
+            self.refresh_volumes();
+        }
+    }
+
+    /// The slot of the volume at `index` of [`Executor::volume_set`].
+    #[inline]
+    pub fn slot_of_index(&self, index: usize) -> Option<u16> {
+        self.vols.by_index.get(index).copied().filter(|&s| s != NO_VOLUME)
+    }
+
+    /// The slot of volume `id`, if this executor serves it.
+    #[inline]
+    pub fn slot_of_id(&self, id: VolumeId) -> Option<u16> {
+        self.vols.by_id.get(&id).copied()
+    }
+
+    /// The volume in `slot`.
+    pub fn volume(&self, slot: u16) -> &Arc<Volume> {
+        &self.vols.slots[slot as usize].as_ref().expect("live volume slot").vol
+    }
+
+    /// Whether the volume in `slot` can take commands (its descriptor is
+    /// registered with the engine).
+    pub fn usable(&self, slot: u16) -> bool {
+        self.vols.slots.get(slot as usize).and_then(|s| s.as_ref()).is_some_and(|lv| !lv.broken)
+    }
+
+    /// Counts a command refused before it reached the executor against
+    /// the volume in `slot` (a validation failure of an I/O opcode).
+    pub fn count_refused(&self, slot: u16, metric: usize, start: Instant) {
+        self.volume(slot).stats.reactor(self.id).ops[metric].record(0, false, start.elapsed());
+    }
+
+    /// Applies the published volume set: new volumes get a fixed-file slot,
+    /// reopened ones get their new descriptor in the same slot, removed ones
+    /// retire and free their slot after their last command.
+    pub fn refresh_volumes(&mut self) {
+        let set = self.registry.volumes();
+        let mut seen = vec![false; self.vols.slots.len()];
+        let mut by_index = Vec::with_capacity(set.volumes.len());
+        for v in &set.volumes {
+            let existing = self.vols.slots.iter().position(|s| s.as_ref().is_some_and(|lv| lv.vol.id == v.id));
+            let slot = match existing {
+                Some(slot) => {
+                    let lv = self.vols.slots[slot].as_mut().expect("live slot");
+                    if !Arc::ptr_eq(&lv.vol, v) || lv.retiring {
+                        // Reloaded: what was read ahead may be of another file.
+                        self.readahead.drop_volume(slot as u16);
+                    }
+                    let same_backend = Arc::ptr_eq(&lv.vol.backend, &v.backend);
+                    lv.vol = Arc::clone(v);
+                    lv.retiring = false;
+                    if !same_backend {
+                        let broken = self.attach_fails(v);
+                        self.vols.slots[slot].as_mut().expect("live slot").broken = broken;
+                    }
+                    slot
+                }
+                None => match self.vols.slots.iter().position(Option::is_none) {
+                    None => {
+                        tracing::error!("reactor {}: volume {}: no free fixed-file slot; its commands will fail", self.id, v.name);
+                        by_index.push(NO_VOLUME);
+                        continue;
+                    }
+                    Some(slot) => {
+                        let broken = self.attach_fails(v);
+                        self.vols.slots[slot] = Some(LocalVolume { vol: Arc::clone(v), broken, inflight: 0, retiring: false });
+                        slot
+                    }
+                },
+            };
+            seen[slot] = true;
+            by_index.push(slot as u16);
+        }
+        for (slot, lv) in self.vols.slots.iter_mut().enumerate() {
+            if let Some(lv) = lv {
+                if !seen[slot] && !lv.retiring {
+                    tracing::debug!("reactor {}: volume {} retiring ({} commands in flight)", self.id, lv.vol.name, lv.inflight);
+                    lv.retiring = true;
+                    self.readahead.drop_volume(slot as u16);
+                }
+            }
+        }
+        self.release_readahead();
+        self.vols.by_id = set.volumes.iter().zip(&by_index).filter(|(_, &s)| s != NO_VOLUME).map(|(v, &s)| (v.id, s)).collect();
+        self.vols.generation = set.generation;
+        self.vols.set = set;
+        self.vols.by_index = by_index;
+        for slot in 0..self.vols.slots.len() {
+            self.maybe_release_volume(slot as u16);
+        }
+    }
+
+    /// Gives the engine `v`'s descriptor now (a new volume, or a new
+    /// backend after a reload), so that a failure shows before its first
+    /// command: whether it failed (its commands then fail InternalError).
+    fn attach_fails(&mut self, v: &Volume) -> bool {
+        match self.engine.attach(v) {
+            Ok(()) => false,
+            Err(e) => {
+                tracing::error!("reactor {}: volume {}: {e}", self.id, v.name);
+                true
+            }
+        }
+    }
+
+    /// Frees a retired volume's slot once nothing of this executor uses it.
+    fn maybe_release_volume(&mut self, slot: u16) {
+        let Some(lv) = self.vols.slots[slot as usize].as_ref() else { return };
+        if !lv.retiring || lv.inflight > 0 {
+            return;
+        }
+        // Nothing to give back for a volume without a descriptor, or one
+        // whose attach failed: the engine holds no file for it.
+        if let Err(e) = self.engine.detach(lv.vol.id) {
+            tracing::error!("reactor {}: volume {}: {e}", self.id, lv.vol.name);
+        }
+        tracing::debug!("reactor {}: volume {} released", self.id, lv.vol.name);
+        self.vols.slots[slot as usize] = None;
+    }
+
+    fn volume_done(&mut self, vslot: u16) {
+        if let Some(lv) = self.vols.slots[vslot as usize].as_mut() {
+            lv.inflight -= 1;
+            if lv.retiring && lv.inflight == 0 {
+                self.maybe_release_volume(vslot);
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- commands
+
+    fn cmd(&mut self, ci: u32) -> &mut Cmd {
+        self.cmds[ci as usize].as_mut().expect("live command")
+    }
+
+    fn emit(&mut self, ci: u32, ev: Event) {
+        let owner = self.cmds[ci as usize].as_ref().expect("live command").owner;
+        self.events.push_back((owner, CmdId(ci), ev));
+    }
+
+    /// Starts a command. `None` when the executor holds as many commands as
+    /// it can number (the caller answers the command busy). A command the
+    /// volume cannot take (its descriptor failed, the operation is not
+    /// supported) still gets an id and ends with its `Done` error.
+    pub fn submit(&mut self, owner: Owner, req: Request) -> Option<CmdId> {
+        let ci = match self.free_cmds.pop() {
+            Some(ci) => ci,
+            None if self.cmds.len() < u32::MAX as usize => {
+                self.cmds.push(None);
+                (self.cmds.len() - 1) as u32
+            }
+            None => return None,
+        };
+        let Request { op, vslot, offset, len, metric, start, accounts, hold_key } = req;
+        let (kind, range, fua) = match op {
+            Op::Read => (Kind::Read, None, false),
+            Op::Write { fua } => (Kind::Write, None, fua),
+            Op::Flush => (Kind::Flush, None, false),
+            Op::Range { op, ranges } => (Kind::Range, Some((op, ranges)), false),
+            Op::Buffer => (Kind::Buffer, None, false),
+        };
+        let usable = vslot == NO_VOLUME || self.usable(vslot);
+        let backend = (vslot != NO_VOLUME && usable).then(|| Arc::clone(&self.volume(vslot).backend));
+        let null = backend.as_deref().is_some_and(|b| matches!(b, Backend::Null));
+        self.cmds[ci as usize] = Some(Cmd {
+            owner,
+            kind,
+            range,
+            vslot: if usable { vslot } else { NO_VOLUME },
+            null,
+            offset,
+            len,
+            fua,
+            metric,
+            start,
+            accounts,
+            hold_key,
+            next: 0,
+            done: 0,
+            inflight: 0,
+            error: None,
+            abandoned: false,
+            at_disk: false,
+            in_waitq: false,
+            waiting_since: start,
+            write_epoch_open: false,
+            recorded: false,
+        });
+        let id = CmdId(ci);
+        if !usable {
+            self.cmd(ci).error = Some(ErrorKind::Internal);
+            self.progress(ci);
+            return Some(id);
+        }
+        if let Some(backend) = &backend {
+            self.vols.slots[vslot as usize].as_mut().expect("live volume slot").inflight += 1;
+            match kind {
+                Kind::Write | Kind::Range => self.begin_write(ci),
+                Kind::Read if matches!(**backend, Backend::File(_)) => self.read_ahead(vslot, offset, len),
+                _ => {}
+            }
+        }
+        match kind {
+            Kind::Flush => self.submit_disk(ci, U_FSYNC, |engine, vol, t| engine.flush(vol, t)),
+            Kind::Range => {
+                let (op, ranges) = self.cmds[ci as usize].as_ref().and_then(|c| c.range.clone()).expect("a range command");
+                if op == RangeOp::Nothing {
+                    self.progress(ci);
+                    return Some(id);
+                }
+                let kind = if matches!(op, RangeOp::Fallocate(_)) { U_FALLOC } else { U_BLKDEV };
+                for &(offset, len) in ranges.iter() {
+                    self.submit_disk(ci, kind, |engine, vol, t| engine.range(vol, op, offset, len, t));
+                    if self.cmd(ci).error.is_some() {
+                        break;
+                    }
+                }
+                self.progress(ci);
+            }
+            _ => self.pump(ci),
+        }
+        Some(id)
+    }
+
+    /// A chunk of a read ([`Event::Read`]) or a buffer ([`Event::Buffer`])
+    /// is back from its owner: the chunk returns to the pool.
+    pub fn sent(&mut self, chunk: ChunkId) {
+        let ci = self.chunk_use[chunk.0 as usize].cmd;
+        self.engine.pool_mut().release(chunk);
+        let Some(cmd) = self.cmds.get_mut(ci as usize).and_then(|c| c.as_mut()) else {
+            tracing::error!("reactor {}: chunk {} sent for a free command", self.id, chunk.0);
+            return;
+        };
+        cmd.inflight -= 1;
+        self.progress(ci);
+    }
+
+    /// The data of a write's piece ([`Event::Fetch`]) is in `chunk`
+    /// (`ok`), or could not be fetched (the command fails with `Transfer`).
+    pub fn placed(&mut self, chunk: ChunkId, ok: bool) {
+        let ci = self.chunk_use[chunk.0 as usize].cmd;
+        let Some(cmd) = self.cmds.get_mut(ci as usize).and_then(|c| c.as_mut()) else {
+            tracing::error!("reactor {}: chunk {} placed for a free command", self.id, chunk.0);
+            self.engine.pool_mut().release(chunk);
+            return;
+        };
+        if !ok {
+            cmd.error.get_or_insert(ErrorKind::Transfer);
+        }
+        if cmd.error.is_some() || cmd.abandoned {
+            cmd.inflight -= 1;
+            self.engine.pool_mut().release(chunk);
+            self.progress(ci);
+            return;
+        }
+        if cmd.null {
+            // The data crossed the fabric; the null backend drops it.
+            cmd.done += self.chunk_use[chunk.0 as usize].len;
+            cmd.inflight -= 1;
+            self.engine.pool_mut().release(chunk);
+            self.progress(ci);
+            return;
+        }
+        self.write_chunk(ci, chunk);
+    }
+
+    /// The owner lost interest (its connection failed, its session was
+    /// retired): what has not reached the disk is dropped, what has runs
+    /// to completion; [`Event::Done`] follows once nothing is in flight.
+    pub fn abandon(&mut self, id: CmdId) {
+        let Some(cmd) = self.cmds.get_mut(id.0 as usize).and_then(|c| c.as_mut()) else { return };
+        if cmd.abandoned {
+            return;
+        }
+        cmd.abandoned = true;
+        self.progress(id.0);
+    }
+
+    /// The command a chunk serves and its owner, if the chunk is one a
+    /// live command holds (for a transport that must take its chunks back
+    /// from a queue pair it destroys).
+    pub fn chunk_owner(&self, c: ChunkId) -> Option<(Owner, CmdId)> {
+        let ci = self.chunk_use.get(c.0 as usize)?.cmd;
+        let cmd = self.cmds.get(ci as usize)?.as_ref()?;
+        Some((cmd.owner, CmdId(ci)))
+    }
+
+    /// The bytes of a chunk the owner holds.
+    pub fn bytes(&self, c: ChunkId) -> &[u8] {
+        self.engine.bytes(c)
+    }
+
+    /// The bytes of a chunk the owner holds, to fill.
+    pub fn bytes_mut(&mut self, c: ChunkId) -> &mut [u8] {
+        self.engine.bytes_mut(c)
+    }
+
+    /// Queues a command's disk operation without a chunk (a flush, a
+    /// range), tagged `kind`: `op` gets the engine, the volume and the tag.
+    fn submit_disk(&mut self, ci: u32, kind: u64, op: impl FnOnce(&mut BlockEngine, &Volume, u64) -> Result<()>) {
+        let vol = Arc::clone(self.volume(self.cmds[ci as usize].as_ref().expect("live command").vslot));
+        match op(&mut self.engine, &vol, tag(kind, ci, NO_CHUNK)) {
+            Ok(()) => {
+                let cmd = self.cmd(ci);
+                cmd.inflight += 1;
+                cmd.at_disk = true;
+            }
+            Err(e) => self.engine_refused(ci, &e),
+        }
+    }
+
+    /// Fails command `ci` whose disk operation could not be queued (the
+    /// blocking worker did not start, a fixed file could not be set).
+    fn engine_refused(&mut self, ci: u32, e: &Error) {
+        tracing::error!("reactor {}: {e}", self.id);
+        self.cmd(ci).error.get_or_insert(ErrorKind::Internal);
+    }
+
+    /// Reports every finished disk operation (ring, blocking worker, and
+    /// those that needed no disk); returns how many completed. Completions
+    /// that are not the executor's are kept for [`Executor::take_foreign`].
+    pub fn reap(&mut self) -> usize {
+        let mut done = std::mem::take(&mut self.reaped);
+        let n = self.engine.reap(|t, r| done.push((t, r)));
+        for &(t, r) in &done {
+            if is_executor_tag(t) {
+                self.on_disk_done(t, r);
+            } else {
+                self.foreign.push((t, r));
+            }
+        }
+        done.clear();
+        self.reaped = done;
+        n
+    }
+
+    /// The last reap's completions that are not the executor's.
+    pub fn take_foreign(&mut self, into: &mut Vec<(u64, i32)>) {
+        into.append(&mut self.foreign);
+    }
+
+    fn on_disk_done(&mut self, t: u64, res: i32) {
+        let (kind, ci, c) = split_tag(t);
+        if kind == U_READAHEAD {
+            return self.readahead_done(ci as u16, ChunkId(c), res);
+        }
+        let Some(cmd) = self.cmds.get_mut(ci as usize).and_then(|x| x.as_mut()) else {
+            tracing::error!("io_uring completion for a free command slot {ci}");
+            return;
+        };
+        cmd.inflight -= 1;
+        if res < 0 {
+            let errno = -res;
+            let unsupported = matches!(kind, U_FALLOC | U_BLKDEV) && matches!(errno, libc::EOPNOTSUPP | libc::ENOTTY);
+            let err = if unsupported { ErrorKind::NotSupported } else { ErrorKind::DeviceIo(errno) };
+            let what = match kind {
+                U_READ => "read",
+                U_WRITE | U_HOLD => "write",
+                U_FSYNC => "fdatasync",
+                U_BLKDEV => "BLKDISCARD/BLKZEROOUT",
+                _ => "fallocate",
+            };
+            let vol = &self.vols.slots[cmd.vslot as usize].as_ref().expect("live volume slot").vol.name;
+            if err == ErrorKind::NotSupported {
+                tracing::debug!("volume {vol}: {what} not supported");
+            } else {
+                tracing::warn!("volume {vol}: {what} failed: {}", std::io::Error::from_raw_os_error(errno));
+            }
+            cmd.error.get_or_insert(err);
+            if c != NO_CHUNK {
+                self.engine.pool_mut().release(ChunkId(c));
+            }
+            self.progress(ci);
+            return;
+        }
+        match kind {
+            U_READ => {
+                let chunk = ChunkId(c);
+                if cmd.abandoned || cmd.error.is_some() {
+                    self.engine.pool_mut().release(chunk);
+                } else {
+                    // From the disk to the owner: still in flight.
+                    cmd.inflight += 1;
+                    self.read_chunk_done(ci, chunk);
+                }
+                self.progress(ci);
+            }
+            U_WRITE => {
+                self.engine.pool_mut().release(ChunkId(c));
+                cmd.done += self.chunk_use[c as usize].len;
+                self.progress(ci);
+            }
+            // The held write was at the disk all along: it lands now,
+            // whatever became of its owner meanwhile.
+            U_HOLD => {
+                cmd.inflight += 1;
+                self.submit_write(ci, ChunkId(c));
+            }
+            _ => self.progress(ci),
+        }
+    }
+
+    fn wants_chunk(&self, ci: u32) -> bool {
+        let Some(cmd) = self.cmds.get(ci as usize).and_then(|c| c.as_ref()) else { return false };
+        if cmd.error.is_some() || cmd.abandoned {
+            return false;
+        }
+        match cmd.kind {
+            Kind::Read | Kind::Write => cmd.next < cmd.len && cmd.inflight < CHUNK_WINDOW,
+            Kind::Buffer => cmd.next == 0,
+            Kind::Flush | Kind::Range => false,
+        }
+    }
+
+    /// Whether the command's session or host holds its whole share of the
+    /// pool (`session_pool_share`, `host_pool_share`).
+    fn at_share(&self, ci: u32) -> bool {
+        let [session, host] = &self.cmds[ci as usize].as_ref().expect("live command").accounts;
+        session.as_ref().is_some_and(|a| a.held() >= self.pool_share) || host.as_ref().is_some_and(|a| a.held() >= self.host_pool_share)
+    }
+
+    fn alloc_for(&mut self, ci: u32) -> ChunkId {
+        let [session, host] = &self.cmds[ci as usize].as_ref().expect("live command").accounts;
+        let charge = [session.as_ref(), host.as_ref()];
+        self.engine.pool_mut().alloc_charged(charge).expect("free chunk")
+    }
+
+    /// Issues chunks for a command while it wants them, the pool has them
+    /// and its session and host are under their shares; otherwise queues it
+    /// (FIFO) for the next free chunk.
+    fn pump(&mut self, ci: u32) {
+        while self.wants_chunk(ci) {
+            let first_in_line = self.waitq.is_empty() || self.waitq.front() == Some(&ci);
+            if !first_in_line || self.at_share(ci) || !self.chunk_for_command() {
+                if !self.cmd(ci).in_waitq {
+                    self.wait_for_chunk(ci, Instant::now());
+                }
+                return;
+            }
+            if self.waitq.front() == Some(&ci) {
+                self.waitq.pop_front();
+                self.cmd(ci).in_waitq = false;
+            }
+            let c = self.alloc_for(ci);
+            self.issue(ci, c);
+        }
+    }
+
+    /// Hands free chunks to waiting commands in order (once per turn). A
+    /// command whose session or host holds its whole share goes to the
+    /// back of the line, so it never holds up other sessions' or hosts'
+    /// commands behind it.
+    pub fn pump_waitq(&mut self) {
+        if self.waitq.is_empty() || !self.chunk_for_command() {
+            return;
+        }
+        let now = Instant::now();
+        let mut passed_over = 0;
+        while passed_over < self.waitq.len() && self.chunk_for_command() {
+            let Some(ci) = self.waitq.pop_front() else { break };
+            let Some(cmd) = self.cmds.get_mut(ci as usize).and_then(|c| c.as_mut()) else { continue };
+            cmd.in_waitq = false;
+            if !self.wants_chunk(ci) {
+                continue;
+            }
+            if self.at_share(ci) {
+                let since = self.cmd(ci).waiting_since;
+                self.wait_for_chunk(ci, since);
+                passed_over += 1;
+                continue;
+            }
+            passed_over = 0;
+            let c = self.alloc_for(ci);
+            self.issue(ci, c);
+            if self.cmds[ci as usize].is_some() && self.wants_chunk(ci) {
+                // It got a chunk: its wait for the next starts now.
+                self.wait_for_chunk(ci, now);
+            }
+        }
+    }
+
+    /// Puts a command at the back of the line for a chunk, waiting since `since`.
+    fn wait_for_chunk(&mut self, ci: u32, since: Instant) {
+        let was_empty = self.waitq.is_empty();
+        let cmd = self.cmd(ci);
+        cmd.in_waitq = true;
+        cmd.waiting_since = since;
+        self.waitq.push_back(ci);
+        self.waitq_oldest = match self.waitq_oldest {
+            Some(oldest) if !was_empty => Some(oldest.min(since)),
+            _ => Some(since),
+        };
+    }
+
+    /// When the executor next has something to do on its own: the sweep
+    /// for commands past `target.chunk_wait_timeout`, readahead's expiry.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let sweep = (!self.waitq.is_empty())
+            .then(|| self.waitq_oldest.map(|oldest| (oldest + self.chunk_wait_timeout).max(self.chunk_sweep_after)))
+            .flatten();
+        match (sweep, self.readahead.next_deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Deadlines due at `now` (the turn's start is clock enough: seconds).
+    pub fn check_deadlines(&mut self, now: Instant) {
+        self.expire_chunk_waits(now);
+        if self.readahead.next_deadline().is_some_and(|due| now >= due) {
+            self.readahead.expire(now);
+            self.release_readahead();
+        }
+    }
+
+    /// Gives up every command that has waited for a chunk longer than
+    /// `target.chunk_wait_timeout` (since it queued, or since its last
+    /// chunk): it fails `OutOfBuffers`, once, after the chunks it has in
+    /// flight have finished. The pool cannot serve it in time: its
+    /// session's or host's chunks do not come back (a peer that stopped
+    /// reading), or others hold the whole pool.
+    fn expire_chunk_waits(&mut self, now: Instant) {
+        let due = (!self.waitq.is_empty()).then(|| self.waitq_oldest.map(|o| (o + self.chunk_wait_timeout).max(self.chunk_sweep_after)));
+        if due.flatten().is_none_or(|due| now < due) {
+            return;
+        }
+        let timeout = self.chunk_wait_timeout;
+        let mut q = std::mem::take(&mut self.waitq);
+        let mut expired = std::mem::take(&mut self.chunk_expired);
+        let mut oldest: Option<Instant> = None;
+        q.retain(|&ci| {
+            // One that no longer wants a chunk (failed, abandoned) waits for
+            // no deadline; `pump_waitq` drops it.
+            let Some(cmd) = self.cmds.get(ci as usize).and_then(|c| c.as_ref()).filter(|_| self.wants_chunk(ci)) else {
+                return true;
+            };
+            if now.saturating_duration_since(cmd.waiting_since) >= timeout {
+                expired.push(ci);
+                return false;
+            }
+            oldest = Some(oldest.map_or(cmd.waiting_since, |o| o.min(cmd.waiting_since)));
+            true
+        });
+        self.waitq = q;
+        self.waitq_oldest = oldest;
+        self.chunk_sweep_after = now + CHUNK_SWEEP_INTERVAL;
+        let Some(&first) = expired.first() else {
+            self.chunk_expired = expired;
+            return;
+        };
+        let (kind, since, who) = {
+            let cmd = self.cmds[first as usize].as_ref().expect("live command");
+            let who: Vec<&str> = cmd.accounts.iter().flatten().map(|a| a.name()).collect();
+            (cmd.kind, cmd.waiting_since, if who.is_empty() { "-".to_owned() } else { who.join(" ") })
+        };
+        let pool = self.engine.pool();
+        tracing::warn!(
+            "reactor {}: {} commands waited more than {timeout:?} for a pool chunk (target.chunk_wait_timeout) and are answered OutOfBuffers; {} of {} chunks in use, {} commands still waiting; the first: a {kind:?} of {who} that waited {:?}",
+            self.id,
+            expired.len(),
+            pool.capacity() - pool.free_count(),
+            pool.capacity(),
+            self.waitq.len(),
+            now.saturating_duration_since(since)
+        );
+        self.stats.chunk_wait_timeouts.add(expired.len() as u64);
+        for &ci in &expired {
+            let cmd = self.cmd(ci);
+            cmd.in_waitq = false;
+            let waited = now.saturating_duration_since(cmd.waiting_since).as_millis().min(u32::MAX as u128) as u32;
+            cmd.error.get_or_insert(ErrorKind::OutOfBuffers(waited));
+            self.progress(ci);
+        }
+        expired.clear();
+        self.chunk_expired = expired;
+    }
+
+    fn issue(&mut self, ci: u32, c: ChunkId) {
+        let chunk_size = self.engine.chunk_size() as u32;
+        let cmd = self.cmd(ci);
+        match cmd.kind {
+            Kind::Read | Kind::Write => {
+                let off = cmd.next;
+                let len = chunk_size.min(cmd.len - off);
+                cmd.next += len;
+                cmd.inflight += 1;
+                let (kind, null) = (cmd.kind, cmd.null);
+                self.chunk_use[c.0 as usize] = ChunkUse { cmd: ci, off, len, zero: null && kind == Kind::Read };
+                if kind == Kind::Read && null {
+                    // Zeroes, sent from the zero chunk; the chunk only
+                    // accounts for the work (back-pressure, SQ room).
+                    self.read_chunk_done(ci, c);
+                } else if kind == Kind::Read {
+                    self.read_piece(ci, c);
+                } else {
+                    self.emit(ci, Event::Fetch { chunk: c, off, len });
+                }
+            }
+            Kind::Buffer => {
+                cmd.next = 1;
+                cmd.inflight += 1;
+                self.chunk_use[c.0 as usize] = ChunkUse { cmd: ci, off: 0, len: chunk_size, zero: false };
+                self.emit(ci, Event::Buffer { chunk: c });
+            }
+            Kind::Flush | Kind::Range => self.engine.pool_mut().release(c),
+        }
+    }
+
+    /// A read's chunk holds its piece (or, for the null backend, stands for
+    /// zeroes): the owner sends it. Stays counted in flight until `sent`.
+    fn read_chunk_done(&mut self, ci: u32, chunk: ChunkId) {
+        let use_ = self.chunk_use[chunk.0 as usize];
+        let cmd = self.cmd(ci);
+        cmd.done += use_.len;
+        let last = cmd.done == cmd.len;
+        if last {
+            self.record_io(ci, true);
+        }
+        self.emit(ci, Event::Read { chunk, off: use_.off, len: use_.len, zero: use_.zero, last });
+    }
+
+    /// Writes a chunk of a write to the disk (through the ring), unless
+    /// fault injection holds its session's writes (test-only). The chunk
+    /// stays counted in flight.
+    fn write_chunk(&mut self, ci: u32, c: ChunkId) {
+        let cmd = self.cmd(ci);
+        cmd.at_disk = true;
+        if crate::fault::enabled() {
+            let (vslot, key) = (cmd.vslot, cmd.hold_key);
+            if let Some(session) = key.filter(|&id| crate::fault::holds(id)) {
+                let vol = Arc::clone(self.volume(vslot));
+                match self.engine.hold_write(&vol, session, tag(U_HOLD, ci, c.0)) {
+                    Ok(()) => return,
+                    Err(e) => tracing::error!("reactor {}: cannot hold a write: {e}", self.id),
+                }
+            }
+        }
+        self.submit_write(ci, c);
+    }
+
+    /// Queues a chunk's disk write (counted in flight by the caller).
+    fn submit_write(&mut self, ci: u32, c: ChunkId) {
+        let use_ = self.chunk_use[c.0 as usize];
+        let cmd = self.cmds[ci as usize].as_ref().expect("live command");
+        let (offset, fua) = (cmd.offset + use_.off as u64, cmd.fua);
+        let vol = Arc::clone(self.volume(cmd.vslot));
+        if let Err(e) = self.engine.write(&vol, c, use_.len, offset, fua, tag(U_WRITE, ci, c.0)) {
+            self.engine.pool_mut().release(c);
+            self.cmd(ci).inflight -= 1;
+            self.engine_refused(ci, &e);
+            self.progress(ci);
+        }
+    }
+
+    /// Decides what a command does next after one of its operations finished.
+    fn progress(&mut self, ci: u32) {
+        let Some(cmd) = self.cmds.get(ci as usize).and_then(|c| c.as_ref()) else { return };
+        if cmd.error.is_some() || cmd.abandoned {
+            if cmd.in_waitq {
+                self.waitq.retain(|&x| x != ci);
+                self.cmd(ci).in_waitq = false;
+            }
+            if self.cmds[ci as usize].as_ref().is_some_and(|c| c.inflight == 0) {
+                self.finish(ci);
+            }
+            return;
+        }
+        let finished = match cmd.kind {
+            Kind::Read | Kind::Write => cmd.done == cmd.len && cmd.inflight == 0,
+            Kind::Buffer => cmd.next == 1 && cmd.inflight == 0,
+            Kind::Flush | Kind::Range => cmd.inflight == 0,
+        };
+        if finished {
+            self.finish(ci);
+        } else {
+            self.pump(ci);
+        }
+    }
+
+    /// Nothing of the command is in flight: its write epochs move again,
+    /// it is counted, its owner hears `Done`, and its id is free.
+    fn finish(&mut self, ci: u32) {
+        self.end_write(ci);
+        let cmd = self.cmds[ci as usize].as_ref().expect("live command");
+        let ok = cmd.error.is_none() && !cmd.abandoned;
+        if !cmd.abandoned {
+            self.record_io(ci, ok);
+        }
+        let cmd = self.cmds[ci as usize].take().expect("live command");
+        self.free_cmds.push(ci);
+        if cmd.in_waitq {
+            self.waitq.retain(|&x| x != ci);
+        }
+        if cmd.vslot != NO_VOLUME {
+            self.volume_done(cmd.vslot);
+        }
+        let result = match (cmd.error, cmd.abandoned) {
+            (Some(k), _) => Err(k),
+            (None, true) => Err(ErrorKind::ShuttingDown),
+            (None, false) => Ok(()),
+        };
+        self.events.push_back((cmd.owner, CmdId(ci), Event::Done { result, reached_disk: cmd.at_disk }));
+    }
+
+    /// Counts a finished I/O command in its volume's metrics (once).
+    fn record_io(&mut self, ci: u32, ok: bool) {
+        let id = self.id;
+        let cmd = self.cmds[ci as usize].as_mut().expect("live command");
+        let Some(op) = cmd.metric.filter(|_| !cmd.recorded && cmd.vslot != NO_VOLUME) else { return };
+        cmd.recorded = true;
+        let bytes = match (&cmd.kind, &cmd.range) {
+            (Kind::Read | Kind::Write, _) => cmd.len as u64,
+            (Kind::Range, Some((_, ranges))) => ranges.iter().map(|r| r.1).sum(),
+            _ => 0,
+        };
+        let (vslot, latency) = (cmd.vslot, cmd.start.elapsed());
+        self.volume(vslot).stats.reactor(id).ops[op as usize].record(bytes, ok, latency);
+    }
+
+    // ---------------------------------------------------------------- readahead
+
+    /// Counts a READ of a file volume in its stream and, once the stream
+    /// is sequential, reads chunks ahead of it: never a chunk a command
+    /// waits for, and never the last quarter of the pool.
+    fn read_ahead(&mut self, vslot: u16, offset: u64, len: u32) {
+        if !self.readahead.on_read(vslot, offset, len) {
+            return;
+        }
+        let lv = self.vols.slots[vslot as usize].as_ref().expect("live volume slot");
+        // Readahead serves file volumes only: they all have a descriptor.
+        if lv.broken || lv.retiring {
+            return;
+        }
+        let size = lv.vol.size;
+        while self.waitq.is_empty() && self.engine.pool().free_count() > self.engine.pool().capacity() / 4 {
+            let Some((at, n)) = self.readahead.want(vslot, size) else { break };
+            let c = self.engine.pool_mut().alloc().expect("free chunk");
+            // Taken before the read is submitted: a write that starts
+            // later moves it.
+            let epoch = self.volume(vslot).writes.of(at, n);
+            self.readahead.issued(vslot, at, n, c, epoch);
+            // The read holds the volume's slot (its fixed file) until it completes.
+            self.vols.slots[vslot as usize].as_mut().expect("live volume slot").inflight += 1;
+            let vol = Arc::clone(self.volume(vslot));
+            if let Err(e) = self.engine.read(&vol, c, n, at, tag(U_READAHEAD, vslot as u32, c.0)) {
+                tracing::debug!("reactor {}: no read ahead: {e}", self.id);
+                self.readahead_done(vslot, c, -libc::EIO);
+                break;
+            }
+        }
+    }
+
+    /// Reads a read's piece (`chunk_use[c]`) into its chunk `c`: from
+    /// chunks read ahead when they hold it (waiting for their read if it is
+    /// in flight), else from the disk. The piece stays counted in flight.
+    fn read_piece(&mut self, ci: u32, c: ChunkId) {
+        let use_ = self.chunk_use[c.0 as usize];
+        let cmd = self.cmds[ci as usize].as_ref().expect("live command");
+        let (vslot, offset) = (cmd.vslot, cmd.offset + use_.off as u64);
+        let writes = &self.vols.slots[vslot as usize].as_ref().expect("live volume slot").vol.writes;
+        let serve = self.readahead.lookup(vslot, offset, use_.len, c, |at, n| writes.of(at, n));
+        match serve {
+            Serve::Miss | Serve::Wait => {
+                self.cmd(ci).at_disk = true;
+                if serve == Serve::Miss {
+                    let vol = Arc::clone(self.volume(vslot));
+                    if let Err(e) = self.engine.read(&vol, c, use_.len, offset, tag(U_READ, ci, c.0)) {
+                        self.engine.pool_mut().release(c);
+                        self.cmd(ci).inflight -= 1;
+                        self.engine_refused(ci, &e);
+                        self.progress(ci);
+                    }
+                }
+            }
+            Serve::Take(ahead) => {
+                // Zero copy: the chunk read ahead takes the place (and the
+                // pool charge) of the command's own.
+                self.engine.pool_mut().move_charge(c, ahead);
+                self.engine.pool_mut().release(c);
+                self.chunk_use[ahead.0 as usize] = use_;
+                self.read_chunk_done(ci, ahead);
+            }
+            Serve::Copy(parts) => {
+                for p in parts.into_iter().flatten() {
+                    self.engine.pool_mut().copy_between(p.chunk, p.from as usize, c, p.to as usize, p.len as usize);
+                }
+                self.read_chunk_done(ci, c);
+            }
+        }
+        // After the copy: chunks read through (or found stale) go back.
+        self.release_readahead();
+    }
+
+    /// A read ahead completed: its chunk is cached (or dropped if it failed
+    /// or became unusable meanwhile), and the pieces that waited for it are
+    /// served again, from it or from the disk.
+    fn readahead_done(&mut self, vslot: u16, c: ChunkId, res: i32) {
+        if res < 0 {
+            tracing::debug!("reactor {}: a read ahead failed: {}", self.id, std::io::Error::from_raw_os_error(-res));
+        }
+        let mut waiters = std::mem::take(&mut self.readahead_waiters);
+        self.readahead.completed(vslot, c, res, Instant::now(), &mut waiters);
+        self.release_readahead();
+        for &w in &waiters {
+            let ci = self.chunk_use[w.0 as usize].cmd;
+            let cmd = self.cmd(ci);
+            if cmd.error.is_some() || cmd.abandoned {
+                cmd.inflight -= 1;
+                self.engine.pool_mut().release(w);
+                self.progress(ci);
+            } else {
+                self.read_piece(ci, w);
+            }
+        }
+        waiters.clear();
+        self.readahead_waiters = waiters;
+        self.volume_done(vslot);
+    }
+
+    /// Gives the chunks readahead let go of back to the pool.
+    fn release_readahead(&mut self) {
+        while let Some(c) = self.readahead.take_released() {
+            self.engine.pool_mut().release(c);
+        }
+    }
+
+    /// Whether the pool has a chunk for a command, after giving back the
+    /// oldest chunk cached by readahead if it had none.
+    fn chunk_for_command(&mut self) -> bool {
+        if self.engine.pool().free_count() > 0 {
+            return true;
+        }
+        let evicted = self.readahead.evict();
+        self.release_readahead();
+        evicted
+    }
+
+    /// A write starts, before any of its disk I/O is submitted: what was
+    /// read ahead of its ranges, by this executor or any other, is
+    /// unusable from now on (`backend::WriteEpochs`).
+    fn begin_write(&mut self, ci: u32) {
+        let cmd = self.cmds[ci as usize].as_ref().expect("live command");
+        let vslot = cmd.vslot;
+        let ranges = self.ranges_of(ci);
+        let vol = Arc::clone(self.volume(vslot));
+        for &(offset, len) in ranges.iter() {
+            vol.writes.bump(offset, len);
+            self.readahead.invalidate(vslot, offset, len);
+        }
+        self.cmd(ci).write_epoch_open = true;
+        self.release_readahead();
+    }
+
+    /// A write has nothing in flight any more (done, or abandoned): its
+    /// ranges' epochs move again, so that what was read ahead while it was
+    /// in flight is not served after it.
+    fn end_write(&mut self, ci: u32) {
+        let cmd = self.cmds[ci as usize].as_ref().expect("live command");
+        if !cmd.write_epoch_open || cmd.inflight > 0 {
+            return;
+        }
+        let vol = Arc::clone(self.volume(cmd.vslot));
+        for &(offset, len) in self.ranges_of(ci).iter() {
+            vol.writes.bump(offset, len);
+        }
+        self.cmd(ci).write_epoch_open = false;
+    }
+
+    /// The byte ranges a write or range command changes.
+    fn ranges_of(&self, ci: u32) -> ByteRanges {
+        let cmd = self.cmds[ci as usize].as_ref().expect("live command");
+        match &cmd.range {
+            Some((_, ranges)) => ranges.clone(),
+            None => ByteRanges::One((cmd.offset, cmd.len as u64)),
+        }
+    }
+
+    /// Publishes the executor's gauges (once per turn).
+    pub fn publish_stats(&self) {
+        let pool = self.engine.pool();
+        // Readahead's chunks are a cache it gives back on demand: counted apart.
+        let taken = pool.capacity() - pool.free_count();
+        self.stats.pool_in_use.set(taken.saturating_sub(self.readahead.held()) as u64);
+        self.stats.pool_waiting.set(self.waitq.len() as u64);
+        let c = self.readahead.counters;
+        self.stats.readahead_issued.set(c.issued);
+        self.stats.readahead_hits.set(c.hits);
+        self.stats.readahead_unused.set(c.unused);
+        self.stats.readahead_invalidated.set(c.invalidated);
+        self.stats.readahead_chunks.set(self.readahead.held() as u64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_roundtrip_and_leave_the_runtimes_kinds_alone() {
+        let t = tag(U_FALLOC, 0xfffe_fffe, NO_CHUNK);
+        assert_eq!(split_tag(t), (U_FALLOC, 0xfffe_fffe, NO_CHUNK));
+        assert!(is_executor_tag(t) && is_executor_tag(tag(U_READAHEAD, 1, 2)));
+        assert!(!is_executor_tag(8 << 60 | 5) && !is_executor_tag(0));
+    }
+}
