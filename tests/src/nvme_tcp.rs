@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use rdmablk_common::nvme::cqe::CompletionEntry;
@@ -176,27 +176,47 @@ impl NvmeTcpConn {
     /// `digests`. Panics if the target does not answer with a valid ICResp
     /// granting them.
     pub fn connect(addr: SocketAddr, digests: Digests) -> NvmeTcpConn {
-        let mut c = Self::tcp(addr);
-        c.send_pdu(&Pdu::IcReq(IcReq { pfv: 0, hpda: 0, digests, maxr2t: 0 }), &[]);
-        match c.recv_pdu() {
+        Self::tcp(addr).initialize(digests)
+    }
+
+    /// [`connect`](Self::connect) from the local address `source` (bound
+    /// before the TCP connect, see [`crate::tcp_from`]).
+    pub fn connect_from(addr: SocketAddr, source: Ipv4Addr, digests: Digests) -> NvmeTcpConn {
+        Self::tcp_from(addr, source).initialize(digests)
+    }
+
+    /// ICReq asking for `digests`, and the ICResp.
+    fn initialize(mut self, digests: Digests) -> NvmeTcpConn {
+        self.send_pdu(&Pdu::IcReq(IcReq { pfv: 0, hpda: 0, digests, maxr2t: 0 }), &[]);
+        match self.recv_pdu() {
             Ok((Pdu::IcResp(r), _)) => {
                 assert_eq!(r.pfv, 0, "ICResp PFV");
                 assert_eq!(r.digests, digests, "ICResp: the target did not grant the digests asked for");
                 assert!(r.maxh2cdata >= 4096, "ICResp MAXH2CDATA {}", r.maxh2cdata);
-                c.digests = r.digests;
-                c.maxh2cdata = r.maxh2cdata;
-                c.h2c_chunk = r.maxh2cdata;
-                c.cpda = r.cpda;
+                self.digests = r.digests;
+                self.maxh2cdata = r.maxh2cdata;
+                self.h2c_chunk = r.maxh2cdata;
+                self.cpda = r.cpda;
             }
             other => panic!("expected an ICResp to the ICReq, got {other:?}"),
         }
-        c
+        self
     }
 
     /// A TCP connection with nothing sent (for attacks before the ICReq).
     pub fn tcp(addr: SocketAddr) -> NvmeTcpConn {
         let stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("TCP connect to {addr}: {e}"));
         stream.set_nodelay(true).unwrap();
+        Self::from_stream(stream)
+    }
+
+    /// [`tcp`](Self::tcp) from the local address `source`.
+    pub fn tcp_from(addr: SocketAddr, source: Ipv4Addr) -> NvmeTcpConn {
+        Self::from_stream(crate::tcp_from(&format!("nvme+tcp://{addr}"), source))
+    }
+
+    /// A connection over `stream`, nothing sent or received on it yet.
+    pub fn from_stream(stream: TcpStream) -> NvmeTcpConn {
         NvmeTcpConn {
             stream,
             digests: Digests::default(),
@@ -354,7 +374,43 @@ impl NvmeTcpConn {
         }
     }
 
+    /// Ends the connection with a TCP reset: SO_LINGER {on, 0 s}, then
+    /// close, so the kernel sends an RST instead of a FIN and drops what
+    /// was not sent yet; whatever the target has in flight stays so.
+    pub fn reset(self) {
+        let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.stream);
+        // SAFETY: `fd` is the stream's open socket and `linger` a live
+        // value of the size passed.
+        let r = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&linger as *const libc::linger).cast(),
+                std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(r, 0, "SO_LINGER: {}", std::io::Error::last_os_error());
+        drop(self.stream);
+    }
+
     // ---- commands
+
+    /// Sends `sqe` with a fresh command id and `in_capsule` data, its SGL
+    /// as the caller set it, and waits for nothing. Returns the command id.
+    pub fn send_command(&mut self, mut sqe: SubmissionEntry, in_capsule: &[u8]) -> u16 {
+        sqe.cid = self.take_cid();
+        self.send_pdu(&Pdu::CapsuleCmd(sqe), in_capsule);
+        sqe.cid
+    }
+
+    /// Sends `data` as one H2CData PDU at `offset` of command `cccid`'s
+    /// transfer `ttag` (from its R2T); `last` sets LAST_PDU.
+    pub fn send_h2c(&mut self, cccid: u16, ttag: u16, offset: u32, data: &[u8], last: bool) {
+        let d = DataPdu { cccid, ttag, offset, length: data.len() as u32, last, success: false };
+        self.send_pdu(&Pdu::H2CData(d), data);
+    }
 
     /// A fresh command id.
     pub fn take_cid(&mut self) -> u16 {
@@ -763,7 +819,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let t = std::thread::spawn(move || {
             let (s, _) = listener.accept().unwrap();
-            let mut peer = NvmeTcpConn::tcp_from_stream(s);
+            let mut peer = NvmeTcpConn::from_stream(s);
             // The "controller" receives the ICReq (host-side framing
             // accepts any PDU type once initialized).
             let mut ch = [0u8; 128];
@@ -779,24 +835,6 @@ mod tests {
         let c = NvmeTcpConn::connect(addr, digests);
         std::mem::forget(t);
         c
-    }
-
-    impl NvmeTcpConn {
-        fn tcp_from_stream(stream: TcpStream) -> NvmeTcpConn {
-            NvmeTcpConn {
-                stream,
-                digests: Digests::default(),
-                maxh2cdata: 0,
-                cpda: 0,
-                h2c_chunk: 0,
-                in_capsule_max: IN_CAPSULE_MAX,
-                timeout: DEFAULT_TIMEOUT,
-                qid: 0,
-                stray: VecDeque::new(),
-                next_cid: 1,
-                initialized: false,
-            }
-        }
     }
 
     #[test]
