@@ -605,6 +605,73 @@ fn command_errors_get_their_statuses_and_the_connection_keeps_working() {
     target.assert_no_panic();
 }
 
+/// Commands that move no data define SQE bytes 24-39 (the SGL) as
+/// reserved (Property Get and Set: NVMe over Fabrics 1.1, Figures 41 and
+/// 43), and hosts leave them zero there; Linux nvmet-tcp accepts any
+/// zero-length SGL on a command that moves no data. So an all-zero SGL on
+/// Property Get, Property Set, Keep Alive and Flush must not be "SGL
+/// Descriptor Type Invalid": each succeeds. A command that does move data
+/// with such an SGL is still refused (an SGL error), and moves nothing.
+#[test]
+fn commands_that_move_no_data_succeed_with_an_all_zero_sgl() {
+    let (_dir, target, addr, img) = one_volume_target();
+    let zero_sgl = |mut e: SubmissionEntry| {
+        e.dptr = [0; 16];
+        e
+    };
+    let mut failures = Vec::new();
+    let mut check = |what: &str, c: &mut NvmeTcpConn, e: SubmissionEntry| -> Option<u64> {
+        let r = c.execute_raw(e, &[], &[], 0).unwrap_or_else(|err| panic!("{what} with an all-zero SGL: {err}"));
+        if r.cqe.status.is_success() {
+            Some(r.cqe.result)
+        } else {
+            failures.push(format!("{what} with an all-zero SGL: {} (expected success)", r.cqe.status));
+            None
+        }
+    };
+
+    let mut admin = NvmeTcpConn::connect(addr, NO_DIGESTS);
+    let cntlid = admin.admin_connect(SUBNQN, HOSTNQN, 0).expect("admin Connect");
+    let get_csts = zero_sgl(Property { offset: property::CSTS, wide: false, value: 0 }.to_entry(0, false));
+    if let Some(csts) = check("Property Get CSTS", &mut admin, get_csts) {
+        assert_eq!(csts & 1, 0, "CSTS.RDY before CC.EN: {csts:#x}");
+    }
+    let set_cc = zero_sgl(Property { offset: property::CC, wide: false, value: CC_ENABLE }.to_entry(0, true));
+    if check("Property Set CC (EN)", &mut admin, set_cc).is_some() {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while admin.property_get(property::CSTS, false).expect("Property Get CSTS") & 1 == 0 {
+            assert!(Instant::now() < deadline, "CSTS.RDY not set within 5 s of a Property Set of CC.EN with an all-zero SGL");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    } else {
+        // Enabled the usual way, so that the rest is still checked.
+        admin.enable();
+    }
+    check("Keep Alive", &mut admin, zero_sgl(SubmissionEntry::new(admin_opcode::KEEP_ALIVE, 0)));
+
+    let mut q = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 1, SUBNQN, HOSTNQN);
+    let mut flush = SubmissionEntry::new(io_opcode::FLUSH, 0);
+    flush.nsid = 1;
+    check("Flush", &mut q, zero_sgl(flush));
+
+    // Commands that move data still need an SGL that covers it.
+    let sgl_error = [Status::SGL_TYPE_INVALID, Status::SGL_DATA_LENGTH_INVALID];
+    let read = zero_sgl(rw_entry(io_opcode::READ, 1, 5, 1, false));
+    let r = q.execute_raw(read, &[], &[], 0).expect("a read with an all-zero SGL gets a completion");
+    assert!(sgl_error.contains(&r.cqe.status), "a 1-block Read with an all-zero SGL: {} (expected an SGL error)", r.cqe.status);
+    let write = zero_sgl(rw_entry(io_opcode::WRITE, 1, 5, 1, false));
+    let r = q.execute_raw(write, &[], &[], 0).expect("a write with an all-zero SGL gets a completion");
+    assert!(sgl_error.contains(&r.cqe.status), "a 1-block Write with an all-zero SGL: {} (expected an SGL error)", r.cqe.status);
+    let data = [0x3cu8; 4096];
+    q.write(1, 6, &data, false).expect("a good write after them");
+    assert!(q.read(1, 5, 2, BS).expect("a good read after them") == [vec![0u8; 4096], data.to_vec()].concat(), "LBAs 5-6");
+    assert!(file_bytes(&img, 5 * BS as u64, 4096).iter().all(|&b| b == 0), "the Write with an all-zero SGL wrote something");
+
+    assert!(failures.is_empty(), "{} command(s) that move no data refused:\n{}", failures.len(), failures.join("\n"));
+    admin.keep_alive().expect("the admin queue still answers");
+    target.assert_no_panic();
+}
+
 // ---------------------------------------------------------------------------
 // 5. Hostile PDUs
 
