@@ -669,8 +669,27 @@ pub struct WireConn {
 /// A TCP connection to the daemon at `url` (IPv4) from the local address
 /// `source`, bound before it connects.
 pub fn tcp_from(url: &str, source: std::net::Ipv4Addr) -> std::net::TcpStream {
+    let dest = socket_addr_of(url);
+    try_tcp_from(dest, source).unwrap_or_else(|e| panic!("connect from {source} to {dest}: {e}"))
+}
+
+/// A TCP connection to `dest` (IPv4) from the local address `source` (any
+/// of 127/8 on loopback), bound before it connects; the error of bind(2)
+/// or connect(2) when either fails.
+pub fn try_tcp_from(dest: std::net::SocketAddr, source: std::net::Ipv4Addr) -> std::io::Result<std::net::TcpStream> {
+    try_tcp_from_within(dest, source, None)
+}
+
+/// [`try_tcp_from`] that gives up (`TimedOut`) when the connection is not
+/// established within `timeout`: a listener whose accept queue is full
+/// drops SYNs, and the kernel retries them only after 1, 3, 7... s.
+pub fn try_tcp_from_within(
+    dest: std::net::SocketAddr,
+    source: std::net::Ipv4Addr,
+    timeout: Option<Duration>,
+) -> std::io::Result<std::net::TcpStream> {
     use std::os::fd::FromRawFd;
-    let std::net::SocketAddr::V4(dest) = socket_addr_of(url) else { panic!("{url}: an IPv4 address is needed") };
+    let std::net::SocketAddr::V4(dest) = dest else { panic!("{dest}: an IPv4 address is needed") };
     let sockaddr = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
         sin_family: libc::AF_INET as libc::sa_family_t,
         sin_port: port.to_be(),
@@ -682,22 +701,60 @@ pub fn tcp_from(url: &str, source: std::net::Ipv4Addr) -> std::net::TcpStream {
     // is owned by the TcpStream from here on (closed on drop).
     let stream = unsafe {
         let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
         std::net::TcpStream::from_raw_fd(fd)
     };
     let fd = std::os::fd::AsRawFd::as_raw_fd(&stream);
     let (src, dst) = (sockaddr(source, 0), sockaddr(*dest.ip(), dest.port()));
     // SAFETY: the addresses are live sockaddr_in values of `len` bytes, and
     // `fd` is the stream's open socket.
-    let (bound, connected) = unsafe {
-        let bound = libc::bind(fd, (&src as *const libc::sockaddr_in).cast(), len);
-        let connected = if bound == 0 { libc::connect(fd, (&dst as *const libc::sockaddr_in).cast(), len) } else { -1 };
-        (bound, connected)
+    if unsafe { libc::bind(fd, (&src as *const libc::sockaddr_in).cast(), len) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(std::io::Error::new(e.kind(), format!("bind to {source}: {e}")));
+    }
+    let Some(timeout) = timeout else {
+        // SAFETY: as above.
+        if unsafe { libc::connect(fd, (&dst as *const libc::sockaddr_in).cast(), len) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        stream.set_nodelay(true)?;
+        return Ok(stream);
     };
-    assert_eq!(bound, 0, "bind to {source}: {}", std::io::Error::last_os_error());
-    assert_eq!(connected, 0, "connect from {source} to {dest}: {}", std::io::Error::last_os_error());
-    stream.set_nodelay(true).unwrap();
-    stream
+    stream.set_nonblocking(true)?;
+    // SAFETY: as above.
+    if unsafe { libc::connect(fd, (&dst as *const libc::sockaddr_in).cast(), len) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINPROGRESS) {
+            return Err(e);
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut pfd = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+            // SAFETY: one live pollfd.
+            let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+            if n > 0 {
+                break;
+            }
+            if n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                return Err(std::io::Error::last_os_error());
+            }
+            if n == 0 && Instant::now() >= deadline {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("TCP connect from {source} to {dest} not established within {timeout:?}"),
+                ));
+            }
+        }
+        if let Some(e) = stream.take_error()? {
+            return Err(e);
+        }
+    }
+    stream.set_nonblocking(false)?;
+    stream.set_nodelay(true)?;
+    Ok(stream)
 }
 
 /// The address `tcp://host:port` names.
@@ -1060,4 +1117,34 @@ impl RestartableTarget {
         assert!(self.target.is_none(), "still running");
         self.target = Some(TargetProcess::start_with_path(&self.config));
     }
+}
+
+/// The names (`comm`) of every thread of process `pid` (/proc/PID/task).
+pub fn thread_names(pid: u32) -> Vec<String> {
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/task")).expect("read /proc/PID/task") {
+        let Ok(entry) = entry else { continue };
+        // A thread may end between the listing and the read.
+        if let Ok(comm) = std::fs::read_to_string(entry.path().join("comm")) {
+            names.push(comm.trim_end().to_owned());
+        }
+    }
+    names
+}
+
+/// Raises this process's soft RLIMIT_NOFILE to `want` (at most the hard
+/// limit); returns the soft limit in force afterwards.
+pub fn raise_nofile_limit(want: u64) -> u64 {
+    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit read and write the one rlimit value.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl), 0, "getrlimit: {}", std::io::Error::last_os_error());
+        if rl.rlim_cur < want {
+            let new = libc::rlimit { rlim_cur: want.min(rl.rlim_max), rlim_max: rl.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &new) == 0 {
+                rl.rlim_cur = new.rlim_cur;
+            }
+        }
+    }
+    rl.rlim_cur
 }

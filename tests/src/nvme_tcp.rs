@@ -215,6 +215,39 @@ impl NvmeTcpConn {
         Self::from_stream(crate::tcp_from(&format!("nvme+tcp://{addr}"), source))
     }
 
+    /// [`tcp_from`](Self::tcp_from) without panicking, giving up when the connection is
+    /// not established within `timeout`.
+    pub fn tcp_from_within(addr: SocketAddr, source: std::net::Ipv4Addr, timeout: Duration) -> std::io::Result<NvmeTcpConn> {
+        crate::try_tcp_from_within(addr, source, Some(timeout)).map(Self::from_stream)
+    }
+
+    /// ICReq (asking for `digests`) and the ICResp, without panicking: a
+    /// target that closes, stays silent or answers something else is an Err.
+    pub fn try_initialize(&mut self, digests: Digests) -> Result<(), ConnError> {
+        self.try_send_pdu(&Pdu::IcReq(IcReq { pfv: 0, hpda: 0, digests, maxr2t: 0 }), &[])?;
+        match self.recv_pdu()? {
+            (Pdu::IcResp(r), _) if r.pfv == 0 && r.digests == digests && r.maxh2cdata >= 4096 => {
+                self.digests = r.digests;
+                self.maxh2cdata = r.maxh2cdata;
+                self.h2c_chunk = r.maxh2cdata;
+                self.cpda = r.cpda;
+                Ok(())
+            }
+            (other, _) => Err(ConnError::Protocol(format!("expected a valid ICResp to the ICReq, got {other:?}"))),
+        }
+    }
+
+    /// Like [`exec_ok`](Self::exec_ok) without panicking: a transport
+    /// failure or a status other than success is an Err saying which.
+    pub fn try_exec(&mut self, sqe: SubmissionEntry, in_capsule: &[u8], h2c: &[u8], c2h_len: usize) -> Result<Completion, String> {
+        let c = Cmd::new(sqe, in_capsule, h2c, c2h_len);
+        match self.execute_raw(c.sqe, in_capsule, h2c, c2h_len) {
+            Ok(done) if done.cqe.status.is_success() => Ok(done),
+            Ok(done) => Err(format!("status {}", done.cqe.status)),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
     /// A connection over `stream`, nothing sent or received on it yet.
     pub fn from_stream(stream: TcpStream) -> NvmeTcpConn {
         NvmeTcpConn {
@@ -272,6 +305,13 @@ impl NvmeTcpConn {
     pub fn send_pdu(&mut self, pdu: &Pdu, data: &[u8]) {
         let bytes = self.pdu_bytes(pdu, data);
         self.raw_send(&bytes);
+    }
+
+    /// Like [`send_pdu`](Self::send_pdu); a target that closed or reset the
+    /// connection is an Err instead of a panic.
+    pub fn try_send_pdu(&mut self, pdu: &Pdu, data: &[u8]) -> Result<(), ConnError> {
+        let bytes = self.pdu_bytes(pdu, data);
+        self.try_raw_send(&bytes).map_err(|e| ConnError::Closed(format!("write: {e}")))
     }
 
     /// Reads one PDU: checks its common header, header digest and data
@@ -449,7 +489,7 @@ impl NvmeTcpConn {
         for c in cmds {
             let mut sqe = c.sqe;
             sqe.cid = self.take_cid();
-            self.send_pdu(&Pdu::CapsuleCmd(sqe), c.in_capsule);
+            self.try_send_pdu(&Pdu::CapsuleCmd(sqe), c.in_capsule)?;
             states.push(State { cid: sqe.cid, opcode: sqe.opcode, data: vec![0u8; c.c2h_len], received: 0, done: None });
         }
         let find = |states: &[State], cid: u16| states.iter().position(|s| s.cid == cid && s.done.is_none());
@@ -522,7 +562,7 @@ impl NvmeTcpConn {
                             last: off + n == end,
                             success: false,
                         };
-                        self.send_pdu(&Pdu::H2CData(d), &h2c[off..off + n]);
+                        self.try_send_pdu(&Pdu::H2CData(d), &h2c[off..off + n])?;
                         off += n;
                     }
                 }
