@@ -20,6 +20,7 @@
 //! that is accepted lies inside its namespace, moves whole blocks, at most
 //! MDTS, as long as the SGL names, and writes only a writable namespace.
 
+use std::cell::RefCell;
 use std::sync::{Arc, OnceLock};
 
 use rdmablk_common::nvme::fabrics::{Connect, ConnectData, Property, CONNECT_DATA_SIZE};
@@ -27,6 +28,7 @@ use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry, SQE_SIZE};
 use rdmablk_target::auth::AccessPolicy;
 use rdmablk_target::backend::{open_volumes, VolumeSet};
 use rdmablk_target::config::{Config, NvmeTransport};
+use rdmablk_target::engine::exec::Executor;
 use rdmablk_target::nvmf::io_cmd::{plan, IoPlan};
 use rdmablk_target::nvmf::queue::{Action, Queue};
 use rdmablk_target::nvmf::{Subsystem, MAX_TRANSFER};
@@ -48,24 +50,34 @@ fn subsystem() -> &'static Arc<Subsystem> {
     })
 }
 
+thread_local! {
+    /// The executor admin commands are delivered with (they never reach
+    /// it: only I/O commands, which this harness plans but does not run).
+    static EXEC: RefCell<Executor> = RefCell::new(
+        Executor::standalone(Arc::clone(&subsystem().registry), 4 << 20, 128 << 10).expect("an executor"),
+    );
+}
+
 /// Delivers one command with its in-capsule data and returns the answers.
 fn deliver(q: &mut Queue, sqe: SubmissionEntry, data: &[u8]) -> Vec<Action> {
-    if let Some(slot) = q.command(sqe, data.len() as u32) {
-        q.data_mut(slot, 0, data.len() as u32).copy_from_slice(data);
-        q.data_placed(slot, data.len() as u32, true).expect("all in-capsule data arrived at once");
-    }
-    let mut actions = std::mem::take(&mut q.actions);
-    // Data asked for with R2T arrives as zeroes, in one piece.
-    if let Some(Action::RequestData { cid, ttag, len }) = actions.last() {
-        let (cid, ttag, len) = (*cid, *ttag, *len);
-        assert!(len > 0 && len <= MAX_TRANSFER, "R2T for {len} bytes");
-        let slot = q.check_h2c(ttag, cid, 0, len).expect("the data asked for is accepted");
-        q.data_mut(slot, 0, len).fill(0);
-        q.data_placed(slot, len, true).expect("all data arrived");
-        actions.pop();
-        actions.extend(std::mem::take(&mut q.actions));
-    }
-    actions
+    EXEC.with_borrow_mut(|exec| {
+        if let Some(slot) = q.command(exec, sqe, data.len() as u32) {
+            q.data_mut(exec, slot, 0, data.len() as u32).copy_from_slice(data);
+            q.data_placed(exec, slot, data.len() as u32, true).expect("all in-capsule data arrived at once");
+        }
+        let mut actions = std::mem::take(&mut q.actions);
+        // Data asked for with R2T arrives as zeroes, in one piece.
+        if let Some(Action::RequestData { cid, ttag, off, len }) = actions.last() {
+            let (cid, ttag, off, len) = (*cid, *ttag, *off, *len);
+            assert!(len > 0 && len <= MAX_TRANSFER && off == 0, "R2T for {len} bytes at {off}");
+            let slot = q.check_h2c(ttag, cid, 0, len).expect("the data asked for is accepted");
+            q.data_mut(exec, slot, 0, len).fill(0);
+            q.data_placed(exec, slot, len, true).expect("all data arrived");
+            actions.pop();
+            actions.extend(std::mem::take(&mut q.actions));
+        }
+        actions
+    })
 }
 
 fn check_admin_answer(sqe: &SubmissionEntry, actions: &[Action]) {
@@ -78,6 +90,7 @@ fn check_admin_answer(sqe: &SubmissionEntry, actions: &[Action]) {
     match answers[0] {
         Action::Respond(c, _) => assert_eq!(c.cid, sqe.cid),
         Action::SendData { cid, len, then, .. } => {
+            let then = then.as_ref().expect("admin data comes whole, with its completion");
             assert_eq!((*cid, then.cid), (sqe.cid, sqe.cid));
             let named = sqe.sgl().map(|s| s.length()).unwrap_or(0);
             assert!(*len <= named, "{len} bytes sent for an SGL of {named}");

@@ -58,16 +58,26 @@ pub const MAX_VOLUMES: usize = 256;
 pub const DEFAULT_MAX_SESSIONS: u32 = 256;
 /// Default most live queue pairs per session.
 pub const DEFAULT_MAX_QUEUES_PER_SESSION: u32 = 16;
-/// Default most connections accepted but not yet past CONNECT.
-pub const DEFAULT_MAX_HANDSHAKES: u32 = 64;
+/// Default most connections of one protocol (rdmablk v1, NVMe-oF: each has
+/// its own budget) accepted but not yet past CONNECT. A connection in its
+/// handshake costs a socket and a few KiB, no thread and no registered
+/// memory, so thousands can wait without starving anyone.
+pub const DEFAULT_MAX_HANDSHAKES: u32 = 4096;
 /// Default `target.max_handshakes_per_address` (never above
-/// `max_handshakes`): half the default `max_handshakes`, so that one peer
-/// leaves the other half to everyone else.
-pub const DEFAULT_MAX_HANDSHAKES_PER_ADDRESS: u32 = 32;
-/// Default `target.max_connections_per_address`: a quarter of the default
-/// `max_sessions` single-queue sessions, so that one peer leaves most of
-/// the target to everyone else.
-pub const DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: u32 = 64;
+/// `max_handshakes`): a quarter of the default `max_handshakes`, so that
+/// one peer leaves most of the slots to everyone else.
+pub const DEFAULT_MAX_HANDSHAKES_PER_ADDRESS: u32 = 1024;
+/// Default `target.max_connections_per_address`, handshaking or connected,
+/// every protocol: as many as a quarter of the handshake slots. A large
+/// NVMe-oF host opens a queue per CPU and per path (a 128-CPU host on two
+/// paths: 258 connections from one address).
+pub const DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: u32 = 1024;
+/// Default `target.max_controllers`: NVMe-oF controllers at once (admin
+/// queues past Connect, discovery ones included).
+pub const DEFAULT_MAX_CONTROLLERS: u32 = 1024;
+/// Default `target.max_controllers_per_host`: live controllers of one host
+/// NQN (a host keeps one per path, and a new one while an old one ends).
+pub const DEFAULT_MAX_CONTROLLERS_PER_HOST: u32 = 16;
 /// Default time a connection has to complete CONNECT.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default `target.fence_timeout`: below the initiator's default connect
@@ -206,6 +216,10 @@ pub struct TargetConfig {
     /// Most connections (queue pairs, in their handshake or connected) from
     /// one source address at once.
     pub max_connections_per_address: u32,
+    /// NVMe-oF controllers at once (`target.max_controllers`).
+    pub max_controllers: u32,
+    /// Live NVMe-oF controllers of one host NQN (`target.max_controllers_per_host`).
+    pub max_controllers_per_host: u32,
     /// Time a connection has from arriving until its CONNECT succeeds
     /// (applied to the fabric hello and again to CONNECT).
     pub handshake_timeout: Duration,
@@ -409,6 +423,8 @@ impl TargetConfig {
         check(self.max_handshakes != other.max_handshakes, "target.max_handshakes");
         check(self.max_handshakes_per_address != other.max_handshakes_per_address, "target.max_handshakes_per_address");
         check(self.max_connections_per_address != other.max_connections_per_address, "target.max_connections_per_address");
+        check(self.max_controllers != other.max_controllers, "target.max_controllers");
+        check(self.max_controllers_per_host != other.max_controllers_per_host, "target.max_controllers_per_host");
         check(self.handshake_timeout != other.handshake_timeout, "target.handshake_timeout");
         check(self.fence_timeout != other.fence_timeout, "target.fence_timeout");
         check(self.idle_timeout != other.idle_timeout, "target.idle_timeout");
@@ -499,6 +515,8 @@ struct RawTarget {
     max_handshakes: Option<i64>,
     max_handshakes_per_address: Option<i64>,
     max_connections_per_address: Option<i64>,
+    max_controllers: Option<i64>,
+    max_controllers_per_host: Option<i64>,
     handshake_timeout: Option<RawDuration>,
     fence_timeout: Option<RawDuration>,
     idle_timeout: Option<RawDuration>,
@@ -855,6 +873,9 @@ impl RawConfig {
             t.max_connections_per_address,
             DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
         )?;
+        let max_controllers = cx.count("target.max_controllers", t.max_controllers, DEFAULT_MAX_CONTROLLERS)?;
+        let max_controllers_per_host =
+            cx.count("target.max_controllers_per_host", t.max_controllers_per_host, DEFAULT_MAX_CONTROLLERS_PER_HOST)?;
         let pool_chunks = chunks as u32;
         let session_pool_share =
             cx.pool_share("target.session_pool_share", t.session_pool_share, chunk_size, buffer_pool)?.unwrap_or(DEFAULT_SESSION_POOL_SHARE);
@@ -948,6 +969,8 @@ impl RawConfig {
             max_handshakes,
             max_handshakes_per_address,
             max_connections_per_address,
+            max_controllers,
+            max_controllers_per_host,
             handshake_timeout,
             fence_timeout,
             idle_timeout,
@@ -1506,7 +1529,15 @@ read_only = true
 
     #[test]
     fn bad_limits_are_named() {
-        for key in ["max_sessions", "max_queues_per_session", "max_handshakes", "max_handshakes_per_address", "max_connections_per_address"] {
+        for key in [
+            "max_sessions",
+            "max_queues_per_session",
+            "max_handshakes",
+            "max_handshakes_per_address",
+            "max_connections_per_address",
+            "max_controllers",
+            "max_controllers_per_host",
+        ] {
             let e = err(&with_target(&format!("{key} = 0")));
             assert!(e.contains(&format!("test.toml: target.{key}: must be in 1..=")), "{e}");
             let e = err(&with_target(&format!("{key} = -3")));

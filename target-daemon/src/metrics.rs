@@ -89,43 +89,30 @@ pub struct OpCounters {
 }
 
 impl OpCounters {
-    /// Records one finished command: `bytes` moved (0 on failure).
+    /// Records one finished command: `bytes` moved (0 on failure), and its
+    /// latency, or `None` when it was not timed ([`clock_is_cheap`]): it
+    /// then counts in the operations, bytes and errors but not in the
+    /// histogram.
     #[inline]
-    pub fn record(&self, bytes: u64, ok: bool, latency: Duration) {
+    pub fn record(&self, bytes: u64, ok: bool, latency: Option<Duration>) {
         self.ops.add(1);
         if ok {
             self.bytes.add(bytes);
         } else {
             self.errors.add(1);
         }
-        self.latency_ns.add(latency.as_nanos().min(u64::MAX as u128) as u64);
-        self.buckets[latency_bucket(latency)].add(1);
-    }
-}
-
-impl OpCounters {
-    /// Records one finished command where several threads write these
-    /// counters (the NVMe-oF queues): atomic adds. `latency`: `None` when
-    /// the command was not timed ([`clock_is_cheap`]); it then counts in
-    /// the operations, bytes and errors but not in the histogram.
-    pub fn record_shared(&self, bytes: u64, ok: bool, latency: Option<Duration>) {
-        self.ops.add_shared(1);
-        if ok {
-            self.bytes.add_shared(bytes);
-        } else {
-            self.errors.add_shared(1);
-        }
         if let Some(latency) = latency {
-            self.latency_ns.add_shared(latency.as_nanos().min(u64::MAX as u128) as u64);
-            self.buckets[latency_bucket(latency)].add_shared(1);
+            self.latency_ns.add(latency.as_nanos().min(u64::MAX as u128) as u64);
+            self.buckets[latency_bucket(latency)].add(1);
         }
     }
 }
 
 /// Whether reading the clock costs no system call here: the kernel's
 /// clocksource can be read from user space (the vDSO). Where it cannot
-/// (`hpet`, `acpi_pm`: some virtual machines), a front end that would read
-/// it twice per command (the NVMe-oF queues) does not time commands.
+/// (`hpet`, `acpi_pm`: some virtual machines), the NVMe-oF front end does
+/// not time its commands (a clock read at the answer would be a system
+/// call per command).
 /// Unknown (no sysfs): assumed cheap. Read once.
 pub fn clock_is_cheap() -> bool {
     static CHEAP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -149,8 +136,7 @@ pub struct VolumeReactorStats {
     pub ops: [OpCounters; IO_OPS.len()],
 }
 
-/// A volume's counters: one block per reactor and one the NVMe-oF queues
-/// share, summed on scrape. Kept when a reload changes only the volume's
+/// A volume's counters: one block per reactor, summed on scrape. Kept when a reload changes only the volume's
 /// read-only flag.
 #[derive(Debug)]
 pub struct VolumeStats {
@@ -168,26 +154,19 @@ pub struct OpTotals {
 }
 
 impl VolumeStats {
-    /// Counters for `reactors` reactors and the NVMe-oF queues.
+    /// Counters for `reactors` reactors.
     pub fn new(reactors: usize) -> VolumeStats {
-        VolumeStats { per_reactor: (0..reactors.max(1) + 1).map(|_| VolumeReactorStats::default()).collect() }
+        VolumeStats { per_reactor: (0..reactors.max(1)).map(|_| VolumeReactorStats::default()).collect() }
     }
 
     /// The block reactor `r` writes.
     #[inline]
     pub fn reactor(&self, r: usize) -> &VolumeReactorStats {
-        debug_assert!(r + 1 < self.per_reactor.len(), "reactor {r} of {}", self.per_reactor.len() - 1);
+        debug_assert!(r < self.per_reactor.len(), "reactor {r} of {}", self.per_reactor.len());
         &self.per_reactor[r]
     }
 
-    /// The block the NVMe-oF queues write, many threads at once
-    /// ([`OpCounters::record_shared`]).
-    #[inline]
-    pub fn shared(&self) -> &VolumeReactorStats {
-        self.per_reactor.last().expect("new() makes one more block than reactors")
-    }
-
-    /// The sum over reactors and the NVMe-oF queues for opcode index `i` of [`IO_OPS`].
+    /// The sum over reactors for opcode index `i` of [`IO_OPS`].
     pub fn totals(&self, i: usize) -> OpTotals {
         let mut t = OpTotals { buckets: vec![0; LATENCY_BUCKETS + 1], ..Default::default() };
         for r in self.per_reactor.iter() {
@@ -743,9 +722,9 @@ mod tests {
     #[test]
     fn volume_stats_sum_over_reactors() {
         let s = VolumeStats::new(2);
-        s.reactor(0).ops[0].record(4096, true, Duration::from_micros(10));
-        s.reactor(1).ops[0].record(8192, true, Duration::from_micros(100));
-        s.reactor(1).ops[0].record(0, false, Duration::from_micros(5));
+        s.reactor(0).ops[0].record(4096, true, Some(Duration::from_micros(10)));
+        s.reactor(1).ops[0].record(8192, true, Some(Duration::from_micros(100)));
+        s.reactor(1).ops[0].record(0, false, Some(Duration::from_micros(5)));
         let t = s.totals(0);
         assert_eq!((t.ops, t.bytes, t.errors), (3, 12288, 1));
         assert_eq!(t.buckets.iter().sum::<u64>(), 3);
@@ -755,28 +734,15 @@ mod tests {
     }
 
     #[test]
-    fn the_shared_block_takes_many_writers_and_counts_in_the_totals() {
-        let s = std::sync::Arc::new(VolumeStats::new(1));
-        s.reactor(0).ops[0].record(4096, true, Duration::from_micros(10));
-        let writers: Vec<_> = (0..4)
-            .map(|_| {
-                let s = std::sync::Arc::clone(&s);
-                std::thread::spawn(move || {
-                    for _ in 0..10_000 {
-                        s.shared().ops[0].record_shared(512, true, Some(Duration::from_micros(3)));
-                    }
-                })
-            })
-            .collect();
-        for w in writers {
-            w.join().unwrap();
-        }
-        // Untimed: counted, not in the histogram.
-        s.shared().ops[0].record_shared(0, false, None);
+    fn an_untimed_command_counts_everywhere_but_in_the_histogram() {
+        let s = VolumeStats::new(1);
+        s.reactor(0).ops[0].record(4096, true, Some(Duration::from_micros(3)));
+        s.reactor(0).ops[0].record(512, true, None);
+        s.reactor(0).ops[0].record(0, false, None);
         let t = s.totals(0);
-        assert_eq!((t.ops, t.bytes, t.errors), (40_002, 4096 + 40_000 * 512, 1));
-        assert_eq!(t.buckets.iter().sum::<u64>(), 40_001);
-        assert_eq!(t.buckets[2], 40_000); // 3 µs ≤ 4
+        assert_eq!((t.ops, t.bytes, t.errors), (3, 4608, 1));
+        assert_eq!(t.buckets.iter().sum::<u64>(), 1);
+        assert_eq!(t.buckets[2], 1); // 3 µs ≤ 4
     }
 
     #[test]
@@ -792,7 +758,7 @@ mod tests {
     #[test]
     fn renders_parseable_text() {
         let vs = VolumeStats::new(1);
-        vs.reactor(0).ops[1].record(4096, true, Duration::from_micros(3));
+        vs.reactor(0).ops[1].record(4096, true, Some(Duration::from_micros(3)));
         let reactors = vec![std::sync::Arc::new(ReactorStats::default())];
         reactors[0].queue_pairs.set(2);
         reactors[0].chunk_wait_timeouts.add(3);

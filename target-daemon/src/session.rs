@@ -231,11 +231,31 @@ pub struct LimitCounters {
     pub fence_dropped_commands: AtomicU64,
 }
 
+/// The protocol a connection speaks: each has its own handshake budget,
+/// so that a flood of one cannot keep the other's hosts from starting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// rdmablk v1 (`tcp://`, `rdma://`).
+    V1 = 0,
+    /// NVMe-oF (`nvme+tcp://`, `nvme+rdma://`).
+    Nvme = 1,
+}
+
+impl Protocol {
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::V1 => "rdmablk",
+            Protocol::Nvme => "NVMe-oF",
+        }
+    }
+}
+
 /// One connection in its handshake (accepted, CONNECT not yet successful):
-/// counts against `max_handshakes` until dropped.
+/// counts against its protocol's `max_handshakes` until dropped.
 #[derive(Debug)]
 pub struct HandshakeSlot {
     registry: Arc<Registry>,
+    protocol: Protocol,
     /// The source address it counts against (`None`: not an IP peer).
     address: Option<IpAddr>,
 }
@@ -243,8 +263,9 @@ pub struct HandshakeSlot {
 impl Drop for HandshakeSlot {
     fn drop(&mut self) {
         self.registry.counters.handshakes.fetch_sub(1, Ordering::AcqRel);
+        self.registry.handshakes_of[self.protocol as usize].fetch_sub(1, Ordering::AcqRel);
         if let Some(a) = self.address {
-            self.registry.handshakes_by_address.release(a);
+            self.registry.handshakes_by_address[self.protocol as usize].release(a);
         }
     }
 }
@@ -419,8 +440,12 @@ pub struct Registry {
     /// The reactors' wake-up eventfds: a fence concerns queue pairs on any
     /// reactor, and whoever waits for it.
     wakers: Mutex<Vec<Arc<EventFd>>>,
-    /// Connections in their handshake, by source address.
-    handshakes_by_address: AddressCounts,
+    /// Loop turns of each reactor, for a barrier: a reactor that turned
+    /// has handled what its sockets and completion queues had before.
+    turns: Box<[AtomicU64]>,
+    /// Connections in their handshake, per protocol, and by source address.
+    handshakes_of: [AtomicU64; 2],
+    handshakes_by_address: [AddressCounts; 2],
     /// Open connections by source address.
     connections_by_address: AddressCounts,
     /// The pool accounts of each source address with open connections.
@@ -446,7 +471,9 @@ impl Registry {
             counters: LimitCounters::default(),
             fence_generation: AtomicU64::new(0),
             wakers: Mutex::new(Vec::new()),
-            handshakes_by_address: AddressCounts::default(),
+            turns: (0..reactors).map(|_| AtomicU64::new(0)).collect(),
+            handshakes_of: [AtomicU64::new(0), AtomicU64::new(0)],
+            handshakes_by_address: [AddressCounts::default(), AddressCounts::default()],
             connections_by_address: AddressCounts::default(),
             host_pools: Mutex::new(HashMap::new()),
         }
@@ -463,11 +490,37 @@ impl Registry {
         self.fence_generation.load(Ordering::Acquire)
     }
 
-    fn fence_moved(&self) {
+    /// Moves the fence generation and wakes every reactor: something a
+    /// front end's queues on any reactor must act on changed (a session
+    /// retired or ended, a controller torn down or gone).
+    pub fn fence_moved(&self) {
         self.fence_generation.fetch_add(1, Ordering::AcqRel);
+        self.wake_reactors();
+    }
+
+    /// Wakes every reactor for one loop turn.
+    pub fn wake_reactors(&self) {
         for w in self.wakers.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             w.notify();
         }
+    }
+
+    /// The number of reactors.
+    pub fn reactors(&self) -> usize {
+        self.reactors
+    }
+
+    /// Reactor `reactor` turned once more (one relaxed store per turn).
+    #[inline]
+    pub fn turned(&self, reactor: usize) {
+        if let Some(t) = self.turns.get(reactor) {
+            t.store(t.load(Ordering::Relaxed) + 1, Ordering::Release);
+        }
+    }
+
+    /// Each reactor's turns so far.
+    pub fn turns(&self) -> impl Iterator<Item = u64> + '_ {
+        self.turns.iter().map(|t| t.load(Ordering::Acquire))
     }
 
     /// The reconnect fence, first step: a new session of `host_id` replaces
@@ -502,14 +555,18 @@ impl Registry {
         self.limits
     }
 
-    /// Takes a handshake slot for a new connection from `from` (its source
-    /// address, when it has one), unless `max_handshakes` connections, or
-    /// `max_handshakes_per_address` from that address, are in their
-    /// handshake already. Counts the refusal.
-    pub fn begin_handshake(self: &Arc<Self>, from: Option<IpAddr>) -> std::result::Result<Admission, HandshakeRefusal> {
+    /// Takes a handshake slot of `protocol` for a new connection from
+    /// `from` (its source address, when it has one), unless
+    /// `max_connections_per_address` connections from that address are
+    /// open, or `max_handshakes` connections of the protocol, or
+    /// `max_handshakes_per_address` of it from that address, are in their
+    /// handshake already. Each protocol has its own handshake budget.
+    /// Counts the refusal.
+    pub fn begin_handshake(self: &Arc<Self>, protocol: Protocol, from: Option<IpAddr>) -> std::result::Result<Admission, HandshakeRefusal> {
+        let p = protocol as usize;
         // Slots are taken only here, under these locks, so the checks and
         // the increments cannot interleave with another taker (drops only free).
-        let mut by = self.handshakes_by_address.lock();
+        let mut by = self.handshakes_by_address[p].lock();
         let mut open = self.connections_by_address.lock();
         if let Some(a) = from {
             if open.get(&a).copied().unwrap_or(0) >= self.limits.max_connections_per_address {
@@ -517,7 +574,7 @@ impl Registry {
                 return Err(HandshakeRefusal::ConnectionsPerAddress);
             }
         }
-        if self.counters.handshakes.load(Ordering::Acquire) >= self.limits.max_handshakes as u64 {
+        if self.handshakes_of[p].load(Ordering::Acquire) >= self.limits.max_handshakes as u64 {
             self.counters.refused_handshakes.fetch_add(1, Ordering::Relaxed);
             return Err(HandshakeRefusal::Total);
         }
@@ -529,6 +586,7 @@ impl Registry {
             }
             *n += 1;
         }
+        self.handshakes_of[p].fetch_add(1, Ordering::AcqRel);
         self.counters.handshakes.fetch_add(1, Ordering::AcqRel);
         let host_pool = from.map(|a| {
             *open.entry(a).or_insert(0) += 1;
@@ -536,9 +594,30 @@ impl Registry {
             Arc::clone(pools.entry(a).or_insert_with(|| Arc::new(HostPool::new(a, self.reactors))))
         });
         Ok(Admission {
-            handshake: HandshakeSlot { registry: Arc::clone(self), address: from },
+            handshake: HandshakeSlot { registry: Arc::clone(self), protocol, address: from },
             connection: ConnectionSlot { registry: Arc::clone(self), address: from, host_pool },
         })
+    }
+
+    /// The refusal of [`Registry::begin_handshake`] in words (with the key
+    /// that set the limit), for logs.
+    pub fn refusal_reason(&self, protocol: Protocol, why: HandshakeRefusal) -> String {
+        let l = &self.limits;
+        match why {
+            HandshakeRefusal::Total => format!(
+                "{n} {} connections are in their handshake (target.max_handshakes = {n})",
+                protocol.name(),
+                n = l.max_handshakes
+            ),
+            HandshakeRefusal::PerAddress => format!(
+                "{n} {} connections from its address are in their handshake (target.max_handshakes_per_address = {n})",
+                protocol.name(),
+                n = l.max_handshakes_per_address
+            ),
+            HandshakeRefusal::ConnectionsPerAddress => {
+                format!("{n} connections from its address are open (target.max_connections_per_address = {n})", n = l.max_connections_per_address)
+            }
+        }
     }
 
     /// Takes the admin lock (never on the per-I/O path).
@@ -737,11 +816,11 @@ mod tests {
         assert!(r.join(&mut r.admin(), a.session.id, "a", 1).is_ok());
 
         // Handshake slots: two at once, released on drop.
-        let h1 = r.begin_handshake(None).expect("first").handshake;
-        let h2 = r.begin_handshake(None).expect("second").handshake;
-        assert_eq!(r.begin_handshake(None).err(), Some(HandshakeRefusal::Total), "a third is over max_handshakes");
+        let h1 = r.begin_handshake(Protocol::V1, None).expect("first").handshake;
+        let h2 = r.begin_handshake(Protocol::V1, None).expect("second").handshake;
+        assert_eq!(r.begin_handshake(Protocol::V1, None).err(), Some(HandshakeRefusal::Total), "a third is over max_handshakes");
         drop(h1);
-        let h3 = r.begin_handshake(None).expect("a slot came back").handshake;
+        let h3 = r.begin_handshake(Protocol::V1, None).expect("a slot came back").handshake;
         assert_eq!(r.counters.handshakes.load(Ordering::Relaxed), 2);
         drop((h2, h3));
         assert_eq!(r.counters.handshakes.load(Ordering::Relaxed), 0);
@@ -778,17 +857,37 @@ mod tests {
         // (An admission's connection slot is held with its handshake slot here.)
         let r = Arc::new(Registry::new(VolumeSet::new(1, Vec::new()), 1).with_limits(limits));
         let (a, b): (IpAddr, IpAddr) = ("127.0.0.2".parse().unwrap(), "127.0.0.1".parse().unwrap());
-        let a1 = r.begin_handshake(Some(a)).unwrap();
-        let _a2 = r.begin_handshake(Some(a)).unwrap();
-        assert_eq!(r.begin_handshake(Some(a)).err(), Some(HandshakeRefusal::PerAddress));
-        let _b1 = r.begin_handshake(Some(b)).expect("another address still starts");
+        let a1 = r.begin_handshake(Protocol::V1, Some(a)).unwrap();
+        let _a2 = r.begin_handshake(Protocol::V1, Some(a)).unwrap();
+        assert_eq!(r.begin_handshake(Protocol::V1, Some(a)).err(), Some(HandshakeRefusal::PerAddress));
+        let _b1 = r.begin_handshake(Protocol::V1, Some(b)).expect("another address still starts");
         drop(a1);
-        let _a3 = r.begin_handshake(Some(a)).expect("a slot of that address came back");
-        let _b2 = r.begin_handshake(Some(b)).unwrap();
+        let _a3 = r.begin_handshake(Protocol::V1, Some(a)).expect("a slot of that address came back");
+        let _b2 = r.begin_handshake(Protocol::V1, Some(b)).unwrap();
         let c: IpAddr = "10.0.0.3".parse().unwrap();
-        assert_eq!(r.begin_handshake(Some(c)).err(), Some(HandshakeRefusal::Total), "the total still holds");
+        assert_eq!(r.begin_handshake(Protocol::V1, Some(c)).err(), Some(HandshakeRefusal::Total), "the total still holds");
         assert_eq!(r.counters.refused_handshakes_per_address.load(Ordering::Relaxed), 1);
         assert_eq!(r.counters.refused_handshakes.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn each_protocol_has_its_own_handshake_budget() {
+        let limits = SessionLimits { max_handshakes: 3, max_handshakes_per_address: 2, ..SessionLimits::NONE };
+        let r = Arc::new(Registry::new(VolumeSet::new(1, Vec::new()), 1).with_limits(limits));
+        let a: IpAddr = "127.0.0.2".parse().unwrap();
+        // NVMe-oF connections that never finish their handshake take every
+        // NVMe-oF slot, of the address and in total...
+        let mut flood: Vec<_> = (0..2).map(|_| r.begin_handshake(Protocol::Nvme, Some(a)).unwrap()).collect();
+        assert_eq!(r.begin_handshake(Protocol::Nvme, Some(a)).err(), Some(HandshakeRefusal::PerAddress));
+        flood.push(r.begin_handshake(Protocol::Nvme, None).unwrap());
+        assert_eq!(r.begin_handshake(Protocol::Nvme, None).err(), Some(HandshakeRefusal::Total));
+        // ...and none of rdmablk v1's, from the same address or another.
+        let v1 = r.begin_handshake(Protocol::V1, Some(a)).expect("v1 starts beside an NVMe-oF flood");
+        let _v1b = r.begin_handshake(Protocol::V1, None).expect("and another");
+        assert_eq!(r.counters.handshakes.load(Ordering::Relaxed), 5, "the gauge counts both");
+        drop((flood, v1));
+        assert_eq!(r.counters.handshakes.load(Ordering::Relaxed), 1);
+        assert!(r.begin_handshake(Protocol::Nvme, Some(a)).is_ok(), "NVMe-oF slots came back");
     }
 
     #[test]
@@ -796,14 +895,14 @@ mod tests {
         let limits = SessionLimits { max_connections_per_address: 2, ..SessionLimits::NONE };
         let r = Arc::new(Registry::new(VolumeSet::new(1, Vec::new()), 1).with_limits(limits));
         let a: IpAddr = "127.0.0.2".parse().unwrap();
-        let first = r.begin_handshake(Some(a)).unwrap();
-        let second = r.begin_handshake(Some(a)).unwrap();
+        let first = r.begin_handshake(Protocol::V1, Some(a)).unwrap();
+        let second = r.begin_handshake(Protocol::V1, Some(a)).unwrap();
         // Past their handshakes (a CONNECT succeeded), they still count.
         drop((first.handshake, second.handshake));
-        assert_eq!(r.begin_handshake(Some(a)).err(), Some(HandshakeRefusal::ConnectionsPerAddress));
-        assert!(r.begin_handshake(Some("127.0.0.1".parse().unwrap())).is_ok(), "another address connects");
+        assert_eq!(r.begin_handshake(Protocol::V1, Some(a)).err(), Some(HandshakeRefusal::ConnectionsPerAddress));
+        assert!(r.begin_handshake(Protocol::V1, Some("127.0.0.1".parse().unwrap())).is_ok(), "another address connects");
         drop(first.connection);
-        assert!(r.begin_handshake(Some(a)).is_ok(), "a closed connection gives its slot back");
+        assert!(r.begin_handshake(Protocol::V1, Some(a)).is_ok(), "a closed connection gives its slot back");
         assert_eq!(r.counters.refused_connections_per_address.load(Ordering::Relaxed), 1);
     }
 
@@ -811,17 +910,17 @@ mod tests {
     fn connections_from_one_address_share_its_pool_accounts_while_any_is_open() {
         let r = Arc::new(Registry::new(VolumeSet::new(1, Vec::new()), 2));
         let (a, b): (IpAddr, IpAddr) = ("127.0.0.2".parse().unwrap(), "127.0.0.1".parse().unwrap());
-        let a1 = r.begin_handshake(Some(a)).unwrap().connection;
-        let a2 = r.begin_handshake(Some(a)).unwrap().connection;
-        let b1 = r.begin_handshake(Some(b)).unwrap().connection;
-        let none = r.begin_handshake(None).unwrap().connection;
+        let a1 = r.begin_handshake(Protocol::V1, Some(a)).unwrap().connection;
+        let a2 = r.begin_handshake(Protocol::V1, Some(a)).unwrap().connection;
+        let b1 = r.begin_handshake(Protocol::V1, Some(b)).unwrap().connection;
+        let none = r.begin_handshake(Protocol::V1, None).unwrap().connection;
         assert!(Arc::ptr_eq(a1.host_pool_account(1).unwrap(), a2.host_pool_account(1).unwrap()), "one address, one account");
         assert!(!Arc::ptr_eq(a1.host_pool_account(0).unwrap(), a1.host_pool_account(1).unwrap()), "one per reactor");
         assert!(!Arc::ptr_eq(a1.host_pool_account(0).unwrap(), b1.host_pool_account(0).unwrap()), "another address, another");
         assert!(a1.host_pool_account(2).is_none() && none.host_pool_account(0).is_none());
         let before = Arc::clone(a1.host_pool_account(0).unwrap());
         drop(a1);
-        let a3 = r.begin_handshake(Some(a)).unwrap().connection;
+        let a3 = r.begin_handshake(Protocol::V1, Some(a)).unwrap().connection;
         assert!(Arc::ptr_eq(&before, a3.host_pool_account(0).unwrap()), "kept while a connection of the address is open");
         drop((a2, a3));
         assert!(!r.host_pools.lock().unwrap().contains_key(&a), "forgotten with the address's last connection");

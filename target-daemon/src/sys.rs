@@ -312,6 +312,20 @@ pub fn gettid() -> i32 {
     unsafe { libc::gettid() }
 }
 
+/// Backlog of the listening sockets: connections the kernel completes
+/// before the control thread accepts them. A flood of connections must
+/// not fill it (a SYN the kernel drops is retried only after a second), so
+/// it is as deep as the kernel allows (`net.core.somaxconn` caps it).
+pub const LISTEN_BACKLOG: i32 = 4096;
+
+/// Listens on bound socket `fd` again with a backlog of [`LISTEN_BACKLOG`]
+/// (std listens with 128; a second `listen` only changes the backlog).
+pub fn deepen_listen_backlog(fd: RawFd) -> io::Result<()> {
+    // SAFETY: plain syscall on a descriptor the caller owns.
+    cvt(unsafe { libc::listen(fd, LISTEN_BACKLOG) })?;
+    Ok(())
+}
+
 /// Raises the soft RLIMIT_NOFILE to at least `want` (up to the hard limit).
 /// Returns the soft limit in force afterwards.
 pub fn raise_nofile_limit(want: u64) -> io::Result<u64> {

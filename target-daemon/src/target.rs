@@ -32,7 +32,7 @@ use crate::metrics::{self, HttpServer, ReactorStats};
 use crate::notify::{self, Notifier};
 use crate::nvmf::NvmeFrontEnd;
 use crate::reactor::{self, Control, ReactorHandle, ReactorSpec, Transport};
-use crate::session::{HandshakeRefusal, Registry, SessionLimits, SessionSummary};
+use crate::session::{HandshakeRefusal, Protocol, Registry, SessionLimits, SessionSummary};
 use crate::sys::{self, Epoll, EventFd, SignalFd};
 
 /// Entry point for starting targets.
@@ -215,6 +215,8 @@ const STATUS_EVERY: Duration = Duration::from_secs(5);
 /// The reactors' transports, by index (what their fabrics, epoll tokens
 /// and executor commands name).
 const TRANSPORT_V1: usize = 0;
+const TRANSPORT_NVME_TCP: usize = 1;
+const TRANSPORT_NVME_RDMA: usize = 2;
 /// How often removed volumes are checked for release.
 const RETIRED_EVERY: Duration = Duration::from_millis(200);
 
@@ -252,6 +254,7 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
         listeners.push(l);
     }
     let nvme = NvmeFrontEnd::bind(&cfg, Arc::clone(&registry))?;
+    let nvme_rdma_fabrics = nvme.rdma_fabrics();
     let metrics = match cfg.metrics {
         None => None,
         Some(addr) => Some(HttpServer::bind(addr, TOKEN_HTTP).map_err(|e| {
@@ -265,16 +268,24 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
     let mut reactor_stats = Vec::with_capacity(cfg.reactors);
     for id in 0..cfg.reactors {
         let stats = Arc::new(ReactorStats::default());
-        let v1_cfg = cfg.clone();
+        // The reactor's fabrics: the v1 listeners', then the NVMe/RDMA
+        // listeners', each owned by its transport.
+        let mut reactor_fabrics: Vec<(Arc<Fabric>, usize, u32)> =
+            fabrics.iter().map(|f| (Arc::clone(f), TRANSPORT_V1, cfg.queue_depth)).collect();
+        let rdma_fabrics: Vec<usize> = (fabrics.len()..fabrics.len() + nvme_rdma_fabrics.len()).collect();
+        reactor_fabrics.extend(nvme_rdma_fabrics.iter().map(|f| (Arc::clone(f), TRANSPORT_NVME_RDMA, crate::nvmf::MAX_QUEUE_ENTRIES)));
+        let (v1_cfg, sub) = (cfg.clone(), Arc::clone(&nvme.subsystem));
         let transports: reactor::TransportFactory = Box::new(move |_rt| {
             let v1: Box<dyn Transport> = Box::new(crate::v1::V1::new(TRANSPORT_V1, &v1_cfg));
-            Ok(vec![v1])
+            let tcp: Box<dyn Transport> = Box::new(crate::nvmf::tcp::NvmeTcp::new(TRANSPORT_NVME_TCP, Arc::clone(&sub)));
+            let rdma: Box<dyn Transport> = Box::new(crate::nvmf::rdma::NvmeRdma::new(TRANSPORT_NVME_RDMA, sub, rdma_fabrics));
+            Ok(vec![v1, tcp, rdma])
         });
         let spec = ReactorSpec {
             id,
             cfg: cfg.clone(),
             registry: Arc::clone(&registry),
-            fabrics: fabrics.iter().map(|f| (Arc::clone(f), TRANSPORT_V1, cfg.queue_depth)).collect(),
+            fabrics: reactor_fabrics,
             transports,
             cpu: cfg.pin_reactors.then(|| cpus[id % cpus.len()]),
             exited: Arc::clone(&exited),
@@ -405,7 +416,7 @@ impl ControlThread {
         let timeout = self.running.shutdown_timeout;
         tracing::info!("shutting down: no new connections; waiting up to {timeout:?} for in-flight commands");
         let deadline = Instant::now() + timeout;
-        self.nvme.shutdown(deadline);
+        self.nvme.shutdown();
         if let Some(e) = stop_reactors(&mut self.reactors, deadline) {
             failure.get_or_insert(e);
         }
@@ -515,7 +526,7 @@ impl ControlThread {
                     }
                     i if (i as usize) < self.listeners.len() => self.accept(i as usize, &mut next),
                     i if i >= TOKEN_NVME && ((i - TOKEN_NVME) as usize) < self.nvme.listeners.len() => {
-                        self.nvme.accept((i - TOKEN_NVME) as usize)
+                        self.accept_nvme((i - TOKEN_NVME) as usize, &mut next)
                     }
                     _ => {}
                 }
@@ -570,31 +581,15 @@ impl ControlThread {
                 Ok(Some(req)) => {
                     let peer = req.peer();
                     let from = peer.parse::<std::net::SocketAddr>().ok().map(|a| a.ip());
-                    let admission = match self.registry.begin_handshake(from) {
+                    let admission = match self.registry.begin_handshake(Protocol::V1, from) {
                         Ok(h) => h,
                         Err(why) => {
-                            let limits = self.registry.limits();
-                            let (reason, reject): (String, &[u8]) = match why {
-                                HandshakeRefusal::Total => (
-                                    format!("{n} connections are in their handshake (target.max_handshakes = {n})", n = limits.max_handshakes),
-                                    b"target busy: too many connections in their handshake",
-                                ),
-                                HandshakeRefusal::PerAddress => (
-                                    format!(
-                                        "{n} connections from its address are in their handshake (target.max_handshakes_per_address = {n})",
-                                        n = limits.max_handshakes_per_address
-                                    ),
-                                    b"target busy: too many connections from this address in their handshake",
-                                ),
-                                HandshakeRefusal::ConnectionsPerAddress => (
-                                    format!(
-                                        "{n} connections from its address are open (target.max_connections_per_address = {n})",
-                                        n = limits.max_connections_per_address
-                                    ),
-                                    b"target busy: too many connections from this address",
-                                ),
+                            let reject: &[u8] = match why {
+                                HandshakeRefusal::Total => b"target busy: too many connections in their handshake",
+                                HandshakeRefusal::PerAddress => b"target busy: too many connections from this address in their handshake",
+                                HandshakeRefusal::ConnectionsPerAddress => b"target busy: too many connections from this address",
                             };
-                            tracing::warn!("refusing connection from {peer}: {reason}");
+                            tracing::warn!("refusing connection from {peer}: {}", self.registry.refusal_reason(Protocol::V1, why));
                             req.reject(reject);
                             continue;
                         }
@@ -615,6 +610,23 @@ impl ControlThread {
                     std::thread::sleep(Duration::from_millis(10));
                     return;
                 }
+            }
+        }
+    }
+
+    /// Hands every connection NVMe-oF listener `li` admitted to the least
+    /// loaded reactor.
+    fn accept_nvme(&mut self, li: usize, next: &mut usize) {
+        let mut incoming = Vec::new();
+        self.nvme.accept(li, &mut incoming);
+        for conn in incoming {
+            let r = &self.reactors[reactor::least_loaded(&self.reactors, next)];
+            let sent = match conn {
+                crate::nvmf::Incoming::Tcp(a) => r.hand_off(TRANSPORT_NVME_TCP, Box::new(a)),
+                crate::nvmf::Incoming::Rdma(a) => r.hand_off(TRANSPORT_NVME_RDMA, Box::new(a)),
+            };
+            if sent.is_err() {
+                tracing::warn!("an NVMe-oF connection found reactor {} gone; dropped", r.id);
             }
         }
     }

@@ -1940,7 +1940,7 @@ fn nvme_connections_count_against_the_connection_limits() {
         Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
         other => panic!("the fourth connection got {other:?} instead of being closed"),
     }
-    target.wait_for_log("ConnectionsPerAddress limit reached", Duration::from_secs(5));
+    target.wait_for_log("target.max_connections_per_address = 3", Duration::from_secs(5));
     // The three that were admitted keep working; one closing makes room.
     q1.write(1, 0, &[0x11; 4096], false).unwrap();
     drop(idle);

@@ -136,6 +136,8 @@ pub struct Request {
     pub metric: Option<u8>,
     /// When the command arrived (its latency runs from here).
     pub start: Instant,
+    /// Whether its latency is measured (a clock read when it ends).
+    pub timed: bool,
     pub accounts: Accounts,
     /// The rdmablk v1 session whose disk writes fault injection may hold
     /// (`crate::fault`, test builds only).
@@ -181,6 +183,7 @@ struct Cmd {
     fua: bool,
     metric: Option<u8>,
     start: Instant,
+    timed: bool,
     accounts: Accounts,
     hold_key: Option<SessionId>,
     /// Bytes handed to chunks so far.
@@ -327,6 +330,24 @@ impl Executor {
         exec
     }
 
+    /// An executor of its own, on no reactor: a small ring (no wake
+    /// descriptor: reap it after `submit`) and a pool of `pool` bytes in
+    /// chunks of `chunk`. For tests and harnesses that drive a front end's
+    /// queue directly.
+    pub fn standalone(registry: Arc<Registry>, pool: usize, chunk: usize) -> Result<Executor> {
+        let opts = super::uring::UringOptions { entries: 64, file_slots: 64, ..Default::default() };
+        let engine = BlockEngine::new(super::pool::Pool::new(pool, chunk), opts, 0)?;
+        let settings = Settings {
+            id: 0,
+            volume_slots: 64,
+            pool_share: u32::MAX,
+            host_pool_share: u32::MAX,
+            chunk_wait_timeout: Duration::from_secs(5),
+            readahead: 0,
+        };
+        Ok(Executor::new(engine, settings, registry, Arc::new(ReactorStats::default())))
+    }
+
     pub fn engine(&self) -> &BlockEngine {
         &self.engine
     }
@@ -335,13 +356,27 @@ impl Executor {
         &mut self.engine
     }
 
-    /// The next event for an owner, in the order they happened.
+    /// The next event for an owner, in the order they happened. A command's
+    /// id is free again once its `Done` was handed out here (not before:
+    /// news of an earlier command must never reach a newer one that took
+    /// its id while the news waited).
     #[inline]
     pub fn pop_event(&mut self) -> Option<(Owner, CmdId, Event)> {
-        self.events.pop_front()
+        let e = self.events.pop_front()?;
+        if matches!(e.2, Event::Done { .. }) {
+            self.free_cmds.push(e.1 .0);
+        }
+        Some(e)
     }
 
-    /// Commands not yet done (waiting, on the disk, or with their owner).
+    /// Whether news waits for an owner.
+    #[inline]
+    pub fn has_events(&self) -> bool {
+        !self.events.is_empty()
+    }
+
+    /// Commands not yet done (waiting, on the disk, with their owner, or
+    /// their `Done` not yet handed out).
     pub fn live(&self) -> usize {
         self.cmds.len() - self.free_cmds.len()
     }
@@ -397,7 +432,7 @@ impl Executor {
     /// Counts a command refused before it reached the executor against
     /// the volume in `slot` (a validation failure of an I/O opcode).
     pub fn count_refused(&self, slot: u16, metric: usize, start: Instant) {
-        self.volume(slot).stats.reactor(self.id).ops[metric].record(0, false, start.elapsed());
+        self.volume(slot).stats.reactor(self.id).ops[metric].record(0, false, Some(start.elapsed()));
     }
 
     /// Applies the published volume set: new volumes get a fixed-file slot,
@@ -521,7 +556,7 @@ impl Executor {
             }
             None => return None,
         };
-        let Request { op, vslot, offset, len, metric, start, accounts, hold_key } = req;
+        let Request { op, vslot, offset, len, metric, start, timed, accounts, hold_key } = req;
         let (kind, range, fua) = match op {
             Op::Read => (Kind::Read, None, false),
             Op::Write { fua } => (Kind::Write, None, fua),
@@ -543,6 +578,7 @@ impl Executor {
             fua,
             metric,
             start,
+            timed,
             accounts,
             hold_key,
             next: 0,
@@ -1056,8 +1092,8 @@ impl Executor {
         if !cmd.abandoned {
             self.record_io(ci, ok);
         }
+        // The id is free once its owner took the `Done` (`pop_event`).
         let cmd = self.cmds[ci as usize].take().expect("live command");
-        self.free_cmds.push(ci);
         if cmd.in_waitq {
             self.waitq.retain(|&x| x != ci);
         }
@@ -1083,7 +1119,7 @@ impl Executor {
             (Kind::Range, Some((_, ranges))) => ranges.iter().map(|r| r.1).sum(),
             _ => 0,
         };
-        let (vslot, latency) = (cmd.vslot, cmd.start.elapsed());
+        let (vslot, latency) = (cmd.vslot, cmd.timed.then(|| cmd.start.elapsed()));
         self.volume(vslot).stats.reactor(id).ops[op as usize].record(bytes, ok, latency);
     }
 

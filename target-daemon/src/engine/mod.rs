@@ -34,7 +34,7 @@ use crate::backend::{Backend, RangeOp, Volume};
 use crate::engine::blocking::{BlockingWorker, Job, JobKind};
 use crate::error::Result;
 use crate::engine::pool::{ChunkId, Pool};
-use crate::engine::uring::{Uring, UringFeatures, UringOptions};
+use crate::engine::uring::{RecvId, RecvInto, Uring, UringFeatures, UringOptions};
 
 /// What a finished operation reports: its tag and bytes moved or `-errno`.
 pub type Completion = (u64, i32);
@@ -322,33 +322,44 @@ impl BlockEngine {
         self.uring.reap(&mut self.pool, |tag, res| immediate.push((tag, res)));
     }
 
-    /// Whether the ring receives from the caller's socket
-    /// (`UringOptions::socket_fd`; see [`Uring::arm_recv`]).
+    /// Whether the ring can receive from sockets (`UringOptions::socket_slots`;
+    /// see [`Uring::arm_recv`]).
     pub fn receives(&self) -> bool {
         self.uring.receives()
     }
 
+    /// A fixed-file slot for receives from socket `fd`, if one is free.
+    pub fn register_socket(&mut self, fd: RawFd) -> Option<u32> {
+        self.uring.register_socket(fd)
+    }
+
+    /// Gives a socket's slot back.
+    pub fn unregister_socket(&mut self, slot: u32) {
+        self.uring.unregister_socket(slot)
+    }
+
     /// Socket receives queued or in flight: each ends a sleep in the ring.
     pub fn recvs_armed(&self) -> usize {
-        self.uring.recv_armed() as usize
+        self.uring.recvs_armed()
     }
 
-    /// Whether a socket receive is queued, in flight or not yet taken: the
-    /// caller must not read the socket itself meanwhile.
-    pub fn recv_armed(&self) -> bool {
-        self.uring.recv_armed()
+    /// Queues a receive of at most `len` bytes from the socket in `slot`
+    /// into `into` at `off` (a chunk is lent to the kernel meanwhile); its
+    /// completion is reported by [`BlockEngine::reap`] with `tag` and ends a
+    /// [`BlockEngine::sleep`]. Take the memory back with
+    /// [`BlockEngine::take_recv`] once it was reported.
+    pub fn arm_recv(&mut self, slot: u32, into: RecvInto, off: usize, len: usize, tag: u64) -> RecvId {
+        self.uring.arm_recv(&mut self.pool, slot, into, off, len, tag)
     }
 
-    /// Queues a receive of at most `max` bytes from the socket; its
-    /// completion ends a [`BlockEngine::sleep`].
-    pub fn arm_recv(&mut self, max: usize) {
-        self.uring.arm_recv(max)
+    /// Cancels a receive still in flight (its completion is reported as any).
+    pub fn cancel_recv(&mut self, id: RecvId) {
+        self.uring.cancel_recv(id)
     }
 
-    /// The finished socket receive, once (reap first): `Ok(bytes)`, empty
-    /// when the peer closed, or `Err(errno)`.
-    pub fn take_received(&mut self) -> Option<std::result::Result<&[u8], i32>> {
-        self.uring.take_received()
+    /// The memory of a receive whose completion was reported.
+    pub fn take_recv(&mut self, id: RecvId) -> RecvInto {
+        self.uring.take_recv(id)
     }
 
     /// Whether the wake poll of [`BlockEngine::sleep`] is queued or

@@ -226,6 +226,15 @@ impl Pool {
         unsafe { std::ptr::copy_nonoverlapping(self.mem.chunk_ptr(src).add(src_off), self.mem.chunk_ptr(dst).add(dst_off), len) }
     }
 
+    /// The zero chunk's bytes (the `null` backend's reads go out of it).
+    pub fn zero_bytes(&self) -> &[u8] {
+        // SAFETY: the zero chunk lies just past the chunks in the live
+        // allocation; it is never handed out, never written (zeroed at
+        // allocation, registered with the fabric for sending only: never
+        // an RDMA READ sink) and never lent to the kernel.
+        unsafe { std::slice::from_raw_parts(self.mem.zero_ptr(), self.mem.chunk_size) }
+    }
+
     /// Whether the CPU holds the chunk (it is neither free nor lent).
     pub fn is_held(&self, c: ChunkId) -> bool {
         self.state[c.0 as usize] == ChunkState::Cpu

@@ -30,12 +30,17 @@
 //! on it in epoll. `UringFeatures::ring_sleep` says which mode a ring is
 //! in, and its Display (logged by the daemon) names where the caller sleeps.
 //!
-//! A caller that serves a stream socket (an NVMe/TCP queue) may also have
-//! the ring receive from it ([`UringOptions::socket_fd`]): the socket takes
-//! the next fixed-file slot, [`Uring::arm_recv`] queues one Recv into a
-//! buffer the ring owns, and its completion ends a sleep with the bytes in
-//! hand ([`Uring::take_received`]). At teardown a receive still waiting is
-//! cancelled (AsyncCancel) and waited for before the buffer is freed.
+//! A caller that serves stream sockets (NVMe/TCP queues) may also have
+//! the ring receive from them ([`UringOptions::socket_slots`]): a socket
+//! takes one of those fixed-file slots past the watched descriptor's
+//! ([`Uring::register_socket`]), [`Uring::arm_recv`] queues one Recv into
+//! memory the caller hands over for as long as the kernel may write it (a
+//! buffer it owns, or a pool chunk lent to the kernel), and its
+//! completion ends a sleep with the bytes in hand; [`Uring::take_recv`]
+//! gives the memory back. A receive the caller no longer wants is
+//! cancelled ([`Uring::cancel_recv`]) and its memory comes back with its
+//! completion; at teardown every receive still waiting is cancelled and
+//! waited for before its memory is freed.
 //!
 //! With `iopoll` (IORING_SETUP_IOPOLL, for NVMe namespaces with poll queues)
 //! the ring carries only ReadFixed and WriteFixed: the kernel refuses other
@@ -72,15 +77,16 @@ const REGISTER_FILES_UPDATE: u8 = 6;
 /// `user_data` of the wake poll. Operations carry their slab index, a
 /// `u32`, so this value is never an operation's.
 const WAKE_POLL: u64 = u64::MAX;
-/// `user_data` of the socket receive ([`Uring::arm_recv`]); not an operation's either.
-const SOCKET_RECV: u64 = u64::MAX - 1;
-/// `user_data` of the cancellation of a socket receive at teardown.
-const RECV_CANCEL: u64 = u64::MAX - 2;
 /// `user_data` of the withdrawal of the wake poll ([`Uring::withdraw_wake_poll`]).
 const WAKE_CANCEL: u64 = u64::MAX - 3;
+/// `user_data` of socket receive `i` ([`Uring::arm_recv`]) is `RECV | i`,
+/// of its cancellation `RECV_CANCEL | i`: above every operation's.
+const RECV: u64 = 1 << 40;
+const RECV_CANCEL: u64 = 2 << 40;
+const RECV_INDEX: u64 = (1 << 32) - 1;
 
-/// Whether a completion is one of the ring's own (the wake poll, the socket
-/// receive and their cancellations) rather than an operation's, whose
+/// Whether a completion is one of the ring's own (the wake poll, socket
+/// receives and cancellations) rather than an operation's, whose
 /// `user_data` is a `u32` slab index.
 fn is_internal(user_data: u64) -> bool {
     user_data > u64::from(u32::MAX)
@@ -110,20 +116,32 @@ pub struct UringOptions {
     /// sleeps in the ring (`UringFeatures::ring_sleep`). The ring keeps its
     /// own reference to the file from `Uring::new` on.
     pub wake_fd: Option<RawFd>,
-    /// A connected stream socket the caller receives from through the ring
-    /// ([`Uring::arm_recv`], into a buffer of `recv_buffer` bytes the ring
-    /// owns), so that a sleep ends with the bytes already received. Only
-    /// in ring-sleep mode; the ring keeps its own reference to the file.
-    pub socket_fd: Option<RawFd>,
-    /// Size of the socket receive buffer.
-    pub recv_buffer: usize,
+    /// Fixed-file slots for connected stream sockets the caller receives
+    /// from through the ring ([`Uring::register_socket`],
+    /// [`Uring::arm_recv`]), so that a sleep ends with the bytes already
+    /// received. Only in ring-sleep mode; the ring keeps its own reference
+    /// to each registered file.
+    pub socket_slots: u32,
 }
 
 impl Default for UringOptions {
     fn default() -> Self {
-        UringOptions { entries: 64, sqpoll_idle_ms: None, iopoll: false, file_slots: 0, wake_fd: None, socket_fd: None, recv_buffer: 0 }
+        UringOptions { entries: 64, sqpoll_idle_ms: None, iopoll: false, file_slots: 0, wake_fd: None, socket_slots: 0 }
     }
 }
+
+/// The memory a socket receive writes into: a buffer the caller hands the
+/// ring for as long as the kernel may write it, or a pool chunk (lent to
+/// the kernel meanwhile). [`Uring::take_recv`] gives it back.
+#[derive(Debug)]
+pub enum RecvInto {
+    Buf(Box<[u8]>),
+    Chunk(ChunkId),
+}
+
+/// A socket receive, from [`Uring::arm_recv`] until [`Uring::take_recv`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecvId(u32);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum OpKind {
@@ -203,22 +221,27 @@ pub struct Uring {
     /// The wake poll's withdrawal was queued and the poll's completion not
     /// reaped yet.
     wake_poll_withdrawn: bool,
-    /// The socket the ring receives from, when `UringOptions::socket_fd`.
-    recv: Option<SocketRecv>,
+    /// Socket receives, by index (`RecvId`), until taken back.
+    recvs: Vec<Option<SocketRecv>>,
+    /// The caller's tag of each receive, by index.
+    recv_tags: Vec<u64>,
+    free_recvs: Vec<u32>,
+    /// Receives queued or in flight.
+    recvs_inflight: usize,
+    /// The first fixed-file slot for sockets, and the free ones.
+    socket_base: u32,
+    socket_slots: u32,
+    free_sockets: Vec<u32>,
     mem: Arc<PoolMemory>,
 }
 
-/// The ring's receive from the caller's socket: one at a time, into a
-/// buffer only the ring hands out.
+/// A receive from a registered socket into memory the ring holds until the
+/// kernel is done with it.
 struct SocketRecv {
-    /// Its fixed-file slot.
-    slot: u32,
     /// Written by the kernel while `inflight`; never moved or freed before
     /// the receive completed (`wait_idle` cancels it and waits).
-    buf: Box<[u8]>,
+    into: RecvInto,
     inflight: bool,
-    /// The finished receive's result, until [`Uring::take_received`].
-    result: Option<i32>,
 }
 
 fn uring_err(what: &str, e: io::Error) -> Error {
@@ -279,17 +302,15 @@ impl Uring {
         // descriptor; `set_file` cannot reach it.
         let nfiles = opts.file_slots.max(files.len() as u32);
         let wake_fd = opts.wake_fd.filter(|_| ring_sleep);
-        // The socket takes the slot after the watched descriptor's.
-        let socket_fd = opts.socket_fd.filter(|_| ring_sleep && probe.is_supported(opcode::Recv::CODE) && opts.recv_buffer > 0);
-        let table_len = nfiles + wake_fd.is_some() as u32 + socket_fd.is_some() as u32;
+        // Sockets take the slots after the watched descriptor's.
+        let socket_slots = if ring_sleep && probe.is_supported(opcode::Recv::CODE) { opts.socket_slots } else { 0 };
+        let socket_base = nfiles + wake_fd.is_some() as u32;
+        let table_len = socket_base + socket_slots;
         if table_len > 0 {
             let mut table = vec![-1; table_len as usize];
             table[..files.len()].copy_from_slice(files);
             if let Some(fd) = wake_fd {
                 table[nfiles as usize] = fd;
-            }
-            if let Some(fd) = socket_fd {
-                table[nfiles as usize + 1] = fd;
             }
             submitter.register_files(&table).map_err(|e| uring_err("cannot register files", e))?;
         }
@@ -325,7 +346,7 @@ impl Uring {
             restrictions.push(Restriction::sqe_op(opcode::PollAdd::CODE));
             restrictions.push(Restriction::sqe_op(opcode::AsyncCancel::CODE));
         }
-        if socket_fd.is_some() {
+        if socket_slots > 0 {
             restrictions.push(Restriction::sqe_op(opcode::Recv::CODE));
         }
         submitter.register_restrictions(&mut restrictions).map_err(|e| uring_err("cannot register restrictions", e))?;
@@ -346,12 +367,13 @@ impl Uring {
             wake_poll_fired: false,
             wake_poll_failure_logged: false,
             wake_poll_withdrawn: false,
-            recv: socket_fd.map(|_| SocketRecv {
-                slot: nfiles + 1,
-                buf: vec![0; opts.recv_buffer].into_boxed_slice(),
-                inflight: false,
-                result: None,
-            }),
+            recvs: Vec::new(),
+            recv_tags: Vec::new(),
+            free_recvs: Vec::new(),
+            recvs_inflight: 0,
+            socket_base,
+            socket_slots,
+            free_sockets: (socket_base..socket_base + socket_slots).rev().collect(),
             mem,
         })
     }
@@ -440,39 +462,99 @@ impl Uring {
         std::mem::take(&mut self.wake_poll_fired)
     }
 
-    /// Whether the ring receives from the caller's socket (`socket_fd`,
-    /// and a kernel with ring sleep and the Recv opcode).
+    /// Whether the ring can receive from sockets (`socket_slots`, and a
+    /// kernel with ring sleep and the Recv opcode).
     pub fn receives(&self) -> bool {
-        self.recv.is_some()
+        self.socket_slots > 0
     }
 
-    /// Whether a socket receive is queued or in flight: the caller must not
-    /// read the socket itself meanwhile (the bytes would be split between
-    /// two readers).
-    pub fn recv_armed(&self) -> bool {
-        self.recv.as_ref().is_some_and(|r| r.inflight || r.result.is_some())
+    /// Gives socket `fd` a fixed-file slot for receives; `None` when every
+    /// slot is taken (or the ring does not receive): the caller reads the
+    /// socket itself. The ring keeps its own reference to the file until
+    /// [`Uring::unregister_socket`] and the last receive on it completed.
+    pub fn register_socket(&mut self, fd: RawFd) -> Option<u32> {
+        let slot = self.free_sockets.pop()?;
+        match self.ring.submitter().register_files_update(slot, &[fd]) {
+            Ok(_) => Some(slot),
+            Err(e) => {
+                tracing::warn!("io_uring: cannot register a socket in fixed file slot {slot}: {e}");
+                self.free_sockets.push(slot);
+                None
+            }
+        }
     }
 
-    /// Queues a receive of at most `max` bytes from the socket into the
-    /// ring's buffer; it completes when bytes arrived (or the peer closed),
-    /// which ends a [`Uring::sleep`]. Submitted with the next `submit` or
-    /// `sleep`. Only when [`Uring::receives`] and not [`Uring::recv_armed`].
-    pub fn arm_recv(&mut self, max: usize) {
-        let r = self.recv.as_mut().expect("arm_recv on a ring without a socket");
-        assert!(!r.inflight && r.result.is_none(), "socket receive armed twice");
-        let len = max.min(r.buf.len()) as u32;
-        assert!(len > 0, "empty socket receive");
-        let entry = opcode::Recv::new(types::Fixed(r.slot), r.buf.as_mut_ptr(), len).build().user_data(SOCKET_RECV);
-        r.inflight = true;
+    /// Gives a socket's slot back (a receive still in flight keeps the
+    /// file it started with).
+    pub fn unregister_socket(&mut self, slot: u32) {
+        if let Err(e) = self.ring.submitter().register_files_update(slot, &[-1]) {
+            tracing::warn!("io_uring: cannot empty fixed file slot {slot}: {e}");
+        }
+        self.free_sockets.push(slot);
+    }
+
+    /// Socket receives queued or in flight.
+    pub fn recvs_armed(&self) -> usize {
+        self.recvs_inflight
+    }
+
+    /// Queues a receive of at most `len` bytes from the socket in fixed
+    /// slot `slot` into `into` at `off`; its completion is reported by
+    /// [`Uring::reap`] with `user_data` (which must not be a `u32`
+    /// operation index: the caller's own tag space) and ends a
+    /// [`Uring::sleep`]. The memory is the ring's until
+    /// [`Uring::take_recv`]. Submitted with the next `submit` or `sleep`.
+    pub fn arm_recv(&mut self, pool: &mut Pool, slot: u32, into: RecvInto, off: usize, len: usize, user_data: u64) -> RecvId {
+        assert!(slot >= self.socket_base, "slot {slot} is not a socket's");
+        assert!(is_internal(user_data) && user_data & RECV_INDEX != user_data, "a receive's tag must not look like an operation's");
+        match &into {
+            RecvInto::Buf(b) => assert!(len > 0 && off + len <= b.len(), "receive outside its buffer"),
+            RecvInto::Chunk(c) => {
+                assert!(Arc::ptr_eq(pool.memory(), &self.mem), "pool not registered with this ring");
+                assert!(len > 0 && off + len <= self.mem.chunk_size(), "receive outside its chunk");
+                pool.lend_to_kernel(*c);
+            }
+        }
+        let idx = match self.free_recvs.pop() {
+            Some(i) => i,
+            None => {
+                self.recvs.push(None);
+                (self.recvs.len() - 1) as u32
+            }
+        };
+        // Stored first, the pointer taken where the memory stays until the
+        // receive completed.
+        let r = self.recvs[idx as usize].insert(SocketRecv { into, inflight: true });
+        let ptr = match &mut r.into {
+            // SAFETY: off + len lies within the buffer (checked above).
+            RecvInto::Buf(b) => unsafe { b.as_mut_ptr().add(off) },
+            // SAFETY: off + len lies within the chunk (checked above), which
+            // is lent to the kernel until the receive completed.
+            RecvInto::Chunk(c) => unsafe { self.mem.chunk_ptr(*c).add(off) },
+        };
+        self.recvs_inflight += 1;
+        // The caller's tag is kept beside the entry: the CQE carries RECV | idx.
+        self.recv_tags_set(idx, user_data);
+        let entry = opcode::Recv::new(types::Fixed(slot), ptr, len as u32).build().user_data(RECV | idx as u64);
         self.push(entry);
+        RecvId(idx)
     }
 
-    /// The finished socket receive, once: `Ok(bytes)` (empty: the peer
-    /// closed) or `Err(errno)`. `None` while it is in flight or not armed.
-    pub fn take_received(&mut self) -> Option<std::result::Result<&[u8], i32>> {
-        let r = self.recv.as_mut()?;
-        let res = r.result.take()?;
-        Some(if res < 0 { Err(-res) } else { Ok(&r.buf[..res as usize]) })
+    /// Cancels receive `id` if it is still in flight: its completion (with
+    /// `-ECANCELED`, or the bytes if they came first) is reported as any.
+    pub fn cancel_recv(&mut self, id: RecvId) {
+        if self.recvs.get(id.0 as usize).and_then(|r| r.as_ref()).is_some_and(|r| r.inflight) {
+            self.push(cancel_entry(RECV | id.0 as u64, RECV_CANCEL | id.0 as u64));
+        }
+    }
+
+    /// The memory of receive `id` back, once its completion was reported
+    /// (a chunk is the CPU's again). Panics while it is in flight.
+    pub fn take_recv(&mut self, id: RecvId) -> RecvInto {
+        let r = self.recvs[id.0 as usize].take().expect("a live receive");
+        assert!(!r.inflight, "receive taken while in flight");
+        self.free_recvs.push(id.0);
+        r.into
     }
 
     /// Operations pushed and not yet reaped.
@@ -594,10 +676,11 @@ impl Uring {
         }
         // SAFETY: the buffer the entry points to (if any) is a chunk of the
         // registered pool memory kept alive by `self.mem`, lent to the kernel
-        // until the op's final completion is reaped, or the socket receive
-        // buffer, which `self` owns and frees only after the receive
-        // completed (`wait_idle`); the wake poll points to no memory; fixed
-        // files stay registered for the ring's lifetime.
+        // until the op's final completion is reaped, or a socket receive's
+        // buffer or chunk, which `self` holds (`recvs`) until the receive
+        // completed (`take_recv` refuses earlier, `wait_idle` waits); the
+        // wake poll points to no memory; fixed files stay registered for
+        // the ring's lifetime, and an op keeps the file it started with.
         if unsafe { self.ring.submission().push(&entry) }.is_err() {
             let _ = self.ring.submit();
             // SAFETY: as above.
@@ -643,11 +726,6 @@ impl Uring {
     pub fn sleep(&mut self, timeout: Option<Duration>) -> Result<()> {
         assert!(self.features.ring_sleep, "sleep on a ring without ring sleep");
         self.fill_from_backlog();
-        if self.recv.as_ref().is_some_and(|r| r.result.is_some()) {
-            // A reap took the socket receive's completion and nobody took
-            // its bytes yet: they are what the caller waits for.
-            return self.submit().map(drop);
-        }
         if !self.backlog.is_empty() {
             // The submission queue is full, and the wake poll may still be
             // in the backlog: submit without sleeping, the caller comes back.
@@ -693,10 +771,11 @@ impl Uring {
                     self.wake_poll_reaped(res);
                     continue;
                 }
-                if user_data == SOCKET_RECV {
-                    let r = self.recv.as_mut().expect("a socket receive needs a socket");
-                    r.inflight = false;
-                    r.result = Some(res);
+                if user_data & !RECV_INDEX == RECV {
+                    let idx = (user_data & RECV_INDEX) as u32;
+                    let tag = self.recv_finished(idx, pool);
+                    reported += 1;
+                    f(tag, res);
                     continue;
                 }
                 if is_internal(user_data) {
@@ -749,6 +828,25 @@ impl Uring {
         }
     }
 
+    /// Receive `idx` completed: its memory is the caller's to take back
+    /// (a chunk the CPU's again). Returns the caller's tag.
+    fn recv_finished(&mut self, idx: u32, pool: &mut Pool) -> u64 {
+        let r = self.recvs[idx as usize].as_mut().expect("a live receive");
+        r.inflight = false;
+        self.recvs_inflight -= 1;
+        if let RecvInto::Chunk(c) = r.into {
+            pool.return_from_kernel(c);
+        }
+        self.recv_tags[idx as usize]
+    }
+
+    fn recv_tags_set(&mut self, idx: u32, tag: u64) {
+        if self.recv_tags.len() <= idx as usize {
+            self.recv_tags.resize(idx as usize + 1, 0);
+        }
+        self.recv_tags[idx as usize] = tag;
+    }
+
     fn finish(&mut self, idx: u32, pool: &mut Pool) -> Op {
         let op = self.ops[idx as usize].take().expect("live op");
         self.free_ops.push(idx);
@@ -765,12 +863,14 @@ impl Uring {
     /// ring cancels it), and its completion, if it comes, is skipped.
     fn wait_idle(&mut self) {
         let mut stuck_rounds = 0;
-        if self.recv.as_ref().is_some_and(|r| r.inflight) {
-            // A receive may wait for the peer forever: cancel it, and wait
-            // below until the kernel is done with its buffer.
-            self.push(cancel_entry(SOCKET_RECV, RECV_CANCEL));
+        // A receive may wait for its peer forever: cancel each, and wait
+        // below until the kernel is done with its memory.
+        for idx in 0..self.recvs.len() {
+            if self.recvs[idx].as_ref().is_some_and(|r| r.inflight) {
+                self.push(cancel_entry(RECV | idx as u64, RECV_CANCEL | idx as u64));
+            }
         }
-        while self.inflight > 0 || self.recv.as_ref().is_some_and(|r| r.inflight) {
+        while self.inflight > 0 || self.recvs_inflight > 0 {
             while let Some(entry) = self.backlog.pop_front() {
                 // SAFETY: see `push`.
                 if unsafe { self.ring.submission().push(&entry) }.is_err() {
@@ -783,7 +883,7 @@ impl Uring {
                 self.ops[idx as usize] = None;
                 self.inflight -= 1;
             }
-            if self.inflight == 0 && !self.recv.as_ref().is_some_and(|r| r.inflight) {
+            if self.inflight == 0 && self.recvs_inflight == 0 {
                 break;
             }
             if let Err(e) = self.ring.submit_and_wait(1) {
@@ -791,12 +891,11 @@ impl Uring {
                     stuck_rounds += 1;
                     if stuck_rounds > 1000 {
                         // Leaking is the only safe option left: the kernel may still
-                        // write into the pool, so the memory must never be freed.
+                        // write into the pool or a receive buffer, so the memory
+                        // must never be freed.
                         tracing::error!("io_uring teardown failed ({e}); leaking the ring and its buffers");
                         std::mem::forget(Arc::clone(&self.mem));
-                        if let Some(r) = self.recv.take() {
-                            std::mem::forget(r.buf);
-                        }
+                        std::mem::forget(std::mem::take(&mut self.recvs));
                         return;
                     }
                 }
@@ -808,9 +907,10 @@ impl Uring {
                     self.wake_poll_withdrawn = false;
                     continue;
                 }
-                if idx == SOCKET_RECV {
-                    if let Some(r) = self.recv.as_mut() {
+                if idx & !RECV_INDEX == RECV {
+                    if let Some(r) = self.recvs.get_mut((idx & RECV_INDEX) as usize).and_then(|r| r.as_mut()) {
                         r.inflight = false;
+                        self.recvs_inflight -= 1;
                     }
                     continue;
                 }
@@ -1243,47 +1343,74 @@ mod tests {
         drop_within(ring, Duration::from_secs(10));
     }
 
-    fn receiving_opts(epoll: &crate::sys::Epoll, socket: &std::os::unix::net::UnixStream) -> UringOptions {
-        UringOptions { socket_fd: Some(socket.as_raw_fd()), recv_buffer: 64, ..sleeping_opts(epoll) }
+    fn receiving_opts(epoll: &crate::sys::Epoll) -> UringOptions {
+        UringOptions { socket_slots: 4, ..sleeping_opts(epoll) }
+    }
+
+    /// Sleeps until one receive completes; returns its tag and result.
+    fn next_recv(ring: &mut Uring, pool: &mut Pool) -> (u64, i32) {
+        let started = std::time::Instant::now();
+        loop {
+            ring.sleep(Some(Duration::from_secs(10))).unwrap();
+            let mut got = None;
+            ring.reap(pool, |t, r| got = Some((t, r)));
+            if let Some(g) = got {
+                return g;
+            }
+            assert!(started.elapsed() < Duration::from_secs(10), "no receive completed");
+        }
     }
 
     #[test]
-    fn a_socket_receive_ends_the_sleep_with_the_bytes_and_reports_the_close() {
+    fn socket_receives_end_the_sleep_with_the_bytes_into_a_buffer_or_a_chunk_and_report_the_close() {
         use std::io::Write;
-        let pool = Pool::new(4096, 4096);
+        let pool = Pool::new(8192, 4096);
         let (epoll, _efd) = watched_epoll();
-        let (ours, mut peer) = std::os::unix::net::UnixStream::pair().unwrap();
-        let mut ring = Uring::new(&[], &pool, receiving_opts(&epoll, &ours)).unwrap();
+        let (a, mut peer_a) = std::os::unix::net::UnixStream::pair().unwrap();
+        let (b, mut peer_b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut ring = Uring::new(&[], &pool, receiving_opts(&epoll)).unwrap();
         assert!(ring.receives(), "this kernel has Recv and ring sleep: {}", ring.features());
         let mut pool = pool;
-        ring.arm_recv(1000);
-        assert!(ring.recv_armed());
+        let (sa, sb) = (ring.register_socket(a.as_raw_fd()).unwrap(), ring.register_socket(b.as_raw_fd()).unwrap());
+        const TAG_A: u64 = 8 << 60 | 1;
+        const TAG_B: u64 = 8 << 60 | 2;
+        let ra = ring.arm_recv(&mut pool, sa, RecvInto::Buf(vec![0; 64].into_boxed_slice()), 0, 64, TAG_A);
+        let chunk = pool.alloc().unwrap();
+        let rb = ring.arm_recv(&mut pool, sb, RecvInto::Chunk(chunk), 100, 1000, TAG_B);
+        assert_eq!(ring.recvs_armed(), 2);
         // Nothing to receive: the sleep times out.
         ring.sleep(Some(Duration::from_millis(20))).unwrap();
-        assert_eq!(ring.reap(&mut pool, |_, _| panic!("not an operation")), 0);
-        assert!(ring.take_received().is_none() && ring.recv_armed());
-        // Bytes end the sleep; at most the buffer's 64 are taken.
-        peer.write_all(&[7u8; 100]).unwrap();
-        let started = std::time::Instant::now();
-        ring.sleep(Some(Duration::from_secs(10))).unwrap();
-        assert!(started.elapsed() < Duration::from_secs(5), "the bytes did not end the sleep");
-        ring.reap(&mut pool, |_, _| panic!("not an operation"));
-        // Reaped and not taken: a sleep does not wait for more.
-        let started = std::time::Instant::now();
-        ring.sleep(Some(Duration::from_secs(10))).unwrap();
-        assert!(started.elapsed() < Duration::from_secs(5), "a sleep waited with received bytes not taken");
-        assert_eq!(ring.take_received(), Some(Ok(&[7u8; 64][..])));
-        assert!(!ring.recv_armed() && ring.take_received().is_none());
-        ring.arm_recv(1000);
-        ring.sleep(Some(Duration::from_secs(10))).unwrap();
-        ring.reap(&mut pool, |_, _| panic!("not an operation"));
-        assert_eq!(ring.take_received(), Some(Ok(&[7u8; 36][..])));
+        assert_eq!(ring.reap(&mut pool, |t, r| panic!("nothing came: ({t:#x}, {r})")), 0);
+        // Bytes on b end the sleep, into the chunk at its offset.
+        peer_b.write_all(&[9u8; 10]).unwrap();
+        assert_eq!(next_recv(&mut ring, &mut pool), (TAG_B, 10));
+        match ring.take_recv(rb) {
+            RecvInto::Chunk(c) => assert_eq!((c, &pool.bytes(c)[100..110]), (chunk, &[9u8; 10][..])),
+            other => panic!("{other:?}"),
+        }
+        // On a: at most the 64 bytes asked for are taken.
+        peer_a.write_all(&[7u8; 100]).unwrap();
+        assert_eq!(next_recv(&mut ring, &mut pool), (TAG_A, 64));
+        let RecvInto::Buf(buf) = ring.take_recv(ra) else { panic!("a buffer") };
+        assert_eq!(&buf[..], &[7u8; 64][..]);
+        let ra = ring.arm_recv(&mut pool, sa, RecvInto::Buf(buf), 10, 54, TAG_A);
+        assert_eq!(next_recv(&mut ring, &mut pool), (TAG_A, 36));
+        let RecvInto::Buf(buf) = ring.take_recv(ra) else { panic!("a buffer") };
+        assert_eq!(&buf[10..46], &[7u8; 36][..]);
         // The peer closes: an empty receive.
-        drop(peer);
-        ring.arm_recv(1000);
-        ring.sleep(Some(Duration::from_secs(10))).unwrap();
-        ring.reap(&mut pool, |_, _| panic!("not an operation"));
-        assert_eq!(ring.take_received(), Some(Ok(&[][..])));
+        drop(peer_a);
+        let ra = ring.arm_recv(&mut pool, sa, RecvInto::Buf(buf), 0, 64, TAG_A);
+        assert_eq!(next_recv(&mut ring, &mut pool), (TAG_A, 0));
+        ring.take_recv(ra);
+        // A receive cancelled comes back with its memory.
+        let rb = ring.arm_recv(&mut pool, sb, RecvInto::Chunk(chunk), 0, 64, TAG_B);
+        ring.cancel_recv(rb);
+        assert_eq!(next_recv(&mut ring, &mut pool), (TAG_B, -libc::ECANCELED));
+        assert!(matches!(ring.take_recv(rb), RecvInto::Chunk(c) if c == chunk));
+        assert!(pool.is_held(chunk), "the chunk is the CPU's again");
+        assert_eq!(ring.recvs_armed(), 0);
+        ring.unregister_socket(sa);
+        ring.unregister_socket(sb);
     }
 
     #[test]
@@ -1291,22 +1418,25 @@ mod tests {
         let pool = Pool::new(4096, 4096);
         let (epoll, _efd) = watched_epoll();
         let (ours, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut pool2 = Pool::new(4096, 4096);
         // Submitted and waiting for bytes that never come.
-        let mut ring = Uring::new(&[], &pool, receiving_opts(&epoll, &ours)).unwrap();
-        ring.arm_recv(64);
+        let mut ring = Uring::new(&[], &pool, receiving_opts(&epoll)).unwrap();
+        let slot = ring.register_socket(ours.as_raw_fd()).unwrap();
+        let mut pool = pool;
+        ring.arm_recv(&mut pool, slot, RecvInto::Buf(vec![0; 64].into_boxed_slice()), 0, 64, 8 << 60);
         ring.sleep(Some(Duration::from_millis(1))).unwrap();
         drop_within(ring, Duration::from_secs(10));
         // Queued, not submitted.
-        let mut ring = Uring::new(&[], &pool, receiving_opts(&epoll, &ours)).unwrap();
-        ring.arm_recv(64);
+        let mut ring = Uring::new(&[], &pool2, receiving_opts(&epoll)).unwrap();
+        let slot = ring.register_socket(ours.as_raw_fd()).unwrap();
+        ring.arm_recv(&mut pool2, slot, RecvInto::Buf(vec![0; 64].into_boxed_slice()), 0, 64, 8 << 60);
         drop_within(ring, Duration::from_secs(10));
     }
 
     #[test]
     fn no_socket_receive_without_ring_sleep() {
         let pool = Pool::new(4096, 4096);
-        let (ours, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
-        let ring = Uring::new(&[], &pool, UringOptions { socket_fd: Some(ours.as_raw_fd()), recv_buffer: 64, ..opts() }).unwrap();
-        assert!(!ring.receives(), "no wake fd, no ring sleep: the caller reads the socket itself");
+        let ring = Uring::new(&[], &pool, UringOptions { socket_slots: 4, ..opts() }).unwrap();
+        assert!(!ring.receives(), "no wake fd, no ring sleep: the caller reads its sockets itself");
     }
 }

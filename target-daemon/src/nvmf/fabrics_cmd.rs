@@ -12,7 +12,7 @@ use rdmablk_common::nvme::status::Status;
 use rdmablk_common::nvme::WireError;
 
 use super::identify::VERSION;
-use super::queue::{Connected, Queue, Reply};
+use super::queue::{Connected, Fence, Queue, Reply};
 use super::{MAX_IO_QUEUES, MAX_QUEUE_ENTRIES};
 
 /// CC fields.
@@ -93,23 +93,38 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
         tracing::warn!("nvme connect from {}: host {:?} is not a [[host]] nqn", q.peer, d.host_nqn);
         return Reply::status(Status::CONNECT_INVALID_HOST);
     }
-    q.sq_entries = entries;
     if c.qid == 0 {
         if d.controller_id != ANY_CONTROLLER {
             return bad_data(connect_data_offset::CONTROLLER_ID);
         }
         // The fence: a host that comes back after its old association was
-        // torn down starts only once the old one's writes are done.
-        if !discovery && !q.sub.wait_for_old_controllers(&d.host_nqn, q.sub.cfg.fence_timeout) {
-            tracing::warn!("nvme connect from {}: host {:?}: an old controller still has writes in flight", q.peer, d.host_nqn);
-            return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
+        // torn down starts only once the old one's writes are done (and an
+        // old association whose connections were just reset is seen as
+        // torn down first).
+        if !discovery {
+            match q.fence(&d.host_nqn) {
+                Fence::Wait => return Reply::Fence,
+                Fence::Go => {}
+                Fence::GaveUp => {
+                    tracing::warn!(
+                        "nvme connect from {}: host {:?}: an old controller still has writes in flight after {:?} (target.fence_timeout)",
+                        q.peer,
+                        d.host_nqn,
+                        q.sub.cfg.fence_timeout
+                    );
+                    return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
+                }
+            }
         }
-        let Some(ctrl) = q.sub.create_controller(&d.host_nqn, d.host_id, discovery, c.kato_ms) else {
-            return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
+        let ctrl = match q.sub.create_controller(&d.host_nqn, d.host_id, discovery, c.kato_ms) {
+            Ok(ctrl) => ctrl,
+            Err(why) => {
+                tracing::warn!("nvme connect from {}: host {:?}: {why}", q.peer, d.host_nqn);
+                return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
+            }
         };
-        if let Some(s) = q.closer_clone() {
-            ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).queues.push((0, s));
-        }
+        q.sq_entries = entries;
+        ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).insert(0);
         tracing::info!(
             "nvme controller {} created for host {:?} from {}{} (KATO {} ms)",
             ctrl.id,
@@ -142,24 +157,10 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
     if c.qid > granted + 1 {
         return Reply::status(Status::INVALID_QUEUE_ID);
     }
-    if ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).has(c.qid) {
+    if !ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).insert(c.qid) {
         return Reply::status(Status::INVALID_QUEUE_ID);
     }
-    if let Err(e) = q.start_engine(c.qid) {
-        tracing::error!("nvme controller {} queue {}: {e}", ctrl.id, c.qid);
-        return Reply::status(Status::INTERNAL_ERROR);
-    }
-    {
-        let mut t = ctrl.queues.lock().unwrap_or_else(|e| e.into_inner());
-        let socket = q.closer_clone();
-        match socket {
-            Some(s) if !t.has(c.qid) => t.queues.push((c.qid, s)),
-            _ => {
-                q.engine = None;
-                return Reply::status(if t.has(c.qid) { Status::INVALID_QUEUE_ID } else { Status::INTERNAL_ERROR });
-            }
-        }
-    }
+    q.sq_entries = entries;
     ctrl.live_queues.fetch_add(1, Ordering::AcqRel);
     q.conn = Some(Connected { qid: c.qid, ctrl: Arc::clone(&ctrl), host });
     q.sub.stats.queues.fetch_add(1, Ordering::Relaxed);

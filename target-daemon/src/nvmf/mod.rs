@@ -10,19 +10,21 @@
 //! Files by concern, in the manner of Linux nvmet, so that any command's
 //! handler is one step away:
 //! - [`tcp`]: the NVMe/TCP transport: PDU framing, digests, R2T and the data
-//!   PDUs, termination; one thread per queue (connection).
+//!   PDUs, termination; its connections run on the reactors.
 //! - [`rdma`]: the NVMe/RDMA transport: rdma_cm private data, capsules in
-//!   SEND/RECV, data by RDMA READ and WRITE under the host's keys; one
-//!   thread per queue (queue pair).
-//! - [`queue`]: a queue's commands: the slab, the data each one carries, the
-//!   engine operations, the answers.
+//!   SEND/RECV, data by RDMA READ and WRITE under the host's keys; its
+//!   queue pairs run on the reactors, on their protection domains and
+//!   completion queues.
+//! - [`queue`]: a queue's commands: the slab, the data each one carries,
+//!   the executor's work, the answers.
 //! - [`fabrics_cmd`]: Connect, Property Get/Set, Disconnect.
 //! - [`admin_cmd`]: Identify, Get Log Page, features, AER, Keep Alive.
 //! - [`io_cmd`]: Read, Write, Flush, Write Zeroes, Dataset Management.
 //! - [`discovery`]: the discovery log page.
 //! - [`identify`]: the Identify data structures.
 //!
-//! Disk I/O goes through [`crate::engine::BlockEngine`], one per I/O queue.
+//! Disk I/O goes through the reactor's executor ([`crate::engine::exec`]),
+//! shared with every other queue of every protocol on that reactor.
 
 pub mod admin_cmd;
 pub mod discovery;
@@ -34,11 +36,10 @@ pub mod rdma;
 pub mod tcp;
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
@@ -46,7 +47,7 @@ use crate::auth::{Grant, Identity};
 use crate::backend::{Volume, VolumeSet};
 use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
 use crate::session::Registry;
-use crate::sys::EventFd;
+use crate::engine::pool::PoolAccount;
 
 /// CAP.MQES + 1: the most entries a queue may have.
 pub const MAX_QUEUE_ENTRIES: u32 = 128;
@@ -63,14 +64,9 @@ pub const ADMIN_IN_CAPSULE: u32 = 8 << 10;
 pub const MAX_IO_QUEUES: u16 = 64;
 /// Outstanding Asynchronous Event Requests a controller holds (AERL + 1).
 pub const MAX_AERS: usize = 4;
-/// Pool chunks per I/O queue: commands beyond this wait for a chunk.
-pub const QUEUE_CHUNKS: u32 = 32;
-/// How long the admin queue (and a queue before Connect) sleeps at most
-/// between its checks (keep-alive, namespaces, the handshake's deadline).
+/// How often an admin queue looks at the namespaces at most (a reload
+/// raises a namespace-attribute-changed event), when nothing else wakes it.
 pub const ADMIN_TICK: Duration = Duration::from_millis(250);
-/// Fixed-file slots of an I/O queue's engine: the volumes one queue
-/// touches (a queue never detaches; past this many it takes slots over).
-pub const QUEUE_FILE_SLOTS: u32 = 64;
 
 /// NVMe-oF counters for the metrics endpoint (many queue threads write
 /// them: atomic adds).
@@ -88,6 +84,11 @@ pub struct NvmeStats {
     pub terminations: AtomicU64,
     /// Controllers torn down because their host sent no keep-alive.
     pub keep_alive_timeouts: AtomicU64,
+    /// Controllers with KATO 0 ended by `target.idle_timeout`: no I/O queue,
+    /// nothing in flight, no command for that long.
+    pub idle_timeouts: AtomicU64,
+    /// Admin Connects refused by `max_controllers` or `max_controllers_per_host`.
+    pub controllers_refused: AtomicU64,
 }
 
 impl NvmeStats {
@@ -141,59 +142,45 @@ pub struct Controller {
     /// Set when the association ends (keep-alive expiry, the admin queue
     /// closing, shutdown): every queue closes its connection.
     pub dead: AtomicBool,
-    /// Queues (admin included) whose threads have not finished yet, with
-    /// their disk operations: the fence a reconnecting host waits for.
+    /// Queues (admin included) that have not left yet, with their disk
+    /// operations: the fence a reconnecting host waits for.
     pub live_queues: AtomicU32,
-    /// Connected I/O queue ids, and the sockets to shut down on teardown.
+    /// Connected queue ids (0, the admin queue, included).
     pub queues: Mutex<QueueTable>,
-    /// Wakes the admin queue (namespace changes, teardown).
-    pub wake: EventFd,
     pub state: Mutex<ControllerState>,
+    /// Pool chunks its queues hold, one account per reactor, for
+    /// `target.session_pool_share` (a controller is an NVMe host's session).
+    pool_accounts: Box<[Arc<PoolAccount>]>,
 }
 
-/// A controller's connected queues: queue id and a handle on its connection.
+/// A controller's connected queue ids.
 #[derive(Default)]
 pub struct QueueTable {
-    pub queues: Vec<(u16, QueueCloser)>,
-}
-
-/// How a controller's teardown ends one of its queues: a handle on the
-/// connection that another thread can close.
-pub enum QueueCloser {
-    /// NVMe/TCP: the socket, shut down (the queue's thread sees it at once).
-    Tcp(TcpStream),
-    /// NVMe/RDMA: the queue thread's wake-up; the thread finds the
-    /// controller dead and disconnects its queue pair itself (a queue
-    /// pair has one owner).
-    Wake(Arc<EventFd>),
-}
-
-impl QueueCloser {
-    pub fn try_clone(&self) -> Option<QueueCloser> {
-        match self {
-            QueueCloser::Tcp(s) => s.try_clone().ok().map(QueueCloser::Tcp),
-            QueueCloser::Wake(w) => Some(QueueCloser::Wake(Arc::clone(w))),
-        }
-    }
-
-    pub fn close(&self) {
-        match self {
-            QueueCloser::Tcp(s) => {
-                let _ = s.shutdown(std::net::Shutdown::Both);
-            }
-            QueueCloser::Wake(w) => w.notify(),
-        }
-    }
+    ids: Vec<u16>,
 }
 
 impl QueueTable {
     pub fn has(&self, qid: u16) -> bool {
-        self.queues.iter().any(|(q, _)| *q == qid)
+        self.ids.contains(&qid)
+    }
+
+    /// Takes queue id `qid`; false if it is taken already.
+    pub fn insert(&mut self, qid: u16) -> bool {
+        if self.has(qid) {
+            return false;
+        }
+        self.ids.push(qid);
+        true
     }
 
     /// Forgets a closed queue: its id may be connected again.
     pub fn remove(&mut self, qid: u16) {
-        self.queues.retain(|(q, _)| *q != qid);
+        self.ids.retain(|&q| q != qid);
+    }
+
+    /// Connected I/O queues.
+    pub fn io_queues(&self) -> usize {
+        self.ids.iter().filter(|&&q| q != 0).count()
     }
 }
 
@@ -281,9 +268,10 @@ impl std::fmt::Display for CloseReason {
 }
 
 impl Controller {
-    /// Ends the association: marks it dead and shuts every queue's socket,
-    /// so their threads wake, drop what is queued and finish.
-    pub fn tear_down(&self, reason: &CloseReason) {
+    /// Ends the association: marks it dead and wakes every reactor, whose
+    /// NVMe transports close the controller's queues at their next turn
+    /// (they drop what is queued and let what reached the disk finish).
+    pub fn tear_down(&self, sub: &Subsystem, reason: &CloseReason) {
         if self.dead.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -293,15 +281,16 @@ impl Controller {
                 tracing::warn!("nvme controller {} of host {}: torn down: {reason}", self.id, self.host_nqn)
             }
         }
-        let q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-        for (_, c) in &q.queues {
-            c.close();
-        }
-        self.wake.notify();
+        sub.registry.fence_moved();
     }
 
     pub fn is_dead(&self) -> bool {
         self.dead.load(Ordering::Acquire)
+    }
+
+    /// The controller's pool account on `reactor`.
+    pub fn pool_account(&self, reactor: usize) -> Option<&Arc<PoolAccount>> {
+        self.pool_accounts.get(reactor)
     }
 }
 
@@ -408,9 +397,31 @@ impl Subsystem {
         HostView { nqn: nqn.to_owned(), id: set.access.host_for_nqn(nqn).map(str::to_owned) }
     }
 
-    /// Creates a controller for an admin Connect.
-    pub fn create_controller(&self, host_nqn: &str, host_id: [u8; 16], discovery: bool, kato_ms: u32) -> Option<Arc<Controller>> {
+    /// Creates a controller for an admin Connect, unless
+    /// `target.max_controllers` exist, or `max_controllers_per_host` of
+    /// the same host NQN (discovery controllers count too: each is a
+    /// host's connection for as long as it lasts).
+    pub fn create_controller(
+        &self,
+        host_nqn: &str,
+        host_id: [u8; 16],
+        discovery: bool,
+        kato_ms: u32,
+    ) -> std::result::Result<Arc<Controller>, String> {
         let mut c = self.controllers();
+        let total = c.by_id.len();
+        if total >= self.cfg.max_controllers as usize {
+            NvmeStats::add(&self.stats.controllers_refused, 1);
+            return Err(format!("{total} controllers exist (target.max_controllers = {})", self.cfg.max_controllers));
+        }
+        let of_host = c.by_id.values().filter(|x| x.host_nqn == host_nqn && !x.is_dead()).count();
+        if of_host >= self.cfg.max_controllers_per_host as usize {
+            NvmeStats::add(&self.stats.controllers_refused, 1);
+            return Err(format!(
+                "the host has {of_host} controllers (target.max_controllers_per_host = {})",
+                self.cfg.max_controllers_per_host
+            ));
+        }
         // Controller ids 1..=0xffef; 0xfff0.. are reserved.
         let mut id = c.next;
         for _ in 0..0xffef {
@@ -420,9 +431,10 @@ impl Subsystem {
             id = if id >= 0xffef { 1 } else { id + 1 };
         }
         if c.by_id.contains_key(&id) {
-            return None;
+            return Err("every controller id is taken".into());
         }
         c.next = if id >= 0xffef { 1 } else { id + 1 };
+        let name = format!("host={host_nqn} controller={id}");
         let ctrl = Arc::new(Controller {
             id,
             host_nqn: host_nqn.to_owned(),
@@ -431,48 +443,46 @@ impl Subsystem {
             dead: AtomicBool::new(false),
             live_queues: AtomicU32::new(1),
             queues: Mutex::new(QueueTable::default()),
-            wake: EventFd::new().ok()?,
             state: Mutex::new(ControllerState { kato_ms, ..ControllerState::default() }),
+            pool_accounts: (0..self.registry.reactors()).map(|_| Arc::new(PoolAccount::named(name.clone()))).collect(),
         });
         c.by_id.insert(id, Arc::clone(&ctrl));
-        Some(ctrl)
+        Ok(ctrl)
     }
 
     pub fn controller(&self, id: u16) -> Option<Arc<Controller>> {
         self.controllers().by_id.get(&id).cloned()
     }
 
-    /// Forgets a controller whose queues have all finished.
+    /// Forgets a controller whose queues have all left, and lets a fence
+    /// that waits for it go on.
     pub fn remove_controller(&self, id: u16) {
         self.controllers().by_id.remove(&id);
+        self.registry.fence_moved();
     }
 
-    /// The fence: waits until no torn-down controller of `host_nqn` has a
-    /// queue left (with its disk operations), so that no write of an old
-    /// association lands after the new one starts. False if `timeout` passed.
-    pub fn wait_for_old_controllers(&self, host_nqn: &str, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let busy = self
-                .controllers()
-                .by_id
-                .values()
-                .any(|c| c.host_nqn == host_nqn && c.is_dead() && c.live_queues.load(Ordering::Acquire) > 0);
-            if !busy {
-                return true;
+    /// The controllers of `host_nqn`: how many are live (not torn down),
+    /// and whether a torn-down one still has queues (with their disk
+    /// operations) left.
+    pub fn controllers_of(&self, host_nqn: &str) -> (usize, bool) {
+        let c = self.controllers();
+        let mine = c.by_id.values().filter(|c| c.host_nqn == host_nqn && !c.discovery);
+        let (mut live, mut busy) = (0, false);
+        for ctrl in mine {
+            if ctrl.is_dead() {
+                busy |= ctrl.live_queues.load(Ordering::Acquire) > 0;
+            } else {
+                live += 1;
             }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(5));
         }
+        (live, busy)
     }
 
     /// Tears down every controller (shutdown).
     pub fn tear_down_all(&self, reason: &CloseReason) {
         let all: Vec<Arc<Controller>> = self.controllers().by_id.values().cloned().collect();
         for c in all {
-            c.tear_down(reason);
+            c.tear_down(self, reason);
         }
     }
 
@@ -497,11 +507,16 @@ impl NvmeListener {
     }
 }
 
-/// The NVMe listeners and their queue threads.
+/// A new NVMe-oF connection for a reactor's transport.
+pub enum Incoming {
+    Tcp(tcp::Accept),
+    Rdma(rdma::Accept),
+}
+
+/// The NVMe listeners (their connections go to the reactors).
 pub struct NvmeFrontEnd {
     pub subsystem: Arc<Subsystem>,
     pub listeners: Vec<(NvmeListen, NvmeListener)>,
-    threads: Vec<JoinHandle<()>>,
 }
 
 impl NvmeFrontEnd {
@@ -515,6 +530,8 @@ impl NvmeFrontEnd {
                     let sock = TcpListener::bind(l.url.host_port())
                         .map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
                     sock.set_nonblocking(true).map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
+                    crate::sys::deepen_listen_backlog(std::os::fd::AsRawFd::as_raw_fd(&sock))
+                        .map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
                     let addr = sock.local_addr().map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
                     (NvmeListener::Tcp(sock), addr)
                 }
@@ -529,65 +546,43 @@ impl NvmeFrontEnd {
             subsystem.listeners.lock().unwrap_or_else(|e| e.into_inner()).push((l.transport, addr));
             listeners.push((bound, listener));
         }
-        Ok(NvmeFrontEnd { subsystem, listeners, threads: Vec::new() })
+        Ok(NvmeFrontEnd { subsystem, listeners })
     }
 
-    /// Accepts every pending connection on listener `i` and starts its queue thread.
-    pub fn accept(&mut self, i: usize) {
+    /// The fabrics of the NVMe/RDMA listeners, in listener order: each
+    /// reactor has a protection domain, pool region and completion queues
+    /// on each.
+    pub fn rdma_fabrics(&self) -> Vec<Arc<rdmablk_common::fabric::Fabric>> {
+        self.listeners
+            .iter()
+            .filter_map(|(_, l)| match l {
+                NvmeListener::Rdma(r) => Some(r.fabric()),
+                NvmeListener::Tcp(_) => None,
+            })
+            .collect()
+    }
+
+    /// Takes every pending connection of listener `i` past admission (the
+    /// connection limits, and for NVMe/RDMA the rdma_cm private data) into
+    /// `out`, for the reactors.
+    pub fn accept(&mut self, i: usize, out: &mut Vec<Incoming>) {
         let port = i as u16 + 1;
-        if let NvmeListener::Rdma(l) = &self.listeners[i].1 {
-            let started = l.accept(&self.subsystem, port);
-            self.threads.extend(started);
-            self.threads.retain(|t| !t.is_finished());
+        if self.subsystem.stopping.load(Ordering::Acquire) {
             return;
         }
-        let NvmeListener::Tcp(listener) = &self.listeners[i].1 else { unreachable!("matched above") };
-        loop {
-            match listener.accept() {
-                Ok((stream, peer)) => {
-                    if self.subsystem.stopping.load(Ordering::Acquire) {
-                        continue;
-                    }
-                    // The same connection limits as rdmablk v1's: handshakes
-                    // in progress (total and per address) and connections
-                    // per address.
-                    let admission = match self.subsystem.registry.begin_handshake(Some(peer.ip())) {
-                        Ok(a) => a,
-                        Err(why) => {
-                            tracing::warn!("nvme+tcp: refused a connection from {peer}: {why:?} limit reached");
-                            continue;
-                        }
-                    };
-                    let sub = Arc::clone(&self.subsystem);
-                    let serve = move || tcp::serve(stream, peer, port, sub, admission);
-                    match std::thread::Builder::new().name("rdmablk-nvmeq".into()).spawn(serve) {
-                        Ok(t) => self.threads.push(t),
-                        Err(e) => tracing::error!("nvme+tcp: cannot start a queue thread for {peer}: {e}"),
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    tracing::warn!("nvme+tcp: accept failed: {e}");
-                    break;
-                }
-            }
+        // The index of this listener's fabric among the NVMe/RDMA ones.
+        let rdma_index = self.listeners[..i].iter().filter(|(_, l)| matches!(l, NvmeListener::Rdma(_))).count();
+        match &self.listeners[i].1 {
+            NvmeListener::Rdma(l) => l.accept(&self.subsystem, port, rdma_index, out),
+            NvmeListener::Tcp(listener) => tcp::accept(listener, &self.subsystem, port, out),
         }
-        self.threads.retain(|t| !t.is_finished());
     }
-    /// Stops accepting, tears every controller down and waits (up to
-    /// `deadline`) for the queue threads, which finish their disk operations.
-    pub fn shutdown(&mut self, deadline: Instant) {
+
+    /// Stops accepting and tears every controller down; the reactors close
+    /// the queues (finishing their disk operations) as they stop.
+    pub fn shutdown(&mut self) {
         self.subsystem.stopping.store(true, Ordering::Release);
         self.listeners.clear();
         self.subsystem.tear_down_all(&CloseReason::fault("the target is stopping"));
-        while self.threads.iter().any(|t| !t.is_finished()) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        for t in self.threads.drain(..) {
-            if t.is_finished() {
-                let _ = t.join();
-            }
-        }
     }
 }

@@ -1,10 +1,24 @@
 //! One NVMe queue's commands, whatever the transport: the slab (its index
-//! is the engine tag and the NVMe/TCP transfer tag), the data each command
-//! carries in either direction, the engine operations, and the answers.
+//! is the NVMe/TCP transfer tag and, with the queue's key, the executor
+//! tag), the data each command carries in either direction, the Fabrics
+//! and admin handlers' answers, and the I/O commands handed to the
+//! reactor's executor.
 //!
-//! The transport hands in decoded capsules and placed data and takes out
-//! [`Action`]s: completions, data to send, data to ask for. It never looks
-//! inside a command; this file never touches the wire.
+//! The transport hands in decoded capsules, placed data and the
+//! executor's news, and takes out [`Action`]s: completions, data to send,
+//! data to ask for. It never looks inside a command; this file never
+//! touches the wire.
+//!
+//! An I/O command's disk side is the executor's. A read's pieces come
+//! back in chunks and leave as [`Action::SendData`] (the last with the
+//! completion); a write's pieces are asked for chunk by chunk
+//! ([`Action::RequestData`] when the executor has a chunk for one, so a
+//! host's queue depth costs no memory beyond the chunks the executor
+//! grants), or copied from the in-capsule data the transport placed in
+//! the command's staging buffer. A command's slot and command id are free
+//! again as soon as its completion is made; the executor's part may end
+//! later (its last chunk leaves with the completion), and the queue
+//! counts those parts until they are done ([`Queue::exec_live`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -18,26 +32,22 @@ use rdmablk_common::nvme::status::Status;
 use rdmablk_common::protocol::Opcode;
 
 use super::io_cmd::{self, ByteRanges, IoPlan};
-use super::{
-    admin_cmd, fabrics_cmd, CloseReason, Controller, HostView, Namespace, NvmeStats, QueueCloser, Subsystem, ADMIN_TICK, MAX_TRANSFER,
-    QUEUE_CHUNKS, QUEUE_FILE_SLOTS,
-};
+use super::{admin_cmd, fabrics_cmd, CloseReason, Controller, HostView, Namespace, NvmeStats, Subsystem, MAX_TRANSFER};
 use crate::config::NvmeTransport;
-use crate::engine::BlockEngine;
-use crate::engine::pool::Pool;
-use crate::engine::uring::UringOptions;
+use crate::engine::exec::{self, Accounts, CmdId, Event, Executor, Owner, Request};
+use crate::engine::pool::{ChunkId, PoolAccount};
 use crate::error::{Error, ErrorKind};
-use crate::engine::pool::ChunkId;
 
-/// Where a command's data lives.
+/// Where data to send lives.
 #[derive(Debug)]
 pub enum Buf {
-    None,
-    /// A pool chunk: disk data goes to and from it directly.
+    /// A pool chunk (an executor read's piece); the transport gives it
+    /// back with `Executor::sent` once it left.
     Chunk(ChunkId),
-    /// Heap memory: admin data, DSM ranges, in-capsule writes that found no
-    /// free chunk (a write whose data comes when asked waits for a chunk
-    /// before it asks, with no buffer).
+    /// Zeroes (the `null` backend's reads): sent from the pool's zero
+    /// chunk; the chunk that stands for them goes back like any.
+    Zero(ChunkId),
+    /// Heap memory: admin data.
     Heap(Vec<u8>),
 }
 
@@ -48,14 +58,15 @@ pub enum Action {
     /// had one that moved data: NVMe/RDMA invalidates its key with the
     /// completion when the host asked for that ([`Sgl::Keyed`] `invalidate`).
     Respond(CompletionEntry, Option<Sgl>),
-    /// Send `len` bytes of `buf` to the host for command `cid`, to where
-    /// its SGL `to` says (NVMe/RDMA: an RDMA WRITE to the keyed address;
-    /// NVMe/TCP: C2HData), then the completion. A chunk is given back with
-    /// [`Queue::sent`].
-    SendData { cid: u16, buf: Buf, len: u32, to: Sgl, then: CompletionEntry },
-    /// Ask the host for `len` bytes of command `cid`'s data, tagged `ttag`
-    /// (the slot: NVMe/RDMA reads them from [`Queue::sgl`]).
-    RequestData { cid: u16, ttag: u16, len: u32 },
+    /// Send `len` bytes of `buf` as bytes `off..off + len` of command
+    /// `cid`'s data, to where its SGL `to` says (NVMe/RDMA: an RDMA WRITE
+    /// to the keyed address plus `off`; NVMe/TCP: C2HData at `off`), then,
+    /// when this is the last piece, the completion `then`.
+    SendData { cid: u16, buf: Buf, off: u32, len: u32, to: Sgl, then: Option<CompletionEntry> },
+    /// Ask the host for bytes `off..off + len` of command `cid`'s data,
+    /// tagged `ttag` (the slot: NVMe/RDMA reads them from [`Queue::sgl`]
+    /// into [`Queue::fetch_target`]).
+    RequestData { cid: u16, ttag: u16, off: u32, len: u32 },
     /// Close the connection (after sending what is queued).
     Close(CloseReason),
 }
@@ -89,6 +100,10 @@ pub enum Reply {
     Data { data: Vec<u8> },
     /// Held (Asynchronous Event Request); answered later.
     Held,
+    /// A Connect the fence holds: the same host's old association still
+    /// has queues (and their disk writes) to finish. Tried again when the
+    /// registry's fence generation moves, until `target.fence_timeout`.
+    Fence,
 }
 
 impl Reply {
@@ -103,37 +118,35 @@ impl Reply {
     }
 }
 
+/// A write's piece the executor has a chunk for.
+#[derive(Clone, Copy, Debug)]
+struct Fetch {
+    chunk: ChunkId,
+    /// Where the piece lies in the command's data.
+    off: u32,
+    len: u32,
+    /// Bytes of it placed so far.
+    received: u32,
+}
+
 #[derive(Debug)]
 struct Cmd {
     sqe: SubmissionEntry,
-    buf: Buf,
-    /// Bytes of host data the command carries, and how many arrived.
+    /// Heap data: an admin command's, or an I/O write's in-capsule data
+    /// staged until the executor has a chunk for it.
+    buf: Option<Vec<u8>>,
+    /// Bytes of host data the command carries in its capsule or asks for
+    /// into `buf` (admin data), and how many arrived.
     expect: u32,
     received: u32,
     plan: Option<IoPlan>,
-    /// Engine operations not yet reaped.
-    pending_ops: u32,
-    failed: Option<Status>,
-    /// Byte ranges the command writes: their write epochs move when its
-    /// disk work starts and again when it is done (see `WriteEpochs`).
-    written: ByteRanges,
-    /// When an I/O command arrived, if it is timed (`metrics::clock_is_cheap`).
-    started: Option<Instant>,
-}
-
-impl Cmd {
-    /// Whether the command carries data it has not asked for yet: it
-    /// waits for a chunk to receive it into (and has no buffer until then).
-    fn data_waits_for_chunk(&self) -> bool {
-        self.expect > 0 && matches!(self.buf, Buf::None)
-    }
-}
-
-/// A descriptor of the queue's (not its transport's) that wakes its thread.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WakeSource {
-    Engine,
-    Controller,
+    /// Its executor command, until the executor's `Done`.
+    exec: Option<CmdId>,
+    /// The write piece being fetched (asked for, its data arriving), and
+    /// the pieces waiting for their turn (one request per command at a
+    /// time, as a host allows one outstanding R2T unless it says more).
+    fetch: Option<Fetch>,
+    fetch_next: VecDeque<Fetch>,
 }
 
 /// The queue's place in its association.
@@ -142,6 +155,31 @@ pub struct Connected {
     pub ctrl: Arc<Controller>,
     pub host: HostView,
 }
+
+/// A Connect the fence holds, and when it gives up.
+#[derive(Clone, Copy, Debug)]
+struct HeldConnect {
+    slot: u16,
+    deadline: Instant,
+    /// The reactors' turn counts when it arrived: it is decided once each
+    /// has turned twice since (and so looked at its sockets: a reset of
+    /// the old association's connections is seen before the answer).
+    turns: [u64; MAX_BARRIER_REACTORS],
+}
+
+/// What the fence says of an admin Connect ([`Queue::fence`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fence {
+    /// Held: answered later.
+    Wait,
+    /// Nothing of an old association can land any more: go on.
+    Go,
+    /// `target.fence_timeout` passed with an old association still busy.
+    GaveUp,
+}
+
+/// Reactors a held Connect's barrier looks at (more are not waited for).
+const MAX_BARRIER_REACTORS: usize = 64;
 
 pub struct Queue {
     pub sub: Arc<Subsystem>,
@@ -152,27 +190,27 @@ pub struct Queue {
     pub local: SocketAddr,
     pub peer: SocketAddr,
     pub conn: Option<Connected>,
-    /// How the controller's teardown closes this queue's connection.
-    pub closer: Option<QueueCloser>,
-    /// The transport's epoll descriptor, for the engine's ring sleep.
-    pub wake_fd: Option<std::os::fd::RawFd>,
-    /// The transport's socket and its receive buffer size, for an I/O
-    /// queue's engine to receive through its ring.
-    pub socket_fd: Option<(std::os::fd::RawFd, usize)>,
     pub sq_entries: u32,
     sq_head: u32,
-    pub engine: Option<BlockEngine>,
+    /// The transport and its key for this queue: executor tags are the
+    /// key in the upper 16 bits and the slot below.
+    owner: (u8, u16),
+    /// The reactor the queue runs on, and its host's pool account there
+    /// (the peer's source address, shared by its connections).
+    reactor: usize,
+    host_account: Option<Arc<PoolAccount>>,
     cmds: Vec<Option<Cmd>>,
     free: Vec<u16>,
     by_cid: HashMap<u16, u16>,
-    waiting_chunk: VecDeque<u16>,
+    /// Executor commands of this queue not yet done (answered ones too).
+    exec_live: u32,
     pub actions: Vec<Action>,
     /// The buffer `actions` is swapped with while the transport carries a
-    /// batch out ([`Queue::take_actions`]). Kept, as `reaped` is, with its
-    /// capacity: a turn of the per-I/O path allocates nothing.
+    /// batch out ([`Queue::take_actions`]). Kept with its capacity: a turn
+    /// of the per-I/O path allocates nothing.
     spare_actions: Vec<Action>,
-    /// The engine's completions, between its reap and their answers.
-    reaped: Vec<(u64, i32)>,
+    /// Staging buffers of in-capsule writes, kept for reuse.
+    spare_bufs: Vec<Vec<u8>>,
     ns_cache: (u64, Vec<Namespace>),
     /// Admin queue: held AERs, changed namespaces not yet read, whether
     /// namespace notices wait for the log to be read, what the host saw.
@@ -181,10 +219,18 @@ pub struct Queue {
     pub aen_masked: bool,
     known: (u64, Vec<(u32, u64, bool)>),
     pub keep_alive_due: Option<Instant>,
+    /// When the last command arrived (or the queue was accepted): for
+    /// `target.idle_timeout` of a controller without keep-alive.
+    pub last_heard: Instant,
+    held_connect: Option<HeldConnect>,
+    /// When each command arrived (the transport's turn clock), for the
+    /// executor's latency counts.
+    pub now: Instant,
 }
 
 impl Queue {
     pub fn new(sub: Arc<Subsystem>, transport: NvmeTransport, port: u16, local: SocketAddr, peer: SocketAddr) -> Queue {
+        let now = Instant::now();
         Queue {
             sub,
             transport,
@@ -192,31 +238,47 @@ impl Queue {
             local,
             peer,
             conn: None,
-            closer: None,
-            wake_fd: None,
-            socket_fd: None,
             sq_entries: 0,
             sq_head: 0,
-            engine: None,
+            owner: (0, 0),
+            reactor: 0,
+            host_account: None,
             cmds: Vec::new(),
             free: Vec::new(),
             by_cid: HashMap::new(),
-            waiting_chunk: VecDeque::new(),
+            exec_live: 0,
             actions: Vec::new(),
             spare_actions: Vec::new(),
-            reaped: Vec::new(),
+            spare_bufs: Vec::new(),
             ns_cache: (u64::MAX, Vec::new()),
             aers: Vec::new(),
             changed_nsids: Vec::new(),
             aen_masked: false,
             known: (u64::MAX, Vec::new()),
             keep_alive_due: None,
+            last_heard: now,
+            held_connect: None,
+            now,
         }
     }
 
-    /// A second handle on the connection, for the controller's table.
-    pub fn closer_clone(&self) -> Option<QueueCloser> {
-        self.closer.as_ref()?.try_clone()
+    /// Where the queue runs: on reactor `reactor`, in transport
+    /// `transport`, whose key for it is `key` (its executor commands'
+    /// owner), its host charged to `host_account`.
+    pub fn place(&mut self, reactor: usize, transport: usize, key: u16, host_account: Option<Arc<PoolAccount>>) {
+        self.owner = (transport as u8, key);
+        self.reactor = reactor;
+        self.host_account = host_account;
+    }
+
+    /// The slot an executor tag of this queue names.
+    pub fn slot_of_tag(tag: u32) -> u16 {
+        tag as u16
+    }
+
+    /// The queue key an executor tag names.
+    pub fn key_of_tag(tag: u32) -> u16 {
+        (tag >> 16) as u16
     }
 
     pub fn qid(&self) -> Option<u16> {
@@ -225,6 +287,17 @@ impl Queue {
 
     pub fn is_admin(&self) -> bool {
         self.qid() == Some(0)
+    }
+
+    /// Executor commands of this queue not yet done: the queue may leave
+    /// its controller (and free its key) only when there are none.
+    pub fn exec_live(&self) -> u32 {
+        self.exec_live
+    }
+
+    /// Commands that wait for something (not held AERs).
+    pub fn busy_commands(&self) -> usize {
+        self.cmds.len() - self.free.len() - self.aers.len()
     }
 
     /// Bytes of in-capsule data this queue accepts.
@@ -293,24 +366,35 @@ impl Queue {
         cmd.sqe.sgl().expect("checked on arrival")
     }
 
-    /// The pool chunk command `slot`'s data is in, if it is in one (else
-    /// it is in heap memory, which `data_mut` reaches).
-    pub fn data_chunk(&self, slot: u16) -> Option<ChunkId> {
-        match self.cmds[slot as usize].as_ref().expect("live command").buf {
-            Buf::Chunk(c) => Some(c),
-            _ => None,
-        }
+    /// Where the data a [`Action::RequestData`] asked for goes: the pool
+    /// chunk of the write's piece being fetched, or `None` when it goes
+    /// to heap memory (admin data; reach it with [`Queue::data_mut`]).
+    pub fn fetch_target(&self, slot: u16) -> Option<ChunkId> {
+        self.cmds[slot as usize].as_ref().expect("live command").fetch.map(|f| f.chunk)
+    }
+
+    /// Where byte `offset` of command `slot`'s data lies in the chunk of
+    /// the piece being fetched ([`Queue::fetch_target`]).
+    pub fn fetch_offset(&self, slot: u16, offset: u32) -> usize {
+        let f = self.cmds[slot as usize].as_ref().expect("live command").fetch.expect("a piece being fetched");
+        (offset - f.off) as usize
     }
 
     /// A command capsule arrived with `in_capsule` bytes of data to follow.
     /// Returns the slot the in-capsule data goes to; `None` when there is
     /// none to place: the command was answered (its data, if any, is
-    /// discarded), runs, or asked for its data ([`Action::RequestData`]).
-    pub fn command(&mut self, sqe: SubmissionEntry, in_capsule: u32) -> Option<u16> {
+    /// discarded), runs, or waits for the executor.
+    pub fn command(&mut self, exec: &mut Executor, sqe: SubmissionEntry, in_capsule: u32) -> Option<u16> {
         if self.sq_entries > 0 {
             self.sq_head = (self.sq_head + 1) % self.sq_entries;
         }
+        self.last_heard = self.now;
         let cid = sqe.cid;
+        if self.conn.as_ref().is_some_and(|c| c.ctrl.is_dead()) {
+            // The association was torn down: nothing more of it runs (the
+            // transport closes the connection at its next turn).
+            return None;
+        }
         // An I/O command (planned against the namespaces), not a Fabrics one.
         let io = self.qid().is_some_and(|q| q > 0) && sqe.opcode != admin_opcode::FABRICS;
         NvmeStats::add(&self.sub.stats.commands[NvmeStats::class(io, sqe.opcode)], 1);
@@ -334,16 +418,22 @@ impl Queue {
             self.respond(cid, Status::COMMAND_SEQUENCE_ERROR, 0);
             return None;
         }
+        let direction = data_direction(&sqe);
+        let h2c = direction & 0b01 != 0;
         let sgl = match sqe.sgl() {
-            Ok(s) => s,
+            Ok(s) => Some(s),
+            // A command that moves no data may carry any SGL of no length
+            // (Property Get and Set define these bytes as reserved; Linux
+            // nvmet accepts it): be liberal in what is accepted.
+            Err(_) if direction == 0 && in_capsule == 0 && sgl_bytes_name_no_data(&sqe) => None,
             Err(_) => {
                 self.respond(cid, Status::SGL_TYPE_INVALID, 0);
                 return None;
             }
         };
-        let h2c = data_direction(&sqe) & 0b01 != 0;
         let expect = match sgl {
-            Sgl::InCapsule { offset, length } => {
+            None => 0,
+            Some(Sgl::InCapsule { offset, length }) => {
                 if offset != 0 {
                     self.respond(cid, Status::SGL_OFFSET_INVALID, 0);
                     return None;
@@ -356,8 +446,8 @@ impl Queue {
             }
             // Data the transport moves: NVMe/TCP by R2T and data PDUs,
             // NVMe/RDMA by RDMA READ and WRITE under the host's key.
-            Sgl::Transport { length } | Sgl::Keyed { length, .. }
-                if in_capsule == 0 && matches!(sgl, Sgl::Keyed { .. }) == (self.transport == NvmeTransport::Rdma) =>
+            Some(s @ (Sgl::Transport { length } | Sgl::Keyed { length, .. }))
+                if in_capsule == 0 && matches!(s, Sgl::Keyed { .. }) == (self.transport == NvmeTransport::Rdma) =>
             {
                 if h2c {
                     length
@@ -365,6 +455,8 @@ impl Queue {
                     0
                 }
             }
+            // Any descriptor of no length on a command that moves none.
+            Some(s) if direction == 0 && in_capsule == 0 && s.length() == 0 => 0,
             _ => {
                 self.respond(cid, Status::SGL_TYPE_INVALID, 0);
                 return None;
@@ -374,7 +466,7 @@ impl Queue {
         let mut plan = None;
         if io {
             self.namespaces();
-            match io_cmd::plan(&sqe, &self.ns_cache.1, sgl.length()) {
+            match io_cmd::plan(&sqe, &self.ns_cache.1, sgl.map_or(0, |s| s.length())) {
                 Ok(p) => plan = Some(p),
                 Err(e) => {
                     self.respond(cid, e.nvme_status(false), 0);
@@ -388,39 +480,25 @@ impl Queue {
             return None;
         }
         let slot = self.alloc_slot();
-        let started = if plan.is_some() && crate::metrics::clock_is_cheap() { Some(Instant::now()) } else { None };
-        let mut cmd = Cmd { sqe, buf: Buf::None, expect, received: 0, plan, pending_ops: 0, failed: None, written: ByteRanges::None, started };
-        if expect > 0 {
-            cmd.buf = if cmd.plan.as_ref().is_some_and(|p| p.uses_chunk()) {
-                match self.engine.as_mut().and_then(|e| e.alloc()) {
-                    Some(c) => Buf::Chunk(c),
-                    // In-capsule data is already on its way: held in heap
-                    // memory (at most IO_IN_CAPSULE) until a chunk frees.
-                    None if in_capsule > 0 => Buf::Heap(vec![0; expect as usize]),
-                    // Data the host sends when asked is asked for when a
-                    // chunk frees, so the queue's memory stays its chunks.
-                    None => Buf::None,
-                }
-            } else {
-                Buf::Heap(vec![0; expect as usize])
-            };
-        }
-        let waits_for_chunk = cmd.data_waits_for_chunk();
+        let writes_by_fetch = plan.as_ref().is_some_and(|p| matches!(p, IoPlan::Write { .. })) && in_capsule == 0;
+        let buf = (expect > 0 && !writes_by_fetch).then(|| {
+            let mut v = self.spare_bufs.pop().unwrap_or_default();
+            v.clear();
+            v.resize(expect as usize, 0);
+            v
+        });
+        let cmd = Cmd { sqe, buf, expect, received: 0, plan, exec: None, fetch: None, fetch_next: VecDeque::new() };
         self.cmds[slot as usize] = Some(cmd);
         self.by_cid.insert(cid, slot);
         if in_capsule > 0 {
             return Some(slot);
         }
-        if waits_for_chunk {
-            self.waiting_chunk.push_back(slot);
+        if expect > 0 && !writes_by_fetch {
+            // Admin data the host sends when asked, into heap memory.
+            self.actions.push(Action::RequestData { cid, ttag: slot, off: 0, len: expect });
             return None;
         }
-        if expect > 0 {
-            // The data comes in H2CData PDUs tagged with the slot.
-            self.actions.push(Action::RequestData { cid, ttag: slot, len: expect });
-            return None;
-        }
-        self.execute(slot);
+        self.execute(exec, slot);
         None
     }
 
@@ -439,54 +517,26 @@ impl Queue {
             if self.by_cid.get(&c.sqe.cid) == Some(&slot) {
                 self.by_cid.remove(&c.sqe.cid);
             }
-            if let Buf::Chunk(ch) = c.buf {
-                self.give_back(ch);
+            if let Some(b) = c.buf {
+                self.spare_bufs.push(b);
             }
         }
         self.free.push(slot);
     }
 
-    fn give_back(&mut self, c: ChunkId) {
-        if let Some(e) = self.engine.as_mut() {
-            e.release(c);
-        }
-        if let Some(next) = self.waiting_chunk.pop_front() {
-            self.chunk_freed_for(next);
-        }
-    }
-
-    /// A chunk is free for command `slot`, which waited for one: a write
-    /// whose data was not asked for yet asks for it into that chunk; any
-    /// other command runs.
-    fn chunk_freed_for(&mut self, slot: u16) {
+    /// Where `len` bytes of command `slot`'s data at `offset` go: the
+    /// chunk of the write's piece being fetched, or its heap memory. The
+    /// caller checked the range ([`Queue::check_h2c`], or the capsule's
+    /// length).
+    pub fn data_mut<'a>(&'a mut self, exec: &'a mut Executor, slot: u16, offset: u32, len: u32) -> &'a mut [u8] {
         let cmd = self.cmds[slot as usize].as_mut().expect("live command");
-        if !cmd.data_waits_for_chunk() {
-            self.run_io(slot);
-            return;
-        }
-        let Some(c) = self.engine.as_mut().and_then(|e| e.alloc()) else {
-            self.waiting_chunk.push_front(slot);
-            return;
-        };
-        cmd.buf = Buf::Chunk(c);
-        let (cid, len) = (cmd.sqe.cid, cmd.expect);
-        self.actions.push(Action::RequestData { cid, ttag: slot, len });
-    }
-
-    /// A chunk the transport finished sending.
-    pub fn sent(&mut self, c: ChunkId) {
-        self.give_back(c);
-    }
-
-    /// Where `len` bytes of command `slot`'s data at `offset` go. The
-    /// caller checked the range against what the command expects.
-    pub fn data_mut(&mut self, slot: u16, offset: u32, len: u32) -> &mut [u8] {
-        let cmd = self.cmds[slot as usize].as_mut().expect("live command");
-        let (o, n) = (offset as usize, len as usize);
-        match &mut cmd.buf {
-            Buf::Chunk(c) => &mut self.engine.as_mut().expect("engine").bytes_mut(*c)[o..o + n],
-            Buf::Heap(v) => &mut v[o..o + n],
-            Buf::None => panic!("command without a data buffer"),
+        match (&cmd.fetch, &mut cmd.buf) {
+            (Some(f), _) => {
+                let at = (offset - f.off) as usize;
+                &mut exec.bytes_mut(f.chunk)[at..at + len as usize]
+            }
+            (None, Some(v)) => &mut v[offset as usize..(offset + len) as usize],
+            (None, None) => panic!("command without a data buffer"),
         }
     }
 
@@ -497,54 +547,98 @@ impl Queue {
         if cmd.sqe.cid != cccid {
             return Err(H2cRefusal::WrongCommand);
         }
-        // A command waiting for a chunk has not asked.
-        if cmd.expect == 0
-            || cmd.received >= cmd.expect
-            || cmd.data_waits_for_chunk()
-            || matches!(cmd.sqe.sgl(), Ok(Sgl::InCapsule { .. }))
-        {
+        if matches!(cmd.sqe.sgl(), Ok(Sgl::InCapsule { .. })) {
             return Err(H2cRefusal::NotRequested);
         }
-        if offset != cmd.received || offset as u64 + len as u64 > cmd.expect as u64 {
+        let (start, end, received) = match (&cmd.fetch, &cmd.buf) {
+            (Some(f), _) => (f.off, f.off + f.len, f.received),
+            // Admin data asked for into heap memory.
+            (None, Some(_)) if cmd.received < cmd.expect => (0, cmd.expect, cmd.received),
+            // A write whose next piece waits for a chunk has not asked.
+            _ => return Err(H2cRefusal::NotRequested),
+        };
+        if offset != start + received || offset as u64 + len as u64 > end as u64 {
             return Err(H2cRefusal::OutOfRange);
         }
         Ok(ttag)
     }
 
     /// `len` more bytes of command `slot`'s data were placed; `last`: the
-    /// host says they were the last. Runs the command once all arrived.
-    pub fn data_placed(&mut self, slot: u16, len: u32, last: bool) -> Result<(), &'static str> {
+    /// host says they were the last of what was asked for (in-capsule data
+    /// arrives whole). Moves the command on once all arrived.
+    pub fn data_placed(&mut self, exec: &mut Executor, slot: u16, len: u32, last: bool) -> Result<(), &'static str> {
         let cmd = self.cmds[slot as usize].as_mut().expect("live command");
+        if let Some(f) = cmd.fetch.as_mut() {
+            f.received += len;
+            let done = f.received == f.len;
+            if last != done {
+                return Err(if last { "LAST_PDU before all data arrived" } else { "all data arrived without LAST_PDU" });
+            }
+            if done {
+                let chunk = f.chunk;
+                cmd.fetch = None;
+                exec.placed(chunk, true);
+                self.next_fetch(slot);
+            }
+            return Ok(());
+        }
         cmd.received += len;
         let done = cmd.received == cmd.expect;
         if last != done {
             return Err(if last { "LAST_PDU before all data arrived" } else { "all data arrived without LAST_PDU" });
         }
         if done {
-            self.execute(slot);
+            self.execute(exec, slot);
         }
         Ok(())
+    }
+
+    /// The data of the write's piece being fetched could not be had (an
+    /// RDMA READ failed): the command fails.
+    pub fn fetch_failed(&mut self, exec: &mut Executor, slot: u16) {
+        let Some(cmd) = self.cmds.get_mut(slot as usize).and_then(|c| c.as_mut()) else { return };
+        if let Some(f) = cmd.fetch.take() {
+            exec.placed(f.chunk, false);
+        }
     }
 
     /// A command's data digest was wrong: its data is thrown away and the
     /// command fails with Transient Transport Error, which the host retries
     /// (the connection goes on, as with SPDK's target and Linux nvmet).
-    pub fn data_corrupt(&mut self, slot: u16) {
+    pub fn data_corrupt(&mut self, exec: &mut Executor, slot: u16) {
+        let cmd = self.cmds[slot as usize].as_mut().expect("live command");
+        if let Some(id) = cmd.exec {
+            // Its piece goes back unwritten; the executor drops the rest.
+            if let Some(f) = cmd.fetch.take() {
+                exec.placed(f.chunk, false);
+            }
+            cmd.fetch_next.clear();
+            exec.abandon(id);
+        }
         self.respond_slot(slot, Status::TRANSIENT_TRANSPORT_ERROR, 0);
     }
 
+    /// Asks for the next piece of command `slot`'s data, if one waits.
+    fn next_fetch(&mut self, slot: u16) {
+        let cmd = self.cmds[slot as usize].as_mut().expect("live command");
+        if cmd.fetch.is_some() {
+            return;
+        }
+        let Some(f) = cmd.fetch_next.pop_front() else { return };
+        cmd.fetch = Some(f);
+        let cid = cmd.sqe.cid;
+        self.actions.push(Action::RequestData { cid, ttag: slot, off: f.off, len: f.len });
+    }
+
     /// Runs a command whose data (if any) has arrived.
-    fn execute(&mut self, slot: u16) {
+    fn execute(&mut self, exec: &mut Executor, slot: u16) {
         let cmd = self.cmds[slot as usize].as_mut().expect("live command");
         let sqe = cmd.sqe;
         if cmd.plan.is_some() {
-            self.run_io(slot);
+            self.submit_io(exec, slot);
             return;
         }
-        let data = match std::mem::replace(&mut cmd.buf, Buf::None) {
-            Buf::Heap(v) => v,
-            Buf::Chunk(_) | Buf::None => Vec::new(),
-        };
+        let data = cmd.buf.as_deref().unwrap_or(&[]).to_vec();
         let reply = if sqe.opcode == admin_opcode::FABRICS {
             fabrics_cmd::handle(self, &sqe, &data)
         } else if self.is_admin() {
@@ -560,6 +654,7 @@ impl Queue {
         match reply {
             // A notice may already be waiting for a request to carry it.
             Reply::Held => self.send_events(),
+            Reply::Fence => self.hold_connect(slot),
             Reply::Done { status, result } => self.respond_slot(slot, status, result),
             Reply::Data { data } => {
                 let sqe = self.cmds[slot as usize].as_ref().expect("live command").sqe;
@@ -575,7 +670,7 @@ impl Queue {
                 let then = self.completion(cid, Status::SUCCESS, 0);
                 let len = data.len() as u32;
                 let to = sqe.sgl().expect("checked on arrival");
-                self.actions.push(Action::SendData { cid, buf: Buf::Heap(data), len, to, then });
+                self.actions.push(Action::SendData { cid, buf: Buf::Heap(data), off: 0, len, to, then: Some(then) });
             }
         }
     }
@@ -587,165 +682,200 @@ impl Queue {
         }
     }
 
-    /// Starts (or continues, once a chunk is free) an I/O command's engine work.
-    fn run_io(&mut self, slot: u16) {
-        let Some(engine) = self.engine.as_mut() else { return };
+    // ---------------------------------------------------------------- the fence
+
+    /// Holds the Connect in `slot` until the fence lets it through: its
+    /// deadline and barrier are those of its first try.
+    fn hold_connect(&mut self, slot: u16) {
+        let held = *self.held_connect.get_or_insert_with(|| {
+            let mut turns = [0; MAX_BARRIER_REACTORS];
+            for (t, r) in turns.iter_mut().zip(self.sub.registry.turns()) {
+                *t = r;
+            }
+            HeldConnect { slot, deadline: Instant::now() + self.sub.cfg.fence_timeout, turns }
+        });
+        if !self.barrier_passed(&held) {
+            // Every reactor turns (and so looks at its sockets) for it.
+            self.sub.registry.wake_reactors();
+        }
+    }
+
+    /// Whether every reactor turned twice since the Connect came: each has
+    /// then handled what its sockets had before (an old connection's
+    /// reset among it).
+    fn barrier_passed(&self, h: &HeldConnect) -> bool {
+        self.sub.registry.turns().zip(h.turns).all(|(now, then)| now >= then + 2)
+    }
+
+    /// The deadline of a Connect the fence holds.
+    pub fn connect_deadline(&self) -> Option<Instant> {
+        self.held_connect.map(|h| h.deadline)
+    }
+
+    /// Tries a held Connect again (each turn of the transport): answered
+    /// now, or held on.
+    pub fn retry_connect(&mut self, exec: &mut Executor) {
+        let Some(h) = self.held_connect else { return };
+        self.execute(exec, h.slot);
+        if self.cmds[h.slot as usize].is_none() {
+            self.held_connect = None;
+        }
+    }
+
+    /// The fence, for an admin Connect of `host_nqn`: whether it must wait,
+    /// may go on, or waited in vain (the deadline passed with an old
+    /// association still busy). It waits while a torn-down controller of
+    /// the host still has queues (and so possibly disk writes) left. When
+    /// the host has other controllers that are not torn down, it also
+    /// waits until every reactor has turned twice: a reset of an old
+    /// association's connections that came before this Connect is then
+    /// seen, and its controller torn down, before the answer. (A host may
+    /// also keep several live controllers, one per path: those stay.)
+    pub fn fence(&self, host_nqn: &str) -> Fence {
+        let (live, busy) = self.sub.controllers_of(host_nqn);
+        let Some(h) = self.held_connect else { return if live > 0 || busy { Fence::Wait } else { Fence::Go } };
+        let before_deadline = Instant::now() < h.deadline;
+        match (self.barrier_passed(&h), busy) {
+            (false, _) if before_deadline => Fence::Wait,
+            (_, false) => Fence::Go,
+            (_, true) if before_deadline => Fence::Wait,
+            (_, true) => Fence::GaveUp,
+        }
+    }
+
+    // ---------------------------------------------------------------- I/O
+
+    /// Hands an I/O command to the executor.
+    fn submit_io(&mut self, exec: &mut Executor, slot: u16) {
         let cmd = self.cmds[slot as usize].as_mut().expect("live command");
         let plan = cmd.plan.clone().expect("planned");
-        let tag = slot as u64;
-        if plan.uses_chunk() && !matches!(cmd.buf, Buf::Chunk(_)) {
-            let Some(c) = engine.alloc() else {
-                self.waiting_chunk.push_back(slot);
-                return;
-            };
-            if let Buf::Heap(v) = &cmd.buf {
-                engine.bytes_mut(c)[..v.len()].copy_from_slice(v);
-            }
-            cmd.buf = Buf::Chunk(c);
-        }
-        let r = match &plan {
-            IoPlan::Read { ns, offset, len } => {
-                let Buf::Chunk(c) = cmd.buf else { unreachable!("a chunk was taken above") };
-                engine.read(&ns.volume, c, *len, *offset, tag).map(|()| cmd.pending_ops = 1)
-            }
-            IoPlan::Write { ns, offset, len, fua } => {
-                let Buf::Chunk(c) = cmd.buf else { unreachable!("a chunk was taken above") };
-                ns.volume.writes.bump(*offset, *len as u64);
-                cmd.written = ByteRanges::One((*offset, *len as u64));
-                engine.write(&ns.volume, c, *len, *offset, *fua, tag).map(|()| cmd.pending_ops = 1)
-            }
-            IoPlan::Flush { ns } => engine.flush(&ns.volume, tag).map(|()| cmd.pending_ops = 1),
-            IoPlan::Range { ns, op, ranges } => submit_ranges(engine, cmd, ns, *op, ranges.clone(), tag),
-            IoPlan::Deallocate { ns, op, ranges: count } => {
+        let ns = plan.namespace();
+        let Some(vslot) = exec.slot_of_id(ns.volume.id).filter(|&v| exec.usable(v)) else {
+            tracing::error!("nvme queue {:?}: namespace {}: its volume is not served by this reactor", self.qid(), ns.nsid);
+            return self.respond_slot(slot, Status::INTERNAL_ERROR, 0);
+        };
+        let (op, offset, len, metric) = match &plan {
+            IoPlan::Read { offset, len, .. } => (exec::Op::Read, *offset, *len, Opcode::Read),
+            IoPlan::Write { offset, len, fua, .. } => (exec::Op::Write { fua: *fua }, *offset, *len, Opcode::Write),
+            IoPlan::Flush { .. } => (exec::Op::Flush, 0, 0, Opcode::Flush),
+            IoPlan::Range { op, ranges, .. } => (exec::Op::Range { op: *op, ranges: ranges.clone() }, 0, 0, Opcode::WriteZeroes),
+            IoPlan::Deallocate { op, ranges: count, .. } => {
                 let ranges = match &cmd.buf {
-                    Buf::Heap(v) => io_cmd::dsm_ranges(v, *count, ns),
-                    _ => Err(Error::new(ErrorKind::Internal, "DSM ranges not in heap memory")),
+                    Some(v) => io_cmd::dsm_ranges(v, *count, ns),
+                    None => Err(Error::new(ErrorKind::Internal, "DSM ranges not in heap memory")),
                 };
                 match ranges {
-                    Err(e) => {
-                        self.record_io(slot, false);
-                        self.finish(slot, Reply::error(&e));
-                        return;
-                    }
-                    Ok(ranges) if ranges.is_empty() => {
-                        self.record_io(slot, true);
-                        self.finish(slot, Reply::ok());
-                        return;
-                    }
-                    Ok(ranges) => submit_ranges(engine, cmd, ns, *op, ByteRanges::Many(ranges), tag),
+                    Err(e) => return self.respond_slot(slot, e.nvme_status(false), 0),
+                    Ok(r) if r.is_empty() => return self.respond_slot(slot, Status::SUCCESS, 0),
+                    Ok(r) => (exec::Op::Range { op: *op, ranges: ByteRanges::Many(r) }, 0, 0, Opcode::Discard),
                 }
             }
         };
-        if let Err(e) = r {
-            tracing::error!("nvme queue {:?}: engine: {e}", self.qid());
-            let cmd = self.cmds[slot as usize].as_mut().expect("live command");
-            cmd.failed = Some(Status::INTERNAL_ERROR);
-            // Nothing of it reached the engine: nothing will complete it.
-            if cmd.pending_ops == 0 {
-                self.io_done(slot);
-            }
-        }
-    }
-
-    /// Reaps the engine and turns finished operations into answers.
-    pub fn reap(&mut self) -> usize {
-        let Some(mut engine) = self.engine.take() else { return 0 };
-        // Into the kept buffer: taken out meanwhile, as `op_done` needs the
-        // whole queue.
-        let mut done = std::mem::take(&mut self.reaped);
-        let n = engine.reap(|tag, res| done.push((tag, res)));
-        self.engine = Some(engine);
-        for &(tag, res) in &done {
-            self.op_done(tag as u16, res);
-        }
-        done.clear();
-        self.reaped = done;
-        n
-    }
-
-    fn op_done(&mut self, slot: u16, res: i32) {
-        let qid = self.qid();
-        let Some(cmd) = self.cmds.get_mut(slot as usize).and_then(|c| c.as_mut()) else { return };
-        cmd.pending_ops = cmd.pending_ops.saturating_sub(1);
-        let plan = cmd.plan.clone().expect("an engine operation belongs to an I/O command");
-        if res < 0 && cmd.failed.is_none() {
-            let reading = matches!(plan, IoPlan::Read { .. });
-            let e = Error::new(ErrorKind::DeviceIo(-res), format!("{}: errno {}", plan.name(), -res));
-            tracing::warn!("nvme queue {:?}: {} of namespace {} failed: {e}", qid, plan.name(), plan.nsid());
-            cmd.failed = Some(e.nvme_status(reading));
-        }
-        if cmd.pending_ops == 0 {
-            self.io_done(slot);
-        }
-    }
-
-    /// Counts a finished I/O command in its volume's metrics.
-    fn record_io(&self, slot: u16, ok: bool) {
-        let cmd = self.cmds[slot as usize].as_ref().expect("live command");
-        let Some(plan) = &cmd.plan else { return };
-        let (op, bytes) = match plan {
-            IoPlan::Read { len, .. } => (Opcode::Read, *len as u64),
-            IoPlan::Write { len, .. } => (Opcode::Write, *len as u64),
-            IoPlan::Flush { .. } => (Opcode::Flush, 0),
-            IoPlan::Range { .. } => (Opcode::WriteZeroes, cmd.written.iter().map(|r| r.1).sum()),
-            IoPlan::Deallocate { .. } => (Opcode::Discard, cmd.written.iter().map(|r| r.1).sum()),
+        let req = Request {
+            op,
+            vslot,
+            offset,
+            len,
+            metric: crate::metrics::op_index(metric).map(|i| i as u8),
+            start: self.now,
+            timed: crate::metrics::clock_is_cheap(),
+            accounts: self.accounts(),
+            hold_key: None,
         };
-        let i = crate::metrics::op_index(op).expect("an I/O opcode");
-        plan.namespace().volume.stats.shared().ops[i].record_shared(bytes, ok, cmd.started.map(|t| t.elapsed()));
+        let owner = Owner { transport: self.owner.0, tag: (self.owner.1 as u32) << 16 | slot as u32 };
+        match exec.submit(owner, req) {
+            Some(id) => {
+                self.exec_live += 1;
+                self.cmds[slot as usize].as_mut().expect("live command").exec = Some(id);
+            }
+            None => self.respond_slot(slot, Status::INTERNAL_ERROR, 0),
+        }
     }
 
-    /// An I/O command has nothing left in the engine: its written ranges'
-    /// epochs move again and it is answered.
-    fn io_done(&mut self, slot: u16) {
-        self.record_io(slot, self.cmds[slot as usize].as_ref().is_some_and(|c| c.failed.is_none()));
-        let cmd = self.cmds[slot as usize].as_mut().expect("live command");
-        let plan = cmd.plan.clone().expect("an I/O command");
-        for &(offset, len) in cmd.written.iter() {
-            plan.namespace().volume.writes.bump(offset, len);
-        }
-        let cid = cmd.sqe.cid;
-        match (cmd.failed, &plan) {
-            (None, IoPlan::Read { len, .. }) => {
-                let len = *len;
-                NvmeStats::add(&self.sub.stats.bytes_read, len as u64);
-                let buf = std::mem::replace(&mut cmd.buf, Buf::None);
-                let to = cmd.sqe.sgl().expect("checked on arrival");
-                let then = self.completion(cid, Status::SUCCESS, 0);
-                self.release_slot(slot);
-                self.actions.push(Action::SendData { cid, buf, len, to, then });
+    /// The pool accounts this queue's commands are charged to: its
+    /// controller's (as a v1 session's) and its host's (the peer's address).
+    fn accounts(&self) -> Accounts {
+        let controller = self.conn.as_ref().and_then(|c| c.ctrl.pool_account(self.reactor)).cloned();
+        [controller, self.host_account.clone()]
+    }
+
+    /// The executor's news of one of this queue's commands (tag's slot).
+    pub fn exec_event(&mut self, exec: &mut Executor, slot: u16, id: CmdId, ev: Event) {
+        let live = self.cmds.get(slot as usize).and_then(|c| c.as_ref()).is_some_and(|c| c.exec == Some(id));
+        if !live {
+            // The command was answered (a read with its last piece) or
+            // given up with its connection: give back what it lends.
+            match ev {
+                Event::Read { chunk, .. } | Event::Buffer { chunk } => exec.sent(chunk),
+                Event::Fetch { chunk, .. } => exec.placed(chunk, false),
+                Event::Done { .. } => self.exec_live -= 1,
             }
-            (failed, _) => {
-                if let (None, IoPlan::Write { len, .. }) = (failed, &plan) {
-                    NvmeStats::add(&self.sub.stats.bytes_written, *len as u64);
+            return;
+        }
+        match ev {
+            Event::Read { chunk, off, len, zero, last } => {
+                let cmd = self.cmds[slot as usize].as_ref().expect("live command");
+                let (cid, to) = (cmd.sqe.cid, cmd.sqe.sgl().expect("checked on arrival"));
+                let total = cmd.plan.as_ref().map_or(0, |p| if let IoPlan::Read { len, .. } = p { *len } else { 0 });
+                let buf = if zero { Buf::Zero(chunk) } else { Buf::Chunk(chunk) };
+                let then = if last {
+                    NvmeStats::add(&self.sub.stats.bytes_read, total as u64);
+                    Some(self.completion(cid, Status::SUCCESS, 0))
+                } else {
+                    None
+                };
+                if then.is_some() {
+                    // Answered: the slot and command id are free again;
+                    // the executor's part ends when this chunk is back.
+                    self.release_slot(slot);
                 }
-                self.respond_slot(slot, failed.unwrap_or(Status::SUCCESS), 0);
+                self.actions.push(Action::SendData { cid, buf, off, len, to, then });
+            }
+            Event::Fetch { chunk, off, len } => {
+                let cmd = self.cmds[slot as usize].as_mut().expect("live command");
+                if let Some(staged) = &cmd.buf {
+                    // In-capsule data, staged: copied into the chunk.
+                    exec.bytes_mut(chunk)[..len as usize].copy_from_slice(&staged[off as usize..(off + len) as usize]);
+                    exec.placed(chunk, true);
+                    return;
+                }
+                cmd.fetch_next.push_back(Fetch { chunk, off, len, received: 0 });
+                self.next_fetch(slot);
+            }
+            Event::Buffer { chunk } => exec.sent(chunk),
+            Event::Done { result, .. } => {
+                self.exec_live -= 1;
+                let cmd = self.cmds[slot as usize].as_mut().expect("live command");
+                cmd.exec = None;
+                let plan = cmd.plan.clone().expect("an I/O command");
+                let status = match result {
+                    Ok(()) => {
+                        if let IoPlan::Write { len, .. } = plan {
+                            NvmeStats::add(&self.sub.stats.bytes_written, len as u64);
+                        }
+                        Status::SUCCESS
+                    }
+                    Err(k) => {
+                        let reading = matches!(plan, IoPlan::Read { .. });
+                        if let ErrorKind::DeviceIo(errno) = k {
+                            tracing::warn!(
+                                "nvme queue {:?}: {} of namespace {} failed: errno {errno}",
+                                self.qid(),
+                                plan.name(),
+                                plan.nsid()
+                            );
+                        }
+                        Error::new(k, "").nvme_status(reading)
+                    }
+                };
+                self.respond_slot(slot, status, 0);
             }
         }
     }
 
-    /// Whether disk operations are still in flight.
-    pub fn busy(&self) -> bool {
-        self.engine.as_ref().is_some_and(|e| e.inflight() > 0)
-    }
+    // ---------------------------------------------------------------- admin queue
 
-    /// Makes this an I/O queue's engine (at its Connect).
-    pub fn start_engine(&mut self, qid: u16) -> crate::Result<()> {
-        let chunks = QUEUE_CHUNKS.min(self.sq_entries.max(1));
-        let entries = (self.sq_entries.max(8)).next_power_of_two();
-        let pool = Pool::new(chunks as usize * MAX_TRANSFER as usize, MAX_TRANSFER as usize);
-        let opts = UringOptions {
-            entries,
-            file_slots: QUEUE_FILE_SLOTS,
-            wake_fd: self.wake_fd,
-            socket_fd: self.socket_fd.map(|s| s.0),
-            recv_buffer: self.socket_fd.map_or(0, |s| s.1),
-            ..UringOptions::default()
-        };
-        self.engine = Some(BlockEngine::new(pool, opts, 1000 + qid as usize)?);
-        Ok(())
-    }
-
-    /// Admin queue, every turn: keep-alive expiry and namespace changes.
+    /// Admin queue, at each check: keep-alive expiry and namespace changes.
     pub fn tick(&mut self, now: Instant) {
         let Some(conn) = &self.conn else { return };
         if conn.qid != 0 || conn.ctrl.discovery {
@@ -756,7 +886,7 @@ impl Queue {
             if now >= due {
                 let kato = ctrl.state.lock().unwrap_or_else(|e| e.into_inner()).kato_ms;
                 NvmeStats::add(&self.sub.stats.keep_alive_timeouts, 1);
-                ctrl.tear_down(&CloseReason::fault(format!("no keep-alive within {kato} ms")));
+                ctrl.tear_down(&self.sub, &CloseReason::fault(format!("no keep-alive within {kato} ms")));
                 self.actions.push(Action::Close(CloseReason::fault("keep-alive timeout")));
                 return;
             }
@@ -814,82 +944,36 @@ impl Queue {
         self.answer_held(cid, Status::SUCCESS, 0x0004_0002);
     }
 
-    /// Drops every command (the connection is closing).
-    pub fn drop_commands(&mut self) {
+    // ---------------------------------------------------------------- closing
+
+    /// The connection is gone (the transport stopped using it): every
+    /// command is dropped, and what waits for the executor is abandoned
+    /// there (what reached the disk runs to its end). The queue leaves its
+    /// controller with [`Queue::leave`] once [`Queue::exec_live`] is 0.
+    pub fn drop_commands(&mut self, exec: &mut Executor) {
         for slot in 0..self.cmds.len() as u16 {
-            let pending = self.cmds[slot as usize].as_ref().is_some_and(|c| c.pending_ops > 0);
-            if self.cmds[slot as usize].is_some() && !pending {
-                self.release_slot(slot);
+            let Some(cmd) = self.cmds[slot as usize].as_mut() else { continue };
+            if let Some(f) = cmd.fetch.take() {
+                exec.placed(f.chunk, false);
             }
+            for f in std::mem::take(&mut cmd.fetch_next) {
+                exec.placed(f.chunk, false);
+            }
+            if let Some(id) = cmd.exec {
+                exec.abandon(id);
+            }
+            self.release_slot(slot);
         }
-        self.waiting_chunk.clear();
+        self.aers.clear();
+        self.held_connect = None;
     }
 
-    /// Before a queue thread sleeps, whatever its transport: how long it
-    /// may (the handshake's deadline before Connect, the keep-alive's and
-    /// the namespace checks' on the admin queue; an I/O queue has no
-    /// deadline and reads no clock, which on some virtual machines is a
-    /// system call), or why the queue must close now (its association
-    /// was torn down, the target is stopping, no Connect came in time).
-    pub fn sleep_limit(&self, handshake_due: Instant) -> Result<Option<Duration>, String> {
-        let Some(conn) = &self.conn else {
-            if self.stopping() {
-                return Err("the target is stopping".into());
-            }
-            let now = Instant::now();
-            if now >= handshake_due {
-                return Err(format!("no Connect within {:?}", self.sub.cfg.handshake_timeout));
-            }
-            return Ok(Some(handshake_due.saturating_duration_since(now).min(ADMIN_TICK)));
-        };
-        if conn.ctrl.is_dead() {
-            return Err("the controller was torn down".into());
-        }
-        if conn.qid != 0 {
-            return Ok(None);
-        }
-        let ka = self.keep_alive_due.map_or(ADMIN_TICK, |d| d.saturating_duration_since(Instant::now()));
-        Ok(Some(ka.min(ADMIN_TICK)))
-    }
-
-    /// The descriptors a queue thread watches once they exist: the
-    /// engine's (its ring's eventfd, its blocking worker's) and, on the
-    /// admin queue, the controller's wake-up.
-    /// An iterator, not a list: the transports ask every turn.
-    pub fn wake_sources(&self) -> impl Iterator<Item = (std::os::fd::RawFd, WakeSource)> + '_ {
-        let engine = self.engine.iter().flat_map(|e| e.wait_fds().map(|fd| (fd, WakeSource::Engine)));
-        let controller = self.conn.as_ref().filter(|c| c.qid == 0).map(|c| (c.ctrl.wake.fd(), WakeSource::Controller));
-        engine.chain(controller)
-    }
-
-    /// Consumes the wake-up of `source` after it fired.
-    pub fn woken_by(&mut self, source: WakeSource) {
-        match source {
-            WakeSource::Engine => {
-                if let Some(e) = self.engine.as_mut() {
-                    e.clear_wake();
-                }
-            }
-            WakeSource::Controller => {
-                if let Some(c) = &self.conn {
-                    c.ctrl.wake.drain();
-                }
-            }
-        }
-    }
-
-    /// The connection is gone (the transport stopped using it): drops the
-    /// queued commands, waits for the disk operations (only then is the
-    /// queue out of the fence) and leaves the controller; the admin queue
-    /// closing ends the association.
-    pub fn close(&mut self, why: &CloseReason) {
-        self.drop_commands();
-        let started = Instant::now();
-        while self.busy() && started.elapsed() < Duration::from_secs(60) {
-            self.reap();
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        drop(self.engine.take());
+    /// Leaves the controller (after [`Queue::drop_commands`] and once no
+    /// executor command of the queue is left): the admin queue leaving
+    /// ends the association; the controller is forgotten with its last
+    /// queue, which lets a fence waiting for it go on.
+    pub fn leave(&mut self, why: &CloseReason) {
+        debug_assert_eq!(self.exec_live, 0, "a queue leaves with executor commands in flight");
         let Some(conn) = self.conn.take() else {
             tracing::debug!("{} {}: closed before Connect: {why}", self.transport.scheme(), self.peer);
             return;
@@ -897,7 +981,7 @@ impl Queue {
         self.sub.stats.queues.fetch_sub(1, Ordering::Relaxed);
         let ctrl = conn.ctrl;
         if conn.qid == 0 {
-            ctrl.tear_down(&why.map(|w| format!("admin queue closed: {w}")));
+            ctrl.tear_down(&self.sub, &why.map(|w| format!("admin queue closed: {w}")));
         } else {
             ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).remove(conn.qid);
             tracing::debug!("nvme controller {} queue {} closed: {why}", ctrl.id, conn.qid);
@@ -913,29 +997,11 @@ impl Queue {
     }
 }
 
-/// Starts a command's deallocate or zeroing ranges, each its own engine
-/// operation tagged `tag`, moving their write epochs first.
-fn submit_ranges(
-    engine: &mut BlockEngine,
-    cmd: &mut Cmd,
-    ns: &Namespace,
-    op: crate::backend::RangeOp,
-    ranges: ByteRanges,
-    tag: u64,
-) -> crate::Result<()> {
-    let mut r = Ok(());
-    for &(offset, len) in ranges.iter() {
-        ns.volume.writes.bump(offset, len);
-        match engine.range(&ns.volume, op, offset, len, tag) {
-            Ok(()) => cmd.pending_ops += 1,
-            Err(e) => {
-                r = Err(e);
-                break;
-            }
-        }
-    }
-    cmd.written = ranges;
-    r
+/// Whether a command's SGL (bytes 24..40) names no data: its length field
+/// (bytes 8..12 of the descriptor, whatever its type) is 0, as when the
+/// bytes are all zero. Linux nvmet maps no data for such a descriptor.
+fn sgl_bytes_name_no_data(sqe: &SubmissionEntry) -> bool {
+    sqe.dptr[8..12] == [0; 4]
 }
 
 /// The data direction of a command: bits 1:0 of its opcode (of FCTYPE for
@@ -958,6 +1024,7 @@ mod tests {
     use crate::backend::{open_volumes, VolumeSet};
     use crate::config::Config;
     use crate::session::Registry;
+    use crate::nvmf::MAX_TRANSFER;
 
     const HOST: &str = "nqn.2014-08.org.example:host";
 
@@ -974,25 +1041,52 @@ mod tests {
 
     fn queue(sub: &Arc<Subsystem>) -> Queue {
         let a = "127.0.0.1:4420".parse().unwrap();
-        Queue::new(Arc::clone(sub), NvmeTransport::Tcp, 1, a, a)
+        let mut q = Queue::new(Arc::clone(sub), NvmeTransport::Tcp, 1, a, a);
+        q.place(0, 1, 7, None);
+        q
+    }
+
+    /// An executor of 32 chunks of 128 KiB for the queues of `sub`.
+    fn executor(sub: &Arc<Subsystem>) -> Executor {
+        Executor::standalone(Arc::clone(&sub.registry), 32 * MAX_TRANSFER as usize, MAX_TRANSFER as usize).unwrap()
+    }
+
+    thread_local! {
+        /// The executor of tests that run only admin commands.
+        static ADMIN_EXEC: std::cell::RefCell<Option<Executor>> = const { std::cell::RefCell::new(None) };
     }
 
     /// Runs one command (with its data, if any) and returns what it answered.
-    fn run(q: &mut Queue, mut sqe: SubmissionEntry, data: &[u8]) -> Vec<Action> {
+    fn run(q: &mut Queue, sqe: SubmissionEntry, data: &[u8]) -> Vec<Action> {
+        ADMIN_EXEC.with_borrow_mut(|e| {
+            let exec = e.get_or_insert_with(|| executor(&q.sub));
+            run_on(q, exec, sqe, data)
+        })
+    }
+
+    /// [`run`] on a given executor.
+    fn run_on(q: &mut Queue, exec: &mut Executor, mut sqe: SubmissionEntry, data: &[u8]) -> Vec<Action> {
         if !data.is_empty() {
             sqe.set_sgl(Sgl::InCapsule { offset: 0, length: data.len() as u32 });
         }
-        if let Some(slot) = q.command(sqe, data.len() as u32) {
-            q.data_mut(slot, 0, data.len() as u32).copy_from_slice(data);
-            q.data_placed(slot, data.len() as u32, true).unwrap();
+        if let Some(slot) = q.command(exec, sqe, data.len() as u32) {
+            q.data_mut(exec, slot, 0, data.len() as u32).copy_from_slice(data);
+            q.data_placed(exec, slot, data.len() as u32, true).unwrap();
         }
         std::mem::take(&mut q.actions)
+    }
+
+    /// Hands the executor's news to the queue (as the reactor does).
+    fn dispatch(q: &mut Queue, exec: &mut Executor) {
+        while let Some((owner, id, ev)) = exec.pop_event() {
+            q.exec_event(exec, Queue::slot_of_tag(owner.tag), id, ev);
+        }
     }
 
     fn status(actions: &[Action]) -> (Status, u64) {
         match actions.last() {
             Some(Action::Respond(c, _)) => (c.status, c.result),
-            Some(Action::SendData { then, .. }) => (then.status, then.result),
+            Some(Action::SendData { then: Some(then), .. }) => (then.status, then.result),
             other => panic!("no answer: {other:?}"),
         }
     }
@@ -1191,20 +1285,18 @@ mod tests {
     fn io_queue_sized(sub: &Arc<Subsystem>, sqsize: u16) -> (Queue, Queue) {
         let (admin, cntlid) = admin_of_controller(sub);
         let mut q = queue(sub);
-        // The controller keeps a handle on each I/O queue's socket (for its teardown).
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        q.closer = Some(QueueCloser::Tcp(std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap()));
         assert_eq!(connect_queue_sized(&mut q, &sub.nqn.clone(), 1, cntlid, 0, sqsize).0, Status::SUCCESS);
-        assert!(q.engine.is_some(), "an I/O queue has an engine");
         (admin, q)
     }
 
-    /// Submits and reaps until the queue answers something.
-    fn reap_until_answered(q: &mut Queue) -> Vec<Action> {
+    /// Submits, reaps and hands the news to the queue until it answers something.
+    fn reap_until_answered(q: &mut Queue, exec: &mut Executor) -> Vec<Action> {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            q.engine.as_mut().expect("engine").submit().unwrap();
-            q.reap();
+            exec.engine_mut().submit().unwrap();
+            exec.reap();
+            exec.pump_waitq();
+            dispatch(q, exec);
             if !q.actions.is_empty() {
                 return std::mem::take(&mut q.actions);
             }
@@ -1218,19 +1310,21 @@ mod tests {
         use rdmablk_common::nvme::sqe::io_opcode;
         let (sub, _) = subsystem(&["v"]);
         let (_admin, mut q) = io_queue(&sub);
+        let mut exec = executor(&sub);
         let block: Vec<u8> = (0..512u32).map(|i| i as u8).collect();
         // Driven as a transport does: a command, then turns of submitting
         // and reaping until the answers come, taken and handed back.
-        let turn = |q: &mut Queue, sqe: SubmissionEntry, data: &[u8]| -> Action {
-            if let Some(slot) = q.command(sqe, data.len() as u32) {
-                q.data_mut(slot, 0, data.len() as u32).copy_from_slice(data);
-                q.data_placed(slot, data.len() as u32, true).unwrap();
+        let turn = |q: &mut Queue, exec: &mut Executor, sqe: SubmissionEntry, data: &[u8]| -> Action {
+            if let Some(slot) = q.command(exec, sqe, data.len() as u32) {
+                q.data_mut(exec, slot, 0, data.len() as u32).copy_from_slice(data);
+                q.data_placed(exec, slot, data.len() as u32, true).unwrap();
             }
             let deadline = Instant::now() + Duration::from_secs(10);
             while q.actions.is_empty() {
                 assert!(Instant::now() < deadline, "no answer within 10 s");
-                q.engine.as_mut().expect("engine").submit().unwrap();
-                q.reap();
+                exec.engine_mut().submit().unwrap();
+                exec.reap();
+                dispatch(q, exec);
             }
             let mut batch = q.take_actions();
             assert_eq!(batch.len(), 1, "{batch:?}");
@@ -1240,47 +1334,50 @@ mod tests {
         };
         for round in 0..3u16 {
             if round > 0 {
-                // Both action buffers and the reaped list kept what they
-                // grew to: the next answer and completion allocate nothing.
+                // Both action buffers kept what they grew to: the next
+                // answer allocates nothing.
                 assert!(q.actions.capacity() > 0 && q.spare_actions.capacity() > 0, "round {round}");
-                assert!(q.reaped.capacity() > 0, "round {round}");
+                assert!(!q.spare_bufs.is_empty(), "round {round}: the in-capsule staging buffer is kept");
             }
             let mut write = SubmissionEntry::new(io_opcode::WRITE, 40 + 2 * round);
             write.nsid = 1;
             write.set_rw(8, 1, false);
             write.set_sgl(Sgl::InCapsule { offset: 0, length: 512 });
-            let a = turn(&mut q, write, &block);
+            let a = turn(&mut q, &mut exec, write, &block);
             assert!(matches!(a, Action::Respond(c, _) if c.status == Status::SUCCESS), "{a:?}");
             let mut read = SubmissionEntry::new(io_opcode::READ, 41 + 2 * round);
             read.nsid = 1;
             read.set_rw(8, 1, false);
             read.set_sgl(Sgl::Transport { length: 512 });
-            match turn(&mut q, read, &[]) {
-                Action::SendData { buf: Buf::Chunk(c), len: 512, then, .. } => {
+            match turn(&mut q, &mut exec, read, &[]) {
+                Action::SendData { buf: Buf::Chunk(c), off: 0, len: 512, then: Some(then), .. } => {
                     assert_eq!(then.status, Status::SUCCESS);
-                    assert_eq!(&q.engine.as_ref().expect("engine").bytes(c)[..512], &block[..]);
-                    q.sent(c);
+                    assert_eq!(&exec.bytes(c)[..512], &block[..]);
+                    exec.sent(c);
+                    dispatch(&mut q, &mut exec);
                 }
                 other => panic!("round {round}: {other:?}"),
             }
+            assert_eq!(q.exec_live(), 0, "round {round}: the read's executor part ended with its chunk");
         }
     }
 
     #[test]
     fn a_write_that_finds_every_chunk_in_use_asks_for_its_data_only_when_one_frees() {
         use rdmablk_common::nvme::sqe::io_opcode;
+        const CHUNKS: u16 = 32;
         let (sub, _) = subsystem(&["v"]);
-        // 64 entries: more than the queue's 32 chunks.
+        // 64 entries: more than the executor's 32 chunks.
         let (_admin, mut q) = io_queue_sized(&sub, 63);
+        let mut exec = executor(&sub);
         assert_eq!(q.sq_entries, 64);
-        // Reads take every chunk of the queue (their disk work is queued,
-        // not yet submitted).
-        for cid in 0..QUEUE_CHUNKS as u16 {
+        // Reads take every chunk (their disk work is queued, not yet submitted).
+        for cid in 0..CHUNKS {
             let mut read = SubmissionEntry::new(io_opcode::READ, 100 + cid);
             read.nsid = 1;
             read.set_rw(cid as u64, 1, false);
             read.set_sgl(Sgl::Transport { length: 512 });
-            assert_eq!(q.command(read, 0), None);
+            assert_eq!(q.command(&mut exec, read, 0), None);
         }
         // A write whose data the host sends when asked (R2T): no chunk is
         // free, so it is not asked for, and none is accepted unasked.
@@ -1288,7 +1385,8 @@ mod tests {
         write.nsid = 1;
         write.set_rw(900, 1, false);
         write.set_sgl(Sgl::Transport { length: 512 });
-        assert_eq!(q.command(write, 0), None);
+        assert_eq!(q.command(&mut exec, write, 0), None);
+        dispatch(&mut q, &mut exec);
         assert!(q.actions.is_empty(), "asked for data with every chunk in use: {:?}", q.actions);
         for ttag in 0..64 {
             assert!(q.check_h2c(ttag, 7, 0, 512).is_err(), "data for the waiting write accepted under tag {ttag}");
@@ -1296,37 +1394,40 @@ mod tests {
         // The reads finish; the first chunk sent back goes to the write.
         let mut sent = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(10);
-        while sent.len() < QUEUE_CHUNKS as usize {
-            assert!(Instant::now() < deadline, "reads unanswered after 10 s: {} of {QUEUE_CHUNKS}", sent.len());
-            for a in reap_until_answered(&mut q) {
+        while sent.len() < CHUNKS as usize {
+            assert!(Instant::now() < deadline, "reads unanswered after 10 s: {} of {CHUNKS}", sent.len());
+            for a in reap_until_answered(&mut q, &mut exec) {
                 match a {
-                    Action::SendData { buf: Buf::Chunk(c), then, .. } if then.status == Status::SUCCESS => sent.push(c),
+                    Action::SendData { buf: Buf::Chunk(c), then: Some(then), .. } if then.status == Status::SUCCESS => sent.push(c),
                     other => panic!("a read answered {other:?}"),
                 }
             }
         }
         assert!(q.actions.is_empty(), "{:?}", q.actions);
-        q.sent(sent.pop().unwrap());
+        exec.sent(sent.pop().unwrap());
+        exec.pump_waitq();
+        dispatch(&mut q, &mut exec);
         let ttag = match std::mem::take(&mut q.actions).as_slice() {
-            [Action::RequestData { cid: 7, ttag, len: 512 }] => *ttag,
+            [Action::RequestData { cid: 7, ttag, off: 0, len: 512 }] => *ttag,
             other => panic!("the write's data was not asked for when a chunk freed: {other:?}"),
         };
-        assert!(q.data_chunk(ttag).is_some(), "the write's data goes to the chunk that freed");
+        assert!(q.fetch_target(ttag).is_some(), "the write's data goes to the chunk that freed");
         let block = [0x5au8; 512];
         assert_eq!(q.check_h2c(ttag, 7, 0, 512), Ok(ttag));
-        q.data_mut(ttag, 0, 512).copy_from_slice(&block);
-        q.data_placed(ttag, 512, true).unwrap();
-        assert_eq!(status(&reap_until_answered(&mut q)).0, Status::SUCCESS);
+        q.data_mut(&mut exec, ttag, 0, 512).copy_from_slice(&block);
+        q.data_placed(&mut exec, ttag, 512, true).unwrap();
+        assert_eq!(status(&reap_until_answered(&mut q, &mut exec)).0, Status::SUCCESS);
         for c in sent {
-            q.sent(c);
+            exec.sent(c);
         }
+        dispatch(&mut q, &mut exec);
         let mut read = SubmissionEntry::new(io_opcode::READ, 8);
         read.nsid = 1;
         read.set_rw(900, 1, false);
         read.set_sgl(Sgl::Transport { length: 512 });
-        assert_eq!(q.command(read, 0), None);
-        match reap_until_answered(&mut q).as_slice() {
-            [Action::SendData { buf: Buf::Chunk(c), .. }] => assert_eq!(&q.engine.as_ref().expect("engine").bytes(*c)[..512], &block[..]),
+        assert_eq!(q.command(&mut exec, read, 0), None);
+        match reap_until_answered(&mut q, &mut exec).as_slice() {
+            [Action::SendData { buf: Buf::Chunk(c), .. }] => assert_eq!(&exec.bytes(*c)[..512], &block[..]),
             other => panic!("{other:?}"),
         }
     }
@@ -1336,6 +1437,7 @@ mod tests {
         use rdmablk_common::nvme::sqe::{io_opcode, DsmRange, DSM_RANGE_SIZE};
         let (sub, _) = subsystem(&["v"]);
         let (_admin, mut q) = io_queue(&sub);
+        let mut exec = executor(&sub);
         let vol = Arc::clone(&q.namespaces()[0].volume);
         // A chunk read ahead while the command runs carries the epoch of
         // its start; only a second move when it is done tells a reader
@@ -1350,10 +1452,10 @@ mod tests {
         dealloc.cdw[1] = 1 << 2;
         for (what, sqe, data, at) in [("write zeroes", zeroes, &[][..], 0), ("deallocate", dealloc, &ranges[..], 16 * 512)] {
             let before = vol.writes.of(at, 4096);
-            assert!(run(&mut q, sqe, data).is_empty(), "{what}: answered before its disk work");
+            assert!(run_on(&mut q, &mut exec, sqe, data).is_empty(), "{what}: answered before its disk work");
             let started = vol.writes.of(at, 4096);
             assert_ne!(started, before, "{what}: the epoch moves when it starts");
-            assert_eq!(status(&reap_until_answered(&mut q)).0, Status::SUCCESS, "{what}");
+            assert_eq!(status(&reap_until_answered(&mut q, &mut exec)).0, Status::SUCCESS, "{what}");
             assert_ne!(vol.writes.of(at, 4096), started, "{what}: the epoch moves again when it is done");
         }
     }

@@ -1,74 +1,92 @@
 //! The NVMe/RDMA transport (NVMe over Fabrics RDMA Transport Specification
-//! 1.0b): one thread per queue pair, which is one NVMe queue.
+//! 1.0b): one [`NvmeRdma`] per reactor holds the queue pairs (one NVMe
+//! queue each) placed there, on the reactor's protection domain and
+//! completion queues for the listener's fabric; no thread of its own.
 //!
 //! Connecting: the host's rdma_cm request carries the queue id and its
-//! queue sizes ([`CmRequest`]); a wrong field is refused with the NVMe/RDMA
-//! reject status for it, before any queue pair exists. The accept tells the
-//! host how many commands the queue takes (CRQSIZE: the receives posted).
+//! queue sizes ([`CmRequest`]); the control thread checks them and refuses
+//! a wrong field with the NVMe/RDMA reject status for it, before any queue
+//! pair exists. The reactor then makes the queue pair, posts one receive
+//! per entry and accepts, telling the host how many commands the queue
+//! takes (CRQSIZE: the receives posted).
 //!
 //! Capsules: each command arrives in one SEND into a receive slot of 64
 //! bytes plus the in-capsule data the queue accepts (IOCCSZ); it is
-//! decoded, its in-capsule data copied to the command's buffer, and the
-//! receive posted again at once. A completion leaves in one SEND of 16
-//! bytes from a registered response slot. Data under a keyed SGL moves
-//! one-sided, straight between the host's memory and the command's pool
-//! chunk: a read's data by an RDMA WRITE posted in one chain with its
-//! completion (reliable-connected ordering places the data first), a
-//! write's by an RDMA READ before the command runs. Data in heap memory
-//! (admin pages, Connect data, DSM ranges) goes through a few registered
-//! staging slots. When the host's SGL asked for it (Keyed Data Block,
-//! subtype Invalidate), the completion is a SEND with Invalidate of the
-//! host's key.
+//! decoded, its in-capsule data copied to the command's staging buffer,
+//! and the receive posted again at once. A completion leaves in one SEND
+//! of 16 bytes from a registered response slot. Data under a keyed SGL
+//! moves one-sided, straight between the host's memory and the reactor's
+//! pool chunk the executor granted (the pool is registered with the
+//! reactor's domain): a read's piece by an RDMA WRITE (the last posted in
+//! one chain with its completion: reliable-connected ordering places the
+//! data first), a write's piece by an RDMA READ before it goes to the
+//! disk. Data in heap memory (admin pages, DSM ranges) goes through the
+//! reactor's registered staging slots. When the host's SGL asked for it
+//! (Keyed Data Block, subtype Invalidate), the completion is a SEND with
+//! Invalidate of the host's key.
 //!
 //! A failed work request (the host's key refused, the queue pair broken)
 //! ends the connection: the queue pair is disconnected, its outstanding
 //! work requests flush, and the queue leaves its controller as a closed
-//! NVMe/TCP connection does. The controller's teardown wakes the thread
-//! through an eventfd ([`QueueCloser::Wake`]).
+//! NVMe/TCP connection does. A torn-down controller's queues are closed by
+//! their reactors at the next turn (the registry wakes every reactor).
 
+use std::any::Any;
 use std::collections::VecDeque;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{
-    Access, Completion, CompletionQueue, ConnectRequest, Fabric, FabricOptions, ListenOptions, Listener, Payload,
-    ProtectionDomain, QpCaps, QueuePair, RecvWr, Rkey, SendOp, SendWr, WcStatus, WrId,
+    Access, Completion, ConnectRequest, Fabric, FabricOptions, ListenOptions, Listener, Payload, QpCaps, QpNum, QueuePair, RecvWr,
+    Rkey, SendOp, SendWr, Sge, WcStatus, WrId,
 };
 use rdmablk_common::nvme::cqe::{CompletionEntry, CQE_SIZE};
 use rdmablk_common::nvme::fabrics::{fctype, Connect};
 use rdmablk_common::nvme::rdma::{reject, CmAccept, CmReject, CmRequest, RECFMT_1_0};
 use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry, SQE_SIZE};
 
-use super::queue::{Action, Buf, Queue, WakeSource};
-use super::{CloseKind, CloseReason, QueueCloser, Subsystem, ADMIN_IN_CAPSULE, HOST_CLOSED, IO_IN_CAPSULE, MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, MAX_TRANSFER};
+use super::queue::{Action, Buf, Queue};
+use super::{
+    CloseKind, CloseReason, Incoming, Subsystem, ADMIN_IN_CAPSULE, HOST_CLOSED, IO_IN_CAPSULE, MAX_IO_QUEUES, MAX_QUEUE_ENTRIES,
+    MAX_TRANSFER,
+};
 use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
-use crate::engine::pool::{PoolRegion, SlotBuf};
-use crate::session::{Admission, ConnectionSlot, HandshakeSlot};
-use crate::sys::{Epoll, EventFd};
+use crate::engine::exec::{CmdId, Event};
+use crate::engine::pool::{ChunkId, SlotBuf};
+use crate::reactor::Runtime;
+use crate::session::{Admission, ConnectionSlot, HandshakeSlot, Protocol};
 
-/// How long a closing queue waits for its flushed work requests.
+/// How long a closing queue waits for its answers to go out, and then for
+/// its flushed work requests.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
-/// Staging slots (of `MAX_TRANSFER`) for data in heap memory: the admin
-/// queue's pages and Connect data, an I/O queue's DSM ranges.
-const ADMIN_STAGING: usize = 4;
-const IO_STAGING: usize = 2;
+/// Staging slots (of `MAX_TRANSFER`) per reactor and fabric for data in
+/// heap memory: admin pages and Connect data, DSM ranges.
+const STAGING_SLOTS: usize = 8;
 /// Answers that may wait for a response or staging slot before the host is
 /// taken for one that does not take its completions.
 const MAX_WAITING: usize = 4 * MAX_QUEUE_ENTRIES as usize;
 
-const TOKEN_CQ: u64 = 0;
-const TOKEN_KICK: u64 = 1;
-const TOKEN_WAKE: u64 = 2;
-const TOKEN_ENGINE: u64 = 3;
+// wr_id layout: kind:8 | queue generation:16 | queue:16 | index:24.
+const K_RECV: u64 = 1;
+const K_SEND: u64 = 2;
+const K_READ: u64 = 3;
+/// An RDMA WRITE of a read's piece that is not its last (signaled: its
+/// chunk goes back at its completion; index: the command id).
+const K_WRITE: u64 = 4;
+/// The RDMA WRITE of a read's last piece, unsignaled in the chain of its
+/// completion (whose SEND completion gives the chunk back): it completes
+/// only in error.
+const K_CHAIN: u64 = 5;
 
-/// Work request ids: the kind in the top byte, an index below.
-const K_RECV: u64 = 1 << 56;
-const K_SEND: u64 = 2 << 56;
-const K_READ: u64 = 3 << 56;
-const K_WRITE: u64 = 4 << 56;
-const KIND_MASK: u64 = 0xff << 56;
+fn wr_id(kind: u64, gen: u16, queue: u16, index: u32) -> WrId {
+    WrId(kind << 56 | (gen as u64) << 40 | (queue as u64) << 24 | (index as u64 & 0xff_ffff))
+}
+
+fn split_wr_id(w: WrId) -> (u64, u16, u16, u32) {
+    let v = w.0;
+    (v >> 56, (v >> 40) as u16, (v >> 24) as u16, (v & 0xff_ffff) as u32)
+}
 
 /// An `nvme+rdma://` listener: an rdma_cm listener on its own fabric.
 pub struct RdmaListener {
@@ -76,6 +94,18 @@ pub struct RdmaListener {
     listener: Listener,
     fabric: Arc<Fabric>,
     addr: SocketAddr,
+}
+
+/// A connection request for a reactor: checked, admitted, not accepted yet.
+pub struct Accept {
+    req: ConnectRequest,
+    cm: CmRequest,
+    /// Which NVMe/RDMA listener's fabric (in listener order).
+    rdma_index: usize,
+    peer: SocketAddr,
+    local: SocketAddr,
+    port: u16,
+    admission: Admission,
 }
 
 impl RdmaListener {
@@ -103,11 +133,15 @@ impl RdmaListener {
         self.addr
     }
 
+    /// The listener's fabric: every reactor has its resources on it.
+    pub fn fabric(&self) -> Arc<Fabric> {
+        Arc::clone(&self.fabric)
+    }
+
     /// Takes every pending connection request: refuses the ones whose
     /// private data is wrong (with its reject status) or over the
-    /// connection limits, and starts a queue thread for each other one.
-    pub fn accept(&self, sub: &Arc<Subsystem>, port: u16) -> Vec<JoinHandle<()>> {
-        let mut started = Vec::new();
+    /// connection limits, and passes the others on for a reactor.
+    pub fn accept(&self, sub: &Arc<Subsystem>, port: u16, rdma_index: usize, out: &mut Vec<Incoming>) {
         loop {
             let req = match self.listener.poll_request() {
                 Ok(Some(r)) => r,
@@ -134,163 +168,740 @@ impl RdmaListener {
                     continue;
                 }
             };
-            let admission = match sub.registry.begin_handshake((!peer.ip().is_unspecified()).then(|| peer.ip())) {
+            let admission = match sub.registry.begin_handshake(Protocol::Nvme, (!peer.ip().is_unspecified()).then(|| peer.ip())) {
                 Ok(a) => a,
                 Err(why) => {
-                    refuse(req, reject::NO_RESOURCES, &format!("{why:?} limit reached"));
+                    refuse(req, reject::NO_RESOURCES, &sub.registry.refusal_reason(Protocol::Nvme, why));
                     continue;
                 }
             };
             // The address this host reached: the discovery log names a
             // wildcard listener by it.
             let local = req.local_addr().unwrap_or(self.addr);
-            let (fabric, sub) = (Arc::clone(&self.fabric), Arc::clone(sub));
-            let serve = move || serve(req, cm, &fabric, Peer { addr: peer, local, port }, sub, admission);
-            match std::thread::Builder::new().name("rdmablk-nvmeq".into()).spawn(serve) {
-                Ok(t) => started.push(t),
-                Err(e) => tracing::error!("nvme+rdma: cannot start a queue thread for {peer_name}: {e}"),
-            }
+            out.push(Incoming::Rdma(Accept { req, cm, rdma_index, peer, local, port, admission }));
         }
-        started
     }
-}
-
-struct Peer {
-    addr: SocketAddr,
-    local: SocketAddr,
-    port: u16,
 }
 
 /// Where an RDMA READ of host data lands.
 #[derive(Clone, Copy, Debug)]
 enum ReadInto {
-    /// The command's pool chunk, directly.
-    Chunk,
+    /// The pool chunk of the write's piece, directly.
+    Chunk(ChunkId),
     /// Staging slot `i`, copied to the command's heap buffer afterwards.
     Staging(usize),
 }
 
-/// What a response SEND's completion gives back besides its slot.
+/// What a signaled send-queue work request's completion gives back.
 #[derive(Clone, Copy, Debug)]
 enum SentWith {
     Nothing,
-    /// The pool chunk a read's data went out of.
-    Chunk(crate::engine::pool::ChunkId),
+    /// The pool chunk a read's piece went out of.
+    Chunk(ChunkId),
+    /// A chunk that stood for zeroes (the data went out of the zero chunk).
+    Zero(ChunkId),
     /// The staging slot heap data went out of.
     Staging(usize),
 }
 
-struct Connection {
+/// The reactor's staging slots on one fabric.
+struct Staging {
+    slots: SlotBuf,
+    free: Vec<usize>,
+}
+
+/// One NVMe/RDMA queue on this reactor.
+struct RQueue {
     // Field order is drop order: the queue pair goes before the memory it
-    // could still reach, and before its completion queue and domain.
+    // could still reach.
     qp: QueuePair,
-    pool_mr: Option<PoolRegion>,
     recv: SlotBuf,
     resp: SlotBuf,
-    staging: SlotBuf,
-    cq: CompletionQueue,
-    pd: ProtectionDomain,
+    qp_num: QpNum,
+    /// The runtime's fabric, the NVMe/RDMA listener's index, its CQ and
+    /// the entries it reserved there.
+    fi: usize,
+    rdma_index: usize,
+    cq: usize,
+    cq_reserved: u32,
     q: Queue,
     cm: CmRequest,
     recv_size: u32,
     free_resp: Vec<usize>,
     sent_with: Vec<SentWith>,
-    free_staging: Vec<usize>,
     /// Per command slot: where its RDMA READ lands, while one is in flight.
     reads: Vec<Option<(ReadInto, u32)>>,
+    /// Pieces of reads being written that are not the last (signaled), by
+    /// command slot.
+    writes: Vec<Vec<ChunkId>>,
     /// Answers waiting for a response or staging slot, in order.
     waiting: VecDeque<Action>,
     /// Receives posted, and signaled send-queue work requests outstanding.
     recvs_posted: u32,
     sends_outstanding: u32,
-    epoll: Epoll,
-    kick: Arc<EventFd>,
-    watched: Vec<i32>,
     closing: Option<CloseReason>,
+    close_phase: ClosePhase,
+    close_due: Option<Instant>,
     handshake: Option<HandshakeSlot>,
+    handshake_due: Instant,
     _connection: ConnectionSlot,
+    dirty: bool,
 }
 
-/// Serves one NVMe/RDMA queue until it closes.
-fn serve(req: ConnectRequest, cm: CmRequest, fabric: &Fabric, peer: Peer, sub: Arc<Subsystem>, admission: Admission) {
-    let name = req.peer();
-    let mut c = match Connection::accept(req, cm, fabric, &peer, sub, admission) {
-        Ok(c) => c,
-        Err(why) => {
-            tracing::warn!("nvme+rdma {name}: cannot accept the queue: {why}");
+/// Where a closing queue is in its teardown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ClosePhase {
+    /// Its answers may still go out (a host that ended the queue waits
+    /// for them): nothing disconnected yet.
+    Answering,
+    /// Disconnected: its work requests flush.
+    Flushing,
+    /// Nothing of it on the fabric: its commands are dropped, the
+    /// executor's last ones finish.
+    Draining,
+}
+
+struct Slot {
+    gen: u16,
+    q: Option<RQueue>,
+}
+
+/// The NVMe/RDMA transport of one reactor.
+pub struct NvmeRdma {
+    index: usize,
+    sub: Arc<Subsystem>,
+    /// The runtime's fabric index of each NVMe/RDMA listener's fabric.
+    fabrics: Vec<usize>,
+    staging: Vec<Option<Staging>>,
+    queues: Vec<Slot>,
+    free: Vec<u16>,
+    dirty: Vec<u16>,
+    held: Vec<u16>,
+    fence_generation: u64,
+    volume_generation: u64,
+    live: usize,
+}
+
+impl NvmeRdma {
+    /// The transport for index `index`, whose listeners' fabrics are the
+    /// runtime's fabrics `fabrics` (in listener order).
+    pub fn new(index: usize, sub: Arc<Subsystem>, fabrics: Vec<usize>) -> NvmeRdma {
+        let staging = fabrics.iter().map(|_| None).collect();
+        NvmeRdma {
+            index,
+            sub,
+            fabrics,
+            staging,
+            queues: Vec::new(),
+            free: Vec::new(),
+            dirty: Vec::new(),
+            held: Vec::new(),
+            fence_generation: 0,
+            volume_generation: 0,
+            live: 0,
+        }
+    }
+
+    fn queue(&mut self, qi: u16) -> &mut RQueue {
+        self.queues[qi as usize].q.as_mut().expect("live queue")
+    }
+
+    fn mark_dirty(&mut self, qi: u16) {
+        let r = self.queue(qi);
+        if !r.dirty {
+            r.dirty = true;
+            self.dirty.push(qi);
+        }
+    }
+
+    /// The staging slots on NVMe/RDMA fabric `ri`, registered at first use.
+    fn staging(&mut self, rt: &Runtime, ri: usize) -> Option<&mut Staging> {
+        if self.staging[ri].is_none() {
+            let mut slots = SlotBuf::new(STAGING_SLOTS, MAX_TRANSFER as usize);
+            match slots.register(&rt.fabrics[self.fabrics[ri]].pd, Access::LOCAL_WRITE) {
+                Ok(()) => self.staging[ri] = Some(Staging { slots, free: (0..STAGING_SLOTS).rev().collect() }),
+                Err(e) => {
+                    tracing::error!("nvme+rdma: reactor {}: cannot register staging slots: {e}", rt.id);
+                    return None;
+                }
+            }
+        }
+        self.staging[ri].as_mut()
+    }
+
+    fn adopt_queue(&mut self, rt: &mut Runtime, a: Accept) {
+        let Accept { req, cm, rdma_index, peer, local, port, admission } = a;
+        let name = req.peer();
+        if rt.shutdown.is_some() {
+            req.reject_raw(&CmReject { recfmt: RECFMT_1_0, status: reject::NO_RESOURCES }.encode());
             return;
         }
-    };
-    tracing::debug!("nvme+rdma {name}: queue {} connected ({} entries)", cm.qid, cm.entries());
-    let why = c.run();
-    c.finish(&why);
-}
-
-impl Connection {
-    fn accept(req: ConnectRequest, cm: CmRequest, fabric: &Fabric, peer: &Peer, sub: Arc<Subsystem>, admission: Admission) -> Result<Connection, String> {
+        let Some(&fi) = self.fabrics.get(rdma_index) else {
+            tracing::error!("nvme+rdma {name}: reactor {} has no resources on that listener's fabric", rt.id);
+            return;
+        };
         let entries = cm.entries();
         let in_capsule = if cm.qid == 0 { ADMIN_IN_CAPSULE } else { IO_IN_CAPSULE };
         let recv_size = SQE_SIZE as u32 + in_capsule;
         // Per command at most an RDMA READ, an RDMA WRITE and its completion.
         let max_send_wr = 3 * entries + 4;
-        let pd = fabric.alloc_pd().map_err(|e| format!("protection domain: {e}"))?;
-        let cq = fabric.create_cq(max_send_wr + entries + 8).map_err(|e| format!("completion queue: {e}"))?;
+        let reserve = max_send_wr + entries;
+        let ci = match rt.cq_with_room(fi, reserve) {
+            Ok(ci) => ci,
+            Err(e) => {
+                tracing::warn!("nvme+rdma {name}: cannot accept the queue: {e}");
+                req.reject_raw(&CmReject { recfmt: RECFMT_1_0, status: reject::NO_RESOURCES }.encode());
+                return;
+            }
+        };
+        let qi = match self.free.pop() {
+            Some(qi) => qi,
+            None if self.queues.len() < u16::MAX as usize => {
+                self.queues.push(Slot { gen: 0, q: None });
+                (self.queues.len() - 1) as u16
+            }
+            None => {
+                req.reject_raw(&CmReject { recfmt: RECFMT_1_0, status: reject::NO_RESOURCES }.encode());
+                return;
+            }
+        };
+        let gen = self.queues[qi as usize].gen;
+        let f = &rt.fabrics[fi];
         let caps = QpCaps { max_send_wr, max_recv_wr: entries, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
-        let qp = req.into_queue_pair(&pd, &cq, caps).map_err(|e| format!("queue pair: {e}"))?;
-        let got = qp.caps();
-        if got.max_send_wr < max_send_wr || got.max_recv_wr < entries {
-            return Err(format!("the device granted {got:?}, the queue needs {caps:?}"));
-        }
-        let staging_slots = if cm.qid == 0 { ADMIN_STAGING } else { IO_STAGING };
-        let mut recv = SlotBuf::new(entries as usize, recv_size as usize);
-        let mut resp = SlotBuf::new(entries as usize, CQE_SIZE);
-        let mut staging = SlotBuf::new(staging_slots, MAX_TRANSFER as usize);
-        recv.register(&pd, Access::LOCAL_WRITE).map_err(|e| format!("receive slots: {e}"))?;
-        resp.register(&pd, Access::NONE).map_err(|e| format!("response slots: {e}"))?;
-        staging.register(&pd, Access::LOCAL_WRITE).map_err(|e| format!("staging slots: {e}"))?;
-        let epoll = Epoll::new().map_err(|e| format!("epoll: {e}"))?;
-        let kick = Arc::new(EventFd::new().map_err(|e| format!("eventfd: {e}"))?);
-        epoll.add(cq.fd(), TOKEN_CQ).map_err(|e| format!("epoll: {e}"))?;
-        epoll.add(kick.fd(), TOKEN_KICK).map_err(|e| format!("epoll: {e}"))?;
-        let mut q = Queue::new(sub, NvmeTransport::Rdma, peer.port, peer.local, peer.addr);
-        q.closer = Some(QueueCloser::Wake(Arc::clone(&kick)));
-        q.wake_fd = Some(epoll.fd());
-        let mut c = Connection {
+        let made = (|| -> Result<(QueuePair, SlotBuf, SlotBuf), String> {
+            let qp = req.into_queue_pair(&f.pd, &f.cqs[ci].cq, caps).map_err(|e| format!("queue pair: {e}"))?;
+            let got = qp.caps();
+            if got.max_send_wr < max_send_wr || got.max_recv_wr < entries {
+                return Err(format!("the device granted {got:?}, the queue needs {caps:?}"));
+            }
+            let mut recv = SlotBuf::new(entries as usize, recv_size as usize);
+            let mut resp = SlotBuf::new(entries as usize, CQE_SIZE);
+            recv.register(&f.pd, Access::LOCAL_WRITE).map_err(|e| format!("receive slots: {e}"))?;
+            resp.register(&f.pd, Access::NONE).map_err(|e| format!("response slots: {e}"))?;
+            Ok((qp, recv, resp))
+        })();
+        let (qp, recv, resp) = match made {
+            Ok(m) => m,
+            Err(why) => {
+                tracing::warn!("nvme+rdma {name}: cannot accept the queue: {why}");
+                self.free.push(qi);
+                return;
+            }
+        };
+        let mut q = Queue::new(Arc::clone(&self.sub), NvmeTransport::Rdma, port, local, peer);
+        q.place(rt.id, self.index, qi, admission.connection.host_pool_account(rt.id).cloned());
+        q.now = rt.turn_start;
+        let mut r = RQueue {
+            qp_num: qp.qp_num(),
             qp,
-            pool_mr: None,
             recv,
             resp,
-            staging,
-            cq,
-            pd,
+            fi,
+            rdma_index,
+            cq: ci,
+            cq_reserved: reserve,
             q,
             cm,
             recv_size,
             free_resp: (0..entries as usize).rev().collect(),
             sent_with: vec![SentWith::Nothing; entries as usize],
-            free_staging: (0..staging_slots).rev().collect(),
             reads: Vec::new(),
+            writes: Vec::new(),
             waiting: VecDeque::new(),
             recvs_posted: 0,
             sends_outstanding: 0,
-            epoll,
-            kick,
-            watched: Vec::new(),
             closing: None,
+            close_phase: ClosePhase::Answering,
+            close_due: None,
             handshake: Some(admission.handshake),
+            handshake_due: rt.turn_start + self.sub.cfg.handshake_timeout,
             _connection: admission.connection,
+            dirty: false,
         };
         for i in 0..entries as usize {
-            c.post_recv(i).map_err(|e| format!("posting receives: {e}"))?;
+            if let Err(e) = r.post_recv(gen, qi, i) {
+                tracing::warn!("nvme+rdma {name}: cannot accept the queue: posting receives: {e}");
+                self.free.push(qi);
+                return;
+            }
         }
         let accept = CmAccept { recfmt: RECFMT_1_0, crqsize: entries as u16 };
-        c.qp.accept_raw(&accept.encode()).map_err(|e| format!("accept: {e}"))?;
-        Ok(c)
+        if let Err(e) = r.qp.accept_raw(&accept.encode()) {
+            tracing::warn!("nvme+rdma {name}: cannot accept the queue: {e}");
+            self.free.push(qi);
+            return;
+        }
+        rt.fabrics[fi].cqs[ci].reserved += reserve;
+        tracing::debug!("nvme+rdma {name}: queue {} connected on reactor {} ({entries} entries)", cm.qid, rt.id);
+        self.queues[qi as usize].q = Some(r);
+        self.live += 1;
+        rt.stats.queue_pairs.add(1);
     }
 
-    fn post_recv(&mut self, i: usize) -> rdmablk_common::fabric::Result<()> {
+    fn on_completion(&mut self, rt: &mut Runtime, wc: Completion) {
+        let (kind, gen, qi, index) = split_wr_id(wc.wr_id);
+        let live = self.queues.get(qi as usize).is_some_and(|s| s.gen == gen && s.q.as_ref().is_some_and(|r| r.qp_num == wc.qp_num));
+        if !live {
+            tracing::trace!("nvme+rdma: stale completion {wc:?}");
+            return;
+        }
+        let ok = wc.status == WcStatus::Success;
+        if !ok {
+            // A flush before this side closed: the queue pair was
+            // disconnected by the host (a failed work request of its own
+            // comes first, with its status, and sets the reason).
+            let why = if wc.status == WcStatus::WrFlushError {
+                CloseReason::by_host(format!("{HOST_CLOSED} (the queue pair was disconnected)"))
+            } else {
+                CloseReason::fault(format!("a {:?} work request failed: {:?}", wc.opcode, wc.status))
+            };
+            if wc.status != WcStatus::WrFlushError && self.queue(qi).closing.is_none() {
+                tracing::warn!("nvme+rdma {}: {why}", self.queue(qi).q.peer);
+            }
+            self.close(qi, why);
+        }
+        let index = index as usize;
+        match kind {
+            K_RECV => {
+                let r = self.queue(qi);
+                r.recvs_posted -= 1;
+                r.recv.reclaim(index);
+                if ok && r.closing.is_none() {
+                    r.q.now = rt.turn_start;
+                    self.capsule(rt, qi, gen, index, wc.byte_len);
+                }
+            }
+            K_SEND => {
+                let r = self.queue(qi);
+                r.sends_outstanding -= 1;
+                r.resp.reclaim(index);
+                let with = std::mem::replace(&mut r.sent_with[index], SentWith::Nothing);
+                r.free_resp.push(index);
+                self.give_back(rt, qi, with);
+            }
+            K_WRITE => {
+                let r = self.queue(qi);
+                r.sends_outstanding -= 1;
+                let Some(chunk) = r.writes.get_mut(index).and_then(|w| w.pop()) else { return };
+                rt.exec.engine_mut().pool_mut().return_from_fabric(chunk);
+                rt.exec.sent(chunk);
+            }
+            K_READ => {
+                let ri = self.queue(qi).rdma_index;
+                let r = self.queue(qi);
+                r.sends_outstanding -= 1;
+                let Some((into, len)) = r.reads.get_mut(index).and_then(Option::take) else { return };
+                let slot = index as u16;
+                match into {
+                    ReadInto::Chunk(c) => {
+                        rt.exec.engine_mut().pool_mut().return_from_fabric(c);
+                        if !ok || r.closing.is_some() {
+                            r.q.fetch_failed(&mut rt.exec, slot);
+                        } else if let Err(why) = r.q.data_placed(&mut rt.exec, slot, len, true) {
+                            self.close(qi, why.into());
+                        }
+                    }
+                    ReadInto::Staging(i) => {
+                        let staging = self.staging[ri].as_mut().expect("staging slots in use");
+                        staging.slots.reclaim(i);
+                        let r = self.queues[qi as usize].q.as_mut().expect("live queue");
+                        if ok && r.closing.is_none() {
+                            let staged = &staging.slots.slot(i)[..len as usize];
+                            r.q.data_mut(&mut rt.exec, slot, 0, len).copy_from_slice(staged);
+                            if let Err(why) = r.q.data_placed(&mut rt.exec, slot, len, true) {
+                                self.close(qi, why.into());
+                            }
+                        }
+                        self.staging[ri].as_mut().expect("staging slots in use").free.push(i);
+                    }
+                }
+            }
+            _ => {}
+        }
+        self.mark_dirty(qi);
+    }
+
+    /// A command capsule arrived in receive slot `i` of queue `qi`.
+    fn capsule(&mut self, rt: &mut Runtime, qi: u16, gen: u16, i: usize, len: u32) {
+        let r = self.queue(qi);
+        if (len as usize) < SQE_SIZE {
+            // Linux nvmet treats this as a fatal controller error too.
+            return self.close(qi, format!("a capsule of {len} bytes, shorter than a command").into());
+        }
+        let bytes = &r.recv.slot(i)[..len as usize];
+        let sqe = SubmissionEntry::decode_unchecked(&bytes[..SQE_SIZE]).expect("64 bytes");
+        if sqe.opcode == admin_opcode::FABRICS && sqe.fctype() == fctype::CONNECT {
+            let qid = Connect::from_entry(&sqe).qid;
+            if qid != r.cm.qid {
+                // The queue was sized and accepted for the queue id the
+                // connect request named.
+                let why = format!("Connect for queue {qid} on the queue pair connected as queue {}", r.cm.qid);
+                return self.close(qi, why.into());
+            }
+        }
+        let in_capsule = len - SQE_SIZE as u32;
+        if let Some(slot) = r.q.command(&mut rt.exec, sqe, in_capsule) {
+            let data = &r.recv.slot(i)[SQE_SIZE..len as usize];
+            r.q.data_mut(&mut rt.exec, slot, 0, in_capsule).copy_from_slice(data);
+            if let Err(why) = r.q.data_placed(&mut rt.exec, slot, in_capsule, true) {
+                return self.close(qi, why.into());
+            }
+        }
+        if let Err(e) = r.post_recv(gen, qi, i) {
+            self.close(qi, format!("posting a receive: {e}").into());
+        }
+    }
+
+    fn close(&mut self, qi: u16, why: CloseReason) {
+        let r = self.queue(qi);
+        if r.closing.is_none() {
+            r.closing = Some(why);
+        }
+        self.mark_dirty(qi);
+    }
+
+    /// Frees what a send's data went out of, once the send is done with it
+    /// (its completion came, or it was never posted).
+    fn give_back(&mut self, rt: &mut Runtime, qi: u16, with: SentWith) {
+        match with {
+            SentWith::Nothing => {}
+            SentWith::Chunk(c) | SentWith::Zero(c) => {
+                if matches!(with, SentWith::Chunk(_)) {
+                    rt.exec.engine_mut().pool_mut().return_from_fabric(c);
+                }
+                rt.exec.sent(c);
+            }
+            SentWith::Staging(i) => {
+                let ri = self.queue(qi).rdma_index;
+                let s = self.staging[ri].as_mut().expect("staging slots in use");
+                s.slots.reclaim(i);
+                s.free.push(i);
+            }
+        }
+    }
+
+    /// Carries out the queue's answers, in order: those that find no
+    /// response or staging slot wait for one.
+    fn flush_queue(&mut self, rt: &mut Runtime, qi: u16) {
+        let r = self.queue(qi);
+        r.dirty = false;
+        if r.q.conn.is_some() {
+            // Past its handshake: the slot goes back for the next connection.
+            r.handshake = None;
+        }
+        if r.q.connect_deadline().is_some() && !self.held.contains(&qi) {
+            self.held.push(qi);
+        }
+        // The queue's own close (a Disconnect) comes before the answer made
+        // with it, and that answer must still go out: it closes the queue
+        // after the whole batch.
+        let mut close = None;
+        let mut batch = self.queue(qi).q.take_actions();
+        for a in batch.drain(..) {
+            if let Action::Close(why) = a {
+                close.get_or_insert(why);
+                continue;
+            }
+            self.queue(qi).waiting.push_back(a);
+        }
+        self.queue(qi).q.actions_done(batch);
+        // Each waiting answer once, in place: one that still finds no slot
+        // goes back in front, and those behind it wait too.
+        let mut stuck = false;
+        for _ in 0..self.queue(qi).waiting.len() {
+            let a = self.queue(qi).waiting.pop_front().expect("counted");
+            if stuck {
+                self.queue(qi).waiting.push_back(a);
+                continue;
+            }
+            if let Some(back) = self.act(rt, qi, a) {
+                self.queue(qi).waiting.push_back(back);
+                stuck = true;
+            }
+        }
+        if let Some(why) = close {
+            self.close(qi, why);
+        }
+        let r = self.queue(qi);
+        if r.waiting.len() > MAX_WAITING {
+            let why = format!("the host takes no completions ({} answers waiting)", r.waiting.len());
+            self.close(qi, why.into());
+        }
+        self.maybe_end(rt, qi);
+    }
+
+    /// Posts one answer; gives it back when it finds no slot.
+    fn act(&mut self, rt: &mut Runtime, qi: u16, a: Action) -> Option<Action> {
+        let gen = self.queues[qi as usize].gen;
+        let ri = self.queue(qi).rdma_index;
+        if self.queue(qi).closing.is_some() && self.queue(qi).close_phase != ClosePhase::Answering {
+            // Nothing more goes on the wire: what a piece lends comes back.
+            if let Action::SendData { buf: Buf::Chunk(c) | Buf::Zero(c), .. } = a {
+                rt.exec.sent(c);
+            }
+            return None;
+        }
+        match a {
+            Action::Respond(cqe, sgl) => {
+                let r = self.queue(qi);
+                let Some(slot) = r.free_resp.pop() else { return Some(Action::Respond(cqe, sgl)) };
+                r.post_response(rt, gen, qi, slot, &cqe, sgl, None);
+                None
+            }
+            Action::SendData { cid, buf, off, len, to, then } => {
+                let Sgl::Keyed { addr, key, .. } = to else {
+                    self.close(qi, format!("command {cid}: data to send without a keyed SGL ({to:?})").into());
+                    if let Buf::Chunk(c) | Buf::Zero(c) = buf {
+                        rt.exec.sent(c);
+                    }
+                    return None;
+                };
+                if then.is_some() && self.queue(qi).free_resp.is_empty() {
+                    return Some(Action::SendData { cid, buf, off, len, to, then });
+                }
+                let fi = self.queue(qi).fi;
+                let (sge, with) = match buf {
+                    Buf::Chunk(c) => {
+                        rt.exec.engine_mut().pool_mut().lend_to_fabric(c);
+                        (rt.fabrics[fi].pool_mr.sge(c, 0, len), SentWith::Chunk(c))
+                    }
+                    Buf::Zero(c) => (rt.fabrics[fi].pool_mr.zero_sge(len), SentWith::Zero(c)),
+                    Buf::Heap(v) => {
+                        let Some(staging) = self.staging(rt, ri) else {
+                            self.close(qi, "no staging slots for admin data".into());
+                            return None;
+                        };
+                        let Some(i) = staging.free.pop() else {
+                            return Some(Action::SendData { cid, buf: Buf::Heap(v), off, len, to, then });
+                        };
+                        staging.slots.slot_mut(i)[..len as usize].copy_from_slice(&v[..len as usize]);
+                        (staging.slots.lend(i, len), SentWith::Staging(i))
+                    }
+                };
+                let remote_addr = addr.wrapping_add(off as u64);
+                match then {
+                    Some(cqe) => {
+                        let write = SendWr {
+                            wr_id: wr_id(K_CHAIN, gen, qi, 0),
+                            op: SendOp::RdmaWrite { remote_addr, rkey: Rkey(key) },
+                            payload: Payload::Sges(std::slice::from_ref(&sge)),
+                            signaled: false,
+                        };
+                        let r = self.queue(qi);
+                        let slot = r.free_resp.pop().expect("checked above");
+                        r.post_response(rt, gen, qi, slot, &cqe, Some(to), Some((write, with)));
+                    }
+                    None => {
+                        // A piece before the last: its own signaled WRITE.
+                        let (SentWith::Chunk(c) | SentWith::Zero(c)) = with else {
+                            self.close(qi, "admin data in pieces".into());
+                            return None;
+                        };
+                        let r = self.queue(qi);
+                        let write = SendWr {
+                            wr_id: wr_id(K_WRITE, gen, qi, cid as u32),
+                            op: SendOp::RdmaWrite { remote_addr, rkey: Rkey(key) },
+                            payload: Payload::Sges(std::slice::from_ref(&sge)),
+                            signaled: true,
+                        };
+                        if r.writes.len() <= cid as usize {
+                            r.writes.resize(cid as usize + 1, Vec::new());
+                        }
+                        match r.qp.post_send(&[write]) {
+                            Ok(()) => {
+                                r.sends_outstanding += 1;
+                                r.writes[cid as usize].push(c);
+                            }
+                            Err(e) => {
+                                if matches!(with, SentWith::Chunk(_)) {
+                                    rt.exec.engine_mut().pool_mut().return_from_fabric(c);
+                                }
+                                rt.exec.sent(c);
+                                self.close(qi, format!("posting an RDMA WRITE: {e}").into());
+                            }
+                        }
+                    }
+                }
+                None
+            }
+            Action::RequestData { cid, ttag: slot, off, len } => {
+                let r = self.queue(qi);
+                let Sgl::Keyed { addr, key, .. } = r.q.sgl(slot) else {
+                    self.close(qi, format!("command {cid}: data to fetch without a keyed SGL").into());
+                    return None;
+                };
+                let fi = r.fi;
+                let (sge, into) = match r.q.fetch_target(slot) {
+                    Some(c) => {
+                        rt.exec.engine_mut().pool_mut().lend_to_fabric(c);
+                        let at = r.q.fetch_offset(slot, off) as u32;
+                        (rt.fabrics[fi].pool_mr.sge(c, at, len), ReadInto::Chunk(c))
+                    }
+                    None => {
+                        let Some(staging) = self.staging(rt, ri) else {
+                            self.close(qi, "no staging slots for admin data".into());
+                            return None;
+                        };
+                        let Some(i) = staging.free.pop() else { return Some(Action::RequestData { cid, ttag: slot, off, len }) };
+                        (staging.slots.lend(i, len), ReadInto::Staging(i))
+                    }
+                };
+                let read = SendWr {
+                    wr_id: wr_id(K_READ, gen, qi, slot as u32),
+                    op: SendOp::RdmaRead { remote_addr: addr.wrapping_add(off as u64), rkey: Rkey(key) },
+                    payload: Payload::Sges(std::slice::from_ref(&sge)),
+                    signaled: true,
+                };
+                let r = self.queue(qi);
+                if r.reads.len() <= slot as usize {
+                    r.reads.resize(slot as usize + 1, None);
+                }
+                match r.qp.post_send(&[read]) {
+                    Ok(()) => {
+                        r.sends_outstanding += 1;
+                        r.reads[slot as usize] = Some((into, len));
+                    }
+                    Err(e) => {
+                        match into {
+                            ReadInto::Chunk(c) => {
+                                rt.exec.engine_mut().pool_mut().return_from_fabric(c);
+                                r.q.fetch_failed(&mut rt.exec, slot);
+                            }
+                            ReadInto::Staging(i) => {
+                                let s = self.staging[ri].as_mut().expect("staging slots in use");
+                                s.slots.reclaim(i);
+                                s.free.push(i);
+                            }
+                        }
+                        self.close(qi, format!("posting an RDMA READ: {e}").into());
+                    }
+                }
+                None
+            }
+            Action::Close(why) => {
+                self.close(qi, why);
+                None
+            }
+        }
+    }
+
+    /// Moves a closing queue on (see [`ClosePhase`]): a host that ended
+    /// the queue gets the answers already posted (the Disconnect's among
+    /// them) before the queue pair goes; a queue that faulted, or whose
+    /// answers did not go out in time, is disconnected at once. Either way
+    /// every work request has flushed before the memory it names is
+    /// reused, the commands go (what reached the disk finishes), and the
+    /// queue leaves its controller only then.
+    fn maybe_end(&mut self, rt: &mut Runtime, qi: u16) {
+        let r = self.queue(qi);
+        let Some(why) = r.closing.clone() else { return };
+        let now = Instant::now();
+        let due = *r.close_due.get_or_insert(now + CLOSE_GRACE);
+        if r.close_phase == ClosePhase::Answering {
+            let delivered = why.kind == CloseKind::ByHost && r.sends_outstanding == 0;
+            if delivered {
+                // Its answers are out: it leaves its controller before the
+                // host sees the queue pair go, so the host finds the queue
+                // id free if it connects it again at once.
+                r.q.drop_commands(&mut rt.exec);
+                if r.q.exec_live() > 0 {
+                    return;
+                }
+                r.q.leave(&why);
+            } else if why.kind == CloseKind::ByHost && now < due && r.q.conn.is_some() {
+                return;
+            }
+            r.qp.disconnect();
+            r.close_phase = ClosePhase::Flushing;
+            r.close_due = Some(now + CLOSE_GRACE);
+        }
+        let r = self.queue(qi);
+        if r.close_phase == ClosePhase::Flushing {
+            if (r.recvs_posted > 0 || r.sends_outstanding > 0) && now < r.close_due.unwrap_or(now) {
+                return;
+            }
+            if r.recvs_posted > 0 || r.sends_outstanding > 0 {
+                tracing::warn!(
+                    "nvme+rdma {}: {} receives and {} sends did not flush within {CLOSE_GRACE:?}",
+                    r.q.peer,
+                    r.recvs_posted,
+                    r.sends_outstanding
+                );
+                self.take_back_lent(rt, qi);
+            }
+            self.queue(qi).close_phase = ClosePhase::Draining;
+        }
+        let r = self.queue(qi);
+        r.q.drop_commands(&mut rt.exec);
+        for a in std::mem::take(&mut r.waiting) {
+            if let Action::SendData { buf: Buf::Chunk(c) | Buf::Zero(c), .. } = a {
+                rt.exec.sent(c);
+            }
+        }
+        let r = self.queue(qi);
+        if r.q.exec_live() > 0 {
+            return;
+        }
+        r.q.leave(&why);
+        let (fi, cq, reserved) = (r.fi, r.cq, r.cq_reserved);
+        rt.fabrics[fi].cqs[cq].reserved -= reserved;
+        let slot = &mut self.queues[qi as usize];
+        slot.q = None;
+        slot.gen = slot.gen.wrapping_add(1);
+        self.free.push(qi);
+        self.held.retain(|&h| h != qi);
+        self.live -= 1;
+        rt.stats.queue_pairs.set(rt.stats.queue_pairs.get().saturating_sub(1));
+    }
+
+    /// Work requests did not flush in time: the chunks and staging slots
+    /// they name come back regardless (the queue pair is destroyed before
+    /// anything else of the queue).
+    fn take_back_lent(&mut self, rt: &mut Runtime, qi: u16) {
+        let r = self.queue(qi);
+        let sent: Vec<SentWith> = r.sent_with.iter_mut().map(|w| std::mem::replace(w, SentWith::Nothing)).collect();
+        let reads: Vec<(usize, (ReadInto, u32))> = r.reads.iter_mut().enumerate().filter_map(|(s, x)| x.take().map(|x| (s, x))).collect();
+        let writes: Vec<ChunkId> = r.writes.iter_mut().flat_map(std::mem::take).collect();
+        r.sends_outstanding = 0;
+        r.recvs_posted = 0;
+        for w in sent {
+            self.give_back(rt, qi, w);
+        }
+        for c in writes {
+            rt.exec.engine_mut().pool_mut().return_from_fabric(c);
+            rt.exec.sent(c);
+        }
+        for (slot, (into, _)) in reads {
+            match into {
+                ReadInto::Chunk(c) => {
+                    rt.exec.engine_mut().pool_mut().return_from_fabric(c);
+                    self.queue(qi).q.fetch_failed(&mut rt.exec, slot as u16);
+                }
+                ReadInto::Staging(i) => {
+                    let ri = self.queue(qi).rdma_index;
+                    let s = self.staging[ri].as_mut().expect("staging slots in use");
+                    s.slots.reclaim(i);
+                    s.free.push(i);
+                }
+            }
+        }
+    }
+
+    /// Closes every queue whose controller was torn down.
+    fn close_torn_down(&mut self) {
+        for qi in 0..self.queues.len() as u16 {
+            let Some(r) = self.queues[qi as usize].q.as_ref() else { continue };
+            if r.closing.is_none() && r.q.conn.as_ref().is_some_and(|k| k.ctrl.is_dead()) {
+                self.close(qi, CloseReason::fault("the controller was torn down"));
+            }
+        }
+    }
+}
+
+impl RQueue {
+    fn post_recv(&mut self, gen: u16, qi: u16, i: usize) -> rdmablk_common::fabric::Result<()> {
         let sge = self.recv.lend(i, self.recv_size);
-        match self.qp.post_recv(&[RecvWr { wr_id: WrId(K_RECV | i as u64), sges: std::slice::from_ref(&sge) }]) {
+        match self.qp.post_recv(&[RecvWr { wr_id: wr_id(K_RECV, gen, qi, i as u32), sges: std::slice::from_ref(&sge) }]) {
             Ok(()) => {
                 self.recvs_posted += 1;
                 Ok(())
@@ -302,364 +913,27 @@ impl Connection {
         }
     }
 
-    fn run(&mut self) -> CloseReason {
-        let handshake_due = Instant::now() + self.q.sub.cfg.handshake_timeout;
-        let mut wcs = [Completion::EMPTY; 32];
-        let mut tokens = Vec::new();
-        loop {
-            self.drain_actions();
-            if let Some(why) = &self.closing {
-                return why.clone();
-            }
-            if let Err(e) = self.register_pool() {
-                return e.into();
-            }
-            // A ring the thread sleeps in submits as it sleeps.
-            if let Some(e) = self.q.engine.as_mut().filter(|e| !e.sleeps_in_ring()) {
-                if let Err(e) = e.submit() {
-                    return format!("io_uring: {e}").into();
-                }
-            }
-            self.watch_new_fds();
-            if self.q.conn.is_some() {
-                self.handshake = None;
-            }
-            let timeout = match self.q.sleep_limit(handshake_due) {
-                Ok(t) => t,
-                Err(why) => return why.into(),
-            };
-            if self.q.is_admin() {
-                self.q.tick(Instant::now());
-            }
-            let polled = match self.poll(&mut wcs) {
-                Ok(n) => n,
-                Err(why) => return why.into(),
-            };
-            let reaped = self.q.reap();
-            if polled > 0 || reaped > 0 || !self.q.actions.is_empty() {
-                continue;
-            }
-            if let Err(e) = self.cq.arm() {
-                return format!("arming the completion queue: {e}").into();
-            }
-            if self.cq.needs_poll_after_arm() {
-                match self.poll(&mut wcs) {
-                    Ok(0) => {}
-                    Ok(_) => continue,
-                    Err(why) => return why.into(),
-                }
-            }
-            tokens.clear();
-            match self.q.engine.as_mut().filter(|e| e.sleeps_in_ring()) {
-                // An I/O queue sleeps in its ring: a disk completion ends
-                // the sleep by itself, a completion queue event or a wake-up
-                // through the epoll descriptor's poll.
-                Some(engine) => {
-                    if let Err(e) = engine.sleep(timeout) {
-                        return format!("io_uring: {e}").into();
-                    }
-                    self.q.reap();
-                    let engine = self.q.engine.as_mut().expect("matched above");
-                    if engine.take_wake() {
-                        if let Err(e) = self.epoll.wait(&mut tokens, Some(Duration::ZERO)) {
-                            return format!("epoll: {e}").into();
-                        }
-                    }
-                }
-                None => {
-                    if let Err(e) = self.epoll.wait(&mut tokens, timeout) {
-                        return format!("epoll: {e}").into();
-                    }
-                }
-            }
-            for &t in &tokens {
-                match t {
-                    TOKEN_CQ => {
-                        if let Err(e) = self.cq.ack_event() {
-                            return format!("completion channel: {e}").into();
-                        }
-                    }
-                    TOKEN_KICK => {
-                        self.kick.drain();
-                    }
-                    TOKEN_WAKE => self.q.woken_by(WakeSource::Controller),
-                    TOKEN_ENGINE => self.q.woken_by(WakeSource::Engine),
-                    _ => {}
-                }
-            }
-        }
-    }
-
-    /// Registers the engine's pool with the queue pair's domain once the
-    /// queue has one (at its Connect).
-    fn register_pool(&mut self) -> Result<(), String> {
-        if self.pool_mr.is_some() {
-            return Ok(());
-        }
-        let Some(engine) = self.q.engine.as_ref() else { return Ok(()) };
-        let mr = engine.pool().register(&self.pd).map_err(|e| format!("registering the buffer pool: {e}"))?;
-        self.pool_mr = Some(mr);
-        Ok(())
-    }
-
-    /// Registers the engine's and the controller's descriptors once they exist.
-    fn watch_new_fds(&mut self) {
-        for (fd, source) in self.q.wake_sources() {
-            let token = match source {
-                WakeSource::Engine => TOKEN_ENGINE,
-                WakeSource::Controller => TOKEN_WAKE,
-            };
-            if !self.watched.contains(&fd) {
-                self.watched.push(fd);
-                if let Err(e) = self.epoll.add(fd, token) {
-                    tracing::error!("nvme+rdma {}: epoll: {e}", self.q.peer);
-                }
-            }
-        }
-    }
-
-    /// Polls the completion queue once and handles what it held.
-    fn poll(&mut self, wcs: &mut [Completion]) -> Result<usize, String> {
-        let n = self.cq.poll(wcs).map_err(|e| format!("polling the completion queue: {e}"))?;
-        for wc in &wcs[..n] {
-            self.completion(*wc);
-        }
-        Ok(n)
-    }
-
-    fn completion(&mut self, wc: Completion) {
-        let index = (wc.wr_id.0 & !KIND_MASK) as usize;
-        let ok = wc.status == WcStatus::Success;
-        if !ok {
-            // A flush before this side closed: the queue pair was
-            // disconnected by the host (a failed work request of its own
-            // comes first, with its status, and sets the reason).
-            let why = if wc.status == WcStatus::WrFlushError {
-                CloseReason::by_host(format!("{HOST_CLOSED} (the queue pair was disconnected)"))
-            } else {
-                CloseReason::fault(format!("a {:?} work request failed: {:?}", wc.opcode, wc.status))
-            };
-            if wc.status != WcStatus::WrFlushError {
-                tracing::warn!("nvme+rdma {}: {why}", self.q.peer);
-            }
-            self.close(why);
-        }
-        match wc.wr_id.0 & KIND_MASK {
-            K_RECV => {
-                self.recvs_posted -= 1;
-                self.recv.reclaim(index);
-                if ok && self.closing.is_none() {
-                    self.capsule(index, wc.byte_len);
-                }
-            }
-            K_SEND => {
-                self.sends_outstanding -= 1;
-                self.resp.reclaim(index);
-                let with = std::mem::replace(&mut self.sent_with[index], SentWith::Nothing);
-                self.give_back(with);
-                self.free_resp.push(index);
-            }
-            K_READ => {
-                self.sends_outstanding -= 1;
-                let Some((into, len)) = self.reads.get_mut(index).and_then(Option::take) else { return };
-                if let ReadInto::Staging(i) = into {
-                    self.staging.reclaim(i);
-                    if ok {
-                        let slot = index as u16;
-                        let n = len as usize;
-                        let staged = &self.staging.slot(i)[..n];
-                        self.q.data_mut(slot, 0, len).copy_from_slice(staged);
-                    }
-                    self.free_staging.push(i);
-                }
-                if ok && self.closing.is_none() {
-                    if let Err(why) = self.q.data_placed(index as u16, len, true) {
-                        self.close(why.to_owned());
-                    }
-                }
-            }
-            // An RDMA WRITE is unsignaled: it completes only in error.
-            _ => {}
-        }
-        if !self.waiting.is_empty() && self.closing.is_none() {
-            // Each waiting answer once, in place (the deque keeps its
-            // capacity): one that still finds no slot goes to the back,
-            // behind the others that wait, in the order they were made.
-            for _ in 0..self.waiting.len() {
-                let a = self.waiting.pop_front().expect("counted");
-                self.act(a);
-            }
-        }
-    }
-
-    /// A command capsule arrived in receive slot `i`.
-    fn capsule(&mut self, i: usize, len: u32) {
-        if (len as usize) < SQE_SIZE {
-            // Linux nvmet treats this as a fatal controller error too.
-            self.close(format!("a capsule of {len} bytes, shorter than a command"));
-            return;
-        }
-        let bytes = &self.recv.slot(i)[..len as usize];
-        let sqe = SubmissionEntry::decode_unchecked(&bytes[..SQE_SIZE]).expect("64 bytes");
-        if sqe.opcode == admin_opcode::FABRICS && sqe.fctype() == fctype::CONNECT {
-            let qid = Connect::from_entry(&sqe).qid;
-            if qid != self.cm.qid {
-                // The queue was sized and accepted for the queue id the
-                // connect request named.
-                self.close(format!("Connect for queue {qid} on the queue pair connected as queue {}", self.cm.qid));
-                return;
-            }
-        }
-        let in_capsule = len - SQE_SIZE as u32;
-        if let Some(slot) = self.q.command(sqe, in_capsule) {
-            let data = &self.recv.slot(i)[SQE_SIZE..len as usize];
-            self.q.data_mut(slot, 0, in_capsule).copy_from_slice(data);
-            if let Err(why) = self.q.data_placed(slot, in_capsule, true) {
-                self.close(why.to_owned());
-                return;
-            }
-        }
-        if let Err(e) = self.post_recv(i) {
-            self.close(format!("posting a receive: {e}"));
-        }
-    }
-
-    fn close(&mut self, why: impl Into<CloseReason>) {
-        self.closing.get_or_insert_with(|| why.into());
-    }
-
-    /// Turns the queue's actions into work requests.
-    fn drain_actions(&mut self) {
-        // The queue's own close (a Disconnect) comes before the answer made
-        // with it, and that answer must still go out: it closes the queue
-        // after the whole batch.
-        let mut close = None;
-        let mut batch = self.q.take_actions();
-        for a in batch.drain(..) {
-            if self.closing.is_some() {
-                break;
-            }
-            if let Action::Close(why) = a {
-                close.get_or_insert(why);
-                continue;
-            }
-            if !self.waiting.is_empty() {
-                // Answers leave in the order they were made.
-                self.waiting.push_back(a);
-                continue;
-            }
-            self.act(a);
-        }
-        self.q.actions_done(batch);
-        if let Some(why) = close {
-            self.close(why);
-        }
-        if self.waiting.len() > MAX_WAITING {
-            self.close(format!("the host takes no completions ({} answers waiting)", self.waiting.len()));
-        }
-    }
-
-    fn act(&mut self, a: Action) {
-        if self.closing.is_some() {
-            return;
-        }
-        match a {
-            Action::Respond(cqe, sgl) => {
-                let Some(r) = self.free_resp.pop() else {
-                    self.waiting.push_back(Action::Respond(cqe, sgl));
-                    return;
-                };
-                self.post_response(r, &cqe, sgl, None);
-            }
-            Action::SendData { cid, buf, len, to, then } => {
-                let Some(r) = self.free_resp.last().copied() else {
-                    self.waiting.push_back(Action::SendData { cid, buf, len, to, then });
-                    return;
-                };
-                let Sgl::Keyed { addr, key, .. } = to else {
-                    self.close(format!("command {cid}: data to send without a keyed SGL ({to:?})"));
-                    return;
-                };
-                let (sge, with) = match buf {
-                    Buf::Chunk(c) => {
-                        let mr = self.pool_mr.as_ref().expect("a queue with chunks has its pool registered");
-                        (mr.sge(c, 0, len), SentWith::Chunk(c))
-                    }
-                    Buf::Heap(v) => {
-                        let Some(i) = self.free_staging.pop() else {
-                            self.waiting.push_back(Action::SendData { cid, buf: Buf::Heap(v), len, to, then });
-                            return;
-                        };
-                        self.staging.slot_mut(i)[..len as usize].copy_from_slice(&v[..len as usize]);
-                        (self.staging.lend(i, len), SentWith::Staging(i))
-                    }
-                    Buf::None => {
-                        self.close(format!("command {cid}: data to send without a buffer"));
-                        return;
-                    }
-                };
-                self.free_resp.pop();
-                let write = SendWr {
-                    wr_id: WrId(K_WRITE | r as u64),
-                    op: SendOp::RdmaWrite { remote_addr: addr, rkey: Rkey(key) },
-                    payload: Payload::Sges(std::slice::from_ref(&sge)),
-                    signaled: false,
-                };
-                self.post_response(r, &then, Some(to), Some((write, with)));
-            }
-            Action::RequestData { cid, ttag: slot, len } => {
-                let Sgl::Keyed { addr, key, .. } = self.q.sgl(slot) else {
-                    self.close(format!("command {cid}: data to fetch without a keyed SGL"));
-                    return;
-                };
-                let (sge, into) = match self.q.data_chunk(slot) {
-                    Some(c) => (self.pool_mr.as_ref().expect("a queue with chunks has its pool registered").sge(c, 0, len), ReadInto::Chunk),
-                    None => {
-                        let Some(i) = self.free_staging.pop() else {
-                            self.waiting.push_back(Action::RequestData { cid, ttag: slot, len });
-                            return;
-                        };
-                        (self.staging.lend(i, len), ReadInto::Staging(i))
-                    }
-                };
-                let read = SendWr {
-                    wr_id: WrId(K_READ | slot as u64),
-                    op: SendOp::RdmaRead { remote_addr: addr, rkey: Rkey(key) },
-                    payload: Payload::Sges(std::slice::from_ref(&sge)),
-                    signaled: true,
-                };
-                if self.reads.len() <= slot as usize {
-                    self.reads.resize(slot as usize + 1, None);
-                }
-                match self.qp.post_send(&[read]) {
-                    Ok(()) => {
-                        self.sends_outstanding += 1;
-                        self.reads[slot as usize] = Some((into, len));
-                    }
-                    Err(e) => {
-                        if let ReadInto::Staging(i) = into {
-                            self.staging.reclaim(i);
-                            self.free_staging.push(i);
-                        }
-                        self.close(format!("posting an RDMA READ: {e}"));
-                    }
-                }
-            }
-            Action::Close(why) => self.close(why),
-        }
-    }
-
-    /// Posts completion `cqe` from response slot `r` (taken), after
+    /// Posts completion `cqe` from response slot `slot` (taken), after
     /// `first` (an RDMA WRITE of the command's data) when there is one; a
     /// SEND with Invalidate when the command's SGL asked for it.
-    fn post_response(&mut self, r: usize, cqe: &CompletionEntry, sgl: Option<Sgl>, first: Option<(SendWr<'_>, SentWith)>) {
-        self.resp.slot_mut(r).copy_from_slice(&cqe.to_bytes());
-        let sge = self.resp.lend(r, CQE_SIZE as u32);
+    #[allow(clippy::too_many_arguments)]
+    fn post_response(
+        &mut self,
+        rt: &mut Runtime,
+        gen: u16,
+        qi: u16,
+        slot: usize,
+        cqe: &CompletionEntry,
+        sgl: Option<Sgl>,
+        first: Option<(SendWr<'_>, SentWith)>,
+    ) {
+        self.resp.slot_mut(slot).copy_from_slice(&cqe.to_bytes());
+        let sge: Sge = self.resp.lend(slot, CQE_SIZE as u32);
         let op = match sgl {
             Some(Sgl::Keyed { key, invalidate: true, length, .. }) if length > 0 => SendOp::SendWithInvalidate { rkey: Rkey(key) },
             _ => SendOp::Send,
         };
-        let send = SendWr { wr_id: WrId(K_SEND | r as u64), op, payload: Payload::Sges(std::slice::from_ref(&sge)), signaled: true };
+        let send = SendWr { wr_id: wr_id(K_SEND, gen, qi, slot as u32), op, payload: Payload::Sges(std::slice::from_ref(&sge)), signaled: true };
         let (posted, with) = match first {
             Some((write, with)) => (self.qp.post_send(&[write, send]), with),
             None => (self.qp.post_send(&[send]), SentWith::Nothing),
@@ -667,74 +941,167 @@ impl Connection {
         match posted {
             Ok(()) => {
                 self.sends_outstanding += 1;
-                self.sent_with[r] = with;
+                self.sent_with[slot] = with;
             }
             Err(e) => {
-                self.resp.reclaim(r);
-                self.free_resp.push(r);
-                self.give_back(with);
-                self.close(format!("posting a completion: {e}"));
-            }
-        }
-    }
-
-    /// Frees what a response's data went out of, once the send is done
-    /// with it (its completion came, or it was never posted).
-    fn give_back(&mut self, with: SentWith) {
-        match with {
-            SentWith::Nothing => {}
-            SentWith::Chunk(c) => self.q.sent(c),
-            SentWith::Staging(i) => {
-                self.staging.reclaim(i);
-                self.free_staging.push(i);
-            }
-        }
-    }
-
-    /// When the host ended the queue (a Disconnect), lets the answers
-    /// already posted (the Disconnect's among them) reach it and, when
-    /// they did, leaves the controller: a host that sees the queue pair go
-    /// may at once connect the same queue id again, and must find it free
-    /// (and the old queue's disk writes done). Then disconnects and lets
-    /// every outstanding work request flush: the memory they name must not
-    /// be reused before, so a queue whose answers did not go out (or that
-    /// ends on a fault, with a host that may take none) leaves the
-    /// controller only then.
-    fn finish(&mut self, why: &CloseReason) {
-        let delivered = why.kind == CloseKind::ByHost && self.settle(|c| c.sends_outstanding == 0);
-        if delivered {
-            self.q.close(why);
-        }
-        self.qp.disconnect();
-        if !self.settle(|c| c.recvs_posted == 0 && c.sends_outstanding == 0) {
-            tracing::warn!(
-                "nvme+rdma {}: {} receives and {} sends did not flush within {CLOSE_GRACE:?}",
-                self.q.peer,
-                self.recvs_posted,
-                self.sends_outstanding
-            );
-        }
-        if !delivered {
-            self.q.close(why);
-        }
-    }
-
-    /// Handles completions until `done` holds (true) or `CLOSE_GRACE` has
-    /// passed (false). A closing queue starts nothing new from them.
-    fn settle(&mut self, done: impl Fn(&Self) -> bool) -> bool {
-        let deadline = Instant::now() + CLOSE_GRACE;
-        let mut wcs = [Completion::EMPTY; 32];
-        while !done(self) && Instant::now() < deadline {
-            match self.cq.poll(&mut wcs) {
-                Ok(0) => std::thread::sleep(Duration::from_millis(1)),
-                Ok(n) => {
-                    for wc in &wcs[..n] {
-                        self.completion(*wc);
+                self.resp.reclaim(slot);
+                self.free_resp.push(slot);
+                match with {
+                    SentWith::Chunk(c) => {
+                        rt.exec.engine_mut().pool_mut().return_from_fabric(c);
+                        rt.exec.sent(c);
                     }
+                    SentWith::Zero(c) => rt.exec.sent(c),
+                    // Staging comes back through the transport's close.
+                    SentWith::Staging(_) | SentWith::Nothing => {}
                 }
-                Err(_) => break,
+                self.closing.get_or_insert_with(|| CloseReason::fault(format!("posting a completion: {e}")));
             }
         }
-        done(self)
+    }
+}
+
+impl crate::reactor::Transport for NvmeRdma {
+    fn name(&self) -> &'static str {
+        "nvme+rdma"
+    }
+
+    fn adopt(&mut self, rt: &mut Runtime, conn: Box<dyn Any + Send>) {
+        match conn.downcast::<Accept>() {
+            Ok(a) => self.adopt_queue(rt, *a),
+            Err(_) => tracing::error!("reactor {}: nvme+rdma was handed something that is not a connection request", rt.id),
+        }
+    }
+
+    fn completion(&mut self, rt: &mut Runtime, _fi: usize, wc: Completion) {
+        self.on_completion(rt, wc);
+    }
+
+    fn exec_event(&mut self, rt: &mut Runtime, tag: u32, id: CmdId, ev: Event) {
+        let qi = Queue::key_of_tag(tag);
+        let Some(r) = self.queues.get_mut(qi as usize).and_then(|s| s.q.as_mut()) else {
+            tracing::error!("reactor {}: executor news {ev:?} for no nvme+rdma queue", rt.id);
+            return;
+        };
+        r.q.exec_event(&mut rt.exec, Queue::slot_of_tag(tag), id, ev);
+        self.mark_dirty(qi);
+    }
+
+    fn turn(&mut self, rt: &mut Runtime) {
+        let fences = rt.registry.fence_generation();
+        if fences != self.fence_generation {
+            self.fence_generation = fences;
+            self.close_torn_down();
+        }
+        let volumes = rt.registry.generation();
+        if volumes != self.volume_generation {
+            self.volume_generation = volumes;
+            for qi in 0..self.queues.len() as u16 {
+                let Some(r) = self.queues[qi as usize].q.as_mut() else { continue };
+                if r.q.is_admin() && r.closing.is_none() {
+                    r.q.tick(rt.turn_start);
+                    self.mark_dirty(qi);
+                }
+            }
+        }
+        for i in (0..self.held.len()).rev() {
+            let qi = self.held[i];
+            let Some(r) = self.queues.get_mut(qi as usize).and_then(|s| s.q.as_mut()) else {
+                self.held.swap_remove(i);
+                continue;
+            };
+            r.q.retry_connect(&mut rt.exec);
+            if r.q.connect_deadline().is_none() {
+                self.held.swap_remove(i);
+            }
+            self.mark_dirty(qi);
+        }
+    }
+
+    fn flush(&mut self, rt: &mut Runtime) {
+        while let Some(qi) = self.dirty.pop() {
+            if self.queues[qi as usize].q.is_some() {
+                self.flush_queue(rt, qi);
+            }
+        }
+    }
+
+    fn next_deadline(&self, _rt: &Runtime) -> Option<Instant> {
+        let mut d: Option<Instant> = None;
+        let mut min = |t: Instant| d = Some(d.map_or(t, |x: Instant| x.min(t)));
+        for r in self.queues.iter().filter_map(|s| s.q.as_ref()) {
+            if r.closing.is_some() {
+                if let Some(cd) = r.close_due {
+                    min(cd);
+                }
+                continue;
+            }
+            if r.q.conn.is_none() {
+                min(r.handshake_due);
+            }
+            if let Some(cd) = r.q.connect_deadline() {
+                min(cd);
+            }
+            if r.q.is_admin() {
+                match r.q.keep_alive_due {
+                    Some(ka) => min(ka),
+                    None => min(r.q.last_heard + self.sub.cfg.idle_timeout),
+                }
+            }
+        }
+        d
+    }
+
+    fn check_deadlines(&mut self, rt: &mut Runtime, now: Instant) {
+        for qi in 0..self.queues.len() as u16 {
+            let Some(r) = self.queues[qi as usize].q.as_mut() else { continue };
+            if r.closing.is_some() {
+                if r.close_due.is_some_and(|d| now >= d) {
+                    self.mark_dirty(qi);
+                }
+                continue;
+            }
+            if r.q.conn.is_none() && (now >= r.handshake_due || rt.shutdown.is_some()) {
+                if rt.shutdown.is_none() {
+                    rt.registry.counters.handshakes_timed_out.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                let why = format!("no Connect within {:?} (target.handshake_timeout)", self.sub.cfg.handshake_timeout);
+                self.close(qi, why.into());
+                continue;
+            }
+            if r.q.connect_deadline().is_some_and(|d| now >= d) {
+                self.mark_dirty(qi);
+                continue;
+            }
+            if r.q.is_admin() {
+                r.q.tick(now);
+                if !r.q.actions.is_empty() {
+                    self.mark_dirty(qi);
+                }
+                let r = self.queues[qi as usize].q.as_ref().expect("live queue");
+                let conn = r.q.conn.as_ref().expect("an admin queue is connected");
+                let idle = r.q.keep_alive_due.is_none()
+                    && r.q.busy_commands() == 0
+                    && r.q.exec_live() == 0
+                    && conn.ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).io_queues() == 0
+                    && now.saturating_duration_since(r.q.last_heard) >= self.sub.cfg.idle_timeout;
+                if idle {
+                    let ctrl = Arc::clone(&conn.ctrl);
+                    super::NvmeStats::add(&self.sub.stats.idle_timeouts, 1);
+                    let why = format!(
+                        "idle: KATO 0, no I/O queue and no command for {:?} (target.idle_timeout)",
+                        now.saturating_duration_since(r.q.last_heard)
+                    );
+                    ctrl.tear_down(&self.sub, &CloseReason::fault(why.clone()));
+                    self.close(qi, why.into());
+                }
+            }
+        }
+    }
+
+    fn shutdown(&mut self, _rt: &mut Runtime) {}
+
+    fn live(&self) -> usize {
+        self.live
     }
 }

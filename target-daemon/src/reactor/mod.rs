@@ -271,19 +271,19 @@ pub struct Runtime {
 }
 
 impl Runtime {
-    /// Puts a transport's descriptor in the reactor's epoll set (readable,
-    /// plus `extra` events such as `sys::WRITABLE`); it then hears
+    /// Puts a transport's descriptor in the reactor's epoll set for
+    /// `events` (`sys::READABLE`, `sys::WRITABLE`); it then hears
     /// [`Transport::ready`] with `key` (below 2^56).
-    pub fn watch(&mut self, transport: usize, fd: std::os::fd::RawFd, key: u64, extra: u32) -> std::io::Result<()> {
+    pub fn watch(&mut self, transport: usize, fd: std::os::fd::RawFd, key: u64, events: u32) -> std::io::Result<()> {
         debug_assert!(key < 1 << TRANSPORT_KEY_BITS);
-        self.epoll.add_events(fd, transport_token(transport, key), sys::READABLE | extra)?;
+        self.epoll.add_events(fd, transport_token(transport, key), events)?;
         self.watched += 1;
         Ok(())
     }
 
     /// Changes the events a watched descriptor is watched for.
-    pub fn rewatch(&self, transport: usize, fd: std::os::fd::RawFd, key: u64, extra: u32) -> std::io::Result<()> {
-        self.epoll.modify(fd, transport_token(transport, key), sys::READABLE | extra)
+    pub fn rewatch(&self, transport: usize, fd: std::os::fd::RawFd, key: u64, events: u32) -> std::io::Result<()> {
+        self.epoll.modify(fd, transport_token(transport, key), events)
     }
 
     /// Takes a descriptor out of the epoll set (before it is closed).
@@ -457,7 +457,15 @@ impl Reactor {
             }
             self.dispatch();
             self.check_deadlines();
-            self.flush();
+            // Chunks a flush sent go back at once (a socket write): their
+            // commands may be done, and answered in the same turn.
+            loop {
+                self.flush();
+                if !self.rt.exec.has_events() {
+                    break;
+                }
+                self.dispatch();
+            }
             // A turn followed by a sleep in the ring leaves its SQEs to the
             // sleep's io_uring_enter, a few microseconds later (its arm and
             // poll), which submits and waits in one system call.
@@ -467,6 +475,7 @@ impl Reactor {
             }
             self.watch_worker();
             self.rt.stats.heartbeat.add(1);
+            self.rt.registry.turned(self.rt.id);
             self.rt.exec.publish_stats();
             if self.finished() {
                 tracing::debug!("reactor {} done", self.rt.id);

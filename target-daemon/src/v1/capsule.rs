@@ -192,6 +192,7 @@ impl V1 {
                             len: 0,
                             metric: None,
                             start,
+                            timed: false,
                             accounts: self.accounts(rt, si),
                             hold_key: None,
                         };
@@ -520,6 +521,7 @@ impl V1 {
             len,
             metric: metrics::op_index(opcode).map(|i| i as u8),
             start,
+            timed: true,
             accounts: self.accounts(rt, si),
             hold_key,
         };

@@ -64,6 +64,7 @@ impl TcpListener {
         let sock = std::net::TcpListener::bind(url.host_port())
             .map_err(|e| FabricError::io(format!("listening on {url}"), e))?;
         sock.set_nonblocking(true).map_err(|e| FabricError::io("O_NONBLOCK on the listener", e))?;
+        sys::deepen_listen_backlog(sock.as_raw_fd()).map_err(|e| FabricError::io(format!("listening on {url}"), e))?;
         let local = sock.local_addr().map_err(|e| FabricError::io("getsockname on the listener", e))?;
         let epfd = sys::epoll_create().map_err(|e| FabricError::io("epoll_create1 for a listener", e))?;
         let timerfd = sys::timerfd().map_err(|e| FabricError::io("timerfd for a listener", e))?;

@@ -123,6 +123,16 @@ pub(crate) fn timerfd_set(fd: RawFd, after: Option<Duration>) -> io::Result<()> 
     Ok(())
 }
 
+/// Listens on bound socket `fd` again with a deep backlog (std listens
+/// with 128; a second `listen` only changes the backlog, which
+/// `net.core.somaxconn` caps): a flood of connections must not fill it, as
+/// a SYN the kernel drops is retried only after a second.
+pub(crate) fn deepen_listen_backlog(fd: RawFd) -> io::Result<()> {
+    // SAFETY: plain syscall on a descriptor the caller owns.
+    cvt(unsafe { libc::listen(fd, 4096) })?;
+    Ok(())
+}
+
 /// `SO_LINGER` with a zero timeout: closing the socket then resets the
 /// connection (RST) and drops whatever is still queued for the peer.
 pub(crate) fn set_linger_zero(fd: RawFd) -> io::Result<()> {
