@@ -375,6 +375,16 @@ pub fn render(s: &Scrape<'_>) -> String {
             ("rdmablk_nvme_written_bytes_total", "Bytes written by NVMe-oF hosts.", &n.bytes_written),
             ("rdmablk_nvme_terminations_total", "NVMe/TCP connections ended for a broken PDU.", &n.terminations),
             ("rdmablk_nvme_keep_alive_timeouts_total", "NVMe-oF controllers torn down for a missed keep-alive.", &n.keep_alive_timeouts),
+            (
+                "rdmablk_nvme_controllers_idle_timed_out_total",
+                "NVMe-oF controllers with KATO 0 ended by target.idle_timeout (no I/O queue, nothing in flight).",
+                &n.idle_timeouts,
+            ),
+            (
+                "rdmablk_nvme_controllers_refused_total",
+                "Admin Connects refused by target.max_controllers or max_controllers_per_host.",
+                &n.controllers_refused,
+            ),
         ] {
             header(&mut out, name, "counter", help);
             let _ = writeln!(out, "{name} {}", v.load(Relaxed));

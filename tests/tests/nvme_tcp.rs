@@ -2052,3 +2052,62 @@ fn a_host_that_sends_commands_and_reads_no_answers_is_closed_not_buffered_withou
     admin.keep_alive().unwrap();
     target.assert_no_panic();
 }
+
+/// `max_controllers` and `max_controllers_per_host` bound the controllers
+/// (each refused Connect is Connect Controller Busy, logged with the key),
+/// and a controller with KATO 0 (no keep-alive to expire) still ends by
+/// `idle_timeout` once it has no I/O queue, nothing in flight and has sent
+/// nothing for that long; one with an I/O queue stays.
+#[test]
+fn controllers_are_bounded_and_a_kato_zero_one_without_io_queues_ends_when_idle() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_file(dir.path(), "vol.img", VOL_SIZE);
+    let config = format!(
+        "{}\n{}",
+        nvme_section("max_controllers = 4\nmax_controllers_per_host = 2\nidle_timeout = \"2s\"\nmetrics = \"127.0.0.1:0\"\n"),
+        nvme_volume("vol", &img, VOL_SIZE, false, Some(1), "")
+    );
+    let (target, addr, _) = start_on(dir.path(), &config);
+    let host = |i: usize| format!("nqn.2014-08.org.example:bounded-{i}");
+    let admin_of = |hostnqn: &str| {
+        let mut c = NvmeTcpConn::connect(addr, NO_DIGESTS);
+        let r = c.admin_connect(SUBNQN, hostnqn, 0);
+        (c, r)
+    };
+    // Two controllers of one host; its third is refused.
+    let (mut a1, r) = admin_of(&host(0));
+    let a1_id = r.expect("first controller of host 0");
+    a1.enable();
+    let (_a2, r) = admin_of(&host(0));
+    r.expect("second controller of host 0");
+    let (_a3, r) = admin_of(&host(0));
+    assert_status("a third controller of one host", r, Status::CONNECT_CONTROLLER_BUSY);
+    target.wait_for_log("target.max_controllers_per_host = 2", Duration::from_secs(5));
+    // Two more hosts fill max_controllers; a fifth controller is refused.
+    let (_b, r) = admin_of(&host(1));
+    r.expect("host 1");
+    let (_c, r) = admin_of(&host(2));
+    r.expect("host 2");
+    let (_d, r) = admin_of(&host(3));
+    assert_status("a fifth controller", r, Status::CONNECT_CONTROLLER_BUSY);
+    target.wait_for_log("target.max_controllers = 4", Duration::from_secs(5));
+    // Controller a1 gets an I/O queue; the other three have none and send
+    // nothing: after idle_timeout (2 s) they end, a1 stays.
+    let mut io = NvmeTcpConn::io(addr, NO_DIGESTS, a1_id, 1, SUBNQN, &host(0));
+    let t0 = Instant::now();
+    let idle = [_a2, _b, _c];
+    for mut c in idle {
+        let t = c.wait_for_termination(Duration::from_secs(10));
+        assert!(t.closed, "a KATO 0 controller without I/O queues stayed past idle_timeout: {t:?}");
+    }
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_millis(1500), "idle controllers ended after {took:?}, before idle_timeout");
+    target.wait_for_log("(target.idle_timeout)", Duration::from_secs(5));
+    assert_eq!(sample(&scrape(&target.metrics_addr()), "rdmablk_nvme_controllers_idle_timed_out_total", &[]), Some(3.0));
+    // The one with an I/O queue is alive, and new controllers fit again.
+    io.write(1, 0, &[0x42; 4096], false).unwrap();
+    a1.keep_alive().unwrap();
+    let (_e, r) = admin_of(&host(3));
+    r.expect("room for a controller again");
+    target.assert_no_panic();
+}

@@ -510,6 +510,15 @@ impl V1 {
             }
             op => op,
         };
+        let metric = metrics::op_index(opcode).map(|i| i as u8);
+        if inline && rt.exec.is_null(vslot) {
+            // Its data is in hand and the null backend drops it: nothing
+            // for the executor to fetch or write.
+            self.repost_recv(rt, si, slot);
+            rt.exec.count_done(vslot, metric, len as u64, start);
+            self.respond(rt, ci, &[], None);
+            return;
+        }
         if inline {
             self.cmd(ci).held_recv = Some(slot);
         }
@@ -519,7 +528,7 @@ impl V1 {
             vslot,
             offset,
             len,
-            metric: metrics::op_index(opcode).map(|i| i as u8),
+            metric,
             start,
             timed: true,
             accounts: self.accounts(rt, si),
