@@ -32,7 +32,7 @@ use rdmablk_target::engine::exec::Executor;
 use rdmablk_target::nvmf::io_cmd::{plan, IoPlan};
 use rdmablk_target::nvmf::queue::{Action, Queue};
 use rdmablk_target::nvmf::{Subsystem, MAX_TRANSFER};
-use rdmablk_target::session::Registry;
+use rdmablk_target::registry::Registry;
 
 const HOST: &str = "nqn.2014-08.org.example:fuzz";
 
@@ -54,7 +54,7 @@ thread_local! {
     /// The executor admin commands are delivered with (they never reach
     /// it: only I/O commands, which this harness plans but does not run).
     static EXEC: RefCell<Executor> = RefCell::new(
-        Executor::standalone(Arc::clone(&subsystem().registry), 4 << 20, 128 << 10).expect("an executor"),
+        Executor::standalone(Arc::clone(subsystem().registry.publication()), 4 << 20, 128 << 10).expect("an executor"),
     );
 }
 

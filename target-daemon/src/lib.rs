@@ -72,7 +72,7 @@ pub mod nvmf;
 /// systemd notifications live in `rdmablk-common`, shared with the `rdmablk` CLI.
 pub use rdmablk_common::notify;
 pub mod reactor;
-pub mod session;
+pub mod registry;
 pub mod sys;
 pub mod target;
 pub mod v1;

@@ -108,6 +108,80 @@ impl OpCounters {
     }
 }
 
+/// NVMe-oF counters for the metrics endpoint (every reactor's queues
+/// write them: atomic adds).
+#[derive(Debug, Default)]
+pub struct NvmeStats {
+    /// Connected queues (admin and I/O).
+    pub queues: AtomicU64,
+    /// Commands received, by [`NvmeStats::CLASSES`].
+    pub commands: [AtomicU64; 6],
+    /// Commands answered with an error status.
+    pub errors: AtomicU64,
+    pub bytes_read: AtomicU64,
+    pub bytes_written: AtomicU64,
+    /// Connections ended by a termination request for a broken PDU.
+    pub terminations: AtomicU64,
+    /// Controllers torn down because their host sent no keep-alive.
+    pub keep_alive_timeouts: AtomicU64,
+    /// Controllers with KATO 0 ended by `target.idle_timeout`: no I/O queue,
+    /// nothing in flight, no command for that long.
+    pub idle_timeouts: AtomicU64,
+    /// Admin Connects refused by `max_controllers` or `max_controllers_per_host`.
+    pub controllers_refused: AtomicU64,
+}
+
+impl NvmeStats {
+    pub const CLASSES: [&'static str; 6] = ["read", "write", "flush", "write_zeroes", "dsm", "admin"];
+
+    /// The class of a command on an I/O queue (`io`) or the admin queue.
+    pub fn class(io: bool, opcode: u8) -> usize {
+        use rdmablk_common::nvme::sqe::io_opcode;
+        match (io, opcode) {
+            (true, io_opcode::READ) => 0,
+            (true, io_opcode::WRITE) => 1,
+            (true, io_opcode::FLUSH) => 2,
+            (true, io_opcode::WRITE_ZEROES) => 3,
+            (true, io_opcode::DATASET_MANAGEMENT) => 4,
+            _ => 5,
+        }
+    }
+
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Relaxed);
+    }
+}
+
+/// Counters of the limits, for the metrics endpoint (several writers).
+#[derive(Debug, Default)]
+pub struct LimitCounters {
+    /// Connections accepted and not yet past CONNECT, now.
+    pub handshakes: AtomicU64,
+    /// Connections dropped because CONNECT did not succeed in time.
+    pub handshakes_timed_out: AtomicU64,
+    /// Connected queue pairs torn down by `target.idle_timeout`.
+    pub idle_timeouts: AtomicU64,
+    /// Connections refused because `max_handshakes` were in progress.
+    pub refused_handshakes: AtomicU64,
+    /// Connections refused because `max_handshakes_per_address` from their
+    /// source address were in progress.
+    pub refused_handshakes_per_address: AtomicU64,
+    /// Connections refused because `max_connections_per_address` from their
+    /// source address were open.
+    pub refused_connections_per_address: AtomicU64,
+    /// CONNECTs refused by `max_sessions`.
+    pub refused_sessions: AtomicU64,
+    /// Joins refused by `max_queues_per_session`.
+    pub refused_queues: AtomicU64,
+    /// Sessions retired by the reconnect fence (a newer session replaced them).
+    pub fences: AtomicU64,
+    /// CONNECTs answered `FenceTimeout`: the replaced session had disk I/O
+    /// in flight for longer than `target.fence_timeout`.
+    pub fence_timeouts: AtomicU64,
+    /// Commands of retired sessions dropped before they reached the disk.
+    pub fence_dropped_commands: AtomicU64,
+}
+
 /// Whether reading the clock costs no system call here: the kernel's
 /// clocksource can be read from user space (the vDSO). Where it cannot
 /// (`hpet`, `acpi_pm`: some virtual machines), the NVMe-oF front end does
@@ -282,9 +356,9 @@ pub struct Scrape<'a> {
     pub reloads_ok: u64,
     pub reloads_failed: u64,
     /// Handshakes and refusals by the connection limits.
-    pub limits: Option<&'a crate::session::LimitCounters>,
+    pub limits: Option<&'a LimitCounters>,
     /// The NVMe-oF front end's counters and live controllers, when it listens.
-    pub nvme: Option<(&'a crate::nvmf::NvmeStats, usize)>,
+    pub nvme: Option<(&'a NvmeStats, usize)>,
 }
 
 /// Escapes a label value.
@@ -366,7 +440,7 @@ pub fn render(s: &Scrape<'_>) -> String {
         header(&mut out, "rdmablk_nvme_queues", "gauge", "NVMe-oF queues connected (admin and I/O).");
         let _ = writeln!(out, "rdmablk_nvme_queues {}", n.queues.load(Relaxed));
         header(&mut out, "rdmablk_nvme_commands_total", "counter", "NVMe-oF commands received, by class.");
-        for (i, class) in crate::nvmf::NvmeStats::CLASSES.iter().enumerate() {
+        for (i, class) in NvmeStats::CLASSES.iter().enumerate() {
             let _ = writeln!(out, "rdmablk_nvme_commands_total{{class=\"{class}\"}} {}", n.commands[i].load(Relaxed));
         }
         for (name, help, v) in [
@@ -773,10 +847,10 @@ mod tests {
         reactors[0].queue_pairs.set(2);
         reactors[0].chunk_wait_timeouts.add(3);
         reactors[0].readahead_hits.add(5);
-        let limits = crate::session::LimitCounters::default();
+        let limits = LimitCounters::default();
         limits.refused_sessions.fetch_add(3, Relaxed);
         limits.handshakes.fetch_add(2, Relaxed);
-        let nvme = crate::nvmf::NvmeStats::default();
+        let nvme = NvmeStats::default();
         nvme.commands[1].store(5, std::sync::atomic::Ordering::Relaxed);
         nvme.terminations.store(1, std::sync::atomic::Ordering::Relaxed);
         let text = render(&Scrape {

@@ -32,7 +32,8 @@ use crate::metrics::{self, HttpServer, ReactorStats};
 use crate::notify::{self, Notifier};
 use crate::nvmf::NvmeFrontEnd;
 use crate::reactor::{self, Control, ReactorHandle, ReactorSpec, Transport};
-use crate::session::{HandshakeRefusal, Protocol, Registry, SessionLimits, SessionSummary};
+use crate::registry::{AdmissionLimits, HandshakeRefusal, Protocol, Registry};
+use crate::v1::session::{SessionLimits, SessionSummary, Sessions};
 use crate::sys::{self, Epoll, EventFd, SignalFd};
 
 /// Entry point for starting targets.
@@ -111,6 +112,7 @@ pub struct RunningTarget {
     reload_tx: mpsc::Sender<ReloadRequest>,
     reload_wake: Arc<EventFd>,
     registry: Arc<Registry>,
+    sessions: Arc<Sessions>,
     control: Option<JoinHandle<Result<()>>>,
 }
 
@@ -169,7 +171,7 @@ impl RunningTarget {
 
     /// The sessions connected now.
     pub fn sessions(&self) -> Vec<SessionSummary> {
-        self.registry.admin().sessions()
+        self.sessions.admin().sessions()
     }
 
     /// Shuts down (see the module docs) and waits until done.
@@ -229,9 +231,7 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
     }
     let volumes = backend::open_volumes(&config)?;
     let next_volume_id = volumes.iter().map(|v| v.id.0).max().unwrap_or(0) + 1;
-    let limits = SessionLimits {
-        max_sessions: cfg.max_sessions,
-        max_queues_per_session: cfg.max_queues_per_session,
+    let limits = AdmissionLimits {
         max_handshakes: cfg.max_handshakes,
         max_handshakes_per_address: cfg.max_handshakes_per_address,
         max_connections_per_address: cfg.max_connections_per_address,
@@ -239,6 +239,8 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
     let access = Arc::new(AccessPolicy::load(&config)?);
     log_access(&config);
     let registry = Arc::new(Registry::new(VolumeSet::new(1, volumes).with_access(access), cfg.reactors).with_limits(limits));
+    let session_limits = SessionLimits { max_sessions: cfg.max_sessions, max_queues_per_session: cfg.max_queues_per_session };
+    let sessions = Arc::new(Sessions::new(Arc::clone(&registry), session_limits));
 
     let mut fabrics = Vec::with_capacity(cfg.listen.len());
     let mut listeners = Vec::with_capacity(cfg.listen.len());
@@ -274,9 +276,9 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
             fabrics.iter().map(|f| (Arc::clone(f), TRANSPORT_V1, cfg.queue_depth)).collect();
         let rdma_fabrics: Vec<usize> = (fabrics.len()..fabrics.len() + nvme_rdma_fabrics.len()).collect();
         reactor_fabrics.extend(nvme_rdma_fabrics.iter().map(|f| (Arc::clone(f), TRANSPORT_NVME_RDMA, crate::nvmf::MAX_QUEUE_ENTRIES)));
-        let (v1_cfg, sub) = (cfg.clone(), Arc::clone(&nvme.subsystem));
+        let (v1_cfg, v1_sessions, sub) = (cfg.clone(), Arc::clone(&sessions), Arc::clone(&nvme.subsystem));
         let transports: reactor::TransportFactory = Box::new(move |_rt| {
-            let v1: Box<dyn Transport> = Box::new(crate::v1::V1::new(TRANSPORT_V1, &v1_cfg));
+            let v1: Box<dyn Transport> = Box::new(crate::v1::V1::new(TRANSPORT_V1, &v1_cfg, v1_sessions));
             let tcp: Box<dyn Transport> = Box::new(crate::nvmf::tcp::NvmeTcp::new(TRANSPORT_NVME_TCP, Arc::clone(&sub)));
             let rdma: Box<dyn Transport> = Box::new(crate::nvmf::rdma::NvmeRdma::new(TRANSPORT_NVME_RDMA, sub, rdma_fabrics));
             Ok(vec![v1, tcp, rdma])
@@ -334,6 +336,7 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
         reactors,
         reactor_stats,
         registry: Arc::clone(&registry),
+        sessions: Arc::clone(&sessions),
         stop: Arc::clone(&stop),
         signals,
         exited,
@@ -362,7 +365,7 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
         .name("rdmablk-ctl".into())
         .spawn(move || ctl.run())
         .map_err(|e| Error::os("cannot spawn the control thread", e))?;
-    Ok(RunningTarget { urls, nvme_listeners, metrics: metrics_addr, stop, reload_tx, reload_wake, registry, control: Some(control) })
+    Ok(RunningTarget { urls, nvme_listeners, metrics: metrics_addr, stop, reload_tx, reload_wake, registry, sessions, control: Some(control) })
 }
 
 fn stop_reactors(reactors: &mut [ReactorHandle], deadline: Instant) -> Option<Error> {
@@ -386,6 +389,8 @@ struct ControlThread {
     reactors: Vec<ReactorHandle>,
     reactor_stats: Vec<Arc<ReactorStats>>,
     registry: Arc<Registry>,
+    /// rdmablk v1's sessions (for scrapes, and reloads' "is it open?").
+    sessions: Arc<Sessions>,
     stop: Arc<EventFd>,
     signals: Option<SignalFd>,
     exited: Arc<EventFd>,
@@ -653,7 +658,7 @@ impl ControlThread {
 
     fn status_text(&self) -> String {
         let set = self.registry.volumes();
-        let sessions = self.registry.admin().sessions();
+        let sessions = self.sessions.admin().sessions();
         let qps: u64 = self.reactor_stats.iter().map(|r| r.queue_pairs.get()).sum();
         let urls: Vec<String> = self.urls.iter().map(|u| u.to_string()).collect();
         format!(
@@ -679,7 +684,7 @@ impl ControlThread {
 
     fn render_metrics(&self) -> String {
         let set = self.registry.volumes();
-        let sessions = self.registry.admin().sessions();
+        let sessions = self.sessions.admin().sessions();
         metrics::render(&metrics::Scrape {
             target: &self.running.name,
             uptime: self.started.elapsed(),
@@ -808,10 +813,10 @@ impl ControlThread {
         let removed: Vec<Arc<Volume>> =
             current.volumes.iter().filter(|v| !config.volumes.iter().any(|vc| vc.name == v.name)).cloned().collect();
 
-        // Decide and publish under the admin lock: no OPEN can slip between
-        // "nobody has it open" and the publication.
-        let registry = Arc::clone(&self.registry);
-        let admin = registry.admin();
+        // Decide and publish under the session table's lock: no OPEN can
+        // slip between "nobody has it open" and the publication.
+        let (registry, sessions) = (Arc::clone(&self.registry), Arc::clone(&self.sessions));
+        let admin = sessions.admin();
         let mut served: Vec<Arc<Volume>> = Vec::with_capacity(actions.len() + removed.len());
         let mut retire = Vec::new();
         let mut lines = Vec::new();
@@ -894,7 +899,7 @@ impl ControlThread {
                 access.host_count()
             ));
         }
-        registry.publish(&admin, VolumeSet::new(current.generation + 1, served).with_access(access));
+        registry.publish(VolumeSet::new(current.generation + 1, served).with_access(access));
         drop(admin);
         for l in &lines {
             tracing::info!("reload: {l}");

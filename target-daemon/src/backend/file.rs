@@ -36,9 +36,9 @@ use rdmablk_common::size::ByteSize;
 use crate::backend::RangeOp;
 use crate::config::{VolumeConfig, DEFAULT_FILE_BLOCK_SIZE};
 use crate::error::{Error, ErrorKind, Result};
-use crate::engine::pool::ALIGN;
 use crate::sys;
-use crate::engine::uring::{PUNCH_HOLE, ZERO_RANGE};
+use super::{PUNCH_HOLE, ZERO_RANGE};
+use crate::config::PAGE;
 
 /// What the path is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -382,8 +382,8 @@ fn check_dio(cx: &Ctx<'_>, file: &File, kind: FileKind, block_size: u32) -> Resu
                     format!("{block_size} is smaller than the O_DIRECT offset alignment {off} this {kind} requires"),
                 ));
             }
-            if mem as usize > ALIGN {
-                return Err(cx.err("path", format!("O_DIRECT needs {mem}-byte aligned memory; buffers are {ALIGN}-aligned")));
+            if mem > PAGE {
+                return Err(cx.err("path", format!("O_DIRECT needs {mem}-byte aligned memory; buffers are {PAGE}-aligned")));
             }
             tracing::debug!("volume {}: O_DIRECT alignment: memory {mem}, offset {off}", cx.vc.name);
         }

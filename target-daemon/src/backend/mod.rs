@@ -38,6 +38,11 @@ use crate::metrics::VolumeStats;
 pub use file::{FileBackend, FileKind};
 pub use memory::MemoryBackend;
 
+/// `fallocate` mode for DISCARD.
+pub const PUNCH_HOLE: i32 = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+/// `fallocate` mode for WRITE_ZEROES.
+pub const ZERO_RANGE: i32 = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
+
 /// How a volume carries out DISCARD or WRITE_ZEROES.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RangeOp {
@@ -77,8 +82,8 @@ impl std::ops::Deref for ByteRanges {
 impl fmt::Display for RangeOp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
-            RangeOp::Fallocate(m) if m == crate::engine::uring::PUNCH_HOLE => f.write_str("fallocate(PUNCH_HOLE)"),
-            RangeOp::Fallocate(m) if m == crate::engine::uring::ZERO_RANGE => f.write_str("fallocate(ZERO_RANGE)"),
+            RangeOp::Fallocate(m) if m == PUNCH_HOLE => f.write_str("fallocate(PUNCH_HOLE)"),
+            RangeOp::Fallocate(m) if m == ZERO_RANGE => f.write_str("fallocate(ZERO_RANGE)"),
             RangeOp::Fallocate(m) => write!(f, "fallocate({m:#x})"),
             RangeOp::BlkDiscard => f.write_str("BLKDISCARD"),
             RangeOp::BlkZeroout => f.write_str("BLKZEROOUT"),
@@ -121,7 +126,7 @@ impl Backend {
     pub fn discard(&self) -> Option<RangeOp> {
         match self {
             Backend::File(f) => f.discard(),
-            Backend::Memory(_) => Some(RangeOp::Fallocate(crate::engine::uring::PUNCH_HOLE)),
+            Backend::Memory(_) => Some(RangeOp::Fallocate(PUNCH_HOLE)),
             Backend::Null => Some(RangeOp::Nothing),
         }
     }
@@ -131,7 +136,7 @@ impl Backend {
         match self {
             Backend::File(f) => f.write_zeroes(),
             // shmem has no ZERO_RANGE; a punched hole reads back as zeroes.
-            Backend::Memory(_) => Some(RangeOp::Fallocate(crate::engine::uring::PUNCH_HOLE)),
+            Backend::Memory(_) => Some(RangeOp::Fallocate(PUNCH_HOLE)),
             Backend::Null => Some(RangeOp::Nothing),
         }
     }
@@ -446,6 +451,40 @@ pub fn check_volumes(config: &Config) -> Result<Vec<String>> {
         }
     }
     Ok(lines)
+}
+
+/// The published volume set: the control thread publishes a new one at
+/// start and at each reload; every reactor follows it (one atomic load of
+/// the generation per turn tells whether it moved).
+#[derive(Debug)]
+pub struct Publication {
+    set: arc_swap::ArcSwap<VolumeSet>,
+    generation: AtomicU64,
+}
+
+impl Publication {
+    pub fn new(set: VolumeSet) -> Publication {
+        let generation = AtomicU64::new(set.generation);
+        Publication { set: arc_swap::ArcSwap::from_pointee(set), generation }
+    }
+
+    /// The generation of the published set: one load.
+    #[inline]
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// The published set.
+    pub fn volumes(&self) -> Arc<VolumeSet> {
+        self.set.load_full()
+    }
+
+    /// Publishes `set` (its generation must be above the last).
+    pub fn publish(&self, set: VolumeSet) {
+        let generation = set.generation;
+        self.set.store(Arc::new(set));
+        self.generation.store(generation, Ordering::Release);
+    }
 }
 
 /// The volumes served at one moment, as published to the reactors.

@@ -189,7 +189,7 @@ mod tests {
         let ep = sys::Epoll::new().unwrap();
         ep.add(w.fd(), 9).unwrap();
         for i in 0..600u64 {
-            let kind = if i % 2 == 0 { JobKind::Fdatasync } else { JobKind::Fallocate(crate::engine::uring::PUNCH_HOLE) };
+            let kind = if i % 2 == 0 { JobKind::Fdatasync } else { JobKind::Fallocate(crate::backend::PUNCH_HOLE) };
             w.submit(Job { user_data: i, kind, backend: Arc::clone(&backend), offset: 0, len: 4096 });
         }
         // BLKDISCARD on a memfd is not a block device: ENOTTY, reported as a result.

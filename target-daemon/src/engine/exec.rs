@@ -45,10 +45,9 @@ use rdmablk_common::protocol::{SessionId, VolumeId};
 use super::pool::{ChunkId, PoolAccount};
 use super::readahead::{self, Readahead, Serve};
 use super::BlockEngine;
-use crate::backend::{Backend, ByteRanges, RangeOp, Volume, VolumeSet};
+use crate::backend::{Backend, ByteRanges, Publication, RangeOp, Volume, VolumeSet};
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::ReactorStats;
-use crate::session::Registry;
 
 /// Most pool chunks one command may have in flight at once.
 pub const CHUNK_WINDOW: u32 = 8;
@@ -285,16 +284,17 @@ pub struct Executor {
     pool_share: u32,
     host_pool_share: u32,
     id: usize,
-    registry: Arc<Registry>,
+    /// The published volume set this executor follows.
+    publication: Arc<Publication>,
     stats: Arc<ReactorStats>,
     engine: BlockEngine,
 }
 
 impl Executor {
-    pub fn new(engine: BlockEngine, settings: Settings, registry: Arc<Registry>, stats: Arc<ReactorStats>) -> Executor {
+    pub fn new(engine: BlockEngine, settings: Settings, publication: Arc<Publication>, stats: Arc<ReactorStats>) -> Executor {
         let chunks = engine.pool().capacity();
         let chunk_size = engine.chunk_size() as u32;
-        let set = registry.volumes();
+        let set = publication.volumes();
         let mut exec = Executor {
             cmds: Vec::new(),
             free_cmds: Vec::new(),
@@ -322,7 +322,7 @@ impl Executor {
             pool_share: settings.pool_share,
             host_pool_share: settings.host_pool_share,
             id: settings.id,
-            registry,
+            publication,
             stats,
             engine,
         };
@@ -334,7 +334,7 @@ impl Executor {
     /// descriptor: reap it after `submit`) and a pool of `pool` bytes in
     /// chunks of `chunk`. For tests and harnesses that drive a front end's
     /// queue directly.
-    pub fn standalone(registry: Arc<Registry>, pool: usize, chunk: usize) -> Result<Executor> {
+    pub fn standalone(publication: Arc<Publication>, pool: usize, chunk: usize) -> Result<Executor> {
         let opts = super::uring::UringOptions { entries: 64, file_slots: 64, ..Default::default() };
         let engine = BlockEngine::new(super::pool::Pool::new(pool, chunk), opts, 0)?;
         let settings = Settings {
@@ -345,7 +345,7 @@ impl Executor {
             chunk_wait_timeout: Duration::from_secs(5),
             readahead: 0,
         };
-        Ok(Executor::new(engine, settings, registry, Arc::new(ReactorStats::default())))
+        Ok(Executor::new(engine, settings, publication, Arc::new(ReactorStats::default())))
     }
 
     pub fn engine(&self) -> &BlockEngine {
@@ -401,7 +401,7 @@ impl Executor {
     /// Picks up a newly published volume set, if there is one (one load).
     #[inline]
     pub fn maybe_refresh(&mut self) {
-        if self.registry.generation() != self.vols.generation {
+        if self.publication.generation() != self.vols.generation {
             self.refresh_volumes();
         }
     }
@@ -454,7 +454,7 @@ impl Executor {
     /// reopened ones get their new descriptor in the same slot, removed ones
     /// retire and free their slot after their last command.
     pub fn refresh_volumes(&mut self) {
-        let set = self.registry.volumes();
+        let set = self.publication.volumes();
         let mut seen = vec![false; self.vols.slots.len()];
         let mut by_index = Vec::with_capacity(set.volumes.len());
         for v in &set.volumes {
@@ -1324,7 +1324,7 @@ mod tests {
         let text = "[target]\nlisten = [\"tcp://127.0.0.1:0\"]\n[[volume]]\nname = \"m\"\nbackend = \"memory\"\nsize = \"1MiB\"\nallow_any_host = true\n";
         let config = Config::parse(text, "test").unwrap();
         let set = VolumeSet::new(1, open_volumes(&config).unwrap()).with_access(Arc::new(AccessPolicy::load(&config).unwrap()));
-        let exec = Executor::standalone(Arc::new(Registry::new(set, 1)), 4 << 17, 1 << 17).unwrap();
+        let exec = Executor::standalone(Arc::new(Publication::new(set)), 4 << 17, 1 << 17).unwrap();
         let slot = exec.slot_of_index(0).unwrap();
         (exec, slot)
     }

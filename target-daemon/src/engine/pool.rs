@@ -26,7 +26,7 @@ use std::sync::Arc;
 use rdmablk_common::fabric::{Access, AlignedBuf, FabricError, MemoryRegion, ProtectionDomain, Sge};
 
 /// Alignment of pool and slot memory (O_DIRECT needs block alignment).
-pub const ALIGN: usize = 4096;
+pub const ALIGN: usize = crate::config::PAGE as usize;
 
 /// Index of a pool chunk; also its io_uring fixed-buffer index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

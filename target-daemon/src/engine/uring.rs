@@ -66,10 +66,6 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::engine::pool::{ChunkId, Pool, PoolMemory};
 use crate::sys::EventFd;
 
-/// `fallocate` mode for DISCARD.
-pub const PUNCH_HOLE: i32 = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-/// `fallocate` mode for WRITE_ZEROES.
-pub const ZERO_RANGE: i32 = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
 
 /// `IORING_REGISTER_FILES_UPDATE`: the register opcode the restricted ring allows.
 const REGISTER_FILES_UPDATE: u8 = 6;
@@ -594,7 +590,7 @@ impl Uring {
         self.start(op);
     }
 
-    /// fallocate of fixed file `file` with `mode` ([`PUNCH_HOLE`], [`ZERO_RANGE`]).
+    /// fallocate of fixed file `file` with `mode` (`backend::PUNCH_HOLE`, `backend::ZERO_RANGE`).
     /// Completes with `-EOPNOTSUPP` if the kernel has no Fallocate opcode.
     pub fn fallocate(&mut self, file: u32, mode: i32, offset: u64, len: u64, user_data: u64) {
         assert!(file < self.nfiles, "fixed file {file} not registered");
@@ -941,6 +937,7 @@ impl Drop for Uring {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::{PUNCH_HOLE, ZERO_RANGE};
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 

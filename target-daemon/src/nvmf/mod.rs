@@ -37,16 +37,18 @@ pub mod tcp;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
+pub use crate::metrics::NvmeStats;
+
 use crate::auth::{Grant, Identity};
 use crate::backend::{Volume, VolumeSet};
 use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
-use crate::session::Registry;
+use crate::registry::Registry;
 use crate::engine::pool::PoolAccount;
 
 /// CAP.MQES + 1: the most entries a queue may have.
@@ -67,50 +69,6 @@ pub const MAX_AERS: usize = 4;
 /// How often an admin queue looks at the namespaces at most (a reload
 /// raises a namespace-attribute-changed event), when nothing else wakes it.
 pub const ADMIN_TICK: Duration = Duration::from_millis(250);
-
-/// NVMe-oF counters for the metrics endpoint (many queue threads write
-/// them: atomic adds).
-#[derive(Debug, Default)]
-pub struct NvmeStats {
-    /// Connected queues (admin and I/O).
-    pub queues: AtomicU64,
-    /// Commands received, by [`NvmeStats::CLASSES`].
-    pub commands: [AtomicU64; 6],
-    /// Commands answered with an error status.
-    pub errors: AtomicU64,
-    pub bytes_read: AtomicU64,
-    pub bytes_written: AtomicU64,
-    /// Connections ended by a termination request for a broken PDU.
-    pub terminations: AtomicU64,
-    /// Controllers torn down because their host sent no keep-alive.
-    pub keep_alive_timeouts: AtomicU64,
-    /// Controllers with KATO 0 ended by `target.idle_timeout`: no I/O queue,
-    /// nothing in flight, no command for that long.
-    pub idle_timeouts: AtomicU64,
-    /// Admin Connects refused by `max_controllers` or `max_controllers_per_host`.
-    pub controllers_refused: AtomicU64,
-}
-
-impl NvmeStats {
-    pub const CLASSES: [&'static str; 6] = ["read", "write", "flush", "write_zeroes", "dsm", "admin"];
-
-    /// The class of a command on an I/O queue (`io`) or the admin queue.
-    pub fn class(io: bool, opcode: u8) -> usize {
-        use rdmablk_common::nvme::sqe::io_opcode;
-        match (io, opcode) {
-            (true, io_opcode::READ) => 0,
-            (true, io_opcode::WRITE) => 1,
-            (true, io_opcode::FLUSH) => 2,
-            (true, io_opcode::WRITE_ZEROES) => 3,
-            (true, io_opcode::DATASET_MANAGEMENT) => 4,
-            _ => 5,
-        }
-    }
-
-    pub fn add(counter: &AtomicU64, n: u64) {
-        counter.fetch_add(n, Ordering::Relaxed);
-    }
-}
 
 /// What a front end needs from the running target.
 pub struct Subsystem {

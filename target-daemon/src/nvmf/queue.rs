@@ -1023,7 +1023,7 @@ mod tests {
     use crate::auth::AccessPolicy;
     use crate::backend::{open_volumes, VolumeSet};
     use crate::config::Config;
-    use crate::session::Registry;
+    use crate::registry::Registry;
     use crate::nvmf::MAX_TRANSFER;
 
     const HOST: &str = "nqn.2014-08.org.example:host";
@@ -1048,7 +1048,7 @@ mod tests {
 
     /// An executor of 32 chunks of 128 KiB for the queues of `sub`.
     fn executor(sub: &Arc<Subsystem>) -> Executor {
-        Executor::standalone(Arc::clone(&sub.registry), 32 * MAX_TRANSFER as usize, MAX_TRANSFER as usize).unwrap()
+        Executor::standalone(Arc::clone(sub.registry.publication()), 32 * MAX_TRANSFER as usize, MAX_TRANSFER as usize).unwrap()
     }
 
     thread_local! {
@@ -1225,7 +1225,7 @@ mod tests {
         let mut volumes = sub.registry.volumes().volumes.clone();
         volumes.push(open_volumes(&bigger).unwrap().pop().unwrap());
         let set = VolumeSet::new(2, volumes).with_access(Arc::new(AccessPolicy::load(&bigger).unwrap()));
-        sub.registry.publish(&sub.registry.admin(), set);
+        sub.registry.publish(set);
         q.tick(Instant::now());
         let actions = std::mem::take(&mut q.actions);
         assert_eq!(status(&actions), (Status::SUCCESS, 0x0004_0002));

@@ -55,7 +55,7 @@ use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
 use crate::engine::exec::{CmdId, Event};
 use crate::engine::pool::{ChunkId, SlotBuf};
 use crate::reactor::Runtime;
-use crate::session::{Admission, ConnectionSlot, HandshakeSlot, Protocol};
+use crate::registry::{Admission, ConnectionSlot, HandshakeSlot, Protocol};
 
 /// How long a closing queue waits for its answers to go out, and then for
 /// its flushed work requests.

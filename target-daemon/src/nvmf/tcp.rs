@@ -54,7 +54,7 @@ use crate::engine::exec::{CmdId, Event, Executor};
 use crate::engine::pool::ChunkId;
 use crate::engine::uring::{RecvId, RecvInto};
 use crate::reactor::{Runtime, Transport};
-use crate::session::{Admission, ConnectionSlot, HandshakeSlot, Protocol};
+use crate::registry::{Admission, ConnectionSlot, HandshakeSlot, Protocol};
 use crate::sys::{READABLE, WRITABLE};
 
 /// Receive buffer of an I/O queue: one receive call may bring in this much

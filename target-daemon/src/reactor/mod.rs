@@ -51,7 +51,7 @@ use crate::engine::BlockEngine;
 use crate::engine::pool::Pool;
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::ReactorStats;
-use crate::session::Registry;
+use crate::registry::Registry;
 use crate::sys::{self, Epoll, EventFd};
 
 pub mod fabric;
@@ -414,7 +414,7 @@ impl Reactor {
             chunk_wait_timeout: cfg.chunk_wait_timeout,
             readahead: cfg.readahead,
         };
-        let exec = Executor::new(engine, settings, Arc::clone(&spec.registry), Arc::clone(&spec.stats));
+        let exec = Executor::new(engine, settings, Arc::clone(spec.registry.publication()), Arc::clone(&spec.stats));
         tracing::debug!("reactor {} ready: {} chunks of {} bytes, ring of {entries}, CQ of {cq_capacity}", spec.id, chunks, cfg.chunk_size);
         let mut rt = Runtime {
             id: spec.id,

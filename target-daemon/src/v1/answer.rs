@@ -566,7 +566,7 @@ impl V1 {
         rt.stats.queue_pairs.set(rt.stats.queue_pairs.get().saturating_sub(1));
         tracing::debug!("queue pair {} freed", s.peer);
         if let Some(shared) = &s.shared {
-            if rt.registry.leave(shared, rt.id) {
+            if self.sessions_table.leave(shared, rt.id) {
                 tracing::info!(
                     "session ended: host={} session={:#x} (its last queue pair is gone; {} commands dropped before reaching the disk)",
                     shared.host_id,

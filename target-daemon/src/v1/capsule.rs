@@ -15,7 +15,7 @@ use crate::backend::{ByteRanges, RangeOp};
 use crate::engine::exec::{self, Owner, Request, NO_VOLUME};
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics;
-use crate::session::OpenSet;
+use super::session::OpenSet;
 
 impl V1 {
     pub(super) fn on_recv(&mut self, rt: &mut Runtime, si: u16, slot: u16, wc: Completion) {
@@ -114,10 +114,10 @@ impl V1 {
             Plan::Open { volume, grant } => {
                 // Under the admin lock, so that a reload cannot remove the
                 // volume between this check and marking it open.
-                let registry = Arc::clone(&rt.registry);
-                let admin = registry.admin();
+                let sessions = Arc::clone(&self.sessions_table);
+                let admin = sessions.admin();
                 let (mut volume, mut grant) = (volume, grant);
-                if registry.generation() != rt.exec.volume_set().generation {
+                if rt.registry.generation() != rt.exec.volume_set().generation {
                     rt.exec.refresh_volumes();
                     match self.plan_msg(rt, si, slot, len).1 {
                         Ok(Plan::Open { volume: v, grant: g }) => (volume, grant) = (v, g),
@@ -157,8 +157,8 @@ impl V1 {
             Plan::Close { volume } => {
                 let id = rt.exec.volume_set().table.get(volume).id;
                 if let Some(shared) = self.session(si).shared.clone() {
-                    let registry = Arc::clone(&rt.registry);
-                    let admin = registry.admin();
+                    let sessions = Arc::clone(&self.sessions_table);
+                    let admin = sessions.admin();
                     shared.mark_closed(&admin, id);
                 }
                 self.repost_recv(rt, si, slot);
@@ -243,8 +243,8 @@ impl V1 {
     /// only once its last queue pair, and so its last disk I/O, is gone, or
     /// with `FenceTimeout` after `target.fence_timeout`.
     fn fence(&mut self, rt: &mut Runtime, si: u16, old: SessionId, pending: PendingConnect) {
-        let registry = Arc::clone(&rt.registry);
-        let retired = registry.retire(&mut registry.admin(), old, &pending.host_id);
+        let sessions = Arc::clone(&self.sessions_table);
+        let retired = sessions.retire(&mut sessions.admin(), old, &pending.host_id);
         let old = match retired {
             Err(e) => {
                 let s = self.session(si);
@@ -344,12 +344,12 @@ impl V1 {
     /// reposted already) and answers it.
     fn connect_session(&mut self, rt: &mut Runtime, si: u16, c: PendingConnect, replaced: Option<SessionId>) {
         let PendingConnect { cid, negotiated, host_id, join, mut reply } = c;
-        let registry = Arc::clone(&rt.registry);
+        let sessions = Arc::clone(&self.sessions_table);
         let joined = {
-            let mut admin = registry.admin();
+            let mut admin = sessions.admin();
             match join {
-                None => registry.create(&mut admin, &host_id, rt.id),
-                Some(id) => registry.join(&mut admin, id, &host_id, rt.id),
+                None => sessions.create(&mut admin, &host_id, rt.id),
+                Some(id) => sessions.join(&mut admin, id, &host_id, rt.id),
             }
         };
         let joined = match joined {

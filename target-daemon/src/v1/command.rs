@@ -17,7 +17,7 @@ use rdmablk_common::protocol::{
 use crate::auth::{AuthState, Grant, Identity};
 pub use crate::backend::table::{VolumeMeta, VolumeTable};
 use crate::error::{Error, ErrorKind, Result};
-use crate::session::OpenSet;
+use super::session::OpenSet;
 
 /// Granularity of the negotiated max I/O size.
 pub const IO_SIZE_UNIT: u32 = 4096;

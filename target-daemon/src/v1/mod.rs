@@ -14,8 +14,8 @@
 //!   capsules (their slots and the send queue), the completions of what
 //!   was posted, and the teardown of a queue pair;
 //! - [`command`]: what a capsule asks for, as a pure function;
-//! - `crate::session`: the sessions shared by a host's queue pairs on
-//!   every reactor.
+//! - [`session`]: the sessions shared by a host's queue pairs on every
+//!   reactor.
 //!
 //! A command's index in this transport's slab is its tag with the
 //! executor and is encoded, with the queue pair's slot and generation,
@@ -36,11 +36,13 @@ use crate::engine::exec::{CmdId, Event, CHUNK_WINDOW};
 use crate::engine::pool::{ChunkId, SlotBuf};
 use crate::error::ErrorKind;
 use crate::reactor::{Runtime, Transport, CQ_ENTRIES_PER_DEPTH};
-use crate::session::{Admission, ConnectionSlot, HandshakeSlot, SharedSession};
+use crate::registry::{Admission, ConnectionSlot, HandshakeSlot};
+use session::{SharedSession, Sessions};
 
 pub mod answer;
 pub mod capsule;
 pub mod command;
+pub mod session;
 
 use command::{Limits, SessionState};
 
@@ -225,6 +227,8 @@ struct Cmd {
 pub struct V1 {
     /// Its index among the reactor's transports (its executor owner).
     index: usize,
+    /// The sessions of every reactor.
+    sessions_table: Arc<Sessions>,
     sessions: Vec<SessionSlot>,
     /// Sessions with work requests queued this turn.
     tx_pending: Vec<u16>,
@@ -269,10 +273,12 @@ pub fn send_queue_depth(queue_depth: u32, pool_chunks: u32) -> u32 {
 }
 
 impl V1 {
-    /// The transport for index `index` of a reactor, with `cfg`'s limits.
-    pub fn new(index: usize, cfg: &TargetConfig) -> V1 {
+    /// The transport for index `index` of a reactor, with `cfg`'s limits,
+    /// its sessions in `sessions`.
+    pub fn new(index: usize, cfg: &TargetConfig, sessions: Arc<Sessions>) -> V1 {
         V1 {
             index,
+            sessions_table: sessions,
             sessions: Vec::new(),
             tx_pending: Vec::new(),
             free_sessions: Vec::new(),
@@ -495,8 +501,9 @@ impl Transport for V1 {
             // A CONNECT held by the fence has the fence's deadline instead.
             if s.closing.is_none() && s.fence.is_none() && s.handshake.as_ref().is_some_and(|(_, d)| now >= *d) {
                 let why = format!("no successful CONNECT within {:?} (target.handshake_timeout)", self.handshake_timeout);
-                tracing::warn!("reactor {}: dropping connection from {}: {why}", rt.id, s.peer);
+                // Counted before it is logged: whoever reads the log line finds it counted.
                 rt.registry.counters.handshakes_timed_out.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!("reactor {}: dropping connection from {}: {why}", rt.id, s.peer);
                 self.fail_session(rt, si as u16, why);
                 continue;
             }
@@ -505,8 +512,8 @@ impl Transport for V1 {
                     "idle: no command and no keep-alive for {:?} (target.idle_timeout)",
                     now.saturating_duration_since(s.last_heard)
                 );
-                tracing::warn!("reactor {}: dropping connection from {} host={}: {why}", rt.id, s.peer, s.host());
                 rt.registry.counters.idle_timeouts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!("reactor {}: dropping connection from {} host={}: {why}", rt.id, s.peer, s.host());
                 self.fail_session(rt, si as u16, why);
                 continue;
             }
