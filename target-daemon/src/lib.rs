@@ -38,44 +38,49 @@
 //! [`RunningTarget::reload`].
 //!
 //! # Layout
-//! - [`config`]: the TOML configuration and its validation.
-//! - [`backend`]: volumes and their backends (`file`, `memory`, `null`).
-//! - [`command`]: what a received command asks for, as a pure function.
-//! - [`error`]: the crate's error type and its mapping to wire statuses.
-//! - [`pool`]: registered memory (the chunk pool, receive/response slots).
-//! - [`uring`]: the io_uring engine (fixed files, fixed buffers, restrictions).
-//! - [`blocking`]: a reactor's helper thread for the few blocking calls.
-//! - [`fault`]: test-only fault injection (disk writes held on demand).
-//! - [`session`]: state shared by reactors (volume set, sessions).
-//! - [`engine`]: the block engine (ring, pool, fixed files, blocking worker)
-//!   that every front end's thread owns one of.
-//! - [`reactor`]: reactor threads (fabric CQs + queue pairs + an engine):
-//!   the rdmablk v1 front end.
-//! - [`nvmf`]: the NVMe over Fabrics front end and its NVMe/TCP transport.
-//! - [`readahead`]: sequential readahead bookkeeping (streams, cached chunks).
-//! - [`metrics`]: lock-free counters, Prometheus text, the HTTP responder.
-//! - [`notify`]: systemd notifications (READY, STATUS, WATCHDOG).
-//! - [`target`]: start/stop, the control thread, signals, reload.
-//! - [`sys`]: thin wrappers over Linux calls std lacks.
 //!
-//! `unsafe` lives only in `pool`, `uring` and `sys`; every block carries a
-//! `// SAFETY:` comment.
+//! Bottom to top (each module uses only those above it in this list):
+//! - [`error`], [`sys`], [`config`], [`fault`]: the crate's error type, thin
+//!   wrappers over Linux calls, the TOML configuration, test-only fault
+//!   injection.
+//! - [`auth`]: rdmablk v1 authentication and every front end's grants.
+//! - [`metrics`]: lock-free counters, Prometheus text, the HTTP responder.
+//! - [`backend`]: volumes and their backends (`file`, `memory`, `null`),
+//!   the published volume set.
+//! - [`engine`]: the storage engine of one reactor: the io_uring ring,
+//!   the registered buffer pool, the blocking worker, readahead, and the
+//!   executor that carries out every front end's disk commands on them.
+//! - [`registry`]: what every front end shares across reactors: the
+//!   volume set, connection admission, wake-ups and the fence generation.
+//! - [`reactor`]: the runtime: a thread per core that runs the executor
+//!   and every transport's queues, its sleep and wake-ups, and the
+//!   [`reactor::Transport`] trait a protocol front end implements.
+//! - The protocol front ends, which decode their wire and plan, each a
+//!   set of transports on the runtime: [`v1`] (rdmablk v1 over `tcp://`
+//!   and `rdma://`) and [`nvmf`] (NVMe over Fabrics: NVMe/TCP and
+//!   NVMe/RDMA).
+//! - [`target`]: start/stop, the control thread (listeners, signals,
+//!   reload, metrics, systemd), which hands each new connection to a
+//!   reactor's transport.
+//!
+//! `unsafe` lives only in `engine` (the pool, the ring) and `sys`; every
+//! block carries a `// SAFETY:` comment.
 
-pub mod auth;
-pub mod backend;
-pub mod fault;
-pub mod config;
 pub mod error;
-pub mod engine;
+pub mod sys;
+pub mod config;
+pub mod fault;
+pub mod auth;
 pub mod metrics;
+pub mod backend;
+pub mod engine;
+pub mod registry;
+pub mod reactor;
+pub mod v1;
 pub mod nvmf;
+pub mod target;
 /// systemd notifications live in `rdmablk-common`, shared with the `rdmablk` CLI.
 pub use rdmablk_common::notify;
-pub mod reactor;
-pub mod registry;
-pub mod sys;
-pub mod target;
-pub mod v1;
 
 pub use config::Config;
 pub use error::{Error, ErrorKind, Result};

@@ -44,7 +44,7 @@ impl VolumeMeta {
         self.grants.grant(who, hosts_configured)
     }
 
-    /// The [`VolumeInfo`] a holder of `grant` sees: read-only if either the
+    /// The `VolumeInfo` a holder of `grant` sees: read-only if either the
     /// volume or the grant is.
     pub fn info_for(&self, grant: Grant) -> VolumeInfo {
         let mut info = self.info.clone();

@@ -1,10 +1,20 @@
-//! The block engine under every protocol front end: one io_uring ring, one
-//! registered buffer pool, the volumes' fixed-file slots and a blocking
-//! worker, owned by one thread. The rdmablk v1 reactors (`reactor`) and the
-//! NVMe-oF queues (`nvmf`) each run one. A front end decodes its wire and
-//! plans; it asks the engine for disk operations on pool chunks, tagged
-//! with its own slab index, and reaps their completions. The engine knows
-//! nothing of any wire.
+//! The storage engine of one reactor, which every protocol front end's
+//! commands run on. Bottom to top:
+//! - [`pool`]: the registered buffer pool (chunks, their owners and
+//!   accounts) and registered slot buffers;
+//! - [`uring`]: the io_uring ring (fixed files, fixed buffers,
+//!   restrictions, the sleep in the ring, socket receives);
+//! - [`blocking`]: the worker thread for the few calls io_uring cannot carry;
+//! - [`readahead`]: sequential streams and the chunks read ahead of them;
+//! - this file: [`BlockEngine`], the ring, the pool, the volumes' fixed-file
+//!   slots and the blocking worker behind one API of disk operations on
+//!   pool chunks, tagged by the caller;
+//! - [`exec`]: the [`exec::Executor`], which owns the commands on the
+//!   engine: chunk waits and shares, pipelining, readahead, write epochs,
+//!   the volume snapshot and counters; a front end hands it a request and
+//!   hears back what must cross its wire.
+//!
+//! The engine knows nothing of any wire.
 //!
 //! Ordering: operations are independent. A write is complete (and, with
 //! `fua`, durable) when its completion is reaped; a flush covers the writes

@@ -84,8 +84,8 @@ const TRANSPORT_KEY_BITS: u32 = 56;
 pub trait Transport {
     /// A name for logs (`v1`, `nvme+tcp`, ...).
     fn name(&self) -> &'static str;
-    /// Takes a connection the control thread handed over (whatever that
-    /// transport's listener produces; see [`ReactorHandle::hand_off`]).
+    /// Takes a new connection the control thread handed over: whatever
+    /// that transport's listener produces (its own type, downcast here).
     fn adopt(&mut self, rt: &mut Runtime, conn: Box<dyn Any + Send>);
     /// A work completion of one of its queue pairs on fabric `fi` (a
     /// fabric this transport owns).

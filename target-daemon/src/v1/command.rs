@@ -112,7 +112,7 @@ pub enum Plan {
     AuthNegotiate { host_id: String, session_id: SessionId },
     /// Check the initiator's proof; answer the target's.
     AuthReply { response: AuthResponse },
-    /// Write the first `entries` [`VolumeInfo`]s of the volumes the queue
+    /// Write the first `entries` `VolumeInfo`s of the volumes the queue
     /// pair may see ([`VolumeTable::visible_to`]) into `dest`; result = `total`.
     ListVolumes { dest: DataDescriptor, entries: u32, total: u32 },
     /// Mark volume index `volume` open with `grant`; reply its info (read-only
