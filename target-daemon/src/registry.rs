@@ -368,6 +368,34 @@ impl Registry {
     }
 }
 
+
+/// The registry's generations a front end last acted on: each turn it
+/// asks [`Seen::news`] what moved since.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Seen {
+    fences: u64,
+    volumes: u64,
+}
+
+/// What moved since a front end's last turn: the fence (a controller or
+/// session torn down or gone) and the published volume set.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct News {
+    pub fences: bool,
+    pub volumes: bool,
+}
+
+impl Seen {
+    /// What moved since the last call; two loads.
+    #[inline]
+    pub fn news(&mut self, registry: &Registry) -> News {
+        let now = Seen { fences: registry.fence_generation(), volumes: registry.generation() };
+        let news = News { fences: now.fences != self.fences, volumes: now.volumes != self.volumes };
+        *self = now;
+        news
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -167,6 +167,16 @@ struct HeldConnect {
     turns: [u64; MAX_BARRIER_REACTORS],
 }
 
+/// What a queue's deadlines ask of its transport ([`Queue::check_deadlines`]).
+#[derive(Debug)]
+pub enum Due {
+    Nothing,
+    /// The queue has actions to carry out.
+    Flush,
+    /// The queue must close.
+    Close(CloseReason),
+}
+
 /// What the fence says of an admin Connect ([`Queue::fence`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fence {
@@ -219,6 +229,9 @@ pub struct Queue {
     pub aen_masked: bool,
     known: (u64, Vec<(u32, u64, bool)>),
     pub keep_alive_due: Option<Instant>,
+    /// The Connect must come by then (`target.handshake_timeout` after the
+    /// queue was accepted).
+    pub handshake_due: Instant,
     /// When the last command arrived (or the queue was accepted): for
     /// `target.idle_timeout` of a controller without keep-alive.
     pub last_heard: Instant,
@@ -231,6 +244,7 @@ pub struct Queue {
 impl Queue {
     pub fn new(sub: Arc<Subsystem>, transport: NvmeTransport, port: u16, local: SocketAddr, peer: SocketAddr) -> Queue {
         let now = Instant::now();
+        let handshake_timeout = sub.cfg.handshake_timeout;
         Queue {
             sub,
             transport,
@@ -256,6 +270,7 @@ impl Queue {
             aen_masked: false,
             known: (u64::MAX, Vec::new()),
             keep_alive_due: None,
+            handshake_due: now + handshake_timeout,
             last_heard: now,
             held_connect: None,
             now,
@@ -713,13 +728,14 @@ impl Queue {
     }
 
     /// Tries a held Connect again (each turn of the transport): answered
-    /// now, or held on.
-    pub fn retry_connect(&mut self, exec: &mut Executor) {
-        let Some(h) = self.held_connect else { return };
+    /// now, or held on (true).
+    pub fn retry_connect(&mut self, exec: &mut Executor) -> bool {
+        let Some(h) = self.held_connect else { return false };
         self.execute(exec, h.slot);
         if self.cmds[h.slot as usize].is_none() {
             self.held_connect = None;
         }
+        self.held_connect.is_some()
     }
 
     /// The fence, for an admin Connect of `host_nqn`: whether it must wait,
@@ -873,7 +889,87 @@ impl Queue {
         }
     }
 
+    // ---------------------------------------------------------------- deadlines
+
+    /// The earliest deadline of an open queue (a closing one's is its
+    /// transport's): the Connect's, a held Connect's, the keep-alive's or,
+    /// for a controller without keep-alive, `target.idle_timeout`'s.
+    pub fn deadline(&self) -> Option<Instant> {
+        let mut earliest = self.connect_deadline();
+        let mut min = |t: Instant| earliest = Some(earliest.map_or(t, |e: Instant| e.min(t)));
+        if self.conn.is_none() {
+            min(self.handshake_due);
+        }
+        if self.is_admin() {
+            if let Some(due) = self.keep_alive_due {
+                min(due);
+            } else if self.may_idle_out() {
+                min(self.last_heard + self.sub.cfg.idle_timeout);
+            }
+        }
+        earliest
+    }
+
+    /// Whether `target.idle_timeout` applies: an admin queue whose
+    /// controller has no keep-alive (KATO 0), no I/O queue, and nothing in
+    /// flight (held AERs aside).
+    fn may_idle_out(&self) -> bool {
+        let Some(conn) = &self.conn else { return false };
+        conn.qid == 0
+            && self.keep_alive_due.is_none()
+            && self.busy_commands() == 0
+            && self.exec_live == 0
+            && conn.ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).io_queues() == 0
+    }
+
+    /// The check of an open queue's deadlines at `now` (`stopping`: the
+    /// target is stopping): what its transport must do about them. A
+    /// keep-alive's expiry or a namespace notice comes as actions
+    /// ([`Due::Flush`]); a missed Connect or an idle controller closes the
+    /// queue, the idle one's controller torn down first.
+    pub fn check_deadlines(&mut self, now: Instant, stopping: bool) -> Due {
+        if self.conn.is_none() && (stopping || now >= self.handshake_due) {
+            if stopping {
+                return Due::Close(CloseReason::fault("the target is stopping"));
+            }
+            self.sub.registry.counters.handshakes_timed_out.fetch_add(1, Ordering::Relaxed);
+            return Due::Close(CloseReason::fault(format!(
+                "no Connect within {:?} (target.handshake_timeout)",
+                self.sub.cfg.handshake_timeout
+            )));
+        }
+        if self.connect_deadline().is_some_and(|d| now >= d) {
+            return Due::Flush;
+        }
+        if !self.is_admin() {
+            return Due::Nothing;
+        }
+        self.tick(now);
+        if !self.actions.is_empty() {
+            return Due::Flush;
+        }
+        let quiet = now.saturating_duration_since(self.last_heard);
+        if self.may_idle_out() && quiet >= self.sub.cfg.idle_timeout {
+            let ctrl = Arc::clone(&self.conn.as_ref().expect("an admin queue is connected").ctrl);
+            NvmeStats::add(&self.sub.stats.idle_timeouts, 1);
+            let why = CloseReason::fault(format!("idle: KATO 0, no I/O queue and no command for {quiet:?} (target.idle_timeout)"));
+            ctrl.tear_down(&self.sub, &why);
+            return Due::Close(why);
+        }
+        Due::Nothing
+    }
+
     // ---------------------------------------------------------------- admin queue
+
+    /// The published volume set changed: an admin queue looks at its
+    /// namespaces now (true: it may have notices to send).
+    pub fn volumes_changed(&mut self, now: Instant) -> bool {
+        if !self.is_admin() {
+            return false;
+        }
+        self.tick(now);
+        true
+    }
 
     /// Admin queue, at each check: keep-alive expiry and namespace changes.
     pub fn tick(&mut self, now: Instant) {

@@ -46,7 +46,7 @@ use rdmablk_common::nvme::fabrics::{fctype, Connect};
 use rdmablk_common::nvme::rdma::{reject, CmAccept, CmReject, CmRequest, RECFMT_1_0};
 use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry, SQE_SIZE};
 
-use super::queue::{Action, Buf, Queue};
+use super::queue::{Action, Buf, Due, Queue};
 use super::{
     CloseKind, CloseReason, Incoming, Subsystem, ADMIN_IN_CAPSULE, HOST_CLOSED, IO_IN_CAPSULE, MAX_IO_QUEUES, MAX_QUEUE_ENTRIES,
     MAX_TRANSFER,
@@ -55,7 +55,7 @@ use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
 use crate::engine::exec::{CmdId, Event};
 use crate::engine::pool::{ChunkId, SlotBuf};
 use crate::reactor::Runtime;
-use crate::registry::{Admission, ConnectionSlot, HandshakeSlot, Protocol};
+use crate::registry::{Admission, ConnectionSlot, HandshakeSlot, Protocol, Seen};
 
 /// How long a closing queue waits for its answers to go out, and then for
 /// its flushed work requests.
@@ -243,7 +243,6 @@ struct RQueue {
     close_phase: ClosePhase,
     close_due: Option<Instant>,
     handshake: Option<HandshakeSlot>,
-    handshake_due: Instant,
     _connection: ConnectionSlot,
     dirty: bool,
 }
@@ -277,8 +276,7 @@ pub struct NvmeRdma {
     free: Vec<u16>,
     dirty: Vec<u16>,
     held: Vec<u16>,
-    fence_generation: u64,
-    volume_generation: u64,
+    seen: Seen,
     live: usize,
 }
 
@@ -296,8 +294,7 @@ impl NvmeRdma {
             free: Vec::new(),
             dirty: Vec::new(),
             held: Vec::new(),
-            fence_generation: 0,
-            volume_generation: 0,
+            seen: Seen::default(),
             live: 0,
         }
     }
@@ -414,7 +411,6 @@ impl NvmeRdma {
             close_phase: ClosePhase::Answering,
             close_due: None,
             handshake: Some(admission.handshake),
-            handshake_due: rt.turn_start + self.sub.cfg.handshake_timeout,
             _connection: admission.connection,
             dirty: false,
         };
@@ -988,18 +984,14 @@ impl crate::reactor::Transport for NvmeRdma {
     }
 
     fn turn(&mut self, rt: &mut Runtime) {
-        let fences = rt.registry.fence_generation();
-        if fences != self.fence_generation {
-            self.fence_generation = fences;
+        let news = self.seen.news(&rt.registry);
+        if news.fences {
             self.close_torn_down();
         }
-        let volumes = rt.registry.generation();
-        if volumes != self.volume_generation {
-            self.volume_generation = volumes;
+        if news.volumes {
             for qi in 0..self.queues.len() as u16 {
                 let Some(r) = self.queues[qi as usize].q.as_mut() else { continue };
-                if r.q.is_admin() && r.closing.is_none() {
-                    r.q.tick(rt.turn_start);
+                if r.closing.is_none() && r.q.volumes_changed(rt.turn_start) {
                     self.mark_dirty(qi);
                 }
             }
@@ -1010,8 +1002,7 @@ impl crate::reactor::Transport for NvmeRdma {
                 self.held.swap_remove(i);
                 continue;
             };
-            r.q.retry_connect(&mut rt.exec);
-            if r.q.connect_deadline().is_none() {
+            if !r.q.retry_connect(&mut rt.exec) {
                 self.held.swap_remove(i);
             }
             self.mark_dirty(qi);
@@ -1027,29 +1018,8 @@ impl crate::reactor::Transport for NvmeRdma {
     }
 
     fn next_deadline(&self, _rt: &Runtime) -> Option<Instant> {
-        let mut d: Option<Instant> = None;
-        let mut min = |t: Instant| d = Some(d.map_or(t, |x: Instant| x.min(t)));
-        for r in self.queues.iter().filter_map(|s| s.q.as_ref()) {
-            if r.closing.is_some() {
-                if let Some(cd) = r.close_due {
-                    min(cd);
-                }
-                continue;
-            }
-            if r.q.conn.is_none() {
-                min(r.handshake_due);
-            }
-            if let Some(cd) = r.q.connect_deadline() {
-                min(cd);
-            }
-            if r.q.is_admin() {
-                match r.q.keep_alive_due {
-                    Some(ka) => min(ka),
-                    None => min(r.q.last_heard + self.sub.cfg.idle_timeout),
-                }
-            }
-        }
-        d
+        let deadline = |r: &RQueue| if r.closing.is_some() { r.close_due } else { r.q.deadline() };
+        self.queues.iter().filter_map(|s| s.q.as_ref()).filter_map(deadline).min()
     }
 
     fn check_deadlines(&mut self, rt: &mut Runtime, now: Instant) {
@@ -1061,40 +1031,10 @@ impl crate::reactor::Transport for NvmeRdma {
                 }
                 continue;
             }
-            if r.q.conn.is_none() && (now >= r.handshake_due || rt.shutdown.is_some()) {
-                if rt.shutdown.is_none() {
-                    rt.registry.counters.handshakes_timed_out.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
-                let why = format!("no Connect within {:?} (target.handshake_timeout)", self.sub.cfg.handshake_timeout);
-                self.close(qi, why.into());
-                continue;
-            }
-            if r.q.connect_deadline().is_some_and(|d| now >= d) {
-                self.mark_dirty(qi);
-                continue;
-            }
-            if r.q.is_admin() {
-                r.q.tick(now);
-                if !r.q.actions.is_empty() {
-                    self.mark_dirty(qi);
-                }
-                let r = self.queues[qi as usize].q.as_ref().expect("live queue");
-                let conn = r.q.conn.as_ref().expect("an admin queue is connected");
-                let idle = r.q.keep_alive_due.is_none()
-                    && r.q.busy_commands() == 0
-                    && r.q.exec_live() == 0
-                    && conn.ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).io_queues() == 0
-                    && now.saturating_duration_since(r.q.last_heard) >= self.sub.cfg.idle_timeout;
-                if idle {
-                    let ctrl = Arc::clone(&conn.ctrl);
-                    super::NvmeStats::add(&self.sub.stats.idle_timeouts, 1);
-                    let why = format!(
-                        "idle: KATO 0, no I/O queue and no command for {:?} (target.idle_timeout)",
-                        now.saturating_duration_since(r.q.last_heard)
-                    );
-                    ctrl.tear_down(&self.sub, &CloseReason::fault(why.clone()));
-                    self.close(qi, why.into());
-                }
+            match r.q.check_deadlines(now, rt.shutdown.is_some()) {
+                Due::Nothing => {}
+                Due::Flush => self.mark_dirty(qi),
+                Due::Close(why) => self.close(qi, why),
             }
         }
     }

@@ -47,14 +47,14 @@ use rdmablk_common::nvme::tcp::{
 };
 use rdmablk_common::nvme::WireError;
 
-use super::queue::{Action, Buf, H2cRefusal, Queue};
+use super::queue::{Action, Buf, Due, H2cRefusal, Queue};
 use super::{CloseKind, CloseReason, Incoming, Subsystem, MAX_TRANSFER};
 use crate::config::NvmeTransport;
 use crate::engine::exec::{CmdId, Event, Executor};
 use crate::engine::pool::ChunkId;
 use crate::engine::uring::{RecvId, RecvInto};
 use crate::reactor::{Runtime, Transport};
-use crate::registry::{Admission, ConnectionSlot, HandshakeSlot, Protocol};
+use crate::registry::{Admission, ConnectionSlot, HandshakeSlot, Protocol, Seen};
 use crate::sys::{READABLE, WRITABLE};
 
 /// Receive buffer of an I/O queue: one receive call may bring in this much
@@ -216,7 +216,6 @@ struct Conn {
     send_failed: bool,
     /// Counts against the handshake limits until Connect succeeds.
     handshake: Option<HandshakeSlot>,
-    handshake_due: Instant,
     /// Counts against `max_connections_per_address` while the connection lives.
     _connection: ConnectionSlot,
     /// In the transport's list of connections to flush this turn.
@@ -236,11 +235,9 @@ pub struct NvmeTcp {
     free: Vec<u16>,
     /// Connections with something to send or to do this turn.
     dirty: Vec<u16>,
-    /// The registry's fence generation this transport acted on (controllers
-    /// torn down, held Connects).
-    fence_generation: u64,
-    /// The volume set's generation the admin queues last looked at.
-    volume_generation: u64,
+    /// The registry's generations this transport acted on: the fence's
+    /// (controllers torn down) and the volume set's (namespace notices).
+    seen: Seen,
     /// Connections with a Connect the fence holds.
     held: Vec<u16>,
     /// The earliest deadline of any connection, when known (recomputed
@@ -259,8 +256,7 @@ impl NvmeTcp {
             conns: Vec::new(),
             free: Vec::new(),
             dirty: Vec::new(),
-            fence_generation: 0,
-            volume_generation: 0,
+            seen: Seen::default(),
             held: Vec::new(),
             earliest: None,
             deadlines_stale: false,
@@ -330,8 +326,7 @@ impl NvmeTcp {
         let mut q = Queue::new(Arc::clone(&self.sub), NvmeTransport::Tcp, port, local, peer);
         q.place(rt.id, self.index, ci, admission.connection.host_pool_account(rt.id).cloned());
         q.now = rt.turn_start;
-        let now = rt.turn_start;
-        let handshake_due = now + self.sub.cfg.handshake_timeout;
+        let handshake_due = q.handshake_due;
         self.conns[ci as usize].c = Some(Conn {
             stream,
             q,
@@ -351,7 +346,6 @@ impl NvmeTcp {
             draining: false,
             send_failed: false,
             handshake: Some(admission.handshake),
-            handshake_due,
             _connection: admission.connection,
             dirty: false,
         });
@@ -657,38 +651,11 @@ impl NvmeTcp {
     }
 
     /// The earliest deadline of connection `c`, if it has one.
-    fn deadline_of(&self, c: &Conn) -> Option<Instant> {
+    fn deadline_of(c: &Conn) -> Option<Instant> {
         if c.closing.is_some() {
             return c.close_due.or(Some(Instant::now()));
         }
-        let mut d: Option<Instant> = None;
-        let mut min = |t: Instant| d = Some(d.map_or(t, |x: Instant| x.min(t)));
-        if c.q.conn.is_none() {
-            min(c.handshake_due);
-        }
-        if let Some(cd) = c.q.connect_deadline() {
-            min(cd);
-        }
-        if c.q.is_admin() {
-            if let Some(ka) = c.q.keep_alive_due {
-                min(ka);
-            } else if Self::may_idle_out(c) {
-                min(c.q.last_heard + self.sub.cfg.idle_timeout);
-            }
-        }
-        d
-    }
-
-    /// Whether `target.idle_timeout` applies to an admin queue: its
-    /// controller has no keep-alive (KATO 0), no I/O queue, and nothing
-    /// of it is in flight (held AERs aside).
-    fn may_idle_out(c: &Conn) -> bool {
-        let Some(conn) = &c.q.conn else { return false };
-        conn.qid == 0
-            && c.q.keep_alive_due.is_none()
-            && c.q.busy_commands() == 0
-            && c.q.exec_live() == 0
-            && conn.ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).io_queues() == 0
+        c.q.deadline()
     }
 }
 
@@ -1048,18 +1015,14 @@ impl Transport for NvmeTcp {
     }
 
     fn turn(&mut self, rt: &mut Runtime) {
-        let fences = rt.registry.fence_generation();
-        if fences != self.fence_generation {
-            self.fence_generation = fences;
+        let news = self.seen.news(&rt.registry);
+        if news.fences {
             self.close_torn_down();
         }
-        let volumes = rt.registry.generation();
-        if volumes != self.volume_generation {
-            self.volume_generation = volumes;
+        if news.volumes {
             for ci in 0..self.conns.len() as u16 {
                 let Some(c) = self.conns[ci as usize].c.as_mut() else { continue };
-                if c.q.is_admin() && c.closing.is_none() {
-                    c.q.tick(rt.turn_start);
+                if c.closing.is_none() && c.q.volumes_changed(rt.turn_start) {
                     self.mark_dirty(ci);
                 }
             }
@@ -1070,8 +1033,7 @@ impl Transport for NvmeTcp {
                 self.held.swap_remove(i);
                 continue;
             };
-            c.q.retry_connect(&mut rt.exec);
-            if c.q.connect_deadline().is_none() {
+            if !c.q.retry_connect(&mut rt.exec) {
                 self.held.swap_remove(i);
             }
             self.after_input(rt, ci);
@@ -1090,7 +1052,7 @@ impl Transport for NvmeTcp {
         if !self.deadlines_stale {
             return self.earliest;
         }
-        self.conns.iter().filter_map(|s| s.c.as_ref()).filter_map(|c| self.deadline_of(c)).min()
+        self.conns.iter().filter_map(|s| s.c.as_ref()).filter_map(Self::deadline_of).min()
     }
 
     fn check_deadlines(&mut self, rt: &mut Runtime, now: Instant) {
@@ -1105,39 +1067,13 @@ impl Transport for NvmeTcp {
                 }
                 continue;
             }
-            if c.q.conn.is_none() && (now >= c.handshake_due || rt.shutdown.is_some()) {
-                let why = if rt.shutdown.is_some() {
-                    "the target is stopping".to_owned()
-                } else {
-                    format!("no Connect within {:?} (target.handshake_timeout)", self.sub.cfg.handshake_timeout)
-                };
-                rt.registry.counters.handshakes_timed_out.fetch_add((rt.shutdown.is_none()) as u64, std::sync::atomic::Ordering::Relaxed);
-                self.fail(ci, Fatal::closed(why));
-                continue;
-            }
-            if c.q.connect_deadline().is_some_and(|d| now >= d) {
-                self.mark_dirty(ci);
-                continue;
-            }
-            if c.q.is_admin() {
-                c.q.tick(now);
-                if !c.q.actions.is_empty() {
-                    self.mark_dirty(ci);
-                }
-                let c = self.conns[ci as usize].c.as_ref().expect("live connection");
-                if Self::may_idle_out(c) && now.saturating_duration_since(c.q.last_heard) >= self.sub.cfg.idle_timeout {
-                    let ctrl = Arc::clone(&c.q.conn.as_ref().expect("connected").ctrl);
-                    super::NvmeStats::add(&self.sub.stats.idle_timeouts, 1);
-                    let why = format!(
-                        "idle: KATO 0, no I/O queue and no command for {:?} (target.idle_timeout)",
-                        now.saturating_duration_since(c.q.last_heard)
-                    );
-                    ctrl.tear_down(&self.sub, &CloseReason::fault(why.clone()));
-                    self.fail(ci, Fatal::closed(why));
-                }
+            match c.q.check_deadlines(now, rt.shutdown.is_some()) {
+                Due::Nothing => {}
+                Due::Flush => self.mark_dirty(ci),
+                Due::Close(why) => self.fail(ci, Fatal::closed(why)),
             }
         }
-        self.earliest = self.conns.iter().filter_map(|s| s.c.as_ref()).filter_map(|c| self.deadline_of(c)).min();
+        self.earliest = self.conns.iter().filter_map(|s| s.c.as_ref()).filter_map(Self::deadline_of).min();
         self.deadlines_stale = false;
     }
 
