@@ -20,14 +20,20 @@ use rdmablk_common::nvme::fabrics::{Connect, ConnectData, Property, CONNECT_DATA
 use rdmablk_common::nvme::rdma::{reject, CmAccept, CmRequest, RECFMT_1_0};
 use rdmablk_common::nvme::sqe::{admin_opcode, io_opcode, Sgl, SubmissionEntry, SQE_SIZE};
 use rdmablk_common::nvme::status::Status;
-use rdmablk_system_tests::BusyCpus;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rdmablk_system_tests::{file_volume, sparse_file, BusyCpus};
 use rdmablk_target::{Config, RunningTarget, Target};
 
 const HOST_NQN: &str = "nqn.2014-08.org.example:rdma-host";
 const RECVS: usize = 32;
-const SEND_SLOTS: usize = 8;
+/// Capsule slots: a slot is taken again only once its SEND completed (a
+/// NIC reads the bytes when it transmits them, not when the SEND is posted).
+const SEND_SLOTS: usize = 32;
 const SEND_SLOT: usize = SQE_SIZE + 16384;
-const DATA: usize = 1 << 20;
+/// The `wr_id` of the SEND from capsule slot `i` is `SEND_WR + i`.
+const SEND_WR: u64 = 1000;
+const DATA: usize = 2 << 20;
 const NULL_SGL: Sgl = Sgl::Keyed { addr: 0, length: 0, key: 0, invalidate: false };
 
 /// The address the host connects to: `RDMABLK_NVME_RDMA_HOST` (verbs) or
@@ -53,11 +59,16 @@ fn target_listening_on(host: &str) -> (RunningTarget, FabricUrl, String) {
 
 /// The configuration of [`target_listening_on`].
 fn config_listening_on(host: &str) -> Config {
+    let volume = "[[volume]]\nname = \"v\"\nbackend = \"memory\"\nsize = \"4MiB\"\nblock_size = 512\nallow_any_host = true\n";
+    config_with_volume(host, volume)
+}
+
+/// A target configuration with an NVMe/RDMA listener on `host` (port 0;
+/// the tcp provider unless `RDMABLK_NVME_RDMA_HOST` is set) and `volume`
+/// (a `[[volume]]` table) as namespace 1.
+fn config_with_volume(host: &str, volume: &str) -> Config {
     let verbs_host = std::env::var("RDMABLK_NVME_RDMA_HOST").ok();
-    let text = format!(
-        "[target]\nname = \"rdma\"\nlisten = [\"nvme+rdma://{host}:0\"]\nshutdown_timeout = \"5s\"\n\
-         [[volume]]\nname = \"v\"\nbackend = \"memory\"\nsize = \"4MiB\"\nblock_size = 512\nallow_any_host = true\n"
-    );
+    let text = format!("[target]\nname = \"rdma\"\nlisten = [\"nvme+rdma://{host}:0\"]\nshutdown_timeout = \"5s\"\n{volume}");
     let mut config = Config::parse(&text, "rdma.toml").unwrap();
     if verbs_host.is_none() {
         // The same transport on the software provider: what runs here is
@@ -82,6 +93,8 @@ struct Host {
     _fabric: Fabric,
     next_cid: u16,
     next_slot: usize,
+    /// Capsule slots whose SEND has not completed yet.
+    sending: [bool; SEND_SLOTS],
     done: VecDeque<(CompletionEntry, Option<Rkey>)>,
 }
 
@@ -89,6 +102,14 @@ impl Host {
     /// Connects a queue with `request` as the rdma_cm private data; the
     /// accept's private data, or the error.
     fn connect_raw(url: &FabricUrl, request: &[u8]) -> Result<(Host, Vec<u8>), String> {
+        let h = Host::prepare(url);
+        let reply = h.cm_connect(request)?;
+        Ok((h, reply))
+    }
+
+    /// A queue pair with its memory registered and its receives posted,
+    /// not connected yet.
+    fn prepare(url: &FabricUrl) -> Host {
         let fabric = Fabric::open(url).unwrap();
         let pd = fabric.alloc_pd().unwrap();
         let cq = fabric.create_cq(256).unwrap();
@@ -124,13 +145,19 @@ impl Host {
             _fabric: fabric,
             next_cid: 0,
             next_slot: 0,
+            sending: [false; SEND_SLOTS],
             done: VecDeque::new(),
         };
         for i in 0..RECVS {
             h.post_recv(i);
         }
-        let reply = h.qp.connect_raw(request, Duration::from_secs(5)).map_err(|e| e.to_string())?;
-        Ok((h, reply))
+        h
+    }
+
+    /// Connects a [`Host::prepare`]d queue pair with `request` as the
+    /// rdma_cm private data: the accept's private data, or the error.
+    fn cm_connect(&self, request: &[u8]) -> Result<Vec<u8>, String> {
+        self.qp.connect_raw(request, Duration::from_secs(5)).map_err(|e| e.to_string())
     }
 
     /// Connects queue `qid` with `entries` entries, checks the accept.
@@ -163,18 +190,30 @@ impl Host {
         self.next_cid
     }
 
-    /// Sends raw capsule bytes.
+    /// Sends raw capsule bytes (from the next capsule slot whose SEND
+    /// completed, waiting for one if need be).
     fn send_bytes(&mut self, bytes: &[u8]) {
         assert!(bytes.len() <= SEND_SLOT);
-        let slot = self.next_slot;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let slot = loop {
+            if let Some(s) = (0..SEND_SLOTS).map(|k| (self.next_slot + k) % SEND_SLOTS).find(|&s| !self.sending[s]) {
+                break s;
+            }
+            let (n, failed) = self.progress();
+            assert!(failed.is_none(), "the queue pair failed ({failed:?}) while every capsule slot was in use");
+            if n == 0 {
+                assert!(Instant::now() < deadline, "no capsule slot came free within 20 s");
+                self.cq.wait(Some(Duration::from_millis(50))).unwrap();
+            }
+        };
         self.next_slot = (slot + 1) % SEND_SLOTS;
-        // SAFETY: the slot's previous SEND was copied at post time by the
-        // tcp provider; the slot is not in use.
+        // SAFETY: the slot's previous SEND completed; the slot is not in use.
         let buf = unsafe { &mut self.send_buf.as_mut_slice()[slot * SEND_SLOT..slot * SEND_SLOT + bytes.len()] };
         buf.copy_from_slice(bytes);
         let sge = self.send_mr.sge(slot * SEND_SLOT, bytes.len() as u32);
-        let wr = SendWr { wr_id: WrId(1000 + slot as u64), op: SendOp::Send, payload: Payload::Sges(&[sge]), signaled: true };
+        let wr = SendWr { wr_id: WrId(SEND_WR + slot as u64), op: SendOp::Send, payload: Payload::Sges(&[sge]), signaled: true };
         self.qp.post_send(&[wr]).unwrap();
+        self.sending[slot] = true;
     }
 
     /// Sends a command with its in-capsule data.
@@ -184,39 +223,60 @@ impl Host {
         self.send_bytes(&bytes);
     }
 
+    /// Takes what the completion queue holds (one poll): NVMe completions
+    /// go to `done`, capsule slots whose SEND completed come free. Returns
+    /// how many work completions there were, and the status of the first
+    /// that failed (the queue pair is then in error).
+    fn progress(&mut self) -> (usize, Option<WcStatus>) {
+        let mut wcs = [Completion::EMPTY; 16];
+        let n = self.cq.poll(&mut wcs).unwrap();
+        let mut failed = None;
+        for wc in &wcs[..n] {
+            if let Some(s) = wc.wr_id.0.checked_sub(SEND_WR).filter(|&s| s < SEND_SLOTS as u64) {
+                self.sending[s as usize] = false;
+            }
+            match wc.opcode {
+                _ if wc.status != WcStatus::Success => failed = failed.or(Some(wc.status)),
+                WcOpcode::Recv => {
+                    let i = wc.wr_id.0 as usize;
+                    assert_eq!(wc.byte_len as usize, CQE_SIZE, "a completion capsule is 16 bytes");
+                    // SAFETY: the receive completed; the slot is ours until re-posted.
+                    let slot = unsafe { &self.recv_buf.as_slice()[i * CQE_SIZE..(i + 1) * CQE_SIZE] };
+                    self.done.push_back((CompletionEntry::decode(slot).unwrap(), wc.invalidated_rkey));
+                    self.post_recv(i);
+                }
+                _ => {}
+            }
+        }
+        (n, failed)
+    }
+
     /// The next completion and the key its SEND invalidated, or the status
     /// of the failure that ended the queue pair instead.
     fn completion(&mut self) -> Result<(CompletionEntry, Option<Rkey>), WcStatus> {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let mut wcs = [Completion::EMPTY; 16];
+        let c = self.completion_within(Duration::from_secs(20))?;
+        Ok(c.expect("no completion within 20 s"))
+    }
+
+    /// As [`Host::completion`], `None` when none came within `limit`.
+    fn completion_within(&mut self, limit: Duration) -> Result<Option<(CompletionEntry, Option<Rkey>)>, WcStatus> {
+        let deadline = Instant::now() + limit;
         loop {
             if let Some(c) = self.done.pop_front() {
-                return Ok(c);
+                return Ok(Some(c));
             }
-            let n = self.cq.poll(&mut wcs).unwrap();
-            let mut failed = None;
-            for wc in &wcs[..n] {
-                match wc.opcode {
-                    _ if wc.status != WcStatus::Success => failed = failed.or(Some(wc.status)),
-                    WcOpcode::Recv => {
-                        let i = wc.wr_id.0 as usize;
-                        assert_eq!(wc.byte_len as usize, CQE_SIZE, "a completion capsule is 16 bytes");
-                        // SAFETY: the receive completed; the slot is ours until re-posted.
-                        let slot = unsafe { &self.recv_buf.as_slice()[i * CQE_SIZE..(i + 1) * CQE_SIZE] };
-                        self.done.push_back((CompletionEntry::decode(slot).unwrap(), wc.invalidated_rkey));
-                        self.post_recv(i);
-                    }
-                    _ => {}
-                }
-            }
+            let (n, failed) = self.progress();
             if let Some(status) = failed {
-                return self.done.pop_front().ok_or(status);
+                return self.done.pop_front().map(Some).ok_or(status);
             }
             if n > 0 {
                 continue;
             }
-            assert!(Instant::now() < deadline, "no completion within 20 s");
-            self.cq.wait(Some(Duration::from_millis(50))).unwrap();
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            self.cq.wait(Some((deadline - now).min(Duration::from_millis(50)))).unwrap();
         }
     }
 
@@ -627,5 +687,577 @@ fn after_an_io_queues_disconnect_its_queue_id_is_free_at_once() {
         assert!(io.data()[..4096] == data[..], "round {round}: the write before the Disconnect is lost");
     }
     drop((busy, admin));
+    t.shutdown().unwrap();
+}
+
+// ---------------------------------------------------------------------------
+// A host that tears its queue pairs down mid-I/O and reconnects at once
+//
+// The NVMe/RDMA counterpart of `tests/tests/nvme_reset.rs` (NVMe/TCP
+// sockets reset mid-I/O). RDMA has no reset of a connection as such: the
+// closest a host comes to it is its queue pairs going away, disconnected
+// or simply destroyed, with commands in flight and no NVMe Disconnect, as
+// when the Linux host's path fails and it reconnects. Each round puts 32
+// commands in flight on the two I/O queues of one association (reads by
+// the target's RDMA WRITE, 4-16 KiB in-capsule writes, and 16-128 KiB
+// writes whose data the target fetches by RDMA READ from the host's
+// memory under a keyed SGL), takes a random number of their completions
+// (none to most of them), and then tears every queue pair of the
+// association down at once. Then:
+//
+// - a new admin Connect with the same host NQN must be answered with
+//   success within 1 s of the host's rdma_cm connect (the fence waits for
+//   the old association's queues, but must not lock the host out);
+// - the old association's writes either landed before that answer or
+//   never land: every range written in the round is read back by another
+//   host (an association connected throughout) the moment that answer
+//   comes, then through the new association once its I/O queues are
+//   connected, and again 300 ms later (no change allowed); every 4 KiB
+//   block holds either its previous content or exactly this round's
+//   version of it; a write whose completion the host saw has landed, and
+//   a read whose completion it saw brought the content the model says.
+//
+// The new admin queue pair is made (not connected) before the teardown,
+// so the reconnect follows it by well under a millisecond: with the fence
+// of `Queue::fence` disabled, the first read-back misses old writes that
+// the later ones find within a few rounds on the tcp provider. The new
+// association is the next round's. The volume is a file, so that writes
+// take the disk's time. `RDMABLK_TEST_SEED` replays the commands' layout;
+// `RDMABLK_RESET_ROUNDS` changes the round count (50 on the tcp provider,
+// 20 on verbs, whose VM runs under TCG).
+
+const RESET_HOST_NQN: &str = "nqn.2014-08.org.example:rdma-resetting-host";
+/// Another host, connected throughout: it reads the rounds' ranges the
+/// moment the resetting host's new admin Connect is answered.
+const OBSERVER_NQN: &str = "nqn.2014-08.org.example:rdma-observer";
+/// The volume's block size; the stamped unit of the versioned data.
+const RBS: usize = 4096;
+const RESET_VOLUME: u64 = 16 << 20;
+const RESET_IO_QUEUES: usize = 2;
+/// Commands in flight per round, over the I/O queues.
+const RESET_COMMANDS: usize = 32;
+/// Each command of a round has a slot of its own in the volume (no two
+/// overlap): the region the rounds use is `RESET_COMMANDS` slots of 128 KiB.
+const RESET_SLOT_BLOCKS: u32 = 32;
+const RESET_REGION_BLOCKS: usize = RESET_COMMANDS * RESET_SLOT_BLOCKS as usize;
+/// Entries of every queue (the host's and the target's side).
+const RESET_ENTRIES: u16 = 32;
+/// The admin Connect's keep-alive timeout (a Keep Alive ends every round).
+const RESET_KATO_MS: u32 = 30_000;
+/// How soon the new association's admin Connect must be answered.
+const CONNECT_LIMIT: Duration = Duration::from_secs(1);
+/// How long the test waits for that answer anyway, to report its status
+/// (the target's default fence_timeout is 5 s).
+const CONNECT_WAIT: Duration = Duration::from_secs(8);
+/// Between the two read-backs: an old write landing late shows here.
+const SETTLE: Duration = Duration::from_millis(300);
+/// How long a round waits for the completions it takes before the teardown.
+const LOAD_WAIT: Duration = Duration::from_secs(5);
+/// The stamp at the start of every block the test writes.
+const MAGIC: &[u8; 8] = b"RDMARST1";
+/// A command's part of its queue's data area: the largest command.
+const AREA: usize = RESET_SLOT_BLOCKS as usize * RBS;
+const _: () = assert!(RESET_COMMANDS / RESET_IO_QUEUES * AREA <= DATA);
+
+fn reset_seed() -> u64 {
+    std::env::var("RDMABLK_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random)
+}
+
+fn reset_rounds() -> u32 {
+    let default = if std::env::var_os("RDMABLK_NVME_RDMA_HOST").is_some() { 20 } else { 50 };
+    std::env::var("RDMABLK_RESET_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}
+
+impl Host {
+    /// A copy of `len` bytes of the data area at `off`, whose command has
+    /// completed (other parts of the area may still be in use).
+    fn data_copy(&self, off: usize, len: usize) -> Vec<u8> {
+        assert!(off + len <= DATA);
+        // SAFETY: in bounds; nothing writes this part of the area now.
+        unsafe { std::slice::from_raw_parts(self.data.as_ptr().add(off), len).to_vec() }
+    }
+
+    /// Takes the completions the queue has (one poll) without waiting;
+    /// panics if the queue pair failed.
+    fn take_completions(&mut self, what: &str) -> Vec<CompletionEntry> {
+        let (_, failed) = self.progress();
+        assert!(failed.is_none(), "{what}: the queue pair failed ({failed:?}) before the host tore it down");
+        self.done.drain(..).map(|(c, _)| c).collect()
+    }
+}
+
+/// One association: the admin queue and the I/O queues.
+struct Association {
+    admin: Host,
+    io: Vec<Host>,
+}
+
+/// Connects an association of `host_nqn` for round `round` (what a round
+/// does first after its teardown) with `admin` (a [`Host::prepare`]d queue
+/// pair) as its admin queue, and runs `right_after` as soon as its admin
+/// Connect is answered. Fails the test, naming the round, unless that
+/// Connect succeeds within [`CONNECT_LIMIT`] of the rdma_cm connect;
+/// returns the association, how long that took and what `right_after` gave.
+fn associate<T>(
+    mut admin: Host,
+    url: &FabricUrl,
+    nqn: &str,
+    host_nqn: &str,
+    round: u32,
+    after: &str,
+    right_after: impl FnOnce() -> T,
+) -> (Association, Duration, T) {
+    let mut d = [0u8; CONNECT_DATA_SIZE];
+    let data = ConnectData { host_id: [0x5a; 16], controller_id: 0xffff, subsystem_nqn: nqn.into(), host_nqn: host_nqn.into() };
+    data.encode(&mut d).unwrap();
+    admin.data()[..CONNECT_DATA_SIZE].copy_from_slice(&d);
+    let cid = admin.cid();
+    let mut connect = Connect { recfmt: 0, qid: 0, sqsize: RESET_ENTRIES - 1, cattr: 0, kato_ms: RESET_KATO_MS }.to_entry(cid);
+    connect.set_sgl(admin.keyed(0, CONNECT_DATA_SIZE));
+    let req = CmRequest { recfmt: RECFMT_1_0, qid: 0, hrqsize: RESET_ENTRIES, hsqsize: RESET_ENTRIES - 1, cntlid: 0xffff };
+
+    let t0 = Instant::now();
+    let reply = admin
+        .cm_connect(&req.encode())
+        .unwrap_or_else(|e| panic!("round {round}: the admin queue's rdma_cm connect {after} failed after {:?}: {e}", t0.elapsed()));
+    assert_eq!(CmAccept::decode(&reply).ok(), Some(CmAccept { recfmt: RECFMT_1_0, crqsize: RESET_ENTRIES }), "round {round}: the accept");
+    admin.send(&connect, &[]);
+    let answer = admin.completion_within(CONNECT_WAIT);
+    let took = t0.elapsed();
+    let cntlid = match answer {
+        Ok(Some((c, _))) if c.status.is_success() && took <= CONNECT_LIMIT => c.result as u16,
+        Ok(Some((c, _))) => {
+            let busy = if c.status == Status::CONNECT_CONTROLLER_BUSY { " (Connect Controller Busy)" } else { "" };
+            panic!(
+                "round {round}: the admin Connect of host {host_nqn} {after} was answered after {took:?} with status {}{busy} \
+                 (required: success within {CONNECT_LIMIT:?})",
+                c.status
+            )
+        }
+        Ok(None) => panic!(
+            "round {round}: the admin Connect of host {host_nqn} {after} got no answer within {took:?} \
+             (required: success within {CONNECT_LIMIT:?})"
+        ),
+        Err(status) => panic!("round {round}: the admin queue {after} failed after {took:?} ({status:?}) instead of answering its Connect"),
+    };
+    let early = right_after();
+    admin.enable();
+    // Number of Queues, as the Linux host asks for them.
+    let want = (RESET_IO_QUEUES - 1) as u32;
+    let mut features = SubmissionEntry::new(admin_opcode::SET_FEATURES, admin.cid());
+    features.cdw[0] = 0x07;
+    features.cdw[1] = want | want << 16;
+    let c = admin.exec(features, &[]);
+    assert_eq!(c.status, Status::SUCCESS, "round {round}: Set Features, Number of Queues");
+    let granted = c.result as u32;
+    assert!(
+        granted & 0xffff >= want && granted >> 16 >= want,
+        "round {round}: the target granted fewer than {RESET_IO_QUEUES} I/O queues: {granted:#x}"
+    );
+    let io = (1..=RESET_IO_QUEUES as u16)
+        .map(|qid| {
+            let mut q = Host::connect(url, qid, RESET_ENTRIES);
+            let joined = q.nvme_connect_as(host_nqn, nqn, qid, cntlid);
+            assert_eq!(joined, Ok(cntlid), "round {round}: the Connect of I/O queue {qid}");
+            q
+        })
+        .collect();
+    (Association { admin, io }, took, early)
+}
+
+/// Block `index` of command `cmd` of round `round`, written at `lba`: a
+/// header naming all four, then filler that depends on them.
+fn stamp(round: u32, cmd: u32, index: u32, lba: u64) -> Vec<u8> {
+    let mut b = vec![0u8; RBS];
+    b[..8].copy_from_slice(MAGIC);
+    b[8..12].copy_from_slice(&round.to_le_bytes());
+    b[12..16].copy_from_slice(&cmd.to_le_bytes());
+    b[16..20].copy_from_slice(&index.to_le_bytes());
+    b[20..28].copy_from_slice(&lba.to_le_bytes());
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (round as u64) << 40 ^ (cmd as u64) << 20 ^ index as u64 ^ lba.rotate_left(29);
+    for w in b[32..].chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        w.copy_from_slice(&x.to_le_bytes());
+    }
+    b
+}
+
+/// What a 4 KiB block holds, for a failure message.
+fn describe(b: &[u8]) -> String {
+    if b.iter().all(|&x| x == 0) {
+        return "zeroes".into();
+    }
+    if &b[..8] != MAGIC {
+        return format!("unknown bytes {:02x?}...", &b[..16]);
+    }
+    let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+    let (round, cmd, index) = (u32_at(8), u32_at(12), u32_at(16));
+    let lba = u64::from_le_bytes(b[20..28].try_into().unwrap());
+    let whole = if b == stamp(round, cmd, index, lba).as_slice() { "" } else { ", NOT intact (a mix)" };
+    format!("round {round} command {cmd} block {index} (written at LBA {lba}){whole}")
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// Its data comes by the target's RDMA WRITE into the host's memory.
+    Read,
+    /// 4-16 KiB of data in the capsule.
+    InCapsule,
+    /// 16-128 KiB the target fetches by RDMA READ (keyed SGL).
+    Keyed,
+}
+
+#[derive(Clone, Debug)]
+struct Planned {
+    /// Its number in the round (stamped into its data).
+    cmd: u32,
+    queue: usize,
+    kind: Kind,
+    slba: u64,
+    blocks: u32,
+    data: Vec<u8>,
+    /// Where its data lies in its queue's data area.
+    at: usize,
+}
+
+impl Planned {
+    fn writes(&self) -> bool {
+        self.kind != Kind::Read
+    }
+    fn len(&self) -> usize {
+        self.blocks as usize * RBS
+    }
+}
+
+/// 16 commands per I/O queue: 4 reads of 4-64 KiB, 4 in-capsule writes of
+/// 4-16 KiB, 8 keyed writes of 16-128 KiB, each in a slot of its own at a
+/// random place within it, and in an area of its own of the host's memory;
+/// in the order they are sent in.
+fn plan_round(rng: &mut impl Rng, round: u32, region: u64) -> Vec<Planned> {
+    let mut slots: Vec<u64> = (0..RESET_COMMANDS as u64).collect();
+    slots.shuffle(rng);
+    let per_queue = RESET_COMMANDS / RESET_IO_QUEUES;
+    let mut out = Vec::with_capacity(RESET_COMMANDS);
+    for (i, slot) in slots.into_iter().enumerate() {
+        let (queue, j) = (i / per_queue, i % per_queue);
+        let kind = match j {
+            0..=3 => Kind::Read,
+            4..=7 => Kind::InCapsule,
+            _ => Kind::Keyed,
+        };
+        let blocks = match kind {
+            Kind::Read => rng.gen_range(1..=16),
+            Kind::InCapsule => rng.gen_range(1..=4),
+            Kind::Keyed => rng.gen_range(4..=RESET_SLOT_BLOCKS),
+        };
+        let slba = region + slot * RESET_SLOT_BLOCKS as u64 + rng.gen_range(0..=(RESET_SLOT_BLOCKS - blocks)) as u64;
+        let cmd = i as u32;
+        let data = match kind {
+            Kind::Read => Vec::new(),
+            _ => (0..blocks).flat_map(|b| stamp(round, cmd, b, slba + b as u64)).collect(),
+        };
+        out.push(Planned { cmd, queue, kind, slba, blocks, data, at: j * AREA });
+    }
+    // The order they are sent in.
+    out.shuffle(rng);
+    out
+}
+
+/// How a round ends its association.
+#[derive(Clone, Copy, Debug)]
+enum Teardown {
+    /// Every queue pair disconnected, the I/O queues' first, then dropped.
+    DisconnectIoFirst,
+    /// Every queue pair disconnected, the admin queue's first, then dropped.
+    DisconnectAdminFirst,
+    /// Every queue pair dropped (destroyed) without a disconnect of its own,
+    /// the I/O queues' first.
+    Drop,
+}
+
+/// What the host learned of a round's commands before the teardown.
+#[derive(Default)]
+struct Seen {
+    /// Writes (by number) whose successful completion the host took.
+    acked: Vec<u32>,
+    /// Completions taken.
+    completed: usize,
+}
+
+/// Puts the round's commands in flight on `a`, takes `take` of their
+/// completions (or what comes within [`LOAD_WAIT`]), and tears every
+/// queue pair of `a` down at once. Reads that completed are checked
+/// against `model` (their slots are not written this round).
+fn load_and_tear_down(a: Association, plan: &[Planned], model: &[u8], region: u64, round: u32, take: usize, how: Teardown) -> Seen {
+    let Association { mut admin, mut io } = a;
+    for p in plan {
+        let area = &mut io[p.queue].data()[p.at..p.at + p.len()];
+        match p.kind {
+            Kind::Keyed => area.copy_from_slice(&p.data),
+            Kind::Read => area.fill(0xee),
+            Kind::InCapsule => {}
+        }
+    }
+    // Every command in flight, the queues' in turn, each queue's in the
+    // plan's (random) order.
+    let mut order: Vec<Vec<usize>> = vec![Vec::new(); RESET_IO_QUEUES];
+    for (i, p) in plan.iter().enumerate() {
+        order[p.queue].push(i);
+    }
+    let per_queue = RESET_COMMANDS / RESET_IO_QUEUES;
+    let sends: Vec<usize> = (0..per_queue).flat_map(|k| order.iter().map(move |o| o[k])).collect();
+    let mut cids: Vec<Vec<(u16, usize)>> = vec![Vec::new(); RESET_IO_QUEUES];
+    for i in sends {
+        let p = &plan[i];
+        let h = &mut io[p.queue];
+        let cid = h.cid();
+        let opcode = if p.writes() { io_opcode::WRITE } else { io_opcode::READ };
+        let mut e = SubmissionEntry::new(opcode, cid);
+        e.nsid = 1;
+        e.set_rw(p.slba, p.blocks, false);
+        if p.kind == Kind::InCapsule {
+            e.set_sgl(Sgl::InCapsule { offset: 0, length: p.len() as u32 });
+            h.send(&e, &p.data);
+        } else {
+            e.set_sgl(h.keyed(p.at, p.len()));
+            h.send(&e, &[]);
+        }
+        cids[p.queue].push((cid, i));
+    }
+
+    // Some of their completions (on the tcp provider, polling is also what
+    // serves the target's RDMA READs and places its RDMA WRITEs).
+    let mut seen = Seen::default();
+    let deadline = Instant::now() + LOAD_WAIT;
+    while seen.completed < take && Instant::now() < deadline {
+        let mut got = 0;
+        for (qi, h) in io.iter_mut().enumerate() {
+            for c in h.take_completions(&format!("round {round}: I/O queue {}", qi + 1)) {
+                got += 1;
+                let i = cids[qi].iter().find(|x| x.0 == c.cid).map(|x| x.1);
+                let i = i.unwrap_or_else(|| panic!("round {round}: I/O queue {}: a completion of no command: {c:?}", qi + 1));
+                let p = &plan[i];
+                let what = format!("round {round}: command {} ({:?}, LBA {}+{})", p.cmd, p.kind, p.slba, p.blocks);
+                assert!(c.status.is_success(), "{what} failed: {}", c.status);
+                seen.completed += 1;
+                if p.writes() {
+                    seen.acked.push(p.cmd);
+                    continue;
+                }
+                let at = (p.slba - region) as usize * RBS;
+                let got = h.data_copy(p.at, p.len());
+                if got != model[at..at + p.len()] {
+                    let block = got.chunks(RBS).zip(model[at..].chunks(RBS)).position(|(x, y)| x != y).expect("a block differs");
+                    panic!(
+                        "round {round}: read {} at LBA {}+{} brought {} in block {block}, where the volume holds {}",
+                        p.cmd,
+                        p.slba,
+                        p.blocks,
+                        describe(&got[block * RBS..(block + 1) * RBS]),
+                        describe(&model[at + block * RBS..at + (block + 1) * RBS])
+                    );
+                }
+            }
+        }
+        let admin_news = admin.take_completions(&format!("round {round}: the admin queue"));
+        assert!(admin_news.is_empty(), "round {round}: the admin queue answered nothing it was asked: {admin_news:?}");
+        if got == 0 {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    // The teardown: every queue pair at once, no NVMe Disconnect.
+    match how {
+        Teardown::DisconnectIoFirst => {
+            io.iter().for_each(|h| h.qp.disconnect());
+            admin.qp.disconnect();
+        }
+        Teardown::DisconnectAdminFirst => {
+            admin.qp.disconnect();
+            io.iter().for_each(|h| h.qp.disconnect());
+        }
+        Teardown::Drop => {}
+    }
+    drop(io);
+    drop(admin);
+    seen
+}
+
+/// Reads every range `plan` wrote through `h` (as many reads in flight at
+/// once as the data area holds): (command, bytes).
+fn read_back(h: &mut Host, plan: &[Planned], round: u32, when: &str) -> Vec<(usize, Vec<u8>)> {
+    let writes: Vec<usize> = plan.iter().enumerate().filter(|(_, p)| p.writes()).map(|(i, _)| i).collect();
+    let mut out = Vec::with_capacity(writes.len());
+    for batch in writes.chunks(DATA / AREA) {
+        let mut cids = Vec::with_capacity(batch.len());
+        for (k, &i) in batch.iter().enumerate() {
+            let p = &plan[i];
+            let cid = h.cid();
+            let mut e = SubmissionEntry::new(io_opcode::READ, cid);
+            e.nsid = 1;
+            e.set_rw(p.slba, p.blocks, false);
+            e.set_sgl(h.keyed(k * AREA, p.len()));
+            h.send(&e, &[]);
+            cids.push(cid);
+        }
+        for _ in batch {
+            let (c, _) = h.completion().unwrap_or_else(|s| panic!("round {round}: read-back {when}: the queue pair failed: {s:?}"));
+            assert!(cids.contains(&c.cid), "round {round}: read-back {when}: a completion of no read: {c:?}");
+            assert_eq!(c.status, Status::SUCCESS, "round {round}: read-back {when}");
+        }
+        for (k, &i) in batch.iter().enumerate() {
+            out.push((i, h.data_copy(k * AREA, plan[i].len())));
+        }
+    }
+    out
+}
+
+/// Fails the test where a later read-back (`b`, at least `after` after
+/// the first) differs from the first (`a`): an old write landed late.
+fn unchanged(plan: &[Planned], a: &[(usize, Vec<u8>)], b: &[(usize, Vec<u8>)], round: u32, after: Duration) {
+    for ((i, a), (_, b)) in a.iter().zip(b) {
+        if a != b {
+            let p = &plan[*i];
+            let block = a.chunks(RBS).zip(b.chunks(RBS)).position(|(x, y)| x != y).expect("a block differs");
+            panic!(
+                "round {round}: command {} ({:?}) at LBA {}+{} changed after the new admin Connect was answered (read again \
+                 {after:?} after the first read-back): block {block} held {} and now holds {} (an old association's write landed late)",
+                p.cmd,
+                p.kind,
+                p.slba,
+                p.blocks,
+                describe(&a[block * RBS..(block + 1) * RBS]),
+                describe(&b[block * RBS..(block + 1) * RBS])
+            );
+        }
+    }
+}
+
+/// How the writes of a round ended up, in blocks and commands.
+#[derive(Default)]
+struct Landed {
+    blocks: usize,
+    blocks_not: usize,
+    /// Commands with some blocks landed and some not.
+    partly: usize,
+}
+
+/// Checks the round's writes against the model of the region (every
+/// block's content before the round), then moves the model on.
+fn check_writes(model: &mut [u8], region: u64, plan: &[Planned], seen: &Seen, back: &[(usize, Vec<u8>)], round: u32) -> Landed {
+    let mut landed = Landed::default();
+    let mut errors = Vec::new();
+    for (i, got) in back {
+        let p = &plan[*i];
+        let acked = seen.acked.contains(&p.cmd);
+        let mut new_blocks = 0;
+        for b in 0..p.blocks as usize {
+            let lba = p.slba + b as u64;
+            let at = (lba - region) as usize * RBS;
+            let before = &model[at..at + RBS];
+            let new = &p.data[b * RBS..(b + 1) * RBS];
+            let g = &got[b * RBS..(b + 1) * RBS];
+            let what = format!("round {round}: command {} ({:?}, LBA {}+{}) block {b} at LBA {lba}", p.cmd, p.kind, p.slba, p.blocks);
+            if g == new {
+                new_blocks += 1;
+            } else if g == before {
+                if acked {
+                    let held = describe(g);
+                    errors.push(format!("{what}: its success was seen before the teardown, but it holds the previous content ({held})"));
+                }
+            } else {
+                let (was, held) = (describe(before), describe(g));
+                errors.push(format!("{what}: neither the previous content ({was}) nor this round's version; it holds {held}"));
+            }
+        }
+        landed.blocks += new_blocks;
+        landed.blocks_not += p.blocks as usize - new_blocks;
+        landed.partly += usize::from(new_blocks > 0 && new_blocks < p.blocks as usize);
+        // What the round left is the next round's "before".
+        let at = (p.slba - region) as usize * RBS;
+        model[at..at + got.len()].copy_from_slice(got);
+    }
+    assert!(errors.is_empty(), "{} block(s) wrong:\n{}", errors.len(), errors.join("\n"));
+    landed
+}
+
+/// A host whose queue pairs all go at once, with commands in flight and no
+/// NVMe Disconnect, reconnects with the same host NQN at once: its admin
+/// Connect succeeds within 1 s, and every write of the old association
+/// landed before that answer or never lands.
+#[test]
+fn a_host_that_drops_its_queue_pairs_mid_io_reconnects_at_once_and_no_old_write_lands_late() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_file(dir.path(), "vol.img", RESET_VOLUME);
+    let volume = format!("{}block_size = {RBS}\n", file_volume("v", &img, RESET_VOLUME, false));
+    let config = config_with_volume(&host_address(), &volume);
+    let nqn = config.target.nqn.clone();
+    let t = Target::start(config).unwrap();
+    let url = t.nvme_listeners()[0].url.clone();
+
+    let seed = reset_seed();
+    eprintln!("RDMABLK_TEST_SEED={seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let rounds = reset_rounds().max(1);
+    // The region the rounds write, somewhere in the volume.
+    let blocks = RESET_VOLUME / RBS as u64;
+    let region = rng.gen_range(0..(blocks - RESET_REGION_BLOCKS as u64)) & !(RESET_SLOT_BLOCKS as u64 - 1);
+    let mut model = vec![0u8; RESET_REGION_BLOCKS * RBS];
+
+    let started = Instant::now();
+    let (mut observer, _, ()) = associate(Host::prepare(&url), &url, &nqn, OBSERVER_NQN, 0, "(the observer)", || ());
+    let (mut assoc, _, ()) = associate(Host::prepare(&url), &url, &nqn, RESET_HOST_NQN, 0, "(the first association)", || ());
+    let mut times = Vec::with_capacity(rounds as usize);
+    let (mut landed, mut acked, mut completed) = (Landed::default(), 0, 0);
+    for round in 1..=rounds {
+        let plan = plan_round(&mut rng, round, region);
+        // None of the completions, some, or most (reads and writes alike).
+        let take = rng.gen_range(0..=RESET_COMMANDS * 3 / 4);
+        let how = [Teardown::DisconnectIoFirst, Teardown::DisconnectAdminFirst, Teardown::Drop][round as usize % 3];
+        // The next admin queue pair is ready before the teardown: the host
+        // connects it the moment the old association is gone.
+        let admin = Host::prepare(&url);
+        let seen = load_and_tear_down(assoc, &plan, &model, region, round, take, how);
+        let n = seen.completed;
+        let after = format!("right after its old association's queue pairs were torn down mid-I/O ({how:?}, {n} completions taken)");
+        let right_after = "by another host right after the new admin Connect was answered";
+        let (mut next, took, first) =
+            associate(admin, &url, &nqn, RESET_HOST_NQN, round, &after, || read_back(&mut observer.io[0], &plan, round, right_after));
+        times.push(took);
+        let l = check_writes(&mut model, region, &plan, &seen, &first, round);
+        landed.blocks += l.blocks;
+        landed.blocks_not += l.blocks_not;
+        landed.partly += l.partly;
+        acked += seen.acked.len();
+        completed += seen.completed;
+
+        let connected = Instant::now();
+        let second = read_back(&mut next.io[0], &plan, round, "through the new association");
+        unchanged(&plan, &first, &second, round, connected.elapsed());
+        std::thread::sleep(SETTLE);
+        let third = read_back(&mut next.io[1], &plan, round, "through the new association after the settle time");
+        unchanged(&plan, &first, &third, round, connected.elapsed());
+        for a in [&mut observer.admin, &mut next.admin] {
+            let mut keep_alive = SubmissionEntry::new(admin_opcode::KEEP_ALIVE, a.cid());
+            keep_alive.set_sgl(NULL_SGL);
+            assert_eq!(a.exec(keep_alive, &[]).status, Status::SUCCESS, "round {round}: Keep Alive");
+        }
+        assoc = next;
+    }
+    times.sort();
+    eprintln!(
+        "{rounds} rounds in {:?}; admin Connect after the teardown (rdma_cm connect to its answer): median {:?}, max {:?}; \
+         completions taken before the teardown {completed} ({acked} of writes); blocks of the rounds' writes landed {}, \
+         not landed {}; writes that landed in part {}",
+        started.elapsed(),
+        times[times.len() / 2],
+        times[times.len() - 1],
+        landed.blocks,
+        landed.blocks_not,
+        landed.partly
+    );
+    drop((assoc, observer));
     t.shutdown().unwrap();
 }

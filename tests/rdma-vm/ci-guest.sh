@@ -31,6 +31,14 @@
 #                             host on the fabric API (keyed SGLs, SEND with
 #                             Invalidate) and hostile input: bad CM private data,
 #                             keys outside the host's memory, bad SGLs, short capsules
+#                             (all of that file's tests but nvme-rdma-reset's)
+#   nvme-rdma-reset           nvme_rdma.rs's reset test on verbs: 20 rounds (or
+#                             RDMABLK_RESET_ROUNDS) of an association (admin queue, 2
+#                             I/O queues) with 32 commands in flight (keyed writes by
+#                             RDMA READ, in-capsule writes, reads by RDMA WRITE) whose
+#                             queue pairs all go at once without an NVMe Disconnect;
+#                             the same host NQN's admin Connect succeeds within 1 s,
+#                             and no old write lands after it was answered
 #   nbd-fs-rdma               rdmablk nbd over rdma:// on a unix socket, the kernel's
 #                             nbd-client on /dev/nbd0: mkfs.ext4, mount, the small
 #                             file tree (tree_write), unmount, disconnect, reconnect,
@@ -101,8 +109,10 @@
 # RDMABLK_CI_STEPS="GLOB..." (a development aid: run.sh --script ci-guest.sh
 # -e RDMABLK_BIN_DIR=... -e RDMABLK_CI_STEPS='nvme-rdma-*') runs only the steps
 # whose names match one of the globs, plus scratch-fs. A matching step that
-# runs a test executable of ci-build.sh's (nvme-rdma-hostile: the variable
-# RDMABLK_NVME_RDMA_TESTS, ...) is shown SKIPPED unless its -e is given.
+# runs a test executable of ci-build.sh's (nvme-rdma-hostile, nvme-rdma-reset:
+# the variable RDMABLK_NVME_RDMA_TESTS, ...) is shown SKIPPED unless its -e is
+# given. Without --script (tests/rdma-vm/ci.sh -e 'RDMABLK_CI_STEPS=nvme-rdma-*')
+# ci-build.sh builds everything and gives every executable.
 set -u
 SELF=$(readlink -f "$0")
 SIP=${RDMAVM_SERVER_IP:-10.77.0.1}
@@ -930,8 +940,19 @@ step capacity-rdma --timeout 300 "${sys[@]}" "$RDMABLK_CAPACITY" --test-threads=
 # the fabric API (keyed SGLs, raw rdma_cm private data, SEND with
 # Invalidate) and the hostile cases: CM requests with bad fields, keys
 # outside the host's registration, bad SGL types, short capsules, a Connect
-# for another queue than the CM request named.
-step nvme-rdma-hostile --timeout 300 env RDMABLK_NVME_RDMA_HOST="$SIP" "$RDMABLK_NVME_RDMA_TESTS" --test-threads=1 || rc=1
+# for another queue than the CM request named. Its reset test is a step of
+# its own (nvme-rdma-reset, below), not run twice.
+local nvme_rdma_reset_test=a_host_that_drops_its_queue_pairs_mid_io_reconnects_at_once_and_no_old_write_lands_late
+step nvme-rdma-hostile --timeout 300 env RDMABLK_NVME_RDMA_HOST="$SIP" "$RDMABLK_NVME_RDMA_TESTS" --test-threads=1 \
+    --skip "$nvme_rdma_reset_test" || rc=1
+# The same file's NVMe/RDMA counterpart of tests/tests/nvme_reset.rs: a host
+# whose queue pairs all go at once mid-I/O (no NVMe Disconnect) reconnects
+# with the same host NQN; its admin Connect must succeed within 1 s and no
+# write of the old association may land after that answer. 20 rounds on
+# verbs unless RDMABLK_RESET_ROUNDS says otherwise (run.sh -e); --nocapture
+# keeps the test's summary (Connect times, writes landed) in the step log.
+step nvme-rdma-reset --timeout 300 env RDMABLK_NVME_RDMA_HOST="$SIP" "$RDMABLK_NVME_RDMA_TESTS" --test-threads=1 \
+    --exact "$nvme_rdma_reset_test" --nocapture || rc=1
 step nbd-fs-rdma --timeout 600 bash "$SELF" nbd_fs || rc=1
 step ublk-fs-rdma --timeout 600 bash "$SELF" ublk_fs || rc=1
 step ublk-fs-tcp --timeout 300 bash "$SELF" ublk_fs_tcp || rc=1
