@@ -690,6 +690,66 @@ fn after_an_io_queues_disconnect_its_queue_id_is_free_at_once() {
     t.shutdown().unwrap();
 }
 
+/// `idle_timeout` of a KATO-0 controller counts from its last command on
+/// any queue or its last I/O queue's leaving: a host whose admin queue is
+/// silent while its I/O queue works longer than idle_timeout may delete
+/// and reconnect that I/O queue without losing the controller; once it has
+/// no I/O queue, the controller ends idle_timeout later, and no reactor
+/// spins meanwhile.
+#[test]
+fn a_kato_zero_controller_busy_on_its_io_queues_is_not_idle_when_one_reconnects() {
+    let mut config = config_listening_on(&host_address());
+    config.target.idle_timeout = Duration::from_secs(2);
+    let nqn = config.target.nqn.clone();
+    let t = Target::start(config).unwrap();
+    let url = t.nvme_listeners()[0].url.clone();
+    let mut admin = Host::connect(&url, 0, 32);
+    let cntlid = admin.nvme_connect(&nqn, 0, 0xffff).unwrap();
+    admin.enable();
+    let mut io = Host::connect(&url, 1, 32);
+    assert_eq!(io.nvme_connect(&nqn, 1, cntlid), Ok(cntlid));
+    let t0 = Instant::now();
+    let mut round = 0u8;
+    while t0.elapsed() < Duration::from_secs(3) {
+        let c = io.rw(io_opcode::WRITE, 0, 8, Sgl::InCapsule { offset: 0, length: 4096 }, &pattern(4096, round));
+        assert_eq!(c.status, Status::SUCCESS, "write {round} while the admin queue is silent");
+        round = round.wrapping_add(1);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut e = SubmissionEntry::new(admin_opcode::FABRICS, io.cid());
+    e.nsid = rdmablk_common::nvme::fabrics::fctype::DISCONNECT as u32;
+    assert_eq!(io.exec(e, &[]).status, Status::SUCCESS, "Disconnect");
+    drop(io);
+    let mut io = Host::connect(&url, 1, 32);
+    assert_eq!(
+        io.nvme_connect(&nqn, 1, cntlid),
+        Ok(cntlid),
+        "I/O queue 1 again right after its Disconnect: its controller was busy a moment ago, not idle"
+    );
+    let c = io.rw(io_opcode::READ, 0, 8, io.keyed(0, 4096), &[]);
+    assert_eq!(c.status, Status::SUCCESS, "read on the new I/O queue");
+    // Without I/O queues, the controller ends idle_timeout later, not sooner.
+    let ticks = process_cpu_ticks;
+    drop(io);
+    let (gone, cpu0) = (Instant::now(), ticks());
+    let end = admin.completion_within(Duration::from_secs(10));
+    let (after, cpu) = (gone.elapsed(), ticks() - cpu0);
+    assert!(end.is_err(), "the controller outlived idle_timeout without I/O queues: {end:?}");
+    assert!(after >= Duration::from_millis(1500), "the controller ended {after:?} after its last I/O queue left, before idle_timeout");
+    // A second of waiting on a sleeping target costs a few ticks (1/100 s):
+    // a reactor woken by a deadline already passed would burn ~100 a second.
+    assert!(cpu < 50 * (after.as_secs() + 1), "the target used {cpu} CPU ticks in {after:?} waiting for an idle deadline");
+    t.shutdown().unwrap();
+}
+
+/// This process's CPU time so far (the in-process target's and the test
+/// host's), in clock ticks: utime + stime of /proc/self/stat.
+fn process_cpu_ticks() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
 // ---------------------------------------------------------------------------
 // A host that tears its queue pairs down mid-I/O and reconnects at once
 //

@@ -2111,3 +2111,54 @@ fn controllers_are_bounded_and_a_kato_zero_one_without_io_queues_ends_when_idle(
     r.expect("room for a controller again");
     target.assert_no_panic();
 }
+
+/// `idle_timeout` of a KATO-0 controller counts from its last command on
+/// any queue, or from its last I/O queue's leaving, not only from its admin
+/// queue's last command: a host that set up its admin queue, then did I/O
+/// for longer than idle_timeout, may close and reopen an I/O queue (a
+/// reconnect, a resize) without its controller being torn down under it.
+#[test]
+fn a_kato_zero_controller_busy_on_its_io_queues_is_not_idle_when_one_reconnects() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_file(dir.path(), "vol.img", VOL_SIZE);
+    let config = format!(
+        "{}\n{}",
+        nvme_section("idle_timeout = \"2s\"\n"),
+        nvme_volume("vol", &img, VOL_SIZE, false, Some(1), "")
+    );
+    let (target, addr, _) = start_on(dir.path(), &config);
+    let hostnqn = "nqn.2014-08.org.example:busy-io";
+    let (mut admin, cntlid) = NvmeTcpConn::admin(addr, NO_DIGESTS, SUBNQN, hostnqn, 0);
+    admin.enable();
+    // I/O for longer than idle_timeout; the admin queue stays silent.
+    let mut io = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 1, SUBNQN, hostnqn);
+    let t0 = Instant::now();
+    let mut block = 0u64;
+    while t0.elapsed() < Duration::from_secs(3) {
+        io.write(1, block % 64, &[block as u8; 4096], false).expect("I/O while the admin queue is silent");
+        block += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The I/O queue leaves (Disconnect) and comes back at once.
+    io.disconnect().expect("Disconnect of the I/O queue");
+    drop(io);
+    let mut again = NvmeTcpConn::connect(addr, NO_DIGESTS);
+    again
+        .io_connect(cntlid, 1, SUBNQN, hostnqn)
+        .expect("an I/O queue reconnected at once: its controller was busy a moment ago, not idle");
+    again.write(1, 0, &[0x5a; 4096], false).expect("I/O on the new queue");
+    assert_eq!(again.read(1, 0, 1, 4096).unwrap(), vec![0x5a; 4096]);
+    // Without its I/O queue, the controller then ends idle_timeout after
+    // its last command, not sooner.
+    drop(again);
+    let gone = Instant::now();
+    let t = admin.wait_for_termination(Duration::from_secs(10));
+    assert!(t.closed, "the controller outlived idle_timeout without I/O queues: {t:?}\n{}", target.log().join("\n"));
+    let after = gone.elapsed();
+    assert!(
+        after >= Duration::from_millis(1500),
+        "the controller ended {after:?} after its last I/O queue left, before idle_timeout: {t:?}\n{}",
+        target.log().join("\n")
+    );
+    target.assert_no_panic();
+}

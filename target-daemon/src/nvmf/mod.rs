@@ -39,7 +39,7 @@ use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
@@ -115,6 +115,10 @@ pub struct Controller {
 #[derive(Default)]
 pub struct QueueTable {
     ids: Vec<u16>,
+    /// When its last I/O queue left: a controller without keep-alive is
+    /// idle from then at the earliest (its admin queue may have been silent
+    /// all along while the I/O queues worked).
+    pub last_io_left: Option<Instant>,
 }
 
 impl QueueTable {
@@ -131,9 +135,15 @@ impl QueueTable {
         true
     }
 
-    /// Forgets a closed queue: its id may be connected again.
-    pub fn remove(&mut self, qid: u16) {
+    /// Forgets a closed queue: its id may be connected again. True when
+    /// that was the controller's last I/O queue.
+    pub fn remove(&mut self, qid: u16) -> bool {
         self.ids.retain(|&q| q != qid);
+        let last = qid != 0 && self.io_queues() == 0;
+        if last {
+            self.last_io_left = Some(Instant::now());
+        }
+        last
     }
 
     /// Connected I/O queues.

@@ -903,23 +903,28 @@ impl Queue {
         if self.is_admin() {
             if let Some(due) = self.keep_alive_due {
                 min(due);
-            } else if self.may_idle_out() {
-                min(self.last_heard + self.sub.cfg.idle_timeout);
+            } else if let Some(since) = self.idle_since() {
+                min(since + self.sub.cfg.idle_timeout);
             }
         }
         earliest
     }
 
-    /// Whether `target.idle_timeout` applies: an admin queue whose
-    /// controller has no keep-alive (KATO 0), no I/O queue, and nothing in
-    /// flight (held AERs aside).
-    fn may_idle_out(&self) -> bool {
-        let Some(conn) = &self.conn else { return false };
-        conn.qid == 0
-            && self.keep_alive_due.is_none()
-            && self.busy_commands() == 0
-            && self.exec_live == 0
-            && conn.ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).io_queues() == 0
+    /// Since when the controller has been idle, if `target.idle_timeout`
+    /// applies to it: an admin queue whose controller has no keep-alive
+    /// (KATO 0), no I/O queue, and nothing in flight (held AERs aside),
+    /// idle since its last command or its last I/O queue's leaving,
+    /// whichever came later.
+    fn idle_since(&self) -> Option<Instant> {
+        let conn = self.conn.as_ref()?;
+        if conn.qid != 0 || self.keep_alive_due.is_some() || self.busy_commands() != 0 || self.exec_live != 0 {
+            return None;
+        }
+        let queues = conn.ctrl.queues.lock().unwrap_or_else(|e| e.into_inner());
+        if queues.io_queues() != 0 {
+            return None;
+        }
+        Some(queues.last_io_left.map_or(self.last_heard, |left| left.max(self.last_heard)))
     }
 
     /// The check of an open queue's deadlines at `now` (`stopping`: the
@@ -948,8 +953,9 @@ impl Queue {
         if !self.actions.is_empty() {
             return Due::Flush;
         }
-        let quiet = now.saturating_duration_since(self.last_heard);
-        if self.may_idle_out() && quiet >= self.sub.cfg.idle_timeout {
+        let Some(since) = self.idle_since() else { return Due::Nothing };
+        let quiet = now.saturating_duration_since(since);
+        if quiet >= self.sub.cfg.idle_timeout {
             let ctrl = Arc::clone(&self.conn.as_ref().expect("an admin queue is connected").ctrl);
             NvmeStats::add(&self.sub.stats.idle_timeouts, 1);
             let why = CloseReason::fault(format!("idle: KATO 0, no I/O queue and no command for {quiet:?} (target.idle_timeout)"));
@@ -1079,8 +1085,13 @@ impl Queue {
         if conn.qid == 0 {
             ctrl.tear_down(&self.sub, &why.map(|w| format!("admin queue closed: {w}")));
         } else {
-            ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).remove(conn.qid);
+            let last = ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).remove(conn.qid);
             tracing::debug!("nvme controller {} queue {} closed: {why}", ctrl.id, conn.qid);
+            if last && !ctrl.is_dead() {
+                // Its admin queue, on whatever reactor, may now idle out:
+                // its transport looks at its deadlines again.
+                self.sub.registry.fence_moved();
+            }
         }
         if ctrl.live_queues.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.sub.remove_controller(ctrl.id);

@@ -1018,6 +1018,9 @@ impl Transport for NvmeTcp {
         let news = self.seen.news(&rt.registry);
         if news.fences {
             self.close_torn_down();
+            // A controller elsewhere may have lost its last I/O queue: its
+            // admin queue here may idle out now.
+            self.deadlines_stale = true;
         }
         if news.volumes {
             for ci in 0..self.conns.len() as u16 {
