@@ -159,6 +159,12 @@ impl Drop for TargetProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            // A failed test shows what the daemon said (its last lines).
+            let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+            let from = log.len().saturating_sub(80);
+            eprintln!("---- rdmablk-target's log ({} lines, the last {}):\n{}", log.len(), log.len() - from, log[from..].join("\n"));
+        }
     }
 }
 

@@ -61,6 +61,12 @@ pub use fabric::{CqCtx, FabricCtx, CQ_ENTRIES_PER_DEPTH, QPS_PER_CQ};
 /// Size of each ring's fixed-file table: room for every volume plus as many
 /// removed ones still finishing their last commands.
 pub const RING_FILE_SLOTS: u32 = 2 * MAX_VOLUMES as u32;
+
+/// Sockets each ring can receive from (NVMe/TCP connections): one armed
+/// receive each, their bytes read in the ring's sleep instead of by a
+/// readiness wake-up and a `recv`. Connections beyond them are read on
+/// epoll readiness.
+pub const RING_SOCKET_SLOTS: u32 = 1024;
 const CQ_BATCH: usize = 64;
 const CQ_ROUNDS: usize = 4;
 
@@ -373,6 +379,7 @@ impl Reactor {
             sqpoll_idle_ms: cfg.sqpoll.then_some(100),
             iopoll: cfg.iopoll,
             file_slots: RING_FILE_SLOTS,
+            socket_slots: RING_SOCKET_SLOTS,
             // The ring watches the epoll set while the reactor sleeps in it.
             wake_fd: Some(epoll.fd()),
             ..UringOptions::default()
@@ -380,8 +387,9 @@ impl Reactor {
         let engine = BlockEngine::new(pool, opts, spec.id)?;
         let features = engine.features();
         if spec.id == 0 {
+            let sockets = if engine.receives() { RING_SOCKET_SLOTS } else { 0 };
             tracing::info!(
-                "io_uring: ring of {entries} entries per reactor, {} fixed-file slots, {chunks} fixed buffers of {} bytes; opcodes: {features}",
+                "io_uring: ring of {entries} entries per reactor, {} fixed-file slots, {chunks} fixed buffers of {} bytes, {sockets} socket receive slots; opcodes: {features}",
                 RING_FILE_SLOTS,
                 cfg.chunk_size
             );
