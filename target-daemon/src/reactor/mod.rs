@@ -382,7 +382,6 @@ impl Reactor {
             socket_slots: RING_SOCKET_SLOTS,
             // The ring watches the epoll set while the reactor sleeps in it.
             wake_fd: Some(epoll.fd()),
-            ..UringOptions::default()
         };
         let engine = BlockEngine::new(pool, opts, spec.id)?;
         let features = engine.features();
