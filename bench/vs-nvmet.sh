@@ -20,13 +20,17 @@
 # Under TCG only the ratios within one table mean anything, and rounds vary:
 # use --rounds and --cases to look longer at one row.
 #
+# --perf CASE records a system-wide profile (perf record -a -g) of that
+# case's first round on each target and prints the top symbols.
+#
 # usage: bench/vs-nvmet.sh [--transport tcp|rdma|both] [--rounds N]
-#                          [--cases "randread-4k-qd1 ..."] [--out DIR] [--debug]
+#                          [--cases "randread-4k-qd1 ..."] [--perf CASE]
+#                          [--out DIR] [--debug]
 # Run as root (the VM harness needs it), from anywhere in the repository.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$(readlink -f "$0")")/.." && pwd)
-transport=both rounds=2 cases= out= profile=release
+transport=both rounds=2 cases= out= profile=release perf=
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
@@ -34,6 +38,7 @@ while [[ $# -gt 0 ]]; do
         --transport) transport=$2; shift 2 ;;
         --rounds) rounds=$2; shift 2 ;;
         --cases) cases=$2; shift 2 ;;
+        --perf) perf=$2; shift 2 ;;
         --out) out=$2; shift 2 ;;
         --debug) profile=debug; shift ;;
         -h|--help) usage; exit 0 ;;
@@ -65,6 +70,7 @@ mkdir -p "$out"
 envs=(-e "RDMABLK_BIN_DIR=$bin" -e "RDMABLK_NVME_VS_TARGET=$bin/rdmablk-target" -e "RDMABLK_NVME_VS_ROUNDS=$rounds"
     -e "RDMABLK_CI_STEPS=$steps")
 [[ -z $cases ]] || envs+=(-e "RDMABLK_NVME_VS_CASES=$cases")
+[[ -z $perf ]] || envs+=(-e "RDMABLK_NVME_VS_PERF=$perf")
 echo "==> booting the VM for: $steps ($rounds rounds; about 2 minutes per round and transport under TCG, plus a minute of setup)"
 rc=0
 # The guest's limit for each step is 280 s + 40 s per case and round, at

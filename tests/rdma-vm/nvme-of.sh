@@ -701,6 +701,16 @@ nvme_vs_nvmet() {
                 local base=$out/$name.$s.$round
                 p0=0
                 if [[ $s == rdmablk ]]; then thread_ticks "$TPID" >"$base.threads0"; p0=$(proc_ticks "$TPID"); fi
+                # RDMABLK_NVME_VS_PERF=CASE: a system-wide profile of that
+                # case's first round on each system (perf record -a -g for
+                # the run's 10 s; the report is written after the rounds).
+                local perf_pid=
+                if [[ ${RDMABLK_NVME_VS_PERF:-} == "$name" && $round -eq 1 ]]; then
+                    # Its data in the guest's RAM: writing it to the results
+                    # directory (9p) would be most of what it records.
+                    perf record -q -a -g -o "/dev/shm/$name.$s.perf.data" -- sleep 10 >/dev/null 2>&1 &
+                    perf_pid=$!
+                fi
                 b0=$(busy_ticks); w0=$(date +%s.%N)
                 (
                     fio --name="$name" --filename="${dev[$s]}" --ioengine=io_uring --direct=1 --rw="$rw" \
@@ -711,6 +721,7 @@ nvme_vs_nvmet() {
                     exit $rc
                 ) || { echo "fio $name on $s (${dev[$s]}) failed"; cat "$base.json"; exit 1; }
                 b1=$(busy_ticks); w1=$(date +%s.%N)
+                [[ -z $perf_pid ]] || wait "$perf_pid" || true
                 p1=0
                 if [[ $s == rdmablk ]]; then p1=$(proc_ticks "$TPID"); thread_ticks "$TPID" >"$base.threads1"; fi
                 echo "busy $((b1 - b0)) proc $((p1 - p0)) wall $w0 $w1 hz $hz" >"$base.cpu"
@@ -719,6 +730,16 @@ nvme_vs_nvmet() {
             done
         done
     done
+    if [[ -n ${RDMABLK_NVME_VS_PERF:-} ]]; then
+        for s in $systems; do
+            local data=/dev/shm/$RDMABLK_NVME_VS_PERF.$s.perf.data
+            [[ -f $data ]] || { echo "no profile for $s"; continue; }
+            echo "--- perf: $RDMABLK_NVME_VS_PERF on $s, by symbol (self), the whole system"
+            perf report -i "$data" --no-children --sort comm,sym --stdio 2>/dev/null \
+                | awk '/^ +[0-9.]+%/ && n++ < 60' | tee "$RES/nvme-$t-perf-$s.txt"
+            rm -f "$data"
+        done
+    fi
     local tname=NVMe/TCP; [[ $t == rdma ]] && tname=NVMe/RDMA
     /usr/bin/python3 - "$out" "$systems" "$(uname -r)" "$NVME_TARGET_BIN ($profile build)" "$rounds" "$cases" "$t" "$tname" >"$RES/nvme-$t-vs-nvmet.md" <<'PY'
 import json, os, re, sys
@@ -771,21 +792,41 @@ if t == "rdma":
           "kernel CPU, in the submitting context or in rxe's tasks: `proc` holds the part rdmablk-target's "
           "own system calls run, `sys-fio` all of it for both.")
 print()
-print("| case | rdmablk IOPS | nvmet IOPS | IOPS ratio rdmablk/nvmet (per round) | rdmablk lat µs | nvmet lat µs "
+print("| case | rdmablk IOPS | nvmet IOPS | IOPS ratio rdmablk/nvmet (per round) "
+      "| IOPS per CPU-s ratio rdmablk/nvmet, sys-fio (per round) | rdmablk lat µs | nvmet lat µs "
       "| rdmablk-target CPU µs/IO (proc) | rdmablk CPU µs/IO (sys-fio) | nvmet CPU µs/IO (sys-fio) | fio CPU µs/IO rdmablk / nvmet "
       "| all CPU µs/IO rdmablk / nvmet |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+def median(xs):
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 for c in cases:
     ri, ni = m(c, "rdmablk", "iops"), m(c, "nvmet", "iops")
-    ratio = "-"
+    ratio = per_cpu = "-"
     if ri is not None and ni is not None:
         per = "/".join(f"{r[(c,'rdmablk')][k]['iops'] / r[(c,'nvmet')][k]['iops']:.2f}" for k in range(rounds))
         ratio = f"{ri / ni:.2f} ({per})"
-    print(f"| {c} | {f(ri, '.0f')} | {f(ni, '.0f')} | {ratio} | {f(m(c, 'rdmablk', 'lat'), '.0f')} "
+        # IOPS per CPU-second is 1 / (CPU µs per I/O): nvmet's over ours.
+        each = [r[(c, 'nvmet')][k]['sys_us'] / r[(c, 'rdmablk')][k]['sys_us'] for k in range(rounds)]
+        per_cpu = f"median {median(each):.2f} (" + "/".join(f"{x:.2f}" for x in each) + ")"
+    print(f"| {c} | {f(ri, '.0f')} | {f(ni, '.0f')} | {ratio} | {per_cpu} | {f(m(c, 'rdmablk', 'lat'), '.0f')} "
           f"| {f(m(c, 'nvmet', 'lat'), '.0f')} | {f(m(c, 'rdmablk', 'proc_us'), '.1f')} "
           f"| {f(m(c, 'rdmablk', 'sys_us'), '.1f')} | {f(m(c, 'nvmet', 'sys_us'), '.1f')} "
           f"| {f(m(c, 'rdmablk', 'fio_us'), '.1f')} / {f(m(c, 'nvmet', 'fio_us'), '.1f')} "
           f"| {f(m(c, 'rdmablk', 'all_us'), '.0f')} / {f(m(c, 'nvmet', 'all_us'), '.0f')} |")
+print()
+print("A/A: each system against itself across the rounds of this run (the noise the ratios above sit in): "
+      "the spread of its per-round IOPS and sys-fio CPU µs/IO, (max - min) / median.")
+print()
+print("| case | " + " | ".join(f"{s} IOPS spread | {s} CPU/IO spread" for s in systems) + " |")
+print("|---|" + "---:|---:|" * len(systems))
+for c in cases:
+    cells = []
+    for s in systems:
+        for key in ("iops", "sys_us"):
+            xs = [x[key] for x in r[(c, s)]]
+            cells.append(f"{(max(xs) - min(xs)) / median(xs) * 100:.0f}%")
+    print(f"| {c} | " + " | ".join(cells) + " |")
 if "rdmablk" in systems:
     print()
     print("rdmablk-target's threads with the most CPU during each run (ticks of 1/100 s; thread name, tid):")

@@ -28,6 +28,11 @@ SMOKE_ONLY=0
 TOPOLOGY=${RDMAVM_TOPOLOGY:-auto}
 MEM=${RDMAVM_MEM:-2048}
 SMP=${RDMAVM_SMP:-2}
+# The guest's TSC: "unstable" (default: the clocksource is the emulated
+# HPET, clock_gettime is a system call and CPU time is counted in ticks);
+# "reliable" makes the guest trust TCG's TSC (no watchdog), so that CPU time
+# is measured by sched_clock instead of sampled by the tick.
+TSC=${RDMAVM_TSC:-unstable}
 VERBOSE=0
 NAME=payload
 SCRIPTS=()
@@ -58,6 +63,7 @@ options:
   --smoke-only         run only the smoke steps (instead of the CI stage)
   --mem MB             guest memory (default 2048)       env RDMAVM_MEM
   --smp N              guest vCPUs (default 2)            env RDMAVM_SMP
+  (env RDMAVM_TSC=reliable: the guest trusts the TSC; default unstable)
   --out DIR            work dir (default tests/rdma-vm/out) env RDMAVM_OUT
   -v, --verbose        stream the guest console
   -h, --help
@@ -223,7 +229,7 @@ CONSOLE=$OUT/console.log
 QEMU=(qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp "$SMP" -m "$MEM"
       -nodefaults -no-user-config -nographic -no-reboot -serial stdio -monitor none -nic none
       -kernel "$KERNEL" -initrd "$INITRD"
-      -append "console=ttyS0 panic=-1 oops=panic quiet loglevel=4 tsc=unstable${RDMAVM_KEEP:+ rdmavm.keep=$RDMAVM_KEEP}"
+      -append "console=ttyS0 panic=-1 oops=panic quiet loglevel=4 tsc=$TSC${RDMAVM_KEEP:+ rdmavm.keep=$RDMAVM_KEEP}"
       -fsdev local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap
       -device virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot
       -fsdev local,id=rdmavm,path="$RUN",security_model=none,multidevs=remap
