@@ -1323,3 +1323,63 @@ fn a_host_that_drops_its_queue_pairs_mid_io_reconnects_at_once_and_no_old_write_
     drop((assoc, observer));
     t.shutdown().unwrap();
 }
+
+// ---------------------------------------------------------------------------
+// System calls per I/O at depth 16 (a measurement, not a check)
+
+/// Batches of 16 commands, each batch's completions taken before the next.
+fn qd16_batches() -> usize {
+    std::env::var("RDMABLK_QD16_BATCHES").ok().and_then(|s| s.parse().ok()).unwrap_or(2000)
+}
+
+/// Runs [`qd16_batches`] batches of 16 4 KiB commands on one I/O queue:
+/// writes whose data the target fetches by RDMA READ under a keyed SGL,
+/// then reads it sends by RDMA WRITE (`RDMABLK_QD16=write` or `read`: only
+/// those), and prints how many of each and how long they took. What it is
+/// for is counting the target's system calls per I/O from outside, by
+/// thread name (the reactors are `rdmablk-r<N>`, the test host is not):
+///
+/// ```text
+/// perf record -q -c 1 -e syscalls:sys_enter_sendmsg,raw_syscalls:sys_enter -o /tmp/qd16.data -- \
+///     env RDMABLK_QD16=write target/debug/deps/nvme_rdma-<hash> --ignored --exact qd16_4k_io_for_counting_system_calls
+/// perf script -i /tmp/qd16.data -F comm,event | sort | uniq -c
+/// ```
+///
+/// (the connect, Identify and teardown add a few dozen calls in all).
+#[test]
+#[ignore = "a measurement: run under perf (see its doc comment)"]
+fn qd16_4k_io_for_counting_system_calls() {
+    const DEPTH: usize = 16;
+    const LEN: usize = 4096;
+    let (t, url, nqn) = target();
+    let (admin, mut io) = admin_and_io(&url, &nqn);
+    let which = std::env::var("RDMABLK_QD16").unwrap_or_default();
+    let batches = qd16_batches();
+    for (name, opcode) in [("write", io_opcode::WRITE), ("read", io_opcode::READ)] {
+        if !which.is_empty() && which != name {
+            continue;
+        }
+        let started = Instant::now();
+        for _ in 0..batches {
+            let mut cids = [0u16; DEPTH];
+            for (i, cid) in cids.iter_mut().enumerate() {
+                *cid = io.cid();
+                let mut e = SubmissionEntry::new(opcode, *cid);
+                e.nsid = 1;
+                e.set_rw((i * LEN / 512) as u64, (LEN / 512) as u32, false);
+                e.set_sgl(io.keyed(i * LEN, LEN));
+                io.send(&e, &[]);
+            }
+            for _ in 0..DEPTH {
+                let (c, _) = io.completion().expect("a completion");
+                assert!(cids.contains(&c.cid), "completion of command {}, not of this batch", c.cid);
+                assert_eq!(c.status, Status::SUCCESS, "{name} {}", c.cid);
+            }
+        }
+        let ios = batches * DEPTH;
+        let took = started.elapsed();
+        eprintln!("{ios} {name}s of {LEN} bytes at QD{DEPTH} in {took:?} ({:?} per I/O)", took / ios as u32);
+    }
+    drop((admin, io));
+    t.shutdown().unwrap();
+}
