@@ -25,6 +25,13 @@
 //! (Keyed Data Block, subtype Invalidate), the completion is a SEND with
 //! Invalidate of the host's key.
 //!
+//! Nothing is posted the moment an answer is carried out: a queue's flush
+//! (at the end of the reactor's turn) queues the send work requests of its
+//! answers, RDMA READs, RDMA WRITEs and completions, and posts them together
+//! at its end, in order, up to 16 per `post_send`: one system call (a
+//! `sendmsg` on the tcp provider, a doorbell on rxe) for a burst's answers
+//! instead of one each.
+//!
 //! A failed work request (the host's key refused, the queue pair broken)
 //! ends the connection: the queue pair is disconnected, its outstanding
 //! work requests flush, and the queue leaves its controller as a closed
@@ -37,6 +44,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use arrayvec::ArrayVec;
 use rdmablk_common::fabric::{
     Access, Completion, ConnectRequest, Fabric, FabricOptions, ListenOptions, Listener, Payload, QpCaps, QpNum, QueuePair, RecvWr,
     Rkey, SendOp, SendWr, Sge, WcStatus, WrId,
@@ -66,6 +74,11 @@ const STAGING_SLOTS: usize = 8;
 /// Answers that may wait for a response or staging slot before the host is
 /// taken for one that does not take its completions.
 const MAX_WAITING: usize = 4 * MAX_QUEUE_ENTRIES as usize;
+/// Send work requests per `post_send` when a queue's flush posts what it
+/// queued: both providers carry at most 16 in one system call (the tcp
+/// provider's `sendmsg`, the verbs provider's `ibv_post_send`, a doorbell
+/// on rxe), as rdmablk v1's `TX_CHUNK`.
+const TX_CHUNK: usize = 16;
 
 // wr_id layout: kind:8 | queue generation:16 | queue:16 | index:24.
 const K_RECV: u64 = 1;
@@ -204,6 +217,56 @@ enum SentWith {
     Staging(usize),
 }
 
+/// A send-queue work request as queued: its SGE is kept here, and the
+/// `SendWr` that borrows it is built when it is posted.
+#[derive(Clone, Copy)]
+struct Wr {
+    wr_id: WrId,
+    op: SendOp,
+    sge: Sge,
+}
+
+/// What a queue's flush posts at its end ([`NvmeRdma::post_queued`]), in
+/// order. What it lends (a pool chunk, a staging slot, a response slot) is
+/// taken when it is queued; what it counts (`sends_outstanding` and
+/// `reads`, `writes` or `sent_with`) only once it is posted.
+#[derive(Clone, Copy)]
+enum Tx {
+    /// A signaled RDMA READ of a write's piece into `into` (`len` bytes),
+    /// for command slot `slot`.
+    Read { wr: Wr, slot: u16, into: ReadInto, len: u32 },
+    /// A signaled RDMA WRITE of a read's piece before its last, for command
+    /// id `cid`, out of `with` (its chunk, or the zero chunk for it).
+    Write { wr: Wr, cid: u16, with: SentWith },
+    /// A completion's signaled SEND from response slot `slot`, after the
+    /// unsignaled RDMA WRITE of the data's last piece (`chain`, out of
+    /// `with`) when there is one: the two always go in one `post_send`.
+    Respond { chain: Option<Wr>, send: Wr, slot: usize, with: SentWith },
+}
+
+impl Tx {
+    /// Its work requests.
+    fn wrs(&self) -> usize {
+        1 + matches!(self, Tx::Respond { chain: Some(_), .. }) as usize
+    }
+
+    /// Appends its work requests to `out`.
+    fn push_to<'a>(&'a self, out: &mut ArrayVec<SendWr<'a>, TX_CHUNK>) {
+        let wr = |w: &'a Wr, signaled: bool| {
+            SendWr { wr_id: w.wr_id, op: w.op, payload: Payload::Sges(std::slice::from_ref(&w.sge)), signaled }
+        };
+        match self {
+            Tx::Read { wr: w, .. } | Tx::Write { wr: w, .. } => out.push(wr(w, true)),
+            Tx::Respond { chain, send, .. } => {
+                if let Some(w) = chain {
+                    out.push(wr(w, false));
+                }
+                out.push(wr(send, true));
+            }
+        }
+    }
+}
+
 /// The reactor's staging slots on one fabric.
 struct Staging {
     slots: SlotBuf,
@@ -236,6 +299,9 @@ struct RQueue {
     writes: Vec<Vec<ChunkId>>,
     /// Answers waiting for a response or staging slot, in order.
     waiting: VecDeque<Action>,
+    /// The send work requests of the flush under way, posted at its end
+    /// (kept empty with its capacity in between).
+    tx: Vec<Tx>,
     /// Receives posted, and signaled send-queue work requests outstanding.
     recvs_posted: u32,
     sends_outstanding: u32,
@@ -405,6 +471,7 @@ impl NvmeRdma {
             reads: Vec::new(),
             writes: Vec::new(),
             waiting: VecDeque::new(),
+            tx: Vec::new(),
             recvs_posted: 0,
             sends_outstanding: 0,
             closing: None,
@@ -439,6 +506,13 @@ impl NvmeRdma {
         let live = self.queues.get(qi as usize).is_some_and(|s| s.gen == gen && s.q.as_ref().is_some_and(|r| r.qp_num == wc.qp_num));
         if !live {
             tracing::trace!("nvme+rdma: stale completion {wc:?}");
+            return;
+        }
+        if self.queue(qi).close_phase == ClosePhase::Draining {
+            // Everything it posted completed, or what had not when the
+            // close's grace ended was taken back (`take_back_lent`, which
+            // a failed post may count on): nothing is owed to a late flush.
+            tracing::trace!("nvme+rdma: completion after the flush {wc:?}");
             return;
         }
         let ok = wc.status == WcStatus::Success;
@@ -615,6 +689,7 @@ impl NvmeRdma {
                 stuck = true;
             }
         }
+        self.post_queued(rt, qi);
         if let Some(why) = close {
             self.close(qi, why);
         }
@@ -626,7 +701,91 @@ impl NvmeRdma {
         self.maybe_end(rt, qi);
     }
 
-    /// Posts one answer; gives it back when it finds no slot.
+    /// Posts the send work requests the queue's flush queued, in order, up
+    /// to [`TX_CHUNK`] per `post_send` (a read's last RDMA WRITE and its
+    /// completion's SEND always in the same one), and counts each posted
+    /// one as outstanding.
+    ///
+    /// A failed `post_send` fails the queue (it is disconnected, and what
+    /// it posted flushes). The fabric API does not say which work requests
+    /// of a failed call were posted; both providers post a call's list in
+    /// order and stop at the first one they refuse (verbs: a request the
+    /// arguments check or the shadow send queue refuses, or `ibv_post_send`'s
+    /// `bad_wr`; tcp: the arguments check or a full send queue, a broken
+    /// connection being no error there but flush completions): those before
+    /// it were posted, it and those after it were not. What this relies on:
+    /// the calls before the failed one posted everything; the calls after
+    /// it were never made, so what their work requests lend comes back
+    /// now; the failed call's last work request was not posted either (so a
+    /// call of one posted nothing), and it comes back now if it stands
+    /// alone (a READ, a WRITE, a SEND without data); the rest of the failed
+    /// call may have been posted and is counted as posted: what it lends
+    /// comes back with its flush completion or, for what was not posted
+    /// and so never completes, when the close's grace ends
+    /// ([`NvmeRdma::take_back_lent`]), not before, since the device may
+    /// still read or write that memory until then (such a queue leaves
+    /// after [`CLOSE_GRACE`], with the warning that says what did not flush).
+    fn post_queued(&mut self, rt: &mut Runtime, qi: u16) {
+        let r = self.queue(qi);
+        if r.tx.is_empty() {
+            return;
+        }
+        let mut tx = std::mem::take(&mut r.tx);
+        let mut at = 0;
+        let mut failed = None;
+        while at < tx.len() {
+            let r = self.queue(qi);
+            let mut end = at;
+            let mut wrs = ArrayVec::<SendWr, TX_CHUNK>::new();
+            while end < tx.len() && wrs.len() + tx[end].wrs() <= TX_CHUNK {
+                tx[end].push_to(&mut wrs);
+                end += 1;
+            }
+            let (posted, n) = (r.qp.post_send(&wrs), wrs.len());
+            drop(wrs);
+            match posted {
+                Ok(()) => tx[at..end].iter().for_each(|t| r.count_posted(t)),
+                Err(e) => {
+                    let alone = tx[end - 1].wrs() == 1;
+                    let maybe = end - alone as usize;
+                    tx[at..maybe].iter().for_each(|t| r.count_posted(t));
+                    failed = Some((e, n));
+                    at = maybe;
+                    break;
+                }
+            }
+            at = end;
+        }
+        for &t in &tx[at..] {
+            self.unqueue(rt, qi, t);
+        }
+        tx.clear();
+        self.queue(qi).tx = tx;
+        if let Some((e, n)) = failed {
+            self.close(qi, CloseReason::fault(format!("posting {n} send work requests: {e}")));
+        }
+    }
+
+    /// Gives back what a queued work request that was not posted lends.
+    fn unqueue(&mut self, rt: &mut Runtime, qi: u16, t: Tx) {
+        match t {
+            Tx::Read { slot, into: ReadInto::Chunk(c), .. } => {
+                rt.exec.engine_mut().pool_mut().return_from_fabric(c);
+                self.queue(qi).q.fetch_failed(&mut rt.exec, slot);
+            }
+            Tx::Read { into: ReadInto::Staging(i), .. } => self.give_back(rt, qi, SentWith::Staging(i)),
+            Tx::Write { with, .. } => self.give_back(rt, qi, with),
+            Tx::Respond { slot, with, .. } => {
+                let r = self.queue(qi);
+                r.resp.reclaim(slot);
+                r.free_resp.push(slot);
+                self.give_back(rt, qi, with);
+            }
+        }
+    }
+
+    /// Carries out one answer: queues its work requests for the end of the
+    /// flush ([`NvmeRdma::post_queued`]); gives it back when it finds no slot.
     fn act(&mut self, rt: &mut Runtime, qi: u16, a: Action) -> Option<Action> {
         let gen = self.queues[qi as usize].gen;
         let ri = self.queue(qi).rdma_index;
@@ -641,7 +800,7 @@ impl NvmeRdma {
             Action::Respond(cqe, sgl) => {
                 let r = self.queue(qi);
                 let Some(slot) = r.free_resp.pop() else { return Some(Action::Respond(cqe, sgl)) };
-                r.post_response(rt, gen, qi, slot, &cqe, sgl, None);
+                r.queue_response(gen, qi, slot, &cqe, sgl, None);
                 None
             }
             Action::SendData { cid, buf, off, len, to, then } => {
@@ -677,45 +836,20 @@ impl NvmeRdma {
                 let remote_addr = addr.wrapping_add(off as u64);
                 match then {
                     Some(cqe) => {
-                        let write = SendWr {
-                            wr_id: wr_id(K_CHAIN, gen, qi, 0),
-                            op: SendOp::RdmaWrite { remote_addr, rkey: Rkey(key) },
-                            payload: Payload::Sges(std::slice::from_ref(&sge)),
-                            signaled: false,
-                        };
+                        let write = Wr { wr_id: wr_id(K_CHAIN, gen, qi, 0), op: SendOp::RdmaWrite { remote_addr, rkey: Rkey(key) }, sge };
                         let r = self.queue(qi);
                         let slot = r.free_resp.pop().expect("checked above");
-                        r.post_response(rt, gen, qi, slot, &cqe, Some(to), Some((write, with)));
+                        r.queue_response(gen, qi, slot, &cqe, Some(to), Some((write, with)));
                     }
                     None => {
                         // A piece before the last: its own signaled WRITE.
-                        let (SentWith::Chunk(c) | SentWith::Zero(c)) = with else {
+                        if !matches!(with, SentWith::Chunk(_) | SentWith::Zero(_)) {
                             self.close(qi, "admin data in pieces".into());
                             return None;
-                        };
-                        let r = self.queue(qi);
-                        let write = SendWr {
-                            wr_id: wr_id(K_WRITE, gen, qi, cid as u32),
-                            op: SendOp::RdmaWrite { remote_addr, rkey: Rkey(key) },
-                            payload: Payload::Sges(std::slice::from_ref(&sge)),
-                            signaled: true,
-                        };
-                        if r.writes.len() <= cid as usize {
-                            r.writes.resize(cid as usize + 1, Vec::new());
                         }
-                        match r.qp.post_send(&[write]) {
-                            Ok(()) => {
-                                r.sends_outstanding += 1;
-                                r.writes[cid as usize].push(c);
-                            }
-                            Err(e) => {
-                                if matches!(with, SentWith::Chunk(_)) {
-                                    rt.exec.engine_mut().pool_mut().return_from_fabric(c);
-                                }
-                                rt.exec.sent(c);
-                                self.close(qi, format!("posting an RDMA WRITE: {e}").into());
-                            }
-                        }
+                        let op = SendOp::RdmaWrite { remote_addr, rkey: Rkey(key) };
+                        let wr = Wr { wr_id: wr_id(K_WRITE, gen, qi, cid as u32), op, sge };
+                        self.queue(qi).tx.push(Tx::Write { wr, cid, with });
                     }
                 }
                 None
@@ -742,36 +876,9 @@ impl NvmeRdma {
                         (staging.slots.lend(i, len), ReadInto::Staging(i))
                     }
                 };
-                let read = SendWr {
-                    wr_id: wr_id(K_READ, gen, qi, slot as u32),
-                    op: SendOp::RdmaRead { remote_addr: addr.wrapping_add(off as u64), rkey: Rkey(key) },
-                    payload: Payload::Sges(std::slice::from_ref(&sge)),
-                    signaled: true,
-                };
-                let r = self.queue(qi);
-                if r.reads.len() <= slot as usize {
-                    r.reads.resize(slot as usize + 1, None);
-                }
-                match r.qp.post_send(&[read]) {
-                    Ok(()) => {
-                        r.sends_outstanding += 1;
-                        r.reads[slot as usize] = Some((into, len));
-                    }
-                    Err(e) => {
-                        match into {
-                            ReadInto::Chunk(c) => {
-                                rt.exec.engine_mut().pool_mut().return_from_fabric(c);
-                                r.q.fetch_failed(&mut rt.exec, slot);
-                            }
-                            ReadInto::Staging(i) => {
-                                let s = self.staging[ri].as_mut().expect("staging slots in use");
-                                s.slots.reclaim(i);
-                                s.free.push(i);
-                            }
-                        }
-                        self.close(qi, format!("posting an RDMA READ: {e}").into());
-                    }
-                }
+                let op = SendOp::RdmaRead { remote_addr: addr.wrapping_add(off as u64), rkey: Rkey(key) };
+                let wr = Wr { wr_id: wr_id(K_READ, gen, qi, slot as u32), op, sge };
+                self.queue(qi).tx.push(Tx::Read { wr, slot, into, len });
                 None
             }
             Action::Close(why) => {
@@ -850,9 +957,10 @@ impl NvmeRdma {
         rt.stats.queue_pairs.set(rt.stats.queue_pairs.get().saturating_sub(1));
     }
 
-    /// Work requests did not flush in time: the chunks and staging slots
-    /// they name come back regardless (the queue pair is destroyed before
-    /// anything else of the queue).
+    /// Work requests did not flush in time (or a failed `post_send` left
+    /// some counted that were never posted: [`NvmeRdma::post_queued`]): the
+    /// chunks and staging slots they name come back regardless (the queue
+    /// pair is destroyed before anything else of the queue).
     fn take_back_lent(&mut self, rt: &mut Runtime, qi: u16) {
         let r = self.queue(qi);
         let sent: Vec<SentWith> = r.sent_with.iter_mut().map(|w| std::mem::replace(w, SentWith::Nothing)).collect();
@@ -909,50 +1017,45 @@ impl RQueue {
         }
     }
 
-    /// Posts completion `cqe` from response slot `slot` (taken), after
-    /// `first` (an RDMA WRITE of the command's data) when there is one; a
-    /// SEND with Invalidate when the command's SGL asked for it.
-    #[allow(clippy::too_many_arguments)]
-    fn post_response(
-        &mut self,
-        rt: &mut Runtime,
-        gen: u16,
-        qi: u16,
-        slot: usize,
-        cqe: &CompletionEntry,
-        sgl: Option<Sgl>,
-        first: Option<(SendWr<'_>, SentWith)>,
-    ) {
+    /// Queues completion `cqe` from response slot `slot` (taken), after
+    /// `first` (the unsignaled RDMA WRITE of the command's data, out of
+    /// what it names) when there is one; a SEND with Invalidate when the
+    /// command's SGL asked for it.
+    fn queue_response(&mut self, gen: u16, qi: u16, slot: usize, cqe: &CompletionEntry, sgl: Option<Sgl>, first: Option<(Wr, SentWith)>) {
         self.resp.slot_mut(slot).copy_from_slice(&cqe.to_bytes());
-        let sge: Sge = self.resp.lend(slot, CQE_SIZE as u32);
+        let sge = self.resp.lend(slot, CQE_SIZE as u32);
         let op = match sgl {
             Some(Sgl::Keyed { key, invalidate: true, length, .. }) if length > 0 => SendOp::SendWithInvalidate { rkey: Rkey(key) },
             _ => SendOp::Send,
         };
-        let send = SendWr { wr_id: wr_id(K_SEND, gen, qi, slot as u32), op, payload: Payload::Sges(std::slice::from_ref(&sge)), signaled: true };
-        let (posted, with) = match first {
-            Some((write, with)) => (self.qp.post_send(&[write, send]), with),
-            None => (self.qp.post_send(&[send]), SentWith::Nothing),
+        let send = Wr { wr_id: wr_id(K_SEND, gen, qi, slot as u32), op, sge };
+        let (chain, with) = match first {
+            Some((write, with)) => (Some(write), with),
+            None => (None, SentWith::Nothing),
         };
-        match posted {
-            Ok(()) => {
-                self.sends_outstanding += 1;
-                self.sent_with[slot] = with;
-            }
-            Err(e) => {
-                self.resp.reclaim(slot);
-                self.free_resp.push(slot);
-                match with {
-                    SentWith::Chunk(c) => {
-                        rt.exec.engine_mut().pool_mut().return_from_fabric(c);
-                        rt.exec.sent(c);
-                    }
-                    SentWith::Zero(c) => rt.exec.sent(c),
-                    // Staging comes back through the transport's close.
-                    SentWith::Staging(_) | SentWith::Nothing => {}
+        self.tx.push(Tx::Respond { chain, send, slot, with });
+    }
+
+    /// A queued work request was posted: it is counted as outstanding, and
+    /// what it lends is found again at its completion.
+    fn count_posted(&mut self, t: &Tx) {
+        self.sends_outstanding += 1;
+        match *t {
+            Tx::Read { slot, into, len, .. } => {
+                if self.reads.len() <= slot as usize {
+                    self.reads.resize(slot as usize + 1, None);
                 }
-                self.closing.get_or_insert_with(|| CloseReason::fault(format!("posting a completion: {e}")));
+                self.reads[slot as usize] = Some((into, len));
             }
+            Tx::Write { cid, with, .. } => {
+                if self.writes.len() <= cid as usize {
+                    self.writes.resize(cid as usize + 1, Vec::new());
+                }
+                if let SentWith::Chunk(c) | SentWith::Zero(c) = with {
+                    self.writes[cid as usize].push(c);
+                }
+            }
+            Tx::Respond { slot, with, .. } => self.sent_with[slot] = with,
         }
     }
 }
