@@ -690,6 +690,42 @@ fn after_an_io_queues_disconnect_its_queue_id_is_free_at_once() {
     t.shutdown().unwrap();
 }
 
+/// With pool chunks smaller than the largest transfer, a read leaves in
+/// pieces, each an RDMA WRITE of its own before the last (which rides with
+/// the completion): every piece's chunk comes back with its own WRITE's
+/// completion, in order, and a null volume's pieces of zeroes (sent from
+/// the pool's zero buffer, never lent) come back without being taken from
+/// the fabric. Reads and writes of 128 KiB in 32 KiB chunks, many times.
+#[test]
+fn transfers_larger_than_a_pool_chunk_move_in_pieces() {
+    let volumes = "chunk_size = \"32KiB\"\n\
+        [[volume]]\nname = \"v\"\nbackend = \"memory\"\nsize = \"4MiB\"\nblock_size = 512\nallow_any_host = true\nnsid = 1\n\
+        [[volume]]\nname = \"z\"\nbackend = \"null\"\nsize = \"4MiB\"\nblock_size = 512\nallow_any_host = true\nnsid = 2\n";
+    let config = config_with_volume(&host_address(), volumes);
+    assert_eq!(config.target.chunk_size, 32 << 10);
+    let nqn = config.target.nqn.clone();
+    let t = Target::start(config).unwrap();
+    let url = t.nvme_listeners()[0].url.clone();
+    let (_admin, mut io) = admin_and_io(&url, &nqn);
+    let len = 128 << 10;
+    for round in 0..64u8 {
+        let data = pattern(len, round);
+        io.data()[..len].copy_from_slice(&data);
+        let slba = (round as u64 % 16) * 256;
+        assert_eq!(io.rw(io_opcode::WRITE, slba, 256, io.keyed(0, len), &[]).status, Status::SUCCESS, "round {round}: write");
+        io.data()[..len].fill(0xee);
+        assert_eq!(io.rw(io_opcode::READ, slba, 256, io.keyed(0, len), &[]).status, Status::SUCCESS, "round {round}: read");
+        assert!(io.data()[..len] == data[..], "round {round}: the pieces read back are what was written");
+        let mut zeroes = SubmissionEntry::new(io_opcode::READ, io.cid());
+        zeroes.nsid = 2;
+        zeroes.set_rw(slba, 256, false);
+        zeroes.set_sgl(io.keyed(0, len));
+        assert_eq!(io.exec(zeroes, &[]).status, Status::SUCCESS, "round {round}: a read of the null volume");
+        assert!(io.data()[..len].iter().all(|&b| b == 0), "round {round}: the null volume reads zeroes");
+    }
+    t.shutdown().unwrap();
+}
+
 /// `idle_timeout` of a KATO-0 controller counts from its last command on
 /// any queue or its last I/O queue's leaving: a host whose admin queue is
 /// silent while its I/O queue works longer than idle_timeout may delete

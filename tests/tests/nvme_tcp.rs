@@ -35,7 +35,7 @@ use rdmablk_system_tests::nvme_tcp::{
     Termination,
 };
 use rdmablk_system_tests::{
-    file_bytes, file_volume, listen_host, random_bytes, sample, scrape, sparse_file, wait_until, BusyCpus, TargetProcess,
+    file_bytes, file_volume, listen_host, null_volume, random_bytes, sample, scrape, sparse_file, wait_until, BusyCpus, TargetProcess,
 };
 
 const KIB: usize = 1024;
@@ -2160,5 +2160,36 @@ fn a_kato_zero_controller_busy_on_its_io_queues_is_not_idle_when_one_reconnects(
         "the controller ended {after:?} after its last I/O queue left, before idle_timeout: {t:?}\n{}",
         target.log().join("\n")
     );
+    target.assert_no_panic();
+}
+
+/// With pool chunks smaller than the largest transfer, a read's data and
+/// a write's R2Ts come in pieces: 128 KiB in 32 KiB chunks, written and
+/// read back, and read from a null volume, many times.
+#[test]
+fn transfers_larger_than_a_pool_chunk_move_in_pieces() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_file(dir.path(), "vol.img", VOL_SIZE);
+    let config = format!(
+        "{}\n{}{}nsid = 2\n",
+        nvme_section("chunk_size = \"32KiB\"\n"),
+        nvme_volume("vol", &img, VOL_SIZE, false, Some(1), ""),
+        null_volume("z", VOL_SIZE)
+    );
+    let (target, addr, _) = start_on(dir.path(), &config);
+    let hostnqn = "nqn.2014-08.org.example:pieces";
+    let (mut admin, cntlid) = NvmeTcpConn::admin(addr, NO_DIGESTS, SUBNQN, hostnqn, 0);
+    admin.enable();
+    let mut io = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 1, SUBNQN, hostnqn);
+    let len = 128 << 10;
+    for round in 0..64u8 {
+        let data: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(round)).collect();
+        let slba = (round as u64 % 16) * 32;
+        io.write(1, slba, &data, false).unwrap_or_else(|s| panic!("round {round}: write: {s}"));
+        let back = io.read(1, slba, 32, 4096).unwrap_or_else(|s| panic!("round {round}: read: {s}"));
+        assert!(back == data, "round {round}: the pieces read back are what was written");
+        let zeroes = io.read(2, slba, 32, 4096).unwrap_or_else(|s| panic!("round {round}: null read: {s}"));
+        assert!(zeroes.len() == len && zeroes.iter().all(|&b| b == 0), "round {round}: the null volume reads zeroes");
+    }
     target.assert_no_panic();
 }

@@ -295,8 +295,9 @@ struct RQueue {
     /// Per command slot: where its RDMA READ lands, while one is in flight.
     reads: Vec<Option<(ReadInto, u32)>>,
     /// Pieces of reads being written that are not the last (signaled), by
-    /// command slot.
-    writes: Vec<Vec<ChunkId>>,
+    /// command id, oldest first: a queue pair's completions come in the
+    /// order its work requests were posted.
+    writes: Vec<VecDeque<SentWith>>,
     /// Answers waiting for a response or staging slot, in order.
     waiting: VecDeque<Action>,
     /// The send work requests of the flush under way, posted at its end
@@ -552,9 +553,8 @@ impl NvmeRdma {
             K_WRITE => {
                 let r = self.queue(qi);
                 r.sends_outstanding -= 1;
-                let Some(chunk) = r.writes.get_mut(index).and_then(|w| w.pop()) else { return };
-                rt.exec.engine_mut().pool_mut().return_from_fabric(chunk);
-                rt.exec.sent(chunk);
+                let Some(with) = r.writes.get_mut(index).and_then(VecDeque::pop_front) else { return };
+                self.give_back(rt, qi, with);
             }
             K_READ => {
                 let ri = self.queue(qi).rdma_index;
@@ -965,15 +965,14 @@ impl NvmeRdma {
         let r = self.queue(qi);
         let sent: Vec<SentWith> = r.sent_with.iter_mut().map(|w| std::mem::replace(w, SentWith::Nothing)).collect();
         let reads: Vec<(usize, (ReadInto, u32))> = r.reads.iter_mut().enumerate().filter_map(|(s, x)| x.take().map(|x| (s, x))).collect();
-        let writes: Vec<ChunkId> = r.writes.iter_mut().flat_map(std::mem::take).collect();
+        let writes: Vec<SentWith> = r.writes.iter_mut().flat_map(std::mem::take).collect();
         r.sends_outstanding = 0;
         r.recvs_posted = 0;
         for w in sent {
             self.give_back(rt, qi, w);
         }
-        for c in writes {
-            rt.exec.engine_mut().pool_mut().return_from_fabric(c);
-            rt.exec.sent(c);
+        for w in writes {
+            self.give_back(rt, qi, w);
         }
         for (slot, (into, _)) in reads {
             match into {
@@ -1049,11 +1048,9 @@ impl RQueue {
             }
             Tx::Write { cid, with, .. } => {
                 if self.writes.len() <= cid as usize {
-                    self.writes.resize(cid as usize + 1, Vec::new());
+                    self.writes.resize(cid as usize + 1, VecDeque::new());
                 }
-                if let SentWith::Chunk(c) | SentWith::Zero(c) = with {
-                    self.writes[cid as usize].push(c);
-                }
+                self.writes[cid as usize].push_back(with);
             }
             Tx::Respond { slot, with, .. } => self.sent_with[slot] = with,
         }
