@@ -1,8 +1,8 @@
 //! Starting, running and stopping a target: the control thread.
 //!
 //! One control thread does everything that is not I/O, in one epoll loop:
-//! it owns the listeners and hands each connection request to a reactor
-//! (round-robin, through a channel and an eventfd); it serves the metrics
+//! it owns the listeners and hands each connection request to the least
+//! loaded reactor (ties taking turns; through a channel and an eventfd); it serves the metrics
 //! endpoint; it talks to systemd (READY, STATUS, WATCHDOG); on SIGHUP (or
 //! [`RunningTarget::reload`]) it applies a new configuration's volumes; on
 //! SIGINT/SIGTERM (binary) or [`RunningTarget::shutdown`] (library) it stops
