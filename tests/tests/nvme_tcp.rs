@@ -2193,3 +2193,52 @@ fn transfers_larger_than_a_pool_chunk_move_in_pieces() {
     }
     target.assert_no_panic();
 }
+
+/// A wrong data digest on a write whose data comes in several pieces
+/// (pool chunks of 64 KiB, a 128 KiB write: two pieces handed out at
+/// once, one asked for by R2T, the other waiting its turn) fails that
+/// command with Transient Transport Error and gives every piece's chunk
+/// back: when the host then deletes the queue (Disconnect), the queue
+/// leaves its controller and closes, and its queue id connects again at
+/// once.
+#[test]
+fn a_data_digest_error_on_a_write_in_pieces_lets_its_queue_close_and_its_id_connect_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_file(dir.path(), "vol.img", VOL_SIZE);
+    let config = format!("{}\n{}", nvme_section("chunk_size = \"64KiB\"\n"), nvme_volume("vol", &img, VOL_SIZE, false, Some(1), ""));
+    let (target, addr, _) = start_on(dir.path(), &config);
+    let hostnqn = "nqn.2014-08.org.example:digest-pieces";
+    let (mut admin, cntlid) = NvmeTcpConn::admin(addr, NO_DIGESTS, SUBNQN, hostnqn, 0);
+    admin.enable();
+    let mut io = NvmeTcpConn::io(addr, BOTH_DIGESTS, cntlid, 1, SUBNQN, hostnqn);
+    let len = 128 * KIB;
+    let mut e = rw_entry(io_opcode::WRITE, 1, 0, (len / BS as usize) as u32, false);
+    e.set_sgl(Sgl::Transport { length: len as u32 });
+    let cid = io.send_command(e, &[]);
+    let r = match io.recv_pdu() {
+        Ok((Pdu::R2T(r), _)) => r,
+        other => panic!("expected an R2T for the 128 KiB write, got {other:?}"),
+    };
+    assert_eq!((r.cccid, r.offset, r.length as usize), (cid, 0, 64 * KIB), "the first 64 KiB piece asked for alone");
+    let d = DataPdu { cccid: cid, ttag: r.ttag, offset: 0, length: r.length, last: true, success: false };
+    let mut b = io.pdu_bytes(&Pdu::H2CData(d), &vec![0xee; r.length as usize]);
+    let n = b.len();
+    b[n - 1] ^= 0xff;
+    io.raw_send(&b);
+    match io.recv_pdu() {
+        Ok((Pdu::CapsuleResp(c), _)) => {
+            assert_eq!((c.cid, c.status), (cid, TRANSIENT_TRANSPORT_ERROR), "the write fails, to be retried")
+        }
+        other => panic!("expected the write's completion, got {other:?}"),
+    }
+    io.disconnect().expect("Disconnect of I/O queue 1 after the digest error");
+    let t = io.wait_for_termination(Duration::from_secs(5));
+    assert!(t.closed, "the queue never closed after its Disconnect (its write's executor command never ended?): {}", summary(&t));
+    let mut again = NvmeTcpConn::connect(addr, BOTH_DIGESTS);
+    again.io_connect(cntlid, 1, SUBNQN, hostnqn).expect("I/O queue 1 again right after its queue closed");
+    let data: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(7)).collect();
+    again.write(1, 0, &data, false).expect("the 128 KiB write retried on the new queue");
+    assert!(again.read(1, 0, (len / BS as usize) as u32, BS).unwrap() == data, "the retried write reads back");
+    admin.keep_alive().unwrap();
+    target.assert_no_panic();
+}

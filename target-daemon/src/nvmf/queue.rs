@@ -149,6 +149,18 @@ struct Cmd {
     fetch_next: VecDeque<Fetch>,
 }
 
+impl Cmd {
+    /// Gives every write piece the command holds back to the executor
+    /// unwritten: the one being fetched and those waiting their turn. Its
+    /// executor command then fails, and ends once nothing else of it is in
+    /// flight (a piece kept back would keep it, and its queue, forever).
+    fn give_back_pieces(&mut self, exec: &mut Executor) {
+        for f in self.fetch.take().into_iter().chain(self.fetch_next.drain(..)) {
+            exec.placed(f.chunk, false);
+        }
+    }
+}
+
 /// The queue's place in its association.
 pub struct Connected {
     pub qid: u16,
@@ -609,12 +621,10 @@ impl Queue {
     }
 
     /// The data of the write's piece being fetched could not be had (an
-    /// RDMA READ failed): the command fails.
+    /// RDMA READ failed): the command fails, every piece it holds given back.
     pub fn fetch_failed(&mut self, exec: &mut Executor, slot: u16) {
         let Some(cmd) = self.cmds.get_mut(slot as usize).and_then(|c| c.as_mut()) else { return };
-        if let Some(f) = cmd.fetch.take() {
-            exec.placed(f.chunk, false);
-        }
+        cmd.give_back_pieces(exec);
     }
 
     /// A command's data digest was wrong: its data is thrown away and the
@@ -623,11 +633,8 @@ impl Queue {
     pub fn data_corrupt(&mut self, exec: &mut Executor, slot: u16) {
         let cmd = self.cmds[slot as usize].as_mut().expect("live command");
         if let Some(id) = cmd.exec {
-            // Its piece goes back unwritten; the executor drops the rest.
-            if let Some(f) = cmd.fetch.take() {
-                exec.placed(f.chunk, false);
-            }
-            cmd.fetch_next.clear();
+            // Its pieces go back unwritten; the executor drops the rest.
+            cmd.give_back_pieces(exec);
             exec.abandon(id);
         }
         self.respond_slot(slot, Status::TRANSIENT_TRANSPORT_ERROR, 0);
@@ -1055,12 +1062,7 @@ impl Queue {
     pub fn drop_commands(&mut self, exec: &mut Executor) {
         for slot in 0..self.cmds.len() as u16 {
             let Some(cmd) = self.cmds[slot as usize].as_mut() else { continue };
-            if let Some(f) = cmd.fetch.take() {
-                exec.placed(f.chunk, false);
-            }
-            for f in std::mem::take(&mut cmd.fetch_next) {
-                exec.placed(f.chunk, false);
-            }
+            cmd.give_back_pieces(exec);
             if let Some(id) = cmd.exec {
                 exec.abandon(id);
             }
@@ -1565,5 +1567,43 @@ mod tests {
             assert_eq!(status(&reap_until_answered(&mut q, &mut exec)).0, Status::SUCCESS, "{what}");
             assert_ne!(vol.writes.of(at, 4096), started, "{what}: the epoch moves again when it is done");
         }
+    }
+
+    #[test]
+    fn a_data_digest_error_on_a_write_in_several_pieces_gives_every_piece_back() {
+        use rdmablk_common::nvme::sqe::io_opcode;
+        const CHUNK: usize = 64 << 10;
+        let (sub, _) = subsystem(&["v"]);
+        let (_admin, mut q) = io_queue(&sub);
+        // 64 KiB chunks: a 128 KiB write is two pieces, both handed out at
+        // once (one asked for, the other waiting its turn).
+        let mut exec = Executor::standalone(Arc::clone(sub.registry.publication()), 32 * CHUNK, CHUNK).unwrap();
+        let mut write = SubmissionEntry::new(io_opcode::WRITE, 5);
+        write.nsid = 1;
+        write.set_rw(0, 256, false);
+        write.set_sgl(Sgl::Transport { length: 128 << 10 });
+        assert_eq!(q.command(&mut exec, write, 0), None);
+        dispatch(&mut q, &mut exec);
+        let ttag = match std::mem::take(&mut q.actions).as_slice() {
+            [Action::RequestData { cid: 5, ttag, off: 0, len }] if *len == CHUNK as u32 => *ttag,
+            other => panic!("the first piece was not asked for alone: {other:?}"),
+        };
+        assert_eq!(exec.engine().pool().capacity() - exec.engine().pool().free_count(), 2, "both pieces have their chunk");
+        // The first piece's data digest is wrong: the command fails, the
+        // host may retry it.
+        q.data_corrupt(&mut exec, ttag);
+        assert_eq!(status(&std::mem::take(&mut q.actions)).0, Status::TRANSIENT_TRANSPORT_ERROR);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while q.exec_live() > 0 {
+            assert!(Instant::now() < deadline, "the write's executor command never ended");
+            exec.engine_mut().submit().unwrap();
+            exec.reap();
+            exec.pump_waitq();
+            dispatch(&mut q, &mut exec);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(exec.live(), 0);
+        assert_eq!(exec.engine().pool().free_count(), exec.engine().pool().capacity(), "every chunk back in the pool");
+        assert!(q.actions.is_empty(), "{:?}", q.actions);
     }
 }
