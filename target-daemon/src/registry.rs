@@ -282,7 +282,7 @@ impl Registry {
         }
     }
 
-    /// Each reactor's turns so far.
+    /// Each reactor's turns so far, in reactor order ([`Registry::reactors`] of them).
     pub fn turns(&self) -> impl Iterator<Item = u64> + '_ {
         self.turns.iter().map(|t| t.load(Ordering::Acquire))
     }

@@ -169,14 +169,15 @@ pub struct Connected {
 }
 
 /// A Connect the fence holds, and when it gives up.
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 struct HeldConnect {
     slot: u16,
     deadline: Instant,
-    /// The reactors' turn counts when it arrived: it is decided once each
-    /// has turned twice since (and so looked at its sockets: a reset of
-    /// the old association's connections is seen before the answer).
-    turns: [u64; MAX_BARRIER_REACTORS],
+    /// The reactors' turn counts when it arrived, one per reactor: it is
+    /// decided once each has turned twice since (and so looked at its
+    /// sockets: a reset of the old association's connections is seen
+    /// before the answer).
+    turns: Box<[u64]>,
 }
 
 /// What a queue's deadlines ask of its transport ([`Queue::check_deadlines`]).
@@ -199,9 +200,6 @@ pub enum Fence {
     /// `target.fence_timeout` passed with an old association still busy.
     GaveUp,
 }
-
-/// Reactors a held Connect's barrier looks at (more are not waited for).
-const MAX_BARRIER_REACTORS: usize = 64;
 
 pub struct Queue {
     pub sub: Arc<Subsystem>,
@@ -709,14 +707,12 @@ impl Queue {
     /// Holds the Connect in `slot` until the fence lets it through: its
     /// deadline and barrier are those of its first try.
     fn hold_connect(&mut self, slot: u16) {
-        let held = *self.held_connect.get_or_insert_with(|| {
-            let mut turns = [0; MAX_BARRIER_REACTORS];
-            for (t, r) in turns.iter_mut().zip(self.sub.registry.turns()) {
-                *t = r;
-            }
-            HeldConnect { slot, deadline: Instant::now() + self.sub.cfg.fence_timeout, turns }
-        });
-        if !self.barrier_passed(&held) {
+        if self.held_connect.is_none() {
+            let turns = self.sub.registry.turns().collect();
+            self.held_connect = Some(HeldConnect { slot, deadline: Instant::now() + self.sub.cfg.fence_timeout, turns });
+        }
+        let held = self.held_connect.as_ref().expect("held just now");
+        if !self.barrier_passed(held) {
             // Every reactor turns (and so looks at its sockets) for it.
             self.sub.registry.wake_reactors();
         }
@@ -726,20 +722,20 @@ impl Queue {
     /// then handled what its sockets had before (an old connection's
     /// reset among it).
     fn barrier_passed(&self, h: &HeldConnect) -> bool {
-        self.sub.registry.turns().zip(h.turns).all(|(now, then)| now >= then + 2)
+        self.sub.registry.turns().zip(h.turns.iter()).all(|(now, &then)| now >= then + 2)
     }
 
     /// The deadline of a Connect the fence holds.
     pub fn connect_deadline(&self) -> Option<Instant> {
-        self.held_connect.map(|h| h.deadline)
+        self.held_connect.as_ref().map(|h| h.deadline)
     }
 
     /// Tries a held Connect again (each turn of the transport): answered
     /// now, or held on (true).
     pub fn retry_connect(&mut self, exec: &mut Executor) -> bool {
-        let Some(h) = self.held_connect else { return false };
-        self.execute(exec, h.slot);
-        if self.cmds[h.slot as usize].is_none() {
+        let Some(slot) = self.held_connect.as_ref().map(|h| h.slot) else { return false };
+        self.execute(exec, slot);
+        if self.cmds[slot as usize].is_none() {
             self.held_connect = None;
         }
         self.held_connect.is_some()
@@ -756,9 +752,9 @@ impl Queue {
     /// also keep several live controllers, one per path: those stay.)
     pub fn fence(&self, host_nqn: &str) -> Fence {
         let (live, busy) = self.sub.controllers_of(host_nqn);
-        let Some(h) = self.held_connect else { return if live > 0 || busy { Fence::Wait } else { Fence::Go } };
+        let Some(h) = &self.held_connect else { return if live > 0 || busy { Fence::Wait } else { Fence::Go } };
         let before_deadline = Instant::now() < h.deadline;
-        match (self.barrier_passed(&h), busy) {
+        match (self.barrier_passed(h), busy) {
             (false, _) if before_deadline => Fence::Wait,
             (_, false) => Fence::Go,
             (_, true) if before_deadline => Fence::Wait,
@@ -1138,13 +1134,18 @@ mod tests {
     const HOST: &str = "nqn.2014-08.org.example:host";
 
     fn subsystem(volumes: &[&str]) -> (Arc<Subsystem>, Config) {
+        subsystem_on(volumes, 1)
+    }
+
+    /// [`subsystem`] on a registry of `reactors` reactors.
+    fn subsystem_on(volumes: &[&str], reactors: usize) -> (Arc<Subsystem>, Config) {
         let mut text = "[target]\nname = \"t\"\nlisten = [\"nvme+tcp://127.0.0.1:0\"]\n".to_owned();
         for v in volumes {
             text += &format!("[[volume]]\nname = \"{v}\"\nbackend = \"memory\"\nsize = \"1MiB\"\nblock_size = 512\nallow_any_host = true\n");
         }
         let config = Config::parse(&text, "test").unwrap();
         let set = VolumeSet::new(1, open_volumes(&config).unwrap()).with_access(Arc::new(AccessPolicy::load(&config).unwrap()));
-        let registry = Arc::new(Registry::new(set, 1));
+        let registry = Arc::new(Registry::new(set, reactors));
         (Arc::new(Subsystem::new(&config.target, registry)), config)
     }
 
@@ -1605,5 +1606,35 @@ mod tests {
         assert_eq!(exec.live(), 0);
         assert_eq!(exec.engine().pool().free_count(), exec.engine().pool().capacity(), "every chunk back in the pool");
         assert!(q.actions.is_empty(), "{:?}", q.actions);
+    }
+
+    #[test]
+    fn a_held_connect_waits_for_every_reactor_to_turn_twice_however_many_there_are() {
+        const REACTORS: usize = 100;
+        let (sub, _) = subsystem_on(&["a"], REACTORS);
+        let mut exec = executor(&sub);
+        // The host's first controller stays live (another path, or an old
+        // association whose reset a reactor has not seen yet)...
+        let _first = admin(&sub);
+        // ...so its next admin Connect waits until every reactor turned twice.
+        let mut q = queue(&sub);
+        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid: 0, sqsize: 31, cattr: 0, kato_ms: 0 };
+        let mut d = [0u8; CONNECT_DATA_SIZE];
+        ConnectData { host_id: [7; 16], controller_id: 0xffff, subsystem_nqn: sub.nqn.clone(), host_nqn: HOST.into() }.encode(&mut d).unwrap();
+        assert!(run_on(&mut q, &mut exec, c.to_entry(1), &d).is_empty(), "the Connect is held");
+        let turn = |reactors: std::ops::Range<usize>| {
+            for r in reactors {
+                sub.registry.turned(r);
+                sub.registry.turned(r);
+            }
+        };
+        turn(0..64);
+        assert!(q.retry_connect(&mut exec), "answered before reactors 64.. turned");
+        assert!(q.actions.is_empty(), "{:?}", q.actions);
+        turn(64..REACTORS - 1);
+        assert!(q.retry_connect(&mut exec), "answered before the last reactor turned");
+        turn(REACTORS - 1..REACTORS);
+        assert!(!q.retry_connect(&mut exec), "still held once every reactor turned twice");
+        assert_eq!(status(&std::mem::take(&mut q.actions)).0, Status::SUCCESS);
     }
 }
