@@ -588,6 +588,8 @@ impl NvmeTcp {
                 return;
             }
             c.draining = true;
+            // Its grace deadline is gone.
+            self.deadlines_stale = true;
             if !c.tx.is_empty() {
                 tracing::debug!("nvme+tcp {}: {why} (the host did not take the last PDUs)", c.q.peer);
             }
@@ -650,9 +652,18 @@ impl NvmeTcp {
         }
     }
 
-    /// The earliest deadline of connection `c`, if it has one.
+    /// The earliest deadline of connection `c`, if it has one. A closing
+    /// connection has one while it may still send (the end of its grace);
+    /// once it stopped (`draining`) it waits only for its ring receive to
+    /// come back and for the executor's last commands of its queue, whose
+    /// news marks it dirty (`on_received`, `exec_event`): no deadline, or
+    /// one past would wake its reactor at once, again and again, for as
+    /// long as a disk operation takes.
     fn deadline_of(c: &Conn) -> Option<Instant> {
         if c.closing.is_some() {
+            if c.draining {
+                return None;
+            }
             return c.close_due.or(Some(Instant::now()));
         }
         c.q.deadline()
@@ -1065,7 +1076,7 @@ impl Transport for NvmeTcp {
         for ci in 0..self.conns.len() as u16 {
             let Some(c) = self.conns[ci as usize].c.as_mut() else { continue };
             if c.closing.is_some() {
-                if c.close_due.is_some_and(|d| now >= d) {
+                if !c.draining && c.close_due.is_some_and(|d| now >= d) {
                     self.mark_dirty(ci);
                 }
                 continue;
