@@ -1419,3 +1419,53 @@ fn qd16_4k_io_for_counting_system_calls() {
     drop((admin, io));
     t.shutdown().unwrap();
 }
+
+// ---------------------------------------------------------------------------
+// The send queue's size with reads in pieces
+
+/// With pool chunks of 16 KiB, every piece of a 128 KiB read before its
+/// last is a signaled RDMA WRITE of its own (up to the executor's window
+/// of pieces per command in flight at once): a queue's send queue must
+/// hold those of every command besides each completion's SEND and its
+/// chained last WRITE. 31 such reads at once on a 32-entry queue all come
+/// back, with their data (the queue pair overflowed its send queue and
+/// failed after 12 of them when it was sized for one WRITE per command).
+#[test]
+fn a_full_queue_of_reads_in_many_pieces_fits_the_send_queue() {
+    const READS: usize = 31;
+    const LEN: usize = 128 << 10;
+    const AREAS: usize = DATA / LEN;
+    let volumes = "chunk_size = \"16KiB\"\n\
+        [[volume]]\nname = \"v\"\nbackend = \"memory\"\nsize = \"4MiB\"\nblock_size = 512\nallow_any_host = true\n";
+    let config = config_with_volume(&host_address(), volumes);
+    assert_eq!(config.target.chunk_size, 16 << 10);
+    let nqn = config.target.nqn.clone();
+    let t = Target::start(config).unwrap();
+    let url = t.nvme_listeners()[0].url.clone();
+    let (_admin, mut io) = admin_and_io(&url, &nqn);
+    let data = pattern(LEN, 7);
+    io.data()[..LEN].copy_from_slice(&data);
+    assert_eq!(io.rw(io_opcode::WRITE, 0, (LEN / 512) as u32, io.keyed(0, LEN), &[]).status, Status::SUCCESS, "the write");
+    for round in 0..8 {
+        io.data().fill(0xee);
+        let mut cids = Vec::new();
+        for i in 0..READS {
+            let cid = io.cid();
+            let mut e = SubmissionEntry::new(io_opcode::READ, cid);
+            e.nsid = 1;
+            e.set_rw(0, (LEN / 512) as u32, false);
+            e.set_sgl(io.keyed(i % AREAS * LEN, LEN));
+            io.send(&e, &[]);
+            cids.push(cid);
+        }
+        for n in 0..READS {
+            let c = io.completion().unwrap_or_else(|s| panic!("round {round}: the queue pair failed ({s:?}) after {n} of {READS} reads"));
+            assert!(cids.contains(&c.0.cid), "round {round}: completion of command {}, not of this round", c.0.cid);
+            assert_eq!(c.0.status, Status::SUCCESS, "round {round}: read {}", c.0.cid);
+        }
+        for a in 0..AREAS {
+            assert!(io.data_copy(a * LEN, LEN) == data, "round {round}: the data read into area {a}");
+        }
+    }
+    t.shutdown().unwrap();
+}

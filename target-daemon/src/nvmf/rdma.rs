@@ -8,7 +8,13 @@
 //! a wrong field with the NVMe/RDMA reject status for it, before any queue
 //! pair exists. The reactor then makes the queue pair, posts one receive
 //! per entry and accepts, telling the host how many commands the queue
-//! takes (CRQSIZE: the receives posted).
+//! takes (CRQSIZE: the receives posted). Its send queue holds, per entry,
+//! a completion's SEND with the RDMA WRITE chained before it and every
+//! piece of a command's data that may be out at once (a read in pool
+//! chunks smaller than the largest transfer leaves in pieces, each before
+//! the last an RDMA WRITE of its own); a queue whose work requests the
+//! reactor's completion queues have no room for is refused (NO_RESOURCES),
+//! and a Connect for a larger queue than the request named fails it.
 //!
 //! Capsules: each command arrives in one SEND into a receive slot of 64
 //! bytes plus the in-capsule data the queue accepts (IOCCSZ); it is
@@ -60,7 +66,7 @@ use super::{
     MAX_TRANSFER,
 };
 use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
-use crate::engine::exec::{CmdId, Event};
+use crate::engine::exec::{CmdId, Event, CHUNK_WINDOW};
 use crate::engine::pool::{ChunkId, SlotBuf};
 use crate::reactor::Runtime;
 use crate::registry::{Admission, ConnectionSlot, HandshakeSlot, Protocol, Seen};
@@ -99,6 +105,26 @@ fn wr_id(kind: u64, gen: u16, queue: u16, index: u32) -> WrId {
 fn split_wr_id(w: WrId) -> (u64, u16, u16, u32) {
     let v = w.0;
     (v >> 56, (v >> 40) as u16, (v >> 24) as u16, (v & 0xff_ffff) as u32)
+}
+
+/// Pieces of one command's data that may be on the send queue at once as
+/// work requests of their own: a write's RDMA READs (one at a time, as the
+/// queue asks for them) or a read's RDMA WRITEs before its last, as many
+/// as the pieces of the largest transfer in pool chunks of `chunk_size`,
+/// and no more than the executor keeps in flight per command.
+fn pieces_per_command(chunk_size: u32) -> u32 {
+    MAX_TRANSFER.div_ceil(chunk_size.max(1)).min(CHUNK_WINDOW)
+}
+
+/// The send queue of a queue of `entries` entries: per response slot (one
+/// per entry) its completion's SEND and the unsignaled RDMA WRITE of a
+/// read's last piece chained before it, and per command
+/// [`pieces_per_command`] pieces, which all hold a pool chunk (or stand
+/// for one: a null volume's zeroes) or a staging slot while they are out,
+/// so no more of those than the reactor has (as rdmablk v1's
+/// `send_queue_depth`).
+fn send_queue_depth(entries: u32, chunk_size: u32, pool_chunks: u32) -> u32 {
+    2 * entries + (entries * pieces_per_command(chunk_size)).min(pool_chunks + STAGING_SLOTS as u32)
 }
 
 /// An `nvme+rdma://` listener: an rdma_cm listener on its own fabric.
@@ -407,13 +433,24 @@ impl NvmeRdma {
         let entries = cm.entries();
         let in_capsule = if cm.qid == 0 { ADMIN_IN_CAPSULE } else { IO_IN_CAPSULE };
         let recv_size = SQE_SIZE as u32 + in_capsule;
-        // Per command at most an RDMA READ, an RDMA WRITE and its completion.
-        let max_send_wr = 3 * entries + 4;
+        let pool_chunks = rt.exec.engine().pool().capacity() as u32;
+        let max_send_wr = send_queue_depth(entries, rt.exec.engine().chunk_size() as u32, pool_chunks);
+        // Its receives and everything it may have on the send queue (a
+        // work request that flushes completes, signaled or not).
         let reserve = max_send_wr + entries;
         let ci = match rt.cq_with_room(fi, reserve) {
-            Ok(ci) => ci,
-            Err(e) => {
-                tracing::warn!("nvme+rdma {name}: cannot accept the queue: {e}");
+            // A completion queue made for it is sized for the fabric's
+            // queue depth, which need not leave room for this much.
+            Ok(ci) if rt.fabrics[fi].cqs[ci].reserved + reserve <= rt.fabrics[fi].cqs[ci].capacity.saturating_sub(pool_chunks) => ci,
+            made => {
+                let why = match made {
+                    Ok(ci) => format!(
+                        "a completion queue of {} entries has no room for its {reserve} beside {pool_chunks} pool chunks",
+                        rt.fabrics[fi].cqs[ci].capacity
+                    ),
+                    Err(e) => e.to_string(),
+                };
+                tracing::warn!("nvme+rdma {name}: cannot accept the queue of {entries} entries: {why}");
                 req.reject_raw(&CmReject { recfmt: RECFMT_1_0, status: reject::NO_RESOURCES }.encode());
                 return;
             }
@@ -1143,5 +1180,23 @@ impl crate::reactor::Transport for NvmeRdma {
 
     fn live(&self) -> usize {
         self.live
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_send_queue_holds_every_piece_a_command_may_have_out() {
+        // Chunks of the largest transfer: one piece per command.
+        assert_eq!(send_queue_depth(32, 128 << 10, 512), 3 * 32);
+        assert_eq!(send_queue_depth(128, 1 << 20, 512), 3 * 128);
+        // 16 KiB: eight pieces of 128 KiB, all of them out at once.
+        assert_eq!(send_queue_depth(32, 16 << 10, 4096), (2 + 8) * 32);
+        // 4 KiB: 32 pieces, of which the executor keeps 8 out.
+        assert_eq!(send_queue_depth(32, 4 << 10, 16384), (2 + 8) * 32);
+        // A small pool bounds the pieces of all commands together.
+        assert_eq!(send_queue_depth(128, 16 << 10, 64), 2 * 128 + 64 + STAGING_SLOTS as u32);
     }
 }
