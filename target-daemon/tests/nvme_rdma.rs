@@ -1469,3 +1469,32 @@ fn a_full_queue_of_reads_in_many_pieces_fits_the_send_queue() {
     }
     t.shutdown().unwrap();
 }
+
+/// The queue's send queue is sized for the entries its rdma_cm request
+/// named (HSQSIZE): a Connect for a larger queue (SQSIZE), whose commands
+/// would overflow it, fails the queue as a Connect for another queue id
+/// does. One for the same size, or a smaller one, is fine.
+#[test]
+fn a_connect_for_a_larger_queue_than_the_cm_request_named_fails_the_queue() {
+    let (t, url, nqn) = target();
+    let mut admin = Host::connect(&url, 0, 32);
+    let cntlid = admin.nvme_connect(&nqn, 0, 0xffff).unwrap();
+    admin.enable();
+    let connect = |io: &mut Host, sqsize: u16| {
+        let mut d = [0u8; CONNECT_DATA_SIZE];
+        ConnectData { host_id: [0x5a; 16], controller_id: cntlid, subsystem_nqn: nqn.clone(), host_nqn: HOST_NQN.into() }
+            .encode(&mut d)
+            .unwrap();
+        let mut e = Connect { recfmt: 0, qid: 1, sqsize, cattr: 0, kato_ms: 0 }.to_entry(io.cid());
+        e.set_sgl(Sgl::InCapsule { offset: 0, length: CONNECT_DATA_SIZE as u32 });
+        io.send(&e, &d);
+        io.completion()
+    };
+    // Sized and accepted for 16 entries, then a Connect for 32.
+    let mut io = Host::connect(&url, 1, 16);
+    assert!(connect(&mut io, 31).is_err(), "the queue pair is disconnected");
+    let mut io = Host::connect(&url, 1, 32);
+    let (c, _) = connect(&mut io, 15).expect("a Connect for fewer entries than the queue pair holds");
+    assert_eq!(c.status, Status::SUCCESS);
+    t.shutdown().unwrap();
+}

@@ -638,11 +638,17 @@ impl NvmeRdma {
         let bytes = &r.recv.slot(i)[..len as usize];
         let sqe = SubmissionEntry::decode_unchecked(&bytes[..SQE_SIZE]).expect("64 bytes");
         if sqe.opcode == admin_opcode::FABRICS && sqe.fctype() == fctype::CONNECT {
-            let qid = Connect::from_entry(&sqe).qid;
-            if qid != r.cm.qid {
+            let c = Connect::from_entry(&sqe);
+            if c.qid != r.cm.qid {
                 // The queue was sized and accepted for the queue id the
                 // connect request named.
-                let why = format!("Connect for queue {qid} on the queue pair connected as queue {}", r.cm.qid);
+                let why = format!("Connect for queue {} on the queue pair connected as queue {}", c.qid, r.cm.qid);
+                return self.close(qi, why.into());
+            }
+            if c.queue_entries() > r.cm.entries() {
+                // And for as many commands as it named: its send queue
+                // has room for the data of no more.
+                let why = format!("Connect for {} entries on the queue pair connected for {}", c.queue_entries(), r.cm.entries());
                 return self.close(qi, why.into());
             }
         }
