@@ -455,23 +455,21 @@ impl NvmeTcp {
                 return Ok(());
             }
             // Data of a command with nothing buffered: straight into its buffer.
-            if let Rx::Data { dest: Dest::Command { slot, offset, .. }, pad: 0, len, placed, .. } = c.state {
-                if c.rx_start == c.rx_end && placed < len {
-                    let buf = c.q.data_mut(&mut rt.exec, slot, offset + placed, len - placed);
-                    let asked = buf.len();
-                    match (&c.stream).read(buf) {
-                        Ok(0) => return Err(Fatal::closed(CloseReason::host_closed())),
-                        Ok(n) => {
-                            drained = n < asked;
-                            if let Rx::Data { placed, .. } = &mut c.state {
-                                *placed += n as u32;
-                            }
-                            continue;
+            if let Some((slot, at, left)) = c.direct_data() {
+                let buf = c.q.data_mut(&mut rt.exec, slot, at, left);
+                let asked = buf.len();
+                match (&c.stream).read(buf) {
+                    Ok(0) => return Err(Fatal::closed(CloseReason::host_closed())),
+                    Ok(n) => {
+                        drained = n < asked;
+                        if let Rx::Data { placed, .. } = &mut c.state {
+                            *placed += n as u32;
                         }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
-                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                        Err(e) => return Err(Fatal::closed(format!("receive: {e}"))),
+                        continue;
                     }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(Fatal::closed(format!("receive: {e}"))),
                 }
             }
             c.compact_rx();
@@ -504,15 +502,12 @@ impl NvmeTcp {
             return;
         }
         let tag = Runtime::engine_tag(self.index, key);
-        if let Rx::Data { dest: Dest::Command { slot: cmd, offset, .. }, pad: 0, len, placed, .. } = c.state {
-            if c.rx_start == c.rx_end && placed < len {
-                if let Some(chunk) = c.q.fetch_target(cmd) {
-                    let at = c.q.fetch_offset(cmd, offset + placed);
-                    let n = (len - placed) as usize;
-                    let id = rt.exec.engine_mut().arm_recv(slot, RecvInto::Chunk(chunk), at, n, tag);
-                    c.input = Input::Ring { slot, armed: Some((id, RecvDest::Chunk)) };
-                    return;
-                }
+        if let Some((cmd, at, left)) = c.direct_data() {
+            if let Some(chunk) = c.q.fetch_target(cmd) {
+                let at = c.q.fetch_offset(cmd, at);
+                let id = rt.exec.engine_mut().arm_recv(slot, RecvInto::Chunk(chunk), at, left as usize, tag);
+                c.input = Input::Ring { slot, armed: Some((id, RecvDest::Chunk)) };
+                return;
             }
         }
         c.compact_rx();
@@ -687,6 +682,22 @@ impl Conn {
             tracing::debug!("nvme+tcp {}: {}", self.q.peer, f.why);
         }
         self.closing = Some(f.why);
+    }
+
+    /// The data of the PDU being received, when it may be received
+    /// straight into its command's buffer (a command's, no padding before
+    /// it, nothing of it buffered, some of it still to come): the
+    /// command's slot, the offset in its data where the rest goes, and
+    /// how many bytes the rest is.
+    fn direct_data(&self) -> Option<(u16, u32, u32)> {
+        match self.state {
+            Rx::Data { dest: Dest::Command { slot, offset, .. }, pad: 0, len, placed, .. }
+                if self.rx_start == self.rx_end && placed < len =>
+            {
+                Some((slot, offset + placed, len - placed))
+            }
+            _ => None,
+        }
     }
 
     /// Moves what is left in the receive buffer to its start.
