@@ -52,8 +52,8 @@ use std::time::{Duration, Instant};
 
 use arrayvec::ArrayVec;
 use rdmablk_common::fabric::{
-    Access, Completion, ConnectRequest, Fabric, FabricOptions, ListenOptions, Listener, Payload, QpCaps, QpNum, QueuePair, RecvWr,
-    Rkey, SendOp, SendWr, Sge, WcStatus, WrId,
+    Access, Completion, ConnectRequest, Fabric, FabricError, FabricErrorKind, FabricOptions, ListenOptions, Listener, Payload, QpCaps,
+    QpNum, QueuePair, RecvWr, Rkey, SendOp, SendWr, Sge, WcStatus, WrId,
 };
 use rdmablk_common::nvme::cqe::{CompletionEntry, CQE_SIZE};
 use rdmablk_common::nvme::fabrics::{fctype, Connect};
@@ -303,7 +303,9 @@ struct Staging {
 struct RQueue {
     // Field order is drop order: the queue pair goes before the memory it
     // could still reach.
-    qp: QueuePair,
+    /// `None` once destroyed: when work requests did not flush in time,
+    /// before what they name is given back ([`NvmeRdma::take_back_lent`]).
+    qp: Option<QueuePair>,
     recv: SlotBuf,
     resp: SlotBuf,
     qp_num: QpNum,
@@ -494,7 +496,7 @@ impl NvmeRdma {
         q.now = rt.turn_start;
         let mut r = RQueue {
             qp_num: qp.qp_num(),
-            qp,
+            qp: Some(qp),
             recv,
             resp,
             fi,
@@ -527,7 +529,7 @@ impl NvmeRdma {
             }
         }
         let accept = CmAccept { recfmt: RECFMT_1_0, crqsize: entries as u16 };
-        if let Err(e) = r.qp.accept_raw(&accept.encode()) {
+        if let Err(e) = r.qp.as_ref().expect("just made").accept_raw(&accept.encode()) {
             tracing::warn!("nvme+rdma {name}: cannot accept the queue: {e}");
             self.free.push(qi);
             return;
@@ -776,7 +778,9 @@ impl NvmeRdma {
         let mut tx = std::mem::take(&mut r.tx);
         let mut at = 0;
         let mut failed = None;
-        while at < tx.len() {
+        // A queue whose queue pair is gone queues nothing (`act`): were
+        // anything queued, it would come back unposted.
+        while at < tx.len() && self.queue(qi).qp.is_some() {
             let r = self.queue(qi);
             let mut end = at;
             let mut wrs = ArrayVec::<SendWr, TX_CHUNK>::new();
@@ -784,7 +788,7 @@ impl NvmeRdma {
                 tx[end].push_to(&mut wrs);
                 end += 1;
             }
-            let (posted, n) = (r.qp.post_send(&wrs), wrs.len());
+            let (posted, n) = (r.qp.as_ref().expect("checked above").post_send(&wrs), wrs.len());
             drop(wrs);
             match posted {
                 Ok(()) => tx[at..end].iter().for_each(|t| r.count_posted(t)),
@@ -957,7 +961,9 @@ impl NvmeRdma {
             } else if why.kind == CloseKind::ByHost && now < due && r.q.conn.is_some() {
                 return;
             }
-            r.qp.disconnect();
+            if let Some(qp) = &r.qp {
+                qp.disconnect();
+            }
             r.close_phase = ClosePhase::Flushing;
             r.close_due = Some(now + CLOSE_GRACE);
         }
@@ -1002,10 +1008,16 @@ impl NvmeRdma {
 
     /// Work requests did not flush in time (or a failed `post_send` left
     /// some counted that were never posted: [`NvmeRdma::post_queued`]): the
-    /// chunks and staging slots they name come back regardless (the queue
-    /// pair is destroyed before anything else of the queue).
+    /// queue pair is destroyed first, so that no device reaches the memory
+    /// they name any more, and the chunks and staging slots come back
+    /// regardless, as rdmablk v1's `force_teardown` does. Its completions
+    /// still in the completion queue carry the slot's generation before
+    /// this one: they are taken for stale.
     fn take_back_lent(&mut self, rt: &mut Runtime, qi: u16) {
+        let slot = &mut self.queues[qi as usize];
+        slot.gen = slot.gen.wrapping_add(1);
         let r = self.queue(qi);
+        r.qp = None;
         let sent: Vec<SentWith> = r.sent_with.iter_mut().map(|w| std::mem::replace(w, SentWith::Nothing)).collect();
         let reads: Vec<(usize, (ReadInto, u32))> = r.reads.iter_mut().enumerate().filter_map(|(s, x)| x.take().map(|x| (s, x))).collect();
         let writes: Vec<SentWith> = r.writes.iter_mut().flat_map(std::mem::take).collect();
@@ -1046,8 +1058,11 @@ impl NvmeRdma {
 
 impl RQueue {
     fn post_recv(&mut self, gen: u16, qi: u16, i: usize) -> rdmablk_common::fabric::Result<()> {
+        let Some(qp) = &self.qp else {
+            return Err(FabricError::new(FabricErrorKind::InvalidState, "the queue pair was destroyed"));
+        };
         let sge = self.recv.lend(i, self.recv_size);
-        match self.qp.post_recv(&[RecvWr { wr_id: wr_id(K_RECV, gen, qi, i as u32), sges: std::slice::from_ref(&sge) }]) {
+        match qp.post_recv(&[RecvWr { wr_id: wr_id(K_RECV, gen, qi, i as u32), sges: std::slice::from_ref(&sge) }]) {
             Ok(()) => {
                 self.recvs_posted += 1;
                 Ok(())
