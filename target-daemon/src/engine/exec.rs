@@ -35,12 +35,11 @@
 //! A command's id is encoded into the engine's tags (with the chunk), so
 //! every disk completion finds its command in O(1).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdmablk_common::keymap::KeyHashing;
-use rdmablk_common::protocol::{SessionId, VolumeId};
+use rdmablk_common::protocol::SessionId;
 
 use super::pool::{ChunkId, PoolAccount};
 use super::readahead::{self, Readahead, Serve};
@@ -126,8 +125,9 @@ pub enum Op {
 #[derive(Debug)]
 pub struct Request {
     pub op: Op,
-    /// The volume's slot in this executor ([`Executor::slot_of_id`],
-    /// [`Executor::slot_of_index`]); [`NO_VOLUME`] for a Buffer.
+    /// The volume's slot in this executor ([`Executor::slot_of_index`]);
+    /// [`NO_VOLUME`] for a Buffer. A volume whose descriptor the engine
+    /// could not take ends the command with its `Done`, InternalError.
     pub vslot: u16,
     pub offset: u64,
     pub len: u32,
@@ -237,8 +237,6 @@ struct LocalVolumes {
     slots: Vec<Option<LocalVolume>>,
     /// Position in `set` → slot (NO_VOLUME if it has none).
     by_index: Vec<u16>,
-    /// Volume id → slot, for front ends that name volumes by id.
-    by_id: HashMap<VolumeId, u16, KeyHashing>,
 }
 
 /// Settings an executor is built with.
@@ -309,7 +307,6 @@ impl Executor {
                 set,
                 slots: (0..settings.volume_slots).map(|_| None).collect(),
                 by_index: Vec::new(),
-                by_id: HashMap::default(),
             },
             readahead: Readahead::new(
                 readahead::Settings::new(chunk_size, settings.readahead, chunks),
@@ -412,20 +409,15 @@ impl Executor {
         self.vols.by_index.get(index).copied().filter(|&s| s != NO_VOLUME)
     }
 
-    /// The slot of volume `id`, if this executor serves it.
-    #[inline]
-    pub fn slot_of_id(&self, id: VolumeId) -> Option<u16> {
-        self.vols.by_id.get(&id).copied()
-    }
-
     /// The volume in `slot`.
     pub fn volume(&self, slot: u16) -> &Arc<Volume> {
         &self.vols.slots[slot as usize].as_ref().expect("live volume slot").vol
     }
 
     /// Whether the volume in `slot` can take commands (its descriptor is
-    /// registered with the engine).
-    pub fn usable(&self, slot: u16) -> bool {
+    /// registered with the engine); [`Executor::submit`] ends the commands
+    /// of one that cannot with InternalError.
+    fn usable(&self, slot: u16) -> bool {
         self.vols.slots.get(slot as usize).and_then(|s| s.as_ref()).is_some_and(|lv| !lv.broken)
     }
 
@@ -501,7 +493,6 @@ impl Executor {
             }
         }
         self.release_readahead();
-        self.vols.by_id = set.volumes.iter().zip(&by_index).filter(|(_, &s)| s != NO_VOLUME).map(|(v, &s)| (v.id, s)).collect();
         self.vols.generation = set.generation;
         self.vols.set = set;
         self.vols.by_index = by_index;

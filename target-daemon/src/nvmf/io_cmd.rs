@@ -193,7 +193,7 @@ mod tests {
             nsid: None,
         };
         let volume = Arc::new(Volume::open("test", &vc, VolumeId(1), 1, false).unwrap());
-        Namespace { nsid: 1, volume, read_only }
+        Namespace { nsid: 1, volume, read_only, index: 0, generation: 1 }
     }
 
     fn rw(op: u8, slba: u64, blocks: u32) -> SubmissionEntry {

@@ -268,6 +268,11 @@ pub struct Namespace {
     pub nsid: u32,
     pub volume: Arc<Volume>,
     pub read_only: bool,
+    /// Where its volume is in the volume set of `generation`: an executor
+    /// whose snapshot is that set finds the volume's slot by it
+    /// (`Executor::slot_of_index`).
+    pub index: usize,
+    pub generation: u64,
 }
 
 impl Namespace {
@@ -304,7 +309,7 @@ pub fn nsid_of(vol: &Volume) -> u32 {
 /// nsid another volume already has is left out (and logged).
 pub fn namespaces(set: &VolumeSet, host: &HostView) -> Vec<Namespace> {
     let mut out: Vec<Namespace> = Vec::new();
-    for v in &set.volumes {
+    for (index, v) in set.volumes.iter().enumerate() {
         let Some(grant) = host.grant(set, v) else { continue };
         let nsid = nsid_of(v);
         if nsid == 0 || nsid > crate::config::MAX_NSID {
@@ -314,7 +319,8 @@ pub fn namespaces(set: &VolumeSet, host: &HostView) -> Vec<Namespace> {
             tracing::warn!("volume {:?}: nsid {nsid} is also volume {:?}'s; not served over NVMe-oF", v.name, o.volume.name);
             continue;
         }
-        out.push(Namespace { nsid, volume: Arc::clone(v), read_only: v.read_only || grant == Grant::ReadOnly });
+        let read_only = v.read_only || grant == Grant::ReadOnly;
+        out.push(Namespace { nsid, volume: Arc::clone(v), read_only, index, generation: set.generation });
     }
     out.sort_by_key(|n| n.nsid);
     out

@@ -35,6 +35,7 @@ use super::io_cmd::{self, ByteRanges, IoPlan};
 use super::{admin_cmd, fabrics_cmd, CloseReason, Controller, HostView, Namespace, NvmeStats, Subsystem, MAX_TRANSFER};
 use crate::config::NvmeTransport;
 use crate::engine::exec::{self, Accounts, CmdId, Event, Executor, Owner, Request};
+use crate::backend::VolumeSet;
 use crate::engine::pool::{ChunkId, PoolAccount};
 use crate::error::{Error, ErrorKind};
 
@@ -333,18 +334,38 @@ impl Queue {
         }
     }
 
-    /// The namespaces the connected host sees now.
+    /// The namespaces the connected host sees in the published volume set
+    /// (for admin commands and namespace notices).
     pub fn namespaces(&mut self) -> &[Namespace] {
-        let generation = self.sub.registry.generation();
-        if self.ns_cache.0 != generation {
+        if self.ns_cache.0 != self.sub.registry.generation() {
             let set = self.sub.registry.volumes();
-            let list = match &self.conn {
-                Some(c) => super::namespaces(&set, &c.host),
-                None => Vec::new(),
-            };
-            self.ns_cache = (set.generation, list);
+            self.cache_namespaces(&set);
         }
         &self.ns_cache.1
+    }
+
+    /// The namespaces the connected host sees in the executor's snapshot
+    /// of the volume set, picked up first if a newer one was published (one
+    /// load): what I/O commands are planned against, each namespace's
+    /// volume found by its index in that snapshot, as rdmablk v1 finds its
+    /// volumes. A command handled in the turn of a reload, before the
+    /// reactor's own step picks the new set up, sees the volumes the
+    /// executor serves.
+    fn io_namespaces(&mut self, exec: &mut Executor) -> &[Namespace] {
+        exec.maybe_refresh();
+        if self.ns_cache.0 != exec.volume_set().generation {
+            let set = Arc::clone(exec.volume_set());
+            self.cache_namespaces(&set);
+        }
+        &self.ns_cache.1
+    }
+
+    fn cache_namespaces(&mut self, set: &VolumeSet) {
+        let list = match &self.conn {
+            Some(c) => super::namespaces(set, &c.host),
+            None => Vec::new(),
+        };
+        self.ns_cache = (set.generation, list);
     }
 
     fn completion(&mut self, cid: u16, status: Status, result: u64) -> CompletionEntry {
@@ -490,8 +511,8 @@ impl Queue {
         // I/O commands are planned (validated) before any data is asked for.
         let mut plan = None;
         if io {
-            self.namespaces();
-            match io_cmd::plan(&sqe, &self.ns_cache.1, sgl.map_or(0, |s| s.length())) {
+            let sgl_len = sgl.map_or(0, |s| s.length());
+            match io_cmd::plan(&sqe, self.io_namespaces(exec), sgl_len) {
                 Ok(p) => plan = Some(p),
                 Err(e) => {
                     self.respond(cid, e.nvme_status(false), 0);
@@ -767,9 +788,23 @@ impl Queue {
     /// Hands an I/O command to the executor.
     fn submit_io(&mut self, exec: &mut Executor, slot: u16) {
         let cmd = self.cmds[slot as usize].as_mut().expect("live command");
-        let plan = cmd.plan.clone().expect("planned");
+        let mut plan = cmd.plan.clone().expect("planned");
+        if plan.namespace().generation != exec.volume_set().generation {
+            // The executor took a newer volume set since the command was
+            // planned (its data came in a later turn): planned again, as if
+            // it came now, against the namespaces of that set.
+            let (sqe, sgl_len) = (cmd.sqe, cmd.sqe.sgl().map_or(0, |s| s.length()));
+            match io_cmd::plan(&sqe, self.io_namespaces(exec), sgl_len) {
+                Ok(p) => plan = p,
+                Err(e) => return self.respond_slot(slot, e.nvme_status(false), 0),
+            }
+            self.cmds[slot as usize].as_mut().expect("live command").plan = Some(plan.clone());
+        }
+        let cmd = self.cmds[slot as usize].as_ref().expect("live command");
         let ns = plan.namespace();
-        let Some(vslot) = exec.slot_of_id(ns.volume.id).filter(|&v| exec.usable(v)) else {
+        // A volume the executor could not take (no fixed-file slot) has
+        // none; one whose descriptor failed ends its command InternalError.
+        let Some(vslot) = exec.slot_of_index(ns.index) else {
             tracing::error!("nvme queue {:?}: namespace {}: its volume is not served by this reactor", self.qid(), ns.nsid);
             return self.respond_slot(slot, Status::INTERNAL_ERROR, 0);
         };
@@ -1636,5 +1671,86 @@ mod tests {
         turn(REACTORS - 1..REACTORS);
         assert!(!q.retry_connect(&mut exec), "still held once every reactor turned twice");
         assert_eq!(status(&std::mem::take(&mut q.actions)).0, Status::SUCCESS);
+    }
+
+    #[test]
+    fn io_in_the_turn_of_a_reload_that_reopens_a_volume_under_its_nsid_reaches_the_new_volume() {
+        use rdmablk_common::nvme::sqe::io_opcode;
+        use rdmablk_common::protocol::VolumeId;
+        let (sub, config) = subsystem(&["v"]);
+        let (_admin, mut q) = io_queue(&sub);
+        let mut exec = executor(&sub);
+        let read = |cid: u16| {
+            let mut read = SubmissionEntry::new(io_opcode::READ, cid);
+            read.nsid = 1;
+            read.set_rw(0, 1, false);
+            read.set_sgl(Sgl::Transport { length: 512 });
+            read
+        };
+        assert_eq!(q.command(&mut exec, read(1), 0), None);
+        match reap_until_answered(&mut q, &mut exec).as_slice() {
+            [Action::SendData { buf: Buf::Chunk(c), then: Some(then), .. }] if then.status == Status::SUCCESS => exec.sent(*c),
+            other => panic!("{other:?}"),
+        }
+        dispatch(&mut q, &mut exec);
+        // A reload reopens the volume (a new id) under the same nsid. The
+        // reactor's executor picks the new set up in its control step; a
+        // command handled earlier in that turn must reach the new volume.
+        let mut vc = config.volumes[0].clone();
+        vc.nsid = Some(1);
+        let reopened = crate::backend::Volume::open(&config.source, &vc, VolumeId(2), 1, false).unwrap();
+        let set = VolumeSet::new(2, vec![Arc::new(reopened)]).with_access(Arc::new(AccessPolicy::load(&config).unwrap()));
+        sub.registry.publish(set);
+        assert_eq!(q.command(&mut exec, read(2), 0), None, "{:?}", q.actions);
+        match reap_until_answered(&mut q, &mut exec).as_slice() {
+            [Action::SendData { buf: Buf::Chunk(c), then: Some(then), .. }] if then.status == Status::SUCCESS => exec.sent(*c),
+            other => panic!("the read in the turn of the reload: {other:?}"),
+        }
+        dispatch(&mut q, &mut exec);
+        assert_eq!(q.exec_live(), 0);
+    }
+
+    #[test]
+    fn a_write_whose_data_comes_after_a_reload_is_planned_again_against_the_new_set() {
+        use rdmablk_common::nvme::sqe::io_opcode;
+        use rdmablk_common::protocol::VolumeId;
+        let (sub, config) = subsystem(&["v"]);
+        let (_admin, mut q) = io_queue(&sub);
+        let mut exec = executor(&sub);
+        let mut write = SubmissionEntry::new(io_opcode::WRITE, 3);
+        write.nsid = 1;
+        write.set_rw(0, 1, false);
+        write.set_sgl(Sgl::InCapsule { offset: 0, length: 512 });
+        let slot = q.command(&mut exec, write, 512).expect("its in-capsule data is awaited");
+        // Before the data comes, a reload puts a new volume (nsid 2) first
+        // and reopens v (nsid 1) second, and the reactor picks it up.
+        let (_, two) = subsystem(&["v", "w"]);
+        let mut vc = config.volumes[0].clone();
+        vc.nsid = Some(1);
+        let v = Arc::new(crate::backend::Volume::open(&config.source, &vc, VolumeId(3), 1, false).unwrap());
+        let w = open_volumes(&two).unwrap().pop().unwrap();
+        let set = VolumeSet::new(2, vec![Arc::clone(&w), Arc::clone(&v)]).with_access(Arc::new(AccessPolicy::load(&two).unwrap()));
+        sub.registry.publish(set);
+        exec.maybe_refresh();
+        let block = [0x3cu8; 512];
+        q.data_mut(&mut exec, slot, 0, 512).copy_from_slice(&block);
+        q.data_placed(&mut exec, slot, 512, true).unwrap();
+        assert_eq!(status(&reap_until_answered(&mut q, &mut exec)).0, Status::SUCCESS);
+        // It landed on namespace 1's new volume, not on the volume now first in the set.
+        for (cid, nsid, want) in [(4, 1, block), (5, 2, [0; 512])] {
+            let mut read = SubmissionEntry::new(io_opcode::READ, cid);
+            read.nsid = nsid;
+            read.set_rw(0, 1, false);
+            read.set_sgl(Sgl::Transport { length: 512 });
+            assert_eq!(q.command(&mut exec, read, 0), None);
+            match reap_until_answered(&mut q, &mut exec).as_slice() {
+                [Action::SendData { buf: Buf::Chunk(c), then: Some(then), .. }] if then.status == Status::SUCCESS => {
+                    assert!(exec.bytes(*c)[..512] == want[..], "namespace {nsid} reads {:#x}s", exec.bytes(*c)[0]);
+                    exec.sent(*c);
+                }
+                other => panic!("namespace {nsid}: {other:?}"),
+            }
+            dispatch(&mut q, &mut exec);
+        }
     }
 }

@@ -485,7 +485,7 @@ impl V1 {
             return;
         };
         self.cmd(ci).remote = remote;
-        let vslot = rt.exec.slot_of_index(volume).filter(|&v| rt.exec.usable(v));
+        let vslot = rt.exec.slot_of_index(volume);
         let Some(vslot) = vslot else {
             if inline {
                 self.repost_recv(rt, si, slot);
