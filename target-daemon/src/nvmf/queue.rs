@@ -20,12 +20,13 @@
 //! later (its last chunk leaves with the completion), and the queue
 //! counts those parts until they are done ([`Queue::exec_live`]).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use arrayvec::ArrayVec;
 use rdmablk_common::nvme::cqe::CompletionEntry;
 use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry};
 use rdmablk_common::nvme::status::Status;
@@ -145,9 +146,11 @@ struct Cmd {
     exec: Option<CmdId>,
     /// The write piece being fetched (asked for, its data arriving), and
     /// the pieces waiting for their turn (one request per command at a
-    /// time, as a host allows one outstanding R2T unless it says more).
+    /// time, as a host allows one outstanding R2T unless it says more), in
+    /// order: no more than the executor lends one command at once, so a
+    /// command allocates nothing for them.
     fetch: Option<Fetch>,
-    fetch_next: VecDeque<Fetch>,
+    fetch_next: ArrayVec<Fetch, { exec::CHUNK_WINDOW as usize }>,
 }
 
 impl Cmd {
@@ -533,7 +536,7 @@ impl Queue {
             v.resize(expect as usize, 0);
             v
         });
-        let cmd = Cmd { sqe, buf, expect, received: 0, plan, exec: None, fetch: None, fetch_next: VecDeque::new() };
+        let cmd = Cmd { sqe, buf, expect, received: 0, plan, exec: None, fetch: None, fetch_next: ArrayVec::new() };
         self.cmds[slot as usize] = Some(cmd);
         self.by_cid.insert(cid, slot);
         if in_capsule > 0 {
@@ -665,7 +668,10 @@ impl Queue {
         if cmd.fetch.is_some() {
             return;
         }
-        let Some(f) = cmd.fetch_next.pop_front() else { return };
+        if cmd.fetch_next.is_empty() {
+            return;
+        }
+        let f = cmd.fetch_next.remove(0);
         cmd.fetch = Some(f);
         let cid = cmd.sqe.cid;
         self.actions.push(Action::RequestData { cid, ttag: slot, off: f.off, len: f.len });
@@ -893,7 +899,12 @@ impl Queue {
                     exec.placed(chunk, true);
                     return;
                 }
-                cmd.fetch_next.push_back(Fetch { chunk, off, len, received: 0 });
+                if let Err(full) = cmd.fetch_next.try_push(Fetch { chunk, off, len, received: 0 }) {
+                    // Never: the executor lends a command at most CHUNK_WINDOW chunks.
+                    tracing::error!("nvme queue {:?}: more write pieces at once than the executor lends", self.qid());
+                    exec.placed(full.element().chunk, false);
+                    return;
+                }
                 self.next_fetch(slot);
             }
             Event::Buffer { chunk } => exec.sent(chunk),
@@ -1752,5 +1763,110 @@ mod tests {
             }
             dispatch(&mut q, &mut exec);
         }
+    }
+
+    /// Counts the allocations of the threads that ask for it: tests of the
+    /// per-I/O path (ARCHITECTURE.md: a turn of it allocates nothing).
+    struct CountingAllocator;
+
+    thread_local! {
+        static COUNTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+        static ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+
+    fn note_allocation() {
+        let _ = COUNTING.try_with(|c| {
+            if c.get() {
+                ALLOCATIONS.with(|a| a.set(a.get() + 1));
+            }
+        });
+    }
+
+    // SAFETY: every call goes to the system allocator unchanged; the count
+    // is a thread-local without destructor.
+    unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
+        unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+            note_allocation();
+            unsafe { std::alloc::System.alloc(layout) }
+        }
+        unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+            note_allocation();
+            unsafe { std::alloc::System.alloc_zeroed(layout) }
+        }
+        unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+            note_allocation();
+            unsafe { std::alloc::System.realloc(ptr, layout, new_size) }
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+            unsafe { std::alloc::System.dealloc(ptr, layout) }
+        }
+    }
+
+    #[global_allocator]
+    static ALLOCATOR: CountingAllocator = CountingAllocator;
+
+    /// Allocations `f` makes on this thread.
+    fn allocations_of(f: impl FnOnce()) -> u64 {
+        let before = ALLOCATIONS.with(|a| a.get());
+        COUNTING.with(|c| c.set(true));
+        f();
+        COUNTING.with(|c| c.set(false));
+        ALLOCATIONS.with(|a| a.get()) - before
+    }
+
+    #[test]
+    fn a_write_fetched_in_several_pieces_allocates_nothing_once_the_queue_is_warm() {
+        use rdmablk_common::nvme::sqe::io_opcode;
+        const CHUNK: usize = 32 << 10;
+        let (sub, _) = subsystem(&["v"]);
+        let (_admin, mut q) = io_queue(&sub);
+        let mut exec = Executor::standalone(Arc::clone(sub.registry.publication()), 32 * CHUNK, CHUNK).unwrap();
+        // A 128 KiB write by R2T: four pieces handed out at once, asked
+        // for one after another, driven as a transport does.
+        let round = |q: &mut Queue, exec: &mut Executor, cid: u16| {
+            let mut write = SubmissionEntry::new(io_opcode::WRITE, cid);
+            write.nsid = 1;
+            write.set_rw(0, 256, false);
+            write.set_sgl(Sgl::Transport { length: 128 << 10 });
+            assert_eq!(q.command(exec, write, 0), None);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut pieces = 0;
+            loop {
+                assert!(Instant::now() < deadline, "no answer within 10 s");
+                exec.engine_mut().submit().unwrap();
+                exec.reap();
+                exec.pump_waitq();
+                dispatch(q, exec);
+                let batch = q.take_actions();
+                let mut done = false;
+                for a in batch.iter() {
+                    match *a {
+                        Action::RequestData { ttag, off, len, .. } => {
+                            q.data_mut(exec, ttag, off, len).fill(cid as u8);
+                            q.data_placed(exec, ttag, len, true).unwrap();
+                            pieces += 1;
+                        }
+                        Action::Respond(c, _) if c.status == Status::SUCCESS => done = true,
+                        ref other => panic!("{other:?}"),
+                    }
+                }
+                q.actions_done(batch);
+                if done {
+                    break;
+                }
+            }
+            assert_eq!(pieces, 4);
+            dispatch(q, exec);
+            assert_eq!(q.exec_live(), 0);
+        };
+        for cid in 0..4 {
+            round(&mut q, &mut exec, cid);
+        }
+        let n = allocations_of(|| {
+            for cid in 4..8 {
+                round(&mut q, &mut exec, cid);
+            }
+        });
+        assert_eq!(n, 0, "allocations of 4 writes in 4 pieces each");
     }
 }
