@@ -1498,3 +1498,258 @@ fn a_connect_for_a_larger_queue_than_the_cm_request_named_fails_the_queue() {
     assert_eq!(c.status, Status::SUCCESS);
     t.shutdown().unwrap();
 }
+
+// ---------------------------------------------------------------------------
+// Closed queues waiting for the disk
+
+/// Holds reads of one file at the disk: a fanotify permission watch whose
+/// thread allows every read, except while `hold` is set, when it keeps
+/// the reads' permission events unanswered until [`ReadGate::release`]
+/// (as `tests/tests/nvme_tcp_close.rs` does for NVMe/TCP). The reads the
+/// in-process target makes of a file on tmpfs wait in io_uring's worker
+/// thread, not in the reactor's. Dropping it releases them too.
+struct ReadGate {
+    shared: std::sync::Arc<GateShared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+struct GateShared {
+    fd: std::os::fd::OwnedFd,
+    hold: std::sync::atomic::AtomicBool,
+    /// Event descriptors of reads held unanswered.
+    held: std::sync::Mutex<Vec<std::os::fd::OwnedFd>>,
+    held_count: std::sync::atomic::AtomicUsize,
+    stop: std::sync::atomic::AtomicBool,
+}
+
+impl GateShared {
+    fn answer(&self, event_fd: &std::os::fd::OwnedFd) {
+        use std::os::fd::AsRawFd;
+        let r = libc::fanotify_response { fd: event_fd.as_raw_fd(), response: libc::FAN_ALLOW };
+        // SAFETY: writes a plain struct of the fanotify ABI to our own descriptor.
+        let n = unsafe { libc::write(self.fd.as_raw_fd(), &r as *const _ as *const libc::c_void, std::mem::size_of_val(&r)) };
+        assert_eq!(n, std::mem::size_of_val(&r) as isize, "fanotify response: {}", std::io::Error::last_os_error());
+    }
+}
+
+impl ReadGate {
+    /// Watches reads of `file`; None without the privilege (CAP_SYS_ADMIN)
+    /// or kernel support. Set up before the target opens the file.
+    fn watch(file: &std::path::Path) -> Option<ReadGate> {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        use std::os::unix::ffi::OsStrExt;
+        use std::sync::atomic::{AtomicBool, AtomicUsize};
+        // SAFETY: plain system calls on integers and a NUL-terminated path.
+        let fd = unsafe { libc::fanotify_init(libc::FAN_CLASS_CONTENT | libc::FAN_CLOEXEC, libc::O_RDONLY as u32) };
+        if fd < 0 {
+            eprintln!("fanotify_init: {}", std::io::Error::last_os_error());
+            return None;
+        }
+        // SAFETY: fanotify_init returned a descriptor that is ours alone.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let path = std::ffi::CString::new(file.as_os_str().as_bytes()).unwrap();
+        // SAFETY: as above.
+        let rc = unsafe { libc::fanotify_mark(fd.as_raw_fd(), libc::FAN_MARK_ADD, libc::FAN_ACCESS_PERM, libc::AT_FDCWD, path.as_ptr()) };
+        if rc < 0 {
+            eprintln!("fanotify_mark: {}", std::io::Error::last_os_error());
+            return None;
+        }
+        let shared = std::sync::Arc::new(GateShared {
+            fd,
+            hold: AtomicBool::new(false),
+            held: std::sync::Mutex::new(Vec::new()),
+            held_count: AtomicUsize::new(0),
+            stop: AtomicBool::new(false),
+        });
+        let s = std::sync::Arc::clone(&shared);
+        let thread = std::thread::spawn(move || Self::serve(&s));
+        Some(ReadGate { shared, thread: Some(thread) })
+    }
+
+    fn serve(s: &GateShared) {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        use std::sync::atomic::Ordering;
+        let mut buf = vec![0u8; 4096];
+        while !s.stop.load(Ordering::Acquire) {
+            let mut pfd = libc::pollfd { fd: s.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one pollfd on the stack.
+            if unsafe { libc::poll(&mut pfd, 1, 50) } <= 0 {
+                continue;
+            }
+            // SAFETY: reads into our own buffer.
+            let n = unsafe { libc::read(s.fd.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len()) };
+            if n <= 0 {
+                continue;
+            }
+            let mut at = 0;
+            while at + std::mem::size_of::<libc::fanotify_event_metadata>() <= n as usize {
+                // SAFETY: the kernel wrote whole event records; read unaligned.
+                let m: libc::fanotify_event_metadata = unsafe { std::ptr::read_unaligned(buf[at..].as_ptr() as *const _) };
+                assert_eq!(m.vers, libc::FANOTIFY_METADATA_VERSION, "fanotify metadata version");
+                at += m.event_len as usize;
+                if m.fd < 0 {
+                    continue;
+                }
+                // SAFETY: the event's descriptor is ours to close.
+                let event_fd = unsafe { OwnedFd::from_raw_fd(m.fd) };
+                if m.mask & libc::FAN_ACCESS_PERM == 0 {
+                    continue;
+                }
+                // Under the lock `release` takes: no read is kept after it.
+                let mut held = s.held.lock().unwrap();
+                if s.hold.load(Ordering::Acquire) {
+                    held.push(event_fd);
+                    s.held_count.fetch_add(1, Ordering::AcqRel);
+                } else {
+                    drop(held);
+                    s.answer(&event_fd);
+                }
+            }
+        }
+    }
+
+    /// From now on reads are held.
+    fn hold(&self) {
+        self.shared.hold.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Reads held so far.
+    fn held(&self) -> usize {
+        self.shared.held_count.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Lets the held reads go on, and the next ones.
+    fn release(&self) {
+        let mut held = self.shared.held.lock().unwrap();
+        self.shared.hold.store(false, std::sync::atomic::Ordering::Release);
+        for fd in held.drain(..) {
+            self.shared.answer(&fd);
+        }
+    }
+}
+
+impl Drop for ReadGate {
+    fn drop(&mut self) {
+        self.release();
+        self.shared.stop.store(true, std::sync::atomic::Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A directory on tmpfs whose files take O_DIRECT, if there is one.
+fn tmpfs_dir() -> Option<tempfile::TempDir> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = tempfile::tempdir_in("/dev/shm").ok()?;
+    let probe = sparse_file(dir.path(), "probe", 1 << 16);
+    if let Err(e) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&probe) {
+        eprintln!("/dev/shm: O_DIRECT: {e}");
+        return None;
+    }
+    Some(dir)
+}
+
+/// The target's grace for a closing queue (`CLOSE_GRACE` in
+/// `target-daemon/src/nvmf/rdma.rs`).
+const TARGET_CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// Queues that closed while a read of theirs is held at the disk wait only
+/// for the executor once their grace is over, and sleep until the read
+/// ends (no deadline of their own: the executor's news wakes them), not
+/// spinning their reactor: one the host took down (its answers out, it
+/// waits to leave its controller), one that failed (disconnected, its
+/// work requests flushed). Then they end, and their queue ids are free.
+/// Skipped without CAP_SYS_ADMIN (the fanotify watch) or a tmpfs taking
+/// O_DIRECT, or if the held read holds the reactor's own thread.
+#[test]
+fn closed_queues_waiting_for_a_disk_read_do_not_spin_their_reactor() {
+    use std::os::unix::fs::FileExt;
+    const BS: usize = 4096;
+    const VOL: u64 = 16 << 20;
+    let Some(dir) = tmpfs_dir() else {
+        eprintln!("skipping: no tmpfs at /dev/shm that takes O_DIRECT");
+        return;
+    };
+    let img = sparse_file(dir.path(), "vol.img", VOL);
+    std::fs::OpenOptions::new().write(true).open(&img).unwrap().write_all_at(&[0x5a; BS], 0).unwrap();
+    let Some(gate) = ReadGate::watch(&img) else {
+        eprintln!("skipping: no fanotify permission watch (needs CAP_SYS_ADMIN)");
+        return;
+    };
+    // One reactor: the admin queue shows whether the I/O queues' reactor is free.
+    let volume = format!("reactors = 1\n{}block_size = {BS}\n", file_volume("v", &img, VOL, false));
+    let config = config_with_volume(&host_address(), &volume);
+    let nqn = config.target.nqn.clone();
+    let t = Target::start(config).unwrap();
+    let url = t.nvme_listeners()[0].url.clone();
+    let (mut admin, cntlid) = {
+        let mut admin = Host::connect(&url, 0, 32);
+        let cntlid = admin.nvme_connect(&nqn, 0, 0xffff).unwrap();
+        admin.enable();
+        (admin, cntlid)
+    };
+    let mut queues = Vec::new();
+    for qid in [1, 2] {
+        let mut io = Host::connect(&url, qid, 32);
+        assert_eq!(io.nvme_connect(&nqn, qid, cntlid), Ok(cntlid));
+        assert_eq!(io.rw(io_opcode::READ, 0, 1, io.keyed(0, BS), &[]).status, Status::SUCCESS, "queue {qid}: a read before the hold");
+        assert!(io.data()[..BS].iter().all(|&b| b == 0x5a), "queue {qid}: the read before the hold");
+        queues.push(io);
+    }
+
+    gate.hold();
+    for (n, io) in queues.iter_mut().enumerate() {
+        let mut e = SubmissionEntry::new(io_opcode::READ, io.cid());
+        e.nsid = 1;
+        e.set_rw(0, 1, false);
+        e.set_sgl(io.keyed(0, BS));
+        io.send(&e, &[]);
+        let until = Instant::now() + Duration::from_secs(10);
+        while gate.held() <= n {
+            assert!(Instant::now() < until, "read {n} never reached the disk");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    // The reads wait in io_uring's worker, not in the reactor's thread.
+    let mut e = SubmissionEntry::new(admin_opcode::KEEP_ALIVE, admin.cid());
+    e.set_sgl(NULL_SGL);
+    admin.send(&e, &[]);
+    match admin.completion_within(Duration::from_secs(3)) {
+        Ok(Some((c, _))) => assert_eq!(c.status, Status::SUCCESS, "Keep Alive while the reads are held"),
+        other => {
+            gate.release();
+            eprintln!("skipping: the held reads hold the reactor's own thread (Keep Alive: {other:?})");
+            return;
+        }
+    }
+    // Queue 1's host goes away; queue 2 fails (a capsule shorter than a
+    // command). Both reads stay at the disk past the close's grace.
+    let mut failing = queues.pop().unwrap();
+    drop(queues);
+    failing.send_bytes(&[0; 16]);
+    assert!(failing.completion().is_err(), "queue 2 outlived a capsule of 16 bytes");
+    std::thread::sleep(TARGET_CLOSE_GRACE + Duration::from_millis(500));
+    let before = process_cpu_ticks();
+    std::thread::sleep(Duration::from_secs(3));
+    let spent = process_cpu_ticks() - before;
+    gate.release();
+    assert!(spent < 30, "the target used {spent} ticks of CPU in 3 s with closed queues waiting for disk reads");
+
+    // The reads end, then the queues: both queue ids can be connected again.
+    for qid in [1, 2] {
+        let until = Instant::now() + Duration::from_secs(10);
+        let mut io = loop {
+            let mut io = Host::connect(&url, qid, 32);
+            match io.nvme_connect(&nqn, qid, cntlid) {
+                Ok(_) => break io,
+                Err(s) => assert!(Instant::now() < until, "I/O queue {qid} is still taken after the reads ended: {s:?}"),
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert_eq!(io.rw(io_opcode::READ, 0, 1, io.keyed(0, BS), &[]).status, Status::SUCCESS, "queue {qid}: a read after the release");
+        assert!(io.data()[..BS].iter().all(|&b| b == 0x5a), "queue {qid}: the read after the release");
+    }
+    drop(admin);
+    t.shutdown().unwrap();
+}

@@ -1057,6 +1057,21 @@ impl NvmeRdma {
 }
 
 impl RQueue {
+    /// When a closing queue is moved on without news ([`NvmeRdma::maybe_end`]):
+    /// at the end of its grace while its answers may still go out, or its
+    /// work requests flush. One that waits only for the executor (its
+    /// answers out to a host that ended it, or nothing of it left on the
+    /// fabric) has no deadline: the executor's `Done` moves it on, and
+    /// a deadline past would wake its reactor at once on every turn until then.
+    fn close_deadline(&self) -> Option<Instant> {
+        let by_host = self.closing.as_ref().is_some_and(|w| w.kind == CloseKind::ByHost);
+        match self.close_phase {
+            ClosePhase::Answering if by_host && self.sends_outstanding == 0 => None,
+            ClosePhase::Answering | ClosePhase::Flushing => self.close_due,
+            ClosePhase::Draining => None,
+        }
+    }
+
     fn post_recv(&mut self, gen: u16, qi: u16, i: usize) -> rdmablk_common::fabric::Result<()> {
         let Some(qp) = &self.qp else {
             return Err(FabricError::new(FabricErrorKind::InvalidState, "the queue pair was destroyed"));
@@ -1176,7 +1191,7 @@ impl crate::reactor::Transport for NvmeRdma {
     }
 
     fn next_deadline(&self, _rt: &Runtime) -> Option<Instant> {
-        let deadline = |r: &RQueue| if r.closing.is_some() { r.close_due } else { r.q.deadline() };
+        let deadline = |r: &RQueue| if r.closing.is_some() { r.close_deadline() } else { r.q.deadline() };
         self.queues.iter().filter_map(|s| s.q.as_ref()).filter_map(deadline).min()
     }
 
@@ -1184,7 +1199,7 @@ impl crate::reactor::Transport for NvmeRdma {
         for qi in 0..self.queues.len() as u16 {
             let Some(r) = self.queues[qi as usize].q.as_mut() else { continue };
             if r.closing.is_some() {
-                if r.close_due.is_some_and(|d| now >= d) {
+                if r.close_deadline().is_some_and(|d| now >= d) {
                     self.mark_dirty(qi);
                 }
                 continue;
