@@ -255,8 +255,7 @@ impl Registry {
 
     /// Moves the fence generation and wakes every reactor: something a
     /// front end's queues on any reactor must act on changed (a session
-    /// retired or ended, a controller torn down or gone, or left without
-    /// I/O queues).
+    /// retired or ended, a controller torn down or gone).
     pub fn fence_moved(&self) {
         self.fence_generation.fetch_add(1, Ordering::AcqRel);
         self.wake_reactors();

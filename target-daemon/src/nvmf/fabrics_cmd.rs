@@ -124,7 +124,7 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
             }
         };
         q.sq_entries = entries;
-        ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).insert(0);
+        ctrl.add_queue(0);
         tracing::info!(
             "nvme controller {} created for host {:?} from {}{} (KATO {} ms)",
             ctrl.id,
@@ -157,7 +157,7 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
     if c.qid > granted + 1 {
         return Reply::status(Status::INVALID_QUEUE_ID);
     }
-    if !ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).insert(c.qid) {
+    if !ctrl.add_queue(c.qid) {
         return Reply::status(Status::INVALID_QUEUE_ID);
     }
     q.sq_entries = entries;

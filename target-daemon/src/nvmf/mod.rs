@@ -37,7 +37,7 @@ pub mod tcp;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -104,7 +104,16 @@ pub struct Controller {
     /// operations: the fence a reconnecting host waits for.
     pub live_queues: AtomicU32,
     /// Connected queue ids (0, the admin queue, included).
-    pub queues: Mutex<QueueTable>,
+    queues: Mutex<QueueTable>,
+    /// Connected I/O queues, and when one last left (nanoseconds after
+    /// `created`, plus 1; 0: none ever did): its admin queue reads them
+    /// without a lock for `target.idle_timeout` of a controller without
+    /// keep-alive, which is idle from its last I/O queue's leaving at the
+    /// earliest (the admin queue may have been silent all along while the
+    /// I/O queues worked).
+    io_queues: AtomicU32,
+    last_io_left: AtomicU64,
+    created: Instant,
     pub state: Mutex<ControllerState>,
     /// Pool chunks its queues hold, one account per reactor, for
     /// `target.session_pool_share` (a controller is an NVMe host's session).
@@ -113,43 +122,8 @@ pub struct Controller {
 
 /// A controller's connected queue ids.
 #[derive(Default)]
-pub struct QueueTable {
+struct QueueTable {
     ids: Vec<u16>,
-    /// When its last I/O queue left: a controller without keep-alive is
-    /// idle from then at the earliest (its admin queue may have been silent
-    /// all along while the I/O queues worked).
-    pub last_io_left: Option<Instant>,
-}
-
-impl QueueTable {
-    pub fn has(&self, qid: u16) -> bool {
-        self.ids.contains(&qid)
-    }
-
-    /// Takes queue id `qid`; false if it is taken already.
-    pub fn insert(&mut self, qid: u16) -> bool {
-        if self.has(qid) {
-            return false;
-        }
-        self.ids.push(qid);
-        true
-    }
-
-    /// Forgets a closed queue: its id may be connected again. True when
-    /// that was the controller's last I/O queue.
-    pub fn remove(&mut self, qid: u16) -> bool {
-        self.ids.retain(|&q| q != qid);
-        let last = qid != 0 && self.io_queues() == 0;
-        if last {
-            self.last_io_left = Some(Instant::now());
-        }
-        last
-    }
-
-    /// Connected I/O queues.
-    pub fn io_queues(&self) -> usize {
-        self.ids.iter().filter(|&&q| q != 0).count()
-    }
 }
 
 /// Registers and features the host sets.
@@ -254,6 +228,50 @@ impl Controller {
 
     pub fn is_dead(&self) -> bool {
         self.dead.load(Ordering::Acquire)
+    }
+
+    fn queue_table(&self) -> MutexGuard<'_, QueueTable> {
+        self.queues.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes queue id `qid` (0: the admin queue); false if it is taken already.
+    pub fn add_queue(&self, qid: u16) -> bool {
+        let mut t = self.queue_table();
+        if t.ids.contains(&qid) {
+            return false;
+        }
+        t.ids.push(qid);
+        if qid != 0 {
+            self.io_queues.fetch_add(1, Ordering::AcqRel);
+        }
+        true
+    }
+
+    /// Forgets a closed queue: its id may be connected again.
+    pub fn remove_queue(&self, qid: u16) {
+        let mut t = self.queue_table();
+        let Some(i) = t.ids.iter().position(|&q| q == qid) else { return };
+        t.ids.swap_remove(i);
+        if qid != 0 {
+            // When it left, before it stops counting: whoever sees no I/O
+            // queue sees when the last one left.
+            let at = self.created.elapsed().as_nanos().min(u64::MAX as u128 - 1) as u64 + 1;
+            self.last_io_left.store(at, Ordering::Release);
+            self.io_queues.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Connected I/O queues (one load).
+    pub fn io_queues(&self) -> u32 {
+        self.io_queues.load(Ordering::Acquire)
+    }
+
+    /// When an I/O queue last left, if one ever did (one load).
+    pub fn last_io_left(&self) -> Option<Instant> {
+        match self.last_io_left.load(Ordering::Acquire) {
+            0 => None,
+            at => Some(self.created + Duration::from_nanos(at - 1)),
+        }
     }
 
     /// The controller's pool account on `reactor`.
@@ -417,6 +435,9 @@ impl Subsystem {
             dead: AtomicBool::new(false),
             live_queues: AtomicU32::new(1),
             queues: Mutex::new(QueueTable::default()),
+            io_queues: AtomicU32::new(0),
+            last_io_left: AtomicU64::new(0),
+            created: Instant::now(),
             state: Mutex::new(ControllerState { kato_ms, ..ControllerState::default() }),
             pool_accounts: (0..self.registry.reactors()).map(|_| Arc::new(PoolAccount::named(name.clone()))).collect(),
         });

@@ -194,6 +194,16 @@ pub enum Due {
     Close(CloseReason),
 }
 
+/// Where a controller without keep-alive stands for `target.idle_timeout`
+/// ([`Queue::idleness`]).
+#[derive(Clone, Copy, Debug)]
+enum Idleness {
+    /// It has I/O queues: not idle; its admin queue looks again later.
+    IoQueues,
+    /// Idle since then.
+    Since(Instant),
+}
+
 /// What the fence says of an admin Connect ([`Queue::fence`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fence {
@@ -249,6 +259,9 @@ pub struct Queue {
     /// When the last command arrived (or the queue was accepted): for
     /// `target.idle_timeout` of a controller without keep-alive.
     pub last_heard: Instant,
+    /// Admin queue: when a look at the deadlines last found its controller
+    /// (without keep-alive) busy with I/O queues.
+    idle_looked: Instant,
     held_connect: Option<HeldConnect>,
     /// When each command arrived (the transport's turn clock), for the
     /// executor's latency counts.
@@ -286,6 +299,7 @@ impl Queue {
             keep_alive_due: None,
             handshake_due: now + handshake_timeout,
             last_heard: now,
+            idle_looked: now,
             held_connect: None,
             now,
         }
@@ -952,28 +966,36 @@ impl Queue {
         if self.is_admin() {
             if let Some(due) = self.keep_alive_due {
                 min(due);
-            } else if let Some(since) = self.idle_since() {
-                min(since + self.sub.cfg.idle_timeout);
+            } else {
+                match self.idleness() {
+                    // A look again: no later than the controller could have
+                    // been idle that long, however soon its last I/O queue
+                    // leaves (the look that found it busy came before).
+                    Some(Idleness::IoQueues) => min(self.last_heard.max(self.idle_looked) + self.sub.cfg.idle_timeout),
+                    Some(Idleness::Since(since)) => min(since + self.sub.cfg.idle_timeout),
+                    None => {}
+                }
             }
         }
         earliest
     }
 
-    /// Since when the controller has been idle, if `target.idle_timeout`
-    /// applies to it: an admin queue whose controller has no keep-alive
-    /// (KATO 0), no I/O queue, and nothing in flight (held AERs aside),
-    /// idle since its last command or its last I/O queue's leaving,
-    /// whichever came later.
-    fn idle_since(&self) -> Option<Instant> {
+    /// Where the controller stands for `target.idle_timeout`, if it
+    /// applies to it (an admin queue whose controller has no keep-alive,
+    /// KATO 0, and nothing in flight, held AERs aside): busy with I/O
+    /// queues, or idle since its last command or its last I/O queue's
+    /// leaving, whichever came later. Two loads, no lock: the queue's
+    /// transport computes its deadline from it whenever it looks, and
+    /// nobody tells it when the last I/O queue leaves.
+    fn idleness(&self) -> Option<Idleness> {
         let conn = self.conn.as_ref()?;
         if conn.qid != 0 || self.keep_alive_due.is_some() || self.busy_commands() != 0 || self.exec_live != 0 {
             return None;
         }
-        let queues = conn.ctrl.queues.lock().unwrap_or_else(|e| e.into_inner());
-        if queues.io_queues() != 0 {
-            return None;
+        if conn.ctrl.io_queues() != 0 {
+            return Some(Idleness::IoQueues);
         }
-        Some(queues.last_io_left.map_or(self.last_heard, |left| left.max(self.last_heard)))
+        Some(Idleness::Since(conn.ctrl.last_io_left().map_or(self.last_heard, |left| left.max(self.last_heard))))
     }
 
     /// The check of an open queue's deadlines at `now` (`stopping`: the
@@ -1002,7 +1024,14 @@ impl Queue {
         if !self.actions.is_empty() {
             return Due::Flush;
         }
-        let Some(since) = self.idle_since() else { return Due::Nothing };
+        let since = match self.idleness() {
+            None => return Due::Nothing,
+            Some(Idleness::IoQueues) => {
+                self.idle_looked = now;
+                return Due::Nothing;
+            }
+            Some(Idleness::Since(since)) => since,
+        };
         let quiet = now.saturating_duration_since(since);
         if quiet >= self.sub.cfg.idle_timeout {
             let ctrl = Arc::clone(&self.conn.as_ref().expect("an admin queue is connected").ctrl);
@@ -1129,13 +1158,10 @@ impl Queue {
         if conn.qid == 0 {
             ctrl.tear_down(&self.sub, &why.map(|w| format!("admin queue closed: {w}")));
         } else {
-            let last = ctrl.queues.lock().unwrap_or_else(|e| e.into_inner()).remove(conn.qid);
+            // Its admin queue, on whatever reactor, finds out without a
+            // word when it looks at its deadline (`Queue::deadline`).
+            ctrl.remove_queue(conn.qid);
             tracing::debug!("nvme controller {} queue {} closed: {why}", ctrl.id, conn.qid);
-            if last && !ctrl.is_dead() {
-                // Its admin queue, on whatever reactor, may now idle out:
-                // its transport looks at its deadlines again.
-                self.sub.registry.fence_moved();
-            }
         }
         if ctrl.live_queues.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.sub.remove_controller(ctrl.id);
@@ -1868,5 +1894,36 @@ mod tests {
             }
         });
         assert_eq!(n, 0, "allocations of 4 writes in 4 pieces each");
+    }
+
+    #[test]
+    fn a_kato_zero_controller_ends_idle_timeout_after_its_last_io_queue_left_without_a_fence_move() {
+        let (sub, _) = subsystem(&["a"]);
+        let idle = sub.cfg.idle_timeout;
+        let (mut admin, mut io) = io_queue(&sub);
+        let ctrl = Arc::clone(&admin.conn.as_ref().expect("connected").ctrl);
+        // With an I/O queue, the admin queue (KATO 0) still has a deadline
+        // within idle_timeout: a look, which finds the controller busy and
+        // looks again idle_timeout later.
+        let due = admin.deadline().expect("a deadline while the controller has an I/O queue");
+        assert!(due <= Instant::now() + idle, "{due:?}");
+        assert!(matches!(admin.check_deadlines(due, false), Due::Nothing));
+        assert!(!ctrl.is_dead(), "torn down with an I/O queue");
+        assert_eq!(admin.deadline(), Some(due + idle), "looked at again idle_timeout later");
+        // The I/O queue leaves: no fence move (it would wake every reactor).
+        let fence = sub.registry.fence_generation();
+        ADMIN_EXEC.with_borrow_mut(|e| io.drop_commands(e.get_or_insert_with(|| executor(&sub))));
+        let before = Instant::now();
+        io.leave(&CloseReason::host_closed());
+        let left = Instant::now();
+        assert_eq!(sub.registry.fence_generation(), fence, "the last I/O queue's leaving moved the fence");
+        // Without I/O queues, the controller ends idle_timeout after the
+        // last of them left (its admin queue was silent longer), not sooner.
+        let end = admin.deadline().expect("an idle deadline");
+        assert!(end >= before + idle && end <= left + idle, "{end:?}: not idle_timeout after the leaving ({before:?}..{left:?})");
+        assert!(matches!(admin.check_deadlines(end - Duration::from_millis(1), false), Due::Nothing));
+        assert!(!ctrl.is_dead());
+        assert!(matches!(admin.check_deadlines(end, false), Due::Close(_)));
+        assert!(ctrl.is_dead(), "an idle controller is torn down");
     }
 }
