@@ -1753,3 +1753,47 @@ fn closed_queues_waiting_for_a_disk_read_do_not_spin_their_reactor() {
     drop(admin);
     t.shutdown().unwrap();
 }
+
+/// The deadlines of open queues (the transport keeps the earliest of them
+/// and recomputes it only when one may have moved): a queue pair that
+/// sends no Connect ends at `handshake_timeout`; an admin queue with a
+/// keep-alive timeout lives on while Keep Alives come, each moving its
+/// deadline, and ends that long after the last. Neither comes early or
+/// late, and the target sleeps while it waits for them.
+#[test]
+fn handshake_and_keep_alive_deadlines_end_silent_queues_on_time() {
+    let mut config = config_listening_on(&host_address());
+    config.target.handshake_timeout = Duration::from_secs(1);
+    let nqn = config.target.nqn.clone();
+    let t = Target::start(config).unwrap();
+    let url = t.nvme_listeners()[0].url.clone();
+    let on_time = |what: &str, h: &mut Host, limit: Duration| {
+        let (start, cpu0) = (Instant::now(), process_cpu_ticks());
+        let end = h.completion_within(limit + Duration::from_secs(3));
+        let (after, cpu) = (start.elapsed(), process_cpu_ticks() - cpu0);
+        assert!(end.is_err(), "{what}: the queue pair outlived its deadline: {end:?}");
+        assert!(after >= limit - Duration::from_millis(100), "{what}: the queue pair ended after {after:?}, before {limit:?}");
+        assert!(after < limit + Duration::from_secs(2), "{what}: the queue pair ended after {after:?}, long after {limit:?}");
+        assert!(cpu < 50 * (after.as_secs() + 1), "{what}: the target used {cpu} CPU ticks in {after:?} waiting for a deadline");
+    };
+    let mut silent = Host::connect(&url, 0, 32);
+    on_time("no Connect", &mut silent, Duration::from_secs(1));
+
+    let mut admin = Host::connect(&url, 0, 32);
+    let mut d = [0u8; CONNECT_DATA_SIZE];
+    ConnectData { host_id: [0x5a; 16], controller_id: 0xffff, subsystem_nqn: nqn.clone(), host_nqn: HOST_NQN.into() }.encode(&mut d).unwrap();
+    admin.data()[..CONNECT_DATA_SIZE].copy_from_slice(&d);
+    let mut e = Connect { recfmt: 0, qid: 0, sqsize: 31, cattr: 0, kato_ms: 1000 }.to_entry(admin.cid());
+    e.set_sgl(admin.keyed(0, CONNECT_DATA_SIZE));
+    assert_eq!(admin.exec(e, &[]).status, Status::SUCCESS, "Connect with KATO 1 s");
+    admin.enable();
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(2500) {
+        std::thread::sleep(Duration::from_millis(300));
+        let mut keep_alive = SubmissionEntry::new(admin_opcode::KEEP_ALIVE, admin.cid());
+        keep_alive.set_sgl(NULL_SGL);
+        assert_eq!(admin.exec(keep_alive, &[]).status, Status::SUCCESS, "Keep Alive {:?} after the Connect", t0.elapsed());
+    }
+    on_time("no Keep Alive", &mut admin, Duration::from_secs(1));
+    t.shutdown().unwrap();
+}

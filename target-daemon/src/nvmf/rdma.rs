@@ -372,6 +372,13 @@ pub struct NvmeRdma {
     dirty: Vec<u16>,
     held: Vec<u16>,
     seen: Seen,
+    /// The earliest deadline of any queue, when known (recomputed by a
+    /// pass over them when `deadlines_stale`), as NVMe/TCP keeps it: what
+    /// a queue's deadline hangs on moves rarely (its handshake, a Connect
+    /// the fence holds, an admin queue's commands, its close, the fence's
+    /// news), and each of those marks it stale.
+    earliest: Option<Instant>,
+    deadlines_stale: bool,
     live: usize,
 }
 
@@ -390,6 +397,8 @@ impl NvmeRdma {
             dirty: Vec::new(),
             held: Vec::new(),
             seen: Seen::default(),
+            earliest: None,
+            deadlines_stale: false,
             live: 0,
         }
     }
@@ -538,6 +547,8 @@ impl NvmeRdma {
         tracing::debug!("nvme+rdma {name}: queue {} connected on reactor {} ({entries} entries)", cm.qid, rt.id);
         self.queues[qi as usize].q = Some(r);
         self.live += 1;
+        // Its handshake's deadline.
+        self.deadlines_stale = true;
         rt.stats.queue_pairs.add(1);
     }
 
@@ -671,6 +682,7 @@ impl NvmeRdma {
         let r = self.queue(qi);
         if r.closing.is_none() {
             r.closing = Some(why);
+            self.deadlines_stale = true;
         }
         self.mark_dirty(qi);
     }
@@ -700,13 +712,20 @@ impl NvmeRdma {
     fn flush_queue(&mut self, rt: &mut Runtime, qi: u16) {
         let r = self.queue(qi);
         r.dirty = false;
-        if r.q.conn.is_some() {
+        // An admin queue's keep-alive or idle deadline may have moved (a
+        // command, its answer, the executor's news), and a closing queue's
+        // moves with its close ([`NvmeRdma::maybe_end`], at the end).
+        let mut stale = r.q.is_admin() || r.closing.is_some();
+        if r.q.conn.is_some() && r.handshake.is_some() {
             // Past its handshake: the slot goes back for the next connection.
             r.handshake = None;
+            stale = true;
         }
         if r.q.connect_deadline().is_some() && !self.held.contains(&qi) {
             self.held.push(qi);
+            stale = true;
         }
+        self.deadlines_stale |= stale;
         // The queue's own close (a Disconnect) comes before the answer made
         // with it, and that answer must still go out: it closes the queue
         // after the whole batch.
@@ -1003,6 +1022,7 @@ impl NvmeRdma {
         self.free.push(qi);
         self.held.retain(|&h| h != qi);
         self.live -= 1;
+        self.deadlines_stale = true;
         rt.stats.queue_pairs.set(rt.stats.queue_pairs.get().saturating_sub(1));
     }
 
@@ -1043,6 +1063,14 @@ impl NvmeRdma {
                 }
             }
         }
+    }
+
+    /// The earliest deadline of any queue: a pass over them all (an admin
+    /// queue of a controller without keep-alive takes its controller's
+    /// lock for it).
+    fn earliest_deadline(&self) -> Option<Instant> {
+        let deadline = |r: &RQueue| if r.closing.is_some() { r.close_deadline() } else { r.q.deadline() };
+        self.queues.iter().filter_map(|s| s.q.as_ref()).filter_map(deadline).min()
     }
 
     /// Closes every queue whose controller was torn down.
@@ -1160,6 +1188,9 @@ impl crate::reactor::Transport for NvmeRdma {
         let news = self.seen.news(&rt.registry);
         if news.fences {
             self.close_torn_down();
+            // A controller elsewhere may have lost its last I/O queue: its
+            // admin queue here may idle out now.
+            self.deadlines_stale = true;
         }
         if news.volumes {
             for qi in 0..self.queues.len() as u16 {
@@ -1177,6 +1208,7 @@ impl crate::reactor::Transport for NvmeRdma {
             };
             if !r.q.retry_connect(&mut rt.exec) {
                 self.held.swap_remove(i);
+                self.deadlines_stale = true;
             }
             self.mark_dirty(qi);
         }
@@ -1191,11 +1223,16 @@ impl crate::reactor::Transport for NvmeRdma {
     }
 
     fn next_deadline(&self, _rt: &Runtime) -> Option<Instant> {
-        let deadline = |r: &RQueue| if r.closing.is_some() { r.close_deadline() } else { r.q.deadline() };
-        self.queues.iter().filter_map(|s| s.q.as_ref()).filter_map(deadline).min()
+        if !self.deadlines_stale {
+            return self.earliest;
+        }
+        self.earliest_deadline()
     }
 
     fn check_deadlines(&mut self, rt: &mut Runtime, now: Instant) {
+        if !self.deadlines_stale && self.earliest.is_none_or(|e| now < e) && rt.shutdown.is_none() {
+            return;
+        }
         for qi in 0..self.queues.len() as u16 {
             let Some(r) = self.queues[qi as usize].q.as_mut() else { continue };
             if r.closing.is_some() {
@@ -1210,9 +1247,16 @@ impl crate::reactor::Transport for NvmeRdma {
                 Due::Close(why) => self.close(qi, why),
             }
         }
+        self.earliest = self.earliest_deadline();
+        self.deadlines_stale = false;
     }
 
-    fn shutdown(&mut self, _rt: &mut Runtime) {}
+    fn shutdown(&mut self, _rt: &mut Runtime) {
+        // The control thread tore every controller down (their queues close
+        // at the next turn); queues before Connect close at the next
+        // deadline check.
+        self.deadlines_stale = true;
+    }
 
     fn live(&self) -> usize {
         self.live
