@@ -91,7 +91,8 @@ const K_RECV: u64 = 1;
 const K_SEND: u64 = 2;
 const K_READ: u64 = 3;
 /// An RDMA WRITE of a read's piece that is not its last (signaled: its
-/// chunk goes back at its completion; index: the command id).
+/// chunk goes back at its completion; index: [`piece_index`], the chunk and
+/// whether it stood for zeroes).
 const K_WRITE: u64 = 4;
 /// The RDMA WRITE of a read's last piece, unsignaled in the chain of its
 /// completion (whose SEND completion gives the chunk back): it completes
@@ -105,6 +106,29 @@ fn wr_id(kind: u64, gen: u16, queue: u16, index: u32) -> WrId {
 fn split_wr_id(w: WrId) -> (u64, u16, u16, u32) {
     let v = w.0;
     (v >> 56, (v >> 40) as u16, (v >> 24) as u16, (v & 0xff_ffff) as u32)
+}
+
+/// In the index of a [`K_WRITE`]: the piece stood for zeroes.
+const ZERO_PIECE: u32 = 1 << 16;
+
+/// The index of a [`K_WRITE`] of a piece out of `with`, which is all its
+/// completion needs (as v1's RDMA work requests carry their chunk).
+fn piece_index(with: SentWith) -> u32 {
+    match with {
+        SentWith::Chunk(c) => c.0 as u32,
+        SentWith::Zero(c) => c.0 as u32 | ZERO_PIECE,
+        SentWith::Nothing | SentWith::Staging(_) => unreachable!("a piece before a read's last is a pool chunk's"),
+    }
+}
+
+/// What a [`K_WRITE`] with `index` went out of.
+fn piece_of(index: u32) -> SentWith {
+    let c = ChunkId(index as u16);
+    if index & ZERO_PIECE != 0 {
+        SentWith::Zero(c)
+    } else {
+        SentWith::Chunk(c)
+    }
 }
 
 /// Pieces of one command's data that may be on the send queue at once as
@@ -237,7 +261,9 @@ enum SentWith {
     Nothing,
     /// The pool chunk a read's piece went out of.
     Chunk(ChunkId),
-    /// A chunk that stood for zeroes (the data went out of the zero chunk).
+    /// A chunk that stood for zeroes (the data went out of the zero chunk;
+    /// the chunk is lent to the fabric all the same while the piece is out,
+    /// so that it is found there: [`NvmeRdma::take_back_lent`]).
     Zero(ChunkId),
     /// The staging slot heap data went out of.
     Staging(usize),
@@ -254,16 +280,16 @@ struct Wr {
 
 /// What a queue's flush posts at its end ([`NvmeRdma::post_queued`]), in
 /// order. What it lends (a pool chunk, a staging slot, a response slot) is
-/// taken when it is queued; what it counts (`sends_outstanding` and
-/// `reads`, `writes` or `sent_with`) only once it is posted.
+/// taken when it is queued; what it counts (`sends_outstanding`, and
+/// `reads` or `sent_with`) only once it is posted.
 #[derive(Clone, Copy)]
 enum Tx {
     /// A signaled RDMA READ of a write's piece into `into` (`len` bytes),
     /// for command slot `slot`.
     Read { wr: Wr, slot: u16, into: ReadInto, len: u32 },
-    /// A signaled RDMA WRITE of a read's piece before its last, for command
-    /// id `cid`, out of `with` (its chunk, or the zero chunk for it).
-    Write { wr: Wr, cid: u16, with: SentWith },
+    /// A signaled RDMA WRITE of a read's piece before its last, out of
+    /// `with` (its chunk, or the zero chunk for it), which its `wr_id` names.
+    Write { wr: Wr, with: SentWith },
     /// A completion's signaled SEND from response slot `slot`, after the
     /// unsignaled RDMA WRITE of the data's last piece (`chain`, out of
     /// `with`) when there is one: the two always go in one `post_send`.
@@ -322,10 +348,6 @@ struct RQueue {
     sent_with: Vec<SentWith>,
     /// Per command slot: where its RDMA READ lands, while one is in flight.
     reads: Vec<Option<(ReadInto, u32)>>,
-    /// Pieces of reads being written that are not the last (signaled), by
-    /// command id, oldest first: a queue pair's completions come in the
-    /// order its work requests were posted.
-    writes: Vec<VecDeque<SentWith>>,
     /// Answers waiting for a response or staging slot, in order.
     waiting: VecDeque<Action>,
     /// The send work requests of the flush under way, posted at its end
@@ -518,7 +540,6 @@ impl NvmeRdma {
             free_resp: (0..entries as usize).rev().collect(),
             sent_with: vec![SentWith::Nothing; entries as usize],
             reads: Vec::new(),
-            writes: Vec::new(),
             waiting: VecDeque::new(),
             tx: Vec::new(),
             recvs_posted: 0,
@@ -601,10 +622,8 @@ impl NvmeRdma {
                 self.give_back(rt, qi, with);
             }
             K_WRITE => {
-                let r = self.queue(qi);
-                r.sends_outstanding -= 1;
-                let Some(with) = r.writes.get_mut(index).and_then(VecDeque::pop_front) else { return };
-                self.give_back(rt, qi, with);
+                self.queue(qi).sends_outstanding -= 1;
+                self.give_back(rt, qi, piece_of(index as u32));
             }
             K_READ => {
                 let ri = self.queue(qi).rdma_index;
@@ -693,9 +712,7 @@ impl NvmeRdma {
         match with {
             SentWith::Nothing => {}
             SentWith::Chunk(c) | SentWith::Zero(c) => {
-                if matches!(with, SentWith::Chunk(_)) {
-                    rt.exec.engine_mut().pool_mut().return_from_fabric(c);
-                }
+                rt.exec.engine_mut().pool_mut().return_from_fabric(c);
                 rt.exec.sent(c);
             }
             SentWith::Staging(i) => {
@@ -886,7 +903,10 @@ impl NvmeRdma {
                         rt.exec.engine_mut().pool_mut().lend_to_fabric(c);
                         (rt.fabrics[fi].pool_mr.sge(c, 0, len), SentWith::Chunk(c))
                     }
-                    Buf::Zero(c) => (rt.fabrics[fi].pool_mr.zero_sge(len), SentWith::Zero(c)),
+                    Buf::Zero(c) => {
+                        rt.exec.engine_mut().pool_mut().lend_to_fabric(c);
+                        (rt.fabrics[fi].pool_mr.zero_sge(len), SentWith::Zero(c))
+                    }
                     Buf::Heap(v) => {
                         let Some(staging) = self.staging(rt, ri) else {
                             self.close(qi, "no staging slots for admin data".into());
@@ -914,8 +934,8 @@ impl NvmeRdma {
                             return None;
                         }
                         let op = SendOp::RdmaWrite { remote_addr, rkey: Rkey(key) };
-                        let wr = Wr { wr_id: wr_id(K_WRITE, gen, qi, cid as u32), op, sge };
-                        self.queue(qi).tx.push(Tx::Write { wr, cid, with });
+                        let wr = Wr { wr_id: wr_id(K_WRITE, gen, qi, piece_index(with)), op, sge };
+                        self.queue(qi).tx.push(Tx::Write { wr, with });
                     }
                 }
                 None
@@ -1040,13 +1060,9 @@ impl NvmeRdma {
         r.qp = None;
         let sent: Vec<SentWith> = r.sent_with.iter_mut().map(|w| std::mem::replace(w, SentWith::Nothing)).collect();
         let reads: Vec<(usize, (ReadInto, u32))> = r.reads.iter_mut().enumerate().filter_map(|(s, x)| x.take().map(|x| (s, x))).collect();
-        let writes: Vec<SentWith> = r.writes.iter_mut().flat_map(std::mem::take).collect();
         r.sends_outstanding = 0;
         r.recvs_posted = 0;
         for w in sent {
-            self.give_back(rt, qi, w);
-        }
-        for w in writes {
             self.give_back(rt, qi, w);
         }
         for (slot, (into, _)) in reads {
@@ -1061,6 +1077,20 @@ impl NvmeRdma {
                     s.slots.reclaim(i);
                     s.free.push(i);
                 }
+            }
+        }
+        // What is still lent to the fabric for this queue's commands are
+        // the pieces before a read's last whose WRITEs did not complete
+        // (their `wr_id`s name them, and nothing else does): found in the
+        // pool, as v1's `force_teardown` finds its queue pair's.
+        for c in 0..rt.exec.engine().pool().capacity() {
+            let chunk = ChunkId(c as u16);
+            if !rt.exec.engine().pool().is_lent_to_fabric(chunk) {
+                continue;
+            }
+            let Some((owner, _)) = rt.exec.chunk_owner(chunk) else { continue };
+            if owner.transport as usize == self.index && Queue::key_of_tag(owner.tag) == qi {
+                self.give_back(rt, qi, SentWith::Chunk(chunk));
             }
         }
     }
@@ -1147,12 +1177,8 @@ impl RQueue {
                 }
                 self.reads[slot as usize] = Some((into, len));
             }
-            Tx::Write { cid, with, .. } => {
-                if self.writes.len() <= cid as usize {
-                    self.writes.resize(cid as usize + 1, VecDeque::new());
-                }
-                self.writes[cid as usize].push_back(with);
-            }
+            // Its completion finds its chunk in its `wr_id`.
+            Tx::Write { .. } => {}
             Tx::Respond { slot, with, .. } => self.sent_with[slot] = with,
         }
     }
@@ -1278,5 +1304,15 @@ mod tests {
         assert_eq!(send_queue_depth(32, 4 << 10, 16384), (2 + 8) * 32);
         // A small pool bounds the pieces of all commands together.
         assert_eq!(send_queue_depth(128, 16 << 10, 64), 2 * 128 + 64 + STAGING_SLOTS as u32);
+    }
+
+    #[test]
+    fn a_pieces_write_names_its_chunk() {
+        let pieces = [SentWith::Chunk(ChunkId(0)), SentWith::Chunk(ChunkId(u16::MAX)), SentWith::Zero(ChunkId(7)), SentWith::Zero(ChunkId(u16::MAX))];
+        for with in pieces {
+            let (kind, gen, queue, index) = split_wr_id(wr_id(K_WRITE, 0xfffe, 0xffff, piece_index(with)));
+            assert_eq!((kind, gen, queue), (K_WRITE, 0xfffe, 0xffff));
+            assert_eq!(format!("{:?}", piece_of(index)), format!("{with:?}"));
+        }
     }
 }
