@@ -108,18 +108,14 @@ impl OpCounters {
     }
 }
 
-/// NVMe-oF counters for the metrics endpoint (every reactor's queues
-/// write them: atomic adds).
+/// NVMe-oF counters of what happens to queues and controllers, for the
+/// metrics endpoint (every reactor's queues write them, rarely: atomic
+/// adds). What each command counts is its reactor's
+/// ([`NvmeReactorStats`]).
 #[derive(Debug, Default)]
 pub struct NvmeStats {
     /// Connected queues (admin and I/O).
     pub queues: AtomicU64,
-    /// Commands received, by [`NvmeStats::CLASSES`].
-    pub commands: [AtomicU64; 6],
-    /// Commands answered with an error status.
-    pub errors: AtomicU64,
-    pub bytes_read: AtomicU64,
-    pub bytes_written: AtomicU64,
     /// Connections ended by a termination request for a broken PDU.
     pub terminations: AtomicU64,
     /// Controllers torn down because their host sent no keep-alive.
@@ -150,6 +146,18 @@ impl NvmeStats {
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Relaxed);
     }
+}
+
+/// One reactor's counts of the NVMe-oF commands its queues received, with
+/// a single writer like the rest of [`ReactorStats`], summed on scrape.
+#[derive(Debug, Default)]
+pub struct NvmeReactorStats {
+    /// Commands received, by [`NvmeStats::CLASSES`].
+    pub commands: [Counter; 6],
+    /// Commands answered with an error status.
+    pub errors: Counter,
+    pub bytes_read: Counter,
+    pub bytes_written: Counter,
 }
 
 /// Counters of the limits, for the metrics endpoint (several writers).
@@ -267,8 +275,11 @@ pub struct ReactorStats {
     pub cpu: AtomicI32,
     /// Queue pairs it serves now.
     pub queue_pairs: Counter,
-    /// Commands received (every opcode, including refused ones).
+    /// Commands received (every opcode, including refused ones; rdmablk v1
+    /// and NVMe-oF).
     pub commands: Counter,
+    /// NVMe-oF commands, by class, and their errors and bytes.
+    pub nvme: NvmeReactorStats,
     /// Pool chunks it owns.
     pub pool_chunks: Counter,
     /// Pool chunks in use by commands (held, with the kernel or with the
@@ -311,6 +322,7 @@ impl Default for ReactorStats {
             cpu: AtomicI32::new(-1),
             queue_pairs: Counter::default(),
             commands: Counter::default(),
+            nvme: NvmeReactorStats::default(),
             pool_chunks: Counter::default(),
             pool_in_use: Counter::default(),
             pool_waiting: Counter::default(),
@@ -439,14 +451,21 @@ pub fn render(s: &Scrape<'_>) -> String {
         let _ = writeln!(out, "rdmablk_nvme_controllers {controllers}");
         header(&mut out, "rdmablk_nvme_queues", "gauge", "NVMe-oF queues connected (admin and I/O).");
         let _ = writeln!(out, "rdmablk_nvme_queues {}", n.queues.load(Relaxed));
+        let sum = |f: fn(&NvmeReactorStats) -> &Counter| -> u64 { s.reactors.iter().map(|r| f(&r.nvme).get()).sum() };
         header(&mut out, "rdmablk_nvme_commands_total", "counter", "NVMe-oF commands received, by class.");
         for (i, class) in NvmeStats::CLASSES.iter().enumerate() {
-            let _ = writeln!(out, "rdmablk_nvme_commands_total{{class=\"{class}\"}} {}", n.commands[i].load(Relaxed));
+            let n: u64 = s.reactors.iter().map(|r| r.nvme.commands[i].get()).sum();
+            let _ = writeln!(out, "rdmablk_nvme_commands_total{{class=\"{class}\"}} {n}");
         }
         for (name, help, v) in [
-            ("rdmablk_nvme_errors_total", "NVMe-oF commands answered with an error status.", &n.errors),
-            ("rdmablk_nvme_read_bytes_total", "Bytes read by NVMe-oF hosts.", &n.bytes_read),
-            ("rdmablk_nvme_written_bytes_total", "Bytes written by NVMe-oF hosts.", &n.bytes_written),
+            ("rdmablk_nvme_errors_total", "NVMe-oF commands answered with an error status.", sum(|n| &n.errors)),
+            ("rdmablk_nvme_read_bytes_total", "Bytes read by NVMe-oF hosts.", sum(|n| &n.bytes_read)),
+            ("rdmablk_nvme_written_bytes_total", "Bytes written by NVMe-oF hosts.", sum(|n| &n.bytes_written)),
+        ] {
+            header(&mut out, name, "counter", help);
+            let _ = writeln!(out, "{name} {v}");
+        }
+        for (name, help, v) in [
             ("rdmablk_nvme_terminations_total", "NVMe/TCP connections ended for a broken PDU.", &n.terminations),
             ("rdmablk_nvme_keep_alive_timeouts_total", "NVMe-oF controllers torn down for a missed keep-alive.", &n.keep_alive_timeouts),
             (
@@ -843,7 +862,7 @@ mod tests {
     fn renders_parseable_text() {
         let vs = VolumeStats::new(1);
         vs.reactor(0).ops[1].record(4096, true, Some(Duration::from_micros(3)));
-        let reactors = vec![std::sync::Arc::new(ReactorStats::default())];
+        let reactors = vec![std::sync::Arc::new(ReactorStats::default()), std::sync::Arc::new(ReactorStats::default())];
         reactors[0].queue_pairs.set(2);
         reactors[0].chunk_wait_timeouts.add(3);
         reactors[0].readahead_hits.add(5);
@@ -851,7 +870,9 @@ mod tests {
         limits.refused_sessions.fetch_add(3, Relaxed);
         limits.handshakes.fetch_add(2, Relaxed);
         let nvme = NvmeStats::default();
-        nvme.commands[1].store(5, std::sync::atomic::Ordering::Relaxed);
+        // Each reactor counts its queues' commands; the scrape sums them.
+        reactors[0].nvme.commands[1].add(3);
+        reactors[1].nvme.commands[1].add(2);
         nvme.terminations.store(1, std::sync::atomic::Ordering::Relaxed);
         let text = render(&Scrape {
             target: "t\"x",

@@ -353,6 +353,12 @@ impl Executor {
         &mut self.engine
     }
 
+    /// The counters of the reactor it runs on (the runtime's), which the
+    /// front ends' queues on that reactor write too.
+    pub fn stats(&self) -> &Arc<ReactorStats> {
+        &self.stats
+    }
+
     /// The next event for an owner, in the order they happened. A command's
     /// id is free again once its `Done` was handed out here (not before:
     /// news of an earlier command must never reach a newer one that took

@@ -39,6 +39,7 @@ use crate::engine::exec::{self, Accounts, CmdId, Event, Executor, Owner, Request
 use crate::backend::VolumeSet;
 use crate::engine::pool::{ChunkId, PoolAccount};
 use crate::error::{Error, ErrorKind};
+use crate::metrics::ReactorStats;
 
 /// Where data to send lives.
 #[derive(Debug)]
@@ -233,6 +234,9 @@ pub struct Queue {
     /// (the peer's source address, shared by its connections).
     reactor: usize,
     host_account: Option<Arc<PoolAccount>>,
+    /// Its reactor's counters (its executor's, taken at its first command:
+    /// every count follows one), written by that reactor alone.
+    stats: Option<Arc<ReactorStats>>,
     cmds: Vec<Option<Cmd>>,
     free: Vec<u16>,
     by_cid: HashMap<u16, u16>,
@@ -284,6 +288,7 @@ impl Queue {
             owner: (0, 0),
             reactor: 0,
             host_account: None,
+            stats: None,
             cmds: Vec::new(),
             free: Vec::new(),
             by_cid: HashMap::new(),
@@ -387,7 +392,9 @@ impl Queue {
 
     fn completion(&mut self, cid: u16, status: Status, result: u64) -> CompletionEntry {
         if !status.is_success() {
-            NvmeStats::add(&self.sub.stats.errors, 1);
+            if let Some(s) = &self.stats {
+                s.nvme.errors.add(1);
+            }
         }
         CompletionEntry { result, sq_head: self.sq_head as u16, sq_id: self.qid().unwrap_or(0), cid, status }
     }
@@ -452,6 +459,9 @@ impl Queue {
             self.sq_head = (self.sq_head + 1) % self.sq_entries;
         }
         self.last_heard = self.now;
+        if self.stats.is_none() {
+            self.stats = Some(Arc::clone(exec.stats()));
+        }
         let cid = sqe.cid;
         if self.conn.as_ref().is_some_and(|c| c.ctrl.is_dead()) {
             // The association was torn down: nothing more of it runs (the
@@ -460,7 +470,9 @@ impl Queue {
         }
         // An I/O command (planned against the namespaces), not a Fabrics one.
         let io = self.qid().is_some_and(|q| q > 0) && sqe.opcode != admin_opcode::FABRICS;
-        NvmeStats::add(&self.sub.stats.commands[NvmeStats::class(io, sqe.opcode)], 1);
+        let stats = self.stats.as_ref().expect("taken above");
+        stats.commands.add(1);
+        stats.nvme.commands[NvmeStats::class(io, sqe.opcode)].add(1);
         let is_connect = sqe.opcode == admin_opcode::FABRICS && sqe.fctype() == rdmablk_common::nvme::fabrics::fctype::CONNECT;
         if self.conn.is_none() && !is_connect {
             self.respond(cid, Status::COMMAND_SEQUENCE_ERROR, 0);
@@ -893,7 +905,9 @@ impl Queue {
                 let total = cmd.plan.as_ref().map_or(0, |p| if let IoPlan::Read { len, .. } = p { *len } else { 0 });
                 let buf = if zero { Buf::Zero(chunk) } else { Buf::Chunk(chunk) };
                 let then = if last {
-                    NvmeStats::add(&self.sub.stats.bytes_read, total as u64);
+                    if let Some(s) = &self.stats {
+                        s.nvme.bytes_read.add(total as u64);
+                    }
                     Some(self.completion(cid, Status::SUCCESS, 0))
                 } else {
                     None
@@ -930,7 +944,9 @@ impl Queue {
                 let status = match result {
                     Ok(()) => {
                         if let IoPlan::Write { len, .. } = plan {
-                            NvmeStats::add(&self.sub.stats.bytes_written, len as u64);
+                            if let Some(s) = &self.stats {
+                                s.nvme.bytes_written.add(len as u64);
+                            }
                         }
                         Status::SUCCESS
                     }
@@ -1925,5 +1941,44 @@ mod tests {
         assert!(!ctrl.is_dead());
         assert!(matches!(admin.check_deadlines(end, false), Due::Close(_)));
         assert!(ctrl.is_dead(), "an idle controller is torn down");
+    }
+
+    #[test]
+    fn nvme_commands_count_in_their_reactors_counters() {
+        use rdmablk_common::nvme::sqe::io_opcode;
+        let (sub, _) = subsystem(&["v"]);
+        let (_admin, mut q) = io_queue(&sub);
+        // The queues' commands so far ran on this thread's admin executor:
+        // the I/O commands run there too, as on one reactor.
+        ADMIN_EXEC.with_borrow_mut(|e| {
+            let exec = e.as_mut().expect("the executor the queues' Connects ran on");
+            let stats = Arc::clone(exec.stats());
+            let n = &stats.nvme;
+            let count = || (stats.commands.get(), n.commands[0].get(), n.commands[1].get(), n.errors.get(), n.bytes_read.get(), n.bytes_written.get());
+            let before = count();
+            let mut write = SubmissionEntry::new(io_opcode::WRITE, 20);
+            write.nsid = 1;
+            write.set_rw(0, 1, false);
+            assert!(run_on(&mut q, exec, write, &[0x11; 512]).is_empty(), "answered with its disk write");
+            assert_eq!(status(&reap_until_answered(&mut q, exec)).0, Status::SUCCESS);
+            let mut read = SubmissionEntry::new(io_opcode::READ, 21);
+            read.nsid = 1;
+            read.set_rw(0, 1, false);
+            read.set_sgl(Sgl::Transport { length: 512 });
+            assert_eq!(q.command(exec, read, 0), None);
+            match reap_until_answered(&mut q, exec).as_slice() {
+                [Action::SendData { buf: Buf::Chunk(c), then: Some(_), .. }] => exec.sent(*c),
+                other => panic!("{other:?}"),
+            }
+            let mut bad = SubmissionEntry::new(io_opcode::READ, 22);
+            bad.nsid = 9;
+            bad.set_rw(0, 1, false);
+            bad.set_sgl(Sgl::Transport { length: 512 });
+            assert_eq!(status(&run_on(&mut q, exec, bad, &[])).0, Status::INVALID_NAMESPACE);
+            let after = count();
+            assert_eq!(after.0 - before.0, 3, "the reactor's count of commands received");
+            assert_eq!((after.1 - before.1, after.2 - before.2), (2, 1), "NVMe reads and writes");
+            assert_eq!((after.3 - before.3, after.4 - before.4, after.5 - before.5), (1, 512, 512), "errors, bytes read and written");
+        });
     }
 }
