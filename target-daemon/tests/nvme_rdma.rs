@@ -1797,3 +1797,26 @@ fn handshake_and_keep_alive_deadlines_end_silent_queues_on_time() {
     on_time("no Keep Alive", &mut admin, Duration::from_secs(1));
     t.shutdown().unwrap();
 }
+
+/// A work request that fails ends its queue with a warning that says, in
+/// words, which work request and why (as rdmablk v1's do): a READ whose
+/// data the host's key does not cover fails the target's RDMA WRITE.
+#[test]
+fn a_failed_work_request_is_logged_in_words() {
+    let log = LogCapture::install();
+    let (t, url, nqn) = target();
+    let (_admin, mut io) = admin_and_io(&url, &nqn);
+    let outside = Sgl::Keyed { addr: io.data_mr.addr() + DATA as u64 - 512, length: 4096, key: io.data_mr.rkey().0, invalidate: false };
+    let mut read = SubmissionEntry::new(io_opcode::READ, io.cid());
+    read.nsid = 1;
+    read.set_rw(0, 8, false);
+    read.set_sgl(outside);
+    io.send(&read, &[]);
+    assert!(io.completion().is_err(), "the host sees a transport error, not a completion");
+    let lines = log.lines_with(" failed", Duration::from_secs(10));
+    assert!(
+        lines.iter().any(|l| l.contains(" WARN ") && l.contains("an RDMA WRITE failed: remote access error (bad rkey, range or rights)")),
+        "no warning of the failed RDMA WRITE in words: {lines:#?}"
+    );
+    t.shutdown().unwrap();
+}

@@ -68,6 +68,7 @@ use super::{
 use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
 use crate::engine::exec::{CmdId, Event, CHUNK_WINDOW};
 use crate::engine::pool::{ChunkId, SlotBuf};
+use crate::reactor::fabric::completion_reason;
 use crate::reactor::Runtime;
 use crate::registry::{Admission, ConnectionSlot, HandshakeSlot, Protocol, Seen};
 
@@ -595,7 +596,13 @@ impl NvmeRdma {
             let why = if wc.status == WcStatus::WrFlushError {
                 CloseReason::by_host(format!("{HOST_CLOSED} (the queue pair was disconnected)"))
             } else {
-                CloseReason::fault(format!("a {:?} work request failed: {:?}", wc.opcode, wc.status))
+                let what = match kind {
+                    K_RECV => "a receive",
+                    K_SEND => "a completion's SEND",
+                    K_READ => "an RDMA READ",
+                    _ => "an RDMA WRITE",
+                };
+                CloseReason::fault(completion_reason(what, wc.status))
             };
             if wc.status != WcStatus::WrFlushError && self.queue(qi).closing.is_none() {
                 tracing::warn!("nvme+rdma {}: {why}", self.queue(qi).q.peer);

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdmablk_common::fabric::{CompletionQueue, Fabric, ProtectionDomain};
+use rdmablk_common::fabric::{CompletionQueue, Fabric, ProtectionDomain, WcStatus};
 
 use crate::engine::pool::PoolRegion;
 use crate::error::{Error, ErrorKind, Result};
@@ -98,4 +98,23 @@ pub(super) fn new_cq(f: &Fabric, epoll: &Epoll, fi: usize, ci: usize, chunks: u3
     }
     epoll.add(cq.fd(), cq_token(fi, ci)).map_err(|e| Error::os("epoll_ctl", e))?;
     Ok(CqCtx { cq, reserved: 0, capacity })
+}
+
+/// Why a work completion failed, in words, for a log line or a queue's
+/// close reason: `what` ("RDMA READ") and its status.
+pub fn completion_reason(what: &str, status: WcStatus) -> String {
+    let why = match status {
+        WcStatus::Success => "success",
+        WcStatus::LocalLengthError => "local length error (message larger than the receive buffer?)",
+        WcStatus::LocalProtectionError => "local protection error",
+        WcStatus::WrFlushError => "flushed",
+        WcStatus::RemoteAccessError => "remote access error (bad rkey, range or rights)",
+        WcStatus::RemoteInvalidRequest => "remote invalid request",
+        WcStatus::RnrRetryExceeded => "receiver not ready (initiator posted no receive)",
+        WcStatus::TransportError => "transport error (connection lost)",
+        WcStatus::RemoteOperationError => "remote operation error (the initiator failed the request)",
+        WcStatus::LocalQpOperationError => "local queue pair operation error",
+        WcStatus::GeneralError => "general error",
+    };
+    format!("{what} failed: {why}")
 }

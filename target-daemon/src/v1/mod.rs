@@ -26,7 +26,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdmablk_common::fabric::{Access, Completion, ConnectRequest, QpCaps, QpNum, QueuePair, RecvWr, SendOp, Sge, WcStatus, WrId};
+use rdmablk_common::fabric::{Access, Completion, ConnectRequest, QpCaps, QpNum, QueuePair, RecvWr, SendOp, Sge, WrId};
 use rdmablk_common::protocol::{
     CommandId, ConnectReply, DataDescriptor, SessionId, CONNECT_INLINE_MAX, COMMAND_CAPSULE_SIZE, MAX_NAME_LEN, RESPONSE_SLOT_SIZE,
 };
@@ -35,6 +35,7 @@ use crate::config::TargetConfig;
 use crate::engine::exec::{CmdId, Event, CHUNK_WINDOW};
 use crate::engine::pool::{ChunkId, SlotBuf};
 use crate::error::ErrorKind;
+use crate::reactor::fabric::completion_reason;
 use crate::reactor::{Runtime, Transport, CQ_ENTRIES_PER_DEPTH};
 use crate::registry::{Admission, ConnectionSlot, HandshakeSlot};
 use session::{SharedSession, Sessions};
@@ -545,24 +546,6 @@ impl Transport for V1 {
     fn live(&self) -> usize {
         self.sessions.iter().filter(|s| s.s.is_some()).count()
     }
-}
-
-/// Why a completion failed, in words.
-fn completion_reason(what: &str, status: WcStatus) -> String {
-    let why = match status {
-        WcStatus::Success => "success",
-        WcStatus::LocalLengthError => "local length error (message larger than the receive buffer?)",
-        WcStatus::LocalProtectionError => "local protection error",
-        WcStatus::WrFlushError => "flushed",
-        WcStatus::RemoteAccessError => "remote access error (bad rkey, range or rights)",
-        WcStatus::RemoteInvalidRequest => "remote invalid request",
-        WcStatus::RnrRetryExceeded => "receiver not ready (initiator posted no receive)",
-        WcStatus::TransportError => "transport error (connection lost)",
-        WcStatus::RemoteOperationError => "remote operation error (the initiator failed the request)",
-        WcStatus::LocalQpOperationError => "local queue pair operation error",
-        WcStatus::GeneralError => "general error",
-    };
-    format!("{what} failed: {why}")
 }
 
 #[cfg(test)]
