@@ -552,17 +552,25 @@ impl NvmeRdma {
             _connection: admission.connection,
             dirty: false,
         };
+        // Receives are posted from here on: completions of them may still
+        // come if the queue is given up, and must not be taken for the next
+        // queue in the slot (as v1's `discard`).
+        let discard = |this: &mut NvmeRdma| {
+            let slot = &mut this.queues[qi as usize];
+            slot.gen = slot.gen.wrapping_add(1);
+            this.free.push(qi);
+        };
         for i in 0..entries as usize {
             if let Err(e) = r.post_recv(gen, qi, i) {
                 tracing::warn!("nvme+rdma {name}: cannot accept the queue: posting receives: {e}");
-                self.free.push(qi);
+                discard(self);
                 return;
             }
         }
         let accept = CmAccept { recfmt: RECFMT_1_0, crqsize: entries as u16 };
         if let Err(e) = r.qp.as_ref().expect("just made").accept_raw(&accept.encode()) {
             tracing::warn!("nvme+rdma {name}: cannot accept the queue: {e}");
-            self.free.push(qi);
+            discard(self);
             return;
         }
         rt.fabrics[fi].cqs[ci].reserved += reserve;
