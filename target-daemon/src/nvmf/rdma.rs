@@ -945,6 +945,7 @@ impl NvmeRdma {
                     None => {
                         // A piece before the last: its own signaled WRITE.
                         if !matches!(with, SentWith::Chunk(_) | SentWith::Zero(_)) {
+                            self.give_back(rt, qi, with);
                             self.close(qi, "admin data in pieces".into());
                             return None;
                         }
