@@ -1807,53 +1807,11 @@ mod tests {
         }
     }
 
-    /// Counts the allocations of the threads that ask for it: tests of the
+    /// Allocations `f` makes on this thread (allocation-counter replaces the
+    /// test binary's global allocator and counts per thread): tests of the
     /// per-I/O path (ARCHITECTURE.md: a turn of it allocates nothing).
-    struct CountingAllocator;
-
-    thread_local! {
-        static COUNTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-        static ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-    }
-
-    fn note_allocation() {
-        let _ = COUNTING.try_with(|c| {
-            if c.get() {
-                ALLOCATIONS.with(|a| a.set(a.get() + 1));
-            }
-        });
-    }
-
-    // SAFETY: every call goes to the system allocator unchanged; the count
-    // is a thread-local without destructor.
-    unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
-        unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
-            note_allocation();
-            unsafe { std::alloc::System.alloc(layout) }
-        }
-        unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
-            note_allocation();
-            unsafe { std::alloc::System.alloc_zeroed(layout) }
-        }
-        unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
-            note_allocation();
-            unsafe { std::alloc::System.realloc(ptr, layout, new_size) }
-        }
-        unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
-            unsafe { std::alloc::System.dealloc(ptr, layout) }
-        }
-    }
-
-    #[global_allocator]
-    static ALLOCATOR: CountingAllocator = CountingAllocator;
-
-    /// Allocations `f` makes on this thread.
     fn allocations_of(f: impl FnOnce()) -> u64 {
-        let before = ALLOCATIONS.with(|a| a.get());
-        COUNTING.with(|c| c.set(true));
-        f();
-        COUNTING.with(|c| c.set(false));
-        ALLOCATIONS.with(|a| a.get()) - before
+        allocation_counter::measure(f).count_total
     }
 
     #[test]
