@@ -62,11 +62,6 @@ impl Counter {
     pub fn add(&self, v: u64) {
         self.0.store(self.0.load(Relaxed).wrapping_add(v), Relaxed);
     }
-    /// Adds `v` where several threads write the counter (an atomic add).
-    #[inline]
-    pub fn add_shared(&self, v: u64) {
-        self.0.fetch_add(v, Relaxed);
-    }
     /// Sets the value (gauges).
     #[inline]
     pub fn set(&self, v: u64) {

@@ -384,16 +384,6 @@ impl Executor {
         self.cmds.len() - self.free_cmds.len()
     }
 
-    /// Commands waiting for a chunk.
-    pub fn waiting(&self) -> usize {
-        self.waitq.len()
-    }
-
-    /// Chunks readahead holds (a cache it gives back on demand).
-    pub fn readahead_held(&self) -> usize {
-        self.readahead.held()
-    }
-
     // ---------------------------------------------------------------- volumes
 
     /// The published volume set as this executor last saw it.

@@ -23,11 +23,6 @@ pub enum IoPlan {
 }
 
 impl IoPlan {
-    /// Whether the command's data goes through a pool chunk.
-    pub fn uses_chunk(&self) -> bool {
-        matches!(self, IoPlan::Read { .. } | IoPlan::Write { .. })
-    }
-
     pub fn namespace(&self) -> &Namespace {
         match self {
             IoPlan::Read { ns, .. }

@@ -66,9 +66,6 @@ pub const ADMIN_IN_CAPSULE: u32 = 8 << 10;
 pub const MAX_IO_QUEUES: u16 = 64;
 /// Outstanding Asynchronous Event Requests a controller holds (AERL + 1).
 pub const MAX_AERS: usize = 4;
-/// How often an admin queue looks at the namespaces at most (a reload
-/// raises a namespace-attribute-changed event), when nothing else wakes it.
-pub const ADMIN_TICK: Duration = Duration::from_millis(250);
 
 /// What a front end needs from the running target.
 pub struct Subsystem {

@@ -1184,10 +1184,6 @@ impl Queue {
             tracing::info!("nvme controller {} of host {:?} is gone", ctrl.id, ctrl.host_nqn);
         }
     }
-
-    pub fn stopping(&self) -> bool {
-        self.sub.stopping.load(Ordering::Acquire)
-    }
 }
 
 /// Whether a command's SGL (bytes 24..40) names no data: its length field

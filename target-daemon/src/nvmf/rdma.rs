@@ -1201,10 +1201,6 @@ impl RQueue {
 }
 
 impl crate::reactor::Transport for NvmeRdma {
-    fn name(&self) -> &'static str {
-        "nvme+rdma"
-    }
-
     fn adopt(&mut self, rt: &mut Runtime, conn: Box<dyn Any + Send>) {
         match conn.downcast::<Accept>() {
             Ok(a) => self.adopt_queue(rt, *a),
@@ -1230,9 +1226,6 @@ impl crate::reactor::Transport for NvmeRdma {
         let news = self.seen.news(&rt.registry);
         if news.fences {
             self.close_torn_down();
-            // A controller elsewhere may have lost its last I/O queue: its
-            // admin queue here may idle out now.
-            self.deadlines_stale = true;
         }
         if news.volumes {
             for qi in 0..self.queues.len() as u16 {

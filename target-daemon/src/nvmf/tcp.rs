@@ -1002,10 +1002,6 @@ impl Conn {
 }
 
 impl Transport for NvmeTcp {
-    fn name(&self) -> &'static str {
-        "nvme+tcp"
-    }
-
     fn adopt(&mut self, rt: &mut Runtime, conn: Box<dyn Any + Send>) {
         match conn.downcast::<Accept>() {
             Ok(a) => self.adopt_conn(rt, *a),
@@ -1040,9 +1036,6 @@ impl Transport for NvmeTcp {
         let news = self.seen.news(&rt.registry);
         if news.fences {
             self.close_torn_down();
-            // A controller elsewhere may have lost its last I/O queue: its
-            // admin queue here may idle out now.
-            self.deadlines_stale = true;
         }
         if news.volumes {
             for ci in 0..self.conns.len() as u16 {

@@ -88,8 +88,6 @@ const TRANSPORT_KEY_BITS: u32 = 56;
 /// on the reactor's thread, with the [`Runtime`] it shares with the
 /// other transports. Nothing here may block.
 pub trait Transport {
-    /// A name for logs (`v1`, `nvme+tcp`, ...).
-    fn name(&self) -> &'static str;
     /// Takes a new connection the control thread handed over: whatever
     /// that transport's listener produces (its own type, downcast here).
     fn adopt(&mut self, rt: &mut Runtime, conn: Box<dyn Any + Send>);
@@ -110,9 +108,6 @@ pub trait Transport {
     fn turn(&mut self, _rt: &mut Runtime) {}
     /// At the end of every turn: posts what it queued this turn.
     fn flush(&mut self, _rt: &mut Runtime) {}
-    /// Before the reactor sleeps: arms what should end the sleep (socket
-    /// receives through the ring).
-    fn before_sleep(&mut self, _rt: &mut Runtime) {}
     /// The earliest moment [`Transport::check_deadlines`] has something to do.
     fn next_deadline(&self, rt: &Runtime) -> Option<Instant>;
     /// Deadlines that passed by `now` (the turn's start: deadlines are of
@@ -658,9 +653,6 @@ impl Reactor {
     /// as a sleep's would be; if its end is not reaped yet, the reactor
     /// sleeps in the ring, where that end wakes it.
     fn idle_wait(&mut self) -> Result<Instant> {
-        for t in self.transports.iter_mut() {
-            t.before_sleep(&mut self.rt);
-        }
         let engine = self.rt.exec.engine_mut();
         if engine.sleeps_in_ring() && engine.inflight() == 0 && engine.recvs_armed() == 0 && engine.wake_poll_armed() {
             engine.withdraw_wake_poll()?;

@@ -432,10 +432,6 @@ impl V1 {
 }
 
 impl Transport for V1 {
-    fn name(&self) -> &'static str {
-        "v1"
-    }
-
     fn adopt(&mut self, rt: &mut Runtime, conn: Box<dyn Any + Send>) {
         match conn.downcast::<Accept>() {
             Ok(a) => self.add_session(rt, *a),
