@@ -2,6 +2,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
 use rdmablk_common::nvme::fabrics::{
     connect_data_offset, fctype, invalid_connect_parameter, property, Connect, ConnectData, Property, ANY_CONTROLLER,
@@ -103,7 +104,7 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
         // torn down first).
         if !discovery {
             match q.fence(&d.host_nqn) {
-                Fence::Wait => return Reply::Fence,
+                Fence::Wait { for_turns } => return Reply::Fence { for_turns },
                 Fence::Go => {}
                 Fence::GaveUp => {
                     tracing::warn!(
@@ -136,6 +137,9 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
         let id = ctrl.id;
         q.conn = Some(Connected { qid: 0, ctrl, host });
         q.sub.stats.queues.fetch_add(1, Ordering::Relaxed);
+        // Its keep-alive and idle clocks start now, not when the Connect
+        // came: the fence may have held it for longer than either.
+        q.last_heard = Instant::now();
         q.kept_alive();
         return Reply::Done { status: Status::SUCCESS, result: id as u64 };
     }

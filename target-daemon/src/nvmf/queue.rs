@@ -104,9 +104,10 @@ pub enum Reply {
     /// Held (Asynchronous Event Request); answered later.
     Held,
     /// A Connect the fence holds: the same host's old association still
-    /// has queues (and their disk writes) to finish. Tried again when the
-    /// registry's fence generation moves, until `target.fence_timeout`.
-    Fence,
+    /// has queues (and their disk writes) to finish, or the reactors have
+    /// yet to turn twice (`for_turns`, as [`Fence::Wait`] says). Tried
+    /// again on each turn of its transport, until `target.fence_timeout`.
+    Fence { for_turns: bool },
 }
 
 impl Reply {
@@ -208,8 +209,12 @@ enum Idleness {
 /// What the fence says of an admin Connect ([`Queue::fence`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fence {
-    /// Held: answered later.
-    Wait,
+    /// Held: answered later. `for_turns`: the barrier (every reactor
+    /// turned twice since the Connect came) had not passed when the fence
+    /// looked, so the reactors are woken to turn, the Connect's own too,
+    /// for the next try. Otherwise only an old association is busy, and
+    /// its end (fence news) or the deadline brings the next try.
+    Wait { for_turns: bool },
     /// Nothing of an old association can land any more: go on.
     Go,
     /// `target.fence_timeout` passed with an old association still busy.
@@ -727,7 +732,7 @@ impl Queue {
         match reply {
             // A notice may already be waiting for a request to carry it.
             Reply::Held => self.send_events(),
-            Reply::Fence => self.hold_connect(slot),
+            Reply::Fence { for_turns } => self.hold_connect(slot, for_turns),
             Reply::Done { status, result } => self.respond_slot(slot, status, result),
             Reply::Data { data } => {
                 let sqe = self.cmds[slot as usize].as_ref().expect("live command").sqe;
@@ -758,15 +763,18 @@ impl Queue {
     // ---------------------------------------------------------------- the fence
 
     /// Holds the Connect in `slot` until the fence lets it through: its
-    /// deadline and barrier are those of its first try.
-    fn hold_connect(&mut self, slot: u16) {
+    /// deadline and barrier are those of its first try. `for_turns`: the
+    /// fence waits for the barrier, so every reactor is woken to turn (and
+    /// so look at its sockets), this one too, to try it again. That is
+    /// the fence's look, not a second one here: the reactors may have
+    /// turned in between, and a hold that then woke nobody would leave the
+    /// Connect unanswered until a deadline.
+    fn hold_connect(&mut self, slot: u16, for_turns: bool) {
         if self.held_connect.is_none() {
             let turns = self.sub.registry.turns().collect();
             self.held_connect = Some(HeldConnect { slot, deadline: Instant::now() + self.sub.cfg.fence_timeout, turns });
         }
-        let held = self.held_connect.as_ref().expect("held just now");
-        if !self.barrier_passed(held) {
-            // Every reactor turns (and so looks at its sockets) for it.
+        if for_turns {
             self.sub.registry.wake_reactors();
         }
     }
@@ -805,12 +813,13 @@ impl Queue {
     /// also keep several live controllers, one per path: those stay.)
     pub fn fence(&self, host_nqn: &str) -> Fence {
         let (live, busy) = self.sub.controllers_of(host_nqn);
-        let Some(h) = &self.held_connect else { return if live > 0 || busy { Fence::Wait } else { Fence::Go } };
+        // A first look: the barrier starts with the hold.
+        let Some(h) = &self.held_connect else { return if live > 0 || busy { Fence::Wait { for_turns: true } } else { Fence::Go } };
         let before_deadline = Instant::now() < h.deadline;
         match (self.barrier_passed(h), busy) {
-            (false, _) if before_deadline => Fence::Wait,
+            (false, _) if before_deadline => Fence::Wait { for_turns: true },
             (_, false) => Fence::Go,
-            (_, true) if before_deadline => Fence::Wait,
+            (_, true) if before_deadline => Fence::Wait { for_turns: false },
             (_, true) => Fence::GaveUp,
         }
     }
@@ -1720,6 +1729,47 @@ mod tests {
         turn(REACTORS - 1..REACTORS);
         assert!(!q.retry_connect(&mut exec), "still held once every reactor turned twice");
         assert_eq!(status(&std::mem::take(&mut q.actions)).0, Status::SUCCESS);
+    }
+
+    /// A held Connect is tried again on each turn of its reactor; a try
+    /// that finds the barrier not passed wakes every reactor (its own
+    /// too) for the next. The other reactors may complete their turns
+    /// between the fence's look and the hold: the hold must still wake its
+    /// reactor for one more try, or nothing does until a deadline (an
+    /// admin Connect answered seconds late: seen as a flaky
+    /// `controllers_are_bounded_...` system test, 1 run in ~40).
+    #[test]
+    fn a_held_connect_whose_barrier_passes_while_it_is_held_again_is_tried_once_more() {
+        let (sub, _) = subsystem_on(&["a"], 2);
+        let wake = Arc::new(crate::sys::EventFd::new().unwrap());
+        sub.registry.add_waker(Arc::clone(&wake));
+        let mut exec = executor(&sub);
+        let _first = admin(&sub);
+        let mut q = queue(&sub);
+        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid: 0, sqsize: 31, cattr: 0, kato_ms: 0 };
+        let mut d = [0u8; CONNECT_DATA_SIZE];
+        ConnectData { host_id: [7; 16], controller_id: 0xffff, subsystem_nqn: sub.nqn.clone(), host_nqn: HOST.into() }.encode(&mut d).unwrap();
+        assert!(run_on(&mut q, &mut exec, c.to_entry(1), &d).is_empty(), "the Connect is held");
+        assert!(wake.drain(), "holding it woke no reactor");
+        // A try on the next turn: the fence looks before the reactors turned...
+        let slot = q.held_connect.as_ref().expect("held").slot;
+        let fence = q.fence(HOST);
+        assert_eq!(fence, Fence::Wait { for_turns: true });
+        // ...and they turn twice before the Connect is held again.
+        for r in 0..2 {
+            sub.registry.turned(r);
+            sub.registry.turned(r);
+        }
+        q.hold_connect(slot, true);
+        assert!(wake.drain(), "held again without a wake-up: nothing tries it until a deadline");
+        let answered = Instant::now();
+        assert!(!q.retry_connect(&mut exec), "the next try answers it");
+        assert_eq!(status(&std::mem::take(&mut q.actions)).0, Status::SUCCESS);
+        // The controller (KATO 0) is idle from its creation, not from the
+        // Connect's arrival, which the fence may have held for longer
+        // than idle_timeout (it was then torn down as idle at once).
+        let idle = sub.cfg.idle_timeout;
+        assert!(q.deadline().expect("an idle deadline") >= answered + idle, "idle from before the controller existed");
     }
 
     #[test]
