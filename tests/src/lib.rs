@@ -7,6 +7,7 @@
 
 pub mod nvme_tcp;
 pub mod raw;
+pub mod read_gate;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};

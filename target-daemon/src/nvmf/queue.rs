@@ -1460,9 +1460,7 @@ mod tests {
     fn connect_data_errors_name_the_field_at_fault() {
         let (sub, _) = subsystem(&["a"]);
         let mut q = queue(&sub);
-        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid: 0, sqsize: 31, cattr: 0, kato_ms: 0 };
-        let mut d = [0u8; CONNECT_DATA_SIZE];
-        ConnectData { host_id: [7; 16], controller_id: 0xffff, subsystem_nqn: sub.nqn.clone(), host_nqn: HOST.into() }.encode(&mut d).unwrap();
+        let (c, mut d) = admin_connect_of(&sub);
         d[512..768].fill(b'x');
         assert_eq!(status(&run(&mut q, c.to_entry(1), &d)), (Status::CONNECT_INVALID_PARAMETERS, 0x1_0200), "HOSTNQN");
     }
@@ -1701,6 +1699,23 @@ mod tests {
         assert!(q.actions.is_empty(), "{:?}", q.actions);
     }
 
+    /// An admin Connect (KATO 0) of HOST and its data.
+    fn admin_connect_of(sub: &Subsystem) -> (rdmablk_common::nvme::fabrics::Connect, [u8; CONNECT_DATA_SIZE]) {
+        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid: 0, sqsize: 31, cattr: 0, kato_ms: 0 };
+        let mut d = [0u8; CONNECT_DATA_SIZE];
+        ConnectData { host_id: [7; 16], controller_id: 0xffff, subsystem_nqn: sub.nqn.clone(), host_nqn: HOST.into() }.encode(&mut d).unwrap();
+        (c, d)
+    }
+
+    /// A new queue whose admin Connect of HOST the fence holds (HOST has
+    /// a live controller already).
+    fn held_admin_connect(sub: &Arc<Subsystem>, exec: &mut Executor) -> Queue {
+        let mut q = queue(sub);
+        let (c, d) = admin_connect_of(sub);
+        assert!(run_on(&mut q, exec, c.to_entry(1), &d).is_empty(), "the Connect is held");
+        q
+    }
+
     #[test]
     fn a_held_connect_waits_for_every_reactor_to_turn_twice_however_many_there_are() {
         const REACTORS: usize = 100;
@@ -1710,11 +1725,7 @@ mod tests {
         // association whose reset a reactor has not seen yet)...
         let _first = admin(&sub);
         // ...so its next admin Connect waits until every reactor turned twice.
-        let mut q = queue(&sub);
-        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid: 0, sqsize: 31, cattr: 0, kato_ms: 0 };
-        let mut d = [0u8; CONNECT_DATA_SIZE];
-        ConnectData { host_id: [7; 16], controller_id: 0xffff, subsystem_nqn: sub.nqn.clone(), host_nqn: HOST.into() }.encode(&mut d).unwrap();
-        assert!(run_on(&mut q, &mut exec, c.to_entry(1), &d).is_empty(), "the Connect is held");
+        let mut q = held_admin_connect(&sub, &mut exec);
         let turn = |reactors: std::ops::Range<usize>| {
             for r in reactors {
                 sub.registry.turned(r);
@@ -1745,11 +1756,7 @@ mod tests {
         sub.registry.add_waker(Arc::clone(&wake));
         let mut exec = executor(&sub);
         let _first = admin(&sub);
-        let mut q = queue(&sub);
-        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid: 0, sqsize: 31, cattr: 0, kato_ms: 0 };
-        let mut d = [0u8; CONNECT_DATA_SIZE];
-        ConnectData { host_id: [7; 16], controller_id: 0xffff, subsystem_nqn: sub.nqn.clone(), host_nqn: HOST.into() }.encode(&mut d).unwrap();
-        assert!(run_on(&mut q, &mut exec, c.to_entry(1), &d).is_empty(), "the Connect is held");
+        let mut q = held_admin_connect(&sub, &mut exec);
         assert!(wake.drain(), "holding it woke no reactor");
         // A try on the next turn: the fence looks before the reactors turned...
         let slot = q.held_connect.as_ref().expect("held").slot;
