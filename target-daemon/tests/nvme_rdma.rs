@@ -24,6 +24,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rdmablk_system_tests::{file_volume, sparse_file, BusyCpus};
 use rdmablk_system_tests::read_gate::{tmpfs_dir, ReadGate};
+use rdmablk_system_tests::stamp::{describe, stamp};
 use rdmablk_target::{Config, RunningTarget, Target};
 
 const HOST_NQN: &str = "nqn.2014-08.org.example:rdma-host";
@@ -832,6 +833,7 @@ const RESET_HOST_NQN: &str = "nqn.2014-08.org.example:rdma-resetting-host";
 const OBSERVER_NQN: &str = "nqn.2014-08.org.example:rdma-observer";
 /// The volume's block size; the stamped unit of the versioned data.
 const RBS: usize = 4096;
+const _: () = assert!(RBS == rdmablk_system_tests::stamp::STAMP_BLOCK);
 const RESET_VOLUME: u64 = 16 << 20;
 const RESET_IO_QUEUES: usize = 2;
 /// Commands in flight per round, over the I/O queues.
@@ -853,8 +855,6 @@ const CONNECT_WAIT: Duration = Duration::from_secs(8);
 const SETTLE: Duration = Duration::from_millis(300);
 /// How long a round waits for the completions it takes before the teardown.
 const LOAD_WAIT: Duration = Duration::from_secs(5);
-/// The stamp at the start of every block the test writes.
-const MAGIC: &[u8; 8] = b"RDMARST1";
 /// A command's part of its queue's data area: the largest command.
 const AREA: usize = RESET_SLOT_BLOCKS as usize * RBS;
 const _: () = assert!(RESET_COMMANDS / RESET_IO_QUEUES * AREA <= DATA);
@@ -962,40 +962,6 @@ fn associate<T>(
         })
         .collect();
     (Association { admin, io }, took, early)
-}
-
-/// Block `index` of command `cmd` of round `round`, written at `lba`: a
-/// header naming all four, then filler that depends on them.
-fn stamp(round: u32, cmd: u32, index: u32, lba: u64) -> Vec<u8> {
-    let mut b = vec![0u8; RBS];
-    b[..8].copy_from_slice(MAGIC);
-    b[8..12].copy_from_slice(&round.to_le_bytes());
-    b[12..16].copy_from_slice(&cmd.to_le_bytes());
-    b[16..20].copy_from_slice(&index.to_le_bytes());
-    b[20..28].copy_from_slice(&lba.to_le_bytes());
-    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (round as u64) << 40 ^ (cmd as u64) << 20 ^ index as u64 ^ lba.rotate_left(29);
-    for w in b[32..].chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        w.copy_from_slice(&x.to_le_bytes());
-    }
-    b
-}
-
-/// What a 4 KiB block holds, for a failure message.
-fn describe(b: &[u8]) -> String {
-    if b.iter().all(|&x| x == 0) {
-        return "zeroes".into();
-    }
-    if &b[..8] != MAGIC {
-        return format!("unknown bytes {:02x?}...", &b[..16]);
-    }
-    let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
-    let (round, cmd, index) = (u32_at(8), u32_at(12), u32_at(16));
-    let lba = u64::from_le_bytes(b[20..28].try_into().unwrap());
-    let whole = if b == stamp(round, cmd, index, lba).as_slice() { "" } else { ", NOT intact (a mix)" };
-    format!("round {round} command {cmd} block {index} (written at LBA {lba}){whole}")
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

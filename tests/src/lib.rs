@@ -8,6 +8,7 @@
 pub mod nvme_tcp;
 pub mod raw;
 pub mod read_gate;
+pub mod stamp;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};

@@ -36,12 +36,14 @@ use rdmablk_common::nvme::sqe::{io_opcode, Sgl};
 use rdmablk_common::nvme::status::Status;
 use rdmablk_common::nvme::tcp::{Digests, Pdu};
 use rdmablk_system_tests::nvme_tcp::{connect_data, connect_entry, rw_entry, ConnError, NvmeTcpConn, DEFAULT_TIMEOUT};
+use rdmablk_system_tests::stamp::{describe, stamp};
 use rdmablk_system_tests::{file_volume, listen_host, sparse_file, TargetProcess};
 
 const MIB: u64 = 1 << 20;
 const VOL_SIZE: u64 = 64 * MIB;
 const BS: u32 = 4096;
 const BSZ: usize = BS as usize;
+const _: () = assert!(BSZ == rdmablk_system_tests::stamp::STAMP_BLOCK);
 const NSID: u32 = 1;
 const SUBNQN: &str = "nqn.2026-11.io.rdmablk.test:nvme-reset";
 const HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:5e7a11ed-0b5e-4c0e-9d1e-0123456789ab";
@@ -63,8 +65,6 @@ const CONNECT_LIMIT: Duration = Duration::from_secs(1);
 const CONNECT_WAIT: Duration = Duration::from_secs(8);
 /// Between the two read-backs: an old write landing late shows here.
 const SETTLE: Duration = Duration::from_millis(300);
-/// The stamp at the start of every block this test writes.
-const MAGIC: &[u8; 8] = b"RSTBLK01";
 
 fn seed() -> u64 {
     std::env::var("RDMABLK_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random)
@@ -178,40 +178,6 @@ fn associate(target: &TargetProcess, addr: SocketAddr, round: u32, after: &str) 
 
 // ---------------------------------------------------------------------------
 // The versioned data
-
-/// Block `index` of command `cmd` of round `round`, written at `lba`: a
-/// header naming all four, then filler that depends on them.
-fn stamp(round: u32, cmd: u32, index: u32, lba: u64) -> Vec<u8> {
-    let mut b = vec![0u8; BSZ];
-    b[..8].copy_from_slice(MAGIC);
-    b[8..12].copy_from_slice(&round.to_le_bytes());
-    b[12..16].copy_from_slice(&cmd.to_le_bytes());
-    b[16..20].copy_from_slice(&index.to_le_bytes());
-    b[20..28].copy_from_slice(&lba.to_le_bytes());
-    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (round as u64) << 40 ^ (cmd as u64) << 20 ^ index as u64 ^ lba.rotate_left(29);
-    for w in b[32..].chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        w.copy_from_slice(&x.to_le_bytes());
-    }
-    b
-}
-
-/// What a 4 KiB block holds, for a failure message.
-fn describe(b: &[u8]) -> String {
-    if b.iter().all(|&x| x == 0) {
-        return "zeroes".into();
-    }
-    if &b[..8] != MAGIC {
-        return format!("unknown bytes {:02x?}...", &b[..16]);
-    }
-    let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
-    let (round, cmd, index) = (u32_at(8), u32_at(12), u32_at(16));
-    let lba = u64::from_le_bytes(b[20..28].try_into().unwrap());
-    let whole = if b == stamp(round, cmd, index, lba).as_slice() { "" } else { ", NOT intact (a mix)" };
-    format!("round {round} command {cmd} block {index} (written at LBA {lba}){whole}")
-}
 
 // ---------------------------------------------------------------------------
 // A round's commands
