@@ -498,17 +498,25 @@ impl std::io::Write for LogCapture {
 }
 
 impl LogCapture {
-    /// Installs the capture as the process's subscriber (at INFO).
+    /// The process's subscriber (at INFO), installed by the first test
+    /// that asks. One for all: the VM runs this binary's tests in one
+    /// process, where a second global subscriber cannot be set. Each test
+    /// looks only for lines that name what it did.
     fn install() -> LogCapture {
-        let capture = LogCapture::default();
-        let writer = capture.clone();
-        tracing_subscriber::fmt()
-            .with_ansi(false)
-            .with_max_level(tracing::Level::INFO)
-            .with_writer(move || writer.clone())
-            .try_init()
-            .expect("no other subscriber in this test");
-        capture
+        static CAPTURE: std::sync::OnceLock<LogCapture> = std::sync::OnceLock::new();
+        CAPTURE
+            .get_or_init(|| {
+                let capture = LogCapture::default();
+                let writer = capture.clone();
+                tracing_subscriber::fmt()
+                    .with_ansi(false)
+                    .with_max_level(tracing::Level::INFO)
+                    .with_writer(move || writer.clone())
+                    .try_init()
+                    .expect("no other subscriber in this test binary");
+                capture
+            })
+            .clone()
     }
 
     /// The captured lines that contain `needle`, waiting up to `within`
