@@ -129,6 +129,16 @@ impl TargetProcess {
         }
     }
 
+    /// The NVMe/TCP listener's address, from the daemon's "listening on
+    /// nvme+tcp://IP:PORT" line (a port-0 listen's real port).
+    pub fn nvme_tcp_addr(&self) -> std::net::SocketAddr {
+        use std::net::ToSocketAddrs;
+        let line = self.wait_for_log("listening on nvme+tcp://", Duration::from_secs(10));
+        let at = line.find("nvme+tcp://").unwrap() + "nvme+tcp://".len();
+        let hp: String = line[at..].chars().take_while(|c| !c.is_whitespace() && *c != '"' && *c != ',').collect();
+        hp.to_socket_addrs().unwrap_or_else(|e| panic!("{hp:?} from {line:?}: {e}")).next().expect("an address")
+    }
+
     /// The process id.
     pub fn pid(&self) -> u32 {
         self.child.id()

@@ -25,7 +25,7 @@
 //! The new association is the next round's. `RDMABLK_TEST_SEED` replays
 //! the commands' layout; `RDMABLK_RESET_ROUNDS` changes the round count.
 
-use std::net::{Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -74,14 +74,6 @@ fn rounds() -> u32 {
     std::env::var("RDMABLK_RESET_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(ROUNDS)
 }
 
-/// The NVMe/TCP listener's address, from the daemon's log.
-fn nvme_addr(target: &TargetProcess) -> SocketAddr {
-    let line = target.wait_for_log("listening on nvme+tcp://", Duration::from_secs(10));
-    let at = line.find("nvme+tcp://").unwrap() + "nvme+tcp://".len();
-    let hp: String = line[at..].chars().take_while(|c| !c.is_whitespace() && *c != '"' && *c != ',').collect();
-    hp.to_socket_addrs().unwrap_or_else(|e| panic!("{hp:?} from {line:?}: {e}")).next().expect("an address")
-}
-
 fn start_target(dir: &Path) -> (TargetProcess, SocketAddr) {
     let img = sparse_file(dir, "vol.img", VOL_SIZE);
     let host = listen_host();
@@ -93,7 +85,7 @@ fn start_target(dir: &Path) -> (TargetProcess, SocketAddr) {
     let path = dir.join("target.toml");
     std::fs::write(&path, config).unwrap();
     let target = TargetProcess::start_with_path(&path);
-    let addr = nvme_addr(&target);
+    let addr = target.nvme_tcp_addr();
     (target, addr)
 }
 

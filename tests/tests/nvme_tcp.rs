@@ -19,7 +19,7 @@
 //! - discovery, per-host namespaces (`[[host]] nqn`), both front ends on
 //!   one volume, and many controllers and queues in parallel.
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -71,21 +71,12 @@ fn nvme_volume(name: &str, path: &Path, size: u64, read_only: bool, nsid: Option
     v
 }
 
-/// The NVMe/TCP listener's address, from the daemon's "listening on
-/// nvme+tcp://IP:PORT" line.
-fn nvme_addr(target: &TargetProcess) -> SocketAddr {
-    let line = target.wait_for_log("listening on nvme+tcp://", Duration::from_secs(10));
-    let at = line.find("nvme+tcp://").unwrap() + "nvme+tcp://".len();
-    let hp: String = line[at..].chars().take_while(|c| !c.is_whitespace() && *c != '"' && *c != ',').collect();
-    hp.to_socket_addrs().unwrap_or_else(|e| panic!("{hp:?} from {line:?}: {e}")).next().expect("an address")
-}
-
 /// A daemon on a config file in `dir` (kept, for restarts).
 fn start_on(dir: &Path, config: &str) -> (TargetProcess, SocketAddr, PathBuf) {
     let path = dir.join("target.toml");
     std::fs::write(&path, config).unwrap();
     let target = TargetProcess::start_with_path(&path);
-    let addr = nvme_addr(&target);
+    let addr = target.nvme_tcp_addr();
     (target, addr, path)
 }
 
@@ -221,7 +212,7 @@ fn admin_queue_connects_enables_and_identifies_controller_and_namespaces() {
     drop(admin);
     target.kill_and_wait();
     let target = TargetProcess::start_with_path(&config_path);
-    let addr = nvme_addr(&target);
+    let addr = target.nvme_tcp_addr();
     let (mut admin, _) = NvmeTcpConn::admin(addr, NO_DIGESTS, SUBNQN, HOSTNQN, 0);
     assert_eq!(descriptors(&mut admin, 1), (nguid1, uuid1), "namespace 1's NGUID/UUID changed over a restart");
     assert_eq!(descriptors(&mut admin, 7), (nguid7, uuid7), "namespace 7's NGUID/UUID changed over a restart");

@@ -14,7 +14,7 @@
 //! privilege, a tmpfs taking O_DIRECT (Linux 6.6) or a reactor that stays
 //! free while the read is held, the test says so and passes.
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -43,21 +43,12 @@ fn nvme_section(extra: &str) -> String {
     format!("[target]\nlisten = [\"nvme+tcp://{host}:0\"]\nnqn = \"{SUBNQN}\"\n{extra}")
 }
 
-/// The NVMe/TCP listener's address, from the daemon's "listening on
-/// nvme+tcp://IP:PORT" line.
-fn nvme_addr(target: &TargetProcess) -> SocketAddr {
-    let line = target.wait_for_log("listening on nvme+tcp://", Duration::from_secs(10));
-    let at = line.find("nvme+tcp://").unwrap() + "nvme+tcp://".len();
-    let hp: String = line[at..].chars().take_while(|c| !c.is_whitespace() && *c != '"' && *c != ',').collect();
-    hp.to_socket_addrs().unwrap_or_else(|e| panic!("{hp:?} from {line:?}: {e}")).next().expect("an address")
-}
-
 /// A daemon on a config file in `dir`.
 fn start_on(dir: &Path, config: &str) -> (TargetProcess, SocketAddr, PathBuf) {
     let path = dir.join("target.toml");
     std::fs::write(&path, config).unwrap();
     let target = TargetProcess::start_with_path(&path);
-    let addr = nvme_addr(&target);
+    let addr = target.nvme_tcp_addr();
     (target, addr, path)
 }
 
