@@ -16,11 +16,14 @@
 //!   maps an error to a wire status;
 //! - [`fabrics`]: Connect (command and its 1,024-byte data), Property
 //!   Get/Set, Disconnect;
+//! - [`auth`]: in-band authentication (DH-HMAC-CHAP): secrets, responses,
+//!   FFDHE, the Authentication Send/Receive messages;
 //! - [`tcp`]: the NVMe/TCP PDUs (ICReq/ICResp, CapsuleCmd/CapsuleResp,
 //!   H2CData, C2HData, R2T, the termination requests) and their digests;
 //! - [`rdma`]: the NVMe/RDMA connect request, accept and reject (rdma_cm
 //!   private data).
 
+pub mod auth;
 pub mod cqe;
 pub mod fabrics;
 pub mod rdma;

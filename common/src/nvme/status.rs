@@ -57,6 +57,10 @@ impl Status {
     pub const CONNECT_INVALID_HOST: Status = Status::specific(0x84).no_retry();
     /// Disconnect: sent on the admin queue (it deletes an I/O queue).
     pub const INVALID_QUEUE_TYPE: Status = Status::specific(0x85).no_retry();
+    /// A command other than Connect, Property Get/Set and Authentication
+    /// Send/Receive on a queue whose host has not authenticated yet
+    /// (Linux's NVME_SC_AUTH_REQUIRED).
+    pub const AUTHENTICATION_REQUIRED: Status = Status::specific(0x91).no_retry();
 
     pub const WRITE_FAULT: Status = Status::media(0x80);
     pub const UNRECOVERED_READ_ERROR: Status = Status::media(0x81);
@@ -119,6 +123,8 @@ mod tests {
             (Status::SGL_OFFSET_INVALID, 0x4016),
             (Status::COMMAND_SEQUENCE_ERROR, 0x400c),
             (Status::TRANSIENT_TRANSPORT_ERROR, 0x0022),
+            // NVME_SC_AUTH_REQUIRED | NVME_STATUS_DNR, as nvmet answers.
+            (Status::AUTHENTICATION_REQUIRED, 0x4191),
         ] {
             assert_eq!(s.to_field() >> 1, linux, "{s}");
             assert_eq!(Status::from_field(s.to_field()), s);
