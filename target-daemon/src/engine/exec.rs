@@ -54,6 +54,40 @@ pub const CHUNK_WINDOW: u32 = 8;
 /// `target.chunk_wait_timeout` (each is a pass over the line and a log
 /// line): the first one due is answered on time, later ones within this.
 const CHUNK_SWEEP_INTERVAL: Duration = Duration::from_millis(250);
+/// Chunks of a reactor's pool that only control commands' answer data
+/// (v1's LIST) may take, at most: a command of a session that holds no
+/// chunk takes any but these, and a Buffer any at all.
+const CONTROL_RESERVE: u32 = 2;
+
+/// The pool's max-min fair rule: whether a session that holds `held`
+/// chunks of a pool of `capacity` may take one more, with `available`
+/// chunks free (or held by readahead, which gives them back on demand) and
+/// `holders` sessions holding at least one (itself included when `held` >
+/// 0).
+///
+/// A session that holds none takes one whenever one is left beyond the
+/// control reserve: a host with nothing in flight is served within one
+/// chunk's service time, however many others hold theirs. A session that
+/// holds some takes one more only while it holds less than the fair share
+/// `capacity / (holders + 1)` (the "+ 1" is the next newcomer) and more
+/// than a quarter of the pool stays available: that quarter goes to
+/// newcomers a chunk at a time. Sessions that never give their chunks
+/// back (peers that stop reading), arriving in any order, keep at most
+/// the share they got, until the transport timeout ends them, and cannot
+/// lock out the next newcomer before a quarter of the pool's chunks are
+/// each held by a different one of them (128 sessions on a default
+/// reactor; `max_sessions` and the per-address limits stand before that).
+/// Without contention one session may hold half the pool (the static
+/// `session_pool_share` is smaller by default).
+pub(crate) fn fair_take(capacity: u32, available: u32, holders: u32, held: u32) -> bool {
+    let reserve = CONTROL_RESERVE.min(capacity / 16);
+    if held == 0 {
+        return available > reserve;
+    }
+    let fair = (capacity / (holders.max(1) + 1)).max(1);
+    held < fair && available > (capacity / 4).max(reserve)
+}
+
 /// A volume slot that names no volume (a Buffer request).
 pub const NO_VOLUME: u16 = u16::MAX;
 
@@ -820,11 +854,23 @@ impl Executor {
         }
     }
 
-    /// Whether the command's session or host holds its whole share of the
-    /// pool (`session_pool_share`, `host_pool_share`).
-    fn at_share(&self, ci: u32) -> bool {
-        let [session, host] = &self.cmds[ci as usize].as_ref().expect("live command").accounts;
-        session.as_ref().is_some_and(|a| a.held() >= self.pool_share) || host.as_ref().is_some_and(|a| a.held() >= self.host_pool_share)
+    /// Whether command `ci` may take a chunk now, if the pool has one: a
+    /// Buffer (a control command's answer data) always; a read's or a
+    /// write's piece by the static caps (`session_pool_share`,
+    /// `host_pool_share`) and the fair rule ([`fair_take`]) for its session.
+    fn may_take(&self, ci: u32) -> bool {
+        let cmd = self.cmds[ci as usize].as_ref().expect("live command");
+        if cmd.kind == Kind::Buffer {
+            return true;
+        }
+        let [session, host] = &cmd.accounts;
+        if session.as_ref().is_some_and(|a| a.held() >= self.pool_share) || host.as_ref().is_some_and(|a| a.held() >= self.host_pool_share) {
+            return false;
+        }
+        let Some(session) = session else { return true };
+        let pool = self.engine.pool();
+        let available = (pool.free_count() + self.readahead.held()) as u32;
+        fair_take(pool.capacity() as u32, available, pool.holders(), session.held())
     }
 
     fn alloc_for(&mut self, ci: u32) -> ChunkId {
@@ -838,8 +884,9 @@ impl Executor {
     /// (FIFO) for the next free chunk.
     fn pump(&mut self, ci: u32) {
         while self.wants_chunk(ci) {
-            let first_in_line = self.waitq.is_empty() || self.waitq.front() == Some(&ci);
-            if !first_in_line || self.at_share(ci) || !self.chunk_for_command() {
+            // A control command's buffer does not queue behind data.
+            let first_in_line = self.waitq.is_empty() || self.waitq.front() == Some(&ci) || self.cmd(ci).kind == Kind::Buffer;
+            if !first_in_line || !self.may_take(ci) || !self.chunk_for_command() {
                 if !self.cmd(ci).in_waitq {
                     self.wait_for_chunk(ci, Instant::now());
                 }
@@ -871,7 +918,7 @@ impl Executor {
             if !self.wants_chunk(ci) {
                 continue;
             }
-            if self.at_share(ci) {
+            if !self.may_take(ci) {
                 let since = self.cmd(ci).waiting_since;
                 self.wait_for_chunk(ci, since);
                 passed_over += 1;
@@ -887,13 +934,18 @@ impl Executor {
         }
     }
 
-    /// Puts a command at the back of the line for a chunk, waiting since `since`.
+    /// Puts a command at the back of the line for a chunk (a control
+    /// command's buffer at the front), waiting since `since`.
     fn wait_for_chunk(&mut self, ci: u32, since: Instant) {
         let was_empty = self.waitq.is_empty();
         let cmd = self.cmd(ci);
         cmd.in_waitq = true;
         cmd.waiting_since = since;
-        self.waitq.push_back(ci);
+        if cmd.kind == Kind::Buffer {
+            self.waitq.push_front(ci);
+        } else {
+            self.waitq.push_back(ci);
+        }
         self.waitq_oldest = match self.waitq_oldest {
             Some(oldest) if !was_empty => Some(oldest.min(since)),
             _ => Some(since),
@@ -1408,6 +1460,68 @@ mod tests {
         events(&mut exec, 1);
         assert!(matches!(exec.pop_event(), Some((_, id, Event::Done { result: Err(_), reached_disk: false })) if id == w));
         assert_eq!(exec.engine().pool().free_count(), exec.engine().pool().capacity(), "every chunk back");
+    }
+
+    #[test]
+    fn sessions_that_never_give_chunks_back_leave_a_newcomer_its_chunk_whatever_their_order() {
+        // Sessions arrive one after another, each takes what the rule lets
+        // it and gives nothing back (peers that stop reading).
+        for capacity in [8u32, 64, 512, 4096] {
+            let (mut available, mut holders) = (capacity, 0u32);
+            let mut held = Vec::new();
+            while available > CONTROL_RESERVE.min(capacity / 16) {
+                let mut mine = 0;
+                while fair_take(capacity, available, holders + u32::from(mine > 0), mine) {
+                    mine += 1;
+                    available -= 1;
+                }
+                assert!(mine >= 1, "capacity {capacity}: session {} got nothing with {available} available", held.len());
+                held.push(mine);
+                holders += 1;
+                // Every session keeps no more than its fair share when it arrived.
+                assert!(mine <= (capacity / holders).max(1), "capacity {capacity}: session {} holds {mine}", holders);
+            }
+            // Only once a quarter of the pool's chunks are each held by
+            // another session does a newcomer find none.
+            assert!(held.len() as u32 >= capacity / 4, "capacity {capacity}: {} sessions locked the pool: {held:?}", held.len());
+        }
+        // Alone, a session may take half the pool.
+        assert!(fair_take(512, 257, 1, 255) && !fair_take(512, 256, 1, 256));
+        // Past the newcomers' quarter, a session that holds chunks gets no more.
+        assert!(!fair_take(512, 128, 5, 1) && fair_take(512, 128, 5, 0));
+        assert!(fair_take(512, 512, 0, 0));
+        // A newcomer may not take the control reserve.
+        assert!(!fair_take(512, 2, 40, 0) && fair_take(512, 3, 40, 0));
+    }
+
+    #[test]
+    fn a_newcomer_and_a_control_buffer_get_chunks_while_others_hold_theirs() {
+        let (mut exec, vslot) = executor(); // 4 chunks of 128 KiB
+        let account = |name: &str| Some(Arc::new(PoolAccount::named(name)));
+        let read = |who: &Option<Arc<PoolAccount>>, len: u32| Request { accounts: [who.clone(), None], ..request(Op::Read, vslot, 0, len) };
+        let (a, b, c) = (account("a"), account("b"), account("c"));
+        // a's 512 KiB read: it takes its share (half) and waits for the rest;
+        // its owner never sends what it read.
+        let ra = exec.submit(Owner { transport: 1, tag: 1 }, read(&a, 512 << 10)).unwrap();
+        events(&mut exec, 2);
+        assert_eq!(a.as_ref().unwrap().held(), 2);
+        // b, a newcomer, gets a chunk at once although a waits in line first.
+        let rb = exec.submit(Owner { transport: 1, tag: 2 }, read(&b, 512 << 10)).unwrap();
+        events(&mut exec, 3);
+        assert_eq!(b.as_ref().unwrap().held(), 1);
+        assert_eq!(exec.engine().pool().free_count(), 1);
+        // A control command's buffer goes ahead of both.
+        let buffer = Request { op: Op::Buffer, vslot: NO_VOLUME, accounts: [c.clone(), None], ..request(Op::Buffer, NO_VOLUME, 0, 0) };
+        let rc = exec.submit(Owner { transport: 1, tag: 3 }, buffer).unwrap();
+        events(&mut exec, 4);
+        let mut got = Vec::new();
+        while let Some((_, id, ev)) = exec.pop_event() {
+            got.push((id, matches!(ev, Event::Buffer { .. })));
+        }
+        assert_eq!(got.iter().filter(|(id, _)| *id == ra).count(), 2, "{got:?}");
+        assert_eq!(got.iter().filter(|(id, _)| *id == rb).count(), 1, "{got:?}");
+        assert!(got.contains(&(rc, true)), "the buffer: {got:?}");
+        assert_eq!(exec.engine().pool().free_count(), 0);
     }
 
     #[test]

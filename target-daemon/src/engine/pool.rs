@@ -117,10 +117,12 @@ impl PoolAccount {
         &self.name
     }
 
-    /// Single writer (the pool's thread): a plain load and store.
-    fn add(&self, delta: i32) {
+    /// Single writer (the pool's thread): a plain load and store. Returns
+    /// the chunks held before.
+    fn add(&self, delta: i32) -> u32 {
         let v = self.held.load(Ordering::Relaxed);
         self.held.store(v.saturating_add_signed(delta), Ordering::Relaxed);
+        v
     }
 }
 
@@ -136,6 +138,10 @@ pub struct Pool {
     free: Vec<u16>,
     state: Vec<ChunkState>,
     owner: Vec<[Option<Arc<PoolAccount>>; 2]>,
+    /// Accounts in the first place of a charge (sessions, controllers)
+    /// that hold at least one chunk: the executor's fair share divides the
+    /// pool among them.
+    holders: u32,
 }
 
 impl Pool {
@@ -149,7 +155,7 @@ impl Pool {
         let mem = Arc::new(PoolMemory { buf: AlignedBuf::new_huge_backed(size + chunk_size), chunk_size, chunks });
         // Hand out low indices first (pop from the end).
         let free = (0..chunks as u32).rev().map(|i| i as u16).collect();
-        Pool { mem, free, state: vec![ChunkState::Free; chunks], owner: vec![[None, None]; chunks] }
+        Pool { mem, free, state: vec![ChunkState::Free; chunks], owner: vec![[None, None]; chunks], holders: 0 }
     }
 
     /// The shared memory, for io_uring and fabric registration.
@@ -184,9 +190,11 @@ impl Pool {
     /// released.
     pub fn alloc_charged(&mut self, charge: Charge<'_>) -> Option<ChunkId> {
         let c = self.alloc()?;
-        for (owner, a) in self.owner[c.0 as usize].iter_mut().zip(charge) {
+        for (place, (owner, a)) in self.owner[c.0 as usize].iter_mut().zip(charge).enumerate() {
             if let Some(a) = a {
-                a.add(1);
+                if a.add(1) == 0 && place == 0 {
+                    self.holders += 1;
+                }
                 *owner = Some(Arc::clone(a));
             }
         }
@@ -196,10 +204,20 @@ impl Pool {
     /// Returns a chunk the CPU holds to the free list (and uncharges its accounts).
     pub fn release(&mut self, c: ChunkId) {
         self.transition(c, ChunkState::Cpu, ChunkState::Free);
-        for a in self.owner[c.0 as usize].iter_mut().filter_map(Option::take) {
+        let [first, second] = std::mem::take(&mut self.owner[c.0 as usize]);
+        if first.is_some_and(|a| a.add(-1) == 1) {
+            self.holders -= 1;
+        }
+        if let Some(a) = second {
             a.add(-1);
         }
         self.free.push(c.0);
+    }
+
+    /// How many accounts in the first place of a charge (sessions,
+    /// controllers) hold at least one chunk.
+    pub fn holders(&self) -> u32 {
+        self.holders
     }
 
     /// Moves the accounts chunk `from` is charged to over to chunk `to`,
@@ -435,6 +453,7 @@ mod tests {
         let c3 = p.alloc_charged([Some(&b), Some(&h)]).unwrap();
         let c4 = p.alloc_charged([None, None]).unwrap();
         assert_eq!((a.held(), b.held(), h.held()), (2, 1, 3));
+        assert_eq!(p.holders(), 2, "sessions a and b hold chunks");
         // Lending to the kernel or the fabric keeps the charge.
         p.lend_to_fabric(c1);
         p.return_from_fabric(c1);
@@ -443,12 +462,14 @@ mod tests {
         p.release(c3);
         p.release(c4);
         assert_eq!((a.held(), b.held(), h.held()), (1, 0, 1));
+        assert_eq!(p.holders(), 1, "b holds none any more");
         // A chunk reused by someone else is charged to them only.
         let c5 = p.alloc_charged([Some(&b), None]).unwrap();
         assert_eq!((a.held(), b.held(), h.held()), (1, 1, 1));
         p.release(c2);
         p.release(c5);
         assert_eq!((a.held(), b.held(), h.held()), (0, 0, 0));
+        assert_eq!(p.holders(), 0);
         assert_eq!(p.free_count(), 8);
     }
 
