@@ -13,8 +13,13 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::io::Read;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::sync::Arc;
 
 use rdmablk_common::auth::{self as wire_auth, AuthKey, Direction, Transcript};
+use rdmablk_common::nvme::auth::{DhGroup, HashId, Secret};
 use rdmablk_common::protocol::{
     AuthChallenge, AuthResponse, AuthSuccess, SessionId, AUTH_ALGORITHM_HMAC_SHA256, AUTH_CHALLENGE_SIZE,
     AUTH_SUCCESS_SIZE,
@@ -99,6 +104,45 @@ pub struct AccessPolicy {
     volumes: HashMap<String, VolumeGrants>,
     /// NVMe host NQN to `[[host]]` id (`nqn =`).
     host_nqns: HashMap<String, String>,
+    /// NVMe host NQN to its DH-HMAC-CHAP secrets (`dhchap_key_file`).
+    nvme_keys: HashMap<String, Arc<NvmeAuthKeys>>,
+}
+
+/// An NVMe host's DH-HMAC-CHAP secrets and the target's choices for it
+/// (`[[host]] dhchap_*`): the host must authenticate on every queue.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NvmeAuthKeys {
+    pub host: Secret,
+    /// The controller's secret: the target proves it holds it when the host asks.
+    pub ctrl: Option<Secret>,
+    pub hash: HashId,
+    pub dh_group: DhGroup,
+}
+
+/// Reads a secret file that only its owner may access (as the rdmablk key
+/// files and ssh's private keys), naming the file and its mode otherwise.
+fn read_private(path: &Path) -> std::result::Result<String, String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("{}: cannot open: {e}", path.display()))?;
+    let meta = file.metadata().map_err(|e| format!("{}: cannot stat: {e}", path.display()))?;
+    if !meta.is_file() {
+        return Err(format!("{}: is not a regular file", path.display()));
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        return Err(format!(
+            "{}: mode {mode:04o} lets group or others access it; a secret must be private to its owner (chmod 600 {})",
+            path.display(),
+            path.display()
+        ));
+    }
+    let mut text = String::new();
+    file.take(4096).read_to_string(&mut text).map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
+    Ok(text)
+}
+
+fn read_secret(path: &Path) -> std::result::Result<Secret, String> {
+    let text = read_private(path)?;
+    Secret::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 impl AccessPolicy {
@@ -115,12 +159,28 @@ impl AccessPolicy {
         }
         let volumes = config.access.iter().map(|a| (a.volume.clone(), VolumeGrants::from(a))).collect();
         let host_nqns = config.hosts.iter().filter_map(|h| Some((h.nqn.clone()?, h.id.clone()))).collect();
-        Ok(AccessPolicy { hosts: config.hosts.len(), keys, volumes, host_nqns })
+        let mut nvme_keys = HashMap::new();
+        for h in &config.hosts {
+            let (Some(d), Some(nqn)) = (&h.dhchap, &h.nqn) else { continue };
+            let err = |k: &str, e: String| Error::config(format!("{}: host[{}].{k}: {e}", config.source, h.index));
+            let host = read_secret(&d.key_file).map_err(|e| err("dhchap_key_file", e))?;
+            let ctrl = match &d.ctrl_key_file {
+                Some(p) => Some(read_secret(p).map_err(|e| err("dhchap_ctrl_key_file", e))?),
+                None => None,
+            };
+            nvme_keys.insert(nqn.clone(), Arc::new(NvmeAuthKeys { host, ctrl, hash: d.hash, dh_group: d.dh_group }));
+        }
+        Ok(AccessPolicy { hosts: config.hosts.len(), keys, volumes, host_nqns, nvme_keys })
     }
 
     /// A policy from parts (tests, library use).
     pub fn new(keys: HashMap<String, AuthKey>, volumes: HashMap<String, VolumeGrants>) -> AccessPolicy {
-        AccessPolicy { hosts: keys.len(), keys, volumes, host_nqns: HashMap::new() }
+        AccessPolicy { hosts: keys.len(), keys, volumes, host_nqns: HashMap::new(), nvme_keys: HashMap::new() }
+    }
+
+    /// The DH-HMAC-CHAP secrets of NVMe host `nqn`, if it must authenticate.
+    pub fn nvme_auth(&self, nqn: &str) -> Option<&Arc<NvmeAuthKeys>> {
+        self.nvme_keys.get(nqn)
     }
 
     /// The `[[host]]` id whose `nqn` is `nqn`.
@@ -137,6 +197,7 @@ impl AccessPolicy {
             keys: HashMap::new(),
             volumes: volume_names.into_iter().map(|n| (n.to_owned(), all.clone())).collect(),
             host_nqns: HashMap::new(),
+            nvme_keys: HashMap::new(),
         }
     }
 
@@ -176,7 +237,7 @@ impl AccessPolicy {
             .collect();
         names.sort();
         names.dedup();
-        (names, self.keys != other.keys)
+        (names, self.keys != other.keys || self.nvme_keys != other.nvme_keys)
     }
 
     fn key(&self, host_id: &str) -> Option<&AuthKey> {

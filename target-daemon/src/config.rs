@@ -143,6 +143,28 @@ pub struct HostConfig {
     /// The NVMe host NQN that stands for this host on NVMe-oF listeners
     /// (`nqn =`): its grants are this host's.
     pub nqn: Option<String>,
+    /// NVMe in-band authentication (DH-HMAC-CHAP) of the host named `nqn`.
+    pub dhchap: Option<DhchapConfig>,
+}
+
+/// `[[host]] dhchap_*`: the host must prove it holds the secret (and, with
+/// a controller key, the target proves it holds that one) before any
+/// command beyond Connect, Property Get/Set and the authentication itself.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DhchapConfig {
+    /// `dhchap_key_file`: one `DHHC-1:..` secret (`nvme gen-dhchap-key`),
+    /// read when the configuration is applied, refused if group or others
+    /// may read it.
+    pub key_file: PathBuf,
+    /// `dhchap_ctrl_key_file`: the controller's secret, for bidirectional
+    /// authentication (the host's `--dhchap-ctrl-secret`).
+    pub ctrl_key_file: Option<PathBuf>,
+    /// `dhchap_hash` (`sha256`, default; `sha384`, `sha512`): the hash the
+    /// target chooses; the host must offer it.
+    pub hash: rdmablk_common::nvme::auth::HashId,
+    /// `dhchap_dhgroup` (`null`, `ffdhe2048` (default) ... `ffdhe8192`): the
+    /// Diffie-Hellman group the target chooses; the host must offer it.
+    pub dh_group: rdmablk_common::nvme::auth::DhGroup,
 }
 
 /// The access keys of one `[[volume]]`.
@@ -488,6 +510,10 @@ struct RawHost {
     id: String,
     key_file: Option<PathBuf>,
     nqn: Option<String>,
+    dhchap_key_file: Option<PathBuf>,
+    dhchap_ctrl_key_file: Option<PathBuf>,
+    dhchap_hash: Option<String>,
+    dhchap_dhgroup: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -1092,10 +1118,50 @@ impl RawConfig {
     }
 }
 
+/// `[[host]] dhchap_*`: a key file needs the host's `nqn`; a controller
+/// key, hash or group needs a key file.
+fn validate_dhchap(cx: &Ctx<'_>, index: usize, h: &RawHost) -> Result<Option<DhchapConfig>> {
+    use rdmablk_common::nvme::auth::{DhGroup, HashId};
+    let key = |k: &str| format!("host[{index}].{k}");
+    let Some(key_file) = &h.dhchap_key_file else {
+        for (k, set) in [
+            ("dhchap_ctrl_key_file", h.dhchap_ctrl_key_file.is_some()),
+            ("dhchap_hash", h.dhchap_hash.is_some()),
+            ("dhchap_dhgroup", h.dhchap_dhgroup.is_some()),
+        ] {
+            if set {
+                return Err(cx.err(&key(k), "needs dhchap_key_file (the host's DH-HMAC-CHAP secret)"));
+            }
+        }
+        return Ok(None);
+    };
+    if h.nqn.is_none() {
+        return Err(cx.err(&key("dhchap_key_file"), "needs nqn (the NVMe host NQN that authenticates with it)"));
+    }
+    for (k, p) in [("dhchap_key_file", Some(key_file)), ("dhchap_ctrl_key_file", h.dhchap_ctrl_key_file.as_ref())] {
+        if p.is_some_and(|p| p.as_os_str().is_empty()) {
+            return Err(cx.err(&key(k), "must not be empty"));
+        }
+    }
+    let hash = match h.dhchap_hash.as_deref() {
+        None => HashId::Sha256,
+        Some(n) => HashId::from_name(n)
+            .ok_or_else(|| cx.err(&key("dhchap_hash"), format!("{n:?} is not one of \"sha256\", \"sha384\", \"sha512\"")))?,
+    };
+    let dh_group = match h.dhchap_dhgroup.as_deref() {
+        None => DhGroup::Ffdhe2048,
+        Some(n) => DhGroup::from_name(n).ok_or_else(|| {
+            cx.err(&key("dhchap_dhgroup"), format!("{n:?} is not one of \"null\", \"ffdhe2048\" ... \"ffdhe8192\""))
+        })?,
+    };
+    Ok(Some(DhchapConfig { key_file: key_file.clone(), ctrl_key_file: h.dhchap_ctrl_key_file.clone(), hash, dh_group }))
+}
+
 fn validate_hosts(cx: &Ctx<'_>, raw: Vec<RawHost>) -> Result<Vec<HostConfig>> {
     let mut hosts: Vec<HostConfig> = Vec::with_capacity(raw.len());
     for (index, h) in raw.into_iter().enumerate() {
         let key = |k: &str| format!("host[{index}].{k}");
+        let dhchap = validate_dhchap(cx, index, &h)?;
         if h.id.is_empty() {
             return Err(cx.err(&key("id"), "must not be empty"));
         }
@@ -1126,7 +1192,7 @@ fn validate_hosts(cx: &Ctx<'_>, raw: Vec<RawHost>) -> Result<Vec<HostConfig>> {
                 return Err(cx.err(&key("nqn"), format!("{n:?} is used by an earlier [[host]]")));
             }
         }
-        hosts.push(HostConfig { index, id: h.id, key_file, nqn: h.nqn });
+        hosts.push(HostConfig { index, id: h.id, key_file, nqn: h.nqn, dhchap });
     }
     Ok(hosts)
 }

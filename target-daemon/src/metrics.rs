@@ -120,10 +120,21 @@ pub struct NvmeStats {
     pub idle_timeouts: AtomicU64,
     /// Admin Connects refused by `max_controllers` or `max_controllers_per_host`.
     pub controllers_refused: AtomicU64,
+    /// Queues whose host authenticated (DH-HMAC-CHAP), and the attempts
+    /// refused, by [`NvmeStats::AUTH_FAILURES`].
+    pub authenticated: AtomicU64,
+    pub auth_failures: [AtomicU64; 6],
 }
 
 impl NvmeStats {
     pub const CLASSES: [&'static str; 6] = ["read", "write", "flush", "write_zeroes", "dsm", "admin"];
+    /// Why an NVMe in-band authentication was refused: a wrong response
+    /// (the host does not hold its secret), the host's refusal of the
+    /// controller's (FAILURE2), a message out of order, replayed, malformed
+    /// or missing, a hash or group the host does not offer, no
+    /// authentication within `target.handshake_timeout`, the worker that
+    /// computes DH values having 64 waiting.
+    pub const AUTH_FAILURES: [&'static str; 6] = ["wrong_response", "refused_by_host", "protocol", "not_usable", "timeout", "busy"];
 
     /// The class of a command on an I/O queue (`io`) or the admin queue.
     pub fn class(io: bool, opcode: u8) -> usize {
@@ -473,9 +484,14 @@ pub fn render(s: &Scrape<'_>) -> String {
                 "Admin Connects refused by target.max_controllers or max_controllers_per_host.",
                 &n.controllers_refused,
             ),
+            ("rdmablk_nvme_authentications_total", "NVMe-oF queues whose host authenticated (DH-HMAC-CHAP).", &n.authenticated),
         ] {
             header(&mut out, name, "counter", help);
             let _ = writeln!(out, "{name} {}", v.load(Relaxed));
+        }
+        header(&mut out, "rdmablk_nvme_auth_failures_total", "counter", "NVMe-oF in-band authentications refused, by reason.");
+        for (i, reason) in NvmeStats::AUTH_FAILURES.iter().enumerate() {
+            let _ = writeln!(out, "rdmablk_nvme_auth_failures_total{{reason=\"{reason}\"}} {}", n.auth_failures[i].load(Relaxed));
         }
     }
     header(&mut out, "rdmablk_sessions_connected", "gauge", "Sessions with at least one connected queue pair.");

@@ -17,6 +17,9 @@ use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
+use rdmablk_common::nvme::auth::{
+    self, explanation, DhGroup, DhKey, HashId, Message, Negotiate, Reply, Secret, SECP_DHCHAP, SPSP,
+};
 use rdmablk_common::nvme::cqe::CompletionEntry;
 use rdmablk_common::nvme::fabrics::{property, Connect, ConnectData, Property, ANY_CONTROLLER, CONNECT_DATA_SIZE};
 use rdmablk_common::nvme::sqe::{admin_opcode, io_opcode, DsmRange, Sgl, SubmissionEntry, DSM_RANGE_SIZE};
@@ -752,6 +755,124 @@ impl NvmeTcpConn {
         e.cdw[0] = ranges.len() as u32 - 1;
         e.cdw[1] = 1 << 2;
         self.exec_ok(e, &data, &[], 0).map(|_| ())
+    }
+}
+
+// ---- in-band authentication (DH-HMAC-CHAP), the host's side
+
+/// A host's DH-HMAC-CHAP secrets and offer, as Linux's host makes it.
+#[derive(Clone, Debug)]
+pub struct HostAuth {
+    pub secret: Secret,
+    /// `--dhchap-ctrl-secret`: the controller must prove it holds this one.
+    pub ctrl_secret: Option<Secret>,
+    pub hostnqn: String,
+    pub subnqn: String,
+    /// Hash and DH group ids offered (Linux: all three hashes, all six groups).
+    pub hashes: Vec<u8>,
+    pub dh_groups: Vec<u8>,
+}
+
+impl HostAuth {
+    pub fn new(secret: Secret, ctrl_secret: Option<Secret>, hostnqn: &str, subnqn: &str) -> HostAuth {
+        HostAuth {
+            secret,
+            ctrl_secret,
+            hostnqn: hostnqn.to_owned(),
+            subnqn: subnqn.to_owned(),
+            hashes: HashId::ALL.iter().map(|h| *h as u8).collect(),
+            dh_groups: DhGroup::ALL.iter().map(|g| *g as u8).collect(),
+        }
+    }
+
+    pub fn negotiate(&self, tid: u16) -> Vec<u8> {
+        Message::Negotiate(Negotiate { tid, sc_c: 0, hashes: self.hashes.clone(), dh_groups: self.dh_groups.clone() }).encode()
+    }
+}
+
+/// How far an authentication got: the messages the host sent (to replay
+/// them), and the failure, if any.
+#[derive(Debug, Default)]
+pub struct AuthRun {
+    pub sent: Vec<Vec<u8>>,
+    pub failure: Option<String>,
+}
+
+/// An Authentication Send (`send`) or Receive entry for `len` bytes.
+pub fn auth_entry(send: bool, len: u32) -> SubmissionEntry {
+    use rdmablk_common::nvme::fabrics::fctype;
+    let mut e = SubmissionEntry::new(admin_opcode::FABRICS, 0);
+    e.nsid = if send { fctype::AUTHENTICATION_SEND } else { fctype::AUTHENTICATION_RECEIVE } as u32;
+    e.cdw[0] = (SECP_DHCHAP as u32) << 24 | (SPSP as u32) << 16 | (SPSP as u32) << 8;
+    e.cdw[1] = len;
+    e
+}
+
+impl NvmeTcpConn {
+    /// Authentication Send of one message.
+    pub fn auth_send(&mut self, msg: &[u8]) -> Result<(), Status> {
+        self.exec_ok(auth_entry(true, msg.len() as u32), msg, &[], 0).map(|_| ())
+    }
+
+    /// Authentication Receive into a buffer of `al` bytes (Linux: 4 KiB).
+    pub fn auth_receive(&mut self, al: u32) -> Result<Message, String> {
+        let c = self.exec_ok(auth_entry(false, al), &[], &[], al as usize).map_err(|s| format!("Authentication Receive: {s}"))?;
+        Message::decode(&c.data).map_err(|e| format!("Authentication Receive: {e}"))
+    }
+
+    /// The whole exchange as Linux's host runs it (Negotiate, Challenge,
+    /// Reply, Success1, and Success2 or Failure2 when the controller must
+    /// prove its secret too) with transaction id `tid`.
+    pub fn authenticate(&mut self, a: &HostAuth, tid: u16) -> AuthRun {
+        let mut run = AuthRun::default();
+        if let Err(e) = self.try_authenticate(a, tid, &mut run) {
+            run.failure = Some(e);
+        }
+        run
+    }
+
+    fn try_authenticate(&mut self, a: &HostAuth, tid: u16, run: &mut AuthRun) -> Result<(), String> {
+        let send = |c: &mut NvmeTcpConn, run: &mut AuthRun, m: Vec<u8>| {
+            run.sent.push(m.clone());
+            c.auth_send(&m).map_err(|s| format!("Authentication Send: {s}"))
+        };
+        send(self, run, a.negotiate(tid))?;
+        let ch = match self.auth_receive(4096)? {
+            Message::Challenge(ch) => ch,
+            Message::Failure { explanation: e, .. } => return Err(format!("AUTH_Failure1 after Negotiate: {}", explanation::name(e))),
+            m => return Err(format!("expected a Challenge, got {m:?}")),
+        };
+        let (key, session_key) = if ch.dh_group == DhGroup::Null {
+            (None, None)
+        } else {
+            let k = DhKey::generate(ch.dh_group).map_err(|e| e.to_string())?;
+            let sk = k.shared(&ch.dh_value).map_err(|e| format!("the controller's DH value: {e}"))?;
+            (Some(k), Some(sk))
+        };
+        let kh = a.secret.transformed(&a.hostnqn);
+        let ca = auth::augmented_challenge(ch.hash, session_key.as_deref(), &ch.c1);
+        let response = auth::host_response(ch.hash, &kh, &ca, ch.seqnum, tid, &a.hostnqn, &a.subnqn);
+        let (c2, s2) = match a.ctrl_secret {
+            Some(_) => (Some(auth::random_bytes(ch.hash.digest_len())), auth::random_seqnum()),
+            None => (None, 0),
+        };
+        let dh_value = key.as_ref().map_or_else(Vec::new, |k| k.public().to_vec());
+        send(self, run, Message::Reply(Reply { tid, response, c2: c2.clone(), seqnum: s2, dh_value }).encode())?;
+        let s1 = match self.auth_receive(4096)? {
+            Message::Success1(s) => s,
+            Message::Failure { explanation: e, .. } => return Err(format!("AUTH_Failure1 after Reply: {}", explanation::name(e))),
+            m => return Err(format!("expected Success1, got {m:?}")),
+        };
+        let (Some(ctrl), Some(c2)) = (&a.ctrl_secret, c2) else { return Ok(()) };
+        let kc = ctrl.transformed(&a.subnqn);
+        let ca2 = auth::augmented_challenge(ch.hash, session_key.as_deref(), &c2);
+        let want = auth::controller_response(ch.hash, &kc, &ca2, s2, tid, &a.hostnqn, &a.subnqn);
+        if s1.response.as_deref() != Some(&want[..]) {
+            let f = Message::Failure { first: false, tid, reason: auth::REASON_FAILED, explanation: explanation::FAILED };
+            send(self, run, f.encode())?;
+            return Err("the controller's response is wrong (AUTH_Failure2 sent)".into());
+        }
+        send(self, run, Message::Success2 { tid }.encode())
     }
 }
 

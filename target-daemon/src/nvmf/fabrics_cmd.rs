@@ -12,6 +12,7 @@ use rdmablk_common::nvme::sqe::SubmissionEntry;
 use rdmablk_common::nvme::status::Status;
 use rdmablk_common::nvme::WireError;
 
+use super::auth_cmd::{self, QueueAuth};
 use super::identify::VERSION;
 use super::queue::{Connected, Fence, Queue, Reply};
 use super::{MAX_IO_QUEUES, MAX_QUEUE_ENTRIES};
@@ -37,6 +38,8 @@ pub fn handle(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
         // Fabrics commands an I/O queue does not take (NVMe Base, Figure 574).
         fctype::PROPERTY_GET | fctype::PROPERTY_SET => Reply::status(Status::INVALID_FIELD),
         fctype::DISCONNECT => disconnect(q, sqe),
+        fctype::AUTHENTICATION_SEND => auth_cmd::send(q, sqe, data),
+        fctype::AUTHENTICATION_RECEIVE => auth_cmd::receive(q, sqe),
         _ => Reply::status(Status::INVALID_OPCODE),
     }
 }
@@ -141,7 +144,8 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
         // came: the fence may have held it for longer than either.
         q.last_heard = Instant::now();
         q.kept_alive();
-        return Reply::Done { status: Status::SUCCESS, result: id as u64 };
+        let atr = if discovery { 0 } else { require_auth(q, &set, &d.host_nqn) };
+        return Reply::Done { status: Status::SUCCESS, result: id as u64 | atr };
     }
     // An I/O queue joins the controller its admin queue created.
     let Some(ctrl) = q.sub.controller(d.controller_id) else { return bad_data(connect_data_offset::CONTROLLER_ID) };
@@ -168,7 +172,18 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
     ctrl.live_queues.fetch_add(1, Ordering::AcqRel);
     q.conn = Some(Connected { qid: c.qid, ctrl: Arc::clone(&ctrl), host });
     q.sub.stats.queues.fetch_add(1, Ordering::Relaxed);
-    Reply::Done { status: Status::SUCCESS, result: ctrl.id as u64 }
+    // Every queue of a host with a DH-HMAC-CHAP secret authenticates.
+    let atr = require_auth(q, &set, &d.host_nqn);
+    Reply::Done { status: Status::SUCCESS, result: ctrl.id as u64 | atr }
+}
+
+/// A host with `dhchap_key_file` must authenticate this queue: its state
+/// is set up and the Connect's answer says so (AUTHREQ.ATR), else 0.
+fn require_auth(q: &mut Queue, set: &crate::backend::VolumeSet, host_nqn: &str) -> u64 {
+    let Some(keys) = set.access.nvme_auth(host_nqn) else { return 0 };
+    let due = Instant::now() + q.sub.cfg.handshake_timeout;
+    q.auth = Some(Box::new(QueueAuth::new(Arc::clone(keys), host_nqn.to_owned(), due)));
+    rdmablk_common::nvme::auth::CONNECT_AUTHREQ_ATR
 }
 
 fn property(q: &mut Queue, sqe: &SubmissionEntry) -> Reply {

@@ -18,6 +18,8 @@
 //! - [`queue`]: a queue's commands: the slab, the data each one carries,
 //!   the executor's work, the answers.
 //! - [`fabrics_cmd`]: Connect, Property Get/Set, Disconnect.
+//! - [`auth_cmd`]: Authentication Send/Receive: in-band authentication
+//!   (DH-HMAC-CHAP) of the hosts that have a `dhchap_key_file`.
 //! - [`admin_cmd`]: Identify, Get Log Page, features, AER, Keep Alive.
 //! - [`io_cmd`]: Read, Write, Flush, Write Zeroes, Dataset Management.
 //! - [`discovery`]: the discovery log page.
@@ -27,6 +29,7 @@
 //! shared with every other queue of every protocol on that reactor.
 
 pub mod admin_cmd;
+pub mod auth_cmd;
 pub mod discovery;
 pub mod fabrics_cmd;
 pub mod identify;

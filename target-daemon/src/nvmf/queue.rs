@@ -33,7 +33,7 @@ use rdmablk_common::nvme::status::Status;
 use rdmablk_common::protocol::Opcode;
 
 use super::io_cmd::{self, ByteRanges, IoPlan};
-use super::{admin_cmd, fabrics_cmd, CloseReason, Controller, HostView, Namespace, NvmeStats, Subsystem, MAX_TRANSFER};
+use super::{admin_cmd, auth_cmd, fabrics_cmd, CloseReason, Controller, HostView, Namespace, NvmeStats, Subsystem, MAX_TRANSFER};
 use crate::config::NvmeTransport;
 use crate::engine::exec::{self, Accounts, CmdId, Event, Executor, Owner, Request};
 use crate::backend::VolumeSet;
@@ -108,6 +108,10 @@ pub enum Reply {
     /// yet to turn twice (`for_turns`, as [`Fence::Wait`] says). Tried
     /// again on each turn of its transport, until `target.fence_timeout`.
     Fence { for_turns: bool },
+    /// An authentication command whose Diffie-Hellman computation runs on
+    /// the authentication worker (`auth_cmd`): run again on each turn of
+    /// its transport (the worker wakes the reactors) until it answers.
+    Working,
 }
 
 impl Reply {
@@ -230,6 +234,8 @@ pub struct Queue {
     pub local: SocketAddr,
     pub peer: SocketAddr,
     pub conn: Option<Connected>,
+    /// In-band authentication, when the host must (`[[host]] dhchap_key_file`).
+    pub auth: Option<Box<auth_cmd::QueueAuth>>,
     pub sq_entries: u32,
     sq_head: u32,
     /// The transport and its key for this queue: executor tags are the
@@ -272,6 +278,8 @@ pub struct Queue {
     /// (without keep-alive) busy with I/O queues.
     idle_looked: Instant,
     held_connect: Option<HeldConnect>,
+    /// The authentication command waiting for the worker ([`Reply::Working`]).
+    held_auth: Option<u16>,
     /// When each command arrived (the transport's turn clock), for the
     /// executor's latency counts.
     pub now: Instant,
@@ -288,6 +296,7 @@ impl Queue {
             local,
             peer,
             conn: None,
+            auth: None,
             sq_entries: 0,
             sq_head: 0,
             owner: (0, 0),
@@ -311,6 +320,7 @@ impl Queue {
             last_heard: now,
             idle_looked: now,
             held_connect: None,
+            held_auth: None,
             now,
         }
     }
@@ -481,6 +491,10 @@ impl Queue {
         let is_connect = sqe.opcode == admin_opcode::FABRICS && sqe.fctype() == rdmablk_common::nvme::fabrics::fctype::CONNECT;
         if self.conn.is_none() && !is_connect {
             self.respond(cid, Status::COMMAND_SEQUENCE_ERROR, 0);
+            return None;
+        }
+        if self.auth.as_ref().is_some_and(|a| !a.authenticated) && !auth_cmd::allowed_before_auth(&sqe) {
+            self.respond(cid, Status::AUTHENTICATION_REQUIRED, 0);
             return None;
         }
         if let Err(e) = sqe.validate() {
@@ -733,6 +747,7 @@ impl Queue {
             // A notice may already be waiting for a request to carry it.
             Reply::Held => self.send_events(),
             Reply::Fence { for_turns } => self.hold_connect(slot, for_turns),
+            Reply::Working => self.held_auth = Some(slot),
             Reply::Done { status, result } => self.respond_slot(slot, status, result),
             Reply::Data { data } => {
                 let sqe = self.cmds[slot as usize].as_ref().expect("live command").sqe;
@@ -786,20 +801,30 @@ impl Queue {
         self.sub.registry.turns().zip(h.turns.iter()).all(|(now, &then)| now >= then + 2)
     }
 
-    /// The deadline of a Connect the fence holds.
+    /// The deadline of a Connect the fence holds, or of an authentication
+    /// command held for the worker (the queue's authentication deadline):
+    /// the transport tries either again each turn ([`Queue::retry_connect`]).
     pub fn connect_deadline(&self) -> Option<Instant> {
-        self.held_connect.as_ref().map(|h| h.deadline)
+        let auth = self.held_auth.and(self.auth.as_ref()).map(|a| a.due);
+        match (self.held_connect.as_ref().map(|h| h.deadline), auth) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Tries a held Connect again (each turn of the transport): answered
     /// now, or held on (true).
     pub fn retry_connect(&mut self, exec: &mut Executor) -> bool {
-        let Some(slot) = self.held_connect.as_ref().map(|h| h.slot) else { return false };
+        if let Some(slot) = self.held_auth.take() {
+            // Held again (`Reply::Working`) while the worker is not done.
+            self.execute(exec, slot);
+        }
+        let Some(slot) = self.held_connect.as_ref().map(|h| h.slot) else { return self.held_auth.is_some() };
         self.execute(exec, slot);
         if self.cmds[slot as usize].is_none() {
             self.held_connect = None;
         }
-        self.held_connect.is_some()
+        self.held_connect.is_some() || self.held_auth.is_some()
     }
 
     /// The fence, for an admin Connect of `host_nqn`: whether it must wait,
@@ -988,6 +1013,9 @@ impl Queue {
         if self.conn.is_none() {
             min(self.handshake_due);
         }
+        if let Some(a) = self.auth.as_ref().filter(|a| !a.authenticated) {
+            min(a.due);
+        }
         if self.is_admin() {
             if let Some(due) = self.keep_alive_due {
                 min(due);
@@ -1038,6 +1066,9 @@ impl Queue {
                 "no Connect within {:?} (target.handshake_timeout)",
                 self.sub.cfg.handshake_timeout
             )));
+        }
+        if self.auth.as_ref().is_some_and(|a| !a.authenticated && now >= a.due) {
+            return Due::Close(CloseReason::fault(auth_cmd::timed_out(self)));
         }
         if self.connect_deadline().is_some_and(|d| now >= d) {
             return Due::Flush;
@@ -1166,6 +1197,7 @@ impl Queue {
         }
         self.aers.clear();
         self.held_connect = None;
+        self.held_auth = None;
     }
 
     /// Leaves the controller (after [`Queue::drop_commands`] and once no
