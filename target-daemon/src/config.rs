@@ -225,8 +225,12 @@ pub struct TargetConfig {
     pub busy_poll: Duration,
     /// Where to serve Prometheus metrics over HTTP (`None`: no endpoint).
     pub metrics: Option<SocketAddr>,
-    /// Most sessions at once; CONNECT creating one more is refused (`LimitReached`).
+    /// Most sessions at once; CONNECT creating one more is refused
+    /// (`LimitReached`), unless it authenticated: then an anonymous session
+    /// is evicted for it.
     pub max_sessions: u32,
+    /// Of those, most that did not authenticate (default: `max_sessions`).
+    pub max_anonymous_sessions: u32,
     /// Most live queue pairs per session; a join beyond is refused (`LimitReached`).
     pub max_queues_per_session: u32,
     /// Most connections accepted but not yet past CONNECT; more are rejected
@@ -441,6 +445,7 @@ impl TargetConfig {
         check(self.busy_poll != other.busy_poll, "target.busy_poll");
         check(self.metrics != other.metrics, "target.metrics");
         check(self.max_sessions != other.max_sessions, "target.max_sessions");
+        check(self.max_anonymous_sessions != other.max_anonymous_sessions, "target.max_anonymous_sessions");
         check(self.max_queues_per_session != other.max_queues_per_session, "target.max_queues_per_session");
         check(self.max_handshakes != other.max_handshakes, "target.max_handshakes");
         check(self.max_handshakes_per_address != other.max_handshakes_per_address, "target.max_handshakes_per_address");
@@ -537,6 +542,7 @@ struct RawTarget {
     busy_poll: Option<RawDuration>,
     metrics: Option<String>,
     max_sessions: Option<i64>,
+    max_anonymous_sessions: Option<i64>,
     max_queues_per_session: Option<i64>,
     max_handshakes: Option<i64>,
     max_handshakes_per_address: Option<i64>,
@@ -853,6 +859,13 @@ impl RawConfig {
         let shutdown_timeout = cx.duration("target.shutdown_timeout", t.shutdown_timeout, DEFAULT_SHUTDOWN_TIMEOUT)?;
 
         let max_sessions = cx.count("target.max_sessions", t.max_sessions, DEFAULT_MAX_SESSIONS)?;
+        let max_anonymous_sessions = cx.count("target.max_anonymous_sessions", t.max_anonymous_sessions, max_sessions)?;
+        if max_anonymous_sessions > max_sessions {
+            return Err(cx.err(
+                "target.max_anonymous_sessions",
+                format!("{max_anonymous_sessions} is more than target.max_sessions {max_sessions}"),
+            ));
+        }
         let max_queues_per_session =
             cx.count("target.max_queues_per_session", t.max_queues_per_session, DEFAULT_MAX_QUEUES_PER_SESSION)?;
         let max_handshakes = cx.count("target.max_handshakes", t.max_handshakes, DEFAULT_MAX_HANDSHAKES)?;
@@ -991,6 +1004,7 @@ impl RawConfig {
             busy_poll,
             metrics,
             max_sessions,
+            max_anonymous_sessions,
             max_queues_per_session,
             max_handshakes,
             max_handshakes_per_address,
@@ -1636,6 +1650,15 @@ read_only = true
     }
 
     #[test]
+    fn max_anonymous_sessions_lies_within_max_sessions() {
+        let c = Config::parse(&with_target("max_sessions = 10\nmax_anonymous_sessions = 4"), "t").unwrap();
+        assert_eq!((c.target.max_sessions, c.target.max_anonymous_sessions), (10, 4));
+        assert_eq!(Config::parse(&with_target("max_sessions = 10"), "t").unwrap().target.max_anonymous_sessions, 10);
+        let e = Config::parse(&with_target("max_sessions = 10\nmax_anonymous_sessions = 11"), "t").unwrap_err().to_string();
+        assert!(e.contains("target.max_anonymous_sessions: 11 is more than target.max_sessions 10"), "{e}");
+    }
+
+    #[test]
     fn limits_need_a_restart() {
         let a = Config::parse(&with_target(""), "a").unwrap();
         let b = Config::parse(
@@ -1647,6 +1670,8 @@ read_only = true
             a.target.changed_keys(&b.target),
             vec![
                 "target.max_sessions",
+                // Its default follows max_sessions.
+                "target.max_anonymous_sessions",
                 "target.max_queues_per_session",
                 "target.max_handshakes",
                 // Its default follows max_handshakes when that is smaller.

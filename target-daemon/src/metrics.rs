@@ -185,6 +185,10 @@ pub struct LimitCounters {
     pub refused_connections_per_address: AtomicU64,
     /// CONNECTs refused by `max_sessions`.
     pub refused_sessions: AtomicU64,
+    /// CONNECTs refused by `max_anonymous_sessions`.
+    pub refused_anonymous_sessions: AtomicU64,
+    /// Anonymous sessions evicted from a full table for authenticated ones.
+    pub evicted_sessions: AtomicU64,
     /// Joins refused by `max_queues_per_session`.
     pub refused_queues: AtomicU64,
     /// Sessions retired by the reconnect fence (a newer session replaced them).
@@ -521,12 +525,15 @@ pub fn render(s: &Scrape<'_>) -> String {
         let _ = writeln!(out, "rdmablk_fence_timeouts_total {}", get(&l.fence_timeouts));
         header(&mut out, "rdmablk_fence_dropped_commands_total", "counter", "Commands of retired sessions dropped before they reached the disk.");
         let _ = writeln!(out, "rdmablk_fence_dropped_commands_total {}", get(&l.fence_dropped_commands));
+        header(&mut out, "rdmablk_sessions_evicted_total", "counter", "Anonymous sessions evicted from a full session table for authenticated hosts.");
+        let _ = writeln!(out, "rdmablk_sessions_evicted_total {}", get(&l.evicted_sessions));
         header(&mut out, "rdmablk_connections_refused_total", "counter", "Connections and CONNECTs refused by a limit, by the limit.");
         for (reason, c) in [
             ("max_handshakes", &l.refused_handshakes),
             ("max_handshakes_per_address", &l.refused_handshakes_per_address),
             ("max_connections_per_address", &l.refused_connections_per_address),
             ("max_sessions", &l.refused_sessions),
+            ("max_anonymous_sessions", &l.refused_anonymous_sessions),
             ("max_queues_per_session", &l.refused_queues),
         ] {
             let _ = writeln!(out, "rdmablk_connections_refused_total{{reason=\"{reason}\"}} {}", get(c));

@@ -239,7 +239,11 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
     let access = Arc::new(AccessPolicy::load(&config)?);
     log_access(&config);
     let registry = Arc::new(Registry::new(VolumeSet::new(1, volumes).with_access(access), cfg.reactors).with_limits(limits));
-    let session_limits = SessionLimits { max_sessions: cfg.max_sessions, max_queues_per_session: cfg.max_queues_per_session };
+    let session_limits = SessionLimits {
+        max_sessions: cfg.max_sessions,
+        max_anonymous_sessions: cfg.max_anonymous_sessions,
+        max_queues_per_session: cfg.max_queues_per_session,
+    };
     let sessions = Arc::new(Sessions::new(Arc::clone(&registry), session_limits));
 
     let mut fabrics = Vec::with_capacity(cfg.listen.len());

@@ -79,12 +79,15 @@ impl V1 {
             Plan::Connect { negotiated, host_id, join, replaces, reply } => {
                 let access = Arc::clone(&rt.exec.volume_set().access);
                 let s = self.session(si);
-                if let Err(e) = crate::auth::check_connect(&s.state.auth, &access, &host_id, join) {
-                    tracing::warn!("connect refused: host={host_id} peer={} reason={e}", s.peer);
-                    return self.refuse(rt, si, slot, len, cid, e, start);
-                }
+                let authenticated = match crate::auth::check_connect(&s.state.auth, &access, &host_id, join) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::warn!("connect refused: host={host_id} peer={} reason={e}", s.peer);
+                        return self.refuse(rt, si, slot, len, cid, e, start);
+                    }
+                };
                 self.repost_recv(rt, si, slot);
-                let pending = PendingConnect { cid, negotiated, host_id, join, reply };
+                let pending = PendingConnect { cid, negotiated, host_id, authenticated, join, reply };
                 match replaces {
                     Some(old) => self.fence(rt, si, old, pending),
                     None => self.connect_session(rt, si, pending, None),
@@ -284,7 +287,13 @@ impl V1 {
                 .as_ref()
                 .is_some_and(|s| s.closing.is_none() && s.shared.as_ref().is_some_and(|sh| sh.is_retired()));
             if retired {
-                self.fail_session(rt, si as u16, "retired: a newer session of this host replaced it (reconnect fence)".into());
+                let evicted = self.sessions[si].s.as_ref().and_then(|s| s.shared.as_ref()).is_some_and(|sh| sh.is_evicted());
+                let reason = if evicted {
+                    "evicted: the session table was full (target.max_sessions) and an authenticated host took its place"
+                } else {
+                    "retired: a newer session of this host replaced it (reconnect fence)"
+                };
+                self.fail_session(rt, si as u16, reason.into());
             }
         }
     }
@@ -343,12 +352,12 @@ impl V1 {
     /// Creates or joins the session of a CONNECT (its receive slot is
     /// reposted already) and answers it.
     fn connect_session(&mut self, rt: &mut Runtime, si: u16, c: PendingConnect, replaced: Option<SessionId>) {
-        let PendingConnect { cid, negotiated, host_id, join, mut reply } = c;
+        let PendingConnect { cid, negotiated, host_id, authenticated, join, mut reply } = c;
         let sessions = Arc::clone(&self.sessions_table);
         let joined = {
             let mut admin = sessions.admin();
             match join {
-                None => sessions.create(&mut admin, &host_id, rt.id),
+                None => sessions.create(&mut admin, &host_id, authenticated, rt.id),
                 Some(id) => sessions.join(&mut admin, id, &host_id, rt.id),
             }
         };

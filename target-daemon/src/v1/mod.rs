@@ -160,6 +160,8 @@ struct PendingConnect {
     cid: CommandId,
     negotiated: command::Negotiated,
     host_id: String,
+    /// The queue pair authenticated as `host_id`.
+    authenticated: bool,
     join: Option<SessionId>,
     reply: ConnectReply,
 }

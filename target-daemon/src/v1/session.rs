@@ -12,6 +12,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use rdmablk_common::protocol::{SessionId, VolumeId};
@@ -102,13 +103,18 @@ impl OpenSet {
 pub struct SharedSession {
     pub id: SessionId,
     pub host_id: String,
+    /// Its queue pair authenticated as `host_id` at CONNECT (`[[host]]`
+    /// key); otherwise an anonymous session.
+    pub authenticated: bool,
     open: ArcSwap<OpenSet>,
     /// Pool chunks the session holds, one account per reactor (charged by
     /// that reactor's pool only), for `target.session_pool_share`.
     pool_accounts: Box<[Arc<PoolAccount>]>,
     /// A newer session of the same host replaced this one (the reconnect
-    /// fence): its queue pairs stop reading and executing.
+    /// fence), or it was evicted: its queue pairs stop reading and executing.
     retired: AtomicBool,
+    /// Evicted from a full table for an authenticated host's session.
+    evicted: AtomicBool,
     /// Its last queue pair is gone, and with it the last disk I/O.
     ended: AtomicBool,
     /// Commands of this session dropped before they reached the disk,
@@ -148,10 +154,16 @@ impl SharedSession {
         self.pool_accounts.get(reactor)
     }
 
-    /// Whether a newer session replaced this one (one load per command).
+    /// Whether a newer session replaced this one, or it was evicted (one
+    /// load per command).
     #[inline]
     pub fn is_retired(&self) -> bool {
         self.retired.load(Ordering::Acquire)
+    }
+
+    /// Whether it was evicted from a full session table (then also retired).
+    pub fn is_evicted(&self) -> bool {
+        self.evicted.load(Ordering::Acquire)
     }
 
     /// Whether the session is over: no queue pair, no command, no disk I/O left.
@@ -175,17 +187,22 @@ impl SharedSession {
 pub struct SessionLimits {
     /// `target.max_sessions`.
     pub max_sessions: u32,
+    /// `target.max_anonymous_sessions`: of those, most without
+    /// authentication.
+    pub max_anonymous_sessions: u32,
     /// `target.max_queues_per_session`.
     pub max_queues_per_session: u32,
 }
 
 impl SessionLimits {
     /// No limits (library use and unit tests).
-    pub const NONE: SessionLimits = SessionLimits { max_sessions: u32::MAX, max_queues_per_session: u32::MAX };
+    pub const NONE: SessionLimits =
+        SessionLimits { max_sessions: u32::MAX, max_anonymous_sessions: u32::MAX, max_queues_per_session: u32::MAX };
 }
 
 struct SessionEntry {
     shared: Arc<SharedSession>,
+    created: Instant,
     next_queue: u32,
     /// Live queue pairs per reactor.
     queue_pairs: Vec<u32>,
@@ -194,6 +211,27 @@ struct SessionEntry {
 /// What the session table's lock guards.
 pub struct Admin {
     sessions: HashMap<SessionId, SessionEntry>,
+    /// Of `sessions`, those evicted whose queue pairs have not all left
+    /// yet: they stay in the table for the reconnect fence (a host that
+    /// reconnects waits for their disk I/O) but no longer count as sessions.
+    evicted: usize,
+    /// Of `sessions`, the live anonymous ones.
+    anonymous: usize,
+}
+
+impl Admin {
+    /// Sessions that count against `max_sessions`.
+    fn live(&self) -> usize {
+        self.sessions.len() - self.evicted
+    }
+
+    /// The anonymous session to evict for an authenticated one: the oldest
+    /// without an open volume, else the oldest.
+    fn eviction_candidate(&self) -> Option<SessionId> {
+        let anonymous = self.sessions.values().filter(|e| !e.shared.authenticated && !e.shared.is_retired());
+        let idle = anonymous.clone().filter(|e| e.shared.open.load().is_empty()).min_by_key(|e| e.created);
+        idle.or_else(|| anonymous.min_by_key(|e| e.created)).map(|e| e.shared.id)
+    }
 }
 
 /// A session as a scrape or a reload sees it.
@@ -254,7 +292,7 @@ pub struct Sessions {
 impl Sessions {
     /// No sessions yet, within `limits`, for the reactors of `registry`.
     pub fn new(registry: Arc<Registry>, limits: SessionLimits) -> Sessions {
-        Sessions { admin: Mutex::new(Admin { sessions: HashMap::new() }), limits, registry }
+        Sessions { admin: Mutex::new(Admin { sessions: HashMap::new(), evicted: 0, anonymous: 0 }), limits, registry }
     }
 
     /// Takes the session table's lock (never on the per-I/O path).
@@ -283,19 +321,40 @@ impl Sessions {
         Ok(Some(shared))
     }
 
-    /// Creates a session for `host_id` (CONNECT with session id 0), unless
-    /// `max_sessions` sessions exist.
-    pub fn create(&self, admin: &mut Admin, host_id: &str, reactor: usize) -> Result<Joined> {
-        if admin.sessions.len() >= self.limits.max_sessions as usize {
-            self.registry.counters.refused_sessions.fetch_add(1, Ordering::Relaxed);
+    /// Creates a session for `host_id` (CONNECT with session id 0),
+    /// `authenticated` or anonymous. An anonymous one is refused once
+    /// `max_anonymous_sessions` anonymous sessions exist; any is refused once
+    /// `max_sessions` sessions exist, except an authenticated one: for it
+    /// an anonymous session is evicted (the oldest without an open volume,
+    /// else the oldest), so anonymous sessions never lock out a host that
+    /// proved who it is.
+    pub fn create(&self, admin: &mut Admin, host_id: &str, authenticated: bool, reactor: usize) -> Result<Joined> {
+        if !authenticated && admin.anonymous >= self.limits.max_anonymous_sessions as usize {
+            self.registry.counters.refused_anonymous_sessions.fetch_add(1, Ordering::Relaxed);
             return Err(Error::new(
                 ErrorKind::LimitReached,
                 format!(
-                    "host {host_id:?} asked for a new session; {} sessions exist (target.max_sessions = {})",
-                    admin.sessions.len(),
-                    self.limits.max_sessions
+                    "host {host_id:?} (unauthenticated) asked for a new session; {} anonymous sessions exist (target.max_anonymous_sessions = {})",
+                    admin.anonymous, self.limits.max_anonymous_sessions
                 ),
             ));
+        }
+        if admin.live() >= self.limits.max_sessions as usize {
+            match admin.eviction_candidate().filter(|_| authenticated) {
+                Some(victim) => self.evict(admin, victim, host_id),
+                None => {
+                    self.registry.counters.refused_sessions.fetch_add(1, Ordering::Relaxed);
+                    return Err(Error::new(
+                        ErrorKind::LimitReached,
+                        format!(
+                            "host {host_id:?} asked for a new session; {} sessions exist (target.max_sessions = {}){}",
+                            admin.live(),
+                            self.limits.max_sessions,
+                            if authenticated { ", none of them anonymous" } else { "" }
+                        ),
+                    ));
+                }
+            }
         }
         let id = loop {
             let id = SessionId(rand::random());
@@ -306,16 +365,43 @@ impl Sessions {
         let shared = Arc::new(SharedSession {
             id,
             host_id: host_id.to_owned(),
+            authenticated,
             open: ArcSwap::from_pointee(OpenSet::default()),
             pool_accounts: (0..self.registry.reactors()).map(|_| Arc::new(PoolAccount::named(format!("host={host_id} session={:#x}", id.0)))).collect(),
             retired: AtomicBool::new(false),
+            evicted: AtomicBool::new(false),
             ended: AtomicBool::new(false),
             dropped: AtomicU64::new(0),
         });
         let mut queue_pairs = vec![0; self.registry.reactors()];
         queue_pairs[reactor] = 1;
-        admin.sessions.insert(id, SessionEntry { shared: Arc::clone(&shared), next_queue: 1, queue_pairs });
+        admin.sessions.insert(id, SessionEntry { shared: Arc::clone(&shared), created: Instant::now(), next_queue: 1, queue_pairs });
+        if !authenticated {
+            admin.anonymous += 1;
+        }
         Ok(Joined { session: shared, queue_index: 0, created: true })
+    }
+
+    /// Evicts anonymous session `victim` for a session of `host_id`: it is
+    /// retired (its queue pairs close on every reactor, what reached the
+    /// disk completes) and counts no more; it leaves the table with its
+    /// last queue pair, so that a reconnect of its host still waits for it.
+    fn evict(&self, admin: &mut Admin, victim: SessionId, host_id: &str) {
+        let Some(e) = admin.sessions.get(&victim) else { return };
+        let shared = Arc::clone(&e.shared);
+        shared.evicted.store(true, Ordering::Release);
+        shared.retired.store(true, Ordering::Release);
+        admin.evicted += 1;
+        admin.anonymous -= 1;
+        self.registry.counters.evicted_sessions.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            "session table full (target.max_sessions = {}): evicting anonymous session {:#x} of host {:?} ({}) for authenticated host {host_id:?}",
+            self.limits.max_sessions,
+            victim.0,
+            shared.host_id,
+            if shared.open.load().is_empty() { "no volume open" } else { "the oldest anonymous session; every one has a volume open" }
+        );
+        self.registry.fence_moved();
     }
 
     /// Joins session `id` (CONNECT with a session id): it must exist and
@@ -365,6 +451,11 @@ impl Sessions {
         e.queue_pairs[reactor] = e.queue_pairs[reactor].saturating_sub(1);
         if e.queue_pairs.iter().all(|&n| n == 0) {
             admin.sessions.remove(&session.id);
+            if session.is_evicted() {
+                admin.evicted -= 1;
+            } else if !session.authenticated {
+                admin.anonymous -= 1;
+            }
             drop(admin);
             session.ended.store(true, Ordering::Release);
             if session.is_retired() {
@@ -409,11 +500,46 @@ mod tests {
     }
 
     #[test]
+    fn anonymous_sessions_are_capped_and_evicted_for_authenticated_ones() {
+        let limits = SessionLimits { max_sessions: 3, max_anonymous_sessions: 2, max_queues_per_session: 4 };
+        let (reg, r) = sessions(1, limits);
+        let mut admin = r.admin();
+        let busy = r.create(&mut admin, "busy", false, 0).ok().unwrap().session;
+        busy.mark_open(&admin, VolumeId(0));
+        let idle = r.create(&mut admin, "idle", false, 0).ok().unwrap().session;
+        let e = r.create(&mut admin, "third", false, 0).err().unwrap();
+        assert_eq!(e.kind(), ErrorKind::LimitReached);
+        assert!(e.to_string().contains("target.max_anonymous_sessions = 2"), "{e}");
+        assert_eq!(reg.counters.refused_anonymous_sessions.load(Ordering::Relaxed), 1);
+        // The table (3) fills with an authenticated one; the next
+        // authenticated one evicts the anonymous session without a volume.
+        r.create(&mut admin, "alpha", true, 0).ok().unwrap();
+        let generation = reg.fence_generation();
+        r.create(&mut admin, "beta", true, 0).ok().unwrap();
+        assert!(idle.is_evicted() && idle.is_retired() && !busy.is_retired());
+        assert_ne!(reg.fence_generation(), generation, "the reactors hear of it");
+        // Then the oldest anonymous one, although it has a volume open.
+        r.create(&mut admin, "gamma", true, 0).ok().unwrap();
+        assert!(busy.is_evicted());
+        // Only authenticated sessions left: the next is refused.
+        let e = r.create(&mut admin, "delta", true, 0).err().unwrap();
+        assert!(e.to_string().contains("target.max_sessions = 3), none of them anonymous"), "{e}");
+        assert_eq!(reg.counters.evicted_sessions.load(Ordering::Relaxed), 2);
+        // Evicted sessions stay in the table (for a fence) until they leave,
+        // without counting; an anonymous place is free again meanwhile.
+        assert_eq!(admin.sessions.len(), 5);
+        drop(admin);
+        assert!(r.leave(&idle, 0) && r.leave(&busy, 0));
+        let admin = r.admin();
+        assert_eq!((admin.sessions.len(), admin.evicted, admin.anonymous), (3, 0, 0));
+    }
+
+    #[test]
     fn create_join_leave() {
         let (_, r) = sessions(2, SessionLimits::NONE);
         let a = {
             let mut admin = r.admin();
-            r.create(&mut admin, "host-a", 0).ok().unwrap()
+            r.create(&mut admin, "host-a", false, 0).ok().unwrap()
         };
         assert!(a.created && a.queue_index == 0 && a.session.id.0 != 0);
         let id = a.session.id;
@@ -441,14 +567,14 @@ mod tests {
 
     #[test]
     fn limits_refuse_with_their_own_kind() {
-        let (reg, r) = sessions(2, SessionLimits { max_sessions: 2, max_queues_per_session: 2 });
+        let (reg, r) = sessions(2, SessionLimits { max_sessions: 2, max_queues_per_session: 2, ..SessionLimits::NONE });
         let (a, _b) = {
             let mut admin = r.admin();
-            (r.create(&mut admin, "a", 0).ok().unwrap(), r.create(&mut admin, "b", 1).ok().unwrap())
+            (r.create(&mut admin, "a", false, 0).ok().unwrap(), r.create(&mut admin, "b", false, 1).ok().unwrap())
         };
         {
             let mut admin = r.admin();
-            let e = r.create(&mut admin, "c", 0).err().unwrap();
+            let e = r.create(&mut admin, "c", false, 0).err().unwrap();
             assert_eq!(e.kind(), ErrorKind::LimitReached);
             assert!(e.to_string().contains("target.max_sessions = 2"), "{e}");
             assert!(r.join(&mut admin, a.session.id, "a", 1).is_ok(), "the second queue pair fits");
@@ -469,7 +595,7 @@ mod tests {
         let (reg, r) = sessions(2, SessionLimits::NONE);
         let wake = Arc::new(EventFd::new().unwrap());
         reg.add_waker(Arc::clone(&wake));
-        let old = r.create(&mut r.admin(), "h", 0).ok().unwrap().session;
+        let old = r.create(&mut r.admin(), "h", false, 0).ok().unwrap().session;
         r.join(&mut r.admin(), old.id, "h", 1).ok().unwrap();
         let g0 = reg.fence_generation();
         // Another host cannot retire it; an unknown id is nothing to wait for.
@@ -492,7 +618,7 @@ mod tests {
     #[test]
     fn one_pool_account_per_reactor() {
         let (_, r) = sessions(2, SessionLimits::NONE);
-        let s = r.create(&mut r.admin(), "h", 0).ok().unwrap().session;
+        let s = r.create(&mut r.admin(), "h", false, 0).ok().unwrap().session;
         let (a0, a1) = (s.pool_account(0).unwrap(), s.pool_account(1).unwrap());
         assert!(!Arc::ptr_eq(a0, a1));
         assert!(s.pool_account(2).is_none());
