@@ -85,7 +85,7 @@ use std::fmt;
 use std::os::fd::RawFd;
 use std::time::Duration;
 
-pub use memory::AlignedBuf;
+pub use memory::{release_free_heap, AlignedBuf};
 pub use url::{FabricUrl, ProviderKind};
 
 /// Access rights of a memory region (`IBV_ACCESS_*`).
