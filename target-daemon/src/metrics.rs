@@ -120,6 +120,8 @@ pub struct NvmeStats {
     pub idle_timeouts: AtomicU64,
     /// Admin Connects refused by `max_controllers` or `max_controllers_per_host`.
     pub controllers_refused: AtomicU64,
+    /// Anonymous controllers torn down for hosts that authenticate.
+    pub controllers_evicted: AtomicU64,
     /// Queues whose host authenticated (DH-HMAC-CHAP), and the attempts
     /// refused, by [`NvmeStats::AUTH_FAILURES`].
     pub authenticated: AtomicU64,
@@ -487,6 +489,11 @@ pub fn render(s: &Scrape<'_>) -> String {
                 "rdmablk_nvme_controllers_refused_total",
                 "Admin Connects refused by target.max_controllers or max_controllers_per_host.",
                 &n.controllers_refused,
+            ),
+            (
+                "rdmablk_nvme_controllers_evicted_total",
+                "Anonymous NVMe-oF controllers torn down from a full table (target.max_controllers) for hosts that authenticate.",
+                &n.controllers_evicted,
             ),
             ("rdmablk_nvme_authentications_total", "NVMe-oF queues whose host authenticated (DH-HMAC-CHAP).", &n.authenticated),
         ] {

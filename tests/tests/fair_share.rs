@@ -42,7 +42,8 @@ use rdmablk_common::nvme::sqe::{admin_opcode, io_opcode, SubmissionEntry};
 use rdmablk_common::nvme::tcp::Digests;
 use rdmablk_common::protocol::{BlockCount, CommandCapsule, CommandId, Lba, Opcode, Status, VolumeId, PROTOCOL_VERSION};
 use rdmablk_initiator::{BlockDevice, ConnectOptions, Session};
-use rdmablk_system_tests::nvme_tcp::{connect_data, connect_entry, rw_entry, NvmeTcpConn, CC_ENABLE};
+use rdmablk_common::nvme::auth::{HashId, Secret};
+use rdmablk_system_tests::nvme_tcp::{connect_data, connect_entry, rw_entry, HostAuth, NvmeTcpConn, CC_ENABLE};
 use rdmablk_system_tests::{
     file_volume, legit_io, raise_nofile_limit, sample, scrape, sparse_file, wait_until, wire, TargetProcess, WireConn, WireEvent,
 };
@@ -709,9 +710,9 @@ fn a_full_table_evicts_an_idle_anonymous_session_for_an_authenticated_host() {
 // ---------------------------------------------------------------------------
 // NVMe/TCP controllers
 //
-// NVMe/TCP hosts cannot authenticate yet (DH-HMAC-CHAP is being added): until
-// they can, "authenticated" on NVMe-oF means "its host NQN is a [[host]]
-// entry's nqn", and anonymous means any other NQN.
+// A host that proves who it is on NVMe-oF is one whose `[[host]]` has a
+// DH-HMAC-CHAP secret (`dhchap_key_file`): each of its queues authenticates
+// before anything else. Anonymous means any other NQN (claimed, unproven).
 
 const SUBNQN: &str = "nqn.2026-12.io.rdmablk.test:fair-share";
 const LEGIT_NQN: &str = "nqn.2026-12.io.rdmablk.test:fair-share-legit-host";
@@ -745,7 +746,8 @@ fn anonymous_controller(addr: SocketAddr, source: Ipv4Addr, subnqn: &str) -> Res
 /// The legitimate NVMe host from 127.0.0.250 with LEGIT_NQN: admin queue
 /// (KATO 10 s), enable, one I/O queue, then `rounds` verified 4 KiB writes
 /// and reads; every command timed.
-fn nvme_host(addr: SocketAddr, rounds: u64, log: &mut Timings) -> Result<(), String> {
+fn nvme_host(addr: SocketAddr, secret: &Secret, rounds: u64, log: &mut Timings) -> Result<(), String> {
+    let auth = HostAuth::new(secret.clone(), None, LEGIT_NQN, SUBNQN);
     let source = Ipv4Addr::new(127, 0, 0, 250);
     let connect = || NvmeTcpConn::tcp_from_within(addr, source, Duration::from_secs(5));
     let mut admin = log.run("TCP connect of the admin queue".into(), connect)?;
@@ -754,6 +756,10 @@ fn nvme_host(addr: SocketAddr, rounds: u64, log: &mut Timings) -> Result<(), Str
     let data = connect_data(ANY_CONTROLLER, SUBNQN, LEGIT_NQN);
     let c = log.run("admin Connect".into(), || admin.try_exec(connect_entry(0, 31, 10_000), &data, &[], 0))?;
     let cntlid = c.cqe.result as u16;
+    let run = log.run("DH-HMAC-CHAP of the admin queue".into(), || Ok::<_, String>(admin.authenticate(&auth, 1)))?;
+    if let Some(e) = run.failure {
+        return Err(format!("admin queue authentication: {e}"));
+    }
     let cc = Property { offset: property::CC, wide: false, value: CC_ENABLE }.to_entry(0, true);
     log.run("Property Set CC.EN".into(), || admin.try_exec(cc, &[], &[], 0))?;
     let ready_by = Instant::now() + Duration::from_secs(5);
@@ -775,6 +781,10 @@ fn nvme_host(addr: SocketAddr, rounds: u64, log: &mut Timings) -> Result<(), Str
     log.run("ICReq of the I/O queue".into(), || io.try_initialize(NO_DIGESTS))?;
     let data = connect_data(cntlid, SUBNQN, LEGIT_NQN);
     log.run("I/O queue Connect".into(), || io.try_exec(connect_entry(1, 31, 0), &data, &[], 0))?;
+    let run = log.run("DH-HMAC-CHAP of the I/O queue".into(), || Ok::<_, String>(io.authenticate(&auth, 2)))?;
+    if let Some(e) = run.failure {
+        return Err(format!("I/O queue authentication: {e}"));
+    }
     for n in 0..rounds {
         let mut block = vec![0u8; 4096];
         rand::thread_rng().fill_bytes(&mut block);
@@ -792,9 +802,10 @@ fn nvme_host(addr: SocketAddr, rounds: u64, log: &mut Timings) -> Result<(), Str
 /// Anonymous host NQNs from 48 addresses fill `max_controllers` (64): 32
 /// controllers of the subsystem (connected while the target had no
 /// `[[host]]` entries, under allow_any_host) and 32 discovery controllers
-/// (which any NQN may open, `[[host]]` entries or not). A host whose NQN
-/// is a `[[host]]` entry must still connect and do its I/O, each command
-/// within 1 s.
+/// (which any NQN may open, `[[host]]` entries or not). A host whose
+/// `[[host]]` has a DH-HMAC-CHAP secret must still connect, authenticate
+/// and do its I/O, each command within 1 s: one anonymous controller is
+/// torn down for it.
 #[test]
 fn anonymous_nvme_controllers_from_many_addresses_do_not_lock_out_a_configured_host() {
     let test_start = Instant::now();
@@ -809,7 +820,11 @@ fn anonymous_nvme_controllers_from_many_addresses_do_not_lock_out_a_configured_h
         .map(|i| anonymous_controller(nvme, addr(2 + i / 2), SUBNQN).unwrap_or_else(|e| panic!("anonymous controller {i}: {e}")))
         .collect();
     // The [[host]] entry of the legitimate host arrives.
-    let hosts = format!("[[host]]\nid = \"legit\"\nnqn = \"{LEGIT_NQN}\"\n");
+    let secret = Secret::generate(Some(HashId::Sha256));
+    let key = dir.path().join("legit.dhchap");
+    std::fs::write(&key, format!("{}\n", secret.encode())).unwrap();
+    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let hosts = format!("[[host]]\nid = \"legit\"\nnqn = \"{LEGIT_NQN}\"\ndhchap_key_file = \"{}\"\n", key.display());
     let line = t.reload(&nvme_config(extra, &hosts, &vol));
     assert!(line.contains("reload complete"), "{line}");
     // 127.0.0.18 ..= 127.0.0.49, one discovery controller each.
@@ -821,7 +836,7 @@ fn anonymous_nvme_controllers_from_many_addresses_do_not_lock_out_a_configured_h
     assert_eq!(before, 64.0, "the anonymous controllers fill max_controllers");
 
     let mut log = Timings::default();
-    let result = nvme_host(nvme, 4, &mut log);
+    let result = nvme_host(nvme, &secret, 4, &mut log);
     let still = metric(&t, "rdmablk_nvme_controllers", &[]);
     let why: Vec<String> = t.log().into_iter().filter(|l| l.contains(LEGIT_NQN) && l.contains("nvme connect from")).collect();
     eprintln!(
@@ -830,10 +845,11 @@ fn anonymous_nvme_controllers_from_many_addresses_do_not_lock_out_a_configured_h
         result.as_ref().err().map(|e| format!(", ended by {e}")).unwrap_or_default(),
         test_start.elapsed()
     );
-    log.assert_served("the NVMe host whose NQN is a [[host]] entry", 9 + 3 * 4);
-    // The attack was in force: at most one anonymous controller made room
-    // for the host's (which is still connected).
-    assert!(still >= 64.0, "the anonymous controllers were held throughout: {still} controllers alive with the host's");
+    log.assert_served("the NVMe host that authenticates", 11 + 3 * 4);
+    assert_eq!(metric(&t, "rdmablk_nvme_controllers_evicted_total", &[]), 1.0, "one anonymous controller made room");
+    // The attack was in force: one anonymous controller made room for the
+    // host's, which ended with its connections when nvme_host returned.
+    assert!(still >= 63.0, "the anonymous controllers were held throughout: {still} controllers alive after the host's ended");
     drop(held);
     t.assert_no_panic();
 }

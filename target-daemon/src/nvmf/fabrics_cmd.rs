@@ -120,7 +120,10 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
                 }
             }
         }
-        let ctrl = match q.sub.create_controller(&d.host_nqn, d.host_id, discovery, c.kato_ms) {
+        // A host with a DH-HMAC-CHAP secret authenticates every queue before
+        // anything else (require_auth below): anonymous controllers make room for it.
+        let protected = set.access.nvme_auth(&d.host_nqn).is_some();
+        let ctrl = match q.sub.create_controller(&d.host_nqn, d.host_id, discovery, protected, c.kato_ms) {
             Ok(ctrl) => ctrl,
             Err(why) => {
                 tracing::warn!("nvme connect from {}: host {:?}: {why}", q.peer, d.host_nqn);

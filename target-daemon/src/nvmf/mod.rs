@@ -97,6 +97,9 @@ pub struct Controller {
     pub host_nqn: String,
     pub host_id: [u8; 16],
     pub discovery: bool,
+    /// Its host must authenticate (DH-HMAC-CHAP): never torn down to make
+    /// room for another controller.
+    pub protected: bool,
     /// Set when the association ends (keep-alive expiry, the admin queue
     /// closing, shutdown): every queue closes its connection.
     pub dead: AtomicBool,
@@ -390,21 +393,46 @@ impl Subsystem {
     }
 
     /// Creates a controller for an admin Connect, unless
-    /// `target.max_controllers` exist, or `max_controllers_per_host` of
-    /// the same host NQN (discovery controllers count too: each is a
-    /// host's connection for as long as it lasts).
+    /// `target.max_controllers` live controllers exist, or
+    /// `max_controllers_per_host` of the same host NQN (discovery
+    /// controllers count too: each is a host's connection for as long as
+    /// it lasts). A host that must prove who it is (`protected`: its
+    /// `[[host]]` has a `dhchap_key_file`, and its queues authenticate
+    /// before anything else) is not refused for anonymous controllers:
+    /// one of them is torn down for it, the oldest without an I/O queue
+    /// first, else the oldest.
     pub fn create_controller(
         &self,
         host_nqn: &str,
         host_id: [u8; 16],
         discovery: bool,
+        protected: bool,
         kato_ms: u32,
     ) -> std::result::Result<Arc<Controller>, String> {
         let mut c = self.controllers();
-        let total = c.by_id.len();
+        let total = c.by_id.values().filter(|x| !x.is_dead()).count();
         if total >= self.cfg.max_controllers as usize {
-            NvmeStats::add(&self.stats.controllers_refused, 1);
-            return Err(format!("{total} controllers exist (target.max_controllers = {})", self.cfg.max_controllers));
+            let anonymous = c.by_id.values().filter(|x| !x.is_dead() && !x.protected);
+            let idle = anonymous.clone().filter(|x| x.io_queues.load(Ordering::Acquire) == 0).min_by_key(|x| x.created);
+            match idle.or_else(|| anonymous.min_by_key(|x| x.created)).filter(|_| protected) {
+                Some(victim) => {
+                    NvmeStats::add(&self.stats.controllers_evicted, 1);
+                    let why = format!(
+                        "evicted: {total} controllers exist (target.max_controllers = {}) and host {host_nqn:?}, which authenticates, needs a place; this one is anonymous{}",
+                        self.cfg.max_controllers,
+                        if victim.io_queues.load(Ordering::Acquire) == 0 { " and has no I/O queue" } else { " and the oldest" }
+                    );
+                    victim.tear_down(self, &CloseReason::host_stalled(why));
+                }
+                None => {
+                    NvmeStats::add(&self.stats.controllers_refused, 1);
+                    return Err(format!(
+                        "{total} controllers exist (target.max_controllers = {}){}",
+                        self.cfg.max_controllers,
+                        if protected { ", none of them anonymous" } else { "" }
+                    ));
+                }
+            }
         }
         let of_host = c.by_id.values().filter(|x| x.host_nqn == host_nqn && !x.is_dead()).count();
         if of_host >= self.cfg.max_controllers_per_host as usize {
@@ -432,6 +460,7 @@ impl Subsystem {
             host_nqn: host_nqn.to_owned(),
             host_id,
             discovery,
+            protected,
             dead: AtomicBool::new(false),
             live_queues: AtomicU32::new(1),
             queues: Mutex::new(QueueTable::default()),

@@ -329,16 +329,6 @@ impl Sessions {
     /// else the oldest), so anonymous sessions never lock out a host that
     /// proved who it is.
     pub fn create(&self, admin: &mut Admin, host_id: &str, authenticated: bool, reactor: usize) -> Result<Joined> {
-        if !authenticated && admin.anonymous >= self.limits.max_anonymous_sessions as usize {
-            self.registry.counters.refused_anonymous_sessions.fetch_add(1, Ordering::Relaxed);
-            return Err(Error::new(
-                ErrorKind::LimitReached,
-                format!(
-                    "host {host_id:?} (unauthenticated) asked for a new session; {} anonymous sessions exist (target.max_anonymous_sessions = {})",
-                    admin.anonymous, self.limits.max_anonymous_sessions
-                ),
-            ));
-        }
         if admin.live() >= self.limits.max_sessions as usize {
             match admin.eviction_candidate().filter(|_| authenticated) {
                 Some(victim) => self.evict(admin, victim, host_id),
@@ -355,6 +345,16 @@ impl Sessions {
                     ));
                 }
             }
+        }
+        if !authenticated && admin.anonymous >= self.limits.max_anonymous_sessions as usize {
+            self.registry.counters.refused_anonymous_sessions.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::new(
+                ErrorKind::LimitReached,
+                format!(
+                    "host {host_id:?} (unauthenticated) asked for a new session; {} anonymous sessions exist (target.max_anonymous_sessions = {})",
+                    admin.anonymous, self.limits.max_anonymous_sessions
+                ),
+            ));
         }
         let id = loop {
             let id = SessionId(rand::random());
