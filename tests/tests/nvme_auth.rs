@@ -9,7 +9,8 @@
 //!   reason: a wrong secret, the controller's wrong secret (the host's
 //!   Failure2), a replayed Reply, messages out of order, a changed
 //!   transaction id, commands before authentication, no authentication
-//!   within `handshake_timeout`; and the target goes on serving.
+//!   within `handshake_timeout` (a refused queue is closed by then, if its
+//!   host did not disconnect); and the target goes on serving.
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
@@ -44,9 +45,11 @@ fn write_secret(dir: &Path, name: &str, s: &Secret) -> std::path::PathBuf {
     p
 }
 
-/// A daemon whose one host must authenticate with `host_hash`-transformed
-/// secrets, the target choosing `dhgroup`.
+/// A daemon whose one host must authenticate with SHA-256-transformed
+/// secrets, the target choosing SHA-384 and `dhgroup`; `handshake_timeout`
+/// 2 s unless `extra` sets it.
 fn start(dhgroup: &str, extra: &str) -> Env {
+    let extra = if extra.contains("handshake_timeout") { extra.to_owned() } else { format!("handshake_timeout = \"2s\"\n{extra}") };
     let dir = tempfile::tempdir().unwrap();
     let host = Secret::generate(Some(HashId::Sha256));
     let ctrl = Secret::generate(None);
@@ -88,7 +91,8 @@ fn failures(env: &Env, reason: &str) -> f64 {
     sample(&scrape(&env.metrics), "rdmablk_nvme_auth_failures_total", &[("reason", reason)]).unwrap_or(0.0)
 }
 
-/// The connection ends (the target closes it) within a few seconds.
+/// The connection ends (the target closes the refused queue by its
+/// `handshake_timeout`) within a few seconds.
 fn assert_closed(c: &mut NvmeTcpConn, what: &str) {
     let t = c.wait_for_termination(Duration::from_secs(5));
     assert!(t.closed, "{what}: the target kept the connection open ({})", t.end);
@@ -134,6 +138,10 @@ fn a_wrong_secret_is_refused_logged_counted_and_the_controller_ends() {
     let run = a.authenticate(&wrong, 5);
     let f = run.failure.expect("a wrong secret is refused");
     assert!(f.contains("AUTH_Failure1 after Reply: authentication failed"), "{f}");
+    // No second guess on the refused queue: a new Negotiate gets Failure1 too.
+    a.auth_send(&wrong.negotiate(6)).expect("Authentication Send");
+    assert!(matches!(a.auth_receive(4096), Ok(Message::Failure { first: true, .. })), "a retry on a refused queue");
+    assert_eq!(a.identify(1, 0).map(|_| ()), Err(Status::AUTHENTICATION_REQUIRED));
     assert_closed(&mut a, "after Failure1");
     let line = env.target.wait_for_log("nvme authentication refused", Duration::from_secs(5));
     assert!(line.contains(HOSTNQN) && line.contains("wrong response") && line.contains("127.0.0.1"), "{line}");
@@ -150,6 +158,7 @@ fn the_controllers_wrong_secret_is_refused_by_the_host() {
     auth.ctrl_secret = Some(Secret::generate(None));
     let f = a.authenticate(&auth, 5).failure.expect("the host refuses the controller");
     assert!(f.contains("controller's response is wrong"), "{f}");
+    assert_eq!(a.identify(1, 0).map(|_| ()), Err(Status::AUTHENTICATION_REQUIRED), "nothing runs after the host's Failure2");
     assert_closed(&mut a, "after Failure2");
     assert_eq!(failures(&env, "refused_by_host"), 1.0);
 }

@@ -23,10 +23,14 @@
 //! transaction id that changes, a malformed message, a hash or group the
 //! host does not offer) is logged with the host NQN and peer address and
 //! counted (`rdmablk_nvme_auth_failures_total{reason}`); the next Receive
-//! gets AUTH_Failure1 and the queue closes after it (the admin queue's
-//! closing ends its controller), as nvmet's fatal error does. A queue not
-//! authenticated within `target.handshake_timeout` of its Connect closes
-//! (`Queue::check_deadlines`). Challenges and sequence numbers are fresh
+//! gets AUTH_Failure1 (so does every later authentication command: a
+//! refused queue gets no second try) and nothing else runs on the queue.
+//! The host then disconnects (Linux does); the target closes a queue not
+//! authenticated within `target.handshake_timeout` of its Connect
+//! (`Queue::check_deadlines`; the admin queue's closing ends its
+//! controller). It does not close at once after Failure1: over NVMe/RDMA a
+//! faulted queue pair goes before its last answer, and the Linux host would
+//! wait for that answer for ever. Challenges and sequence numbers are fresh
 //! random values per transaction, so a recorded Reply answers no later
 //! Challenge.
 
@@ -41,8 +45,8 @@ use rdmablk_common::nvme::fabrics::fctype;
 use rdmablk_common::nvme::sqe::{admin_opcode, SubmissionEntry};
 use rdmablk_common::nvme::status::Status;
 
-use super::queue::{Action, Queue, Reply};
-use super::{CloseReason, NvmeStats, MAX_TRANSFER};
+use super::queue::{Queue, Reply};
+use super::{NvmeStats, MAX_TRANSFER};
 use crate::auth::NvmeAuthKeys;
 use crate::registry::Registry;
 
@@ -187,6 +191,8 @@ fn refuse(q: &mut Queue, reason: usize, tid: u16, expl: u8, what: impl std::fmt:
         NvmeStats::add(&q.sub.stats.auth_failures[reason], 1);
     }
     a.step = Step::Failed { tid, explanation: expl };
+    // A failed re-authentication ends what the first one allowed.
+    a.authenticated = false;
 }
 
 fn succeeded(q: &mut Queue, bidirectional: bool) {
@@ -305,9 +311,8 @@ pub fn send(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
         }
         (Message::Success2 { tid: t }, Step::Success2 { tid }) if t == *tid => succeeded(q, true),
         (Message::Failure { first: false, tid, explanation: e, .. }, _) => {
+            // The host ends the transaction (and disconnects) itself.
             refuse(q, why::REFUSED_BY_HOST, tid, explanation::FAILED, format!("the host refused the controller: {}", explanation::name(e)));
-            // The host ends the transaction itself: no Failure1 follows.
-            q.actions.push(Action::Close(CloseReason::fault("authentication failed (AUTH_Failure2 from the host)")));
         }
         (m, step) => {
             let (tid, what) = match step {
@@ -435,9 +440,7 @@ pub fn receive(q: &mut Queue, sqe: &SubmissionEntry) -> Reply {
             m
         }
         Step::Failed { tid, explanation } => {
-            let m = Message::Failure { first: true, tid: *tid, reason: dhchap::REASON_FAILED, explanation: *explanation };
-            q.actions.push(Action::Close(CloseReason::fault("authentication failed (AUTH_Failure1 sent)")));
-            m
+            Message::Failure { first: true, tid: *tid, reason: dhchap::REASON_FAILED, explanation: *explanation }
         }
         step => {
             let what = format!("Authentication Receive {}", step_name(step));
@@ -446,9 +449,7 @@ pub fn receive(q: &mut Queue, sqe: &SubmissionEntry) -> Reply {
                 _ => 0,
             };
             refuse(q, why::PROTOCOL, tid, explanation::INCORRECT_MESSAGE, what);
-            let m = Message::Failure { first: true, tid, reason: dhchap::REASON_FAILED, explanation: explanation::INCORRECT_MESSAGE };
-            q.actions.push(Action::Close(CloseReason::fault("authentication failed (AUTH_Failure1 sent)")));
-            m
+            Message::Failure { first: true, tid, reason: dhchap::REASON_FAILED, explanation: explanation::INCORRECT_MESSAGE }
         }
     };
     let mut data = msg.encode();
