@@ -91,10 +91,13 @@
 #   nvme-tcp-restart          the target SIGKILLed and restarted under a mounted ext4
 #                             with fio writing: the host reconnects, fio's verify and
 #                             e2fsck -fn are clean
+#   nvme-tcp-auth             in-band authentication (DH-HMAC-CHAP) with nvme-cli's
+#                             --dhchap-secret: ext4 round trip; a wrong secret refused;
+#                             bidirectional with --dhchap-ctrl-secret (nvme-of.sh)
 #   nvme-tcp-vs-nvmet         rdmablk-target's NVMe/TCP against the kernel's nvmet-tcp,
 #                             same host and boot: IOPS, latency, CPU per I/O
 #                             ($RES/nvme-tcp-vs-nvmet.md; figures only)
-#   nvme-rdma-fs, -sighup, -restart, -vs-nvmet
+#   nvme-rdma-fs, -sighup, -restart, -auth, -vs-nvmet
 #                             the same four over NVMe/RDMA: the kernel's nvme-rdma
 #                             host over rxe against nvme+rdma://SIP:4420 beside
 #                             rdma://, the rdmablk CLI over rdma:// on the other
@@ -963,6 +966,7 @@ if [[ -n $NVME_TCP_SH ]]; then
     step nvme-tcp-fs --timeout 600 bash "$SELF" nvme_tcp_fs || rc=1
     step nvme-tcp-sighup --timeout 300 bash "$SELF" nvme_tcp_sighup || rc=1
     step nvme-tcp-restart --timeout 600 bash "$SELF" nvme_tcp_restart || rc=1
+    step nvme-tcp-auth --timeout 300 bash "$SELF" nvme_tcp_auth || rc=1
     # The measurements take about 15 s per fio run under TCG (10 s of I/O),
     # two runs per case and round, plus about a minute of setup: the limit
     # follows RDMABLK_NVME_VS_ROUNDS and RDMABLK_NVME_VS_CASES (at least
@@ -976,6 +980,7 @@ if [[ -n $NVME_TCP_SH ]]; then
     step nvme-rdma-fs --timeout 600 bash "$SELF" nvme_rdma_fs || rc=1
     step nvme-rdma-sighup --timeout 300 bash "$SELF" nvme_rdma_sighup || rc=1
     step nvme-rdma-restart --timeout 600 bash "$SELF" nvme_rdma_restart || rc=1
+    step nvme-rdma-auth --timeout 300 bash "$SELF" nvme_rdma_auth || rc=1
     step nvme-rdma-vs-nvmet --timeout "$vs_timeout" bash "$SELF" nvme_rdma_vs_nvmet || rc=1
 else
     # Recorded as failed: the steps exist, their script was not found.

@@ -40,6 +40,13 @@
 #                      (mkfs without discard: DSM is nvme-tcp-fs's to check)
 #   nvme-tcp-vs-nvmet  a measurement (fails only on errors): see the comment of
 #                      nvme_tcp_vs_nvmet below
+#   nvme-tcp-auth      in-band authentication (DH-HMAC-CHAP): secrets from
+#                      `nvme gen-dhchap-key`, a [[host]] with dhchap_key_file and
+#                      dhchap_ctrl_key_file (ffdhe2048, SHA-256); connect with
+#                      --dhchap-secret, ext4 round trip; a wrong secret refused
+#                      (nvme connect fails, the target logs the host NQN);
+#                      bidirectional with --dhchap-ctrl-secret, 1 MiB read back
+#   nvme-rdma-auth     the same over NVMe/RDMA
 #
 # The ports are fixed (a restarted target must be where the host reconnects):
 # rdmablk-target's NVMe/TCP on SIP:4420, nvmet-tcp on SIP:4421. The host
@@ -62,6 +69,8 @@ nvme_rdma_fs() { NVME_TRANSPORT=rdma nvme_fs; }
 nvme_rdma_sighup() { NVME_TRANSPORT=rdma nvme_sighup; }
 nvme_rdma_restart() { NVME_TRANSPORT=rdma nvme_restart; }
 nvme_rdma_vs_nvmet() { NVME_TRANSPORT=rdma nvme_vs_nvmet; }
+nvme_tcp_auth() { NVME_TRANSPORT=tcp nvme_auth; }
+nvme_rdma_auth() { NVME_TRANSPORT=rdma nvme_auth; }
 
 # The kernel's messages since nvme_dmesg_mark (for each step's log).
 nvme_dmesg_mark() { NVME_DMESG0=$(dmesg | wc -l); }
@@ -443,6 +452,66 @@ nvme_sighup() {
     echo "1 MiB through $dev2 and $dev1: read back and in the backing files"
     nvme_disconnect "$NQN"
     nvme_step_end "nvme-$NVME_TRANSPORT-sighup" || exit 1
+}
+
+# ---------------------------------------------------- nvme-tcp-auth, nvme-rdma-auth
+nvme_auth() {
+    set -euo pipefail
+    local t=$NVME_TRANSPORT
+    nvme_dmesg_mark
+    modprobe "nvme-$t"
+    rm -rf "$NVME_DIR"; mkdir -p "$NVME_DIR/mnt"
+    local mnt=$NVME_DIR/mnt hostnqn key ctrl_key wrong
+    hostnqn="nqn.2014-08.org.nvmexpress:uuid:$(cat /proc/sys/kernel/random/uuid)"
+    NQN=$NVME_DEFAULT_NQN FPID= RPID= TPID=
+    key=$(nvme gen-dhchap-key --hmac=1 --nqn="$hostnqn")
+    ctrl_key=$(nvme gen-dhchap-key --hmac=0 --nqn="$NQN")
+    wrong=$(nvme gen-dhchap-key --hmac=1 --nqn="$hostnqn")
+    echo "host secret ${key:0:14}..., controller secret ${ctrl_key:0:14}... (nvme gen-dhchap-key)"
+    (umask 077; echo "$key" >"$NVME_DIR/host.key"; echo "$ctrl_key" >"$NVME_DIR/ctrl.key")
+    nvme_target_conf nvol0:64MiB
+    printf '\n[[host]]\nid = "kernel"\nnqn = "%s"\ndhchap_key_file = "%s"\ndhchap_ctrl_key_file = "%s"\n' \
+        "$hostnqn" "$NVME_DIR/host.key" "$NVME_DIR/ctrl.key" >>"$NVME_DIR/target.toml"
+    cat "$NVME_DIR/target.toml"
+    trap nvme_cleanup EXIT
+    nvme_start_target
+
+    # The right secret: every queue authenticates, then an ext4 round trip.
+    nvme_connect "$NQN" "$NVME_PORT" 1 --hostnqn="$hostnqn" --dhchap-secret="$key"
+    nvme_dmesg_since | grep -q "qid 0: authenticated" || { echo "the host did not report qid 0 authenticated"; exit 1; }
+    mkfs.ext4 -q -F "$DEV"
+    mount "$DEV" "$mnt"
+    head -c 3M /dev/urandom >"$NVME_DIR/ref"
+    cp "$NVME_DIR/ref" "$mnt/ref"
+    umount "$mnt"
+    blockdev --flushbufs "$DEV"
+    e2fsck -fn "$DEV"
+    mount "$DEV" "$mnt"
+    cmp "$NVME_DIR/ref" "$mnt/ref"
+    umount "$mnt"
+    nvme_disconnect "$NQN"
+
+    # A wrong secret: nvme connect fails, the target logs and counts it.
+    echo "+ nvme connect ... --dhchap-secret=<a wrong one> (must fail)"
+    if nvme connect -t "$t" -a "$SIP" -s "$NVME_PORT" -n "$NQN" --hostnqn="$hostnqn" --dhchap-secret="$wrong"; then
+        echo "nvme connect with a wrong secret succeeded"; exit 1
+    fi
+    grep "nvme authentication refused" "$NVME_DIR/target.log" | grep -q "$hostnqn" ||
+        { echo "the target did not log the refusal with the host NQN"; exit 1; }
+    grep "nvme authentication refused" "$NVME_DIR/target.log"
+
+    # Bidirectional: the controller proves its secret too.
+    nvme_connect "$NQN" "$NVME_PORT" 1 --hostnqn="$hostnqn" --dhchap-secret="$key" --dhchap-ctrl-secret="$ctrl_key"
+    grep -q "authenticated (queue 0, and the controller to it)" "$NVME_DIR/target.log" ||
+        { echo "the target did not log a bidirectional authentication"; exit 1; }
+    head -c 1M /dev/urandom >"$NVME_DIR/ref1m"
+    dd if="$NVME_DIR/ref1m" of="$DEV" bs=1M count=1 seek=8 oflag=direct status=none
+    dd if="$DEV" of="$NVME_DIR/back1m" bs=1M count=1 skip=8 iflag=direct status=none
+    cmp "$NVME_DIR/ref1m" "$NVME_DIR/back1m"
+    nvme_disconnect "$NQN"
+    # The refused connect's "I/O Error"-free messages are expected here; the
+    # host reports the failed authentication itself.
+    nvme_step_end "nvme-$t-auth"
 }
 
 # --------------------------------------------- nvme-tcp-restart, nvme-rdma-restart
