@@ -38,14 +38,14 @@ use std::time::{Duration, Instant};
 use rand::{Rng, RngCore};
 use rdmablk_common::auth::generate_key_file;
 use rdmablk_common::nvme::fabrics::{property, Property, ANY_CONTROLLER, DISCOVERY_NQN};
-use rdmablk_common::nvme::sqe::{admin_opcode, io_opcode, SubmissionEntry};
+use rdmablk_common::nvme::sqe::{admin_opcode, io_opcode, Sgl, SubmissionEntry};
 use rdmablk_common::nvme::tcp::Digests;
 use rdmablk_common::protocol::{BlockCount, CommandCapsule, CommandId, Lba, Opcode, Status, VolumeId, PROTOCOL_VERSION};
 use rdmablk_initiator::{BlockDevice, ConnectOptions, Session};
 use rdmablk_common::nvme::auth::{HashId, Secret};
 use rdmablk_system_tests::nvme_tcp::{connect_data, connect_entry, rw_entry, HostAuth, NvmeTcpConn, CC_ENABLE};
 use rdmablk_system_tests::{
-    file_volume, legit_io, raise_nofile_limit, sample, scrape, sparse_file, wait_until, wire, TargetProcess, WireConn, WireEvent,
+    file_volume, legit_io, raise_nofile_limit, sample, sample_sum, scrape, sparse_file, wait_until, wire, TargetProcess, WireConn, WireEvent,
 };
 
 const MIB: u64 = 1 << 20;
@@ -746,19 +746,21 @@ fn anonymous_controller(addr: SocketAddr, source: Ipv4Addr, subnqn: &str) -> Res
 /// The legitimate NVMe host from 127.0.0.250 with LEGIT_NQN: admin queue
 /// (KATO 10 s), enable, one I/O queue, then `rounds` verified 4 KiB writes
 /// and reads; every command timed.
-fn nvme_host(addr: SocketAddr, secret: &Secret, rounds: u64, log: &mut Timings) -> Result<(), String> {
-    let auth = HostAuth::new(secret.clone(), None, LEGIT_NQN, SUBNQN);
+fn nvme_host(addr: SocketAddr, nqn: &str, secret: Option<&Secret>, rounds: u64, log: &mut Timings) -> Result<(), String> {
+    let auth = secret.map(|s| HostAuth::new(s.clone(), None, nqn, SUBNQN));
     let source = Ipv4Addr::new(127, 0, 0, 250);
     let connect = || NvmeTcpConn::tcp_from_within(addr, source, Duration::from_secs(5));
     let mut admin = log.run("TCP connect of the admin queue".into(), connect)?;
     admin.timeout = Duration::from_secs(10);
     log.run("ICReq of the admin queue".into(), || admin.try_initialize(NO_DIGESTS))?;
-    let data = connect_data(ANY_CONTROLLER, SUBNQN, LEGIT_NQN);
+    let data = connect_data(ANY_CONTROLLER, SUBNQN, nqn);
     let c = log.run("admin Connect".into(), || admin.try_exec(connect_entry(0, 31, 10_000), &data, &[], 0))?;
     let cntlid = c.cqe.result as u16;
-    let run = log.run("DH-HMAC-CHAP of the admin queue".into(), || Ok::<_, String>(admin.authenticate(&auth, 1)))?;
-    if let Some(e) = run.failure {
-        return Err(format!("admin queue authentication: {e}"));
+    if let Some(auth) = &auth {
+        let run = log.run("DH-HMAC-CHAP of the admin queue".into(), || Ok::<_, String>(admin.authenticate(auth, 1)))?;
+        if let Some(e) = run.failure {
+            return Err(format!("admin queue authentication: {e}"));
+        }
     }
     let cc = Property { offset: property::CC, wide: false, value: CC_ENABLE }.to_entry(0, true);
     log.run("Property Set CC.EN".into(), || admin.try_exec(cc, &[], &[], 0))?;
@@ -779,11 +781,13 @@ fn nvme_host(addr: SocketAddr, secret: &Secret, rounds: u64, log: &mut Timings) 
     let mut io = log.run("TCP connect of the I/O queue".into(), connect)?;
     io.timeout = Duration::from_secs(10);
     log.run("ICReq of the I/O queue".into(), || io.try_initialize(NO_DIGESTS))?;
-    let data = connect_data(cntlid, SUBNQN, LEGIT_NQN);
+    let data = connect_data(cntlid, SUBNQN, nqn);
     log.run("I/O queue Connect".into(), || io.try_exec(connect_entry(1, 31, 0), &data, &[], 0))?;
-    let run = log.run("DH-HMAC-CHAP of the I/O queue".into(), || Ok::<_, String>(io.authenticate(&auth, 2)))?;
-    if let Some(e) = run.failure {
-        return Err(format!("I/O queue authentication: {e}"));
+    if let Some(auth) = &auth {
+        let run = log.run("DH-HMAC-CHAP of the I/O queue".into(), || Ok::<_, String>(io.authenticate(auth, 2)))?;
+        if let Some(e) = run.failure {
+            return Err(format!("I/O queue authentication: {e}"));
+        }
     }
     for n in 0..rounds {
         let mut block = vec![0u8; 4096];
@@ -836,7 +840,7 @@ fn anonymous_nvme_controllers_from_many_addresses_do_not_lock_out_a_configured_h
     assert_eq!(before, 64.0, "the anonymous controllers fill max_controllers");
 
     let mut log = Timings::default();
-    let result = nvme_host(nvme, &secret, 4, &mut log);
+    let result = nvme_host(nvme, LEGIT_NQN, Some(&secret), 4, &mut log);
     let still = metric(&t, "rdmablk_nvme_controllers", &[]);
     let why: Vec<String> = t.log().into_iter().filter(|l| l.contains(LEGIT_NQN) && l.contains("nvme connect from")).collect();
     eprintln!(
@@ -850,6 +854,72 @@ fn anonymous_nvme_controllers_from_many_addresses_do_not_lock_out_a_configured_h
     // The attack was in force: one anonymous controller made room for the
     // host's, which ended with its connections when nvme_host returned.
     assert!(still >= 63.0, "the anonymous controllers were held throughout: {still} controllers alive after the host's ended");
+    drop(held);
+    t.assert_no_panic();
+}
+
+/// An NVMe/TCP host from `source` that connects a controller (KATO 0) and
+/// one I/O queue of 128 entries, posts 127 reads of 128 KiB and then reads
+/// nothing: the target's data stays queued to it, in pool chunks.
+fn nvme_reader_that_stops_reading(addr: SocketAddr, source: Ipv4Addr) -> (NvmeTcpConn, NvmeTcpConn) {
+    let nqn = random_nqn(&mut rand::thread_rng());
+    let mut admin = NvmeTcpConn::connect_from(addr, source, NO_DIGESTS);
+    let cntlid = admin.admin_connect(SUBNQN, &nqn, 0).expect("the attacker's admin Connect");
+    admin.enable();
+    let mut io = NvmeTcpConn::connect_from(addr, source, NO_DIGESTS);
+    io.io_connect_sized(cntlid, 1, 127, SUBNQN, &nqn).expect("the attacker's I/O Connect");
+    for k in 0..127u64 {
+        let mut e = rw_entry(io_opcode::READ, 1, (k % 64) * 32, 32, false);
+        e.set_sgl(Sgl::Transport { length: 128 << 10 });
+        io.send_command(e, &[]);
+    }
+    (admin, io)
+}
+
+fn chunks_in_use(t: &TargetProcess) -> f64 {
+    sample_sum(&scrape(&t.metrics_addr()), "rdmablk_buffer_pool_chunks_in_use")
+}
+
+/// A queue whose host reads nothing the target sends keeps its chunks only
+/// until `transport_timeout`: then the target closes it, and they are back
+/// while the host still holds its sockets open.
+#[test]
+fn an_nvme_queue_that_reads_nothing_loses_its_chunks_at_the_transport_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let vol = sparse_file(dir.path(), "vol.img", VOL_SIZE);
+    let t = TargetProcess::start(&nvme_config("transport_timeout = \"1s\"", "", &vol));
+    let nvme = t.nvme_tcp_addr();
+    let t0 = Instant::now();
+    let held = nvme_reader_that_stops_reading(nvme, addr(2));
+    wait_until("the reads hold chunks", Duration::from_secs(10), || chunks_in_use(&t) > 0.0);
+    let took = wait_until("the chunks are back while the host holds its sockets", Duration::from_secs(10), || chunks_in_use(&t) == 0.0);
+    eprintln!("the stalled queue's chunks were back {:?} after its reads ({took:?} of waiting)", t0.elapsed());
+    t.wait_for_log_all(&["target.transport_timeout", "127.0.0.2"], Duration::from_secs(5));
+    drop(held);
+    t.assert_no_panic();
+}
+
+/// Eight NVMe/TCP hosts from eight addresses post reads they never read;
+/// another host, from 127.0.0.250, connects and does its I/O meanwhile,
+/// each command within 1 s.
+#[test]
+fn nvme_readers_that_stop_reading_from_eight_addresses_do_not_lock_out_a_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let vol = sparse_file(dir.path(), "vol.img", VOL_SIZE);
+    // Anonymous NQNs may connect (allow_any_host, no [[host]] entries), so
+    // the legitimate host is anonymous too: it proves nothing, it only
+    // needs its fair share of the pool.
+    let t = TargetProcess::start(&nvme_config("transport_timeout = \"60s\"", "", &vol));
+    let nvme = t.nvme_tcp_addr();
+    let held: Vec<_> = (0..8).map(|i| nvme_reader_that_stops_reading(nvme, addr(2 + i))).collect();
+    wait_until("the attack holds chunks", Duration::from_secs(10), || chunks_in_use(&t) >= 256.0);
+    let during = chunks_in_use(&t);
+    eprintln!("8 NVMe/TCP hosts hold {during} chunks of 1024");
+    let mut log = Timings::default();
+    let result = nvme_host(nvme, &random_nqn(&mut rand::thread_rng()), None, 4, &mut log);
+    eprintln!("{}{}", log.summary(), result.as_ref().err().map(|e| format!(", ended by {e}")).unwrap_or_default());
+    log.assert_served("an NVMe host during the attack", 9 + 3 * 4);
+    assert!(chunks_in_use(&t) >= during - 8.0, "the attack was in force throughout");
     drop(held);
     t.assert_no_panic();
 }

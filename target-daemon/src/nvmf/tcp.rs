@@ -203,6 +203,10 @@ struct Conn {
     tx: VecDeque<TxItem>,
     /// Bytes of the first queued item already sent.
     tx_sent: usize,
+    /// Since when what is queued has not moved (the socket took nothing):
+    /// a host that reads nothing it is sent loses the connection, and the
+    /// chunks queued to it, at `target.transport_timeout`.
+    tx_stalled_since: Option<Instant>,
     input: Input,
     /// The socket is in the epoll set for room to send.
     watching_write: bool,
@@ -338,6 +342,7 @@ impl NvmeTcp {
             state: Rx::Header,
             last_header: Vec::new(),
             tx: VecDeque::new(),
+            tx_stalled_since: None,
             tx_sent: 0,
             input,
             watching_write: false,
@@ -533,9 +538,21 @@ impl NvmeTcp {
         c.dirty = false;
         c.drain_actions(&mut rt.exec);
         if !c.draining && !c.send_failed {
+            let before = (c.tx.len(), c.tx_sent);
             if let Err(f) = c.flush_tx(&mut rt.exec) {
                 c.send_failed = true;
                 c.fail(f);
+            }
+            let stalled = if c.tx.is_empty() {
+                None
+            } else if (c.tx.len(), c.tx_sent) != before {
+                Some(rt.turn_start)
+            } else {
+                c.tx_stalled_since.or(Some(rt.turn_start))
+            };
+            if stalled != c.tx_stalled_since {
+                c.tx_stalled_since = stalled;
+                self.deadlines_stale = true;
             }
             let want_write = !c.tx.is_empty();
             if want_write != c.watching_write {
@@ -661,7 +678,11 @@ impl NvmeTcp {
             }
             return c.close_due.or(Some(Instant::now()));
         }
-        c.q.deadline()
+        let stalled = c.tx_stalled_since.map(|since| since + c.q.sub.cfg.transport_timeout);
+        match (c.q.deadline(), stalled) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 }
 
@@ -1083,6 +1104,16 @@ impl Transport for NvmeTcp {
                 if !c.draining && c.close_due.is_some_and(|d| now >= d) {
                     self.mark_dirty(ci);
                 }
+                continue;
+            }
+            if let Some(since) = c.tx_stalled_since.filter(|&since| now >= since + c.q.sub.cfg.transport_timeout) {
+                let why = format!(
+                    "the host {} read nothing it was sent for {:?} (target.transport_timeout; {} PDUs waiting)",
+                    c.q.peer,
+                    now.saturating_duration_since(since),
+                    c.tx.len()
+                );
+                self.fail(ci, Fatal::closed(CloseReason::host_stalled(why)));
                 continue;
             }
             match c.q.check_deadlines(now, rt.shutdown.is_some()) {
