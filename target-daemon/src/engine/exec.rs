@@ -855,15 +855,17 @@ impl Executor {
     }
 
     /// Whether command `ci` may take a chunk now, if the pool has one: a
-    /// Buffer (a control command's answer data) always; a read's or a
-    /// write's piece by the static caps (`session_pool_share`,
+    /// Buffer (a control command's answer data) whenever its session holds
+    /// no other (else by the fair rule: a peer that posts LISTs and never
+    /// reads their answers holds one chunk for them, not the pool); a
+    /// read's or a write's piece by the static caps (`session_pool_share`,
     /// `host_pool_share`) and the fair rule ([`fair_take`]) for its session.
     fn may_take(&self, ci: u32) -> bool {
         let cmd = self.cmds[ci as usize].as_ref().expect("live command");
-        if cmd.kind == Kind::Buffer {
+        let [session, host] = &cmd.accounts;
+        if cmd.kind == Kind::Buffer && session.as_ref().is_none_or(|a| a.buffers() == 0) {
             return true;
         }
-        let [session, host] = &cmd.accounts;
         if session.as_ref().is_some_and(|a| a.held() >= self.pool_share) || host.as_ref().is_some_and(|a| a.held() >= self.host_pool_share) {
             return false;
         }
@@ -1059,6 +1061,9 @@ impl Executor {
             Kind::Buffer => {
                 cmd.next = 1;
                 cmd.inflight += 1;
+                if let Some(a) = &cmd.accounts[0] {
+                    a.add_buffers(1);
+                }
                 self.chunk_use[c.0 as usize] = ChunkUse { cmd: ci, off: 0, len: chunk_size, zero: false };
                 self.emit(ci, Event::Buffer { chunk: c });
             }
@@ -1148,6 +1153,10 @@ impl Executor {
         }
         // The id is free once its owner took the `Done` (`pop_event`).
         let cmd = self.cmds[ci as usize].take().expect("live command");
+        if let (Kind::Buffer, 1, Some(a)) = (cmd.kind, cmd.next, &cmd.accounts[0]) {
+            // Its chunk is back (a command ends with nothing in flight).
+            a.add_buffers(-1);
+        }
         if cmd.in_waitq {
             self.waitq.retain(|&x| x != ci);
         }
@@ -1522,6 +1531,37 @@ mod tests {
         assert_eq!(got.iter().filter(|(id, _)| *id == rb).count(), 1, "{got:?}");
         assert!(got.contains(&(rc, true)), "the buffer: {got:?}");
         assert_eq!(exec.engine().pool().free_count(), 0);
+    }
+
+    #[test]
+    fn a_session_that_never_takes_its_list_answers_holds_no_more_than_its_share() {
+        let (mut exec, _) = executor(); // 4 chunks
+        let buffer = |who: &Arc<PoolAccount>| Request { accounts: [Some(Arc::clone(who)), None], ..request(Op::Buffer, NO_VOLUME, 0, 0) };
+        let (c, d) = (Arc::new(PoolAccount::named("c")), Arc::new(PoolAccount::named("d")));
+        // c posts four LISTs and never sends their answers back.
+        for tag in 0..4 {
+            exec.submit(Owner { transport: 1, tag }, buffer(&c)).unwrap();
+        }
+        events(&mut exec, 2);
+        assert_eq!((c.held(), c.buffers()), (2, 2), "its fair share as the only holder: half");
+        // Another session's LIST gets a chunk at once.
+        exec.submit(Owner { transport: 1, tag: 9 }, buffer(&d)).unwrap();
+        events(&mut exec, 3);
+        assert_eq!((d.held(), d.buffers()), (1, 1));
+        // When c's answers go back, its other LISTs are served, and every
+        // count returns to zero.
+        while c.held() + d.held() > 0 || exec.live() > 0 {
+            match exec.pop_event() {
+                Some((_, _, Event::Buffer { chunk })) => exec.sent(chunk),
+                Some(_) => {}
+                None => {
+                    exec.pump_waitq();
+                    events(&mut exec, 1);
+                }
+            }
+        }
+        assert_eq!((c.buffers(), d.buffers()), (0, 0));
+        assert_eq!(exec.engine().pool().free_count(), 4);
     }
 
     #[test]

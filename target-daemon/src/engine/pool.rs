@@ -97,13 +97,28 @@ enum ChunkState {
 #[derive(Debug, Default)]
 pub struct PoolAccount {
     held: AtomicU32,
+    /// Of `held`, chunks of control commands' answers (v1's LIST); the
+    /// executor counts them.
+    buffers: AtomicU32,
     name: String,
 }
 
 impl PoolAccount {
     /// An account named `name` (how logs name its holder).
     pub fn named(name: impl Into<String>) -> PoolAccount {
-        PoolAccount { held: AtomicU32::new(0), name: name.into() }
+        PoolAccount { held: AtomicU32::new(0), buffers: AtomicU32::new(0), name: name.into() }
+    }
+
+    /// Chunks held for control commands' answers.
+    #[inline]
+    pub fn buffers(&self) -> u32 {
+        self.buffers.load(Ordering::Relaxed)
+    }
+
+    /// Single writer (the executor of the pool's reactor).
+    pub fn add_buffers(&self, delta: i32) {
+        let v = self.buffers.load(Ordering::Relaxed);
+        self.buffers.store(v.saturating_add_signed(delta), Ordering::Relaxed);
     }
 
     /// Chunks held now.
