@@ -244,6 +244,9 @@ pub struct TargetConfig {
     pub max_connections_per_address: u32,
     /// NVMe-oF controllers at once (`target.max_controllers`).
     pub max_controllers: u32,
+    /// Of those, most of hosts that do not authenticate (no
+    /// `dhchap_key_file`; default: `max_controllers`).
+    pub max_anonymous_controllers: u32,
     /// Live NVMe-oF controllers of one host NQN (`target.max_controllers_per_host`).
     pub max_controllers_per_host: u32,
     /// Time a connection has from arriving until its CONNECT succeeds
@@ -451,6 +454,7 @@ impl TargetConfig {
         check(self.max_handshakes_per_address != other.max_handshakes_per_address, "target.max_handshakes_per_address");
         check(self.max_connections_per_address != other.max_connections_per_address, "target.max_connections_per_address");
         check(self.max_controllers != other.max_controllers, "target.max_controllers");
+        check(self.max_anonymous_controllers != other.max_anonymous_controllers, "target.max_anonymous_controllers");
         check(self.max_controllers_per_host != other.max_controllers_per_host, "target.max_controllers_per_host");
         check(self.handshake_timeout != other.handshake_timeout, "target.handshake_timeout");
         check(self.fence_timeout != other.fence_timeout, "target.fence_timeout");
@@ -548,6 +552,7 @@ struct RawTarget {
     max_handshakes_per_address: Option<i64>,
     max_connections_per_address: Option<i64>,
     max_controllers: Option<i64>,
+    max_anonymous_controllers: Option<i64>,
     max_controllers_per_host: Option<i64>,
     handshake_timeout: Option<RawDuration>,
     fence_timeout: Option<RawDuration>,
@@ -913,6 +918,13 @@ impl RawConfig {
             DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
         )?;
         let max_controllers = cx.count("target.max_controllers", t.max_controllers, DEFAULT_MAX_CONTROLLERS)?;
+        let max_anonymous_controllers = cx.count("target.max_anonymous_controllers", t.max_anonymous_controllers, max_controllers)?;
+        if max_anonymous_controllers > max_controllers {
+            return Err(cx.err(
+                "target.max_anonymous_controllers",
+                format!("{max_anonymous_controllers} is more than target.max_controllers {max_controllers}"),
+            ));
+        }
         let max_controllers_per_host =
             cx.count("target.max_controllers_per_host", t.max_controllers_per_host, DEFAULT_MAX_CONTROLLERS_PER_HOST)?;
         let pool_chunks = chunks as u32;
@@ -1010,6 +1022,7 @@ impl RawConfig {
             max_handshakes_per_address,
             max_connections_per_address,
             max_controllers,
+            max_anonymous_controllers,
             max_controllers_per_host,
             handshake_timeout,
             fence_timeout,
@@ -1650,12 +1663,16 @@ read_only = true
     }
 
     #[test]
-    fn max_anonymous_sessions_lies_within_max_sessions() {
+    fn anonymous_caps_lie_within_their_tables() {
         let c = Config::parse(&with_target("max_sessions = 10\nmax_anonymous_sessions = 4"), "t").unwrap();
         assert_eq!((c.target.max_sessions, c.target.max_anonymous_sessions), (10, 4));
         assert_eq!(Config::parse(&with_target("max_sessions = 10"), "t").unwrap().target.max_anonymous_sessions, 10);
         let e = Config::parse(&with_target("max_sessions = 10\nmax_anonymous_sessions = 11"), "t").unwrap_err().to_string();
         assert!(e.contains("target.max_anonymous_sessions: 11 is more than target.max_sessions 10"), "{e}");
+        let c = Config::parse(&with_target("max_controllers = 10\nmax_anonymous_controllers = 4"), "t").unwrap();
+        assert_eq!((c.target.max_controllers, c.target.max_anonymous_controllers), (10, 4));
+        let e = Config::parse(&with_target("max_controllers = 3\nmax_anonymous_controllers = 4"), "t").unwrap_err().to_string();
+        assert!(e.contains("target.max_anonymous_controllers: 4 is more than target.max_controllers 3"), "{e}");
     }
 
     #[test]

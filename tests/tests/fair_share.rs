@@ -923,3 +923,33 @@ fn nvme_readers_that_stop_reading_from_eight_addresses_do_not_lock_out_a_host() 
     drop(held);
     t.assert_no_panic();
 }
+
+/// `max_anonymous_controllers`: the anonymous controller beyond it is
+/// refused, named in the log; a host with a DH-HMAC-CHAP secret is not
+/// held to it.
+#[test]
+fn max_anonymous_controllers_refuses_the_next_anonymous_controller_and_no_authenticating_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let vol = sparse_file(dir.path(), "vol.img", VOL_SIZE);
+    let secret = Secret::generate(Some(HashId::Sha256));
+    let key = dir.path().join("legit.dhchap");
+    std::fs::write(&key, format!("{}\n", secret.encode())).unwrap();
+    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let hosts = format!("[[host]]\nid = \"legit\"\nnqn = \"{LEGIT_NQN}\"\ndhchap_key_file = \"{}\"\n", key.display());
+    let extra = "max_controllers = 16\nmax_anonymous_controllers = 4";
+    let t = TargetProcess::start(&nvme_config(extra, &hosts, &vol));
+    let nvme = t.nvme_tcp_addr();
+    // Discovery controllers are anonymous too (any NQN may open one).
+    let held: Vec<NvmeTcpConn> =
+        (0..4).map(|i| anonymous_controller(nvme, addr(2 + i), DISCOVERY_NQN).unwrap_or_else(|e| panic!("controller {i}: {e}"))).collect();
+    let e = anonymous_controller(nvme, addr(6), DISCOVERY_NQN).err().expect("the fifth anonymous controller is refused");
+    assert!(e.contains("SC 0x81"), "Connect Controller Busy: {e}");
+    t.wait_for_log("target.max_anonymous_controllers = 4", Duration::from_secs(5));
+    let mut log = Timings::default();
+    let result = nvme_host(nvme, LEGIT_NQN, Some(&secret), 1, &mut log);
+    eprintln!("{}{}", log.summary(), result.as_ref().err().map(|e| format!(", ended by {e}")).unwrap_or_default());
+    log.assert_served("the host that authenticates", 11 + 3);
+    assert_eq!(metric(&t, "rdmablk_nvme_controllers_evicted_total", &[]), 0.0, "the table was not full: nobody made room");
+    drop(held);
+    t.assert_no_panic();
+}

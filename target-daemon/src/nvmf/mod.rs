@@ -400,7 +400,8 @@ impl Subsystem {
     /// `[[host]]` has a `dhchap_key_file`, and its queues authenticate
     /// before anything else) is not refused for anonymous controllers:
     /// one of them is torn down for it, the oldest without an I/O queue
-    /// first, else the oldest.
+    /// first, else the oldest. Anonymous controllers are refused beyond
+    /// `max_anonymous_controllers`.
     pub fn create_controller(
         &self,
         host_nqn: &str,
@@ -432,6 +433,16 @@ impl Subsystem {
                         if protected { ", none of them anonymous" } else { "" }
                     ));
                 }
+            }
+        }
+        if !protected {
+            let anonymous = c.by_id.values().filter(|x| !x.is_dead() && !x.protected).count();
+            if anonymous >= self.cfg.max_anonymous_controllers as usize {
+                NvmeStats::add(&self.stats.controllers_refused, 1);
+                return Err(format!(
+                    "{anonymous} controllers of hosts that do not authenticate exist (target.max_anonymous_controllers = {})",
+                    self.cfg.max_anonymous_controllers
+                ));
             }
         }
         let of_host = c.by_id.values().filter(|x| x.host_nqn == host_nqn && !x.is_dead()).count();
