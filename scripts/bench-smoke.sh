@@ -38,11 +38,21 @@ for want in ("fio io_uring, local file", "rdmablk-bench -> rdmablk-target, file"
              "tcp-ceiling: loopback TCP, no disk"):
     assert any(s.startswith(want) for s in systems), f"no row {want!r} in {systems}"
 targets = {t["target"].split(" ")[0]: t for t in doc["targets"]}
+# A repeat whose runs other processes took CPU from is left out of the
+# pairs (compare.sh's FOREIGN_LIMIT): on a busy machine a target may have
+# fewer pairs, or none. The smoke run checks their form, not their number.
+dropped = []
 for name in ("2.", "2'."):
     t = targets.get(name)
     assert t is not None, f"target {name} missing: {list(targets)}"
-    assert len(t["per_run"]["values"]) == 2, f"target {name}: expected 2 pairs, got {t['per_run']}"
-    assert len(t["bound"]["values"]) == 2, f"target {name}: expected the bound of 2 pairs, got {t.get('bound')}"
+    for key in ("per_run", "bound"):
+        pairs = t.get(key, {"values": []})
+        assert isinstance(pairs.get("values"), list) and len(pairs["values"]) <= 2, f"target {name}: malformed {key}: {pairs}"
+        assert all(isinstance(v, (int, float)) for v in pairs["values"]), f"target {name}: {key} values {pairs['values']}"
+        if len(pairs["values"]) < 2:
+            dropped.append(f"{name} {key}: {2 - len(pairs['values'])} of 2")
+if dropped:
+    print(f"bench smoke: pairs left out for a busy machine: {', '.join(dropped)}")
 assert doc["repeat"] == 2 and "guest_halt_poll" in doc and "placement" in doc and "peer_page_cache" in doc
 # On a block device every file row says what it took from the disk.
 import os
