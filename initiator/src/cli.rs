@@ -326,7 +326,16 @@ fn connect(cli: &Cli) -> Result<Session> {
 
 fn connect_with(cli: &Cli, options: ConnectOptions) -> Result<Session> {
     let (target, options) = connect_options(cli, options)?;
-    Session::connect(target, options)
+    Session::connect(target.as_str(), options).map_err(|e| explain(&target, e))
+}
+
+/// `e`, a failed connect to `target`, or the error naming what answered
+/// there when that is not an rdmablk target (an NVMe/TCP port, a web server).
+fn explain(target: &str, e: Error) -> Error {
+    match target.into_target_url() {
+        Ok(url) => crate::probe::explain_connect_error(&url, e),
+        Err(_) => e,
+    }
 }
 
 /// The target and the connect options the command line gives.
@@ -413,7 +422,7 @@ fn run_attach(cli: &Cli, volume: Option<&str>, queues: u16, depth: u16, config: 
         }
     };
     let session = match retry {
-        None => Session::connect_replacing(target.as_str(), options, replaced)?,
+        None => Session::connect_replacing(target.as_str(), options, replaced).map_err(|e| explain(&target, e))?,
         Some(retry) => connect_until_answered(&target, &options, replaced, retry, &notifier)?,
     };
     let vol = session.open(&volume)?;
@@ -439,7 +448,8 @@ pub fn connect_until_answered(
     use crate::ErrorKind as K;
     let mut attempts = 0u64;
     loop {
-        match Session::connect_replacing(target, options.clone(), replaced) {
+        // A port that answers as something else (NVMe/TCP, HTTP) is final.
+        match Session::connect_replacing(target, options.clone(), replaced).map_err(|e| explain(target, e)) {
             Ok(s) => {
                 if attempts > 0 {
                     eprintln!("rdmablk: connected to {target} after {} failed attempts", attempts);

@@ -7,6 +7,7 @@ pub mod cli;
 mod device;
 mod error;
 pub mod nbd;
+mod probe;
 mod queue;
 mod session;
 mod shared;

@@ -1,0 +1,82 @@
+//! What the `rdmablk` CLI says when it meets something other than what it
+//! expects (issue 51, "What a storage engineer meets first"): the real
+//! binaries, the messages on standard error and the exit codes.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::path::Path;
+
+use rdmablk_system_tests::{file_volume, listen_host, rdmablk, sparse_file, TargetProcess};
+
+fn stderr_of(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A TCP server on the test host that answers every connection with
+/// `banner` (after reading what the client sends first, up to 1 s), then
+/// closes it. Returns its port.
+fn fake_server(banner: &'static [u8]) -> u16 {
+    let listener = TcpListener::bind((listen_host().as_str(), 0)).expect("bind");
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let _ = conn.set_read_timeout(Some(std::time::Duration::from_secs(1)));
+            let mut buf = [0u8; 512];
+            let _ = conn.read(&mut buf);
+            let _ = conn.write_all(banner);
+        }
+    });
+    port
+}
+
+fn nvme_only_target(dir: &Path) -> TargetProcess {
+    let host = listen_host();
+    let file = sparse_file(dir, "vol0.img", 1 << 20);
+    let config = format!(
+        "[target]\nlisten = [\"nvme+tcp://{host}:0\"]\nnqn = \"nqn.2026-12.io.rdmablk.test:cli\"\n{}",
+        file_volume("vol0", &file, 1 << 20, false)
+    );
+    TargetProcess::start(&config)
+}
+
+/// Item 7: an NVMe/TCP port is named as one, with rdmablk's own port.
+#[test]
+fn an_nvme_tcp_port_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = nvme_only_target(dir.path());
+    let addr = target.nvme_tcp_addr();
+    let url = format!("tcp://{addr}");
+    let out = rdmablk(&["--target", &url, "--ctrl-loss-timeout", "0", "list"], None);
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("this port speaks NVMe/TCP (an ICResp)"), "{err}");
+    assert!(err.contains("rdmablk listens on 7420 by default"), "{err}");
+    assert!(!err.contains("reserved field"), "the raw decode error is not the message: {err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+}
+
+/// Item 7: an HTTP server is named as one.
+#[test]
+fn an_http_port_is_named() {
+    let port = fake_server(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+    let url = format!("tcp://{}:{port}", listen_host());
+    let out = rdmablk(&["--target", &url, "list"], None);
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("this port speaks HTTP"), "{err}");
+    assert!(err.contains("rdmablk listens on 7420 by default"), "{err}");
+    assert!(!err.contains("unknown frame type"), "{err}");
+}
+
+/// Item 7: anything else is "not an rdmablk target".
+#[test]
+fn another_server_is_not_an_rdmablk_target() {
+    let port = fake_server(b"SSH-2.0-OpenSSH_9.6\r\n");
+    let url = format!("tcp://{}:{port}", listen_host());
+    let out = rdmablk(&["--target", &url, "info", "vol0"], None);
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("not an rdmablk target"), "{err}");
+    assert!(err.contains("rdmablk listens on 7420 by default"), "{err}");
+}
