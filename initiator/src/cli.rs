@@ -286,6 +286,7 @@ where
             return 2;
         }
     };
+    init_logging(&cli);
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     match run(&cli, &mut out) {
@@ -295,6 +296,51 @@ where
             eprintln!("rdmablk: error: {}", e.one_line());
             1
         }
+    }
+}
+
+/// Logging on standard error. `RDMABLK_LOG` (a filter: `debug`,
+/// `rdmablk_initiator=trace`) logs what it names; without it `nbd`, a
+/// server, logs at info level, and the other commands print only the
+/// reconnection's progress (`rdmablk: tcp://H:P: connection lost,
+/// reconnecting (up to 60 s): ...`, each attempt, the outcome), as the
+/// kernel's NVMe host does, so a failing command otherwise prints one line.
+fn init_logging(cli: &Cli) {
+    let env = std::env::var("RDMABLK_LOG").ok();
+    if env.is_some() || matches!(cli.command, Command::Nbd { .. }) {
+        let filter = env.unwrap_or_else(|| "info".to_owned());
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::stderr().is_terminal())
+            .try_init();
+        return;
+    }
+    let filter = format!("off,{}=info", crate::shared::RECONNECT_LOG);
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .event_format(CliLine)
+        .try_init();
+}
+
+/// A log line of the CLI: `rdmablk: MESSAGE`, like its error line.
+struct CliLine;
+
+impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for CliLine
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        write!(writer, "rdmablk: ")?;
+        ctx.field_format().format_fields(writer.by_ref(), event)?;
+        writeln!(writer)
     }
 }
 
@@ -620,13 +666,6 @@ fn serve_nbd(
     out: &mut dyn Write,
 ) -> Result<()> {
     use crate::nbd::{Listen, Server, StopSignals};
-    // A server logs what it does (RDMABLK_LOG overrides the level).
-    let filter = std::env::var("RDMABLK_LOG").unwrap_or_else(|_| "info".to_owned());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .try_init();
     // Before the session starts its threads, so that they inherit the mask.
     let signals = StopSignals::catch().map_err(|e| Error::io("catching SIGINT and SIGTERM", e))?;
     let mut options = ConnectOptions::default();

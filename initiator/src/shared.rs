@@ -51,6 +51,21 @@ const RECV_MARGIN: usize = 4;
 /// Most inline write data this initiator puts in one command, whatever the
 /// target offers (bounds the send slot memory: depth × slot).
 const INLINE_CAP: usize = 8192;
+/// The `tracing` target of the reconnection's progress (the loss, each
+/// attempt, the outcome), which the CLI prints at info level.
+pub(crate) const RECONNECT_LOG: &str = "rdmablk::reconnect";
+
+/// `60 s`, `1.5 s`, `250 ms`: a duration for a person.
+pub(crate) fn spaced_duration(d: Duration) -> String {
+    if d < Duration::from_secs(1) {
+        format!("{} ms", d.as_millis())
+    } else if d.subsec_millis() == 0 || d >= Duration::from_secs(10) {
+        format!("{} s", d.as_secs_f64().round() as u64)
+    } else {
+        format!("{:.1} s", d.as_secs_f64())
+    }
+}
+
 /// Longest pause between reconnection attempts, unless `reconnect_delay`
 /// itself is longer.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
@@ -417,10 +432,16 @@ impl Shared {
         st.failed_since = Some(Instant::now());
         let lost = self.options.ctrl_loss_timeout.is_zero();
         if lost {
-            tracing::warn!(url = %self.url, %reason, "connection lost; reconnection is disabled");
+            // Not the CLI's: its error says so, in one line.
+            tracing::warn!("{}: connection lost, not reconnecting (ctrl_loss_timeout is 0): {reason}", self.url);
             self.ctl.set_phase(&mut st, Phase::Lost);
         } else {
-            tracing::warn!(url = %self.url, %reason, "connection lost; reconnecting");
+            tracing::warn!(
+                target: RECONNECT_LOG,
+                "{}: connection lost, reconnecting (up to {}): {reason}",
+                self.url,
+                spaced_duration(self.options.ctrl_loss_timeout)
+            );
             self.ctl.set_phase(&mut st, Phase::Reconnecting);
         }
         self.ctl.cv.notify_all();
@@ -638,8 +659,9 @@ impl Shared {
             if now >= deadline {
                 let mut st = lock(&self.ctl.st);
                 if st.phase == Phase::Reconnecting {
-                    tracing::error!(url = %self.url, reason = %st.reason, attempts,
-                        "target lost: no connection within ctrl_loss_timeout ({})", fmt_duration(self.options.ctrl_loss_timeout));
+                    tracing::error!(target: RECONNECT_LOG,
+                        "{}: target lost: no connection within ctrl_loss_timeout ({}), {attempts} attempts: {}",
+                        self.url, fmt_duration(self.options.ctrl_loss_timeout), st.reason);
                     self.ctl.set_phase(&mut st, Phase::Lost);
                     self.ctl.cv.notify_all();
                 }
@@ -656,12 +678,25 @@ impl Shared {
             match self.establish(failed_gen + 1, attempt_deadline, &mut replaces) {
                 Ok(true) => {
                     Stats::add(&self.stats.reconnects, 1);
-                    tracing::info!(url = %self.url, attempts, after = ?since.elapsed(), "reconnected");
+                    tracing::info!(
+                        target: RECONNECT_LOG,
+                        "{}: reconnected at attempt {attempts}, {} after the loss",
+                        self.url,
+                        spaced_duration(since.elapsed())
+                    );
                     return;
                 }
                 Ok(false) => return, // closed meanwhile
                 Err(e) => {
-                    tracing::warn!(url = %self.url, attempts, error = %e.one_line(), "reconnection attempt failed");
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    tracing::info!(
+                        target: RECONNECT_LOG,
+                        "{}: reconnection attempt {attempts} failed: {}; next in {}, {} left",
+                        self.url,
+                        e.one_line(),
+                        spaced_duration(delay.min(left)),
+                        spaced_duration(left)
+                    );
                     lock(&self.ctl.st).reason = e.one_line();
                 }
             }

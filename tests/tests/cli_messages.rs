@@ -80,3 +80,58 @@ fn another_server_is_not_an_rdmablk_target() {
     assert!(err.contains("not an rdmablk target"), "{err}");
     assert!(err.contains("rdmablk listens on 7420 by default"), "{err}");
 }
+
+/// Item 8: a reconnection is not silent: the loss, each failed attempt and
+/// the reconnection each print a line, as the kernel's NVMe host logs them.
+#[test]
+fn a_reconnection_prints_the_loss_and_each_attempt() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+    use rdmablk_system_tests::{bin, free_port, target_section_at, wait_until};
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = sparse_file(dir.path(), "vol0.img", 1 << 20);
+    let port = free_port();
+    let config = dir.path().join("target.toml");
+    std::fs::write(&config, format!("{}{}", target_section_at(port), file_volume("vol0", &file, 1 << 20, false))).unwrap();
+    let mut target = TargetProcess::start_with_path(&config);
+    let url = target.url.clone();
+    // A write that waits for its input: connected, idle, while the target goes away.
+    let mut cli = Command::new(bin("rdmablk"))
+        .args(["--target", &url, "--ctrl-loss-timeout", "30", "write", "vol0", "--offset", "0"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn rdmablk");
+    let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+    let sink = lines.clone();
+    let stderr = cli.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            sink.lock().unwrap().push(line);
+        }
+    });
+    let has = |needle: &str| lines.lock().unwrap().iter().any(|l| l.contains(needle));
+    target.wait_for_log("session connected", Duration::from_secs(10));
+    std::thread::sleep(Duration::from_millis(500));
+    target.signal(libc::SIGKILL);
+    target.wait_exit(Duration::from_secs(10));
+    wait_until("the loss and two failed attempts on standard error", Duration::from_secs(20), || {
+        has("connection lost, reconnecting (up to 30 s)") && has("reconnection attempt 2 failed")
+    });
+    let _target = TargetProcess::start_with_path(&config);
+    wait_until("the reconnection on standard error", Duration::from_secs(30), || has("reconnected"));
+    let mut stdin = cli.stdin.take().unwrap();
+    stdin.write_all(&[0x5a; 4096]).unwrap();
+    drop(stdin);
+    let status = cli.wait().unwrap();
+    reader.join().unwrap();
+    let text = lines.lock().unwrap().join("\n");
+    assert!(status.success(), "{text}");
+    assert!(text.contains("reconnection attempt 1 failed"), "{text}");
+    assert!(text.lines().all(|l| l.starts_with("rdmablk: ")), "{text}");
+    eprintln!("rdmablk's standard error:\n{text}");
+}
