@@ -122,6 +122,26 @@ impl Error {
         Self::with_source(ErrorKind::Fabric, context, source)
     }
 
+    /// A listening socket that could not be bound. `context` names the file,
+    /// the key and the address (`cfg.toml: target.listen: cannot listen on
+    /// tcp://0.0.0.0:7420`); the address being in use, not on this host or
+    /// below 1024 is said in words with its fix, anything else as the OS says it.
+    pub fn listen(kind: ErrorKind, context: String, e: std::io::Error) -> Self {
+        let reason = match e.raw_os_error() {
+            Some(libc::EADDRINUSE) => {
+                "address already in use (EADDRINUSE): another process, or another rdmablk-target, listens on this port; \
+                 stop it or choose another port"
+            }
+            Some(libc::EADDRNOTAVAIL) => {
+                "address not available on this host (EADDRNOTAVAIL): no network interface has this IP address; \
+                 use an address of this host (ip -br addr) or 0.0.0.0"
+            }
+            Some(libc::EACCES) => "permission denied (EACCES): ports below 1024 need CAP_NET_BIND_SERVICE; choose another port",
+            _ => return Self::with_source(kind, context, e),
+        };
+        Self::new(kind, format!("{context}: {reason}"))
+    }
+
     /// What went wrong.
     pub fn kind(&self) -> ErrorKind {
         self.kind
@@ -283,6 +303,22 @@ mod tests {
             assert!(seen.insert(status), "{k:?} shares {status:?}");
             assert_ne!(status, Status::Success);
         }
+    }
+
+    #[test]
+    fn listen_errors_say_why_in_words() {
+        let e = |errno| {
+            let context = "t.toml: target.listen: cannot listen on tcp://x:1".to_owned();
+            Error::listen(ErrorKind::Os, context, std::io::Error::from_raw_os_error(errno))
+        };
+        let in_use = e(libc::EADDRINUSE).to_string();
+        assert!(in_use.starts_with("t.toml: target.listen: cannot listen on tcp://x:1: address already in use (EADDRINUSE)"), "{in_use}");
+        assert!(in_use.ends_with("stop it or choose another port"), "{in_use}");
+        let absent = e(libc::EADDRNOTAVAIL).to_string();
+        assert!(absent.contains(": address not available on this host (EADDRNOTAVAIL)") && absent.contains("0.0.0.0"), "{absent}");
+        assert!(e(libc::EACCES).to_string().contains("CAP_NET_BIND_SERVICE"));
+        // Anything else as the OS says it.
+        assert!(e(libc::ENOBUFS).to_string().starts_with("t.toml: target.listen: cannot listen on tcp://x:1: No buffer space"));
     }
 
     #[test]

@@ -341,6 +341,26 @@ pub fn raise_nofile_limit(want: u64) -> io::Result<u64> {
     Ok(new.rlim_cur)
 }
 
+/// The soft RLIMIT_MEMLOCK in bytes; `None` when unlimited.
+pub fn memlock_limit() -> io::Result<Option<u64>> {
+    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `rl` is a writable rlimit.
+    cvt(unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) })?;
+    Ok((rl.rlim_cur != libc::RLIM_INFINITY).then_some(rl.rlim_cur))
+}
+
+/// Whether this process has CAP_IPC_LOCK in its effective set (then
+/// RLIMIT_MEMLOCK does not bound what io_uring pins), from /proc/self/status.
+pub fn has_cap_ipc_lock() -> bool {
+    const CAP_IPC_LOCK: u32 = 14;
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return false };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
+}
+
 /// CPU time (user + system) a thread of this process has used, from
 /// `/proc/self/task/TID/stat`.
 pub fn thread_cpu_time(tid: i32) -> Option<Duration> {

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{Fabric, FabricOptions, FabricUrl, ListenOptions, Listener};
 use rdmablk_common::protocol::VolumeId;
+use rdmablk_common::size::ByteSize;
 
 use crate::auth::AccessPolicy;
 use crate::backend::{self, Volume, VolumeSet};
@@ -74,6 +75,13 @@ pub fn check(config: &Config) -> Result<Vec<String>> {
     }
     if access.hosts_configured() {
         lines.push(format!("authentication required: {} host(s)", access.host_count()));
+    }
+    for w in unauthenticated_warnings(
+        config,
+        &config.target.listen.iter().map(|u| (u.to_string(), u.host.as_str())).collect::<Vec<_>>(),
+        &config.target.nvme_listen.iter().map(|l| (l.to_string(), l.url.host.as_str())).collect::<Vec<_>>(),
+    ) {
+        tracing::warn!("{w}");
     }
     lines.extend(config.target.listen.iter().map(|u| format!("listen {u}")));
     lines.extend(config.target.nvme_listen.iter().map(|l| format!("listen {l}")));
@@ -204,6 +212,41 @@ impl Drop for RunningTarget {
     }
 }
 
+/// Every reactor registers its buffer pool with io_uring, which pins it
+/// against RLIMIT_MEMLOCK (`limit`, `None` when unlimited) unless the
+/// process has CAP_IPC_LOCK (`exempt`). Refuses to start when the pools
+/// cannot fit, naming the bytes needed and the fix; the limit is shared
+/// with the user's other processes, so passing is no promise.
+fn check_memlock(config: &Config, limit: Option<u64>, exempt: bool) -> Result<()> {
+    let cfg = &config.target;
+    let needed = cfg.buffer_pool.saturating_mul(cfg.reactors as u64);
+    let Some(limit) = limit.filter(|&l| l < needed && !exempt) else { return Ok(()) };
+    Err(Error::new(
+        ErrorKind::Os,
+        format!(
+            "{}: target.buffer_pool: the buffer pools need {needed} bytes ({}) locked in memory (target.reactors {} \
+             × target.buffer_pool {} bytes, registered with io_uring) but RLIMIT_MEMLOCK is {limit} bytes ({}); raise it: \
+             `ulimit -l {}` (KiB) in the shell that starts rdmablk-target, or LimitMEMLOCK=infinity in its systemd unit \
+             (the shipped unit has it); or lower target.buffer_pool or target.reactors",
+            config.source,
+            ByteSize(needed),
+            cfg.reactors,
+            cfg.buffer_pool,
+            ByteSize(limit),
+            needed.div_ceil(1024),
+        ),
+    ))
+}
+
+/// A fabric listener that could not be bound: the OS's reason in words
+/// when there is one (see [`Error::listen`]).
+pub(crate) fn listen_error(context: String, e: rdmablk_common::fabric::FabricError) -> Error {
+    match e.source {
+        Some(io) => Error::listen(ErrorKind::Fabric, context, io),
+        None => Error::fabric(context, e),
+    }
+}
+
 const TOKEN_STOP: u64 = 1 << 40;
 const TOKEN_SIGNAL: u64 = (1 << 40) + 1;
 const TOKEN_EXITED: u64 = (1 << 40) + 2;
@@ -230,6 +273,7 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
         Err(e) => tracing::warn!("cannot raise RLIMIT_NOFILE: {e}"),
     }
     let volumes = backend::open_volumes(&config)?;
+    check_memlock(&config, sys::memlock_limit().ok().flatten(), sys::has_cap_ipc_lock())?;
     let next_volume_id = volumes.iter().map(|v| v.id.0).max().unwrap_or(0) + 1;
     let limits = AdmissionLimits {
         max_handshakes: cfg.max_handshakes,
@@ -254,17 +298,17 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
         let f = Fabric::open_with(url, options).map_err(|e| Error::fabric(format!("{url}: cannot open the fabric"), e))?;
         let l = f
             .listen_with(ListenOptions { handshake_timeout: cfg.handshake_timeout })
-            .map_err(|e| Error::fabric(format!("{url}: cannot listen"), e))?;
+            .map_err(|e| listen_error(format!("{}: target.listen: cannot listen on {url}", config.source), e))?;
         urls.push(l.local_url());
         fabrics.push(Arc::new(f));
         listeners.push(l);
     }
-    let nvme = NvmeFrontEnd::bind(&cfg, Arc::clone(&registry))?;
+    let nvme = NvmeFrontEnd::bind(&config.source, &cfg, Arc::clone(&registry))?;
     let nvme_rdma_fabrics = nvme.rdma_fabrics();
     let metrics = match cfg.metrics {
         None => None,
         Some(addr) => Some(HttpServer::bind(addr, TOKEN_HTTP).map_err(|e| {
-            Error::os(format!("{}: target.metrics: cannot listen on {addr}", config.source), e)
+            Error::listen(ErrorKind::Os, format!("{}: target.metrics: cannot listen on {addr}", config.source), e)
         })?),
     };
 
@@ -324,6 +368,13 @@ fn start(config: Config, signals: Option<SignalFd>, notifier: Notifier) -> Resul
     }
     for (l, _) in &nvme.listeners {
         tracing::info!("listening on {l} (NVMe-oF subsystem {})", cfg.nqn);
+    }
+    for w in unauthenticated_warnings(
+        &config,
+        &urls.iter().map(|u| (u.to_string(), u.host.as_str())).collect::<Vec<_>>(),
+        &nvme.listeners.iter().map(|(l, _)| (l.to_string(), l.url.host.as_str())).collect::<Vec<_>>(),
+    ) {
+        tracing::warn!("{w}");
     }
     let metrics_addr = metrics.as_ref().map(|m| m.local_addr());
     let nvme_listeners: Vec<NvmeListen> = nvme.listeners.iter().map(|(l, _)| l.clone()).collect();
@@ -943,6 +994,59 @@ fn changed_fields(a: &crate::config::VolumeConfig, b: &crate::config::VolumeConf
 
 /// One log line per volume saying who may use it, and whether CONNECT needs
 /// authentication.
+/// Whether a listener's host is a loopback address (or `localhost`): only
+/// this machine reaches it.
+fn is_loopback(host: &str) -> bool {
+    host.eq_ignore_ascii_case("localhost")
+        || host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// One warning per listener not on a loopback address that serves volumes
+/// to hosts that do not authenticate, naming the listener, the volumes and
+/// the fix (logged at WARN by the callers). `v1` and `nvme`: the listeners
+/// as the log names them (bound ports at startup, configured ones for
+/// `--check`) with their hosts.
+fn unauthenticated_warnings(config: &Config, v1: &[(String, &str)], nvme: &[(String, &str)]) -> Vec<String> {
+    let names = |f: &dyn Fn(&crate::config::VolumeAccess) -> bool| -> Vec<&str> {
+        config.access.iter().filter(|a| f(a)).map(|a| a.volume.as_str()).collect()
+    };
+    // rdmablk v1: with [[host]] entries every queue pair authenticates with its key.
+    let v1_open = if config.hosts.is_empty() { names(&|a| a.allow_any_host) } else { Vec::new() };
+    // NVMe-oF: a host without a dhchap_key_file is only the NQN it claims.
+    let claimed: Vec<&str> = config.hosts.iter().filter(|h| h.nqn.is_some() && h.dhchap.is_none()).map(|h| h.id.as_str()).collect();
+    let nvme_open = if config.hosts.is_empty() {
+        v1_open.clone()
+    } else {
+        names(&|a| {
+            (a.allow_any_host && !claimed.is_empty())
+                || a.allowed_hosts.iter().chain(&a.read_only_hosts).any(|h| claimed.contains(&h.as_str()))
+        })
+    };
+    let no_hosts = "no [[host]] entries and allow_any_host = true";
+    let v1_why = (no_hosts.to_owned(), "add [[host]] entries with a key_file (rdmablk keygen) and grant them the volumes");
+    let nvme_why = if config.hosts.is_empty() {
+        (no_hosts.to_owned(), "add [[host]] entries with a dhchap_key_file and grant them the volumes")
+    } else {
+        let who = claimed.join(", ");
+        let why = format!("[[host]] {who} without dhchap_key_file, granted by allow_any_host, allowed_hosts or read_only_hosts");
+        (why, "give those [[host]] entries a dhchap_key_file")
+    };
+    let mut out = Vec::new();
+    for (listeners, open, (why, fix)) in [(v1, &v1_open, v1_why), (nvme, &nvme_open, nvme_why)] {
+        if open.is_empty() {
+            continue;
+        }
+        for (url, _) in listeners.iter().filter(|(_, host)| !is_loopback(host)) {
+            out.push(format!(
+                "{url} is not a loopback address and serves volume(s) {} to unauthenticated hosts ({why}): anyone who reaches it \
+                 can use them; {fix}, or listen on a loopback address",
+                open.join(", ")
+            ));
+        }
+    }
+    out
+}
+
 fn log_access(config: &Config) {
     if config.hosts.is_empty() {
         tracing::info!("no [[host]] entries: queue pairs are not authenticated; only volumes with allow_any_host = true can be opened");
@@ -966,5 +1070,62 @@ fn log_access(config: &Config) {
         } else {
             tracing::info!("volume {} access: {}", a.volume, who.join("; "));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn warnings(text: &str) -> Vec<String> {
+        let c = Config::parse(text, "t.toml").unwrap();
+        let v1: Vec<(String, &str)> = c.target.listen.iter().map(|u| (u.to_string(), u.host.as_str())).collect();
+        let nvme: Vec<(String, &str)> = c.target.nvme_listen.iter().map(|l| (l.to_string(), l.url.host.as_str())).collect();
+        unauthenticated_warnings(&c, &v1, &nvme)
+    }
+
+    const VOLUMES: &str = "[[volume]]\nname = \"a\"\nbackend = \"null\"\nsize = \"1MiB\"\nallow_any_host = true\n\
+                           [[volume]]\nname = \"b\"\nbackend = \"null\"\nsize = \"1MiB\"\n";
+
+    #[test]
+    fn volumes_open_to_any_host_on_a_wildcard_listener_are_named() {
+        let w = warnings(&format!("[target]\nlisten = [\"tcp://0.0.0.0:7420\", \"nvme+tcp://10.0.0.1:4420\"]\n{VOLUMES}"));
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w[0].starts_with("tcp://0.0.0.0:7420 is not a loopback address and serves volume(s) a to unauthenticated hosts"), "{w:?}");
+        assert!(w[0].contains("no [[host]] entries and allow_any_host = true") && w[0].contains("key_file (rdmablk keygen)"), "{w:?}");
+        assert!(w[1].starts_with("nvme+tcp://10.0.0.1:4420 ") && w[1].contains("volume(s) a "), "{w:?}");
+        assert!(w[1].contains("add [[host]] entries with a dhchap_key_file"), "{w:?}");
+        // Loopback listeners, or no volume open to anyone: nothing to say.
+        assert!(warnings(&format!("[target]\nlisten = [\"tcp://127.0.0.1:7420\", \"nvme+tcp://[::1]:4420\"]\n{VOLUMES}")).is_empty());
+        assert!(warnings(&format!("[target]\nlisten = [\"tcp://localhost:7420\"]\n{VOLUMES}")).is_empty());
+        let closed = "[[volume]]\nname = \"b\"\nbackend = \"null\"\nsize = \"1MiB\"\n";
+        assert!(warnings(&format!("[target]\nlisten = [\"tcp://0.0.0.0:7420\"]\n{closed}")).is_empty());
+    }
+
+    #[test]
+    fn hosts_known_only_by_their_nqn_leave_nvme_listeners_unauthenticated() {
+        let hosts = "[[host]]\nid = \"db2\"\nnqn = \"nqn.2014-08.org.example:db2\"\n";
+        let w = warnings(&format!("[target]\nlisten = [\"tcp://0.0.0.0:7420\", \"nvme+tcp://0.0.0.0:4420\"]\n{VOLUMES}{hosts}"));
+        // rdmablk v1 authenticates every queue pair once there are [[host]] entries.
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].starts_with("nvme+tcp://0.0.0.0:4420 ") && w[0].contains("volume(s) a "), "{w:?}");
+        assert!(w[0].contains("[[host]] db2 without dhchap_key_file"), "{w:?}");
+    }
+
+    #[test]
+    fn too_little_memlock_names_the_bytes_and_the_fix() {
+        let text = format!("[target]\nlisten = [\"tcp://127.0.0.1:0\"]\nreactors = 4\nbuffer_pool = \"16MiB\"\n{VOLUMES}");
+        let c = Config::parse(&text, "t.toml").unwrap();
+        let e = check_memlock(&c, Some(8 << 20), false).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "t.toml: target.buffer_pool: the buffer pools need 67108864 bytes (64MiB) locked in memory (target.reactors 4 × \
+             target.buffer_pool 16777216 bytes, registered with io_uring) but RLIMIT_MEMLOCK is 8388608 bytes (8MiB); raise it: \
+             `ulimit -l 65536` (KiB) in the shell that starts rdmablk-target, or LimitMEMLOCK=infinity in its systemd unit (the \
+             shipped unit has it); or lower target.buffer_pool or target.reactors"
+        );
+        assert!(check_memlock(&c, Some(64 << 20), false).is_ok());
+        assert!(check_memlock(&c, None, false).is_ok(), "unlimited");
+        assert!(check_memlock(&c, Some(8 << 20), true).is_ok(), "CAP_IPC_LOCK lifts the limit");
     }
 }

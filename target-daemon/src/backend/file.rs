@@ -96,10 +96,20 @@ impl Ctx<'_> {
     }
 
     fn io_err(&self, what: &str, e: io::Error) -> Error {
+        let writing = !self.vc.read_only || what != "open";
+        let read_only = self.vc.key("read_only");
         let hint = match e.raw_os_error() {
-            Some(libc::EINVAL) if what.starts_with("open") => " (does the file system support O_DIRECT?)",
-            Some(libc::EBUSY) => " (the device is in use, e.g. mounted)",
-            _ => "",
+            Some(libc::EINVAL) if what.starts_with("open") => " (does the file system support O_DIRECT?)".to_owned(),
+            Some(libc::EBUSY) => " (the device is in use, e.g. mounted)".to_owned(),
+            Some(libc::EACCES | libc::EPERM) if writing => format!(
+                " (rdmablk-target opens it read-write: give its user write access, set {read_only} = true to serve it \
+                 read-only, or, under systemd, list its directory in ReadWritePaths= of the unit)"
+            ),
+            Some(libc::EROFS) if writing => format!(
+                " (the file system is read-only to rdmablk-target: under systemd, ProtectSystem=strict lets it write only \
+                 to ReadWritePaths= (/var/lib/rdmablk in the shipped unit): add its directory there, or set {read_only} = true)"
+            ),
+            _ => String::new(),
         };
         self.err("path", format!("{what}: {e}{hint}"))
     }

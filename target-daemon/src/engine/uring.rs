@@ -242,7 +242,10 @@ struct SocketRecv {
 
 fn uring_err(what: &str, e: io::Error) -> Error {
     let hint = match e.raw_os_error() {
-        Some(libc::ENOMEM) => " (registered buffers count against RLIMIT_MEMLOCK; raise it, e.g. LimitMEMLOCK=infinity)",
+        Some(libc::ENOMEM) => {
+            " (registered buffers count against RLIMIT_MEMLOCK, shared by every process of this user: raise it with \
+             `ulimit -l unlimited` in the shell that starts rdmablk-target, or LimitMEMLOCK=infinity in its systemd unit)"
+        }
         Some(libc::EPERM) => " (io_uring may be disabled: check kernel.io_uring_disabled)",
         Some(libc::ENOSYS) => " (this kernel has no io_uring)",
         _ => "",
@@ -315,7 +318,10 @@ impl Uring {
         // SAFETY: every iovec lies within the pool memory, which this `Uring`
         // keeps alive through `mem` until the ring is closed after all ops
         // completed (see `Drop`).
-        unsafe { submitter.register_buffers(&iovecs) }.map_err(|e| uring_err("cannot register the buffer pool", e))?;
+        unsafe { submitter.register_buffers(&iovecs) }.map_err(|e| {
+            let bytes: usize = iovecs.iter().map(|v| v.iov_len).sum();
+            uring_err(&format!("cannot register the buffer pool ({bytes} bytes)"), e)
+        })?;
         let eventfd = if ring_sleep {
             None
         } else {

@@ -556,14 +556,16 @@ pub struct NvmeFrontEnd {
 
 impl NvmeFrontEnd {
     /// Binds every NVMe-oF listener (port 0 picks a free one).
-    pub fn bind(cfg: &TargetConfig, registry: Arc<Registry>) -> crate::Result<NvmeFrontEnd> {
+    /// `source`: the configuration file, for errors.
+    pub fn bind(source: &str, cfg: &TargetConfig, registry: Arc<Registry>) -> crate::Result<NvmeFrontEnd> {
         let subsystem = Arc::new(Subsystem::new(cfg, registry));
         let mut listeners = Vec::new();
         for l in &cfg.nvme_listen {
             let (listener, addr) = match l.transport {
                 NvmeTransport::Tcp => {
-                    let sock = TcpListener::bind(l.url.host_port())
-                        .map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
+                    let sock = TcpListener::bind(l.url.host_port()).map_err(|e| {
+                        crate::Error::listen(crate::ErrorKind::Os, format!("{source}: target.listen: cannot listen on {l}"), e)
+                    })?;
                     sock.set_nonblocking(true).map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
                     crate::sys::deepen_listen_backlog(std::os::fd::AsRawFd::as_raw_fd(&sock))
                         .map_err(|e| crate::Error::os(format!("{l}: cannot listen"), e))?;
@@ -571,7 +573,7 @@ impl NvmeFrontEnd {
                     (NvmeListener::Tcp(sock), addr)
                 }
                 NvmeTransport::Rdma => {
-                    let r = rdma::RdmaListener::bind(l, cfg)?;
+                    let r = rdma::RdmaListener::bind(source, l, cfg)?;
                     let addr = r.local_addr();
                     (NvmeListener::Rdma(Box::new(r)), addr)
                 }

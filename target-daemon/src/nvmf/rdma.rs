@@ -173,12 +173,12 @@ pub struct Accept {
 }
 
 impl RdmaListener {
-    pub fn bind(l: &NvmeListen, cfg: &TargetConfig) -> crate::Result<RdmaListener> {
+    pub fn bind(source: &str, l: &NvmeListen, cfg: &TargetConfig) -> crate::Result<RdmaListener> {
         let options = FabricOptions { transport_timeout: cfg.transport_timeout, frame_timeout: cfg.frame_timeout };
         let fabric = Fabric::open_with(&l.url, options).map_err(|e| crate::Error::fabric(format!("{l}: cannot open the fabric"), e))?;
         let listener = fabric
             .listen_with(ListenOptions { handshake_timeout: cfg.handshake_timeout })
-            .map_err(|e| crate::Error::fabric(format!("{l}: cannot listen"), e))?;
+            .map_err(|e| crate::target::listen_error(format!("{source}: target.listen: cannot listen on {l}"), e))?;
         let url = listener.local_url();
         let addr = url
             .host_port()
