@@ -211,6 +211,10 @@ pub enum Command {
         /// systemd READY=1 once the device exists
         #[arg(long, value_name = "FILE", conflicts_with_all = ["volume", "queues", "depth", "target", "host_id", "key_file", "ctrl_loss_timeout"])]
         config: Option<PathBuf>,
+        /// Check the --config file (its keys, the target URL, the key file) and exit: 0 when it is
+        /// usable; neither the target nor ublk is touched
+        #[arg(long, requires = "config", conflicts_with = "volume")]
+        check: bool,
     },
     /// Stop and remove a device made by `rdmablk attach` (refused while a file system on it is mounted)
     Detach {
@@ -422,7 +426,6 @@ fn with_identity(
 /// taken back (ublk user recovery) instead of a new one being made.
 fn run_attach(cli: &Cli, volume: Option<&str>, queues: u16, depth: u16, config: Option<&std::path::Path>) -> Result<()> {
     use crate::ublk::{AttachRecord, RECORD_DIR};
-    crate::ublk::check_machine()?;
     let notifier = rdmablk_common::notify::Notifier::from_env();
     let (target, volume, opts, options, retry) = match config {
         None => {
@@ -432,21 +435,13 @@ fn run_attach(cli: &Cli, volume: Option<&str>, queues: u16, depth: u16, config: 
             (target, volume, crate::ublk::AttachOptions { queues, depth }, options, None)
         }
         Some(path) => {
-            let file = crate::attach_file::AttachFile::load(path)?;
-            let opts = crate::ublk::AttachOptions {
-                queues: file.queues.map_or(queues, |q| q as u16),
-                depth: file.depth.map_or(depth, |d| d as u16),
-            };
-            let options = with_identity(
-                ConnectOptions { queues: usize::from(opts.queues), ..ConnectOptions::default() },
-                file.host_id.as_deref(),
-                file.key_file.as_deref(),
-                file.ctrl_loss_timeout,
-            )?;
+            let (file, opts, options) = load_attach_file(path, queues, depth)?;
             (file.target, file.volume, opts, options, Some(file.connect_retry))
         }
     };
     let url = target.as_str().into_target_url()?.to_string();
+    // After the file's checks: a host without ublk still hears what is wrong with it.
+    crate::ublk::check_machine()?;
     let orphan =
         AttachRecord::orphans_in(std::path::Path::new(RECORD_DIR), &url, &volume, crate::ublk::pid_alive).into_iter().next();
     let replaced = match &orphan {
@@ -479,6 +474,55 @@ fn run_attach(cli: &Cli, volume: Option<&str>, queues: u16, depth: u16, config: 
         let _ = stdout.flush();
         notifier.notify(&format!("READY=1\nSTATUS=volume {volume} as {path}"));
     })
+}
+
+/// Reads and checks an attach file: its keys, its target URL and its key
+/// file; returns it with the device and connect options it gives.
+fn load_attach_file(
+    path: &std::path::Path,
+    queues: u16,
+    depth: u16,
+) -> Result<(crate::attach_file::AttachFile, crate::ublk::AttachOptions, ConnectOptions)> {
+    let file = crate::attach_file::AttachFile::load(path)?;
+    file.target
+        .as_str()
+        .into_target_url()
+        .map_err(|e| Error::invalid(format!("{}: target: {}", path.display(), e.one_line())))?;
+    let opts = crate::ublk::AttachOptions {
+        queues: file.queues.map_or(queues, |q| q as u16),
+        depth: file.depth.map_or(depth, |d| d as u16),
+    };
+    let options = with_identity(
+        ConnectOptions { queues: usize::from(opts.queues), ..ConnectOptions::default() },
+        file.host_id.as_deref(),
+        file.key_file.as_deref(),
+        file.ctrl_loss_timeout,
+    )
+    .map_err(|e| Error::invalid(format!("{}: {}", path.display(), e.one_line())))?;
+    Ok((file, opts, options))
+}
+
+/// `rdmablk attach --check --config FILE`: checks the file as `attach`
+/// does, says what it would attach, and touches neither the target nor ublk.
+fn check_attach_file(path: &std::path::Path, queues: u16, depth: u16, out: &mut dyn Write) -> Result<()> {
+    let (file, opts, options) = load_attach_file(path, queues, depth)?;
+    let auth = match &file.key_file {
+        Some(k) => format!(", authenticated with {}", k.display()),
+        None => String::new(),
+    };
+    writeln!(
+        out,
+        "{}: ok: volume {} on {} as host {}{auth}; {} queues of depth {}, ctrl_loss_timeout {}, connect_retry {}",
+        path.display(),
+        file.volume,
+        file.target,
+        options.host_id,
+        opts.queues,
+        opts.depth,
+        crate::error::fmt_duration(options.ctrl_loss_timeout),
+        crate::error::fmt_duration(file.connect_retry)
+    )
+    .map_err(|e| Error::io("writing the output", e))
 }
 
 /// Connects, trying again every `retry` while the target cannot be reached
@@ -525,7 +569,10 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
         return serve_nbd(cli, volume, socket.as_deref(), *listen, *queues, out);
     }
     // ublk: rdmablk attach / detach.
-    if let Command::Attach { volume, queues, depth, config } = &cli.command {
+    if let Command::Attach { volume, queues, depth, config, check } = &cli.command {
+        if *check {
+            return check_attach_file(config.as_deref().expect("clap: --check requires --config"), *queues, *depth, out);
+        }
         return run_attach(cli, volume.as_deref(), *queues, *depth, config.as_deref());
     }
     if let Command::Detach { device } = &cli.command {

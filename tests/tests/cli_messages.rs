@@ -135,3 +135,43 @@ fn a_reconnection_prints_the_loss_and_each_attempt() {
     assert!(text.lines().all(|l| l.starts_with("rdmablk: ")), "{text}");
     eprintln!("rdmablk's standard error:\n{text}");
 }
+
+/// Item 11: `attach --config` reads and checks its file before it looks for
+/// ublk, and `--check` validates it and exits without touching ublk.
+#[test]
+fn attach_config_is_checked_before_ublk() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "target = \"tcp://127.0.0.1:7420\"\nvolume = \"vol0\"\nqueues = 0\n").unwrap();
+    for args in [&["attach", "--config"][..], &["attach", "--check", "--config"]] {
+        let mut all = args.to_vec();
+        all.push(bad.to_str().unwrap());
+        let out = rdmablk(&all, None);
+        let err = stderr_of(&out);
+        assert_eq!(out.status.code(), Some(1), "{all:?}: {err}");
+        assert!(err.contains("bad.toml: queues: must be in 1..=32 (got 0)"), "{all:?}: {err}");
+        assert!(!err.contains("ublk"), "the file's error, not the machine's: {err}");
+    }
+    let url = dir.path().join("url.toml");
+    std::fs::write(&url, "target = \"tcp://127.0.0.1\"\nvolume = \"vol0\"\n").unwrap();
+    let out = rdmablk(&["attach", "--check", "--config", url.to_str().unwrap()], None);
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("url.toml") && err.contains("missing :port"), "{err}");
+    let key = dir.path().join("nokey.toml");
+    std::fs::write(&key, "target = \"tcp://127.0.0.1:7420\"\nvolume = \"vol0\"\nhost_id = \"db1\"\nkey_file = \"/nonexistent/db1.key\"\n").unwrap();
+    let out = rdmablk(&["attach", "--check", "--config", key.to_str().unwrap()], None);
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("/nonexistent/db1.key"), "{err}");
+
+    let good = dir.path().join("good.toml");
+    std::fs::write(&good, "target = \"tcp://127.0.0.1:7420\"\nvolume = \"vol0\"\nqueues = 2\n").unwrap();
+    let out = rdmablk(&["attach", "--check", "--config", good.to_str().unwrap()], None);
+    let (text, err) = (String::from_utf8_lossy(&out.stdout), stderr_of(&out));
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(text.contains("good.toml: ok") && text.contains("vol0") && text.contains("tcp://127.0.0.1:7420"), "{text}");
+    // --check is for a file.
+    let out = rdmablk(&["-t", "tcp://127.0.0.1:7420", "attach", "vol0", "--check"], None);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+}

@@ -257,9 +257,9 @@ mod tests {
         use clap::Parser;
         let cli = Cli::try_parse_from(["rdmablk", "--target", "rdma://h:1", "attach", "vol0", "--queues", "2", "--depth", "32"])
             .unwrap();
-        assert_eq!(cli.command, Command::Attach { volume: Some("vol0".into()), queues: 2, depth: 32, config: None });
+        assert_eq!(cli.command, Command::Attach { volume: Some("vol0".into()), queues: 2, depth: 32, config: None, check: false });
         let cli = Cli::try_parse_from(["rdmablk", "--target", "tcp://h:1", "attach", "vol0"]).unwrap();
-        assert_eq!(cli.command, Command::Attach { volume: Some("vol0".into()), queues: 1, depth: 64, config: None });
+        assert_eq!(cli.command, Command::Attach { volume: Some("vol0".into()), queues: 1, depth: 64, config: None, check: false });
         assert!(Cli::try_parse_from(["rdmablk", "attach", "vol0", "--queues", "0"]).is_err());
         assert!(Cli::try_parse_from(["rdmablk", "attach", "vol0", "--depth", "0"]).is_err());
         let cli = Cli::try_parse_from(["rdmablk", "detach", "/dev/ublkb0"]).unwrap();
