@@ -2,8 +2,8 @@
 //! and every command live here so they can be tested.
 //!
 //! ```text
-//! rdmablk --target URL list
-//! rdmablk --target URL info VOL [--json]
+//! rdmablk --target URL list [-o json]
+//! rdmablk --target URL info VOL [-o json]
 //! rdmablk --target URL read VOL --offset N --length N [--output FILE]
 //! rdmablk --target URL write VOL --offset N [--input FILE] [--fua]
 //! rdmablk --target URL flush VOL
@@ -13,7 +13,9 @@
 //! ```
 //!
 //! Sizes take suffixes (`4k`, `1MiB`, binary multiples). Errors print one
-//! line, `rdmablk: error: ...`, and exit with 1 (2 for usage errors).
+//! line, `rdmablk: error: ...`, and exit with 1 (2 for usage errors; `--help`
+//! says so). `list` and `info` print a header and human sizes, or JSON with
+//! nvme-cli's `-o json` / `--output-format json`.
 //!
 //! `read` and `write` move the data through registered buffers with the
 //! library's submission queue, several chunks in flight at once (zero copy
@@ -63,12 +65,27 @@ pub enum ProgressMode {
     Never,
 }
 
+/// How `list` and `info` print (nvme-cli's `-o` / `--output-format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default)]
+pub enum OutputFormat {
+    /// A header and human sizes (with the exact bytes)
+    #[default]
+    Normal,
+    /// One JSON object, sizes in bytes
+    Json,
+}
+
+/// The exit codes, in `--help` and the README.
+const EXIT_CODES: &str = "Exit status:\n  0  success\n  1  the command failed: one line on standard error, \
+                          `rdmablk: error: ...`, naming the problem\n  2  usage error (a bad option or value)";
+
 /// Command line of `rdmablk`.
 #[derive(Parser, Debug, Clone, PartialEq, Eq)]
 #[command(
     name = "rdmablk",
     version,
     about = "Access volumes of an rdmablk target",
+    after_help = EXIT_CODES,
     color = ColorChoice::Never,
     propagate_version = true
 )]
@@ -106,8 +123,12 @@ pub struct Cli {
 /// The subcommands.
 #[derive(Subcommand, Debug, Clone, PartialEq, Eq)]
 pub enum Command {
-    /// One line per volume: name, size in bytes, block size, ro|rw
-    List,
+    /// The volumes this host may open: name, size, bytes, block size, ro|rw
+    List {
+        /// normal (a header, human sizes) or json
+        #[arg(long, short = 'o', value_enum, value_name = "FORMAT", default_value_t)]
+        output_format: OutputFormat,
+    },
     /// Write a new random key file (mode 0600) for a host id: give the same
     /// file to the target's `[[host]]` entry and to --key-file
     Keygen {
@@ -118,7 +139,10 @@ pub enum Command {
     Info {
         /// Volume name
         volume: String,
-        /// Print JSON instead of key: value lines
+        /// normal (a header, key: value lines, human sizes) or json
+        #[arg(long, short = 'o', value_enum, value_name = "FORMAT", default_value_t)]
+        output_format: OutputFormat,
+        /// Same as -o json
         #[arg(long)]
         json: bool,
     },
@@ -582,20 +606,28 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
     match &cli.command {
         Command::Keygen { .. } | Command::Nbd { .. } => unreachable!("handled above"),
         Command::Attach { .. } | Command::Detach { .. } => unreachable!("handled above"),
-        Command::List => {
-            for v in session.list_volumes()? {
-                writeln!(
-                    out,
-                    "{}\t{}\t{}\t{}",
-                    v.name,
-                    v.size_bytes,
-                    v.block_size,
-                    if v.read_only() { "ro" } else { "rw" }
-                )
-                .map_err(write_err)?;
+        Command::List { output_format } => {
+            let volumes = session.list_volumes()?;
+            if *output_format == OutputFormat::Json {
+                let list: Vec<_> = volumes
+                    .iter()
+                    .map(|v| {
+                        serde_json::json!({
+                            "name": v.name,
+                            "id": v.volume_id.0,
+                            "size": v.size_bytes,
+                            "block_size": v.block_size,
+                            "read_only": v.read_only(),
+                        })
+                    })
+                    .collect();
+                let doc = serde_json::json!({ "target_name": session.target_name(), "volumes": list });
+                writeln!(out, "{doc}").map_err(write_err)?;
+            } else {
+                out.write_all(format_list(&volumes).as_bytes()).map_err(write_err)?;
             }
         }
-        Command::Info { volume, json } => {
+        Command::Info { volume, output_format, json } => {
             let vol = session.open(volume)?;
             let limits = session.limits();
             let info = serde_json::json!({
@@ -611,9 +643,11 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 "max_io_size": limits.max_io_size,
                 "inline_data_size": limits.inline_data_size,
             });
-            if *json {
+            if *json || *output_format == OutputFormat::Json {
                 writeln!(out, "{info}").map_err(write_err)?;
             } else {
+                let url = cli.target.as_deref().unwrap_or_default();
+                writeln!(out, "volume {} on {url} (target {:?})", vol.name(), session.target_name()).map_err(write_err)?;
                 let map = info.as_object().expect("object");
                 for key in [
                     "name",
@@ -629,7 +663,12 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     "inline_data_size",
                 ] {
                     let v = &map[key];
-                    let text = v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string());
+                    let text = match (key, v.as_u64()) {
+                        ("size" | "max_io_size" | "inline_data_size", Some(n)) if n >= 1024 => {
+                            format!("{} ({n} bytes)", human_bytes(n))
+                        }
+                        _ => v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string()),
+                    };
                     writeln!(out, "{key}: {text}").map_err(write_err)?;
                 }
             }
@@ -948,6 +987,40 @@ fn format_progress(done: u64, total: Option<u64>, elapsed: Duration) -> String {
     }
 }
 
+/// `list`'s table: a header, then a row per volume, the columns aligned.
+fn format_list(volumes: &[rdmablk_common::protocol::VolumeInfo]) -> String {
+    let mut rows = vec![["NAME".to_owned(), "SIZE".to_owned(), "BYTES".to_owned(), "BLOCK".to_owned(), "ACCESS".to_owned()]];
+    for v in volumes {
+        rows.push([
+            v.name.clone(),
+            human_bytes(v.size_bytes),
+            v.size_bytes.to_string(),
+            v.block_size.to_string(),
+            if v.read_only() { "ro" } else { "rw" }.to_owned(),
+        ]);
+    }
+    let mut widths = [0usize; 5];
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut text = String::new();
+    for row in &rows {
+        let mut line = String::new();
+        for (i, cell) in row.iter().enumerate() {
+            if i + 1 == row.len() {
+                line.push_str(cell);
+            } else {
+                line.push_str(&format!("{cell:<width$}  ", width = widths[i]));
+            }
+        }
+        text.push_str(line.trim_end());
+        text.push('\n');
+    }
+    text
+}
+
 /// `512 B`, `4.0 KiB`, `1.5 GiB`.
 fn human_bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
@@ -1001,10 +1074,14 @@ mod tests {
     fn parses_every_command() {
         let c = parse(&["--target", "tcp://h:1", "list"]).unwrap();
         assert_eq!(c.target.as_deref(), Some("tcp://h:1"));
-        assert_eq!(c.command, Command::List);
+        assert_eq!(c.command, Command::List { output_format: OutputFormat::Normal });
 
         let c = parse(&["--target", "tcp://h:1", "info", "vol0", "--json"]).unwrap();
-        assert_eq!(c.command, Command::Info { volume: "vol0".into(), json: true });
+        assert_eq!(c.command, Command::Info { volume: "vol0".into(), output_format: OutputFormat::Normal, json: true });
+        let c = parse(&["--target", "tcp://h:1", "info", "vol0", "-o", "json"]).unwrap();
+        assert_eq!(c.command, Command::Info { volume: "vol0".into(), output_format: OutputFormat::Json, json: false });
+        let c = parse(&["--target", "tcp://h:1", "list", "--output-format", "json"]).unwrap();
+        assert_eq!(c.command, Command::List { output_format: OutputFormat::Json });
 
         let c = parse(&["-t", "tcp://h:1", "read", "v", "--offset", "4k", "--length", "1MiB", "-o", "/tmp/x"]).unwrap();
         assert_eq!(

@@ -175,3 +175,60 @@ fn attach_config_is_checked_before_ublk() {
     let out = rdmablk(&["-t", "tcp://127.0.0.1:7420", "attach", "vol0", "--check"], None);
     assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
 }
+
+/// Item 13: `list` and `info` print a header and human sizes by default and
+/// JSON with nvme-cli's `-o json` / `--output-format json`; `--help` gives
+/// the exit codes.
+#[test]
+fn list_and_info_have_a_header_human_sizes_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = sparse_file(dir.path(), "vol0.img", 64 << 20);
+    let ro = sparse_file(dir.path(), "ro.img", 3 << 30);
+    let target = TargetProcess::start(&format!(
+        "{}{}{}",
+        rdmablk_system_tests::target_section(),
+        file_volume("vol0", &file, 64 << 20, false),
+        file_volume("archive", &ro, 3 << 30, true)
+    ));
+    let url = target.url.as_str();
+    let run = |args: &[&str]| {
+        let mut all = vec!["--target", url];
+        all.extend_from_slice(args);
+        let out = rdmablk(&all, None);
+        assert!(out.status.success(), "{args:?}: {}", stderr_of(&out));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let text = run(&["list"]);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    let header: Vec<&str> = lines[0].split_whitespace().collect();
+    assert_eq!(header, ["NAME", "SIZE", "BYTES", "BLOCK", "ACCESS"], "{text}");
+    let vol0 = lines.iter().find(|l| l.starts_with("vol0 ")).expect("vol0's row");
+    assert_eq!(vol0.split_whitespace().collect::<Vec<_>>(), ["vol0", "64.0", "MiB", "67108864", "4096", "rw"], "{text}");
+    let archive = lines.iter().find(|l| l.starts_with("archive ")).expect("archive's row");
+    assert_eq!(archive.split_whitespace().collect::<Vec<_>>(), ["archive", "3.0", "GiB", "3221225472", "4096", "ro"], "{text}");
+    // The columns line up.
+    assert_eq!(lines[0].find("BYTES"), vol0.find("67108864"), "{text}");
+
+    for spelling in [&["list", "-o", "json"][..], &["list", "--output-format", "json"], &["list", "--output-format=json"]] {
+        let json: serde_json::Value = serde_json::from_str(&run(spelling)).unwrap();
+        let vols = json["volumes"].as_array().unwrap_or_else(|| panic!("{spelling:?}: {json}"));
+        let v = vols.iter().find(|v| v["name"] == "vol0").expect("vol0");
+        assert_eq!((v["size"].as_u64(), v["block_size"].as_u64(), v["read_only"].as_bool()), (Some(64 << 20), Some(4096), Some(false)));
+    }
+
+    let text = run(&["info", "vol0"]);
+    assert!(text.lines().next().unwrap().contains("vol0") && text.lines().next().unwrap().contains(url), "a header: {text}");
+    assert!(text.contains("size: 64.0 MiB (67108864 bytes)"), "{text}");
+    assert!(text.contains("block_size: 4096"), "{text}");
+    for spelling in [&["info", "vol0", "-o", "json"][..], &["info", "vol0", "--output-format", "json"], &["info", "vol0", "--json"]] {
+        let json: serde_json::Value = serde_json::from_str(&run(spelling)).unwrap();
+        assert_eq!(json["size"].as_u64(), Some(64 << 20), "{spelling:?}: {json}");
+    }
+    let out = rdmablk(&["--target", url, "list", "-o", "yaml"], None);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+    assert!(stderr_of(&out).contains("json"), "the values are named: {}", stderr_of(&out));
+
+    let help = String::from_utf8(rdmablk(&["--help"], None).stdout).unwrap();
+    assert!(help.contains("Exit status:") && help.contains("0 ") && help.contains("1 ") && help.contains("2 "), "{help}");
+}
