@@ -411,11 +411,19 @@ fn cli_commands_work_end_to_end() {
         run(&parsed, &mut out).map(|()| out)
     };
     let out = String::from_utf8(cli(&["list"]).unwrap()).unwrap();
-    assert_eq!(out, "vol0\t4194304\t4096\trw\nro\t1048576\t512\tro\n");
+    assert_eq!(
+        out,
+        "NAME  SIZE     BYTES    BLOCK  ACCESS\n\
+         vol0  4.0 MiB  4194304  4096   rw\n\
+         ro    1.0 MiB  1048576  512    ro\n"
+    );
+    let json: serde_json::Value = serde_json::from_slice(&cli(&["list", "-o", "json"]).unwrap()).unwrap();
+    assert_eq!(json["volumes"][1]["size"], 1048576);
+    assert_eq!((&json["volumes"][1]["name"], &json["volumes"][1]["block_size"]), (&"ro".into(), &512.into()));
 
     let out = String::from_utf8(cli(&["info", "vol0"]).unwrap()).unwrap();
     assert!(
-        out.contains("name: vol0\n") && out.contains("size: 4194304\n") && out.contains("target_name: fake-target\n"),
+        out.contains("name: vol0\n") && out.contains("size: 4.0 MiB (4194304 bytes)\n") && out.contains("target_name: fake-target\n"),
         "{out}"
     );
     let json: serde_json::Value = serde_json::from_slice(&cli(&["info", "ro", "--json"]).unwrap()).unwrap();

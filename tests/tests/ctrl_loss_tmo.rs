@@ -293,7 +293,9 @@ fn the_cli_takes_ctrl_loss_tmo() {
         let out = rdmablk(&args, None);
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        assert!(stdout.starts_with("m\t1048576\t"), "{args:?}: {stdout}");
+        let rows: Vec<Vec<&str>> = stdout.lines().map(|l| l.split_whitespace().collect()).collect();
+        assert!(rows.len() == 2 && rows[0][0] == "NAME", "{args:?}: a header: {stdout}");
+        assert!(rows[1][0] == "m" && rows[1][1..4] == ["1.0", "MiB", "1048576"], "{args:?}: {stdout}");
     }
     let out = rdmablk(&["--target", &target.url, "--ctrl_loss_tmo=-1", "list"], None);
     let stderr = String::from_utf8_lossy(&out.stderr);
