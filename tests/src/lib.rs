@@ -535,6 +535,19 @@ pub fn rss_bytes(pid: u32) -> u64 {
     kib * 1024
 }
 
+/// Per reactor (of the first `reactors`): (pool chunks in use, commands
+/// waiting for a chunk), from the daemon's metrics.
+pub fn pool_use(t: &TargetProcess, reactors: usize) -> Vec<(u64, u64)> {
+    let m = scrape(&t.metrics_addr());
+    (0..reactors)
+        .map(|r| {
+            let r = r.to_string();
+            let get = |name| sample(&m, name, &[("reactor", &r)]).unwrap_or_else(|| panic!("metric {name} missing")) as u64;
+            (get("rdmablk_buffer_pool_chunks_in_use"), get("rdmablk_buffer_pool_waiting_commands"))
+        })
+        .collect()
+}
+
 /// The sum over every series of `name` (all label sets), 0 when absent.
 pub fn sample_sum(samples: &[Sample], name: &str) -> f64 {
     samples.iter().filter(|s| s.name == name).map(|s| s.value).sum()

@@ -760,6 +760,17 @@ impl NvmeTcpConn {
 
 // ---- in-band authentication (DH-HMAC-CHAP), the host's side
 
+/// Writes `secret` as `nvme gen-dhchap-key` prints it to `dir/name`, mode
+/// 0600 (the target refuses a key file others may read): the path for a
+/// `[[host]] dhchap_key_file` or `dhchap_ctrl_key_file`.
+pub fn write_dhchap_secret(dir: &std::path::Path, name: &str, secret: &Secret) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join(name);
+    std::fs::write(&p, format!("{}\n", secret.encode())).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    p
+}
+
 /// A host's DH-HMAC-CHAP secrets and offer, as Linux's host makes it.
 #[derive(Clone, Debug)]
 pub struct HostAuth {

@@ -43,9 +43,10 @@ use rdmablk_common::nvme::tcp::Digests;
 use rdmablk_common::protocol::{BlockCount, CommandCapsule, CommandId, Lba, Opcode, Status, VolumeId, PROTOCOL_VERSION};
 use rdmablk_initiator::{BlockDevice, ConnectOptions, Session};
 use rdmablk_common::nvme::auth::{HashId, Secret};
-use rdmablk_system_tests::nvme_tcp::{connect_data, connect_entry, rw_entry, HostAuth, NvmeTcpConn, CC_ENABLE};
+use rdmablk_system_tests::nvme_tcp::{connect_data, connect_entry, rw_entry, write_dhchap_secret, HostAuth, NvmeTcpConn, CC_ENABLE};
 use rdmablk_system_tests::{
-    file_volume, legit_io, raise_nofile_limit, sample, sample_sum, scrape, sparse_file, wait_until, wire, TargetProcess, WireConn, WireEvent,
+    file_volume, legit_io, pool_use, raise_nofile_limit, sample, sample_sum, scrape, sparse_file, wait_until, wire, TargetProcess,
+    WireConn, WireEvent,
 };
 
 const MIB: u64 = 1 << 20;
@@ -82,18 +83,6 @@ fn metric(t: &TargetProcess, name: &str, labels: &[(&str, &str)]) -> f64 {
 
 fn sessions(t: &TargetProcess) -> f64 {
     metric(t, "rdmablk_sessions_connected", &[])
-}
-
-/// Per reactor: (pool chunks in use, commands waiting for a chunk).
-fn pool(t: &TargetProcess) -> Vec<(u64, u64)> {
-    let m = scrape(&t.metrics_addr());
-    (0..2)
-        .map(|r| {
-            let r = r.to_string();
-            let get = |name| sample(&m, name, &[("reactor", &r)]).unwrap_or_else(|| panic!("metric {name} missing")) as u64;
-            (get("rdmablk_buffer_pool_chunks_in_use"), get("rdmablk_buffer_pool_waiting_commands"))
-        })
-        .collect()
 }
 
 /// True when the daemon has closed or reset `c`'s connection. Bytes it
@@ -224,12 +213,12 @@ fn reader_that_stops_reading(url: &str, source: Ipv4Addr, name: &str) -> WireCon
 /// Waits until the pool's state stops changing for half a second (the
 /// attack's READs all hold chunks or wait), at most 10 s; returns it.
 fn pool_settled(t: &TargetProcess) -> Vec<(u64, u64)> {
-    let mut last = pool(t);
+    let mut last = pool_use(t, 2);
     let mut since = Instant::now();
     let deadline = Instant::now() + Duration::from_secs(10);
     while since.elapsed() < Duration::from_millis(500) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
-        let now = pool(t);
+        let now = pool_use(t, 2);
         if now != last {
             (last, since) = (now, Instant::now());
         }
@@ -275,7 +264,7 @@ fn readers_that_stop_reading_from_eight_addresses_do_not_lock_out_a_host() {
 
     // The attack was in force all along: every attacker still connected,
     // its socket open, and the pool still holding its chunks.
-    let still = pool(&t);
+    let still = pool_use(&t, 2);
     let connected = sessions(&t);
     let closed: Vec<&str> = attackers.iter().filter(|c| closed_by_target(c)).map(|c| c.peer.as_str()).collect();
     eprintln!(
@@ -351,7 +340,7 @@ fn waves_of_sixteen_addresses_do_not_fail_a_legit_writer() {
             t0 - first_wave,
             t0.elapsed(),
             sessions(&t),
-            pool(&t)
+            pool_use(&t, 2)
         );
     }
     let (log, before) = writer.join().expect("the legitimate writer's thread panicked");
@@ -724,6 +713,14 @@ fn random_nqn(rng: &mut impl Rng) -> String {
     format!("nqn.2014-08.org.nvmexpress:uuid:{}-{}-{}-{}-{}", h(0..4), h(4..6), h(6..8), h(8..10), h(10..16))
 }
 
+/// A DH-HMAC-CHAP secret for LEGIT_NQN in `dir`, and the `[[host]]` entry
+/// that makes the host authenticate with it.
+fn legit_dhchap_host(dir: &Path) -> (Secret, String) {
+    let secret = Secret::generate(Some(HashId::Sha256));
+    let key = write_dhchap_secret(dir, "legit.dhchap", &secret);
+    (secret, format!("[[host]]\nid = \"legit\"\nnqn = \"{LEGIT_NQN}\"\ndhchap_key_file = \"{}\"\n", key.display()))
+}
+
 fn nvme_config(extra: &str, hosts: &str, vol: &Path) -> String {
     format!(
         "[target]\nlisten = [\"nvme+tcp://127.0.0.1:0\", \"tcp://127.0.0.1:0\"]\nnqn = \"{SUBNQN}\"\nreactors = 2\npin_reactors = false\n\
@@ -824,11 +821,7 @@ fn anonymous_nvme_controllers_from_many_addresses_do_not_lock_out_a_configured_h
         .map(|i| anonymous_controller(nvme, addr(2 + i / 2), SUBNQN).unwrap_or_else(|e| panic!("anonymous controller {i}: {e}")))
         .collect();
     // The [[host]] entry of the legitimate host arrives.
-    let secret = Secret::generate(Some(HashId::Sha256));
-    let key = dir.path().join("legit.dhchap");
-    std::fs::write(&key, format!("{}\n", secret.encode())).unwrap();
-    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-    let hosts = format!("[[host]]\nid = \"legit\"\nnqn = \"{LEGIT_NQN}\"\ndhchap_key_file = \"{}\"\n", key.display());
+    let (secret, hosts) = legit_dhchap_host(dir.path());
     let line = t.reload(&nvme_config(extra, &hosts, &vol));
     assert!(line.contains("reload complete"), "{line}");
     // 127.0.0.18 ..= 127.0.0.49, one discovery controller each.
@@ -931,11 +924,7 @@ fn nvme_readers_that_stop_reading_from_eight_addresses_do_not_lock_out_a_host() 
 fn max_anonymous_controllers_refuses_the_next_anonymous_controller_and_no_authenticating_one() {
     let dir = tempfile::tempdir().unwrap();
     let vol = sparse_file(dir.path(), "vol.img", VOL_SIZE);
-    let secret = Secret::generate(Some(HashId::Sha256));
-    let key = dir.path().join("legit.dhchap");
-    std::fs::write(&key, format!("{}\n", secret.encode())).unwrap();
-    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-    let hosts = format!("[[host]]\nid = \"legit\"\nnqn = \"{LEGIT_NQN}\"\ndhchap_key_file = \"{}\"\n", key.display());
+    let (secret, hosts) = legit_dhchap_host(dir.path());
     let extra = "max_controllers = 16\nmax_anonymous_controllers = 4";
     let t = TargetProcess::start(&nvme_config(extra, &hosts, &vol));
     let nvme = t.nvme_tcp_addr();

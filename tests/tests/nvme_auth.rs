@@ -13,15 +13,13 @@
 //!   host did not disconnect); and the target goes on serving.
 
 use std::net::SocketAddr;
-use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
 use std::time::Duration;
 
 use rdmablk_common::nvme::auth::{explanation, DhGroup, HashId, Message, Reply, Secret};
 use rdmablk_common::nvme::fabrics::ANY_CONTROLLER;
 use rdmablk_common::nvme::status::Status;
 use rdmablk_common::nvme::tcp::Digests;
-use rdmablk_system_tests::nvme_tcp::{connect_data, connect_entry, HostAuth, NvmeTcpConn};
+use rdmablk_system_tests::nvme_tcp::{connect_data, connect_entry, write_dhchap_secret, HostAuth, NvmeTcpConn};
 use rdmablk_system_tests::{file_volume, listen_host, sample, scrape, TargetProcess};
 
 const SUBNQN: &str = "nqn.2026-12.io.rdmablk.test:auth";
@@ -38,13 +36,6 @@ struct Env {
     _dir: tempfile::TempDir,
 }
 
-fn write_secret(dir: &Path, name: &str, s: &Secret) -> std::path::PathBuf {
-    let p = dir.join(name);
-    std::fs::write(&p, format!("{}\n", s.encode())).unwrap();
-    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
-    p
-}
-
 /// A daemon whose one host must authenticate with SHA-256-transformed
 /// secrets, the target choosing SHA-384 and `dhgroup`; `handshake_timeout`
 /// 2 s unless `extra` sets it.
@@ -53,8 +44,8 @@ fn start(dhgroup: &str, extra: &str) -> Env {
     let dir = tempfile::tempdir().unwrap();
     let host = Secret::generate(Some(HashId::Sha256));
     let ctrl = Secret::generate(None);
-    let hk = write_secret(dir.path(), "host.key", &host);
-    let ck = write_secret(dir.path(), "ctrl.key", &ctrl);
+    let hk = write_dhchap_secret(dir.path(), "host.key", &host);
+    let ck = write_dhchap_secret(dir.path(), "ctrl.key", &ctrl);
     let img = dir.path().join("vol.img");
     let h = listen_host();
     let h = if h.contains(':') { format!("[{h}]") } else { h };

@@ -15,8 +15,8 @@ use rdmablk_common::protocol::{BlockCount, CommandCapsule, CommandId, Lba, Opcod
 use rdmablk_initiator::{ConnectOptions, Session};
 use rdmablk_system_tests::raw::{io_command, RawQueue};
 use rdmablk_system_tests::{
-    file_bytes, file_volume, legit_io, open_fds, rss_bytes, sample, scrape, sparse_file, wait_until, wire, TargetProcess, WireConn,
-    WireEvent,
+    file_bytes, file_volume, legit_io, open_fds, pool_use, rss_bytes, sample, scrape, sparse_file, wait_until, wire, TargetProcess,
+    WireConn, WireEvent,
 };
 
 const MIB: u64 = 1 << 20;
@@ -59,18 +59,6 @@ fn legit_client_within(url: &str, limit: Duration) -> Result<Duration, String> {
     }
 }
 
-/// Per reactor: (pool chunks in use, commands waiting for a chunk).
-fn pool(t: &TargetProcess) -> Vec<(u64, u64)> {
-    let m = scrape(&t.metrics_addr());
-    (0..2)
-        .map(|r| {
-            let r = r.to_string();
-            let get = |name| sample(&m, name, &[("reactor", &r)]).unwrap_or_else(|| panic!("metric {name} missing")) as u64;
-            (get("rdmablk_buffer_pool_chunks_in_use"), get("rdmablk_buffer_pool_waiting_commands"))
-        })
-        .collect()
-}
-
 fn sessions(t: &TargetProcess) -> f64 {
     sample(&scrape(&t.metrics_addr()), "rdmablk_sessions_connected", &[]).expect("rdmablk_sessions_connected")
 }
@@ -105,14 +93,14 @@ fn attack(t: &TargetProcess, source: std::net::Ipv4Addr) -> Vec<WireConn> {
     let held: Vec<WireConn> = (0..ATTACKERS).map(|i| reader_that_stops_reading(&t.url, source, i)).collect();
     let posted = (ATTACKERS as u32 * DEPTH) as u64;
     wait_until("the attack's READs hold chunks or wait", Duration::from_secs(10), || {
-        let p = pool(t);
+        let p = pool_use(t, 2);
         // A READ holds at most 8 chunks of 128 KiB.
         p.iter().map(|&(used, waiting)| used.div_ceil(8) + waiting).sum::<u64>() >= posted - 2
     });
     eprintln!(
         "{ATTACKERS} connections from {source} posted {posted} 1 MiB READs in {:?}: (chunks in use, commands waiting) per reactor {:?}, of 512 chunks each",
         t0.elapsed(),
-        pool(t)
+        pool_use(t, 2)
     );
     held
 }
@@ -136,7 +124,7 @@ fn readers_that_stop_reading_do_not_hold_the_whole_pool() {
     let took = legit_client_within(&t.url, Duration::from_secs(5));
     let since_attack = attack_start.elapsed();
     let (fds_during, rss_during) = (open_fds(pid), rss_bytes(pid));
-    let still = pool(&t);
+    let still = pool_use(&t, 2);
     eprintln!(
         "the legitimate initiator (list, 1 MiB write and read back): {took:?}, done {since_attack:?} after the attack started; pool then {still:?}; daemon fds {fds_base} -> {fds_during}, RSS {} KiB -> {} KiB",
         rss_base / 1024,
@@ -152,7 +140,7 @@ fn readers_that_stop_reading_do_not_hold_the_whole_pool() {
     // When the attack ends, what it took comes back.
     drop(held);
     wait_until("the attack's descriptors are gone", Duration::from_secs(15), || open_fds(pid) <= fds_base + 2);
-    wait_until("the attack's chunks are back", Duration::from_secs(15), || pool(&t).iter().all(|&p| p == (0, 0)));
+    wait_until("the attack's chunks are back", Duration::from_secs(15), || pool_use(&t, 2).iter().all(|&p| p == (0, 0)));
     let (fds_after, rss_after) = (open_fds(pid), rss_bytes(pid));
     eprintln!("after the attack: daemon fds {fds_after} (base {fds_base}), RSS {} KiB (base {} KiB)", rss_after / 1024, rss_base / 1024);
     assert!(rss_after <= rss_base + 8 * MIB, "daemon RSS {} KiB after the attack, {} KiB before", rss_after / 1024, rss_base / 1024);
@@ -177,7 +165,7 @@ fn a_held_attack_loses_its_chunks_at_the_transport_timeout() {
     // nothing (the first deadline only takes a mark of its progress), plus
     // slack for a loaded machine.
     let took = wait_until("the attackers' chunks are back while they hold their sockets", Duration::from_secs(10), || {
-        pool(&t).iter().all(|&p| p == (0, 0))
+        pool_use(&t, 2).iter().all(|&p| p == (0, 0))
     });
     eprintln!("the held attack's chunks were back {:?} after it started ({took:?} of waiting)", t0.elapsed());
     assert_eq!(sessions(&t), 0.0, "the attackers' sessions ended");
