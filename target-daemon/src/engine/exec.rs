@@ -960,10 +960,7 @@ impl Executor {
         let sweep = (!self.waitq.is_empty())
             .then(|| self.waitq_oldest.map(|oldest| (oldest + self.chunk_wait_timeout).max(self.chunk_sweep_after)))
             .flatten();
-        match (sweep, self.readahead.next_deadline()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [sweep, self.readahead.next_deadline()].into_iter().flatten().min()
     }
 
     /// Deadlines due at `now` (the turn's start is clock enough: seconds).

@@ -806,10 +806,7 @@ impl Queue {
     /// the transport tries either again each turn ([`Queue::retry_connect`]).
     pub fn connect_deadline(&self) -> Option<Instant> {
         let auth = self.held_auth.and(self.auth.as_ref()).map(|a| a.due);
-        match (self.held_connect.as_ref().map(|h| h.deadline), auth) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [self.held_connect.as_ref().map(|h| h.deadline), auth].into_iter().flatten().min()
     }
 
     /// Tries a held Connect again (each turn of the transport): answered

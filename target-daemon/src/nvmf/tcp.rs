@@ -679,10 +679,7 @@ impl NvmeTcp {
             return c.close_due.or(Some(Instant::now()));
         }
         let stalled = c.tx_stalled_since.map(|since| since + c.q.sub.cfg.transport_timeout);
-        match (c.q.deadline(), stalled) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [c.q.deadline(), stalled].into_iter().flatten().min()
     }
 }
 
