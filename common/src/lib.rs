@@ -8,6 +8,8 @@
 pub mod auth;
 pub mod fabric;
 pub mod keymap;
+#[cfg(feature = "logging")]
+pub mod logging;
 pub mod notify;
 pub mod nvme;
 pub mod protocol;

@@ -116,6 +116,10 @@ pub struct Cli {
     /// Progress on standard error for read and write
     #[arg(long, value_enum, value_name = "WHEN", default_value_t, global = true)]
     pub progress: ProgressMode,
+    /// Log lines on standard error: text or json [default: $RDMABLK_LOG_FORMAT or text]; the filter is
+    /// RUST_LOG (or RDMABLK_LOG)
+    #[arg(long, value_enum, value_name = "FORMAT", global = true)]
+    pub log_format: Option<rdmablk_common::logging::LogFormat>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -327,49 +331,18 @@ where
     }
 }
 
-/// Logging on standard error. `RDMABLK_LOG` (a filter: `debug`,
-/// `rdmablk_initiator=trace`) logs what it names; without it `nbd`, a
-/// server, logs at info level, and the other commands print only the
-/// reconnection's progress (`rdmablk: tcp://H:P: connection lost,
-/// reconnecting (up to 60 s): ...`, each attempt, the outcome), as the
-/// kernel's NVMe host does, so a failing command otherwise prints one line.
+/// Logging on standard error (rdmablk_common::logging). `RUST_LOG` (or
+/// `RDMABLK_LOG`; a filter: `debug`, `rdmablk_initiator=trace`) logs what it
+/// names; without either `nbd`, a server, logs at info level, and the other
+/// commands print only the reconnection's progress (`rdmablk: tcp://H:P:
+/// connection lost, reconnecting (up to 60 s): ...`, each attempt, the
+/// outcome), as the kernel's NVMe host does, so a failing command otherwise
+/// prints one line.
 fn init_logging(cli: &Cli) {
-    let env = std::env::var("RDMABLK_LOG").ok();
-    if env.is_some() || matches!(cli.command, Command::Nbd { .. }) {
-        let filter = env.unwrap_or_else(|| "info".to_owned());
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-            .with_writer(std::io::stderr)
-            .with_ansi(std::io::stderr().is_terminal())
-            .try_init();
-        return;
-    }
-    let filter = format!("off,{}=info", crate::shared::RECONNECT_LOG);
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
-        .event_format(CliLine)
-        .try_init();
-}
-
-/// A log line of the CLI: `rdmablk: MESSAGE`, like its error line.
-struct CliLine;
-
-impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for CliLine
-where
-    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
-    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
-{
-    fn format_event(
-        &self,
-        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
-        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
-        event: &tracing::Event<'_>,
-    ) -> std::fmt::Result {
-        write!(writer, "rdmablk: ")?;
-        ctx.field_format().format_fields(writer.by_ref(), event)?;
-        writeln!(writer)
-    }
+    let reconnect_only = format!("off,{}=info", crate::shared::RECONNECT_LOG);
+    let nbd = matches!(cli.command, Command::Nbd { .. });
+    let default = if nbd { "info" } else { reconnect_only.as_str() };
+    rdmablk_common::logging::Logging::new("rdmablk", default).format(cli.log_format).terse_default(!nbd).init();
 }
 
 /// Condenses a clap error to one line, without the usage and tips.

@@ -9,19 +9,12 @@
 //! invalid configuration or a volume that disagrees with it (clap's usage
 //! errors are 2 as well), 1 for anything else.
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
+use rdmablk_common::logging::{LogFormat, Logging};
 use rdmablk_target::Config;
-use tracing_subscriber::EnvFilter;
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
-}
 
 /// Remote block storage target (NVMe-oF/RDMA style, direct data placement).
 /// SIGHUP reloads the configuration; SIGTERM stops cleanly.
@@ -34,22 +27,15 @@ struct Args {
     /// Validate the configuration and the volumes, print what would be served, and exit.
     #[arg(long)]
     check: bool,
-    /// Log format on stderr; the level comes from RUST_LOG (default: info).
-    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
-    log_format: LogFormat,
+    /// Log format on stderr [default: $RDMABLK_LOG_FORMAT or text]. The filter comes from RUST_LOG (or
+    /// RDMABLK_LOG; default: info); under systemd lines carry journald priorities.
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    log_format: Option<LogFormat>,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
-    match args.log_format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
+    Logging::new("rdmablk-target", "info").format(args.log_format).init();
 
     let result = Config::load(&args.config).and_then(|config| {
         if args.check {
