@@ -11,6 +11,15 @@
 //! that took at most 2^k microseconds (1 µs .. 2^26 µs ≈ 67 s), plus one
 //! overflow bucket. Latency runs from the receive completion of the command
 //! capsule to the moment its response is posted.
+//!
+//! No label takes a new value per session, connection or controller (ids,
+//! peer ports): a series per session would grow the scraper's database with
+//! every reconnect. Labels name volumes, reactors, opcodes, reasons and host
+//! ids, the last capped at [`MAX_HOST_LABELS`] per scrape.
+
+mod process;
+
+pub use process::ProcessStats;
 
 use std::fmt::Write as _;
 use std::io::{self, Read, Write};
@@ -363,7 +372,7 @@ pub struct VolumeView<'a> {
 
 /// A session as the scrape sees it.
 pub struct SessionView {
-    pub id: u64,
+    /// The host id it connected with.
     pub host: String,
     /// Queue pairs of the session per reactor.
     pub queue_pairs: Vec<(usize, u32)>,
@@ -385,6 +394,39 @@ pub struct Scrape<'a> {
     pub nvme: Option<(&'a NvmeStats, usize)>,
 }
 
+/// What `rdmablk_build_info` reports: this crate's version, the commit and
+/// the compiler it was built from (build.rs; `unknown` when there was no
+/// git to ask).
+pub const BUILD_VERSION: &str = env!("CARGO_PKG_VERSION");
+pub const BUILD_GIT_COMMIT: &str = env!("RDMABLK_GIT_COMMIT");
+pub const BUILD_RUSTC_VERSION: &str = env!("RDMABLK_RUSTC_VERSION");
+
+/// Most host ids a scrape names in `rdmablk_host_*`: a host id is what the
+/// initiator says it is, so anonymous peers could make up a new one per
+/// session. The hosts with the most queue pairs keep their names; the rest
+/// are summed under [`OTHER_HOSTS`].
+pub const MAX_HOST_LABELS: usize = 64;
+/// The `host` label of the hosts past [`MAX_HOST_LABELS`].
+pub const OTHER_HOSTS: &str = "(other)";
+
+/// Sessions and queue pairs per host id: the `MAX_HOST_LABELS` hosts with
+/// the most queue pairs (ties by name), then the rest as [`OTHER_HOSTS`].
+fn per_host(sessions: &[SessionView]) -> Vec<(&str, u64, u64)> {
+    let mut hosts = std::collections::BTreeMap::<&str, (u64, u64)>::new();
+    for sess in sessions {
+        let h = hosts.entry(sess.host.as_str()).or_default();
+        h.0 += 1;
+        h.1 += sess.queue_pairs.iter().map(|&(_, n)| n as u64).sum::<u64>();
+    }
+    let mut hosts: Vec<(&str, u64, u64)> = hosts.into_iter().map(|(h, (s, q))| (h, s, q)).collect();
+    hosts.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(b.0)));
+    if hosts.len() > MAX_HOST_LABELS {
+        let (s, q) = hosts.drain(MAX_HOST_LABELS..).fold((0, 0), |(s, q), h| (s + h.1, q + h.2));
+        hosts.push((OTHER_HOSTS, s, q));
+    }
+    hosts
+}
+
 /// Escapes a label value.
 fn esc(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
@@ -400,6 +442,17 @@ pub fn render(s: &Scrape<'_>) -> String {
     let mut out = String::with_capacity(16 << 10);
     header(&mut out, "rdmablk_target_info", "gauge", "Constant 1, labelled with the target name.");
     let _ = writeln!(out, "rdmablk_target_info{{target=\"{}\"}} 1", esc(s.target));
+    header(&mut out, "rdmablk_build_info", "gauge", "Constant 1, labelled with the version, git commit and rustc version the target was built from.");
+    let _ = writeln!(
+        out,
+        "rdmablk_build_info{{version=\"{}\",git_commit=\"{}\",rustc=\"{}\"}} 1",
+        esc(BUILD_VERSION),
+        esc(BUILD_GIT_COMMIT),
+        esc(BUILD_RUSTC_VERSION)
+    );
+    if let Ok(p) = ProcessStats::read() {
+        render_process(&mut out, &p);
+    }
     header(&mut out, "rdmablk_uptime_seconds", "gauge", "Seconds since the target started.");
     let _ = writeln!(out, "rdmablk_uptime_seconds {:.3}", s.uptime.as_secs_f64());
     header(&mut out, "rdmablk_reloads_total", "counter", "Configuration reloads (SIGHUP), by result.");
@@ -507,16 +560,14 @@ pub fn render(s: &Scrape<'_>) -> String {
     }
     header(&mut out, "rdmablk_sessions_connected", "gauge", "Sessions with at least one connected queue pair.");
     let _ = writeln!(out, "rdmablk_sessions_connected {}", s.sessions.len());
-    header(&mut out, "rdmablk_session_queue_pairs", "gauge", "Queue pairs of each session, per reactor that serves them.");
-    for sess in &s.sessions {
-        for &(r, n) in &sess.queue_pairs {
-            let _ = writeln!(
-                out,
-                "rdmablk_session_queue_pairs{{session=\"{:#018x}\",host=\"{}\",reactor=\"{r}\"}} {n}",
-                sess.id,
-                esc(&sess.host)
-            );
-        }
+    let hosts = per_host(&s.sessions);
+    header(&mut out, "rdmablk_host_sessions", "gauge", "Sessions connected, per host id (past 64 hosts, the fewest queue pairs as host=\"(other)\").");
+    for (host, sessions, _) in &hosts {
+        let _ = writeln!(out, "rdmablk_host_sessions{{host=\"{}\"}} {sessions}", esc(host));
+    }
+    header(&mut out, "rdmablk_host_queue_pairs", "gauge", "Queue pairs of the sessions of each host id (past 64 hosts, the fewest as host=\"(other)\").");
+    for (host, _, qps) in &hosts {
+        let _ = writeln!(out, "rdmablk_host_queue_pairs{{host=\"{}\"}} {qps}", esc(host));
     }
     if let Some(l) = s.limits {
         let get = |c: &std::sync::atomic::AtomicU64| c.load(Relaxed);
@@ -615,6 +666,24 @@ pub fn render(s: &Scrape<'_>) -> String {
         let _ = writeln!(out, "rdmablk_reactor_cpu_seconds_total{{reactor=\"{i}\",cpu=\"{pinned}\"}} {secs:.3}");
     }
     out
+}
+
+/// The `process_*` metrics, named and described as the Prometheus client
+/// libraries do.
+fn render_process(out: &mut String, p: &ProcessStats) {
+    header(out, "process_start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.");
+    let _ = writeln!(out, "process_start_time_seconds {:.2}", p.start_time_seconds);
+    header(out, "process_cpu_seconds_total", "counter", "Total user and system CPU time spent in seconds.");
+    let _ = writeln!(out, "process_cpu_seconds_total {:.2}", p.cpu_seconds);
+    header(out, "process_resident_memory_bytes", "gauge", "Resident memory size in bytes.");
+    let _ = writeln!(out, "process_resident_memory_bytes {}", p.resident_bytes);
+    header(out, "process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.");
+    let _ = writeln!(out, "process_virtual_memory_bytes {}", p.virtual_bytes);
+    header(out, "process_open_fds", "gauge", "Number of open file descriptors.");
+    let _ = writeln!(out, "process_open_fds {}", p.open_fds);
+    header(out, "process_max_fds", "gauge", "Maximum number of open file descriptors.");
+    // Prometheus spells an unlimited maximum +Inf.
+    let _ = writeln!(out, "process_max_fds {}", p.max_fds.map_or("+Inf".to_owned(), |m| m.to_string()));
 }
 
 // ---------------------------------------------------------------------------
@@ -905,7 +974,11 @@ mod tests {
             volumes: vec![VolumeView { name: "v0", backend: "memory", read_only: false, size: 1 << 20, stats: &vs }],
             reactors: &reactors,
             chunk_size: 4096,
-            sessions: vec![SessionView { id: 0xab, host: "h".into(), queue_pairs: vec![(0, 2)] }],
+            sessions: vec![
+                SessionView { host: "h".into(), queue_pairs: vec![(0, 2)] },
+                SessionView { host: "h".into(), queue_pairs: vec![(0, 1), (1, 1)] },
+                SessionView { host: "g".into(), queue_pairs: vec![(1, 1)] },
+            ],
             reloads_ok: 1,
             reloads_failed: 0,
             limits: Some(&limits),
@@ -926,7 +999,14 @@ mod tests {
         assert!(text.contains("rdmablk_volume_latency_seconds_bucket{volume=\"v0\",op=\"write\",le=\"0.000004\"} 1"));
         assert!(text.contains("rdmablk_volume_latency_seconds_bucket{volume=\"v0\",op=\"write\",le=\"0.000002\"} 0"));
         assert!(text.contains("rdmablk_volume_latency_seconds_count{volume=\"v0\",op=\"write\"} 1"));
-        assert!(text.contains("rdmablk_session_queue_pairs{session=\"0x00000000000000ab\",host=\"h\",reactor=\"0\"} 2"));
+        assert!(text.contains("rdmablk_sessions_connected 3\n"), "{text}");
+        assert!(text.contains("rdmablk_host_sessions{host=\"h\"} 2\n"), "{text}");
+        assert!(text.contains("rdmablk_host_queue_pairs{host=\"h\"} 4\n"), "{text}");
+        assert!(text.contains("rdmablk_host_queue_pairs{host=\"g\"} 1\n"), "{text}");
+        assert!(!text.contains("session="), "{text}");
+        assert!(text.contains(&format!("rdmablk_build_info{{version=\"{BUILD_VERSION}\",git_commit=\"{BUILD_GIT_COMMIT}\",")), "{text}");
+        assert!(text.contains("\nprocess_open_fds "), "{text}");
+        assert!(text.contains("# TYPE process_cpu_seconds_total counter\n"), "{text}");
         assert!(text.contains("rdmablk_queue_pairs_connected 2"));
         assert!(text.contains("rdmablk_chunk_wait_timeouts_total{reactor=\"0\"} 3"), "{text}");
         assert!(text.contains("rdmablk_readahead_hits_total{reactor=\"0\"} 5"), "{text}");
@@ -935,6 +1015,36 @@ mod tests {
             let v = line.rsplit(' ').next().unwrap();
             assert!(v.parse::<f64>().is_ok(), "{line}");
         }
+    }
+
+    #[test]
+    fn hosts_past_the_cap_are_summed_as_other() {
+        // 100 hosts with 1..=100 queue pairs, one session each, and a second
+        // session of host-099.
+        let mut sessions: Vec<SessionView> =
+            (0..100).map(|i| SessionView { host: format!("host-{i:03}"), queue_pairs: vec![(0, i + 1)] }).collect();
+        sessions.push(SessionView { host: "host-099".into(), queue_pairs: vec![(1, 3)] });
+        let hosts = per_host(&sessions);
+        assert_eq!(hosts.len(), MAX_HOST_LABELS + 1);
+        assert_eq!(hosts[0], ("host-099", 2, 103));
+        assert_eq!(hosts[1], ("host-098", 1, 99));
+        // Named: host-099 ..= host-036; summed: host-000 ..= host-035, 1 + ... + 36 queue pairs.
+        assert_eq!(hosts[MAX_HOST_LABELS - 1], ("host-036", 1, 37));
+        assert_eq!(hosts[MAX_HOST_LABELS], (OTHER_HOSTS, 36, 36 * 37 / 2));
+        assert_eq!(hosts.iter().map(|h| h.1).sum::<u64>(), 101);
+        // Under the cap nothing is summed.
+        assert_eq!(per_host(&sessions[..3]).iter().map(|h| h.0).collect::<Vec<_>>(), ["host-002", "host-001", "host-000"]);
+    }
+
+    #[test]
+    fn build_info_names_a_version_commit_and_compiler() {
+        assert_eq!(BUILD_VERSION, env!("CARGO_PKG_VERSION"));
+        assert!(
+            BUILD_GIT_COMMIT == "unknown" || (BUILD_GIT_COMMIT.len() == 40 && BUILD_GIT_COMMIT.bytes().all(|b| b.is_ascii_hexdigit())),
+            "{BUILD_GIT_COMMIT}"
+        );
+        // "1.95.0", "1.96.0-nightly"
+        assert!(BUILD_RUSTC_VERSION.split('.').take(2).all(|p| p.parse::<u32>().is_ok()), "{BUILD_RUSTC_VERSION}");
     }
 
     #[test]

@@ -758,7 +758,7 @@ impl ControlThread {
             chunk_size: self.running.chunk_size as u64,
             sessions: sessions
                 .into_iter()
-                .map(|s| metrics::SessionView { id: s.id.0, host: s.host_id, queue_pairs: s.queue_pairs })
+                .map(|s| metrics::SessionView { host: s.host_id, queue_pairs: s.queue_pairs })
                 .collect(),
             reloads_ok: self.reloads_ok,
             reloads_failed: self.reloads_failed,
