@@ -36,6 +36,7 @@ pub mod engine;
 pub mod job;
 pub mod jobfile;
 pub mod options;
+pub mod plot;
 pub mod progress;
 pub mod report;
 pub mod stats;
