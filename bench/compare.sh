@@ -169,7 +169,7 @@ trap cleanup EXIT
 
 # --- the guest's idle polling ----------------------------------------------------
 # How a halted vCPU is woken costs a VM exit and a host wake-up; it is the
-# largest cost of every sleeping row on such a machine (BENCHMARKS.md).
+# largest cost of every sleeping row on such a machine (docs/perf-log/what-moved-the-numbers.md).
 if [ -n "$HALT_POLL_SET" ]; then
     [ -w "$HALT_POLL_PARAM" ] || { echo "compare.sh: --guest-halt-poll needs the haltpoll cpuidle driver and root ($HALT_POLL_PARAM)" >&2; exit 1; }
     HALT_POLL_OLD=$(cat "$HALT_POLL_PARAM")
@@ -258,7 +258,7 @@ log "starting nbdkit file on nbd://127.0.0.1:$NBD_PORT"
 # nbdkit file reads through the page cache. cache=none evicts what a read
 # asked for, not what the kernel's readahead brought in ahead of it, so a
 # sequential run that wraps around the file reads the disk once and memory
-# afterwards (BENCHMARKS.md, "The peer read from memory"). Its page cache is
+# afterwards (docs/perf-log/issue-20-looks.md, "The peer read from memory"). Its page cache is
 # therefore held, in a memory cgroup, to the buffer memory rdmablk-target
 # has: its pools, DEFAULT_BUFFER_POOL (64 MiB) per reactor, one reactor per
 # CPU. The "disk / served" column shows what each row read from the disk.

@@ -10,7 +10,7 @@
 # each. Prints each run's p50 (`lat`, as compare.sh) and then, per system
 # and placement, the median and range, and rdmablk's distance to the bound.
 # Uses the release binaries in target/release; needs a disk interrupt to go
-# by and two CPUs. BENCHMARKS.md, "Issue 20, fourteenth look", is its first
+# by and two CPUs. docs/perf-log/issue-20-looks.md, "Issue 20, fourteenth look", is its first
 # use.
 #
 # usage: bench/placement.sh [--rounds N] [--runtime S] [--file PATH]

@@ -6,7 +6,7 @@
 //! window, the peer's RDMA WRITE looks it up, the SEND with Invalidate and
 //! the window's drop remove it; a disk operation finds its volume's fixed
 //! file), and std's SipHash cost about 100 instructions a lookup, 9 % of an
-//! initiator's instructions per 4 KiB read (callgrind, BENCHMARKS.md "Issue
+//! initiator's instructions per 4 KiB read (callgrind, docs/perf-log/issue-20-looks.md "Issue
 //! 20, seventh look"). SipHash defends a table against keys an attacker
 //! chooses to insert; here this process draws every inserted key itself (at
 //! random, or in sequence), and a peer's key is only ever looked up, which

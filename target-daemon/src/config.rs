@@ -217,7 +217,7 @@ pub struct TargetConfig {
     /// peers' packets: unpinned, the scheduler runs it where the waker ran
     /// (wake-affine), instead of paying a cross-CPU wake-up for each. On the
     /// benchmark machine that was 82–94 µs against 103–115 µs p50 at QD1 on
-    /// a file, and no row was slower (BENCHMARKS.md, "Sleeping reactors
+    /// a file, and no row was slower (docs/perf-log/issue-20-looks.md, "Sleeping reactors
     /// unpinned").
     pub pin_reactors: bool,
     /// How long an idle reactor keeps polling before it sleeps (0: sleeps

@@ -87,7 +87,7 @@ impl AlignedBuf {
     /// as one segment per page, and a virtio disk then serves a 128 KiB
     /// read as 32 pieces; measured on this project's VM, 128 KiB sequential
     /// reads at QD16 into registered buffers ran at 600–800 MiB/s with 4
-    /// KiB pages and 2.4–2.5 GB/s with huge pages (BENCHMARKS.md, "Huge
+    /// KiB pages and 2.4–2.5 GB/s with huge pages (docs/perf-log/issue-20-looks.md, "Huge
     /// pages under the pool"). Where THP is off (`never`) this is
     /// [`AlignedBuf::new`] with a larger alignment.
     pub fn new_huge_backed(len: usize) -> Self {

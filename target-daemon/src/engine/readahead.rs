@@ -149,7 +149,7 @@ struct VolumeReadahead {
     /// offset with all of them (a random one matches none), so they sit
     /// apart from the streams: two cache lines with `last_read` rather
     /// than the whole table, which a reactor back from a disk wait finds
-    /// cold (BENCHMARKS.md, "Issue 20, fifteenth look").
+    /// cold (docs/perf-log/issue-20-looks.md, "Issue 20, fifteenth look").
     expected: [u64; STREAMS],
     /// The volume's READ count at each stream's last READ (0: unused):
     /// the least recent stream gives way to a new one.

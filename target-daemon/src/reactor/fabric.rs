@@ -35,7 +35,7 @@ pub const CQ_ENTRIES_PER_DEPTH: u32 = 4;
 /// since only costs that wake-up): with a 1 ms hold that was a
 /// `timerfd_settime` of about 10 µs (a VM exit to reprogram the timer) ahead
 /// of the disk read on one in eight I/Os at file QD1, and a wake-up per
-/// millisecond (BENCHMARKS.md, "Issue 20, tenth look").
+/// millisecond (docs/perf-log/issue-20-looks.md, "Issue 20, tenth look").
 pub const ACK_HOLD: Duration = Duration::from_millis(20);
 
 /// The epoll token of completion queue `ci` of fabric `fi` (below

@@ -679,7 +679,7 @@ impl Reactor {
     /// command's arrival then wakes the reactor straight from the epoll
     /// set instead of through a poll request and its task work, which the
     /// sender pays for on loopback (about 1.5 us of `lat` per I/O at QD1
-    /// on the null volume: BENCHMARKS.md, "Issue 20, sixth look"). A wake
+    /// on the null volume: docs/perf-log/issue-20-looks.md, "Issue 20, sixth look"). A wake
     /// poll still armed from a sleep in the ring (the file volume at QD1:
     /// the reactor slept for the disk, answered, and has nothing in
     /// flight) is withdrawn first, one `io_uring_enter` after the answer
