@@ -9,7 +9,7 @@
 //! rdmablk --target URL flush VOL
 //! rdmablk --target URL discard VOL --offset N --length N
 //! rdmablk --target URL write-zeroes VOL --offset N --length N
-//! rdmablk --target URL nbd VOL (--socket PATH | --listen 127.0.0.1:PORT) [--queues N]
+//! rdmablk --target URL nbd VOL (--socket PATH | --listen 127.0.0.1:PORT) [--queues N] [--handshake-timeout 30s]
 //! ```
 //!
 //! Sizes take suffixes (`4k`, `1MiB`, binary multiples). Errors print one
@@ -208,11 +208,13 @@ pub enum Command {
     /// Serve a volume as an NBD export (fixed newstyle) until SIGINT or SIGTERM (a second one
     /// gives up waiting for requests in flight and the final flush); prints its URI on standard
     /// output when ready
+    // One of --socket and --listen: a group, so that the error without either names both.
+    #[command(group = clap::ArgGroup::new("address").required(true).args(["socket", "listen"]))]
     Nbd {
         /// Volume name (also the export name; the empty default name selects it too)
         volume: String,
         /// Listen on a unix socket at PATH (a stale socket is replaced, any other file refused)
-        #[arg(long, value_name = "PATH", required_unless_present = "listen", conflicts_with = "listen")]
+        #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
         /// Listen on a TCP address, e.g. 127.0.0.1:10809 (NBD has no authentication)
         #[arg(long, value_name = "ADDR:PORT")]
@@ -220,6 +222,9 @@ pub enum Command {
         /// Queue pairs of the session, shared round-robin by the NBD connections (default: one per CPU)
         #[arg(long, value_name = "N")]
         queues: Option<usize>,
+        /// How long a client may take to negotiate, from connecting to choosing the export
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "30s")]
+        handshake_timeout: Duration,
     },
     // ublk: rdmablk attach / detach (initiator/src/ublk/).
     /// Serve a volume as a kernel block device, /dev/ublkbN (ublk; root, modprobe ublk_drv),
@@ -562,8 +567,8 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
         rdmablk_common::auth::generate_key_file(path).map_err(|e| Error::invalid(e.to_string()))?;
         return writeln!(out, "wrote a new key to {} (mode 0600)", path.display()).map_err(write_err);
     }
-    if let Command::Nbd { volume, socket, listen, queues } = &cli.command {
-        return serve_nbd(cli, volume, socket.as_deref(), *listen, *queues, out);
+    if let Command::Nbd { volume, socket, listen, queues, handshake_timeout } = &cli.command {
+        return serve_nbd(cli, volume, socket.as_deref(), *listen, *queues, *handshake_timeout, out);
     }
     // ublk: rdmablk attach / detach.
     if let Command::Attach { volume, queues, depth, config, check } = &cli.command {
@@ -722,6 +727,7 @@ fn serve_nbd(
     socket: Option<&std::path::Path>,
     listen: Option<std::net::SocketAddr>,
     queues: Option<usize>,
+    handshake_timeout: Duration,
     out: &mut dyn Write,
 ) -> Result<()> {
     use crate::nbd::{Listen, Server, StopSignals};
@@ -738,7 +744,7 @@ fn serve_nbd(
         (None, Some(addr)) => Listen::Tcp(addr),
         (None, None) => return Err(Error::invalid("give --socket PATH or --listen ADDR:PORT")),
     };
-    let server = Server::bind(&session, vol, &listen)?;
+    let server = Server::bind(&session, vol, &listen)?.with_handshake_timeout(handshake_timeout);
     signals.stop_on_signal(server.stopper()).map_err(|e| Error::io("starting the signal thread", e))?;
     writeln!(out, "{}", server.uri()).and_then(|()| out.flush()).map_err(|e| Error::io("writing the output", e))?;
     server.run()
@@ -1087,19 +1093,29 @@ mod tests {
         let c = parse(&["-t", "tcp://h:1", "nbd", "v", "--socket", "/run/v.sock"]).unwrap();
         assert_eq!(
             c.command,
-            Command::Nbd { volume: "v".into(), socket: Some("/run/v.sock".into()), listen: None, queues: None }
+            Command::Nbd {
+                volume: "v".into(),
+                socket: Some("/run/v.sock".into()),
+                listen: None,
+                queues: None,
+                handshake_timeout: Duration::from_secs(30)
+            }
         );
-        let c = parse(&["-t", "tcp://h:1", "nbd", "v", "--listen", "127.0.0.1:10809", "--queues", "4"]).unwrap();
+        let c = parse(&["-t", "tcp://h:1", "nbd", "v", "--listen", "127.0.0.1:10809", "--queues", "4", "--handshake-timeout", "5s"])
+            .unwrap();
         assert_eq!(
             c.command,
             Command::Nbd {
                 volume: "v".into(),
                 socket: None,
                 listen: Some("127.0.0.1:10809".parse().unwrap()),
-                queues: Some(4)
+                queues: Some(4),
+                handshake_timeout: Duration::from_secs(5)
             }
         );
-        assert!(parse(&["-t", "tcp://h:1", "nbd", "v"]).is_err(), "a socket or an address is required");
+        let e = parse(&["-t", "tcp://h:1", "nbd", "v"]).expect_err("a socket or an address is required");
+        let e = clap_one_line(&e);
+        assert!(e.contains("--socket") && e.contains("--listen"), "{e}");
         assert!(parse(&["-t", "tcp://h:1", "nbd", "v", "--socket", "/s", "--listen", "127.0.0.1:1"]).is_err());
         let c = parse(&["keygen", "/tmp/h.key"]).unwrap();
         assert_eq!(c.command, Command::Keygen { path: "/tmp/h.key".into() });

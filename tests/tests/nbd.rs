@@ -711,6 +711,18 @@ fn requests_of_one_connection_are_in_flight_together_and_sigterm_answers_them_th
 
 #[test]
 fn a_second_sigterm_gives_up_the_final_flush_of_a_lost_target_and_exits_non_zero() {
+    a_second_signal_gives_up_the_final_flush_of_a_lost_target(libc::SIGTERM, "SIGTERM");
+}
+
+#[test]
+fn a_sigint_after_sigterm_gives_up_the_final_flush_of_a_lost_target_too() {
+    a_second_signal_gives_up_the_final_flush_of_a_lost_target(libc::SIGINT, "SIGINT");
+}
+
+/// With the target gone, SIGTERM says at once that the final flush waits up
+/// to ctrl_loss_timeout and that a second signal ends it; `second` then ends
+/// the process within seconds, non-zero, saying what may be lost.
+fn a_second_signal_gives_up_the_final_flush_of_a_lost_target(second: libc::c_int, second_name: &str) {
     let mut s = setup();
     let nbd = NbdProcess::start_with(&s.target, "vol0", &s.dir.path().join("vol0.sock"), &["--ctrl-loss-timeout", "120"]);
     let mut c = Raw::connect(&nbd.socket);
@@ -722,19 +734,147 @@ fn a_second_sigterm_gives_up_the_final_flush_of_a_lost_target_and_exits_non_zero
     let pid = nbd.child.id() as i32;
     // SAFETY: kill(2) takes plain integers; the pid is our own child.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let signalled = Instant::now();
     nbd.wait_for_log("SIGTERM: stopping");
+    // At once, not when the wait is over: how long it may last and how to end it.
+    let warning = nbd.wait_for_log("the final flush wait");
+    assert!(signalled.elapsed() < Duration::from_secs(2), "the wait was announced after {:?}", signalled.elapsed());
+    for needle in ["120 s", "second SIGINT or SIGTERM", "may be lost"] {
+        assert!(warning.contains(needle), "the warning names {needle:?}: {warning}");
+    }
     // The final flush waits for the target to come back (up to 120 s).
     std::thread::sleep(Duration::from_secs(2));
     assert!(!nbd.log().contains("flushed"), "{}", nbd.log());
     // SAFETY: as above.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    assert_eq!(unsafe { libc::kill(pid, second) }, 0);
     let given_up = Instant::now();
     let socket = nbd.socket.clone();
     let (code, log) = nbd.wait();
-    assert!(given_up.elapsed() < Duration::from_secs(10), "exited {:?} after the second SIGTERM", given_up.elapsed());
+    assert!(given_up.elapsed() < Duration::from_secs(5), "exited {:?} after the {second_name}", given_up.elapsed());
     assert_eq!(code, Some(1), "exit status after giving up; log:\n{log}");
+    assert!(log.contains(&format!("{second_name} while stopping")), "the log names the second signal:\n{log}");
     assert!(log.contains("not flushed"), "the log says the volume was not flushed:\n{log}");
+    assert!(log.contains("may not be durable"), "the log says what may be lost:\n{log}");
     assert!(!socket.exists(), "the socket file was left behind");
+}
+
+#[test]
+fn nbd_without_an_address_names_both_socket_and_listen() {
+    // Refused before connecting: the target's URL needs no server.
+    let out = Command::new(bin("rdmablk")).args(["--target", "tcp://127.0.0.1:1", "nbd", "vol0"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(out.stdout.is_empty());
+    assert!(err.contains("--socket") && err.contains("--listen"), "the error names both ways to listen: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+}
+
+/// At SIGTERM, a client is pipelining 4 KiB writes (cookie i writes block i).
+/// Every request it finished sending is answered: the ones already started
+/// on the volume complete (their data is in the file), the ones the server
+/// had not started get NBD_ESHUTDOWN (and are not written); none goes
+/// unanswered, and the server exits 0, flushed.
+#[test]
+fn at_sigterm_every_request_sent_is_answered_done_or_eshutdown() {
+    let s = setup();
+    let nbd = NbdProcess::start(&s.target, "vol0", &s.dir.path().join("vol0.sock"));
+    let mut c = Raw::connect(&nbd.socket);
+    c.go("vol0");
+    let blocks = SIZE / 4096;
+    let pattern = |i: u64| (i % 251 + 1) as u8;
+    let mut w = c.s.try_clone().unwrap();
+    let writer = std::thread::spawn(move || {
+        let mut sent = 0u64;
+        for i in 0..blocks {
+            let r = Request { flags: 0, command: Cmd::Write, cookie: i, offset: i * 4096, length: 4096 };
+            // Once the server stops reading, the write fails (EPIPE): the
+            // requests before it were sent whole.
+            if w.write_all(&[&r.encode()[..], &[pattern(i); 4096][..]].concat()).is_err() {
+                break;
+            }
+            sent += 1;
+        }
+        sent
+    });
+    let mut errors = std::collections::HashMap::new();
+    let mut h = [0u8; SimpleReply::SIZE];
+    loop {
+        match c.s.read_exact(&mut h) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
+            Err(e) => panic!("reading replies: {e} after {} replies", errors.len()),
+        }
+        let r = SimpleReply::decode(&h).unwrap();
+        assert!(errors.insert(r.cookie, r.error).is_none(), "cookie {} answered twice", r.cookie);
+        if errors.len() == 300 {
+            // SAFETY: kill(2) takes plain integers; the pid is our own child.
+            assert_eq!(unsafe { libc::kill(nbd.child.id() as i32, libc::SIGTERM) }, 0);
+        }
+    }
+    let sent = writer.join().unwrap();
+    assert!(sent < blocks, "the client was still sending at SIGTERM");
+    let (code, log) = nbd.wait();
+    assert_eq!(code, Some(0), "{log}");
+    assert!(log.contains("flushed"), "{log}");
+    for cookie in 0..sent {
+        let e = errors.get(&cookie).unwrap_or_else(|| panic!("request {cookie} of {sent} sent was not answered; log:\n{log}"));
+        assert!(*e == 0 || *e == wire::NBD_ESHUTDOWN, "request {cookie}: error {e}");
+    }
+    // The request cut short by the server's stop may be answered too (it was not sent whole).
+    assert!(errors.keys().all(|&k| k <= sent), "replies to requests never sent");
+    let refused: Vec<u64> = errors.iter().filter(|(_, &e)| e == wire::NBD_ESHUTDOWN).map(|(&k, _)| k).collect();
+    assert!(!refused.is_empty(), "the requests queued at SIGTERM get NBD_ESHUTDOWN, not a late start; log:\n{log}");
+    let file = std::fs::read(&s.img).unwrap();
+    for (&cookie, &e) in &errors {
+        let block = &file[(cookie * 4096) as usize..((cookie + 1) * 4096) as usize];
+        if e == 0 {
+            assert!(block.iter().all(|&b| b == pattern(cookie)), "block {cookie} was answered done but is not in the file");
+        } else {
+            assert!(block.iter().all(|&b| b == 0), "block {cookie} was refused with NBD_ESHUTDOWN but written");
+        }
+    }
+}
+
+/// The handshake timeout bounds the whole negotiation: a client that sends
+/// an option every second, each well within it, is cut off once the
+/// negotiation has lasted that long.
+#[test]
+fn the_handshake_timeout_bounds_the_whole_negotiation() {
+    let s = setup();
+    let nbd = NbdProcess::start_with(&s.target, "vol0", &s.dir.path().join("vol0.sock"), &["--handshake-timeout", "3s"]);
+    let mut c = Raw::connect(&nbd.socket);
+    let connected = Instant::now();
+    // NBD_OPT_LIST, answered (the export, then an ACK), once a second.
+    let list = |c: &mut Raw| -> std::io::Result<()> {
+        c.s.write_all(&OptionHeader { option: wire::OPT_LIST, length: 0 }.encode())?;
+        loop {
+            let mut h = [0u8; OptionReply::SIZE];
+            c.s.read_exact(&mut h)?;
+            let r = OptionReply::decode(&h).unwrap();
+            let mut data = vec![0u8; r.length as usize];
+            c.s.read_exact(&mut data)?;
+            if r.reply == wire::REP_ACK {
+                return Ok(());
+            }
+            assert_eq!(r.reply, wire::REP_SERVER);
+        }
+    };
+    let cut_off = loop {
+        if list(&mut c).is_err() {
+            break connected.elapsed();
+        }
+        assert!(connected.elapsed() < Duration::from_secs(10), "still negotiating after {:?}", connected.elapsed());
+        std::thread::sleep(Duration::from_secs(1));
+    };
+    assert!(cut_off >= Duration::from_millis(2900), "cut off after {cut_off:?}, before the 3 s");
+    assert!(cut_off < Duration::from_secs(5), "cut off after {cut_off:?}");
+    let line = nbd.wait_for_log("closing during negotiation");
+    assert!(line.contains("3 s") && line.contains("handshake timeout"), "{line}");
+    // A client that negotiates at once is served as before.
+    let mut good = Raw::connect(&nbd.socket);
+    good.go("vol0");
+    assert_eq!(good.call(Cmd::Write, wire::CMD_FLAG_FUA, 0, 4096, &[9; 4096]).0, 0);
+    assert_eq!(nbd.stop().0, Some(0));
 }
 
 #[test]

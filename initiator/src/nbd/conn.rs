@@ -22,15 +22,30 @@
 //! (NBD_CMD_DISC, EOF, an error, a bad request, or the server stopping):
 //! the requests in flight are still answered, then a FLUSH makes the
 //! connection's writes durable if it left any unflushed.
+//!
+//! # Stopping
+//! When the server stops, the requests already submitted to the volume
+//! complete and are answered as usual: the client may be waiting on them,
+//! and a write the target is doing cannot be taken back anyway. Every
+//! request taken from the socket after that (still in the receive buffer,
+//! or waiting for a registered buffer) is not started: it is answered
+//! `NBD_ESHUTDOWN`, as the protocol asks of a server that shuts down
+//! ("the error value issued in respect of ... any subsequently received
+//! requests SHOULD be ESHUTDOWN"), a WRITE's payload read and dropped.
+//! Answering instead of closing over them tells the client which requests
+//! did not happen, and starting none keeps the stop short. The server has
+//! ended the socket's reading (`shutdown(SHUT_RD)`), so what is taken is
+//! what the client had sent before: reading ends at its end.
 
 use std::collections::BTreeMap;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::Shutdown;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::server::{Export, Stream};
-use super::wire::{self, Command, Request, SimpleReply, CMD_FLAG_FUA, CMD_FLAG_NO_HOLE};
+use super::wire::{self, Command, Request, SimpleReply, CMD_FLAG_FUA, CMD_FLAG_NO_HOLE, NBD_ESHUTDOWN};
 use super::{errno, Failure};
 use crate::buffer::IoBuffer;
 use crate::device::BlockDevice;
@@ -62,7 +77,8 @@ struct Reply {
 const WAIT_SLICE: Duration = Duration::from_millis(500);
 
 /// Serves one negotiated connection until it ends; logs how it ended.
-pub(crate) fn serve(shared: &Shared, stream: Stream, peer: &str) {
+/// `stopping`: the server's stop, after which no request is started.
+pub(crate) fn serve(shared: &Shared, stream: Stream, peer: &str, stopping: &AtomicBool) {
     let conn = Connection {
         volume: &shared.volume,
         queue: shared.session.io_queue(),
@@ -73,6 +89,8 @@ pub(crate) fn serve(shared: &Shared, stream: Stream, peer: &str) {
         replies: Vec::with_capacity(REPLIES_PER_SEND),
         unflushed: false,
         broken: false,
+        stopping,
+        shut_down: 0,
         stream: &stream,
         peer,
     };
@@ -107,6 +125,10 @@ struct Connection<'a> {
     unflushed: bool,
     /// Sending failed: nothing more is sent, and reading ends.
     broken: bool,
+    /// The server is stopping: requests taken are answered NBD_ESHUTDOWN.
+    stopping: &'a AtomicBool,
+    /// Requests answered NBD_ESHUTDOWN, for the log.
+    shut_down: u64,
     stream: &'a Stream,
     peer: &'a str,
 }
@@ -122,8 +144,10 @@ impl Connection<'_> {
         // A request whose header was read and that waits for a buffer.
         let mut stalled: Option<Request> = None;
         loop {
+            // Once stopping, a request taken is refused: it needs no room.
+            let stopping = self.stopping.load(Ordering::Acquire);
             // Every request already received, up to the queue depth.
-            while ended.is_none() && self.pending.len() < self.depth {
+            while ended.is_none() && (stopping || self.pending.len() < self.depth) {
                 let request = match stalled.take() {
                     Some(r) => r,
                     None if input.has_header() => match self.next_request(&mut input) {
@@ -136,6 +160,12 @@ impl Connection<'_> {
                     },
                     None => break,
                 };
+                if stopping {
+                    if let Err(why) = self.refuse_shutting_down(&request, &mut input) {
+                        ended = Some(why);
+                    }
+                    continue;
+                }
                 match self.take(request, &mut input) {
                     Taken::Done => {}
                     Taken::NoBuffer(r) => {
@@ -155,7 +185,8 @@ impl Connection<'_> {
             if ended.is_some() && self.queue.outstanding() == 0 {
                 break;
             }
-            let room = ended.is_none() && stalled.is_none() && self.pending.len() < self.depth;
+            // Stopping, what arrives is refused at once, whatever is in flight.
+            let room = ended.is_none() && (stopping || (stalled.is_none() && self.pending.len() < self.depth));
             if self.queue.outstanding() == 0 {
                 // Nothing in flight: sleep in the socket's receive.
                 if let Err(why) = receive(&mut input, true) {
@@ -180,7 +211,26 @@ impl Connection<'_> {
             self.send_replies();
         }
         self.flush_at_end();
+        if self.shut_down > 0 {
+            tracing::info!(
+                "{}: {} request(s) received after the stop answered NBD_ESHUTDOWN, not started",
+                self.peer,
+                self.shut_down
+            );
+        }
         ended.unwrap_or_default()
+    }
+
+    /// Answers a request taken after the stop `NBD_ESHUTDOWN`, without
+    /// starting it (a WRITE's payload is read and dropped). `Err`: its
+    /// payload did not come, reading ends.
+    fn refuse_shutting_down(&mut self, request: &Request, input: &mut RequestStream<'_>) -> std::result::Result<(), String> {
+        if let Err(e) = input.discard(request.payload_len()) {
+            return Err(format!("reading the payload of a {}-byte write after the stop failed: {e}", request.length));
+        }
+        self.shut_down += 1;
+        self.replies.push(Reply { cookie: request.cookie, error: NBD_ESHUTDOWN, data: None });
+        Ok(())
     }
 
     /// Decodes and checks the next request header. `Ok(None)`: it was

@@ -1,7 +1,13 @@
 //! Fixed newstyle negotiation: the greeting, the client's flags and the
 //! options, until the client enters transmission, aborts, or breaks a rule.
+//!
+//! The handshake timeout bounds the whole negotiation, not each step: a
+//! client that sends one option now and then, each in time, would otherwise
+//! hold a connection (one of [`MAX_CONNECTIONS`](super::server::MAX_CONNECTIONS))
+//! and its thread for [`MAX_OPTIONS`] times the timeout.
 
 use std::io::{self, Read, Write};
+use std::time::{Duration, Instant};
 
 use super::server::{Export, Stream};
 use super::wire::{
@@ -16,10 +22,13 @@ pub(crate) const SERVER_FLAGS: u16 = FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES;
 /// Options one connection may send before it must choose an export.
 pub(crate) const MAX_OPTIONS: usize = 64;
 
-/// Runs the negotiation on `stream`. `Ok(true)`: the client chose the
-/// export, go on with transmission; `Ok(false)`: it aborted or closed
-/// (logged here); `Err`: the reason to close the connection, for the log.
-pub(crate) fn negotiate(stream: &Stream, export: &Export, peer: &str) -> Result<bool, String> {
+/// Runs the negotiation on `stream`, all of it within `timeout`.
+/// `Ok(true)`: the client chose the export, go on with transmission;
+/// `Ok(false)`: it aborted or closed (logged here); `Err`: the reason to
+/// close the connection, for the log. Leaves the stream's timeouts set.
+pub(crate) fn negotiate(stream: &Stream, export: &Export, peer: &str, timeout: Duration) -> Result<bool, String> {
+    let timed = Timed { stream, deadline: Instant::now() + timeout, timeout };
+    let stream = &timed;
     let mut s = stream;
     let io_err = |what: &str, e: io::Error| format!("{what}: {e}");
     s.write_all(&Greeting { flags: SERVER_FLAGS }.encode()).map_err(|e| io_err("sending the greeting", e))?;
@@ -143,9 +152,61 @@ pub(crate) fn negotiate(stream: &Stream, export: &Export, peer: &str) -> Result<
     Err(format!("{MAX_OPTIONS} options without choosing an export"))
 }
 
+/// The negotiation's side of the socket: each read or write may wait only
+/// for what is left of the handshake timeout.
+struct Timed<'a> {
+    stream: &'a Stream,
+    deadline: Instant,
+    timeout: Duration,
+}
+
+impl Timed<'_> {
+    /// What is left of the timeout, or the error that it is over.
+    fn left(&self) -> io::Result<Duration> {
+        match self.deadline.checked_duration_since(Instant::now()) {
+            Some(left) if !left.is_zero() => Ok(left),
+            _ => Err(self.expired()),
+        }
+    }
+
+    fn expired(&self) -> io::Error {
+        let t = crate::shared::spaced_duration(self.timeout);
+        io::Error::new(io::ErrorKind::TimedOut, format!("the negotiation did not finish within {t} (the handshake timeout)"))
+    }
+
+    /// A socket timeout's error (`EAGAIN`) says which timeout it was.
+    fn timed_out(&self, e: io::Error) -> io::Error {
+        if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+            self.expired()
+        } else {
+            e
+        }
+    }
+}
+
+impl Read for &Timed<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.left()?))?;
+        let mut s = self.stream;
+        s.read(buf).map_err(|e| self.timed_out(e))
+    }
+}
+
+impl Write for &Timed<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.left()?))?;
+        let mut s = self.stream;
+        s.write(buf).map_err(|e| self.timed_out(e))
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Reads exactly `buf.len()` bytes; false if the stream ended before the
 /// first byte (a clean close between messages).
-pub(crate) fn read_or_eof(mut s: &Stream, buf: &mut [u8]) -> io::Result<bool> {
+fn read_or_eof(mut s: impl Read, buf: &mut [u8]) -> io::Result<bool> {
     let mut got = 0;
     while got < buf.len() {
         match s.read(&mut buf[got..]) {

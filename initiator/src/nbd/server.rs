@@ -24,7 +24,9 @@ use crate::session::{Session, Volume};
 
 /// Connections served at once; one more is closed at once, logged.
 pub const MAX_CONNECTIONS: usize = 64;
-/// How long a client may take for each step of the negotiation.
+/// How long a client may take to negotiate, from its connection to its
+/// choice of the export, unless [`Server::with_handshake_timeout`] says
+/// otherwise.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a reply may wait for a client that reads nothing: then the
 /// connection ends (so that a stuck client cannot hold a stopping server).
@@ -195,6 +197,10 @@ struct Stop {
     /// The server's session, closed by [`Stopper::give_up`] (weak: a
     /// `Stopper` the signal thread keeps does not keep it open).
     session: Weak<crate::shared::Shared>,
+    /// How long the session waits for a lost target: what the stop may wait.
+    ctrl_loss_timeout: Duration,
+    /// The volume served, for the log.
+    volume: String,
     /// Readable once stopping: wakes the accept loop.
     fd: OwnedFd,
     /// The sockets of live connections, to end their reading.
@@ -249,6 +255,31 @@ impl Stopper {
         }
     }
 
+    /// Logs what the stop may wait for, at once: with the target
+    /// unreachable, the requests in flight and the final flush wait for it
+    /// to come back, up to `ctrl_loss_timeout` (60 s by default) after the
+    /// connection was lost, and only [`give_up`](Stopper::give_up) (a
+    /// second signal) ends that sooner. A warning if the session is not
+    /// connected now; otherwise a note, since the target may go while the
+    /// stop waits. Nothing when the session does not reconnect.
+    pub fn log_the_wait(&self, give_up: &str) {
+        let stop = &self.stop;
+        if stop.ctrl_loss_timeout.is_zero() {
+            return;
+        }
+        let wait = crate::shared::spaced_duration(stop.ctrl_loss_timeout);
+        let then = format!(
+            "up to {wait} (ctrl_loss_timeout); {give_up} ends the wait at once, without the final flush of volume {:?}: writes since its last flush may be lost",
+            stop.volume
+        );
+        let unreachable = stop.session.upgrade().is_some_and(|s| s.phase() != crate::shared::Phase::Connected);
+        if unreachable {
+            tracing::warn!("the target is unreachable: the requests in flight and the final flush wait for it to come back, {then}");
+        } else {
+            tracing::info!("should the target become unreachable, the requests in flight and the final flush wait for it, {then}");
+        }
+    }
+
     /// Whether [`stop`](Stopper::stop) was called.
     pub fn is_stopping(&self) -> bool {
         self.stop.stopping.load(Ordering::Acquire)
@@ -276,6 +307,7 @@ pub struct Server {
     stop: Arc<Stop>,
     uri: String,
     socket_path: Option<PathBuf>,
+    handshake_timeout: Duration,
 }
 
 impl Server {
@@ -315,6 +347,8 @@ impl Server {
             stopping: AtomicBool::new(false),
             given_up: AtomicBool::new(false),
             session: Arc::downgrade(&session.shared),
+            ctrl_loss_timeout: session.options().ctrl_loss_timeout,
+            volume: export.name.clone(),
             fd,
             conns: Mutex::new(HashMap::new()),
         });
@@ -326,7 +360,13 @@ impl Server {
             depth,
             buffer_budget: CONNECTION_BUFFER_BUDGET,
         });
-        Ok(Server { listener, shared, stop, uri, socket_path })
+        Ok(Server { listener, shared, stop, uri, socket_path, handshake_timeout: HANDSHAKE_TIMEOUT })
+    }
+
+    /// How long a client may take to negotiate (default [`HANDSHAKE_TIMEOUT`]).
+    pub fn with_handshake_timeout(mut self, timeout: Duration) -> Server {
+        self.handshake_timeout = timeout;
+        self
     }
 
     /// The NBD URI of the export: `nbd+unix:///VOL?socket=PATH` or
@@ -397,8 +437,9 @@ impl Server {
             }
             live.fetch_add(1, Ordering::AcqRel);
             let (shared, stop, still) = (Arc::clone(&self.shared), Arc::clone(&self.stop), Arc::clone(&live));
+            let handshake_timeout = self.handshake_timeout;
             let spawned = std::thread::Builder::new().name(format!("nbd-conn-{id}")).spawn(move || {
-                serve_connection(&shared, stream, &peer);
+                serve_connection(&shared, stream, &peer, handshake_timeout, &stop.stopping);
                 stop.unregister(id);
                 still.fetch_sub(1, Ordering::AcqRel);
             });
@@ -439,13 +480,9 @@ impl Server {
 
 /// Negotiates with one client and serves it until it disconnects or the
 /// server stops. Every way it ends is logged.
-fn serve_connection(shared: &conn::Shared, stream: Stream, peer: &str) {
+fn serve_connection(shared: &conn::Shared, stream: Stream, peer: &str, handshake_timeout: Duration, stopping: &AtomicBool) {
     tracing::info!("{peer}: connected");
-    if let Err(e) = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).and(stream.set_write_timeout(Some(SEND_TIMEOUT))) {
-        tracing::warn!("{peer}: closing, cannot set a read timeout: {e}");
-        return;
-    }
-    match handshake::negotiate(&stream, &shared.export, peer) {
+    match handshake::negotiate(&stream, &shared.export, peer, handshake_timeout) {
         Ok(true) => {}
         Ok(false) => return,
         Err(reason) => {
@@ -453,11 +490,12 @@ fn serve_connection(shared: &conn::Shared, stream: Stream, peer: &str) {
             return;
         }
     }
-    if let Err(e) = stream.set_read_timeout(None) {
-        tracing::warn!("{peer}: closing, cannot clear the read timeout: {e}");
+    // The negotiation's timeouts give way to transmission's.
+    if let Err(e) = stream.set_read_timeout(None).and(stream.set_write_timeout(Some(SEND_TIMEOUT))) {
+        tracing::warn!("{peer}: closing, cannot set the socket's timeouts: {e}");
         return;
     }
-    conn::serve(shared, stream, peer);
+    conn::serve(shared, stream, peer, stopping);
 }
 
 /// Binds a unix socket at `path`. An existing socket nobody listens on

@@ -34,11 +34,13 @@ impl StopSignals {
             for sig in self.signals.forever() {
                 let name = if sig == SIGINT { "SIGINT" } else { "SIGTERM" };
                 if stopper.is_stopping() {
-                    tracing::warn!("{name} again: giving up the requests in flight and the final flush");
+                    tracing::warn!("{name} while stopping: giving up the requests in flight and the final flush");
                     stopper.give_up();
                 } else {
                     tracing::info!("{name}: stopping");
                     stopper.stop();
+                    // At once: a lost target makes the stop wait, up to ctrl_loss_timeout.
+                    stopper.log_the_wait("a second SIGINT or SIGTERM");
                 }
             }
         })?;
