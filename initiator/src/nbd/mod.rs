@@ -54,6 +54,14 @@
 //! longer than 32 MiB (its payload is too long to read and discard), or a
 //! protocol violation during
 //! negotiation ends that connection, logged; other connections go on.
+//!
+//! # Stopping
+//! At SIGINT or SIGTERM the requests already started on the volume are
+//! completed and answered; those the client had sent but the server had not
+//! started get `NBD_ESHUTDOWN` (`conn.rs` says why); then the volume is
+//! flushed. The log says at once how long a lost target can make that wait
+//! (`ctrl_loss_timeout`); a second signal gives up ([`StopSignals`]).
+//! A client has the handshake timeout for its whole negotiation.
 
 mod conn;
 mod handshake;

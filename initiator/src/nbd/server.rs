@@ -237,7 +237,8 @@ impl std::fmt::Debug for Stop {
 
 /// Stops a running [`Server`] from any thread: it stops accepting, every
 /// connection stops reading requests, the requests in flight finish and
-/// are answered, the volume is flushed, and [`Server::run`] returns.
+/// are answered (those the client had sent and the server had not started
+/// get `NBD_ESHUTDOWN`), the volume is flushed, and [`Server::run`] returns.
 #[derive(Clone, Debug)]
 pub struct Stopper {
     stop: Arc<Stop>,
@@ -363,7 +364,7 @@ impl Server {
         Ok(Server { listener, shared, stop, uri, socket_path, handshake_timeout: HANDSHAKE_TIMEOUT })
     }
 
-    /// How long a client may take to negotiate (default [`HANDSHAKE_TIMEOUT`]).
+    /// How long a client may take to negotiate, all of it (default 30 s).
     pub fn with_handshake_timeout(mut self, timeout: Duration) -> Server {
         self.handshake_timeout = timeout;
         self
