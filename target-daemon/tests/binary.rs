@@ -94,7 +94,8 @@ fn serves_until_sigterm() {
     while url.is_none() {
         let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("no 'listening on' line");
         let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
-        let msg = v["fields"]["message"].as_str().unwrap_or("").to_owned();
+        // The message and every field are top-level keys (rdmablk_common::logging).
+        let msg = v["message"].as_str().unwrap_or("").to_owned();
         if let Some(u) = msg.strip_prefix("listening on ") {
             url = Some(u.to_owned());
         }

@@ -183,9 +183,10 @@ fn refuse(q: &mut Queue, reason: usize, tid: u16, expl: u8, what: impl std::fmt:
     let Some(a) = q.auth.as_mut() else { return };
     if !a.failed() {
         tracing::warn!(
-            "nvme authentication refused: host {:?} from {} (queue {qid}): {what} ({})",
-            a.host_nqn,
-            q.peer,
+            host = %a.host_nqn,
+            peer = %q.peer,
+            queue = qid,
+            "nvme authentication refused: {what} ({})",
             NvmeStats::AUTH_FAILURES[reason]
         );
         NvmeStats::add(&q.sub.stats.auth_failures[reason], 1);
@@ -203,9 +204,9 @@ fn succeeded(q: &mut Queue, bidirectional: bool) {
     NvmeStats::add(&q.sub.stats.authenticated, 1);
     let how = if bidirectional { ", and the controller to it" } else { "" };
     if qid == 0 {
-        tracing::info!("nvme host {:?} from {} authenticated (queue 0{how})", a.host_nqn, q.peer);
+        tracing::info!(host = %a.host_nqn, peer = %q.peer, queue = qid, "nvme host {:?} from {} authenticated (queue 0{how})", a.host_nqn, q.peer);
     } else {
-        tracing::debug!("nvme host {:?} from {} authenticated (queue {qid}{how})", a.host_nqn, q.peer);
+        tracing::debug!(host = %a.host_nqn, peer = %q.peer, queue = qid, "nvme host {:?} from {} authenticated (queue {qid}{how})", a.host_nqn, q.peer);
     }
 }
 
@@ -476,7 +477,7 @@ pub fn timed_out(q: &mut Queue) -> String {
     let msg = format!("host {:?} not authenticated within {timeout:?} of its Connect (target.handshake_timeout)", a.host_nqn);
     if !a.failed() {
         NvmeStats::add(&q.sub.stats.auth_failures[why::TIMEOUT], 1);
-        tracing::warn!("nvme authentication refused: {msg}, from {peer} (queue {qid}) (timeout)");
+        tracing::warn!(host = %a.host_nqn, %peer, queue = qid, "nvme authentication refused: {msg} (timeout)");
         a.step = Step::Failed { tid: 0, explanation: explanation::FAILED };
     }
     msg

@@ -74,7 +74,7 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
     let d = match ConnectData::decode(data) {
         Ok(d) => d,
         Err(e) => {
-            tracing::warn!("nvme connect from {}: {e}", q.peer);
+            tracing::warn!(peer = %q.peer, reason = %e, "nvme connect from host refused");
             return bad_data(match e {
                 WireError::BadNqn { field: "host NQN", .. } => connect_data_offset::HOST_NQN,
                 WireError::ReservedNotZero { offset, .. } => offset as u16,
@@ -84,7 +84,7 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
     };
     let discovery = d.subsystem_nqn == DISCOVERY_NQN;
     if !discovery && d.subsystem_nqn != q.sub.nqn {
-        tracing::warn!("nvme connect from {} ({}): unknown subsystem {:?}", q.peer, d.host_nqn, d.subsystem_nqn);
+        tracing::warn!(host = %d.host_nqn, peer = %q.peer, subsystem = %d.subsystem_nqn, "nvme connect from host refused: unknown subsystem");
         return bad_data(connect_data_offset::SUBSYSTEM_NQN);
     }
     let entries = c.queue_entries();
@@ -94,7 +94,7 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
     let set = q.sub.registry.volumes();
     let host = q.sub.host_view(&set, &d.host_nqn);
     if !discovery && set.access.hosts_configured() && host.id.is_none() {
-        tracing::warn!("nvme connect from {}: host {:?} is not a [[host]] nqn", q.peer, d.host_nqn);
+        tracing::warn!(host = %d.host_nqn, peer = %q.peer, "nvme connect from host refused: not a [[host]] nqn");
         return Reply::status(Status::CONNECT_INVALID_HOST);
     }
     if c.qid == 0 {
@@ -111,9 +111,9 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
                 Fence::Go => {}
                 Fence::GaveUp => {
                     tracing::warn!(
-                        "nvme connect from {}: host {:?}: an old controller still has writes in flight after {:?} (target.fence_timeout)",
-                        q.peer,
-                        d.host_nqn,
+                        host = %d.host_nqn,
+                        peer = %q.peer,
+                        "nvme connect from host refused: an old controller still has writes in flight after {:?} (target.fence_timeout)",
                         q.sub.cfg.fence_timeout
                     );
                     return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
@@ -126,19 +126,20 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
         let ctrl = match q.sub.create_controller(&d.host_nqn, d.host_id, discovery, protected, c.kato_ms) {
             Ok(ctrl) => ctrl,
             Err(why) => {
-                tracing::warn!("nvme connect from {}: host {:?}: {why}", q.peer, d.host_nqn);
+                tracing::warn!(host = %d.host_nqn, peer = %q.peer, reason = %why, "nvme connect from host refused");
                 return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
             }
         };
         q.sq_entries = entries;
         ctrl.add_queue(0);
         tracing::info!(
-            "nvme controller {} created for host {:?} from {}{} (KATO {} ms)",
+            host = %d.host_nqn,
+            peer = %q.peer,
+            controller = ctrl.id,
+            kato_ms = c.kato_ms,
+            "nvme controller {} created{}",
             ctrl.id,
-            d.host_nqn,
-            q.peer,
-            if discovery { ", discovery" } else { "" },
-            c.kato_ms
+            if discovery { " (discovery)" } else { "" }
         );
         let id = ctrl.id;
         q.conn = Some(Connected { qid: 0, ctrl, host });

@@ -221,9 +221,11 @@ impl Controller {
             return;
         }
         match reason.kind {
-            CloseKind::ByHost => tracing::info!("nvme controller {} of host {}: ended: {reason}", self.id, self.host_nqn),
+            CloseKind::ByHost => {
+                tracing::info!(host = %self.host_nqn, controller = self.id, "nvme controller {} ended: {reason}", self.id)
+            }
             CloseKind::HostStalled | CloseKind::Fault => {
-                tracing::warn!("nvme controller {} of host {}: torn down: {reason}", self.id, self.host_nqn)
+                tracing::warn!(host = %self.host_nqn, controller = self.id, "nvme controller {} torn down: {reason}", self.id)
             }
         }
         sub.registry.fence_moved();

@@ -985,10 +985,12 @@ impl Queue {
                         let reading = matches!(plan, IoPlan::Read { .. });
                         if let ErrorKind::DeviceIo(errno) = k {
                             tracing::warn!(
-                                "nvme queue {:?}: {} of namespace {} failed: errno {errno}",
-                                self.qid(),
-                                plan.name(),
-                                plan.nsid()
+                                host = self.conn.as_ref().map(|c| tracing::field::display(&c.ctrl.host_nqn)),
+                                peer = %self.peer,
+                                queue = self.qid(),
+                                nsid = plan.nsid(),
+                                "nvme {} failed: errno {errno}",
+                                plan.name()
                             );
                         }
                         Error::new(k, "").nvme_status(reading)
@@ -1219,7 +1221,7 @@ impl Queue {
         }
         if ctrl.live_queues.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.sub.remove_controller(ctrl.id);
-            tracing::info!("nvme controller {} of host {:?} is gone", ctrl.id, ctrl.host_nqn);
+            tracing::info!(host = %ctrl.host_nqn, controller = ctrl.id, "nvme controller {} is gone", ctrl.id);
         }
     }
 }

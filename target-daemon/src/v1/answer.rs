@@ -525,14 +525,15 @@ impl V1 {
         }
         match &s.shared {
             Some(sh) => tracing::info!(
-                "session disconnected: host={} session={:#x} queue={} reactor={} peer={} reason={reason}",
-                s.host(),
-                sh.id.0,
-                s.queue_index,
-                rt.id,
-                s.peer
+                host = %s.host(),
+                session = %sh.id,
+                queue = s.queue_index,
+                reactor = rt.id,
+                peer = %s.peer,
+                %reason,
+                "session disconnected"
             ),
-            None => tracing::info!("session disconnected: host={} reactor={} peer={} reason={reason}", s.host(), rt.id, s.peer),
+            None => tracing::info!(host = %s.host(), reactor = rt.id, peer = %s.peer, %reason, "session disconnected"),
         }
         s.closing = Some(reason);
         s.close_deadline = Some(Instant::now() + FLUSH_TIMEOUT);
@@ -568,10 +569,13 @@ impl V1 {
         if let Some(shared) = &s.shared {
             if self.sessions_table.leave(shared, rt.id) {
                 tracing::info!(
-                    "session ended: host={} session={:#x} (its last queue pair is gone; {} commands dropped before reaching the disk)",
-                    shared.host_id,
-                    shared.id.0,
-                    shared.dropped()
+                    host = %shared.host_id,
+                    session = %shared.id,
+                    reason = %format_args!(
+                        "its last queue pair is gone; {} commands dropped before reaching the disk",
+                        shared.dropped()
+                    ),
+                    "session ended"
                 );
             }
         }

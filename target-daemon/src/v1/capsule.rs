@@ -82,7 +82,7 @@ impl V1 {
                 let authenticated = match crate::auth::check_connect(&s.state.auth, &access, &host_id, join) {
                     Ok(a) => a,
                     Err(e) => {
-                        tracing::warn!("connect refused: host={host_id} peer={} reason={e}", s.peer);
+                        tracing::warn!(host = %host_id, peer = %s.peer, reason = %e, "connect refused");
                         return self.refuse(rt, si, slot, len, cid, e, start);
                     }
                 };
@@ -97,7 +97,7 @@ impl V1 {
                 let name = self.limits.target_name.clone();
                 let s = self.session(si);
                 let challenge = crate::auth::negotiate(&mut s.state.auth, &host_id, session_id, &name);
-                tracing::debug!("authentication started: host={host_id} peer={} session={:#x}", s.peer, session_id.0);
+                tracing::debug!(host = %host_id, peer = %s.peer, session = %session_id, "authentication started");
                 self.answer_auth(rt, si, slot, len, cid, start, challenge.map(|c| c.to_vec()));
             }
             Plan::AuthReply { response } => {
@@ -109,8 +109,8 @@ impl V1 {
                 };
                 let proof = crate::auth::reply(&mut s.state.auth, &access, &response, &name);
                 match &proof {
-                    Ok(_) => tracing::info!("authenticated: host={claimed} peer={}", s.peer),
-                    Err(e) => tracing::warn!("authentication failed: host={claimed} peer={} reason={e}", s.peer),
+                    Ok(_) => tracing::info!(host = %claimed, peer = %s.peer, "authenticated"),
+                    Err(e) => tracing::warn!(host = %claimed, peer = %s.peer, reason = %e, "authentication failed"),
                 }
                 self.answer_auth(rt, si, slot, len, cid, start, proof.map(|p| p.to_vec()));
             }
@@ -136,7 +136,7 @@ impl V1 {
                 let read_only_grant = grant == crate::auth::Grant::ReadOnly;
                 if read_only_grant {
                     let s = self.session(si);
-                    tracing::info!("volume {} opened read-only: host={} peer={} (read_only_hosts)", id, s.host(), s.peer);
+                    tracing::info!(volume = %id, host = %s.host(), peer = %s.peer, "volume opened read-only (read_only_hosts)");
                 }
                 if let Some(shared) = self.session(si).shared.clone() {
                     shared.mark_open_with_grant(&admin, id, read_only_grant);
@@ -251,7 +251,7 @@ impl V1 {
         let old = match retired {
             Err(e) => {
                 let s = self.session(si);
-                tracing::warn!("connect refused: host={} peer={} reason={e}", pending.host_id, s.peer);
+                tracing::warn!(host = %pending.host_id, peer = %s.peer, reason = %e, "connect refused");
                 return self.answer_error(rt, si, pending.cid, e);
             }
             // Gone already: nothing of it can land any more.
@@ -269,10 +269,10 @@ impl V1 {
         let deadline = now + self.fence_timeout;
         let s = self.session(si);
         tracing::info!(
-            "fence: host={} peer={} replaces session {:#x}: waiting for its disk I/O to finish",
-            pending.host_id,
-            s.peer,
-            old.id.0
+            host = %pending.host_id,
+            peer = %s.peer,
+            replaces = %old.id,
+            "fence: the new session waits for the disk I/O of the one it replaces to finish"
         );
         s.fence = Some(Fence { old, since: now, deadline, connect: pending });
         self.fences_waiting += 1;
@@ -333,7 +333,7 @@ impl V1 {
                         f.old.id.0, self.fence_timeout
                     ),
                 );
-                tracing::warn!("fence: host={} replacing session {:#x}: {e}; answered FenceTimeout", f.connect.host_id, f.old.id.0);
+                tracing::warn!(host = %f.connect.host_id, replaces = %f.old.id, reason = %e, "fence: CONNECT answered FenceTimeout");
                 self.answer_error(rt, si, f.connect.cid, e);
             }
         }
@@ -343,8 +343,10 @@ impl V1 {
         let dropped = old.dropped();
         rt.registry.counters.fence_dropped_commands.fetch_add(dropped, std::sync::atomic::Ordering::Relaxed);
         tracing::info!(
-            "fence: session {:#x} of host {} retired in {took:?}: {dropped} commands dropped before reaching the disk, every disk I/O it had submitted completed",
-            old.id.0,
+            host = %old.host_id,
+            session = %old.id,
+            "fence: session {} of host {} retired in {took:?}: {dropped} commands dropped before reaching the disk, every disk I/O it had submitted completed",
+            old.id,
             old.host_id
         );
     }
@@ -367,9 +369,9 @@ impl V1 {
                 let id = rt.id;
                 let s = self.session(si);
                 if e.kind() == ErrorKind::LimitReached {
-                    tracing::warn!("session refused: host={host_id} peer={} reactor={id} reason={e}", s.peer);
+                    tracing::warn!(host = %host_id, peer = %s.peer, reactor = id, reason = %e, "session refused");
                 } else {
-                    tracing::info!("session join refused: host={host_id} peer={} reactor={id} reason={e}", s.peer);
+                    tracing::info!(host = %host_id, peer = %s.peer, reactor = id, reason = %e, "session join refused");
                 }
                 return self.answer_error(rt, si, cid, e);
             }
@@ -381,15 +383,17 @@ impl V1 {
         let how = match (joined.created, replaced) {
             (false, _) => " (joined)".to_owned(),
             (true, None) => " (new session)".to_owned(),
-            (true, Some(old)) => format!(" (new session, replaces {:#x})", old.0),
+            (true, Some(old)) => format!(" (new session, replaces {old})"),
         };
         tracing::info!(
-            "session connected: host={host_id} session={:#x} queue={} reactor={id} peer={} queue_depth={} max_io_size={}{how}",
-            joined.session.id.0,
-            joined.queue_index,
-            s.peer,
-            negotiated.queue_depth,
-            negotiated.max_io_size,
+            host = %host_id,
+            session = %joined.session.id,
+            queue = joined.queue_index,
+            reactor = id,
+            peer = %s.peer,
+            queue_depth = negotiated.queue_depth,
+            max_io_size = negotiated.max_io_size,
+            "session connected{how}"
         );
         s.state.connected = Some(negotiated);
         s.state.host_id = Some(host_id);
@@ -447,11 +451,11 @@ impl V1 {
         };
         let s = self.session(si);
         match e.kind() {
-            ErrorKind::VersionMismatch => tracing::warn!("peer {}: {e}", s.peer),
+            ErrorKind::VersionMismatch => tracing::warn!(peer = %s.peer, reason = %e, "refused"),
             ErrorKind::AccessDenied | ErrorKind::ReadOnly => {
-                tracing::info!("refused: host={} peer={} command={}: {e}", s.host(), s.peer, cid.0)
+                tracing::info!(host = %s.host(), peer = %s.peer, command = cid.0, reason = %e, "refused")
             }
-            _ => tracing::debug!("peer {} host {}: command {} refused: {e}", s.peer, s.host(), cid.0),
+            _ => tracing::debug!(host = %s.host(), peer = %s.peer, reason = %e, "command {} refused", cid.0),
         }
         if let Some((op, vid)) = target {
             let vslot = rt.exec.volume_set().table.index_of(vid).and_then(|i| rt.exec.slot_of_index(i));
