@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 
 use crate::cpu;
 use crate::engine::{Dir, Engine, IoDone, IoReq};
+use crate::fio_log::JobLogs;
 use crate::options::{JobOptions, RwMode, VerifyMode};
 use crate::stats::{batch_bucket, depth_bucket, JobStats, SAMPLE_PERIOD};
 use crate::verify;
@@ -277,6 +278,25 @@ pub fn run(plan: &JobPlan, engine: &mut dyn Engine, progress: &JobProgress, stop
             return st;
         }
     };
+    // fio's log files: time 0 is where measuring starts (after the ramp).
+    let log_epoch = if o.verify_only { 0 } else { o.ramp_time.as_nanos() as u64 };
+    let mut logs = if o.logs.any() {
+        match JobLogs::open(&o.logs, &o.name, plan.index + 1, log_epoch) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("{}: {e}", o.name);
+                st.error = EINVAL;
+                st.error_msg = Some(e);
+                progress.set_phase(Phase::Done);
+                return st;
+            }
+        }
+    } else {
+        JobLogs::none()
+    };
+    if o.logs.hist.is_some() && o.logs.hist_msec == 0 {
+        eprintln!("{}: write_hist_log without log_hist_msec: the histogram log stays empty, as in fio", o.name);
+    }
     let seed = if o.randrepeat {
         o.randseed ^ (plan.index as u64).wrapping_mul(0x9e37_79b9)
     } else {
@@ -307,6 +327,7 @@ pub fn run(plan: &JobPlan, engine: &mut dyn Engine, progress: &JobProgress, stop
         prog_ios: [0; 2],
         prog_bytes: [0; 2],
         fatal: false,
+        logs: &mut logs,
     };
 
     let cpu0 = cpu::thread_usage();
@@ -350,6 +371,14 @@ pub fn run(plan: &JobPlan, engine: &mut dyn Engine, progress: &JobProgress, stop
         }
     }
     let (reconnects, lost) = (cx.engine.reconnects(), cx.engine.is_lost());
+    let end_ns = cx.now();
+    if let Err(e) = logs.finish(end_ns) {
+        eprintln!("{}: {e}", o.name);
+        if st.error == 0 {
+            st.error = EIO;
+        }
+        st.error_msg.get_or_insert(e);
+    }
     st.cpu = cpu::thread_usage().since(&cpu0);
     st.reconnects = reconnects;
     if lost && st.io_errors > 0 {
@@ -433,6 +462,8 @@ struct Ctx<'a> {
     prog_bytes: [u64; 2],
     /// The engine failed: nothing more can be done.
     fatal: bool,
+    /// fio's log files (mostly none).
+    logs: &'a mut JobLogs,
 }
 
 impl Ctx<'_> {
@@ -651,12 +682,19 @@ impl Ctx<'_> {
                     ds.total_ios += 1;
                     ds.io_bytes += u64::from(s.len);
                     let lat = now.saturating_sub(s.issued);
+                    let clat = lat.saturating_sub(s.slat);
                     ds.slat.record(s.slat);
-                    ds.clat.record(lat.saturating_sub(s.slat));
+                    ds.clat.record(clat);
                     ds.lat.record(lat);
+                    if self.logs.enabled() {
+                        self.logs.io(now, di, u64::from(s.len), s.offset, s.slat, clat, lat);
+                    }
                 }
             }
             if measuring {
+                if self.logs.enabled() {
+                    self.logs.tick(now);
+                }
                 last_completion = now;
                 if now >= next_sample {
                     let period = Duration::from_nanos(now - sample_at);

@@ -24,7 +24,8 @@
 //! - [`job`]: a job's phases and its submit/reap loop.
 //! - [`verify`]: block headers and CRC32C.
 //! - [`stats`]: HDR histograms and exact moments, merged for group reporting.
-//! - [`report`]: fio's text report and JSON.
+//! - [`report`]: fio's text report and JSON (json+ with fio's latency bins).
+//! - [`fio_log`]: fio's log files (`write_lat_log` and the rest) and latency bins.
 //! - [`progress`]: the live status line.
 //! - [`embedded`]: the in-process target.
 //! - [`cpu`]: CPU time of jobs and of the target.
@@ -33,6 +34,7 @@
 pub mod cpu;
 pub mod embedded;
 pub mod engine;
+pub mod fio_log;
 pub mod job;
 pub mod jobfile;
 pub mod options;
@@ -101,7 +103,7 @@ pub fn main_with_args(args: &[String]) -> i32 {
 
 /// Runs the jobs and writes the report; returns the exit code.
 pub fn run(spec: RunSpec) -> Result<i32, String> {
-    let RunSpec { run: ropts, jobs } = spec;
+    let RunSpec { run: ropts, jobs, globals } = spec;
 
     // Where each job runs.
     let layout = embedded::layout(&jobs)?;
@@ -167,7 +169,7 @@ pub fn run(spec: RunSpec) -> Result<i32, String> {
         }
     }
 
-    let json = ropts.output_format == OutputFormat::Json;
+    let json = ropts.output_format.is_json();
     if !json {
         let hdr: Vec<_> = plans.iter().map(|(p, _)| (p.opts.clone(), p.groupid)).collect();
         out.write_all(report::header(&hdr, &target_lines, plans.len()).as_bytes()).map_err(|e| e.to_string())?;
@@ -217,9 +219,10 @@ pub fn run(spec: RunSpec) -> Result<i32, String> {
         }
         entries.push(Entry { stats: s.clone(), opts: plan.opts.clone(), url: plan.url.clone(), volume: plan.volume.clone() });
     }
-    let rep = Report { entries, groups, target_lines, started };
+    let rep = Report { entries, groups, target_lines, started, globals };
     let text = if json {
-        let mut s = serde_json::to_string_pretty(&report::json(&rep)).map_err(|e| e.to_string())?;
+        let doc = if ropts.output_format == OutputFormat::JsonPlus { report::json_plus(&rep) } else { report::json(&rep) };
+        let mut s = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
         s.push('\n');
         s
     } else {

@@ -24,6 +24,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::engine::EngineKind;
+use crate::fio_log::LogOptions;
 use crate::units::{parse_bool, parse_size, parse_time, parse_u64};
 
 /// The longest `ctrl_loss_tmo` (10^9 s, as the `rdmablk` CLI's durations):
@@ -167,6 +168,14 @@ impl SizeSpec {
 pub enum OutputFormat {
     Normal,
     Json,
+    /// fio's `json+`: JSON with the latency bins (`clat_ns.bins`).
+    JsonPlus,
+}
+
+impl OutputFormat {
+    pub fn is_json(self) -> bool {
+        matches!(self, OutputFormat::Json | OutputFormat::JsonPlus)
+    }
 }
 
 /// `--eta`.
@@ -197,6 +206,9 @@ pub struct JobOptions {
     pub iodepth_batch_submit: u32,
     /// Fewest completions waited for in one reap call.
     pub iodepth_batch_complete_min: u32,
+    /// fio's `iodepth_low`, when given: only its default (refill every free
+    /// slot, `iodepth_low=iodepth`) is implemented; [`JobOptions::validate`] says so.
+    pub iodepth_low: Option<u32>,
     /// Poll for completions instead of sleeping (fio's `hipri`).
     pub hipri: bool,
     /// Scope each command's data with a memory window (rdmablk's own).
@@ -245,8 +257,13 @@ pub struct JobOptions {
     /// the reconnection. Zero (the default): the first loss ends the job
     /// with an error.
     pub ctrl_loss_tmo: Duration,
-    /// Options as given (key, value), for `"job options"` in the JSON.
+    /// fio's log files (`write_lat_log` and the rest).
+    pub logs: LogOptions,
+    /// Options as given (key, value), globals included.
     pub given: Vec<(String, String)>,
+    /// The job's own options (its section or its command-line options,
+    /// without the globals), for `"job options"` in the JSON, as fio.
+    pub own: Vec<(String, String)>,
 }
 
 impl JobOptions {
@@ -260,6 +277,7 @@ impl JobOptions {
             iodepth: 1,
             iodepth_batch_submit: 0,
             iodepth_batch_complete_min: 1,
+            iodepth_low: None,
             hipri: false,
             rkey_scoping: true,
             numjobs: 1,
@@ -289,7 +307,9 @@ impl JobOptions {
             key_file: None,
             ioengine: EngineKind::Queue,
             ctrl_loss_tmo: Duration::ZERO,
+            logs: LogOptions::default(),
             given: Vec::new(),
+            own: Vec::new(),
         }
     }
 
@@ -311,6 +331,15 @@ impl JobOptions {
         }
         if self.iodepth == 0 || self.iodepth > 65535 {
             return Err(format!("job {n}: iodepth {} is outside 1..=65535", self.iodepth));
+        }
+        if let Some(low) = self.iodepth_low.filter(|&l| l != 0 && l < self.iodepth) {
+            return Err(format!(
+                "job {n}: iodepth_low={low} is not implemented by rdmablk-bench: it refills every free slot at once \
+                 (fio's default, iodepth_low=iodepth); leave iodepth_low out"
+            ));
+        }
+        if self.logs.hist_coarseness > 6 {
+            return Err(format!("job {n}: log_hist_coarseness {} is outside 0..=6", self.logs.hist_coarseness));
         }
         if self.numjobs == 0 {
             return Err(format!("job {n}: numjobs must be at least 1"));
@@ -403,6 +432,10 @@ pub enum Command {
 pub struct RunSpec {
     pub run: RunOptions,
     pub jobs: Vec<JobOptions>,
+    /// The global options as given (command line before the first
+    /// `--name`, then each job file's `[global]` sections), for `"global
+    /// options"` in the JSON, as fio.
+    pub globals: Vec<(String, String)>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -417,34 +450,63 @@ enum Scope {
     Job,
     /// Command line only.
     Run,
-    /// fio options accepted for compatibility, without effect here.
-    Ignored,
+    /// fio options that change nothing here, for the values [`Def::check`]
+    /// accepts; other values are refused as not implemented.
+    Compat,
 }
+
+/// What a fio option without effect here accepts: `Ok` or why not.
+type Check = fn(Option<&str>) -> Result<(), String>;
 
 struct Def {
     name: &'static str,
     kind: Kind,
     scope: Scope,
+    /// For `Compat`: why the option changes nothing (or for which values).
     help: &'static str,
+    check: Option<Check>,
 }
 
 const fn job(name: &'static str, help: &'static str) -> Def {
-    Def { name, kind: Kind::Value, scope: Scope::Job, help }
+    Def { name, kind: Kind::Value, scope: Scope::Job, help, check: None }
 }
 const fn job_flag(name: &'static str, help: &'static str) -> Def {
-    Def { name, kind: Kind::Flag, scope: Scope::Job, help }
+    Def { name, kind: Kind::Flag, scope: Scope::Job, help, check: None }
 }
 const fn run(name: &'static str, help: &'static str) -> Def {
-    Def { name, kind: Kind::Value, scope: Scope::Run, help }
+    Def { name, kind: Kind::Value, scope: Scope::Run, help, check: None }
 }
 const fn run_flag(name: &'static str, help: &'static str) -> Def {
-    Def { name, kind: Kind::Flag, scope: Scope::Run, help }
+    Def { name, kind: Kind::Flag, scope: Scope::Run, help, check: None }
 }
-const fn ignored(name: &'static str) -> Def {
-    Def { name, kind: Kind::Value, scope: Scope::Ignored, help: "" }
+const fn compat(name: &'static str, help: &'static str, check: Check) -> Def {
+    Def { name, kind: Kind::Value, scope: Scope::Compat, help, check: Some(check) }
 }
-const fn ignored_flag(name: &'static str) -> Def {
-    Def { name, kind: Kind::Flag, scope: Scope::Ignored, help: "" }
+const fn compat_flag(name: &'static str, help: &'static str, check: Check) -> Def {
+    Def { name, kind: Kind::Flag, scope: Scope::Compat, help, check: Some(check) }
+}
+
+/// The refusal of a fio option (or of one of its values) rdmablk-bench does not implement.
+fn not_implemented(name: &str, value: Option<&str>, why: &str) -> String {
+    let opt = match value {
+        Some(v) if !v.is_empty() => format!("{name}={v}"),
+        _ => name.to_owned(),
+    };
+    format!("{opt}: rdmablk-bench does not implement this fio option{}{why}", if why.is_empty() { "" } else { ": " })
+}
+
+/// A boolean fio option of which only `want` is what rdmablk-bench does.
+fn only_bool(name: &str, value: Option<&str>, want: bool, why: &str) -> Result<(), String> {
+    let v = value.map_or(Ok(true), parse_bool).map_err(|e| format!("{name}: {e}"))?;
+    if v == want {
+        Ok(())
+    } else {
+        Err(not_implemented(name, value, why))
+    }
+}
+
+fn any_value(_: Option<&str>) -> Result<(), String> {
+    Ok(())
 }
 
 const DEFS: &[Def] = &[
@@ -492,7 +554,7 @@ const DEFS: &[Def] = &[
     job("key_file", "pre-shared key file of the host id (rdmablk keygen): authenticate with --target"),
     job("ioengine", "rdmablk (submission API, default) or rdmablk-sync (blocking calls); fio's engines mean rdmablk"),
     job("ctrl_loss_tmo", "seconds to keep reconnecting to a lost target, I/O waiting and re-issued after (nvme-cli's option; default 0: report the loss)"),
-    run("output_format", "normal|json (default normal)"),
+    run("output_format", "normal|json|json+ (default normal); json+ adds fio's latency bins (clat_ns.bins)"),
     run("output", "write the report to FILE"),
     run("eta", "auto|always|never: the live status line (default auto: on a terminal, normal output)"),
     run("reactors", "embedded target: reactor threads (default: one per CPU)"),
@@ -500,36 +562,58 @@ const DEFS: &[Def] = &[
     run_flag("parse_only", "print each job's resolved options and exit"),
     run_flag("help", "this help"),
     run_flag("version", "print the version"),
-    ignored("direct"),
-    ignored("buffered"),
-    ignored_flag("thread"),
-    ignored("invalidate"),
-    ignored("gtod_reduce"),
-    ignored("clat_percentiles"),
-    ignored("lat_percentiles"),
-    ignored("slat_percentiles"),
-    ignored("end_fsync"),
-    ignored("fsync_on_close"),
-    ignored_flag("create_on_open"),
-    ignored("allow_mounted_write"),
-    ignored_flag("exitall"),
-    ignored("unlink"),
-    ignored_flag("refill_buffers"),
-    ignored("scramble_buffers"),
-    ignored_flag("zero_buffers"),
-    ignored("iodepth_low"),
-    ignored("unified_rw_reporting"),
-    ignored("kb_base"),
-    ignored("per_job_logs"),
-    ignored("log_avg_msec"),
-    ignored("write_bw_log"),
-    ignored("write_lat_log"),
-    ignored("write_iops_log"),
-    ignored("fadvise_hint"),
-    ignored("fixedbufs"),
-    ignored("registerfiles"),
-    ignored("sqthread_poll"),
-    ignored("cpus_allowed"),
+    job("write_lat_log", "write fio's latency logs PREFIX_lat.N.log, PREFIX_clat.N.log, PREFIX_slat.N.log (ns)"),
+    job("write_bw_log", "write fio's bandwidth log PREFIX_bw.N.log (KiB/s)"),
+    job("write_iops_log", "write fio's IOPS log PREFIX_iops.N.log"),
+    job("write_hist_log", "write fio's completion latency histogram log PREFIX_clat_hist.N.log (needs log_hist_msec)"),
+    job("log_avg_msec", "average the lat/bw/iops logs over this many ms (default 0: a line per I/O)"),
+    job("log_hist_msec", "one histogram log line per this many ms (default 0: none)"),
+    job("log_hist_coarseness", "0..6: add up 2^N neighbouring bins in the histogram log (default 0)"),
+    job("log_max_value", "1: with log_avg_msec, log each window's largest value instead of its mean"),
+    job("log_offset", "1: the logs have an offset column"),
+    job("per_job_logs", "0: jobs share one log file per kind, without the .N (default 1)"),
+    compat("direct", "1 only: the I/O always goes to the target's volume, no initiator-side cache", |v| {
+        only_bool("direct", v, true, "its I/O always goes straight to the target's volume (direct=1)")
+    }),
+    compat("buffered", "0 only: no initiator-side cache", |v| {
+        only_bool("buffered", v, false, "its I/O always goes straight to the target's volume (buffered=0)")
+    }),
+    compat_flag("thread", "jobs always are threads", any_value),
+    compat("invalidate", "no initiator-side page cache to invalidate", any_value),
+    compat("gtod_reduce", "0 only: every I/O is timed", |v| {
+        only_bool("gtod_reduce", v, false, "it times every I/O (gtod_reduce=0)")
+    }),
+    compat("clat_percentiles", "1 only: always reported", |v| {
+        only_bool("clat_percentiles", v, true, "completion latency percentiles are always reported")
+    }),
+    compat("lat_percentiles", "total latency percentiles are always reported", any_value),
+    compat("slat_percentiles", "submission latency percentiles are always reported", any_value),
+    compat("end_fsync", "0 only", |v| only_bool("end_fsync", v, false, "no fsync at the end of a job (end_fsync=0)")),
+    compat("fsync_on_close", "0 only", |v| only_bool("fsync_on_close", v, false, "no fsync at the end of a job")),
+    compat_flag("create_on_open", "the embedded target opens its files before the jobs start", any_value),
+    compat("allow_mounted_write", "1 only: nothing checks whether a block device is mounted", |v| {
+        only_bool("allow_mounted_write", v, true, "it does not check whether --filename is a mounted block device")
+    }),
+    compat("unlink", "0 only: files are kept", |v| only_bool("unlink", v, false, "its files are kept after the run (unlink=0)")),
+    compat_flag("refill_buffers", "buffers hold random data; the target neither deduplicates nor compresses", any_value),
+    compat("scramble_buffers", "buffers hold random data; the target neither deduplicates nor compresses", any_value),
+    compat_flag("zero_buffers", "0 only: buffers hold random data", |v| {
+        only_bool("zero_buffers", v, false, "write buffers hold random data")
+    }),
+    job("iodepth_low", "only iodepth_low=iodepth (the default): every free slot is refilled at once"),
+    compat("unified_rw_reporting", "none/0 only: reads and writes are reported apart", |v| match v.map(str::trim) {
+        Some("0" | "none") => Ok(()),
+        _ => Err(not_implemented("unified_rw_reporting", v, "reads and writes are reported apart (unified_rw_reporting=none)")),
+    }),
+    compat("kb_base", "1024 only", |v| match v.map(str::trim) {
+        Some("1024") => Ok(()),
+        _ => Err(not_implemented("kb_base", v, "units are binary (kb_base=1024)")),
+    }),
+    compat("fadvise_hint", "no initiator-side page cache to advise", any_value),
+    compat_flag("fixedbufs", "1 only: buffers are always registered", |v| {
+        only_bool("fixedbufs", v, true, "its buffers are always registered (fixedbufs=1)")
+    }),
+    compat_flag("registerfiles", "no files are opened on the initiator side", any_value),
 ];
 
 fn canonical(name: &str) -> String {
@@ -543,10 +627,11 @@ fn lookup(name: &str) -> Option<&'static Def> {
 
 /// Sets one job option. `value` is `None` for a bare flag.
 pub fn set_job_option(o: &mut JobOptions, key: &str, value: Option<&str>) -> Result<(), String> {
-    let def = lookup(key).ok_or_else(|| format!("unknown option {key:?} (see --help)"))?;
+    let def = lookup(key).ok_or_else(|| unknown(key))?;
     match def.scope {
         Scope::Run => return Err(format!("option {key:?} is a command-line option, not a job option")),
-        Scope::Ignored => {
+        Scope::Compat => {
+            (def.check.expect("compat options have a check"))(value)?;
             o.given.push((def.name.to_owned(), value.unwrap_or("").to_owned()));
             return Ok(());
         }
@@ -637,6 +722,20 @@ pub fn set_job_option(o: &mut JobOptions, key: &str, value: Option<&str>) -> Res
         "key_file" => o.key_file = Some(need()?.to_owned()),
         "ioengine" => o.ioengine = EngineKind::from_ioengine(Some(need()?.trim())),
         "ctrl_loss_tmo" => o.ctrl_loss_tmo = parse_ctrl_loss_tmo(need()?).map_err(bad)?,
+        "iodepth_low" => o.iodepth_low = Some(u32::try_from(parse_u64(need()?).map_err(bad)?).unwrap_or(u32::MAX)),
+        // fio: without a value, the prefix is the job's name.
+        "write_lat_log" => o.logs.lat = Some(value.unwrap_or("").trim().to_owned()),
+        "write_bw_log" => o.logs.bw = Some(value.unwrap_or("").trim().to_owned()),
+        "write_iops_log" => o.logs.iops = Some(value.unwrap_or("").trim().to_owned()),
+        "write_hist_log" => o.logs.hist = Some(value.unwrap_or("").trim().to_owned()),
+        "log_avg_msec" => o.logs.avg_msec = parse_u64(need()?).map_err(bad)?,
+        "log_hist_msec" => o.logs.hist_msec = parse_u64(need()?).map_err(bad)?,
+        "log_hist_coarseness" => {
+            o.logs.hist_coarseness = u32::try_from(parse_u64(need()?).map_err(bad)?).unwrap_or(u32::MAX)
+        }
+        "log_max_value" => o.logs.max_value = flag()?,
+        "log_offset" => o.logs.offset = flag()?,
+        "per_job_logs" => o.logs.per_job = flag()?,
         other => unreachable!("job option {other} without a setter"),
     }
     if def.name != "name" {
@@ -651,8 +750,11 @@ fn set_run_option(r: &mut RunOptions, name: &str, value: Option<&str>) -> Result
         "output_format" => {
             r.output_format = match need()?.trim() {
                 "normal" => OutputFormat::Normal,
-                "json" | "json+" => OutputFormat::Json,
-                other => return Err(format!("--output-format: {other:?} is not normal or json")),
+                "json" => OutputFormat::Json,
+                "json+" => OutputFormat::JsonPlus,
+                other => return Err(format!(
+                    "--output-format: {other:?} is not implemented by rdmablk-bench: use normal, json or json+"
+                )),
             }
         }
         "output" => r.output = Some(PathBuf::from(need()?)),
@@ -704,7 +806,7 @@ pub fn parse_args(args: &[String]) -> Result<Command, String> {
             Some((k, v)) => (k, Some(v.to_owned())),
             None => (body, None),
         };
-        let def = lookup(key).ok_or_else(|| format!("unknown option --{key} (see --help)"))?;
+        let def = lookup(key).ok_or_else(|| unknown(&format!("--{key}")))?;
         let value = match (def.kind, inline) {
             (_, Some(v)) => Some(v),
             (Kind::Flag, None) => None,
@@ -733,6 +835,14 @@ pub fn parse_args(args: &[String]) -> Result<Command, String> {
         Ok(())
     };
 
+    let mut given_globals: Vec<(String, String)> = Vec::new();
+    let mut add_globals = |list: &[(String, Option<String>)]| {
+        for (k, v) in list {
+            let key = lookup(k).map_or_else(|| canonical(k), |d| d.name.to_owned());
+            given_globals.push((key, v.clone().unwrap_or_default()));
+        }
+    };
+    add_globals(&globals);
     let mut out = Vec::new();
     for path in &files {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: cannot read job file: {e}", path.display()))?;
@@ -740,16 +850,20 @@ pub fn parse_args(args: &[String]) -> Result<Command, String> {
         let mut file_global: Vec<(String, Option<String>)> = Vec::new();
         for s in sections {
             if s.name == "global" {
-                file_global.extend(s.entries.iter().map(|e| (e.key.clone(), e.value.clone())));
+                let entries: Vec<_> = s.entries.iter().map(|e| (e.key.clone(), e.value.clone())).collect();
+                add_globals(&entries);
+                file_global.extend(entries);
                 continue;
             }
             let mut o = JobOptions::new(&s.name);
             let ctx = |e: String| format!("{}: [{}]: {e}", path.display(), s.name);
             apply(&mut o, &file_global).map_err(ctx)?;
+            let mark = o.given.len();
             for e in &s.entries {
                 set_job_option(&mut o, &e.key, e.value.as_deref())
                     .map_err(|err| format!("{}: line {}: {err}", path.display(), e.line))?;
             }
+            o.own = o.given[mark..].to_vec();
             o.name = s.name.clone();
             apply(&mut o, &globals).map_err(ctx)?;
             out.push(o);
@@ -758,7 +872,9 @@ pub fn parse_args(args: &[String]) -> Result<Command, String> {
     for list in &jobs {
         let mut o = JobOptions::new("job");
         apply(&mut o, &globals)?;
+        let mark = o.given.len();
         apply(&mut o, list)?;
+        o.own = o.given[mark..].to_vec();
         out.push(o);
     }
     if out.is_empty() {
@@ -773,7 +889,12 @@ pub fn parse_args(args: &[String]) -> Result<Command, String> {
     for o in &out {
         o.validate()?;
     }
-    Ok(Command::Run(RunSpec { run, jobs: out }))
+    Ok(Command::Run(RunSpec { run, jobs: out, globals: given_globals }))
+}
+
+/// An option rdmablk-bench does not know: fio's or not, it is refused.
+fn unknown(opt: &str) -> String {
+    format!("unknown option {opt}: rdmablk-bench does not implement it (--help lists the fio options it takes)")
 }
 
 /// The `--help` text.
@@ -796,9 +917,14 @@ pub fn help() -> String {
     section(Scope::Job, &mut s);
     s.push_str("\nrun options (command line only):\n");
     section(Scope::Run, &mut s);
-    s.push_str("\naccepted for fio compatibility, without effect: ");
-    let ignored: Vec<&str> = DEFS.iter().filter(|d| d.scope == Scope::Ignored).map(|d| d.name).collect();
-    s.push_str(&ignored.join(", "));
+    s.push_str("\nfio options that change nothing here (other values are refused):\n");
+    for d in DEFS.iter().filter(|d| d.scope == Scope::Compat) {
+        s.push_str(&format!("  {:<34} {}\n", d.name, d.help));
+    }
+    s.push_str(
+        "\nAny other fio option is refused: rdmablk-bench does not implement it.\n\
+         Log files are fio's (time in ms, value, ddir, bs[, offset], prio); N is the job's number from 1.\n",
+    );
     s.push_str(
         "\n\nexample (the main job):\n  rdmablk-bench --name=main --filename=/var/tmp/rdmablk.img --size=1G --rw=randread \\\n    \
          --bs=4k --iodepth=32 --runtime=10s --time_based\n",
@@ -957,5 +1083,79 @@ mod tests {
         let j = jobs(&["--name=a", "--ioengine=libaio", "--direct=1", "--thread", "--backend=null", "--size=1M"]);
         assert_eq!(j.len(), 1);
         assert!(j[0].given.iter().any(|(k, v)| k == "ioengine" && v == "libaio"));
+    }
+
+    #[test]
+    fn fio_options_not_implemented_are_refused_by_name() {
+        let err = |a: &[&str]| {
+            let mut v = vec!["--name=a", "--backend=null", "--size=1M"];
+            v.extend(a);
+            parse_args(&args(&v)).unwrap_err()
+        };
+        for (opt, named) in [
+            ("--direct=0", "direct=0"),
+            ("--buffered=1", "buffered=1"),
+            ("--gtod_reduce=1", "gtod_reduce=1"),
+            ("--end_fsync=1", "end_fsync=1"),
+            ("--unlink=1", "unlink=1"),
+            ("--zero_buffers", "zero_buffers"),
+            ("--kb_base=1000", "kb_base=1000"),
+            ("--unified_rw_reporting=mixed", "unified_rw_reporting=mixed"),
+            ("--clat_percentiles=0", "clat_percentiles=0"),
+        ] {
+            let e = err(&[opt]);
+            assert!(e.starts_with(&format!("{named}: rdmablk-bench does not implement this fio option: ")), "{opt}: {e}");
+        }
+        for opt in ["--exitall", "--cpus_allowed=0-3", "--sqthread_poll=1", "--log_prio=1", "--rate=10m"] {
+            let e = err(&[opt]);
+            let name = opt.split('=').next().unwrap();
+            assert!(e.starts_with(&format!("unknown option {name}: rdmablk-bench does not implement it")), "{opt}: {e}");
+        }
+        let e = err(&["--iodepth=8", "--iodepth_low=2"]);
+        assert!(e.contains("iodepth_low=2 is not implemented by rdmablk-bench"), "{e}");
+        let e = parse_args(&args(&["--name=a", "--backend=null", "--output-format=terse"])).unwrap_err();
+        assert!(e.contains("\"terse\" is not implemented by rdmablk-bench"), "{e}");
+        // The values that are what the bench does pass.
+        let j = jobs(&["--name=a", "--backend=null", "--size=1M", "--buffered=0", "--gtod_reduce=0", "--kb_base=1024", "--iodepth=8", "--iodepth_low=8", "--fixedbufs", "--lat_percentiles=1"]);
+        assert_eq!(j[0].iodepth_low, Some(8));
+        // In a job file the line is named.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("j.fio");
+        std::fs::write(&path, "[a]\nbackend=null\nsize=1M\ndirect=0\n").unwrap();
+        let e = parse_args(&args(&[path.to_str().unwrap()])).unwrap_err();
+        assert!(e.contains("line 4: direct=0: rdmablk-bench does not implement this fio option"), "{e}");
+        let h = help();
+        assert!(h.contains("Any other fio option is refused"), "{h}");
+    }
+
+    #[test]
+    fn log_options_and_json_plus() {
+        let Command::Run(r) = parse_args(&args(&[
+            "--output-format=json+", "--write_lat_log=x", "--name=a", "--backend=null", "--size=1M", "--log_avg_msec=250",
+            "--write_hist_log=h", "--log_hist_msec=100", "--log_hist_coarseness=3", "--log_offset=1", "--log_max_value=1",
+            "--per_job_logs=0", "--write_bw_log=b", "--write_iops_log=i",
+        ]))
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(r.run.output_format, OutputFormat::JsonPlus);
+        let l = &r.jobs[0].logs;
+        assert_eq!((l.lat.as_deref(), l.bw.as_deref(), l.iops.as_deref(), l.hist.as_deref()), (Some("x"), Some("b"), Some("i"), Some("h")));
+        assert_eq!((l.avg_msec, l.hist_msec, l.hist_coarseness, l.offset, l.max_value, l.per_job), (250, 100, 3, true, true, false));
+        // Globals and the job's own options apart, as fio's JSON has them.
+        assert_eq!(r.globals, [("write_lat_log".to_owned(), "x".to_owned())]);
+        assert!(r.jobs[0].own.iter().all(|(k, _)| k != "write_lat_log"), "{:?}", r.jobs[0].own);
+        assert!(r.jobs[0].own.iter().any(|(k, v)| k == "log_avg_msec" && v == "250"));
+        let e = parse_args(&args(&["--name=a", "--backend=null", "--log_hist_coarseness=7"])).unwrap_err();
+        assert!(e.contains("log_hist_coarseness 7 is outside 0..=6"), "{e}");
+        // A bare write_lat_log in a job file: the job's name is the prefix.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("j.fio");
+        std::fs::write(&path, "[global]\nbackend=null\nsize=1M\n[a]\nwrite_lat_log\n").unwrap();
+        let Command::Run(r) = parse_args(&args(&[path.to_str().unwrap(), "--runtime=1"])).unwrap() else { panic!() };
+        assert_eq!(r.jobs[0].logs.lat.as_deref(), Some(""));
+        let g: Vec<&str> = r.globals.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(g, ["runtime", "backend", "size"], "command-line globals first, as fio");
+        assert_eq!(r.jobs[0].own, [("write_lat_log".to_owned(), String::new())]);
     }
 }

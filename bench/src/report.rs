@@ -16,6 +16,20 @@ pub fn version() -> String {
     format!("rdmablk-bench-{}", env!("CARGO_PKG_VERSION"))
 }
 
+/// The fio release whose JSON (keys, their order, json+ bins) and log
+/// formats rdmablk-bench writes: checked against fio 3.33's own output.
+pub const FIO_FORMAT: &str = "fio-3.33";
+
+/// The JSON's `"fio version"`: `fio-3.33-rdmablk-bench-X.Y.Z`. It starts
+/// with the fio release whose format the document has, so that parsers
+/// that read `fio-MAJOR.MINOR` from it (a prefix match, a split on `-`, a
+/// regular expression) take it as 3.33, as they take the versions of fio
+/// built from git (`fio-3.33-54-gabcdef`); and it says which program wrote
+/// it.
+pub fn fio_version() -> String {
+    format!("{FIO_FORMAT}-{}", version())
+}
+
 /// One entry of the report: a job, or the merged jobs of a group.
 #[derive(Clone, Debug)]
 pub struct Entry {
@@ -74,6 +88,8 @@ pub struct Report {
     /// Lines describing the target (embedded volumes or the URL).
     pub target_lines: Vec<String>,
     pub started: SystemTime,
+    /// The global options as given ([`crate::options::RunSpec::globals`]).
+    pub globals: Vec<(String, String)>,
 }
 
 // ---------------------------------------------------------------------------
@@ -254,6 +270,22 @@ fn date(t: SystemTime) -> String {
     let rem = secs % 86400;
     let (y, m, d) = civil_from_days(days as i64);
     format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// fio's `"time"`: C's `ctime` without the newline (`Wed Dec  2 19:51:54
+/// 2026`), in UTC: the bench reads no time zone database (`timestamp` is
+/// the same instant, unambiguous).
+fn ctime(t: SystemTime) -> String {
+    const DAYS: [&str; 7] = ["Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"];
+    const MONTHS: [&str; 12] = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
+    let secs = t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let days = secs / 86400;
+    let rem = secs % 86400;
+    let (y, m, d) = civil_from_days(days as i64);
+    // 1970-01-01 was a Thursday.
+    let wday = DAYS[((days + 4) % 7) as usize];
+    let month = MONTHS[(m - 1) as usize];
+    format!("{wday} {month} {d:>2} {:02}:{:02}:{:02} {y}", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
 /// Days since 1970-01-01 to (year, month, day) (Howard Hinnant's algorithm).
@@ -451,7 +483,10 @@ fn obj(pairs: Vec<(&str, J)>) -> J {
     J::O(pairs.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
 }
 
-fn lat_json(l: &Lat, points: &[f64]) -> J {
+/// One latency object; json+ (`plus`) adds fio's `bins` where fio has
+/// them, next to the percentiles: each non-empty bin's value in ns (a
+/// string, as fio) and its count, ascending.
+fn lat_json(l: &Lat, points: &[f64], plus: bool) -> J {
     let mut v = vec![
         ("min", J::U(l.min())),
         ("max", J::U(l.max())),
@@ -462,11 +497,14 @@ fn lat_json(l: &Lat, points: &[f64]) -> J {
     if l.count() > 0 {
         let pct = points.iter().map(|&p| (format!("{p:.6}"), J::U(l.percentile(p)))).collect();
         v.push(("percentile", J::O(pct)));
+        if plus {
+            v.push(("bins", J::O(l.fio_bins().into_iter().map(|(ns, n)| (ns.to_string(), J::U(n))).collect())));
+        }
     }
     obj(v)
 }
 
-fn dir_json(d: &DirStats, points: &[f64], group_bw_kib: f64) -> J {
+fn dir_json(d: &DirStats, points: &[f64], group_bw_kib: f64, plus: bool) -> J {
     let (bmin, bmax, bmean, bdev) = sample_summary(&d.bw_samples);
     let (imin, imax, imean, idev) = sample_summary(&d.iops_samples);
     let bw_bytes = d.bw_bytes();
@@ -480,9 +518,9 @@ fn dir_json(d: &DirStats, points: &[f64], group_bw_kib: f64) -> J {
         ("total_ios", J::U(d.total_ios)),
         ("short_ios", J::U(0)),
         ("drop_ios", J::U(0)),
-        ("slat_ns", lat_json(&d.slat, points)),
-        ("clat_ns", lat_json(&d.clat, points)),
-        ("lat_ns", lat_json(&d.lat, points)),
+        ("slat_ns", lat_json(&d.slat, points, plus)),
+        ("clat_ns", lat_json(&d.clat, points, plus)),
+        ("lat_ns", lat_json(&d.lat, points, plus)),
         ("bw_min", J::U(bmin as u64)),
         ("bw_max", J::U(bmax as u64)),
         ("bw_agg", J::F(if group_bw_kib > 0.0 { bmean / group_bw_kib * 100.0 } else { 0.0 })),
@@ -519,10 +557,19 @@ fn latency_json(s: &JobStats, unit: &str) -> J {
     )
 }
 
-/// fio's JSON document.
+/// fio's JSON document (`--output-format=json`).
 pub fn json(r: &Report) -> J {
+    document(r, false)
+}
+
+/// fio's json+ document: the JSON with each latency's `bins`.
+pub fn json_plus(r: &Report) -> J {
+    document(r, true)
+}
+
+fn document(r: &Report, plus: bool) -> J {
     let started = r.started.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
-    let zero_dir = dir_json(&DirStats::default(), &[], 0.0);
+    let zero_dir = dir_json(&DirStats::default(), &[], 0.0, false);
     let jobs: Vec<J> = r
         .entries
         .iter()
@@ -536,9 +583,10 @@ pub fn json(r: &Report) -> J {
                 })
             };
             let run = s.runtime.as_secs_f64().max(1e-9) * f64::from(s.jobs.max(1));
-            // Each option once, with its last value (a job section overrides [global]).
+            // The job's own options, each once with its last value; the
+            // globals are in "global options", as fio has them.
             let mut options: Vec<(String, J)> = vec![("name".to_owned(), J::S(e.opts.name.clone()))];
-            for (k, v) in &e.opts.given {
+            for (k, v) in &e.opts.own {
                 match options.iter_mut().find(|(key, _)| key == k) {
                     Some(slot) => slot.1 = J::S(v.clone()),
                     None => options.push((k.clone(), J::S(v.clone()))),
@@ -552,12 +600,12 @@ pub fn json(r: &Report) -> J {
                 ("eta", J::U(0)),
                 ("elapsed", J::U(s.elapsed.as_secs().max(1))),
                 ("job options", options),
-                ("read", dir_json(&s.dirs[0], &e.opts.percentiles, group_bw(0))),
-                ("write", dir_json(&s.dirs[1], &e.opts.percentiles, group_bw(1))),
+                ("read", dir_json(&s.dirs[0], &e.opts.percentiles, group_bw(0), plus)),
+                ("write", dir_json(&s.dirs[1], &e.opts.percentiles, group_bw(1), plus)),
                 ("trim", zero_dir.clone()),
                 (
                     "sync",
-                    obj(vec![("total_ios", J::U(0)), ("lat_ns", lat_json(&Lat::default(), &[]))]),
+                    obj(vec![("total_ios", J::U(0)), ("lat_ns", lat_json(&Lat::default(), &[], false))]),
                 ),
                 ("job_runtime", J::U(s.runtime.as_millis() as u64)),
                 ("usr_cpu", J::F(s.cpu.usr.as_secs_f64() / run * 100.0)),
@@ -607,13 +655,29 @@ pub fn json(r: &Report) -> J {
             ])
         })
         .collect();
-    obj(vec![
-        ("rdmablk-bench version", J::S(version())),
+    // fio's top-level keys in fio's order; "global options" only when
+    // there are globals, as fio. The bench's own keys follow.
+    let mut top = vec![
+        ("fio version", J::S(fio_version())),
         ("timestamp", J::U(started.as_secs())),
         ("timestamp_ms", J::U(started.as_millis() as u64)),
-        ("time", J::S(date(r.started))),
+        ("time", J::S(ctime(r.started))),
+    ];
+    if !r.globals.is_empty() {
+        let mut globals: Vec<(String, J)> = Vec::new();
+        for (k, v) in &r.globals {
+            match globals.iter_mut().find(|(key, _)| key == k) {
+                Some(slot) => slot.1 = J::S(v.clone()),
+                None => globals.push((k.clone(), J::S(v.clone()))),
+            }
+        }
+        top.push(("global options", J::O(globals)));
+    }
+    top.extend([
         ("jobs", J::A(jobs)),
+        // No disk statistics: the disks are the target's.
         ("disk_util", J::A(Vec::new())),
+        ("rdmablk-bench version", J::S(version())),
         (
             "rdmablk",
             obj(vec![
@@ -622,12 +686,60 @@ pub fn json(r: &Report) -> J {
                 ("reconnects", J::U(r.entries.iter().map(|e| e.stats.reconnects).sum())),
             ]),
         ),
-    ])
+    ]);
+    obj(top)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn time_is_ctimes_and_top_level_keys_are_fios() {
+        assert_eq!(ctime(SystemTime::UNIX_EPOCH), "Thu Jan  1 00:00:00 1970");
+        assert_eq!(ctime(SystemTime::UNIX_EPOCH + Duration::from_secs(1_796_241_510)), "Wed Dec  2 19:58:30 2026");
+        assert_eq!(ctime(SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000)), "Tue Nov 14 22:13:20 2023");
+        let mut lat = Lat::new();
+        for v in [100u64, 129, 130, 30_000, 30_100, 5_000_000] {
+            lat.record(v);
+        }
+        let mut stats = JobStats { name: "a".into(), jobs: 1, ..JobStats::default() };
+        stats.dirs[0].clat = lat.clone();
+        stats.dirs[0].total_ios = 6;
+        let mut opts = JobOptions::new("a");
+        opts.own = vec![("rw".into(), "read".into())];
+        opts.given = vec![("size".into(), "4m".into()), ("rw".into(), "read".into())];
+        let mut r = Report {
+            entries: vec![Entry { stats, opts, url: "tcp://127.0.0.1:1".into(), volume: "v".into() }],
+            groups: Vec::new(),
+            target_lines: Vec::new(),
+            started: SystemTime::UNIX_EPOCH + Duration::from_millis(1_796_241_510_815),
+            globals: vec![("size".into(), "4m".into()), ("bs".into(), "4k".into()), ("size".into(), "8m".into())],
+        };
+        let text = serde_json::to_string(&json_plus(&r)).unwrap();
+        let keys: Vec<&str> = ["fio version", "timestamp", "timestamp_ms", "time", "global options", "jobs", "disk_util"]
+            .into_iter()
+            .map(|k| text.find(&format!("\"{k}\":")).map(|_| k).unwrap_or("missing"))
+            .collect();
+        assert!(!keys.contains(&"missing"), "{text}");
+        let at: Vec<usize> = keys.iter().map(|k| text.find(&format!("\"{k}\":")).unwrap()).collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "fio's order: {text}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["fio version"], format!("fio-3.33-rdmablk-bench-{}", env!("CARGO_PKG_VERSION")));
+        assert_eq!((v["timestamp"].as_u64(), v["timestamp_ms"].as_u64()), (Some(1_796_241_510), Some(1_796_241_510_815)));
+        assert_eq!(v["time"], "Wed Dec  2 19:58:30 2026");
+        assert_eq!(v["global options"], serde_json::json!({"size": "8m", "bs": "4k"}), "each once, the last value");
+        assert_eq!(v["jobs"][0]["job options"], serde_json::json!({"name": "a", "rw": "read"}), "the job's own options");
+        let bins = &v["jobs"][0]["read"]["clat_ns"]["bins"];
+        // fio 3.33's bins of these values (128..=129 is one bin; 29952..=30207 another).
+        assert_eq!(bins, &serde_json::json!({"100": 1, "129": 1, "131": 1, "30080": 2, "5013504": 1}), "{bins}");
+        assert!(v["jobs"][0]["read"]["slat_ns"].get("bins").is_none(), "no bins without samples");
+        // Plain JSON has no bins, and no "global options" without globals.
+        r.globals.clear();
+        let v = serde_json::to_value(json(&r)).unwrap();
+        assert!(v["jobs"][0]["read"]["clat_ns"].get("bins").is_none());
+        assert!(v.get("global options").is_none());
+    }
 
     #[test]
     fn dates_are_utc() {
@@ -671,6 +783,7 @@ mod tests {
             }],
             target_lines: Vec::new(),
             started: SystemTime::UNIX_EPOCH,
+            globals: Vec::new(),
         };
         let r = report(2, 1);
         let v = serde_json::to_value(json(&r)).unwrap();

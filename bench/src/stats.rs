@@ -125,6 +125,22 @@ impl Lat {
         }
     }
 
+    /// fio's latency bins with their counts ([`crate::fio_log`]), the
+    /// non-empty ones, ascending: json+ `bins`. Exact, not an estimate: a
+    /// bucket of the HDR histogram (1/2048 of a power of two wide, aligned)
+    /// lies within one of fio's bins (1/64 of a power of two, aligned).
+    pub fn fio_bins(&self) -> Vec<(u64, u64)> {
+        let mut out: Vec<(usize, u64)> = Vec::new();
+        for v in self.hist.iter_recorded() {
+            let idx = crate::fio_log::plat_val_to_idx(v.value_iterated_to());
+            match out.last_mut() {
+                Some((last, n)) if *last == idx => *n += v.count_at_value(),
+                _ => out.push((idx, v.count_at_value())),
+            }
+        }
+        out.into_iter().map(|(idx, n)| (crate::fio_log::plat_idx_to_val(idx), n)).collect()
+    }
+
     /// Share (0..=1) of the values in `[low, high)`.
     pub fn fraction_between(&self, low: u64, high: u64) -> f64 {
         if self.n == 0 || high <= low {
@@ -357,6 +373,27 @@ mod tests {
         assert!((a.mean() - all.mean()).abs() < 1e-6);
         assert!((a.stddev() - all.stddev()).abs() < 1e-6);
         assert_eq!(a.percentile(90.0), all.percentile(90.0));
+    }
+
+    #[test]
+    fn fio_bins_match_counting_in_fios_bins() {
+        use crate::fio_log::{plat_idx_to_val, plat_val_to_idx, PLAT_NR};
+        let mut l = Lat::new();
+        let mut direct = vec![0u64; PLAT_NR];
+        let mut x = 0x1234_5678_9abc_def1u64;
+        for i in 0..200_000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Spread over 1 ns .. about 70 s, and every value below 3000.
+            let v = if i < 3000 { i + 1 } else { 1 + (x >> (x % 28 + 28)) };
+            l.record(v);
+            direct[plat_val_to_idx(v)] += 1;
+        }
+        let want: Vec<(u64, u64)> =
+            direct.iter().enumerate().filter(|(_, &n)| n > 0).map(|(i, &n)| (plat_idx_to_val(i), n)).collect();
+        assert_eq!(l.fio_bins(), want);
+        assert_eq!(l.fio_bins().iter().map(|b| b.1).sum::<u64>(), l.count());
     }
 
     #[test]
