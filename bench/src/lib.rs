@@ -26,6 +26,7 @@
 //! - [`stats`]: HDR histograms and exact moments, merged for group reporting.
 //! - [`report`]: fio's text report and JSON (json+ with fio's latency bins).
 //! - [`fio_log`]: fio's log files (`write_lat_log` and the rest) and latency bins.
+//! - [`file_layout`]: files that jobs read are laid out first (no holes).
 //! - [`progress`]: the live status line.
 //! - [`embedded`]: the in-process target.
 //! - [`cpu`]: CPU time of jobs and of the target.
@@ -34,6 +35,7 @@
 pub mod cpu;
 pub mod embedded;
 pub mod engine;
+pub mod file_layout;
 pub mod fio_log;
 pub mod job;
 pub mod jobfile;
@@ -130,6 +132,8 @@ pub fn run(spec: RunSpec) -> Result<i32, String> {
         None => Box::new(std::io::stdout()),
     };
 
+    // Files that jobs read get no holes: reads of holes would measure memory.
+    file_layout::prepare(&layout, &jobs)?;
     let target = if layout.volumes.is_empty() { None } else { Some(embedded::start(&layout.volumes, shape)?) };
     let mut target_lines = Vec::new();
     if let Some(t) = &target {
