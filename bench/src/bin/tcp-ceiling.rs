@@ -585,6 +585,9 @@ fn print_report(o: &Options, r: &serde_json::Value) {
 }
 
 fn main() {
+    // --file runs the target's io_uring engine, which warns through tracing;
+    // the same setup as the other binaries (RUST_LOG, RDMABLK_LOG_FORMAT, journald).
+    rdmablk_common::logging::Logging::new("tcp-ceiling", "warn").init();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let o = match parse_options(&args) {
         Ok(o) => o,
