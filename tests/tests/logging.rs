@@ -313,3 +313,32 @@ fn a_journal_stream_that_is_not_stderr_changes_nothing() {
     let warn = text.lines().find(|l| l.contains("no host may open it")).unwrap();
     assert!(warn.contains(" WARN "), "{warn}");
 }
+
+#[test]
+fn the_bench_and_tcp_ceiling_take_the_same_variables() {
+    let dir = tempfile::tempdir().unwrap();
+    for binary in ["rdmablk-bench", "tcp-ceiling"] {
+        // Their options are fio-style: no --log-format; RDMABLK_LOG_FORMAT,
+        // the alias and JOURNAL_STREAM work as for the others.
+        let log = dir.path().join(format!("{binary}.log"));
+        let f = File::create(&log).unwrap();
+        let (dev, ino) = dev_ino(&log);
+        let mut cmd = Command::new(bin(binary));
+        clean_env(&mut cmd);
+        let st = cmd
+            .env("RDMABLK_LOG", "nonsense=x=y")
+            .env("RDMABLK_LOG_FORMAT", "json")
+            .env("JOURNAL_STREAM", format!("{dev}:{ino}"))
+            .arg("--help")
+            .stdout(Stdio::null())
+            .stderr(f)
+            .status()
+            .unwrap();
+        let text = std::fs::read_to_string(&log).unwrap();
+        assert!(st.success(), "{binary}: {text}");
+        let warn = text.lines().find(|l| l.contains("not a valid log filter")).unwrap_or_else(|| panic!("{binary}: {text}"));
+        let v: serde_json::Value = serde_json::from_str(warn.strip_prefix("<4>").unwrap_or_else(|| panic!("{warn}"))).unwrap();
+        assert!(v["message"].as_str().unwrap().starts_with("RDMABLK_LOG=\"nonsense=x=y\""), "{v}");
+        assert_eq!(v["level"], "WARN");
+    }
+}
