@@ -93,7 +93,7 @@ impl Svg {
     }
 
     /// A rectangle with a tooltip (`<title>`), which browsers show on hover.
-    fn rect(&mut self, class: &str, x: f64, y: f64, w: f64, h: f64, fill: &str, tooltip: &str) {
+    fn rect(&mut self, class: &str, (x, y, w, h): (f64, f64, f64, f64), fill: &str, tooltip: &str) {
         let _ = writeln!(
             self.body,
             r#"<rect class="{class}" x="{x:.1}" y="{y:.1}" width="{w:.1}" height="{h:.1}" fill="{fill}"><title>{}</title></rect>"#,
@@ -321,7 +321,7 @@ pub fn latency_histogram_svg(title: &str, bins: &[(u64, u64)]) -> Result<String,
         let h = share / top * area.height;
         let (from, to) = (10f64.powf(bar as f64 / HIST_BARS_PER_DECADE), 10f64.powf((bar + 1) as f64 / HIST_BARS_PER_DECADE));
         let tip = format!("{} to {}: {n} I/Os ({}%)", latency_text(from), latency_text(to), sig3(share));
-        svg.rect("bar", x0 + 0.5, area.bottom() - h, (x1 - x0 - 1.0).max(0.5), h, PALETTE[0], &tip);
+        svg.rect("bar", (x0 + 0.5, area.bottom() - h, (x1 - x0 - 1.0).max(0.5), h), PALETTE[0], &tip);
     }
 
     let marks = bin_percentiles(bins, &MARKED_PERCENTILES)?;
@@ -391,7 +391,7 @@ pub fn time_series_svg(title: &str, y_label: &str, series: &[Series]) -> Result<
             let (x, y) = xy(&s.points[0]);
             let _ = writeln!(svg.body, r#"<circle class="series" cx="{x:.1}" cy="{y:.1}" r="3" fill="{colour}"/>"#);
         } else {
-            let pts: Vec<String> = s.points.iter().map(|p| xy(p)).map(|(x, y)| format!("{x:.1},{y:.1}")).collect();
+            let pts: Vec<String> = s.points.iter().map(xy).map(|(x, y)| format!("{x:.1},{y:.1}")).collect();
             let _ = writeln!(
                 svg.body,
                 r#"<polyline class="series" fill="none" stroke="{colour}" stroke-width="1.5" points="{}"><title>{}</title></polyline>"#,
@@ -490,7 +490,7 @@ pub fn comparison_chart_svg(title: &str, subtitle: &str, panels: &[Panel]) -> Re
                 let h = b.ratio / top * area.height;
                 let y = area.bottom() - h;
                 let tip = format!("{} — {}: {} ({}× the reference)", g.label, b.system, compact(b.value), sig3(b.ratio));
-                svg.rect("bar", x + 1.0, y, bar_width - 2.0, h, colour_of(&b.system), &tip);
+                svg.rect("bar", (x + 1.0, y, bar_width - 2.0, h), colour_of(&b.system), &tip);
                 // Without its ×, which the axis carries: neighbours' ratios stay apart.
                 svg.text(x + bar_width / 2.0, y - 3.0, "middle", 10.0, r#" class="ratio""#, &ratio_text(b.ratio));
                 // The value inside the bar, upright along it, where it fits.
@@ -1073,7 +1073,7 @@ mod tests {
     #[test]
     fn axes_end_on_a_whole_step_at_or_above_the_maximum() {
         let (top, ticks) = linear_axis(5.73);
-        assert!(top >= 5.73 && top <= 8.0, "top {top}");
+        assert!((5.73..=8.0).contains(&top), "top {top}");
         assert_eq!(ticks.first(), Some(&0.0));
         assert_eq!(ticks.last(), Some(&top));
         let (top, _) = linear_axis(0.0);
