@@ -46,8 +46,17 @@
 # usage: bench/compare.sh [--json FILE] [--runtime SECONDS] [--ramp SECONDS]
 #                         [--size SIZE] [--dir DIR] [--keep] [--no-build]
 #                         [--repeat N] [--case NAME]... [--guest-halt-poll NS]
-#                         [--only nbd]
+#                         [--only nbd] [--results FILE] [--chart FILE]
 #   --json FILE     also write the rows (and the targets) as JSON
+#   --results FILE  where the rows go as a tab-separated table (case, system,
+#                   IOPS, MiB/s, p50, p99, vs ceiling, vs peer; default
+#                   DIR/compare.tsv, replaced by the next run), the input
+#                   of rdmablk-plot compare
+#   --chart FILE    where the chart of that table goes: an SVG of grouped
+#                   bars, a group per case, a bar per system with its ratio
+#                   to local fio (null rows: to nbdkit null) (default
+#                   DIR/compare.svg; drawn by rdmablk-plot, which is built
+#                   with rdmablk-bench; without it, a warning and no chart)
 #   --runtime S     seconds per measurement (default 10)
 #   --ramp S        warm-up seconds before each measurement (default 1)
 #   --size SIZE     size of the test file (default 1G)
@@ -85,6 +94,8 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 
 JSON_OUT=""
+RESULTS_OUT=""
+CHART_OUT=""
 RUNTIME=10
 RAMP=1
 SIZE=1G
@@ -99,6 +110,8 @@ HALT_POLL_PARAM=/sys/module/haltpoll/parameters/guest_halt_poll_ns
 while [ $# -gt 0 ]; do
     case "$1" in
         --json) JSON_OUT=$(realpath -m "$2"); shift 2 ;;
+        --results) RESULTS_OUT=$(realpath -m "$2"); shift 2 ;;
+        --chart) CHART_OUT=$(realpath -m "$2"); shift 2 ;;
         --runtime) RUNTIME=$2; shift 2 ;;
         --ramp) RAMP=$2; shift 2 ;;
         --size) SIZE=$2; shift 2 ;;
@@ -146,6 +159,8 @@ if [ "$BUILD" = 1 ]; then
 fi
 
 mkdir -p "$DIR"
+RESULTS_OUT=${RESULTS_OUT:-$(realpath -m "$DIR/compare.tsv")}
+CHART_OUT=${CHART_OUT:-$(realpath -m "$DIR/compare.svg")}
 WORK=$(mktemp -d "$DIR/run.XXXXXX")
 # Private copies: a rebuild of target/ during the run cannot swap them.
 mkdir -p "$WORK/bin"
@@ -155,6 +170,13 @@ BENCH="$WORK/bin/rdmablk-bench"
 TARGET="$WORK/bin/rdmablk-target"
 CEIL="$WORK/bin/tcp-ceiling"
 RDMABLK="$WORK/bin/rdmablk"
+# rdmablk-plot draws the chart at the end; a build from before it existed
+# still runs, without the chart.
+PLOT=""
+if [ -x "$BIN_DIR/rdmablk-plot" ]; then
+    cp "$BIN_DIR/rdmablk-plot" "$WORK/bin/"
+    PLOT="$WORK/bin/rdmablk-plot"
+fi
 FILE="$DIR/compare.img"
 PIDS=()
 PEER_CG=""
@@ -419,9 +441,9 @@ LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 snapshot "$WORK/procs1.json"
 
 # --- table ---------------------------------------------------------------------
-OURS="$TPID $PPID_POLLED $NPID $NNPID $RNPID $$ $BASHPID" PLACEMENT="$PLACEMENT" PEER_CACHE="$PEER_CACHE" HALT_POLL="$HALT_POLL" CASE_NAMES="$CASE_NAMES" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
+OURS="$TPID $PPID_POLLED $NPID $NNPID $RNPID $$ $BASHPID" PLACEMENT="$PLACEMENT" PEER_CACHE="$PEER_CACHE" HALT_POLL="$HALT_POLL" CASE_NAMES="$CASE_NAMES" REPEAT="$REPEAT" WORK="$WORK" JSON_OUT="$JSON_OUT" RESULTS_OUT="$RESULTS_OUT" TREE="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" LOAD_BEFORE="$LOAD_BEFORE" LOAD_AFTER="$LOAD_AFTER" \
 RUNTIME="$RUNTIME" RAMP="$RAMP" SIZE_BYTES="$SIZE_BYTES" ONLY_NBD="$ONLY_NBD" python3 - <<'PY'
-import functools, json, os
+import datetime, functools, json, os, sys
 
 work = os.environ["WORK"]
 cases = os.environ["CASE_NAMES"].split()
@@ -814,4 +836,30 @@ if os.environ.get("JSON_OUT"):
                    "repeat": REPEAT, "placement": os.environ["PLACEMENT"], "peer_page_cache": os.environ["PEER_CACHE"], "guest_halt_poll": os.environ["HALT_POLL"], "iperf3_runs_bytes_per_sec": iperf_runs,
                    "runtime_s": int(os.environ["RUNTIME"]), "ramp_s": int(os.environ["RAMP"])}, fh, indent=2)
     print(f"\nrows written to {os.environ['JSON_OUT']}")
+
+# The rows as a table for rdmablk-plot compare (bench/src/plot.rs reads it):
+# comment lines, the first naming the run, then a tab-separated header and
+# a line per row, - where a value is missing. Notes go to stderr: stdout
+# stays the markdown above.
+def cell(v, fmt):
+    return "-" if v is None else format(v, fmt)
+with open(os.environ["RESULTS_OUT"], "w") as fh:
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    fh.write(f"# compare.sh, {when}, tree {os.environ['TREE']}: {REPEAT} run(s) of {os.environ['RUNTIME']} s per row "
+             f"after {os.environ['RAMP']} s ramp, medians{' (--only nbd)' if ONLY_NBD else ''}\n")
+    if iperf:
+        fh.write(f"# fabric ceiling: iperf3, one loopback TCP stream: {iperf / 1048576.0:.1f} MiB/s\n")
+    fh.write("case\tsystem\tratio_metric\tiops\tbw_mib\tp50_us\tp99_us\tvs_ceiling\tvs_peer\n")
+    for r in rows:
+        fh.write("\t".join([r["case"], r["system"], r["ratio_metric"], cell(r.get("iops"), ".2f"), cell(r.get("bw_mib"), ".2f"),
+                            cell(r.get("p50_us"), ".2f"), cell(r.get("p99_us"), ".2f"), cell(r["vs_ceiling"], ".4f"),
+                            cell(r["vs_peer"], ".4f")]) + "\n")
+print(f"==> results table written to {os.environ['RESULTS_OUT']}", file=sys.stderr)
 PY
+if [ -z "$PLOT" ]; then
+    log "warning: no chart: $BIN_DIR/rdmablk-plot missing (cargo build --release -p rdmablk-bench builds it)"
+elif "$PLOT" compare "$RESULTS_OUT" -o "$CHART_OUT" 2>"$WORK/plot.err"; then
+    log "chart written to $CHART_OUT"
+else
+    log "warning: no chart: $(cat "$WORK/plot.err")"
+fi
