@@ -8,6 +8,7 @@
 //! installs them: libnbd-bin, qemu-utils, fio).
 
 use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -76,9 +77,26 @@ impl NbdProcess {
 
     /// `start` with `extra` arguments after the socket.
     fn start_with(target: &TargetProcess, volume: &str, socket: &Path, extra: &[&str]) -> NbdProcess {
+        let mut nbd = NbdProcess::spawn(target, volume, &["--socket".as_ref(), socket.as_os_str()], extra);
+        assert_eq!(nbd.uri, format!("nbd+unix:///{volume}?socket={}", socket.display()));
+        nbd.socket = socket.to_owned();
+        nbd
+    }
+
+    /// `start` on a TCP port of 127.0.0.1 (`socket` is empty); the address.
+    fn start_tcp(target: &TargetProcess, volume: &str) -> (NbdProcess, SocketAddr) {
+        let nbd = NbdProcess::spawn(target, volume, &["--listen".as_ref(), "127.0.0.1:0".as_ref()], &[]);
+        let addr = nbd.uri.strip_prefix("nbd://").and_then(|u| u.strip_suffix(&format!("/{volume}"))).map(str::parse);
+        let Some(Ok(addr)) = addr else { panic!("not an nbd:// URI of {volume}: {}", nbd.uri) };
+        (nbd, addr)
+    }
+
+    /// Starts `rdmablk nbd VOLUME` with `listen` (the address options) and
+    /// `extra`; waits for the URI it prints.
+    fn spawn(target: &TargetProcess, volume: &str, listen: &[&std::ffi::OsStr], extra: &[&str]) -> NbdProcess {
         let mut child = Command::new(bin("rdmablk"))
-            .args(["--target", &target.url, "nbd", volume, "--socket"])
-            .arg(socket)
+            .args(["--target", &target.url, "nbd", volume])
+            .args(listen)
             .args(extra)
             .env("RDMABLK_LOG", "info")
             .stdin(Stdio::null())
@@ -113,8 +131,7 @@ impl NbdProcess {
                 panic!("rdmablk nbd printed no URI; log:\n{}", log.lock().unwrap().join("\n"));
             }
         };
-        assert_eq!(uri, format!("nbd+unix:///{volume}?socket={}", socket.display()));
-        NbdProcess { child, uri, socket: socket.to_owned(), log }
+        NbdProcess { child, uri, socket: PathBuf::new(), log }
     }
 
     fn log(&self) -> String {
@@ -198,9 +215,10 @@ fn random_file(path: &Path, len: usize, seed: u64) -> Vec<u8> {
 
 // ------------------------------------------------------------------ raw client
 
-/// A minimal NBD client for what real clients never send.
-struct Raw {
-    s: UnixStream,
+/// A minimal NBD client for what real clients never send, on a unix
+/// socket or (`Raw<TcpStream>`) over TCP.
+struct Raw<S = UnixStream> {
+    s: S,
 }
 
 impl Raw {
@@ -208,6 +226,23 @@ impl Raw {
     fn connect(socket: &Path) -> Raw {
         let s = UnixStream::connect(socket).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        Raw::greeted(s)
+    }
+}
+
+impl Raw<TcpStream> {
+    /// `connect` over TCP.
+    fn connect_tcp(addr: SocketAddr) -> Raw<TcpStream> {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        s.set_nodelay(true).unwrap();
+        Raw::greeted(s)
+    }
+}
+
+impl<S: Read + Write> Raw<S> {
+    /// Reads the greeting on `s`; sends fixed newstyle + no zeroes.
+    fn greeted(s: S) -> Raw<S> {
         let mut r = Raw { s };
         let mut g = [0u8; wire::Greeting::SIZE];
         r.s.read_exact(&mut g).unwrap();
@@ -769,10 +804,10 @@ fn nbd_without_an_address_names_both_socket_and_listen() {
     assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
 }
 
-/// At SIGTERM, a client is pipelining 4 KiB writes (cookie i writes block i).
-/// Every request it finished sending is answered: the ones already started
-/// on the volume complete (their data is in the file), the ones the server
-/// had not started get NBD_ESHUTDOWN (and are not written); none goes
+/// At SIGTERM, a client is pipelining 4 KiB writes (cookie i writes block i)
+/// on a unix socket. Every request it sent is answered: the ones already
+/// started on the volume complete (their data is in the file), the ones the
+/// server had not started get NBD_ESHUTDOWN (and are not written); none goes
 /// unanswered, and the server exits 0, flushed.
 #[test]
 fn at_sigterm_every_request_sent_is_answered_done_or_eshutdown() {
@@ -780,15 +815,35 @@ fn at_sigterm_every_request_sent_is_answered_done_or_eshutdown() {
     let nbd = NbdProcess::start(&s.target, "vol0", &s.dir.path().join("vol0.sock"));
     let mut c = Raw::connect(&nbd.socket);
     c.go("vol0");
+    let w = c.s.try_clone().unwrap();
+    every_request_sent_at_sigterm_is_answered(&s, nbd, c, w);
+}
+
+/// The same over TCP, where what the client sent may still be on its way
+/// when the server stops: it is read and answered too.
+#[test]
+fn at_sigterm_every_request_sent_over_tcp_is_answered_done_or_eshutdown() {
+    let s = setup();
+    let (nbd, addr) = NbdProcess::start_tcp(&s.target, "vol0");
+    let mut c = Raw::connect_tcp(addr);
+    c.go("vol0");
+    let w = c.s.try_clone().unwrap();
+    every_request_sent_at_sigterm_is_answered(&s, nbd, c, w);
+}
+
+/// Pipelines a 4 KiB write per block of vol0 through `w` (the writing half
+/// of `c`'s connection), SIGTERMs `nbd` after 300 replies, reads replies
+/// until the server closes, and checks them against what was sent and the
+/// file.
+fn every_request_sent_at_sigterm_is_answered<S: Read + Write + Send + 'static>(s: &Setup, nbd: NbdProcess, mut c: Raw<S>, mut w: S) {
     let blocks = SIZE / 4096;
     let pattern = |i: u64| (i % 251 + 1) as u8;
-    let mut w = c.s.try_clone().unwrap();
     let writer = std::thread::spawn(move || {
         let mut sent = 0u64;
         for i in 0..blocks {
             let r = Request { flags: 0, command: Cmd::Write, cookie: i, offset: i * 4096, length: 4096 };
-            // Once the server stops reading, the write fails (EPIPE): the
-            // requests before it were sent whole.
+            // Should the server close first, the requests before the
+            // failed write were sent whole.
             if w.write_all(&[&r.encode()[..], &[pattern(i); 4096][..]].concat()).is_err() {
                 break;
             }
@@ -812,7 +867,7 @@ fn at_sigterm_every_request_sent_is_answered_done_or_eshutdown() {
         }
     }
     let sent = writer.join().unwrap();
-    assert!(sent < blocks, "the client was still sending at SIGTERM");
+    drop(c);
     let (code, log) = nbd.wait();
     assert_eq!(code, Some(0), "{log}");
     assert!(log.contains("flushed"), "{log}");
@@ -820,10 +875,11 @@ fn at_sigterm_every_request_sent_is_answered_done_or_eshutdown() {
         let e = errors.get(&cookie).unwrap_or_else(|| panic!("request {cookie} of {sent} sent was not answered; log:\n{log}"));
         assert!(*e == 0 || *e == wire::NBD_ESHUTDOWN, "request {cookie}: error {e}");
     }
-    // The request cut short by the server's stop may be answered too (it was not sent whole).
+    // The request cut short by the server's close may be answered too (it was not sent whole).
     assert!(errors.keys().all(|&k| k <= sent), "replies to requests never sent");
-    let refused: Vec<u64> = errors.iter().filter(|(_, &e)| e == wire::NBD_ESHUTDOWN).map(|(&k, _)| k).collect();
-    assert!(!refused.is_empty(), "the requests queued at SIGTERM get NBD_ESHUTDOWN, not a late start; log:\n{log}");
+    let refused = errors.values().filter(|&&e| e == wire::NBD_ESHUTDOWN).count();
+    assert!(refused > 0, "the requests received after SIGTERM get NBD_ESHUTDOWN, not a late start; log:\n{log}");
+    assert!(log.contains(&format!("{refused} request(s) received after the stop answered NBD_ESHUTDOWN")), "{log}");
     let file = std::fs::read(&s.img).unwrap();
     for (&cookie, &e) in &errors {
         let block = &file[(cookie * 4096) as usize..((cookie + 1) * 4096) as usize];

@@ -33,16 +33,25 @@
 //! ("the error value issued in respect of ... any subsequently received
 //! requests SHOULD be ESHUTDOWN"), a WRITE's payload read and dropped.
 //! Answering instead of closing over them tells the client which requests
-//! did not happen, and starting none keeps the stop short. The server has
-//! ended the socket's reading (`shutdown(SHUT_RD)`), so what is taken is
-//! what the client had sent before: reading ends at its end.
+//! did not happen, and starting none keeps the stop short. Reading goes on
+//! while requests keep coming: over TCP, what a client has sent may still
+//! be on its way, and closing over it would drop those requests unanswered
+//! (a `shutdown(SHUT_RD)` would not help: TCP reports the end as soon as
+//! the receive queue is empty for a moment). It ends when the client
+//! closes or sends NBD_CMD_DISC (the protocol tells a client that gets
+//! ESHUTDOWN to disconnect), once nothing has come for [`STOP_QUIET`] with
+//! nothing in flight, or [`STOP_DRAIN`] after the stop. Then the server
+//! sends its FIN and reads what still comes for up to [`STOP_LINGER`]
+//! before closing, so that a close over unread bytes (a TCP reset) does
+//! not destroy replies still on their way.
 
 use std::collections::BTreeMap;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::Shutdown;
+use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::server::{Export, Stream};
 use super::wire::{self, Command, Request, SimpleReply, CMD_FLAG_FUA, CMD_FLAG_NO_HOLE, NBD_ESHUTDOWN};
@@ -76,9 +85,33 @@ struct Reply {
 /// again (a lost session ends its requests within `io_timeout` anyway).
 const WAIT_SLICE: Duration = Duration::from_millis(500);
 
+/// With the server stopping and nothing in flight, reading ends once no
+/// request has come for this long.
+pub(crate) const STOP_QUIET: Duration = Duration::from_millis(250);
+/// Reading ends this long after the stop at the latest, for a client that
+/// goes on sending despite NBD_ESHUTDOWN.
+pub(crate) const STOP_DRAIN: Duration = Duration::from_secs(5);
+/// After its last reply at a stop, how long a connection reads (and drops)
+/// what still comes before it closes.
+pub(crate) const STOP_LINGER: Duration = Duration::from_secs(1);
+
+/// The server's stop, as a connection sees it.
+#[derive(Clone, Copy)]
+pub(crate) struct StopSignal<'a> {
+    /// Set once the server stops: no request is started after it.
+    pub flag: &'a AtomicBool,
+    /// Readable once the server stops: wakes a connection that sleeps.
+    pub fd: BorrowedFd<'a>,
+}
+
+impl StopSignal<'_> {
+    fn is_set(&self) -> bool {
+        self.flag.load(Ordering::Acquire)
+    }
+}
+
 /// Serves one negotiated connection until it ends; logs how it ended.
-/// `stopping`: the server's stop, after which no request is started.
-pub(crate) fn serve(shared: &Shared, stream: Stream, peer: &str, stopping: &AtomicBool) {
+pub(crate) fn serve(shared: &Shared, stream: Stream, peer: &str, stop: StopSignal<'_>) {
     let conn = Connection {
         volume: &shared.volume,
         queue: shared.session.io_queue(),
@@ -89,12 +122,15 @@ pub(crate) fn serve(shared: &Shared, stream: Stream, peer: &str, stopping: &Atom
         replies: Vec::with_capacity(REPLIES_PER_SEND),
         unflushed: false,
         broken: false,
-        stopping,
+        stop,
         shut_down: 0,
         stream: &stream,
         peer,
     };
     let ended = conn.run();
+    if stop.is_set() {
+        linger(&stream);
+    }
     stream.shutdown(Shutdown::Both);
     tracing::info!("{peer}: disconnected ({ended})");
 }
@@ -125,8 +161,8 @@ struct Connection<'a> {
     unflushed: bool,
     /// Sending failed: nothing more is sent, and reading ends.
     broken: bool,
-    /// The server is stopping: requests taken are answered NBD_ESHUTDOWN.
-    stopping: &'a AtomicBool,
+    /// Once set, requests taken are answered NBD_ESHUTDOWN.
+    stop: StopSignal<'a>,
     /// Requests answered NBD_ESHUTDOWN, for the log.
     shut_down: u64,
     stream: &'a Stream,
@@ -143,9 +179,14 @@ impl Connection<'_> {
         let mut ended: Option<String> = None;
         // A request whose header was read and that waits for a buffer.
         let mut stalled: Option<Request> = None;
+        // When this connection saw the stop.
+        let mut stopped_at: Option<Instant> = None;
         loop {
             // Once stopping, a request taken is refused: it needs no room.
-            let stopping = self.stopping.load(Ordering::Acquire);
+            let stopping = self.stop.is_set();
+            if stopping && stopped_at.is_none() {
+                stopped_at = Some(Instant::now());
+            }
             // Every request already received, up to the queue depth.
             while ended.is_none() && (stopping || self.pending.len() < self.depth) {
                 let request = match stalled.take() {
@@ -188,9 +229,16 @@ impl Connection<'_> {
             // Stopping, what arrives is refused at once, whatever is in flight.
             let room = ended.is_none() && (stopping || (stalled.is_none() && self.pending.len() < self.depth));
             if self.queue.outstanding() == 0 {
-                // Nothing in flight: sleep in the socket's receive.
-                if let Err(why) = receive(&mut input, true) {
-                    ended = Some(why);
+                // Nothing in flight: sleep until requests come or, unless
+                // stopping already, the server stops.
+                let wait = stopped_at.map(|at| STOP_QUIET.min((at + STOP_DRAIN).saturating_duration_since(Instant::now())));
+                let stop_fd = if stopping { None } else { Some(self.stop.fd) };
+                if readable(self.stream.as_fd(), stop_fd, wait) {
+                    if let Err(why) = receive(&mut input, false) {
+                        ended = Some(why);
+                    }
+                } else if stopping {
+                    ended = Some("the server is stopping".to_owned());
                 }
                 continue;
             }
@@ -396,6 +444,51 @@ impl Connection<'_> {
             if let Err(e) = c.result {
                 tracing::warn!("{}: the flush after the connection's last writes failed: {}", self.peer, e.one_line());
             }
+        }
+    }
+}
+
+/// Waits until `socket` is readable (true), `also` is, or `timeout` passes
+/// (false for both). A failed poll counts as readable: the receive that
+/// follows reports the socket's error.
+fn readable(socket: BorrowedFd<'_>, also: Option<BorrowedFd<'_>>, timeout: Option<Duration>) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let timeout = timeout.map(|t| Timespec::try_from(t).unwrap_or(Timespec { tv_sec: 1, tv_nsec: 0 }));
+    loop {
+        let mut fds = [PollFd::new(&socket, PollFlags::IN), PollFd::new(&socket, PollFlags::IN)];
+        let n = match &also {
+            Some(fd) => {
+                fds[1] = PollFd::new(fd, PollFlags::IN);
+                2
+            }
+            None => 1,
+        };
+        match poll(&mut fds[..n], timeout.as_ref()) {
+            Ok(_) => return !fds[0].revents().is_empty(),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(_) => return true,
+        }
+    }
+}
+
+/// After a stop: sends the FIN (after every reply), then reads and drops
+/// what the client still sends, until it closes or [`STOP_LINGER`] passes,
+/// so that closing over unread bytes (a TCP reset) does not destroy the
+/// replies on their way to it.
+fn linger(stream: &Stream) {
+    stream.shutdown(Shutdown::Write);
+    let until = Instant::now() + STOP_LINGER;
+    let mut scratch = [0u8; 16 << 10];
+    while let Some(left) = until.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) {
+        if stream.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        let mut s = stream;
+        match s.read(&mut scratch) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return,
         }
     }
 }

@@ -203,7 +203,7 @@ struct Stop {
     volume: String,
     /// Readable once stopping: wakes the accept loop.
     fd: OwnedFd,
-    /// The sockets of live connections, to end their reading.
+    /// The sockets of connections still negotiating, to end their reading.
     conns: Mutex<HashMap<u64, Stream>>,
 }
 
@@ -235,10 +235,11 @@ impl std::fmt::Debug for Stop {
     }
 }
 
-/// Stops a running [`Server`] from any thread: it stops accepting, every
-/// connection stops reading requests, the requests in flight finish and
-/// are answered (those the client had sent and the server had not started
-/// get `NBD_ESHUTDOWN`), the volume is flushed, and [`Server::run`] returns.
+/// Stops a running [`Server`] from any thread: it stops accepting, the
+/// connections still negotiating are closed, the requests in flight finish
+/// and are answered, the requests that come after the stop are answered
+/// `NBD_ESHUTDOWN` until each client closes or goes quiet (see `conn.rs`),
+/// the volume is flushed, and [`Server::run`] returns.
 #[derive(Clone, Debug)]
 pub struct Stopper {
     stop: Arc<Stop>,
@@ -440,7 +441,7 @@ impl Server {
             let (shared, stop, still) = (Arc::clone(&self.shared), Arc::clone(&self.stop), Arc::clone(&live));
             let handshake_timeout = self.handshake_timeout;
             let spawned = std::thread::Builder::new().name(format!("nbd-conn-{id}")).spawn(move || {
-                serve_connection(&shared, stream, &peer, handshake_timeout, &stop.stopping);
+                serve_connection(&shared, stream, &peer, handshake_timeout, &stop, id);
                 stop.unregister(id);
                 still.fetch_sub(1, Ordering::AcqRel);
             });
@@ -481,7 +482,7 @@ impl Server {
 
 /// Negotiates with one client and serves it until it disconnects or the
 /// server stops. Every way it ends is logged.
-fn serve_connection(shared: &conn::Shared, stream: Stream, peer: &str, handshake_timeout: Duration, stopping: &AtomicBool) {
+fn serve_connection(shared: &conn::Shared, stream: Stream, peer: &str, handshake_timeout: Duration, stop: &Stop, id: u64) {
     tracing::info!("{peer}: connected");
     match handshake::negotiate(&stream, &shared.export, peer, handshake_timeout) {
         Ok(true) => {}
@@ -496,7 +497,12 @@ fn serve_connection(shared: &conn::Shared, stream: Stream, peer: &str, handshake
         tracing::warn!("{peer}: closing, cannot set the socket's timeouts: {e}");
         return;
     }
-    conn::serve(shared, stream, peer, stopping);
+    // From here the stop no longer ends the socket's reading: the
+    // connection watches the stop itself and answers what comes after it
+    // NBD_ESHUTDOWN (see `conn`). (Stopped before this: its reading is
+    // ended; what was sent before is answered all the same.)
+    stop.unregister(id);
+    conn::serve(shared, stream, peer, conn::StopSignal { flag: &stop.stopping, fd: stop.fd.as_fd() });
 }
 
 /// Binds a unix socket at `path`. An existing socket nobody listens on
