@@ -96,22 +96,28 @@ fn fill(file: &File, ranges: &[(u64, u64)]) -> std::io::Result<u64> {
 pub fn lay_out(v: &EmbeddedVolume, job: &str) -> Result<bool, String> {
     let Some(path) = &v.path else { return Ok(false) };
     let shown = path.display();
-    match std::fs::metadata(path) {
+    let exists = match std::fs::metadata(path) {
         Ok(m) if !m.file_type().is_file() => {
             // A block device (or a character device, a FIFO): no holes to fill.
             return Ok(false);
         }
-        Ok(_) => {}
-        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        Ok(_) => true,
+        Err(e) if e.kind() == ErrorKind::NotFound => false,
         Err(e) => return Err(format!("{shown}: {e}")),
-    }
-    let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path).map_err(|e| {
-        format!("{shown}: cannot open the file to lay it out before reading it: {e}")
-    })?;
-    let ranges = holes(&file, v.size).map_err(|e| format!("{shown}: cannot find the file's holes: {e}"))?;
+    };
+    let ranges = if exists {
+        // Looked at read-only: a file without holes needs no write access here.
+        let file = File::open(path).map_err(|e| format!("{shown}: cannot open the file to look for holes: {e}"))?;
+        holes(&file, v.size).map_err(|e| format!("{shown}: cannot find the file's holes: {e}"))?
+    } else {
+        vec![(0, v.size)]
+    };
     if ranges.is_empty() {
         return Ok(false);
     }
+    let file = OpenOptions::new().write(true).create(true).truncate(false).open(path).map_err(|e| {
+        format!("{shown}: cannot open the file to lay it out (write its holes) before jobs read it: {e}")
+    })?;
     // fio's line (fio prints it on standard output; here standard output
     // may be the JSON document).
     eprintln!("{job}: Laying out IO file (1 file / {}MiB)", v.size >> 20);

@@ -213,6 +213,23 @@ fn averaged_logs_have_a_line_per_window() {
 }
 
 #[test]
+fn jobs_share_a_log_without_per_job_logs() {
+    let d = dir();
+    let prefix = s(&d.path().join("shared"));
+    let out = ok(&[
+        "--backend=null", "--size=64M", "--name=w", "--rw=randwrite", "--bs=8k", "--numjobs=3", "--io_size=2M",
+        "--output-format=json", "--per_job_logs=0", &format!("--write_iops_log={prefix}"),
+    ]);
+    let v = json(&out);
+    let total: u64 = (0..3).map(|j| u(&v["jobs"][j]["write"]["total_ios"], "total_ios")).sum();
+    assert_eq!(total, 3 * 256);
+    assert!(!Path::new(&format!("{prefix}_iops.1.log")).exists(), "no .N without per_job_logs");
+    let lines = log(Path::new(&format!("{prefix}_iops.log")));
+    assert_eq!(lines.len() as u64, total, "every job's lines, whole");
+    assert!(lines.iter().all(|l| l.len() == 5 && l[1] == 1 && l[2] == 1 && l[3] == 8192), "{lines:?}");
+}
+
+#[test]
 fn json_has_fios_top_level_keys_in_fios_order() {
     let out = ok(&["--backend=null", "--size=16M", "--bs=4k", "--name=a", "--rw=randread", "--io_size=4M", "--output-format=json"]);
     let t = text(&out.stdout);
