@@ -402,3 +402,37 @@ fn a_bad_log_line_is_named_by_file_and_line() {
     assert_eq!(plot(&["hist", "x", "--colour", "red"]).status.code(), Some(2));
     assert!(plot(&["--help"]).status.success());
 }
+
+/// rdmablk-bench's own json+ and iops log (its null backend on the embedded
+/// target) plot like fio's: the bins count every I/O, the percentiles taken
+/// from them are within one fio bin (64 per power of two: under 2 %) of the
+/// ones it printed from its HDR histogram, and the log is fio's format.
+#[test]
+fn rdmablk_benchs_json_plus_and_iops_log_plot_like_fios() {
+    let d = dir();
+    let o = Command::new(env!("CARGO_BIN_EXE_rdmablk-bench"))
+        .args(["--name=n", "--backend=null", "--rw=randread", "--bs=4k", "--iodepth=4", "--runtime=1", "--time_based"])
+        .args(["--output-format=json+", "--write_iops_log=rb", "--log_avg_msec=100"])
+        .current_dir(d.path())
+        .output()
+        .expect("running rdmablk-bench");
+    assert!(o.status.success(), "rdmablk-bench: {}", stderr(&o));
+    let text = String::from_utf8(o.stdout).unwrap();
+    let doc = fio_json(&text);
+    let lat = &doc["jobs"][0]["read"]["clat_ns"];
+    let bins = merge_bins(&json_plus_bins(&text).expect("rdmablk-bench's json+ has bins"), "read");
+    assert_eq!(bins.iter().map(|b| b.1).sum::<u64>(), lat["N"].as_u64().unwrap());
+    let ours = bin_percentiles(&bins, &MARKED_PERCENTILES).unwrap();
+    for (p, v) in MARKED_PERCENTILES.iter().zip(ours) {
+        let printed = lat["percentile"][format!("{p:.6}")].as_u64().unwrap() as f64;
+        assert!((v as f64 - printed).abs() <= printed * 0.02, "p{p}: {v} ns from the bins, {printed} ns printed");
+    }
+    let json = d.path().join("rb.json");
+    std::fs::write(&json, &text).unwrap();
+    let log = d.path().join("rb_iops.1.log");
+    for (args, what) in [(["hist", json.to_str().unwrap()], "percentile"), (["iops", log.to_str().unwrap()], "series")] {
+        let o = plot(&args);
+        assert!(o.status.success(), "rdmablk-plot {args:?}: {}", stderr(&o));
+        with_svg(&String::from_utf8(o.stdout).unwrap(), |doc| assert!(!with_class(doc, what).is_empty(), "no {what} in {args:?}"));
+    }
+}
