@@ -546,7 +546,7 @@ const DEFS: &[Def] = &[
     job_flag("wait_for_previous", "same as stonewall"),
     job_flag("new_group", "start a new reporting group"),
     job("percentile_list", "clat percentiles, colon separated (default fio's 17 points)"),
-    job("filename", "embedded target: serve this file (created at --size if missing)"),
+    job("filename", "embedded target: serve this file (created at --size if missing; holes are written before jobs read it)"),
     job("backend", "embedded target: file|null|memory (default file; null and memory volumes default to 1G)"),
     job("target", "URL of a running target (tcp://HOST:PORT); no embedded target"),
     job("volume", "volume to open on --target"),
@@ -923,7 +923,7 @@ pub fn help() -> String {
     }
     s.push_str(
         "\nAny other fio option is refused: rdmablk-bench does not implement it.\n\
-         Log files are fio's (time in ms, value, ddir, bs[, offset], prio); N is the job's number from 1.\n",
+         Log files are fio's (time in ms, value, ddir, bs[, offset], prio); N is the job's number from 1.",
     );
     s.push_str(
         "\n\nexample (the main job):\n  rdmablk-bench --name=main --filename=/var/tmp/rdmablk.img --size=1G --rw=randread \\\n    \
