@@ -79,6 +79,7 @@ pub mod reactor;
 pub mod v1;
 pub mod nvmf;
 pub mod target;
+pub mod cli;
 /// systemd notifications live in `rdmablk-common`, shared with the `rdmablk` CLI.
 pub use rdmablk_common::notify;
 

@@ -9,29 +9,13 @@
 //! invalid configuration or a volume that disagrees with it (clap's usage
 //! errors are 2 as well), 1 for anything else.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use rdmablk_common::logging::{LogFormat, Logging};
+use rdmablk_common::logging::Logging;
+// The options live in the library: the man page and completions are generated from them (docgen/).
+use rdmablk_target::cli::Args;
 use rdmablk_target::Config;
-
-/// Remote block storage target (NVMe-oF/RDMA style, direct data placement).
-/// SIGHUP reloads the configuration; SIGTERM stops cleanly.
-#[derive(Parser, Debug)]
-#[command(name = "rdmablk-target", version, about)]
-struct Args {
-    /// Configuration file (TOML).
-    #[arg(long, short = 'c', value_name = "FILE")]
-    config: PathBuf,
-    /// Validate the configuration and the volumes, print what would be served, and exit.
-    #[arg(long)]
-    check: bool,
-    /// Log format on stderr [default: $RDMABLK_LOG_FORMAT or text]. The filter comes from RUST_LOG (or
-    /// RDMABLK_LOG; default: info); under systemd lines carry journald priorities.
-    #[arg(long, value_enum, value_name = "FORMAT")]
-    log_format: Option<LogFormat>,
-}
 
 fn main() -> ExitCode {
     let args = Args::parse();
