@@ -43,6 +43,7 @@ pub mod options;
 pub mod plot;
 pub mod progress;
 pub mod report;
+pub mod run_plot;
 pub mod stats;
 pub mod units;
 pub mod verify;
@@ -190,9 +191,18 @@ pub fn run(spec: RunSpec) -> Result<i32, String> {
     let mut all: Vec<JobStats> = Vec::with_capacity(plans.len());
     let mut groups: Vec<Group> = Vec::new();
     let batches = plans.iter().map(|(_, b)| *b).max().map_or(0, |b| b + 1);
+    // --plot's IOPS samples of every batch on one clock: (s since the first batch, cumulative I/Os).
+    let mut iops_samples: Vec<(f64, [u64; 2])> = Vec::new();
+    let run_clock = Instant::now();
     for b in 0..batches {
         let batch_plans: Vec<JobPlan> = plans.iter().filter(|(_, pb)| *pb == b).map(|(p, _)| p.clone()).collect();
-        let (stats, target_cpu, wall) = run_batch(&batch_plans, ropts.target_pid, target.is_some(), show_eta);
+        let batch_start = run_clock.elapsed().as_secs_f64();
+        let before = iops_samples.last().map_or([0, 0], |s| s.1);
+        let (stats, target_cpu, wall, samples) =
+            run_batch(&batch_plans, ropts.target_pid, target.is_some(), show_eta, ropts.plot.is_some());
+        iops_samples.extend(
+            samples.iter().map(|(t, n)| (batch_start + t.as_secs_f64(), [before[0] + n[0], before[1] + n[1]])),
+        );
         for s in &stats {
             match groups.iter_mut().find(|g| g.groupid == s.groupid) {
                 Some(g) => g.jobs.push(s.clone()),
@@ -234,6 +244,12 @@ pub fn run(spec: RunSpec) -> Result<i32, String> {
     };
     out.write_all(text.as_bytes()).map_err(|e| e.to_string())?;
     out.flush().map_err(|e| e.to_string())?;
+    if let Some(prefix) = &ropts.plot {
+        let json_plus = serde_json::to_string(&report::json_plus(&rep)).map_err(|e| e.to_string())?;
+        for path in run_plot::write(prefix, &json_plus, &iops_samples)? {
+            eprintln!("rdmablk-bench: wrote {}", path.display());
+        }
+    }
 
     let failed = all.iter().any(|s| s.error != 0 || s.total_errors() > 0);
     Ok(i32::from(failed))
@@ -246,7 +262,8 @@ fn run_batch(
     target_pid: Option<u32>,
     embedded: bool,
     show_eta: bool,
-) -> (Vec<JobStats>, Option<CpuUsage>, std::time::Duration) {
+    plot: bool,
+) -> (Vec<JobStats>, Option<CpuUsage>, std::time::Duration, Vec<run_plot::IopsSample>) {
     let target_cpu = || -> Option<CpuUsage> {
         match target_pid {
             Some(pid) => cpu::process_usage(pid),
@@ -290,6 +307,7 @@ fn run_batch(
     barrier.wait();
     let cpu0 = target_cpu();
     let t0 = Instant::now();
+    let sampler = plot.then(|| run_plot::IopsSampler::start(progress.clone()));
     let eta = show_eta.then(|| {
         progress::StatusLine::start(progress.iter().cloned().zip(plans.iter().map(|p| p.opts.rw)).collect())
     });
@@ -313,9 +331,10 @@ fn run_batch(
     if let Some(e) = eta {
         e.finish();
     }
+    let samples = sampler.map(run_plot::IopsSampler::finish).unwrap_or_default();
     let cpu = match (cpu0, target_cpu()) {
         (Some(a), Some(b)) => Some(b.since(&a)),
         _ => None,
     };
-    (stats, cpu, wall)
+    (stats, cpu, wall, samples)
 }

@@ -404,6 +404,9 @@ pub struct RunOptions {
     pub target_pid: Option<u32>,
     /// Print each job's resolved options and exit.
     pub parse_only: bool,
+    /// `--plot=PREFIX`: write PREFIX_clat_read.svg / PREFIX_clat_write.svg
+    /// (latency histograms) and PREFIX_iops.svg (IOPS over time).
+    pub plot: Option<PathBuf>,
 }
 
 impl Default for RunOptions {
@@ -415,6 +418,7 @@ impl Default for RunOptions {
             reactors: None,
             target_pid: None,
             parse_only: false,
+            plot: None,
         }
     }
 }
@@ -556,6 +560,7 @@ const DEFS: &[Def] = &[
     job("ctrl_loss_tmo", "seconds to keep reconnecting to a lost target, I/O waiting and re-issued after (nvme-cli's option; default 0: report the loss)"),
     run("output_format", "normal|json|json+ (default normal); json+ adds fio's latency bins (clat_ns.bins)"),
     run("output", "write the report to FILE"),
+    run("plot", "write SVG pictures of the run: PREFIX_clat_read.svg, PREFIX_clat_write.svg (latency histograms) and PREFIX_iops.svg (IOPS over time)"),
     run("eta", "auto|always|never: the live status line (default auto: on a terminal, normal output)"),
     run("reactors", "embedded target: reactor threads (default: one per CPU)"),
     run("target_pid", "PID of the target process, to report its CPU time and IOPS per target CPU-second"),
@@ -758,6 +763,7 @@ fn set_run_option(r: &mut RunOptions, name: &str, value: Option<&str>) -> Result
             }
         }
         "output" => r.output = Some(PathBuf::from(need()?)),
+        "plot" => r.plot = Some(PathBuf::from(need()?)),
         "eta" => {
             r.eta = match need()?.trim() {
                 "auto" => EtaMode::Auto,

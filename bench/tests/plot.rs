@@ -436,3 +436,60 @@ fn rdmablk_benchs_json_plus_and_iops_log_plot_like_fios() {
         with_svg(&String::from_utf8(o.stdout).unwrap(), |doc| assert!(!with_class(doc, what).is_empty(), "no {what} in {args:?}"));
     }
 }
+
+/// `rdmablk-bench --plot=PREFIX` draws the run itself: a histogram per
+/// direction that did I/O, with the run's own percentiles marked, and one
+/// IOPS line per direction over the run's time, with nothing drawn for a
+/// direction without I/O.
+#[test]
+fn rdmablk_bench_plot_draws_the_runs_histograms_and_iops_over_time() {
+    let d = dir();
+    let prefix = d.path().join("run");
+    let o = Command::new(env!("CARGO_BIN_EXE_rdmablk-bench"))
+        .args(["--name=m", "--backend=null", "--rw=randrw", "--rwmixread=70", "--bs=4k", "--iodepth=4"])
+        .args(["--runtime=2", "--time_based", "--output-format=json"])
+        .arg(format!("--plot={}", prefix.display()))
+        .output()
+        .expect("running rdmablk-bench");
+    assert!(o.status.success(), "rdmablk-bench: {}", stderr(&o));
+    let err = stderr(&o);
+    for name in ["run_clat_read.svg", "run_clat_write.svg", "run_iops.svg"] {
+        assert!(err.contains(&d.path().join(name).display().to_string()), "no 'wrote {name}' in: {err}");
+        let svg = std::fs::read_to_string(d.path().join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        with_svg(&svg, |doc| {
+            if name.contains("clat") {
+                assert!(!with_class(doc, "bar").is_empty(), "{name}: no bars");
+                assert_eq!(with_class(doc, "percentile").len(), MARKED_PERCENTILES.len(), "{name}: percentiles");
+            } else {
+                let lines = with_class(doc, "series");
+                assert_eq!(lines.len(), 2, "one line per direction");
+                // About 2 s at one point per 100 ms, every point's time within the run.
+                for l in lines {
+                    let pts: Vec<(f64, f64)> = l
+                        .attribute("points")
+                        .unwrap()
+                        .split(' ')
+                        .map(|p| p.split_once(',').map(|(x, y)| (x.parse().unwrap(), y.parse().unwrap())).unwrap())
+                        .collect();
+                    assert!((15..=40).contains(&pts.len()), "{} points", pts.len());
+                }
+                let t = texts(doc).join("|");
+                assert!(t.contains("read") && t.contains("write"), "legend: {t}");
+            }
+        });
+    }
+
+    // A read-only run has no write histogram and one IOPS line.
+    let prefix = d.path().join("ro");
+    let o = Command::new(env!("CARGO_BIN_EXE_rdmablk-bench"))
+        .args(["--name=r", "--backend=null", "--rw=randread", "--bs=4k", "--runtime=1", "--time_based", "--output-format=json"])
+        .arg(format!("--plot={}", prefix.display()))
+        .output()
+        .expect("running rdmablk-bench");
+    assert!(o.status.success(), "rdmablk-bench: {}", stderr(&o));
+    assert!(d.path().join("ro_clat_read.svg").exists());
+    assert!(!d.path().join("ro_clat_write.svg").exists(), "a write histogram of no writes");
+    with_svg(&std::fs::read_to_string(d.path().join("ro_iops.svg")).unwrap(), |doc| {
+        assert_eq!(with_class(doc, "series").len(), 1)
+    });
+}
