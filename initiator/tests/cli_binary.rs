@@ -14,6 +14,7 @@ fn rdmablk(args: &[&str], stdin: Option<&[u8]>) -> Output {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .env_remove("RDMABLK_LOG")
+        .env_remove("RUST_LOG")
         .spawn()
         .expect("spawn rdmablk");
     let mut input = child.stdin.take().unwrap();
