@@ -27,7 +27,7 @@ use std::sync::Arc;
 use rdmablk_common::fabric::{Access, AlignedBuf, FabricError, Lkey, MemoryRegion, ProtectionDomain, Rkey, Sge};
 use rdmablk_common::protocol::DataDescriptor;
 
-use crate::session::Domain;
+use crate::domain::Domain;
 
 /// Alignment of registered buffers: a page, which also suits O_DIRECT.
 pub(crate) const BUFFER_ALIGN: usize = 4096;

@@ -43,7 +43,8 @@ use rdmablk_common::size::ByteSize;
 use crate::buffer::IoBuffer;
 use crate::device::{check_request, BlockDevice};
 use crate::error::{Error, Result};
-use crate::session::{ConnectOptions, IntoTargetUrl, Session, Volume};
+use crate::options::ConnectOptions;
+use crate::session::{IntoTargetUrl, Session, Volume};
 use crate::submit::{IoCompletion, IoRequest};
 
 /// Largest transfer one CLI step moves through its registered buffer.

@@ -51,9 +51,9 @@ use rdmablk_common::protocol::{
 };
 
 use crate::buffer::Region;
+use crate::domain::Domain;
 use crate::device::{max_piece, split, WriteFlags};
 use crate::error::{fmt_duration, op_name, Error, Result};
-use crate::session::Domain;
 use crate::submit::Wake;
 
 /// What else ends a sleep on a connection's completion channel

@@ -40,11 +40,12 @@ use rdmablk_common::protocol::{
 };
 
 use crate::buffer::Region;
+use crate::domain::Domain;
 use crate::error::{fmt_duration, Error, Result};
 use crate::queue::{
     status_error, Alarm, Conn, ConnParams, KeepAliveTiming, Outcome, Queue, SendSlots, Stats, MAX_WAIT_SLICE,
 };
-use crate::session::{ConnectOptions, Domain, NegotiatedLimits};
+use crate::options::{ConnectOptions, NegotiatedLimits};
 
 /// Receives posted beyond the requested queue depth.
 const RECV_MARGIN: usize = 4;
