@@ -28,3 +28,13 @@ pub use submit::{IoCompletion, IoQueue, IoRequest, IoWaker};
 /// The wire types a caller meets in this API (volume info, statuses, ids).
 pub use rdmablk_common::auth::{generate_key_file, AuthKey, KeyError};
 pub use rdmablk_common::protocol::{SessionId, Status, VolumeId, VolumeInfo};
+
+#[allow(dead_code)]
+fn assert_send_sync() {
+    fn is<T: Send + Sync>() {}
+    fn is_send<T: Send>() {}
+    is::<Session>();
+    is::<Volume>();
+    is::<IoBuffer>();
+    is_send::<IoQueue>();
+}

@@ -35,6 +35,7 @@
 //! used, so callers waiting on a healthy-looking queue pair of a dead
 //! session notice within one wait slice.
 
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -54,7 +55,6 @@ use crate::buffer::Region;
 use crate::domain::Domain;
 use crate::device::{max_piece, split, WriteFlags};
 use crate::error::{fmt_duration, op_name, Error, Result};
-use crate::submit::Wake;
 
 /// What else ends a sleep on a connection's completion channel
 /// ([`Conn::progress_or`]).
@@ -66,6 +66,56 @@ pub(crate) enum AlsoWake<'a> {
     /// A descriptor the caller reads itself (an NBD connection's socket):
     /// `fired` is set when it was readable.
     Readable { fd: std::os::fd::BorrowedFd<'a>, fired: &'a std::cell::Cell<bool> },
+}
+
+/// The eventfd behind [`IoWaker`](crate::IoWaker): `pending` says a
+/// wake-up is due; the fd makes a sleep on the completion channel end.
+/// Whoever sees the fd readable drains it, so a wake-up that raced with a
+/// drain costs at most one early return, never a busy loop.
+#[derive(Debug)]
+pub(crate) struct Wake {
+    fd: OwnedFd,
+    pending: AtomicBool,
+}
+
+impl Wake {
+    pub(crate) fn new() -> Result<Wake> {
+        use rustix::event::{eventfd, EventfdFlags};
+        let fd = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+            .map_err(|e| Error::io("creating the I/O queue's wake-up eventfd", e.into()))?;
+        Ok(Wake { fd, pending: AtomicBool::new(false) })
+    }
+
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Empties the eventfd (it is nonblocking: nothing to read is fine).
+    pub(crate) fn drain(&self) {
+        let mut b = [0u8; 8];
+        let _ = rustix::io::read(&self.fd, &mut b);
+    }
+
+    /// Makes the sleeper's wait return: [`IoWaker::wake`](crate::IoWaker::wake).
+    pub(crate) fn wake(&self) {
+        // A wake-up already pending has written the eventfd (or is about
+        // to), and the waiter has not consumed it yet: its `take` comes
+        // after this call's work was made visible, so it will see that
+        // work too. Only the first wake-up of a cycle costs a system call.
+        if !self.pending.swap(true, Ordering::AcqRel) {
+            // A full counter (2^64 - 2 wake-ups unread) is still readable: nothing is lost.
+            let _ = rustix::io::write(&self.fd, &1u64.to_ne_bytes());
+        }
+    }
+
+    pub(crate) fn take(&self) -> bool {
+        if self.pending.swap(false, Ordering::AcqRel) {
+            self.drain();
+            true
+        } else {
+            false
+        }
+    }
 }
 
 /// Most commands one `post_send` of a batch carries (see `flush_batch`).

@@ -18,7 +18,6 @@ use crate::error::{Error, Result};
 use crate::options::{ConnectOptions, NegotiatedLimits};
 use crate::queue::{piece_status, status_error, Data, Outcome, PieceError, Queue, VolCtx};
 use crate::shared::{lock, Phase, Shared, VolumeEntry, VolumeSlot};
-use crate::submit::IoQueue;
 
 /// Counters of a session, for tests and monitoring.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -82,7 +81,7 @@ impl IntoTargetUrl for &FabricUrl {
 /// memory of its buffers.
 ///
 /// Cheap to clone (a handle); the connections close when the last handle,
-/// [`Volume`] and [`IoQueue`] of it is gone, or at [`Session::close`].
+/// [`Volume`] and [`IoQueue`](crate::IoQueue) of it is gone, or at [`Session::close`].
 ///
 /// # Concurrency
 /// `Session`, [`Volume`] and [`IoBuffer`] are `Send + Sync`. Each thread
@@ -311,12 +310,6 @@ impl Session {
         }
         IoBuffer::new(Arc::clone(&self.shared.domain), len)
             .map_err(|e| Error::fabric(format!("registering a {len}-byte I/O buffer"), e))
-    }
-
-    /// A completion-based submission queue on one of the session's queue
-    /// pairs (the next one, round-robin). See [`IoQueue`].
-    pub fn io_queue(&self) -> IoQueue {
-        IoQueue::new(self.clone())
     }
 
     /// Sends a command exactly as given except for the command id (filled in
@@ -657,16 +650,6 @@ impl Volume {
             self.attempt(q, |q, vol| q.zeroes(vol, op, &mut ranges, offset, &shared.zero, &shared.small_zeroes))
         })
     }
-}
-
-#[allow(dead_code)]
-fn assert_send_sync() {
-    fn is<T: Send + Sync>() {}
-    fn is_send<T: Send>() {}
-    is::<Session>();
-    is::<Volume>();
-    is::<IoBuffer>();
-    is_send::<IoQueue>();
 }
 
 #[cfg(test)]

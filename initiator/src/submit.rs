@@ -37,8 +37,8 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::os::fd::BorrowedFd;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -50,7 +50,7 @@ use rdmablk_common::protocol::{
 use crate::buffer::IoBuffer;
 use crate::device::max_piece;
 use crate::error::{op_name, Error, Result};
-use crate::queue::{status_error, AlsoWake, Conn, Response, Stats, ZEROES_PIECE};
+use crate::queue::{status_error, AlsoWake, Conn, Response, Stats, Wake, ZEROES_PIECE};
 use crate::session::{Session, Volume};
 use crate::shared::{lock, Phase, Shared, VolumeEntry};
 
@@ -312,6 +312,14 @@ pub struct IoQueue {
     bound: usize,
     /// Set up by the first [`IoQueue::waker`].
     wake: Option<Arc<Wake>>,
+}
+
+impl Session {
+    /// A completion-based submission queue on one of the session's queue
+    /// pairs (the next one, round-robin). See [`IoQueue`].
+    pub fn io_queue(&self) -> IoQueue {
+        IoQueue::new(self.clone())
+    }
 }
 
 impl IoQueue {
@@ -909,52 +917,7 @@ impl IoWaker {
     /// Makes the queue's wait return (after taking the completions that
     /// are ready).
     pub fn wake(&self) {
-        // A wake-up already pending has written the eventfd (or is about
-        // to), and the waiter has not consumed it yet: its `take` comes
-        // after this call's work was made visible, so it will see that
-        // work too. Only the first wake-up of a cycle costs a system call.
-        if !self.wake.pending.swap(true, Ordering::AcqRel) {
-            // A full counter (2^64 - 2 wake-ups unread) is still readable: nothing is lost.
-            let _ = rustix::io::write(&self.wake.fd, &1u64.to_ne_bytes());
-        }
-    }
-}
-
-/// The eventfd behind [`IoWaker`]: `pending` says a wake-up is due; the fd
-/// makes a sleep on the completion channel end. Whoever sees the fd
-/// readable drains it, so a wake-up that raced with a drain costs at most
-/// one early return, never a busy loop.
-#[derive(Debug)]
-pub(crate) struct Wake {
-    fd: OwnedFd,
-    pending: AtomicBool,
-}
-
-impl Wake {
-    fn new() -> Result<Wake> {
-        use rustix::event::{eventfd, EventfdFlags};
-        let fd = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
-            .map_err(|e| Error::io("creating the I/O queue's wake-up eventfd", e.into()))?;
-        Ok(Wake { fd, pending: AtomicBool::new(false) })
-    }
-
-    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
-    }
-
-    /// Empties the eventfd (it is nonblocking: nothing to read is fine).
-    pub(crate) fn drain(&self) {
-        let mut b = [0u8; 8];
-        let _ = rustix::io::read(&self.fd, &mut b);
-    }
-
-    fn take(&self) -> bool {
-        if self.pending.swap(false, Ordering::AcqRel) {
-            self.drain();
-            true
-        } else {
-            false
-        }
+        self.wake.wake();
     }
 }
 
