@@ -2,40 +2,12 @@
 //! keys, job files run, and verify catches a corrupted block. No timing
 //! assertions: only that the tool runs and reports.
 
+mod support;
+use support::{bench, dir, json, ok, text};
+
 use std::path::Path;
-use std::process::{Command, Output};
 
 use serde_json::Value;
-
-fn bench(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rdmablk-bench")).args(args).output().expect("running rdmablk-bench")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn ok(args: &[&str]) -> Output {
-    let out = bench(args);
-    assert!(
-        out.status.success(),
-        "rdmablk-bench {args:?} failed ({})\nstdout:\n{}\nstderr:\n{}",
-        out.status,
-        text(&out.stdout),
-        text(&out.stderr)
-    );
-    out
-}
-
-fn json(out: &Output) -> Value {
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("output is not JSON: {e}\n{}\nstderr:\n{}", text(&out.stdout), text(&out.stderr)))
-}
-
-fn dir() -> tempfile::TempDir {
-    // Under the target directory: a real file system (O_DIRECT), unlike a tmpfs /tmp.
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("temporary directory")
-}
 
 fn path_str(p: &Path) -> String {
     p.to_str().expect("UTF-8 path").to_owned()

@@ -4,6 +4,9 @@
 //! logs, averaged and per I/O) and on compare.sh's results table as
 //! recorded in docs/img/compare.tsv.
 
+mod support;
+use support::{dir, text};
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -36,16 +39,12 @@ fn texts_of(doc: &roxmltree::Document, class: &str) -> Vec<String> {
     with_class(doc, class).iter().map(|n| n.text().unwrap_or("").to_owned()).collect()
 }
 
-fn dir() -> tempfile::TempDir {
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("temporary directory")
-}
-
 fn plot(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_rdmablk-plot")).args(args).output().expect("running rdmablk-plot")
 }
 
 fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
+    text(&o.stderr)
 }
 
 // --- the charts, on data made up here -------------------------------------------------
