@@ -20,7 +20,7 @@ use rdmablk_common::protocol::{
 };
 
 use crate::error::{Error, Result};
-use crate::queue::{status_error, Conn};
+use crate::conn::{status_error, Conn};
 
 /// Authenticates a fresh connection as `host_id` with `key`, for creating
 /// (`SessionId(0)`) or joining `session_id`. Returns the target name the

@@ -4,6 +4,7 @@ pub mod attach_file;
 mod auth;
 mod buffer;
 pub mod cli;
+mod conn;
 mod device;
 mod domain;
 mod error;

@@ -16,7 +16,8 @@ use crate::buffer::IoBuffer;
 use crate::device::{check_request, BlockDevice, WriteFlags};
 use crate::error::{Error, Result};
 use crate::options::{ConnectOptions, NegotiatedLimits};
-use crate::queue::{piece_status, status_error, Data, Outcome, PieceError, Queue, VolCtx};
+use crate::conn::{piece_status, status_error, Outcome, PieceError};
+use crate::queue::{Data, Queue, VolCtx};
 use crate::shared::{lock, Phase, Shared, VolumeEntry, VolumeSlot};
 
 /// Counters of a session, for tests and monitoring.

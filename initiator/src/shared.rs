@@ -40,12 +40,11 @@ use rdmablk_common::protocol::{
 };
 
 use crate::buffer::Region;
+use crate::conn::{status_error, Alarm, Conn, ConnParams, KeepAliveTiming, Outcome, SendSlots, Stats, MAX_WAIT_SLICE};
 use crate::domain::Domain;
 use crate::error::{fmt_duration, Error, Result};
-use crate::queue::{
-    status_error, Alarm, Conn, ConnParams, KeepAliveTiming, Outcome, Queue, SendSlots, Stats, MAX_WAIT_SLICE,
-};
 use crate::options::{ConnectOptions, NegotiatedLimits};
+use crate::queue::Queue;
 
 /// Receives posted beyond the requested queue depth.
 const RECV_MARGIN: usize = 4;

@@ -50,7 +50,8 @@ use rdmablk_common::protocol::{
 use crate::buffer::IoBuffer;
 use crate::device::max_piece;
 use crate::error::{op_name, Error, Result};
-use crate::queue::{status_error, AlsoWake, Conn, Response, Stats, Wake, ZEROES_PIECE};
+use crate::conn::{status_error, AlsoWake, Conn, Response, Stats, Wake};
+use crate::queue::ZEROES_PIECE;
 use crate::session::{Session, Volume};
 use crate::shared::{lock, Phase, Shared, VolumeEntry};
 
