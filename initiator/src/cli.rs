@@ -43,9 +43,9 @@ use rdmablk_common::size::ByteSize;
 use crate::buffer::IoBuffer;
 use crate::device::{check_request, BlockDevice};
 use crate::error::{Error, Result};
+use crate::io_queue::{IoCompletion, IoRequest};
 use crate::options::ConnectOptions;
 use crate::session::{IntoTargetUrl, Session, Volume};
-use crate::submit::{IoCompletion, IoRequest};
 
 /// Largest transfer one CLI step moves through its registered buffer.
 const CLI_CHUNK: u64 = 8 << 20;
@@ -345,7 +345,7 @@ where
 /// outcome), as the kernel's NVMe host does, so a failing command otherwise
 /// prints one line.
 fn init_logging(cli: &Cli) {
-    let reconnect_only = format!("off,{}=info", crate::shared::RECONNECT_LOG);
+    let reconnect_only = format!("off,{}=info", crate::connection_set::RECONNECT_LOG);
     let nbd = matches!(cli.command, Command::Nbd { .. });
     let default = if nbd { "info" } else { reconnect_only.as_str() };
     rdmablk_common::logging::Logging::new("rdmablk", default).format(cli.log_format).terse_default(!nbd).init();

@@ -5,26 +5,26 @@ mod auth;
 mod buffer;
 pub mod cli;
 mod conn;
+mod connection_set;
 mod device;
 mod domain;
 mod error;
+mod io_queue;
 pub mod nbd;
 mod options;
 mod probe;
 mod queue;
 mod session;
-mod shared;
 mod stream;
-mod submit;
 pub mod ublk;
 
 pub use buffer::IoBuffer;
 pub use device::{check_request, BlockDevice, FileDevice, MemDevice, WriteFlags};
 pub use error::{op_name, Error, ErrorKind, Result};
+pub use io_queue::{IoCompletion, IoQueue, IoRequest, IoWaker};
 pub use options::{default_host_id, ConnectOptions, NegotiatedLimits};
 pub use session::{IntoTargetUrl, Session, SessionStats, Volume};
 pub use stream::BlockStream;
-pub use submit::{IoCompletion, IoQueue, IoRequest, IoWaker};
 
 /// The wire types a caller meets in this API (volume info, statuses, ids).
 pub use rdmablk_common::auth::{generate_key_file, AuthKey, KeyError};

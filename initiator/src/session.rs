@@ -13,12 +13,12 @@ use rdmablk_common::protocol::{
 };
 
 use crate::buffer::IoBuffer;
+use crate::conn::{piece_status, status_error, Outcome, PieceError};
+use crate::connection_set::{lock, Phase, Shared, VolumeEntry, VolumeSlot};
 use crate::device::{check_request, BlockDevice, WriteFlags};
 use crate::error::{Error, Result};
 use crate::options::{ConnectOptions, NegotiatedLimits};
-use crate::conn::{piece_status, status_error, Outcome, PieceError};
 use crate::queue::{Data, Queue, VolCtx};
-use crate::shared::{lock, Phase, Shared, VolumeEntry, VolumeSlot};
 
 /// Counters of a session, for tests and monitoring.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -151,7 +151,7 @@ impl Session {
     /// session id (for a successor's [`Session::connect_replacing`]) keeps
     /// the record current with it. Replaces an earlier watch.
     pub fn watch_session_id(&self, watch: impl Fn(SessionId) + Send + 'static) {
-        *crate::shared::lock(&self.shared.session_watch) = Some(Box::new(watch));
+        *crate::connection_set::lock(&self.shared.session_watch) = Some(Box::new(watch));
     }
 
     /// The target's name from the CONNECT reply.

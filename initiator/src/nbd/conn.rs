@@ -59,8 +59,8 @@ use super::{errno, Failure};
 use crate::buffer::IoBuffer;
 use crate::device::BlockDevice;
 use crate::error::Result;
+use crate::io_queue::{IoCompletion, IoQueue, IoRequest};
 use crate::session::{Session, Volume};
-use crate::submit::{IoCompletion, IoQueue, IoRequest};
 
 /// What every connection of a server shares.
 pub(crate) struct Shared {

@@ -196,7 +196,7 @@ struct Stop {
     given_up: AtomicBool,
     /// The server's session, closed by [`Stopper::give_up`] (weak: a
     /// `Stopper` the signal thread keeps does not keep it open).
-    session: Weak<crate::shared::Shared>,
+    session: Weak<crate::connection_set::Shared>,
     /// How long the session waits for a lost target: what the stop may wait.
     ctrl_loss_timeout: Duration,
     /// The volume served, for the log.
@@ -269,12 +269,12 @@ impl Stopper {
         if stop.ctrl_loss_timeout.is_zero() {
             return;
         }
-        let wait = crate::shared::spaced_duration(stop.ctrl_loss_timeout);
+        let wait = crate::connection_set::spaced_duration(stop.ctrl_loss_timeout);
         let then = format!(
             "up to {wait} (ctrl_loss_timeout); {give_up} ends the wait at once, without the final flush of volume {:?}: writes since its last flush may be lost",
             stop.volume
         );
-        let unreachable = stop.session.upgrade().is_some_and(|s| s.phase() != crate::shared::Phase::Connected);
+        let unreachable = stop.session.upgrade().is_some_and(|s| s.phase() != crate::connection_set::Phase::Connected);
         if unreachable {
             tracing::warn!("the target is unreachable: the requests in flight and the final flush wait for it to come back, {then}");
         } else {

@@ -31,8 +31,8 @@ use libublk::{UblkError, UblkFlags, UblkIORes};
 use super::record::{pid_alive, AttachRecord, RECORD_DIR};
 use super::{result_code, translate, DeviceParams, VolumeOp};
 use crate::error::{Error, Result};
+use crate::io_queue::{IoCompletion, IoRequest, IoWaker};
 use crate::session::{Session, Volume};
-use crate::submit::{IoCompletion, IoRequest, IoWaker};
 use crate::IoBuffer;
 
 const CONTROL: &str = "/dev/ublk-control";

@@ -48,12 +48,12 @@ use rdmablk_common::protocol::{
 };
 
 use crate::buffer::IoBuffer;
+use crate::conn::{status_error, AlsoWake, Conn, Response, Stats, Wake};
+use crate::connection_set::{lock, Phase, Shared, VolumeEntry};
 use crate::device::max_piece;
 use crate::error::{op_name, Error, Result};
-use crate::conn::{status_error, AlsoWake, Conn, Response, Stats, Wake};
 use crate::queue::ZEROES_PIECE;
 use crate::session::{Session, Volume};
-use crate::shared::{lock, Phase, Shared, VolumeEntry};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
