@@ -53,7 +53,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::server::{Export, Stream};
+use super::export::{Export, Stream};
 use super::wire::{self, Command, Request, SimpleReply, CMD_FLAG_FUA, CMD_FLAG_NO_HOLE, NBD_ESHUTDOWN};
 use super::{errno, Failure};
 use crate::buffer::IoBuffer;

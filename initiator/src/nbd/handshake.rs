@@ -9,7 +9,7 @@
 use std::io::{self, Read, Write};
 use std::time::{Duration, Instant};
 
-use super::server::{Export, Stream};
+use super::export::{Export, Stream};
 use super::wire::{
     option_name, ClientFlags, ExportInfo, Greeting, InfoRequest, OptionHeader, OptionReply, FLAG_FIXED_NEWSTYLE,
     FLAG_NO_ZEROES, INFO_BLOCK_SIZE, INFO_NAME, OPT_ABORT, OPT_EXPORT_NAME, OPT_EXTENDED_HEADERS, OPT_GO, OPT_INFO,

@@ -64,6 +64,7 @@
 //! A client has the handshake timeout for its whole negotiation.
 
 mod conn;
+mod export;
 mod handshake;
 mod server;
 mod signals;
