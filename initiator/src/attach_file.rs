@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::cli::{parse_ctrl_loss_timeout, parse_duration};
+use crate::duration::{parse_ctrl_loss_timeout, parse_duration};
 use crate::error::{Error, Result};
 
 /// Default wait between two attempts to reach the target at boot.

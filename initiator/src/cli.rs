@@ -47,6 +47,8 @@ use crate::io_queue::{IoCompletion, IoRequest};
 use crate::options::ConnectOptions;
 use crate::session::{IntoTargetUrl, Session, Volume};
 
+pub use crate::duration::{parse_ctrl_loss_timeout, parse_duration, parse_duration_or_zero};
+
 /// Largest transfer one CLI step moves through its registered buffer.
 const CLI_CHUNK: u64 = 8 << 20;
 /// Chunks in flight at once.
@@ -260,49 +262,6 @@ pub enum Command {
 /// Parses a size with an optional suffix (`4k`, `1MiB`).
 pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     ByteSize::parse(s).map(|b| b.0).map_err(|e| e.to_string())
-}
-
-/// Parses `30`, `30s`, `500ms`, `2m`, `1.5s`.
-pub fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let value: f64 = num.parse().map_err(|_| format!("invalid duration {s:?}: expected a number"))?;
-    let secs = match unit.trim() {
-        "" | "s" => value,
-        "ms" => value / 1000.0,
-        "m" | "min" => value * 60.0,
-        "h" => value * 3600.0,
-        _ => return Err(format!("invalid duration {s:?}: unknown unit (use ms, s, m or h)")),
-    };
-    if !secs.is_finite() || secs > 1e9 {
-        return Err(format!("invalid duration {s:?}: longer than 1000000000 seconds"));
-    }
-    if secs <= 0.0 {
-        return Err(format!("invalid duration {s:?}: must be positive"));
-    }
-    Ok(Duration::from_secs_f64(secs))
-}
-
-/// [`parse_duration`], and `0` for "none".
-pub fn parse_duration_or_zero(s: &str) -> std::result::Result<Duration, String> {
-    if s.trim().trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse::<f64>() == Ok(0.0) {
-        return Ok(Duration::ZERO);
-    }
-    parse_duration(s)
-}
-
-/// `--ctrl-loss-timeout` / `--ctrl_loss_tmo`: [`parse_duration_or_zero`],
-/// so plain seconds as with nvme-cli's `--ctrl-loss-tmo`; nvme-cli's `-1`
-/// (reconnect forever) is refused with a message saying so.
-pub fn parse_ctrl_loss_timeout(s: &str) -> std::result::Result<Duration, String> {
-    if s.trim().strip_prefix('-').is_some_and(|rest| parse_duration_or_zero(rest).is_ok()) {
-        return Err(format!(
-            "invalid duration {s:?}: negative; give how long to keep reconnecting (30, 30s, 2m) or 0 not to \
-             reconnect (nvme-cli's -1, reconnect forever, is not supported)"
-        ));
-    }
-    parse_duration_or_zero(s)
 }
 
 /// Runs the tool on `args` (including the program name), printing to the

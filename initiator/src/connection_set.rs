@@ -42,6 +42,7 @@ use rdmablk_common::protocol::{
 use crate::buffer::Region;
 use crate::conn::{status_error, Alarm, Conn, ConnParams, KeepAliveTiming, Outcome, SendSlots, Stats, MAX_WAIT_SLICE};
 use crate::domain::Domain;
+use crate::duration::spaced_duration;
 use crate::error::{fmt_duration, Error, Result};
 use crate::options::{ConnectOptions, NegotiatedLimits};
 use crate::queue::Queue;
@@ -54,17 +55,6 @@ const INLINE_CAP: usize = 8192;
 /// The `tracing` target of the reconnection's progress (the loss, each
 /// attempt, the outcome), which the CLI prints at info level.
 pub(crate) const RECONNECT_LOG: &str = "rdmablk::reconnect";
-
-/// `60 s`, `1.5 s`, `250 ms`: a duration for a person.
-pub(crate) fn spaced_duration(d: Duration) -> String {
-    if d < Duration::from_secs(1) {
-        format!("{} ms", d.as_millis())
-    } else if d.subsec_millis() == 0 || d >= Duration::from_secs(10) {
-        format!("{} s", d.as_secs_f64().round() as u64)
-    } else {
-        format!("{:.1} s", d.as_secs_f64())
-    }
-}
 
 /// Longest pause between reconnection attempts, unless `reconnect_delay`
 /// itself is longer.

@@ -8,6 +8,7 @@ mod conn;
 mod connection_set;
 mod device;
 mod domain;
+mod duration;
 mod error;
 mod io_queue;
 pub mod nbd;

@@ -170,7 +170,7 @@ impl Timed<'_> {
     }
 
     fn expired(&self) -> io::Error {
-        let t = crate::connection_set::spaced_duration(self.timeout);
+        let t = crate::duration::spaced_duration(self.timeout);
         io::Error::new(io::ErrorKind::TimedOut, format!("the negotiation did not finish within {t} (the handshake timeout)"))
     }
 

@@ -154,7 +154,7 @@ impl Stopper {
         if stop.ctrl_loss_timeout.is_zero() {
             return;
         }
-        let wait = crate::connection_set::spaced_duration(stop.ctrl_loss_timeout);
+        let wait = crate::duration::spaced_duration(stop.ctrl_loss_timeout);
         let then = format!(
             "up to {wait} (ctrl_loss_timeout); {give_up} ends the wait at once, without the final flush of volume {:?}: writes since its last flush may be lost",
             stop.volume
