@@ -1,4 +1,6 @@
-//! The state a session's handles share, and the machinery behind it:
+//! The connection set: the state a session's handles share, and the
+//! machinery behind it (the layer between the queue pairs, `conn.rs` and
+//! `queue.rs`, and the [`Session`](crate::Session) handle):
 //! connecting queue pairs, the control state (connected, reconnecting,
 //! lost, closed), the retry loop every request runs in, and the monitor
 //! thread that sends keep-alives on idle queues and reconnects.

@@ -1,4 +1,24 @@
 #![doc = include_str!("../README.md")]
+//!
+//! ## Inside: the layers
+//!
+//! The modules read bottom to top, each importing only those below it:
+//!
+//! 1. Plain values and resources: `options.rs` ([`ConnectOptions`],
+//!    [`NegotiatedLimits`]), `domain.rs` (the session's protection domain
+//!    and fabric), `buffer.rs` ([`IoBuffer`]), `duration.rs`, `error.rs`,
+//!    `device.rs` ([`BlockDevice`]).
+//! 2. The connection, one queue pair: `conn.rs` (capsules, command slots,
+//!    progress, waiting, keep-alive), `auth.rs` (authentication on it) and
+//!    `queue.rs` (a queue's bounce pool and request splitting on top of it).
+//! 3. The connection set: `connection_set.rs` (connecting, reconnection,
+//!    the reconnect fence, the monitor thread that sends keep-alives).
+//! 4. The session, the public handle: `session.rs` ([`Session`],
+//!    [`Volume`]).
+//! 5. The I/O queue: `io_queue.rs` ([`IoQueue`], asynchronous submission
+//!    on one of the session's queue pairs).
+//! 6. The users: [`nbd`], [`ublk`], [`cli`] with [`attach_file`], and
+//!    [`BlockStream`].
 
 pub mod attach_file;
 mod auth;
