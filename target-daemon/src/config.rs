@@ -32,6 +32,17 @@ pub const DEFAULT_QUEUE_DEPTH: u32 = 128;
 pub const MAX_QUEUE_DEPTH: u32 = 4096;
 /// Default maximum I/O size.
 pub const DEFAULT_MAX_IO_SIZE: u32 = 1 << 20;
+/// Default `target.nvme_queue_size`: the entries an NVMe-oF queue may have
+/// (CAP.MQES + 1). What Linux nvmet offers and the most a Linux host asks
+/// for (`nvme connect -Q`, NVMF_MAX_QUEUE_SIZE): the host takes the smaller
+/// of its own size (128 unless -Q says otherwise) and this, so a larger
+/// offer costs nothing to a host that asks for less.
+pub const DEFAULT_NVME_QUEUE_SIZE: u32 = 1024;
+/// Bounds of `target.nvme_queue_size`: a Linux host refuses a controller
+/// smaller than NVMF_MIN_QUEUE_SIZE (16); NVMF_MAX_QUEUE_SIZE (1024) is
+/// the most it asks for.
+pub const MIN_NVME_QUEUE_SIZE: u32 = 16;
+pub const MAX_NVME_QUEUE_SIZE: u32 = 1024;
 /// Default maximum inline write payload.
 pub const DEFAULT_INLINE_DATA_SIZE: u32 = 4096;
 /// Default buffer pool per reactor.
@@ -196,8 +207,11 @@ pub struct TargetConfig {
     pub reactors: usize,
     /// Maximum queue depth negotiated per queue pair.
     pub queue_depth: u32,
-    /// Maximum I/O size negotiated per queue pair (multiple of 4096).
+    /// Maximum I/O size negotiated per queue pair (multiple of 4096); for
+    /// NVMe-oF, MDTS (rounded down to a power of two times 4 KiB).
     pub max_io_size: u32,
+    /// Entries an NVMe-oF queue may have (CAP.MQES + 1).
+    pub nvme_queue_size: u32,
     /// Maximum inline write payload.
     pub inline_data_size: u32,
     /// Buffer pool size per reactor (a multiple of `chunk_size`).
@@ -438,6 +452,7 @@ impl TargetConfig {
         check(self.reactors != other.reactors, "target.reactors");
         check(self.queue_depth != other.queue_depth, "target.queue_depth");
         check(self.max_io_size != other.max_io_size, "target.max_io_size");
+        check(self.nvme_queue_size != other.nvme_queue_size, "target.nvme_queue_size");
         check(self.inline_data_size != other.inline_data_size, "target.inline_data_size");
         check(self.buffer_pool != other.buffer_pool, "target.buffer_pool");
         check(self.chunk_size != other.chunk_size, "target.chunk_size");
@@ -534,6 +549,7 @@ struct RawTarget {
     reactors: Option<i64>,
     queue_depth: Option<i64>,
     max_io_size: Option<RawSize>,
+    nvme_queue_size: Option<i64>,
     inline_data_size: Option<RawSize>,
     buffer_pool: Option<RawSize>,
     chunk_size: Option<RawSize>,
@@ -835,6 +851,17 @@ impl RawConfig {
             return Err(cx.err("target.max_io_size", format!("must be at most {}", ByteSize(MAX_MAX_IO_SIZE as u64))));
         }
 
+        let nvme_queue_size = match t.nvme_queue_size {
+            None => DEFAULT_NVME_QUEUE_SIZE,
+            Some(n) if (MIN_NVME_QUEUE_SIZE as i64..=MAX_NVME_QUEUE_SIZE as i64).contains(&n) => n as u32,
+            Some(n) => {
+                return Err(cx.err(
+                    "target.nvme_queue_size",
+                    format!("must be in {MIN_NVME_QUEUE_SIZE}..={MAX_NVME_QUEUE_SIZE} (got {n})"),
+                ))
+            }
+        };
+
         let inline_data_size = cx.size_u32("target.inline_data_size", t.inline_data_size, DEFAULT_INLINE_DATA_SIZE)?;
         if inline_data_size > chunk_size {
             return Err(cx.err(
@@ -1006,6 +1033,7 @@ impl RawConfig {
             reactors,
             queue_depth,
             max_io_size,
+            nvme_queue_size,
             inline_data_size,
             buffer_pool,
             chunk_size,
@@ -1394,6 +1422,18 @@ read_only = true
         assert!(e.contains("mystery"), "{e}");
         let e = err("[target]\nlisten=[\"tcp://h:1\"]\n[extra]\n");
         assert!(e.contains("extra"), "{e}");
+    }
+
+    #[test]
+    fn nvme_queue_size_has_its_default_and_bounds() {
+        let c = Config::parse(&with_target(""), "t").unwrap();
+        assert_eq!(c.target.nvme_queue_size, DEFAULT_NVME_QUEUE_SIZE);
+        let c = Config::parse(&with_target("nvme_queue_size = 128"), "t").unwrap();
+        assert_eq!(c.target.nvme_queue_size, 128);
+        for bad in [0, 15, 1025] {
+            let e = err(&with_target(&format!("nvme_queue_size = {bad}")));
+            assert!(e.contains(&format!("target.nvme_queue_size: must be in 16..=1024 (got {bad})")), "{e}");
+        }
     }
 
     #[test]

@@ -122,7 +122,7 @@ fn admin_queue_connects_enables_and_identifies_controller_and_namespaces() {
 
     // Properties before enabling.
     let cap = admin.property_get(property::CAP, true).expect("Property Get CAP");
-    assert_eq!(cap & 0xffff, 127, "CAP.MQES (0-based): {cap:#x}");
+    assert_eq!(cap & 0xffff, 1023, "CAP.MQES (0-based): the default nvme_queue_size: {cap:#x}");
     assert_eq!((cap >> 48) & 0xf, 0, "CAP.MPSMIN is 4 KiB: {cap:#x}");
     assert_ne!((cap >> 37) & 1, 0, "CAP.CSS bit 0 (NVM command set): {cap:#x}");
     let vs = admin.property_get(property::VS, false).expect("Property Get VS");
@@ -138,7 +138,7 @@ fn admin_queue_connects_enables_and_identifies_controller_and_namespaces() {
     eprintln!("identify controller: {ctrl:?}");
     assert_eq!(ctrl.cntlid, cntlid, "CNTLID in Identify Controller vs Connect DW0");
     assert_eq!(ctrl.subnqn, SUBNQN, "SUBNQN");
-    assert_eq!(ctrl.mdts, 5, "MDTS (128 KiB with 4 KiB pages)");
+    assert_eq!(ctrl.mdts, 8, "MDTS (the default max_io_size, 1 MiB with 4 KiB pages)");
     assert!(ctrl.nn >= 7, "NN ({}) must cover the largest namespace id (7)", ctrl.nn);
     assert_eq!(ctrl.ioccsz, 1028, "IOCCSZ: 64-byte SQE + 16 KiB in-capsule data, in 16-byte units");
     assert_eq!(ctrl.iorcsz, 1, "IORCSZ: a 16-byte CQE");
@@ -238,10 +238,10 @@ fn connect_refuses_the_wrong_subsystem_and_a_second_connect() {
     assert!(c.admin_connect("nqn.2014-08.io.rdmablk:rdmablk", HOSTNQN, 0).is_err(), "the default NQN is not this subsystem's");
     drop(c);
 
-    // SQSIZE beyond CAP.MQES (127).
+    // SQSIZE beyond CAP.MQES (1023).
     let mut c = NvmeTcpConn::connect(addr, NO_DIGESTS);
-    let r = c.exec(connect_entry(0, 1023, 0), &connect_data(ANY_CONTROLLER, SUBNQN, HOSTNQN), &[], 0);
-    assert!(!r.cqe.status.is_success(), "Connect with SQSIZE 1023 > MQES 127 succeeded");
+    let r = c.exec(connect_entry(0, 1024, 0), &connect_data(ANY_CONTROLLER, SUBNQN, HOSTNQN), &[], 0);
+    assert!(!r.cqe.status.is_success(), "Connect with SQSIZE 1024 > MQES 1023 succeeded");
     drop(c);
 
     // A good Connect, then a second one on the same queue.
@@ -281,7 +281,7 @@ fn two_io_queues_write_and_read_back_in_capsule_and_by_r2t() {
 
     let (mut admin, cntlid) = controller(addr);
     let mdts = 4096usize << IdCtrl::parse(&admin.identify(1, 0).unwrap()).mdts;
-    assert_eq!(mdts, 128 * KIB);
+    assert_eq!(mdts, 1024 * KIB);
     let mut q1 = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 1, SUBNQN, HOSTNQN);
     let mut q2 = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 2, SUBNQN, HOSTNQN);
     let mut model = vec![0u8; VOL_SIZE as usize];
@@ -310,13 +310,13 @@ fn two_io_queues_write_and_read_back_in_capsule_and_by_r2t() {
     let d = random_bytes(&mut rng, 64 * KIB);
     q2.write(1, 100, &d, false).expect("64 KiB write by R2T");
     check(&mut q1, "64 KiB by R2T", 100, &d, &mut model);
-    // 256 KiB, split by the host into commands of MDTS.
-    let d = random_bytes(&mut rng, 256 * KIB);
+    // 2 MiB, split by the host into commands of MDTS.
+    let d = random_bytes(&mut rng, 2 * mdts);
     for (i, part) in d.chunks(mdts).enumerate() {
         q1.write(1, 1000 + (i * mdts / BS as usize) as u64, part, false).expect("MDTS-sized write by R2T");
     }
-    check(&mut q2, "256 KiB in MDTS pieces (first half)", 1000, &d[..mdts], &mut model);
-    check(&mut q2, "256 KiB in MDTS pieces (second half)", 1000 + (mdts / BS as usize) as u64, &d[mdts..], &mut model);
+    check(&mut q2, "2 MiB in MDTS pieces (first half)", 1000, &d[..mdts], &mut model);
+    check(&mut q2, "2 MiB in MDTS pieces (second half)", 1000 + (mdts / BS as usize) as u64, &d[mdts..], &mut model);
     // The host splits an R2T's data over several H2CData PDUs.
     q2.h2c_chunk = 16 * KIB as u32;
     let d = random_bytes(&mut rng, 128 * KIB);
@@ -420,7 +420,7 @@ fn a_queue_deeper_than_its_chunks_gets_every_write_by_r2t_and_reads_it_back() {
     // A queue has 32 chunks and Linux keeps up to 128 commands in flight:
     // the writes beyond the 32nd get their R2T when a chunk frees.
     const DEPTH: u64 = 96;
-    const BLOCKS: u32 = 32; // 128 KiB, MDTS
+    const BLOCKS: u32 = 32; // 128 KiB, a pool chunk
     let (_dir, target, addr, img) = one_volume_target();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed());
     let (mut admin, cntlid) = controller(addr);
@@ -585,11 +585,11 @@ fn command_errors_get_their_statuses_and_the_connection_keeps_working() {
     assert_eq!(r.cqe.status, Status::SGL_DATA_LENGTH_INVALID, "2-block read with a 4 KiB SGL");
     still_works(&mut q, "short read SGL");
 
-    // More than MDTS (128 KiB) in one command: Invalid Field in Command
+    // More than MDTS (1 MiB) in one command: Invalid Field in Command
     // (NVMe Base 2.0, Identify Controller MDTS), and no R2T for the write.
-    assert_status("256 KiB read (> MDTS)", q.read(1, 0, 64, BS), Status::INVALID_FIELD);
-    assert_status("256 KiB write by R2T (> MDTS)", q.write(1, 4000, &vec![0xabu8; 256 * KIB], false), Status::INVALID_FIELD);
-    assert!(file_bytes(&img, 4000 * BS as u64, 256 * KIB).iter().all(|&b| b == 0), "a write beyond MDTS landed");
+    assert_status("2 MiB read (> MDTS)", q.read(1, 0, 512, BS), Status::INVALID_FIELD);
+    assert_status("2 MiB write by R2T (> MDTS)", q.write(1, 4000, &vec![0xabu8; 2048 * KIB], false), Status::INVALID_FIELD);
+    assert!(file_bytes(&img, 4000 * BS as u64, 2048 * KIB).iter().all(|&b| b == 0), "a write beyond MDTS landed");
     still_works(&mut q, "commands beyond MDTS");
 
     admin.keep_alive().expect("the admin queue still answers");

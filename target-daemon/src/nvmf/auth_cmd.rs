@@ -46,7 +46,7 @@ use rdmablk_common::nvme::sqe::{admin_opcode, SubmissionEntry};
 use rdmablk_common::nvme::status::Status;
 
 use super::queue::{Queue, Reply};
-use super::{NvmeStats, MAX_TRANSFER};
+use super::{NvmeStats, MAX_HEAP_DATA};
 use crate::auth::NvmeAuthKeys;
 use crate::registry::Registry;
 
@@ -220,7 +220,7 @@ fn check_fields(sqe: &SubmissionEntry) -> Result<u32, Status> {
     }
     match sqe.cdw[1] {
         0 => Err(Status::INVALID_FIELD),
-        len if len > MAX_TRANSFER => Err(Status::INVALID_FIELD),
+        len if len > MAX_HEAP_DATA => Err(Status::INVALID_FIELD),
         len => Ok(len),
     }
 }

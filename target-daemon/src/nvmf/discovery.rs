@@ -50,7 +50,7 @@ pub fn log_page(sub: &Subsystem, local: SocketAddr) -> Vec<u8> {
         e[3] = TREQ_NOT_REQUIRED;
         e[4..6].copy_from_slice(&(i as u16 + 1).to_le_bytes());
         e[6..8].copy_from_slice(&0xffffu16.to_le_bytes());
-        e[8..10].copy_from_slice(&(super::MAX_QUEUE_ENTRIES as u16).to_le_bytes());
+        e[8..10].copy_from_slice(&(sub.cfg.nvme_queue_size as u16).to_le_bytes());
         put_str(&mut e[32..64], &addr.port().to_string());
         put_str(&mut e[256..512], &sub.nqn);
         put_str(&mut e[512..768], &ip.to_string());

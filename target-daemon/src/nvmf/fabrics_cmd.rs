@@ -15,7 +15,7 @@ use rdmablk_common::nvme::WireError;
 use super::auth_cmd::{self, QueueAuth};
 use super::identify::VERSION;
 use super::queue::{Connected, Fence, Queue, Reply};
-use super::{MAX_IO_QUEUES, MAX_QUEUE_ENTRIES};
+use super::MAX_IO_QUEUES;
 
 /// CC fields.
 const CC_EN: u32 = 1;
@@ -25,10 +25,11 @@ const CSTS_RDY: u32 = 1;
 const CSTS_CFS: u32 = 1 << 1;
 const CSTS_SHST_COMPLETE: u32 = 0b10 << 2;
 
-/// CAP: MQES, CQR (contiguous queues required), TO (7.5 s in 500 ms
-/// units), CSS bit 37 (the NVM command set), MPSMIN = MPSMAX = 4 KiB.
-pub fn cap() -> u64 {
-    (MAX_QUEUE_ENTRIES as u64 - 1) | 1 << 16 | 15 << 24 | 1 << 37
+/// CAP: MQES (`target.nvme_queue_size` entries, 0-based), CQR (contiguous
+/// queues required), TO (7.5 s in 500 ms units), CSS bit 37 (the NVM
+/// command set), MPSMIN = MPSMAX = 4 KiB.
+pub fn cap(queue_entries: u32) -> u64 {
+    (queue_entries as u64 - 1) | 1 << 16 | 15 << 24 | 1 << 37
 }
 
 pub fn handle(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
@@ -88,7 +89,7 @@ fn connect(q: &mut Queue, sqe: &SubmissionEntry, data: &[u8]) -> Reply {
         return bad_data(connect_data_offset::SUBSYSTEM_NQN);
     }
     let entries = c.queue_entries();
-    if c.sqsize == 0 || entries > MAX_QUEUE_ENTRIES {
+    if c.sqsize == 0 || entries > q.sub.cfg.nvme_queue_size {
         return Reply::Done { status: Status::CONNECT_INVALID_PARAMETERS, result: invalid_connect_parameter(false, 44) };
     }
     let set = q.sub.registry.volumes();
@@ -196,7 +197,7 @@ fn property(q: &mut Queue, sqe: &SubmissionEntry) -> Reply {
     let mut st = ctrl.state.lock().unwrap_or_else(|e| e.into_inner());
     if sqe.fctype() == fctype::PROPERTY_GET {
         let value = match (p.offset, p.wide) {
-            (property::CAP, true) => cap(),
+            (property::CAP, true) => cap(q.sub.cfg.nvme_queue_size),
             (property::VS, false) => VERSION as u64,
             (property::CC, false) => st.cc as u64,
             (property::CSTS, false) => st.csts as u64,

@@ -1,7 +1,7 @@
 //! The Identify data structures (NVMe Base 2.0, 5.17.2; NVMe over Fabrics
 //! 1.1 for the fabrics fields), 4,096 bytes each, little endian.
 
-use super::{namespace_ids, Namespace, Subsystem, ADMIN_IN_CAPSULE, IO_IN_CAPSULE, MAX_AERS, MAX_QUEUE_ENTRIES, MDTS};
+use super::{namespace_ids, Namespace, Subsystem, ADMIN_IN_CAPSULE, IO_IN_CAPSULE, MAX_AERS};
 use crate::config::{NvmeTransport, MAX_NSID};
 
 pub const IDENTIFY_SIZE: usize = 4096;
@@ -58,7 +58,8 @@ pub fn controller(sub: &Subsystem, transport: NvmeTransport, cntlid: u16, discov
     put_str(&mut d[64..72], env!("CARGO_PKG_VERSION"));
     // CMIC: more than one port and more than one controller may reach a namespace.
     d[76] = if discovery { 0 } else { 0b011 };
-    d[77] = MDTS;
+    // MDTS: `max_io_size`, the same on every transport (`max_transfer`).
+    d[77] = super::mdts(sub.max_transfer);
     put_u16(&mut d, 78, cntlid);
     put_u32(&mut d, 80, VERSION);
     put_u32(&mut d, 92, if discovery { 0 } else { AEN_NS_ATTR });
@@ -73,7 +74,7 @@ pub fn controller(sub: &Subsystem, transport: NvmeTransport, cntlid: u16, discov
     put_u16(&mut d, 320, 1);
     // MAXCMD: a fabrics host refuses a controller (the discovery one too)
     // that reports 0.
-    put_u16(&mut d, 514, MAX_QUEUE_ENTRIES as u16);
+    put_u16(&mut d, 514, sub.cfg.nvme_queue_size as u16);
     if !discovery {
         // SQES and CQES: required and maximum entry sizes, log2.
         d[512] = 0x66;

@@ -75,8 +75,15 @@ fn writable(ns: &Namespace) -> Result<()> {
 }
 
 /// Checks an I/O command against the host's namespaces; `sgl_len` is the
-/// data length its descriptor names.
+/// data length its descriptor names. A Read or Write may move up to
+/// [`MAX_TRANSFER`]; a queue checks against its target's MDTS with
+/// [`plan_within`].
 pub fn plan(sqe: &SubmissionEntry, nss: &[Namespace], sgl_len: u32) -> Result<IoPlan> {
+    plan_within(sqe, nss, sgl_len, MAX_TRANSFER)
+}
+
+/// [`plan`] with a Read or Write moving at most `max_transfer` bytes (MDTS).
+pub fn plan_within(sqe: &SubmissionEntry, nss: &[Namespace], sgl_len: u32, max_transfer: u32) -> Result<IoPlan> {
     let op = sqe.opcode;
     if !matches!(op, io_opcode::READ | io_opcode::WRITE | io_opcode::FLUSH | io_opcode::WRITE_ZEROES | io_opcode::DATASET_MANAGEMENT) {
         return Err(Error::new(ErrorKind::InvalidOpcode, format!("I/O opcode {op:#04x}")));
@@ -91,8 +98,8 @@ pub fn plan(sqe: &SubmissionEntry, nss: &[Namespace], sgl_len: u32) -> Result<Io
     match op {
         io_opcode::READ | io_opcode::WRITE => {
             let (offset, len) = byte_range(&ns, sqe.slba(), sqe.block_count() as u64)?;
-            if len > MAX_TRANSFER as u64 {
-                return Err(Error::new(ErrorKind::TooLarge, format!("{len} bytes exceed MDTS ({MAX_TRANSFER})")));
+            if len > max_transfer as u64 {
+                return Err(Error::new(ErrorKind::TooLarge, format!("{len} bytes exceed MDTS ({max_transfer})")));
             }
             if sgl_len as u64 != len {
                 return Err(Error::new(ErrorKind::LengthMismatch, format!("the SGL names {sgl_len} bytes for {len}")));
@@ -231,7 +238,8 @@ mod tests {
         assert_eq!(kind(plan(&rw(io_opcode::READ, 2047, 2), &nss, 1024)), ErrorKind::OutOfRange);
         assert_eq!(kind(plan(&rw(io_opcode::READ, u64::MAX, 1), &nss, 512)), ErrorKind::OutOfRange);
         assert_eq!(kind(plan(&rw(io_opcode::READ, 0, 8), &nss, 512)), ErrorKind::LengthMismatch);
-        assert_eq!(kind(plan(&rw(io_opcode::READ, 0, 257), &nss, 257 * 512)), ErrorKind::TooLarge);
+        assert_eq!(kind(plan_within(&rw(io_opcode::READ, 0, 257), &nss, 257 * 512, 128 << 10)), ErrorKind::TooLarge);
+        assert!(plan_within(&rw(io_opcode::READ, 0, 256), &nss, 256 * 512, 128 << 10).is_ok(), "a Read of exactly MDTS");
         let mut other = rw(io_opcode::READ, 0, 1);
         other.nsid = 2;
         assert_eq!(kind(plan(&other, &nss, 512)), ErrorKind::UnknownVolume);

@@ -54,13 +54,37 @@ use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
 use crate::registry::Registry;
 use crate::engine::pool::PoolAccount;
 
-/// CAP.MQES + 1: the most entries a queue may have.
-pub const MAX_QUEUE_ENTRIES: u32 = 128;
-/// The largest data transfer of one command (MDTS with 4 KiB pages).
-pub const MAX_TRANSFER: u32 = 128 << 10;
-/// MDTS: log2 of `MAX_TRANSFER` in units of the minimum page size (4 KiB).
-pub const MDTS: u8 = 5;
-const _: () = assert!(MAX_TRANSFER == 4096 << MDTS);
+/// The most entries a queue may have (CAP.MQES + 1 is
+/// `target.nvme_queue_size`, at most this): what the reactors' completion
+/// queues for NVMe/RDMA are sized for.
+pub const MAX_QUEUE_ENTRIES: u32 = crate::config::MAX_NVME_QUEUE_SIZE;
+/// The largest data transfer of one command whatever `target.max_io_size`
+/// says (MDTS 11 with 4 KiB pages): NVMe/RDMA's keyed SGL descriptor
+/// carries its length in 24 bits (16 MiB - 1), and MDTS is a power of two.
+/// NVMe/TCP has the same limit, so that a host sees one MDTS on either.
+pub const MAX_TRANSFER: u32 = 8 << 20;
+/// Data a command moves through heap memory rather than pool chunks (admin
+/// pages, authentication messages, DSM ranges, in-capsule writes): at most
+/// this. I/O data moves in pool chunks and may be as large as MDTS.
+pub const MAX_HEAP_DATA: u32 = 128 << 10;
+/// The page size MDTS counts in (CAP.MPSMIN: 4 KiB).
+const MDTS_PAGE: u32 = 4096;
+
+/// The largest data transfer of one command on this target: `max_io_size`
+/// (target-wide, so one value for every controller and namespace) rounded
+/// down to a power of two times 4 KiB (MDTS is a power of two), at most
+/// [`MAX_TRANSFER`]. The pool chunk size does not bound it: a command moves
+/// in chunks, at most `CHUNK_WINDOW` of them at once (as v1's).
+pub fn max_transfer(cfg: &TargetConfig) -> u32 {
+    let pages = (cfg.max_io_size.min(MAX_TRANSFER) / MDTS_PAGE).max(1);
+    MDTS_PAGE << pages.ilog2()
+}
+
+/// MDTS for a largest transfer of `max_transfer` bytes (a power of two
+/// times 4 KiB): its log2 in 4 KiB pages.
+pub fn mdts(max_transfer: u32) -> u8 {
+    (max_transfer / MDTS_PAGE).ilog2() as u8
+}
 /// In-capsule data an I/O queue accepts (IOCCSZ = (64 + this) / 16).
 pub const IO_IN_CAPSULE: u32 = 16 << 10;
 /// In-capsule data the admin queue accepts (the Linux host sends at most 8 KiB).
@@ -77,6 +101,8 @@ pub struct Subsystem {
     pub serial: String,
     pub registry: Arc<Registry>,
     pub cfg: TargetConfig,
+    /// The largest data transfer of one command ([`max_transfer`]; MDTS).
+    pub max_transfer: u32,
     /// The NVMe listeners' transports and bound addresses, for the discovery log.
     pub listeners: Mutex<Vec<(NvmeTransport, SocketAddr)>>,
     controllers: Mutex<Controllers>,
@@ -378,6 +404,7 @@ impl Subsystem {
             serial,
             registry,
             cfg: cfg.clone(),
+            max_transfer: max_transfer(cfg),
             listeners: Mutex::new(Vec::new()),
             controllers: Mutex::new(Controllers { by_id: HashMap::new(), next: 1 }),
             stopping: AtomicBool::new(false),
@@ -623,5 +650,30 @@ impl NvmeFrontEnd {
         self.subsystem.stopping.store(true, Ordering::Release);
         self.listeners.clear();
         self.subsystem.tear_down_all(&CloseReason::fault("the target is stopping"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn cfg(extra: &str) -> TargetConfig {
+        let volume = "[[volume]]\nname = \"a\"\nbackend = \"memory\"\nsize = \"1MiB\"\nallow_any_host = true\n";
+        Config::parse(&format!("[target]\nlisten = [\"nvme+tcp://127.0.0.1:0\"]\n{extra}\n{volume}"), "t").unwrap().target
+    }
+
+    #[test]
+    fn mdts_follows_max_io_size_rounded_down_to_a_power_of_two() {
+        assert_eq!((max_transfer(&cfg("")), mdts(max_transfer(&cfg("")))), (1 << 20, 8), "the default 1 MiB");
+        assert_eq!(max_transfer(&cfg("max_io_size = \"4MiB\"")), 4 << 20);
+        assert_eq!(mdts(4 << 20), 10);
+        // 3 MiB is no power of two: 2 MiB.
+        assert_eq!(max_transfer(&cfg("max_io_size = \"3MiB\"")), 2 << 20);
+        assert_eq!(max_transfer(&cfg("max_io_size = \"128KiB\"")), 128 << 10);
+        assert_eq!(mdts(128 << 10), 5);
+        // Keyed SGL lengths are 24 bits: 8 MiB at most.
+        assert_eq!(max_transfer(&cfg("max_io_size = \"64MiB\"")), MAX_TRANSFER);
+        assert_eq!(mdts(MAX_TRANSFER), 11);
     }
 }

@@ -33,7 +33,7 @@ use rdmablk_common::nvme::status::Status;
 use rdmablk_common::protocol::Opcode;
 
 use super::io_cmd::{self, ByteRanges, IoPlan};
-use super::{admin_cmd, auth_cmd, fabrics_cmd, CloseReason, Controller, HostView, Namespace, NvmeStats, Subsystem, MAX_TRANSFER};
+use super::{admin_cmd, auth_cmd, fabrics_cmd, CloseReason, Controller, HostView, Namespace, NvmeStats, Subsystem, MAX_HEAP_DATA};
 use crate::config::NvmeTransport;
 use crate::engine::exec::{self, Accounts, CmdId, Event, Executor, Owner, Request};
 use crate::backend::VolumeSet;
@@ -559,8 +559,8 @@ impl Queue {
         // I/O commands are planned (validated) before any data is asked for.
         let mut plan = None;
         if io {
-            let sgl_len = sgl.map_or(0, |s| s.length());
-            match io_cmd::plan(&sqe, self.io_namespaces(exec), sgl_len) {
+            let (sgl_len, max_transfer) = (sgl.map_or(0, |s| s.length()), self.sub.max_transfer);
+            match io_cmd::plan_within(&sqe, self.io_namespaces(exec), sgl_len, max_transfer) {
                 Ok(p) => plan = Some(p),
                 Err(e) => {
                     self.respond(cid, e.nvme_status(false), 0);
@@ -568,13 +568,17 @@ impl Queue {
                 }
             }
         }
-        if expect > MAX_TRANSFER {
-            // Only admin data can get here: I/O plans stop at MDTS.
+        // A write's data not in the capsule goes to pool chunks piece by
+        // piece (up to MDTS, which its plan checked); anything else to heap
+        // memory, which stays small whatever MDTS is.
+        let writes_by_fetch = plan.as_ref().is_some_and(|p| matches!(p, IoPlan::Write { .. })) && in_capsule == 0;
+        if expect > MAX_HEAP_DATA && !writes_by_fetch {
+            // Only admin data can get here: in-capsule data stops at
+            // IOCCSZ and DSM ranges at 4 KiB.
             self.respond(cid, Status::SGL_DATA_LENGTH_INVALID, 0);
             return None;
         }
         let slot = self.alloc_slot();
-        let writes_by_fetch = plan.as_ref().is_some_and(|p| matches!(p, IoPlan::Write { .. })) && in_capsule == 0;
         let buf = (expect > 0 && !writes_by_fetch).then(|| {
             let mut v = self.spare_bufs.pop().unwrap_or_default();
             v.clear();
@@ -856,8 +860,8 @@ impl Queue {
             // The executor took a newer volume set since the command was
             // planned (its data came in a later turn): planned again, as if
             // it came now, against the namespaces of that set.
-            let (sqe, sgl_len) = (cmd.sqe, cmd.sqe.sgl().map_or(0, |s| s.length()));
-            match io_cmd::plan(&sqe, self.io_namespaces(exec), sgl_len) {
+            let (sqe, sgl_len, max_transfer) = (cmd.sqe, cmd.sqe.sgl().map_or(0, |s| s.length()), self.sub.max_transfer);
+            match io_cmd::plan_within(&sqe, self.io_namespaces(exec), sgl_len, max_transfer) {
                 Ok(p) => plan = p,
                 Err(e) => return self.respond_slot(slot, e.nvme_status(false), 0),
             }
@@ -1253,7 +1257,8 @@ mod tests {
     use crate::backend::{open_volumes, VolumeSet};
     use crate::config::Config;
     use crate::registry::Registry;
-    use crate::nvmf::MAX_TRANSFER;
+    /// The executor's chunk size in these tests.
+    const CHUNK_SIZE: usize = 128 << 10;
 
     const HOST: &str = "nqn.2014-08.org.example:host";
 
@@ -1282,7 +1287,7 @@ mod tests {
 
     /// An executor of 32 chunks of 128 KiB for the queues of `sub`.
     fn executor(sub: &Arc<Subsystem>) -> Executor {
-        Executor::standalone(Arc::clone(sub.registry.publication()), 32 * MAX_TRANSFER as usize, MAX_TRANSFER as usize).unwrap()
+        Executor::standalone(Arc::clone(sub.registry.publication()), 32 * CHUNK_SIZE, CHUNK_SIZE).unwrap()
     }
 
     thread_local! {
@@ -1398,7 +1403,7 @@ mod tests {
         let mut q = admin(&sub);
         let c = data(&run(&mut q, identify(1, 0), &[]));
         assert_eq!(&c[24..38], b"rdmablk-target");
-        assert_eq!(c[77], super::super::MDTS);
+        assert_eq!(c[77], 8, "MDTS: the default max_io_size, 1 MiB in 4 KiB pages");
         assert_eq!(u32::from_le_bytes(c[80..84].try_into().unwrap()), super::super::identify::VERSION);
         assert_eq!(u32::from_le_bytes(c[1792..1796].try_into().unwrap()), (64 + 16384) / 16, "IOCCSZ");
         assert_eq!(u16::from_le_bytes([c[1804], c[1805]]), 1, "OFCS: Disconnect supported");

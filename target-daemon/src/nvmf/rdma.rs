@@ -62,8 +62,8 @@ use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry, SQE_SIZE};
 
 use super::queue::{Action, Buf, Due, Queue};
 use super::{
-    CloseKind, CloseReason, Incoming, Subsystem, ADMIN_IN_CAPSULE, HOST_CLOSED, IO_IN_CAPSULE, MAX_IO_QUEUES, MAX_QUEUE_ENTRIES,
-    MAX_TRANSFER,
+    CloseKind, CloseReason, Incoming, Subsystem, ADMIN_IN_CAPSULE, HOST_CLOSED, IO_IN_CAPSULE, MAX_HEAP_DATA, MAX_IO_QUEUES,
+    MAX_QUEUE_ENTRIES,
 };
 use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
 use crate::engine::exec::{CmdId, Event, CHUNK_WINDOW};
@@ -75,7 +75,7 @@ use crate::registry::{Admission, ConnectionSlot, HandshakeSlot, Protocol, Seen};
 /// How long a closing queue waits for its answers to go out, and then for
 /// its flushed work requests.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
-/// Staging slots (of `MAX_TRANSFER`) per reactor and fabric for data in
+/// Staging slots (of `MAX_HEAP_DATA`) per reactor and fabric for data in
 /// heap memory: admin pages and Connect data, DSM ranges.
 const STAGING_SLOTS: usize = 8;
 /// Answers that may wait for a response or staging slot before the host is
@@ -135,10 +135,11 @@ fn piece_of(index: u32) -> SentWith {
 /// Pieces of one command's data that may be on the send queue at once as
 /// work requests of their own: a write's RDMA READs (one at a time, as the
 /// queue asks for them) or a read's RDMA WRITEs before its last, as many
-/// as the pieces of the largest transfer in pool chunks of `chunk_size`,
-/// and no more than the executor keeps in flight per command.
-fn pieces_per_command(chunk_size: u32) -> u32 {
-    MAX_TRANSFER.div_ceil(chunk_size.max(1)).min(CHUNK_WINDOW)
+/// as the pieces of the largest transfer (MDTS: `max_transfer`) in pool
+/// chunks of `chunk_size`, and no more than the executor keeps in flight
+/// per command.
+fn pieces_per_command(max_transfer: u32, chunk_size: u32) -> u32 {
+    max_transfer.div_ceil(chunk_size.max(1)).min(CHUNK_WINDOW)
 }
 
 /// The send queue of a queue of `entries` entries: per response slot (one
@@ -148,8 +149,8 @@ fn pieces_per_command(chunk_size: u32) -> u32 {
 /// for one: a null volume's zeroes) or a staging slot while they are out,
 /// so no more of those than the reactor has (as rdmablk v1's
 /// `send_queue_depth`).
-fn send_queue_depth(entries: u32, chunk_size: u32, pool_chunks: u32) -> u32 {
-    2 * entries + (entries * pieces_per_command(chunk_size)).min(pool_chunks + STAGING_SLOTS as u32)
+fn send_queue_depth(entries: u32, max_transfer: u32, chunk_size: u32, pool_chunks: u32) -> u32 {
+    2 * entries + (entries * pieces_per_command(max_transfer, chunk_size)).min(pool_chunks + STAGING_SLOTS as u32)
 }
 
 /// An `nvme+rdma://` listener: an rdma_cm listener on its own fabric.
@@ -225,7 +226,7 @@ impl RdmaListener {
                 refuse(req, reject::NO_RESOURCES, "the target is stopping");
                 continue;
             }
-            let cm = match CmRequest::parse(req.raw_private_data(), MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, MAX_QUEUE_ENTRIES) {
+            let cm = match CmRequest::parse(req.raw_private_data(), MAX_IO_QUEUES, sub.cfg.nvme_queue_size, sub.cfg.nvme_queue_size) {
                 Ok(cm) => cm,
                 Err(r) => {
                     refuse(req, r.status, &r.to_string());
@@ -441,7 +442,7 @@ impl NvmeRdma {
     /// The staging slots on NVMe/RDMA fabric `ri`, registered at first use.
     fn staging(&mut self, rt: &Runtime, ri: usize) -> Option<&mut Staging> {
         if self.staging[ri].is_none() {
-            let mut slots = SlotBuf::new(STAGING_SLOTS, MAX_TRANSFER as usize);
+            let mut slots = SlotBuf::new(STAGING_SLOTS, MAX_HEAP_DATA as usize);
             match slots.register(&rt.fabrics[self.fabrics[ri]].pd, Access::LOCAL_WRITE) {
                 Ok(()) => self.staging[ri] = Some(Staging { slots, free: (0..STAGING_SLOTS).rev().collect() }),
                 Err(e) => {
@@ -468,7 +469,7 @@ impl NvmeRdma {
         let in_capsule = if cm.qid == 0 { ADMIN_IN_CAPSULE } else { IO_IN_CAPSULE };
         let recv_size = SQE_SIZE as u32 + in_capsule;
         let pool_chunks = rt.exec.engine().pool().capacity() as u32;
-        let max_send_wr = send_queue_depth(entries, rt.exec.engine().chunk_size() as u32, pool_chunks);
+        let max_send_wr = send_queue_depth(entries, self.sub.max_transfer, rt.exec.engine().chunk_size() as u32, pool_chunks);
         // Its receives and everything it may have on the send queue (a
         // work request that flushes completes, signaled or not).
         let reserve = max_send_wr + entries;
@@ -1304,15 +1305,20 @@ mod tests {
 
     #[test]
     fn the_send_queue_holds_every_piece_a_command_may_have_out() {
+        const K128: u32 = 128 << 10;
         // Chunks of the largest transfer: one piece per command.
-        assert_eq!(send_queue_depth(32, 128 << 10, 512), 3 * 32);
-        assert_eq!(send_queue_depth(128, 1 << 20, 512), 3 * 128);
+        assert_eq!(send_queue_depth(32, K128, 128 << 10, 512), 3 * 32);
+        assert_eq!(send_queue_depth(128, K128, 1 << 20, 512), 3 * 128);
         // 16 KiB: eight pieces of 128 KiB, all of them out at once.
-        assert_eq!(send_queue_depth(32, 16 << 10, 4096), (2 + 8) * 32);
+        assert_eq!(send_queue_depth(32, K128, 16 << 10, 4096), (2 + 8) * 32);
         // 4 KiB: 32 pieces, of which the executor keeps 8 out.
-        assert_eq!(send_queue_depth(32, 4 << 10, 16384), (2 + 8) * 32);
+        assert_eq!(send_queue_depth(32, K128, 4 << 10, 16384), (2 + 8) * 32);
         // A small pool bounds the pieces of all commands together.
-        assert_eq!(send_queue_depth(128, 16 << 10, 64), 2 * 128 + 64 + STAGING_SLOTS as u32);
+        assert_eq!(send_queue_depth(128, K128, 16 << 10, 64), 2 * 128 + 64 + STAGING_SLOTS as u32);
+        // MDTS 4 MiB in chunks of 128 KiB: 32 pieces, the executor keeps 8
+        // out; 1024 entries, bounded by the pool.
+        assert_eq!(send_queue_depth(32, 4 << 20, 128 << 10, 4096), (2 + 8) * 32);
+        assert_eq!(send_queue_depth(1024, 4 << 20, 128 << 10, 512), 2 * 1024 + 512 + STAGING_SLOTS as u32);
     }
 
     #[test]

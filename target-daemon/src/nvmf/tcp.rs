@@ -48,7 +48,7 @@ use rdmablk_common::nvme::tcp::{
 use rdmablk_common::nvme::WireError;
 
 use super::queue::{Action, Buf, Due, H2cRefusal, Queue};
-use super::{CloseKind, CloseReason, Incoming, Subsystem, MAX_TRANSFER};
+use super::{CloseKind, CloseReason, Incoming, Subsystem, MAX_HEAP_DATA};
 use crate::config::NvmeTransport;
 use crate::engine::exec::{CmdId, Event, Executor};
 use crate::engine::pool::ChunkId;
@@ -64,8 +64,12 @@ const RX_BUFFER: usize = 16 << 10;
 const RX_HANDSHAKE: usize = 2 * MAX_HEADER;
 /// Receive buffer of an admin queue (and of a queue before its Connect).
 const RX_ADMIN: usize = 4 << 10;
-/// MAXH2CDATA offered in ICResp: one R2T covers a whole command.
-pub const MAXH2CDATA: u32 = MAX_TRANSFER;
+/// MAXH2CDATA offered in ICResp: the largest H2CData PDU. An R2T asks for
+/// one piece of a write (a pool chunk's worth at most), which the host
+/// splits into PDUs of at most this; their data goes straight into the
+/// chunk, so this bounds neither MDTS nor memory (128 KiB: the default
+/// chunk, one PDU per R2T).
+pub const MAXH2CDATA: u32 = MAX_HEAP_DATA;
 /// How long a closing connection may take to send its last PDUs.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Answers (PDUs) a connection may have waiting to be sent, beyond what the
