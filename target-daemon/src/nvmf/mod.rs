@@ -54,10 +54,14 @@ use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
 use crate::registry::Registry;
 use crate::engine::pool::PoolAccount;
 
-/// The most entries a queue may have (CAP.MQES + 1 is
-/// `target.nvme_queue_size`, at most this): what the reactors' completion
-/// queues for NVMe/RDMA are sized for.
-pub const MAX_QUEUE_ENTRIES: u32 = crate::config::MAX_NVME_QUEUE_SIZE;
+/// The queue size the reactors' NVMe/RDMA completion queues are sized for
+/// (`QPS_PER_CQ` queue pairs of it per CQ): the 128 entries a Linux host
+/// asks for unless `nvme connect -Q` says otherwise. Not a limit: a queue of
+/// up to `target.nvme_queue_size` entries reserves what it needs in a CQ
+/// with room, or in a new one (`NvmeRdma::adopt_queue`), so deep queues cost
+/// completion-queue memory only when hosts ask for them (sized for 1024, a
+/// reactor's first CQ would ask for 262656 entries, 16 MiB, on every fabric).
+pub const MAX_QUEUE_ENTRIES: u32 = 128;
 /// The largest data transfer of one command whatever `target.max_io_size`
 /// says (MDTS 11 with 4 KiB pages): NVMe/RDMA's keyed SGL descriptor
 /// carries its length in 24 bits (16 MiB - 1), and MDTS is a power of two.

@@ -63,7 +63,6 @@ use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry, SQE_SIZE};
 use super::queue::{Action, Buf, Due, Queue};
 use super::{
     CloseKind, CloseReason, Incoming, Subsystem, ADMIN_IN_CAPSULE, HOST_CLOSED, IO_IN_CAPSULE, MAX_HEAP_DATA, MAX_IO_QUEUES,
-    MAX_QUEUE_ENTRIES,
 };
 use crate::config::{NvmeListen, NvmeTransport, TargetConfig};
 use crate::engine::exec::{CmdId, Event, CHUNK_WINDOW};
@@ -80,7 +79,7 @@ const CLOSE_GRACE: Duration = Duration::from_secs(2);
 const STAGING_SLOTS: usize = 8;
 /// Answers that may wait for a response or staging slot before the host is
 /// taken for one that does not take its completions.
-const MAX_WAITING: usize = 4 * MAX_QUEUE_ENTRIES as usize;
+const MAX_WAITING: usize = 4 * crate::config::MAX_NVME_QUEUE_SIZE as usize;
 /// Send work requests per `post_send` when a queue's flush posts what it
 /// queued: both providers carry at most 16 in one system call (the tcp
 /// provider's `sendmsg`, the verbs provider's `ibv_post_send`, a doorbell
