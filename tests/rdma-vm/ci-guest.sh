@@ -88,6 +88,10 @@
 #                             "Firmware bug" in the host's messages (nvme-of.sh)
 #   nvme-tcp-sighup           a [[volume]] added by SIGHUP shows up on the connected
 #                             host as namespace 2 (AEN, rescan), no reconnect
+#   nvme-tcp-large-io         max_io_size 4 MiB: id-ctrl mdts 10, `nvme connect -Q 1024`
+#                             gives 1024-entry queues, nvme-cli's `nvme write` / `nvme
+#                             read` of 4 MiB and 1 MiB in one command each read back
+#                             identical (nvme-of.sh)
 #   nvme-tcp-restart          the target SIGKILLed and restarted under a mounted ext4
 #                             with fio writing: the host reconnects, fio's verify and
 #                             e2fsck -fn are clean
@@ -97,7 +101,7 @@
 #   nvme-tcp-vs-nvmet         rdmablk-target's NVMe/TCP against the kernel's nvmet-tcp,
 #                             same host and boot: IOPS, latency, CPU per I/O
 #                             ($RES/nvme-tcp-vs-nvmet.md; figures only)
-#   nvme-rdma-fs, -sighup, -restart, -auth, -vs-nvmet
+#   nvme-rdma-fs, -sighup, -large-io, -restart, -auth, -vs-nvmet
 #                             the same four over NVMe/RDMA: the kernel's nvme-rdma
 #                             host over rxe against nvme+rdma://SIP:4420 beside
 #                             rdma://, the rdmablk CLI over rdma:// on the other
@@ -965,6 +969,7 @@ step ublk-recover-rdma --timeout 300 bash "$SELF" ublk_recover || rc=1
 if [[ -n $NVME_TCP_SH ]]; then
     step nvme-tcp-fs --timeout 600 bash "$SELF" nvme_tcp_fs || rc=1
     step nvme-tcp-sighup --timeout 300 bash "$SELF" nvme_tcp_sighup || rc=1
+    step nvme-tcp-large-io --timeout 300 bash "$SELF" nvme_tcp_large_io || rc=1
     step nvme-tcp-restart --timeout 600 bash "$SELF" nvme_tcp_restart || rc=1
     step nvme-tcp-auth --timeout 300 bash "$SELF" nvme_tcp_auth || rc=1
     # The measurements take about 15 s per fio run under TCG (10 s of I/O),
@@ -979,6 +984,7 @@ if [[ -n $NVME_TCP_SH ]]; then
     step nvme-tcp-vs-nvmet --timeout "$vs_timeout" bash "$SELF" nvme_tcp_vs_nvmet || rc=1
     step nvme-rdma-fs --timeout 600 bash "$SELF" nvme_rdma_fs || rc=1
     step nvme-rdma-sighup --timeout 300 bash "$SELF" nvme_rdma_sighup || rc=1
+    step nvme-rdma-large-io --timeout 300 bash "$SELF" nvme_rdma_large_io || rc=1
     step nvme-rdma-restart --timeout 600 bash "$SELF" nvme_rdma_restart || rc=1
     step nvme-rdma-auth --timeout 300 bash "$SELF" nvme_rdma_auth || rc=1
     step nvme-rdma-vs-nvmet --timeout "$vs_timeout" bash "$SELF" nvme_rdma_vs_nvmet || rc=1

@@ -31,6 +31,15 @@
 #                      reconnect (the same controller, "rescanning namespaces"
 #                      from the namespace-attribute-changed event), and 1 MiB
 #                      goes through it
+#   nvme-tcp-large-io  single commands as large as MDTS (issue 53): the target
+#                      with max_io_size = "4MiB"; `nvme connect -Q 1024`; id-ctrl
+#                      says mdts 10 and the host's I/O queues have 1024 entries;
+#                      nvme-cli's `nvme write` and `nvme read` of 4 MiB (-c 1023
+#                      -z 4194304, one command each) and of 1 MiB read back
+#                      identical and are in the backing file (capped, and said so,
+#                      at the host's max_hw_sectors_kb should the transport's
+#                      host driver allow less than MDTS: nvme-rdma allows 1 MiB
+#                      and 256 entries)
 #   nvme-tcp-restart   `nvme connect --ctrl-loss-tmo=60 --reconnect-delay=1`
 #                      (explicit [target] nqn), ext4 mounted, files written; fio
 #                      (verify=crc32c) writes through the file system while the
@@ -71,6 +80,8 @@ nvme_rdma_restart() { NVME_TRANSPORT=rdma nvme_restart; }
 nvme_rdma_vs_nvmet() { NVME_TRANSPORT=rdma nvme_vs_nvmet; }
 nvme_tcp_auth() { NVME_TRANSPORT=tcp nvme_auth; }
 nvme_rdma_auth() { NVME_TRANSPORT=rdma nvme_auth; }
+nvme_tcp_large_io() { NVME_TRANSPORT=tcp nvme_large_io; }
+nvme_rdma_large_io() { NVME_TRANSPORT=rdma nvme_large_io; }
 
 # The kernel's messages since nvme_dmesg_mark (for each step's log).
 nvme_dmesg_mark() { NVME_DMESG0=$(dmesg | wc -l); }
@@ -452,6 +463,59 @@ nvme_sighup() {
     echo "1 MiB through $dev2 and $dev1: read back and in the backing files"
     nvme_disconnect "$NQN"
     nvme_step_end "nvme-$NVME_TRANSPORT-sighup" || exit 1
+}
+
+# ---------------------------------------------- nvme-tcp-large-io, nvme-rdma-large-io
+nvme_large_io() {
+    set -euo pipefail
+    local t=$NVME_TRANSPORT
+    nvme_dmesg_mark
+    modprobe "nvme-$t"
+    rm -rf "$NVME_DIR"; mkdir -p "$NVME_DIR"
+    NQN=$NVME_DEFAULT_NQN FPID= RPID= TPID=
+    nvme_target_conf nvol0:64MiB
+    sed -i 's/^reactors = 2$/reactors = 2\nmax_io_size = "4MiB"/' "$NVME_DIR/target.toml"
+    grep -q '^max_io_size = "4MiB"$' "$NVME_DIR/target.toml" || { echo "max_io_size did not go into the config"; exit 1; }
+    trap nvme_cleanup EXIT
+    nvme_start_target
+    nvme_connect "$NQN" "$NVME_PORT" 1 -Q 1024
+    local mdts sqsize hw_kb
+    mdts=$(nvme id-ctrl "/dev/$CTRL" | awk '$1 == "mdts" {print $3}')
+    sqsize=$(cat "/sys/class/nvme/$CTRL/sqsize")
+    hw_kb=$(cat "/sys/block/${DEV#/dev/}/queue/max_hw_sectors_kb")
+    echo "id-ctrl mdts $mdts; the host's sqsize $sqsize (0-based); $DEV max_hw_sectors_kb $hw_kb"
+    [[ $mdts == 10 ]] || { echo "FAIL: mdts $mdts, expected 10 (4 MiB in 4 KiB pages)"; exit 1; }
+    # The Linux nvme-rdma host takes at most 256 entries whatever the
+    # controller offers (NVME_RDMA_MAX_QUEUE_SIZE: "ctrl sqsize 1024 > max
+    # queue size 256, clamping down"); nvme-tcp takes what -Q asks.
+    local entries=1024
+    [[ $t == rdma ]] && entries=256
+    [[ $sqsize == $((entries - 1)) ]] || { echo "FAIL: the host's queues have $((sqsize + 1)) entries, expected $entries (-Q 1024)"; exit 1; }
+    local big=$((4 << 20))
+    # nvme-rdma's host maps a command with one fast-registration MR of at
+    # most 256 pages (NVME_RDMA_MAX_SEGMENTS): 1 MiB whatever MDTS says.
+    if ((hw_kb * 1024 < big)); then
+        echo "NOTE: the nvme-$t host driver allows $hw_kb KiB per command, less than MDTS: the large commands are $hw_kb KiB"
+        big=$((hw_kb * 1024))
+    fi
+    head -c "$big" /dev/urandom >"$NVME_DIR/ref"
+    local size slba rc=0 sizes=("$big")
+    ((big <= 1 << 20)) || sizes+=($((1 << 20)))
+    for size in "${sizes[@]}"; do
+        slba=$(( size == big ? 0 : 4096 ))
+        echo "+ nvme write $DEV -s $slba -c $((size / 4096 - 1)) -z $size -d ref"
+        nvme write "$DEV" -s "$slba" -c $((size / 4096 - 1)) -z "$size" -d "$NVME_DIR/ref" || { echo "FAIL: nvme write of $size bytes"; rc=1; continue; }
+        echo "+ nvme read $DEV -s $slba -c $((size / 4096 - 1)) -z $size -d back"
+        nvme read "$DEV" -s "$slba" -c $((size / 4096 - 1)) -z "$size" -d "$NVME_DIR/back" || { echo "FAIL: nvme read of $size bytes"; rc=1; continue; }
+        cmp -n "$size" "$NVME_DIR/ref" "$NVME_DIR/back" || { echo "FAIL: $size bytes read back differ"; rc=1; continue; }
+        cmp -n "$size" "$NVME_DIR/ref" <(dd if="$NVME_DIR/nvol0.img" bs=4096 skip="$slba" count=$((size / 4096)) status=none) \
+            || { echo "FAIL: the backing file differs at block $slba"; rc=1; continue; }
+        echo "$size bytes: one nvme write and one nvme read, read back identical and in the backing file"
+    done
+    grep -E 'nvme.*(Write|Read).*(Invalid|error)' "$NVME_DIR/target.log" || true
+    [[ $rc -eq 0 ]] || exit 1
+    nvme_disconnect "$NQN"
+    nvme_step_end "nvme-$t-large-io" || exit 1
 }
 
 # ---------------------------------------------------- nvme-tcp-auth, nvme-rdma-auth
