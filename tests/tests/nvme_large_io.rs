@@ -10,7 +10,9 @@
 //! - a command one block above MDTS is refused with Invalid Field, and the
 //!   queue goes on;
 //! - a deep queue: 512 outstanding commands on an I/O queue of 1024
-//!   entries, all completing with the right data.
+//!   entries, all completing with the right data;
+//! - a 4 MiB command through a session pool share of 2 chunks: it moves
+//!   chunk by chunk and never waits for all its chunks at once.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -145,4 +147,28 @@ fn a_deep_queue_of_1024_entries_holds_512_outstanding_commands() {
         assert!(c.data == data[i * LEN..(i + 1) * LEN], "read {i} returned other data");
     }
     assert!(file_bytes(&file, 0, data.len()) == data, "the backing file");
+}
+
+#[test]
+fn a_command_larger_than_its_session_pool_share_moves_chunk_by_chunk() {
+    // 16 chunks of 128 KiB per reactor, 2 of them per controller: a 4 MiB
+    // command needs 32 pieces and never waits for all of them at once.
+    let dir = tempfile::tempdir().unwrap();
+    let extra = "max_io_size = \"4MiB\"\nbuffer_pool = \"2MiB\"\nchunk_size = \"128KiB\"\nsession_pool_share = \"256KiB\"\n";
+    let (_target, addr, file) = start(dir.path(), extra);
+    let (_admin, cntlid, mdts, _) = controller(addr);
+    assert_eq!(mdts, 10, "MDTS with max_io_size 4 MiB, whatever the pool");
+    let mut q = NvmeTcpConn::io(addr, NO_DIGESTS, cntlid, 1, SUBNQN, HOSTNQN);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed());
+    let data = random_bytes(&mut rng, 4 * MIB as usize);
+    round_trip(&mut q, &file, 1024, &data, "4 MiB through a share of 2 chunks");
+    // Two at once, a write and a read, still within the share.
+    let blocks = (4 * MIB / BS as u64) as u32;
+    let cmds = [
+        Cmd::new(rw_entry(io_opcode::WRITE, 1, 8192, blocks, false), &[], &data, 0),
+        Cmd::new(rw_entry(io_opcode::READ, 1, 1024, blocks, false), &[], &[], 4 * MIB as usize),
+    ];
+    let done = q.execute_many(&cmds).expect("a 4 MiB write and read at once through a share of 2 chunks");
+    assert!(done.iter().all(|c| c.cqe.status.is_success()), "{:?}", done.iter().map(|c| c.cqe.status).collect::<Vec<_>>());
+    assert!(done[1].data == data && file_bytes(&file, 8192 * BS as u64, data.len()) == data, "the data of the concurrent commands");
 }
