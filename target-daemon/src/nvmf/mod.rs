@@ -252,10 +252,10 @@ impl Controller {
         }
         match reason.kind {
             CloseKind::ByHost => {
-                tracing::info!(host = %self.host_nqn, controller = self.id, "nvme controller {} ended: {reason}", self.id)
+                tracing::info!(host = %self.host_nqn, controller = self.id, "nvme controller {} of host {}: ended: {reason}", self.id, self.host_nqn)
             }
             CloseKind::HostStalled | CloseKind::Fault => {
-                tracing::warn!(host = %self.host_nqn, controller = self.id, "nvme controller {} torn down: {reason}", self.id)
+                tracing::warn!(host = %self.host_nqn, controller = self.id, "nvme controller {} of host {}: torn down: {reason}", self.id, self.host_nqn)
             }
         }
         sub.registry.fence_moved();
