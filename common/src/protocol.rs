@@ -232,6 +232,12 @@ wire_enum! {
         /// answered so delivered no data; a WRITE may have written part of
         /// its range, as any failed write.
         OutOfBuffers = 27,
+        /// This gateway does not own the volume: it is shared (an RBD image
+        /// served by several gateways) and another gateway took it over, so
+        /// this one was fenced off and serves nothing of it, not even reads
+        /// (they could be stale). Nothing was done; send the command to
+        /// another of the volume's gateways.
+        NotOwner = 28,
     }
 }
 
@@ -269,6 +275,7 @@ impl Status {
                 "the target could not yet retire the session this one replaces (a disk I/O of it is still in flight); retry"
             }
             Status::OutOfBuffers => "target out of buffers",
+            Status::NotOwner => "this gateway lost the volume to another gateway (fenced); use another of its gateways",
         }
     }
 }
@@ -1174,6 +1181,7 @@ mod tests {
         assert_eq!(CommandCapsule::decode(&raw), Err(DecodeError::InvalidField { field: "block range" }));
         assert_eq!(Status::from_wire(26), Some(Status::FenceTimeout));
         assert_eq!(Status::from_wire(27), Some(Status::OutOfBuffers));
-        assert_eq!(Status::from_wire(28), None);
+        assert_eq!(Status::from_wire(28), Some(Status::NotOwner));
+        assert_eq!(Status::from_wire(29), None);
     }
 }
