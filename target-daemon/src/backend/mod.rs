@@ -18,6 +18,7 @@
 
 pub mod file;
 pub mod memory;
+pub mod ownership;
 
 use std::fmt;
 use std::os::fd::RawFd;
@@ -37,6 +38,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::VolumeStats;
 pub use file::{FileBackend, FileKind};
 pub use memory::MemoryBackend;
+pub use ownership::{Access, Ownership};
 
 /// `fallocate` mode for DISCARD.
 pub const PUNCH_HOLE: i32 = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
@@ -151,6 +153,14 @@ impl Backend {
         match self {
             Backend::File(f) => f.sync(),
             Backend::Memory(_) | Backend::Null => Ok(()),
+        }
+    }
+
+    /// Who may serve the volume, for a volume several gateways share
+    /// (`None`: only this target serves it, always as its owner).
+    pub fn ownership(&self) -> Option<&Ownership> {
+        match self {
+            Backend::File(_) | Backend::Memory(_) | Backend::Null => None,
         }
     }
 
@@ -287,6 +297,17 @@ impl Volume {
             stats: Arc::clone(&self.stats),
             writes: Arc::clone(&self.writes),
         })
+    }
+
+    /// What this target may do with the volume now ([`Access::Owner`]
+    /// unless several gateways share it).
+    pub fn access(&self) -> Access {
+        self.backend.ownership().map_or(Access::Owner, Ownership::access)
+    }
+
+    /// Changes of [`Volume::access`] so far (0 for a volume not shared).
+    pub fn access_generation(&self) -> u64 {
+        self.backend.ownership().map_or(0, Ownership::generation)
     }
 
     /// Size in blocks.
