@@ -77,6 +77,9 @@ pub enum ErrorKind {
     /// The command waited longer than `target.chunk_wait_timeout` for a
     /// buffer-pool chunk: this many milliseconds.
     OutOfBuffers(u32),
+    /// This gateway was fenced off from a volume several gateways share
+    /// (another one took it over): nothing of it is served here.
+    NotOwner,
     /// A bug or broken invariant in the target.
     Internal,
 }
@@ -181,6 +184,7 @@ impl Error {
             ErrorKind::LimitReached => (Status::LimitReached, 0),
             ErrorKind::FenceTimeout => (Status::FenceTimeout, 0),
             ErrorKind::OutOfBuffers(waited_ms) => (Status::OutOfBuffers, waited_ms),
+            ErrorKind::NotOwner => (Status::NotOwner, 0),
             ErrorKind::Config
             | ErrorKind::Volume
             | ErrorKind::Uring
@@ -214,6 +218,7 @@ impl Error {
             ErrorKind::Transfer => NvmeStatus::DATA_TRANSFER_ERROR,
             ErrorKind::NotConnected | ErrorKind::AlreadyConnected => NvmeStatus::COMMAND_SEQUENCE_ERROR,
             ErrorKind::ShuttingDown => NvmeStatus::NAMESPACE_NOT_READY,
+            ErrorKind::NotOwner => NvmeStatus::ANA_INACCESSIBLE,
             ErrorKind::VersionMismatch
             | ErrorKind::QueueFull
             | ErrorKind::UnknownSession
@@ -295,6 +300,7 @@ mod tests {
             ErrorKind::LimitReached,
             ErrorKind::FenceTimeout,
             ErrorKind::OutOfBuffers(5000),
+            ErrorKind::NotOwner,
             ErrorKind::Internal,
         ];
         let mut seen = std::collections::HashSet::new();

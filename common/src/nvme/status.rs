@@ -66,6 +66,11 @@ impl Status {
     pub const UNRECOVERED_READ_ERROR: Status = Status::media(0x81);
     pub const ACCESS_DENIED: Status = Status::media(0x86).no_retry();
 
+    /// Path related: the namespace is in an ANA Inaccessible group as seen
+    /// through this controller. Never DNR: the host retries the command on
+    /// another path (and re-reads this controller's ANA log).
+    pub const ANA_INACCESSIBLE: Status = Status::path(0x02);
+
     pub const fn generic(sc: u8) -> Status {
         Status { sct: sct::GENERIC, sc, dnr: false }
     }
@@ -74,6 +79,9 @@ impl Status {
     }
     pub const fn media(sc: u8) -> Status {
         Status { sct: sct::MEDIA, sc, dnr: false }
+    }
+    pub const fn path(sc: u8) -> Status {
+        Status { sct: sct::PATH, sc, dnr: false }
     }
     pub const fn no_retry(self) -> Status {
         Status { dnr: true, ..self }
@@ -125,6 +133,8 @@ mod tests {
             (Status::TRANSIENT_TRANSPORT_ERROR, 0x0022),
             // NVME_SC_AUTH_REQUIRED | NVME_STATUS_DNR, as nvmet answers.
             (Status::AUTHENTICATION_REQUIRED, 0x4191),
+            // NVME_SC_ANA_INACCESSIBLE, without DNR: the host fails over.
+            (Status::ANA_INACCESSIBLE, 0x0302),
         ] {
             assert_eq!(s.to_field() >> 1, linux, "{s}");
             assert_eq!(Status::from_field(s.to_field()), s);
