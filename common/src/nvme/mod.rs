@@ -21,8 +21,11 @@
 //! - [`tcp`]: the NVMe/TCP PDUs (ICReq/ICResp, CapsuleCmd/CapsuleResp,
 //!   H2CData, C2HData, R2T, the termination requests) and their digests;
 //! - [`rdma`]: the NVMe/RDMA connect request, accept and reject (rdma_cm
-//!   private data).
+//!   private data);
+//! - [`ana`]: Asymmetric Namespace Access: the ANA states and the ANA log
+//!   page.
 
+pub mod ana;
 pub mod auth;
 pub mod cqe;
 pub mod fabrics;
