@@ -43,6 +43,11 @@ pub const DEFAULT_NVME_QUEUE_SIZE: u32 = 1024;
 /// the most it asks for.
 pub const MIN_NVME_QUEUE_SIZE: u32 = 16;
 pub const MAX_NVME_QUEUE_SIZE: u32 = 1024;
+/// The NVMe controller ids a target may hand out (`target.nvme_cntlid_min`
+/// and `nvme_cntlid_max`, by default all of them): 0xfff0 and above are
+/// reserved (0xffff is the dynamic controller of a Connect), 0 is not used.
+pub const MIN_CNTLID: u16 = 1;
+pub const MAX_CNTLID: u16 = 0xffef;
 /// Default maximum inline write payload.
 pub const DEFAULT_INLINE_DATA_SIZE: u32 = 4096;
 /// Default buffer pool per reactor.
@@ -263,6 +268,11 @@ pub struct TargetConfig {
     pub max_anonymous_controllers: u32,
     /// Live NVMe-oF controllers of one host NQN (`target.max_controllers_per_host`).
     pub max_controllers_per_host: u32,
+    /// The NVMe controller ids this target hands out, `min..=max`: the
+    /// gateways of one subsystem each take their own range, since a host
+    /// refuses a second controller with an id it already has there.
+    pub nvme_cntlid_min: u16,
+    pub nvme_cntlid_max: u16,
     /// Time a connection has from arriving until its CONNECT succeeds
     /// (applied to the fabric hello and again to CONNECT).
     pub handshake_timeout: Duration,
@@ -471,6 +481,8 @@ impl TargetConfig {
         check(self.max_controllers != other.max_controllers, "target.max_controllers");
         check(self.max_anonymous_controllers != other.max_anonymous_controllers, "target.max_anonymous_controllers");
         check(self.max_controllers_per_host != other.max_controllers_per_host, "target.max_controllers_per_host");
+        check(self.nvme_cntlid_min != other.nvme_cntlid_min, "target.nvme_cntlid_min");
+        check(self.nvme_cntlid_max != other.nvme_cntlid_max, "target.nvme_cntlid_max");
         check(self.handshake_timeout != other.handshake_timeout, "target.handshake_timeout");
         check(self.fence_timeout != other.fence_timeout, "target.fence_timeout");
         check(self.idle_timeout != other.idle_timeout, "target.idle_timeout");
@@ -570,6 +582,8 @@ struct RawTarget {
     max_controllers: Option<i64>,
     max_anonymous_controllers: Option<i64>,
     max_controllers_per_host: Option<i64>,
+    nvme_cntlid_min: Option<i64>,
+    nvme_cntlid_max: Option<i64>,
     handshake_timeout: Option<RawDuration>,
     fence_timeout: Option<RawDuration>,
     idle_timeout: Option<RawDuration>,
@@ -954,6 +968,18 @@ impl RawConfig {
         }
         let max_controllers_per_host =
             cx.count("target.max_controllers_per_host", t.max_controllers_per_host, DEFAULT_MAX_CONTROLLERS_PER_HOST)?;
+        let cntlid = |key: &str, raw: Option<i64>, default: u16| -> Result<u16> {
+            match raw {
+                None => Ok(default),
+                Some(n) if (MIN_CNTLID as i64..=MAX_CNTLID as i64).contains(&n) => Ok(n as u16),
+                Some(n) => Err(cx.err(key, format!("must be in {MIN_CNTLID}..={MAX_CNTLID} (0x{MAX_CNTLID:x}; got {n})"))),
+            }
+        };
+        let nvme_cntlid_min = cntlid("target.nvme_cntlid_min", t.nvme_cntlid_min, MIN_CNTLID)?;
+        let nvme_cntlid_max = cntlid("target.nvme_cntlid_max", t.nvme_cntlid_max, MAX_CNTLID)?;
+        if nvme_cntlid_max < nvme_cntlid_min {
+            return Err(cx.err("target.nvme_cntlid_max", format!("{nvme_cntlid_max} is below target.nvme_cntlid_min {nvme_cntlid_min}")));
+        }
         let pool_chunks = chunks as u32;
         let session_pool_share =
             cx.pool_share("target.session_pool_share", t.session_pool_share, chunk_size, buffer_pool)?.unwrap_or(DEFAULT_SESSION_POOL_SHARE);
@@ -1052,6 +1078,8 @@ impl RawConfig {
             max_controllers,
             max_anonymous_controllers,
             max_controllers_per_host,
+            nvme_cntlid_min,
+            nvme_cntlid_max,
             handshake_timeout,
             fence_timeout,
             idle_timeout,
@@ -1434,6 +1462,25 @@ read_only = true
             let e = err(&with_target(&format!("nvme_queue_size = {bad}")));
             assert!(e.contains(&format!("target.nvme_queue_size: must be in 16..=1024 (got {bad})")), "{e}");
         }
+    }
+
+    #[test]
+    fn nvme_cntlid_ranges_are_checked() {
+        let c = Config::parse(&with_target(""), "t").unwrap();
+        assert_eq!((c.target.nvme_cntlid_min, c.target.nvme_cntlid_max), (1, 0xffef));
+        let c = Config::parse(&with_target("nvme_cntlid_min = 1000\nnvme_cntlid_max = 1999"), "t").unwrap();
+        assert_eq!((c.target.nvme_cntlid_min, c.target.nvme_cntlid_max), (1000, 1999));
+        let c = Config::parse(&with_target("nvme_cntlid_min = 7\nnvme_cntlid_max = 7"), "t").unwrap();
+        assert_eq!((c.target.nvme_cntlid_min, c.target.nvme_cntlid_max), (7, 7), "a range of one id");
+        for (key, bad) in [("nvme_cntlid_min", 0), ("nvme_cntlid_max", 0xfff0), ("nvme_cntlid_min", 65535), ("nvme_cntlid_max", -1)] {
+            let e = err(&with_target(&format!("{key} = {bad}")));
+            assert!(e.contains(&format!("target.{key}: must be in 1..=65519 (0xffef; got {bad})")), "{e}");
+        }
+        let e = err(&with_target("nvme_cntlid_min = 2000\nnvme_cntlid_max = 1999"));
+        assert!(e.contains("target.nvme_cntlid_max: 1999 is below target.nvme_cntlid_min 2000"), "{e}");
+        // Either bound alone: the other keeps its default.
+        let c = Config::parse(&with_target("nvme_cntlid_max = 10"), "t").unwrap();
+        assert_eq!((c.target.nvme_cntlid_min, c.target.nvme_cntlid_max), (1, 10));
     }
 
     #[test]

@@ -410,7 +410,7 @@ impl Subsystem {
             cfg: cfg.clone(),
             max_transfer: max_transfer(cfg),
             listeners: Mutex::new(Vec::new()),
-            controllers: Mutex::new(Controllers { by_id: HashMap::new(), next: 1 }),
+            controllers: Mutex::new(Controllers { by_id: HashMap::new(), next: cfg.nvme_cntlid_min }),
             stopping: AtomicBool::new(false),
             stats: NvmeStats::default(),
         }
@@ -486,18 +486,23 @@ impl Subsystem {
                 self.cfg.max_controllers_per_host
             ));
         }
-        // Controller ids 1..=0xffef; 0xfff0.. are reserved.
-        let mut id = c.next;
-        for _ in 0..0xffef {
+        // Controller ids in `nvme_cntlid_min..=nvme_cntlid_max` (at most
+        // 1..=0xffef; 0xfff0.. are reserved), the next free one in turn: the
+        // gateways of one subsystem hand out disjoint ranges, so that a host
+        // with a controller on each never sees one id twice there.
+        let (lo, hi) = (self.cfg.nvme_cntlid_min, self.cfg.nvme_cntlid_max);
+        let after = |id: u16| if id >= hi { lo } else { id + 1 };
+        let mut id = c.next.clamp(lo, hi);
+        for _ in lo..=hi {
             if !c.by_id.contains_key(&id) {
                 break;
             }
-            id = if id >= 0xffef { 1 } else { id + 1 };
+            id = after(id);
         }
         if c.by_id.contains_key(&id) {
-            return Err("every controller id is taken".into());
+            return Err(format!("every controller id of target.nvme_cntlid_min..=nvme_cntlid_max ({lo}..={hi}) is taken"));
         }
-        c.next = if id >= 0xffef { 1 } else { id + 1 };
+        c.next = after(id);
         let name = format!("host={host_nqn} controller={id}");
         let ctrl = Arc::new(Controller {
             id,

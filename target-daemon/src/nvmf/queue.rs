@@ -2031,4 +2031,40 @@ mod tests {
             assert_eq!((after.3 - before.3, after.4 - before.4, after.5 - before.5), (1, 512, 512), "errors, bytes read and written");
         });
     }
+
+    /// [`subsystem`] with `extra` in `[target]`.
+    fn subsystem_with(extra: &str, volumes: &[&str]) -> Arc<Subsystem> {
+        let mut text = format!("[target]\nname = \"t\"\nlisten = [\"nvme+tcp://127.0.0.1:0\"]\n{extra}\n");
+        for v in volumes {
+            text += &format!("[[volume]]\nname = \"{v}\"\nbackend = \"memory\"\nsize = \"1MiB\"\nblock_size = 512\nallow_any_host = true\n");
+        }
+        let config = Config::parse(&text, "test").unwrap();
+        let set = VolumeSet::new(1, open_volumes(&config).unwrap()).with_access(Arc::new(AccessPolicy::load(&config).unwrap()));
+        Arc::new(Subsystem::new(&config.target, Arc::new(Registry::new(set, 1))))
+    }
+
+    /// An admin Connect of host `host` (each host its own: no fence between them).
+    fn connect_as(q: &mut Queue, subnqn: &str, host: &str) -> (Status, u64) {
+        let c = rdmablk_common::nvme::fabrics::Connect { recfmt: 0, qid: 0, sqsize: 31, cattr: 0, kato_ms: 0 };
+        let mut d = [0u8; CONNECT_DATA_SIZE];
+        ConnectData { host_id: [9; 16], controller_id: 0xffff, subsystem_nqn: subnqn.into(), host_nqn: host.into() }.encode(&mut d).unwrap();
+        status(&run(q, c.to_entry(1), &d))
+    }
+
+    #[test]
+    fn controller_ids_come_from_the_configured_range_in_turn() {
+        let sub = subsystem_with("nvme_cntlid_min = 100\nnvme_cntlid_max = 102", &["a"]);
+        let nqn = sub.nqn.clone();
+        let mut qs: Vec<Queue> = (0..4).map(|_| queue(&sub)).collect();
+        let ids: Vec<(Status, u64)> = qs.iter_mut().enumerate().map(|(i, q)| connect_as(q, &nqn, &format!("{HOST}{i}"))).collect();
+        assert_eq!(&ids[..3], &[(Status::SUCCESS, 100), (Status::SUCCESS, 101), (Status::SUCCESS, 102)]);
+        assert_eq!(ids[3].0, Status::CONNECT_CONTROLLER_BUSY, "every id of the range is taken");
+        // Controller 100 goes: the next Connect wraps around to it.
+        sub.remove_controller(100);
+        let mut q = queue(&sub);
+        assert_eq!(connect_as(&mut q, &nqn, "nqn.2014-08.org.example:other"), (Status::SUCCESS, 100));
+        // A default range starts at 1.
+        let (sub, _) = subsystem(&["a"]);
+        assert_eq!(connect_as(&mut queue(&sub), &sub.nqn.clone(), HOST), (Status::SUCCESS, 1));
+    }
 }
