@@ -4,10 +4,11 @@
 
 use std::sync::Arc;
 
+use rdmablk_common::nvme::ana;
 use rdmablk_common::nvme::sqe::{admin_opcode, SubmissionEntry};
 use rdmablk_common::nvme::status::Status;
 
-use super::identify::{self, cns, AEN_NS_ATTR, ERROR_LOG_ENTRIES};
+use super::identify::{self, cns, AEN_SUPPORTED, ERROR_LOG_ENTRIES};
 use super::queue::{Queue, Reply};
 use super::{discovery, MAX_AERS, MAX_IO_QUEUES};
 use crate::config::MAX_NSID;
@@ -19,6 +20,7 @@ pub mod lid {
     pub const FIRMWARE_SLOT: u8 = 0x03;
     pub const CHANGED_NAMESPACES: u8 = 0x04;
     pub const COMMAND_EFFECTS: u8 = 0x05;
+    pub const ANA: u8 = 0x0c;
     pub const DISCOVERY: u8 = 0x70;
 }
 
@@ -88,6 +90,9 @@ fn identify(q: &mut Queue, sqe: &SubmissionEntry, discovery: bool) -> Reply {
 
 fn get_log_page(q: &mut Queue, sqe: &SubmissionEntry, discovery: bool) -> Reply {
     let id = (sqe.cdw[0] & 0xff) as u8;
+    // LSP (bits 14:8; for the ANA log, bit 0 is Return Groups Only) and
+    // RAE (Retain Asynchronous Event).
+    let lsp = ((sqe.cdw[0] >> 8) & 0x7f) as u8;
     let retain = sqe.cdw[0] & (1 << 15) != 0;
     let dwords = ((sqe.cdw[1] & 0xffff) << 16 | sqe.cdw[0] >> 16) as u64 + 1;
     let len = dwords * 4;
@@ -116,6 +121,9 @@ fn get_log_page(q: &mut Queue, sqe: &SubmissionEntry, discovery: bool) -> Reply 
             d
         }
         (lid::COMMAND_EFFECTS, false) => command_effects_log(),
+        // Whatever the NSID (a Linux host sends FFFFFFFFh, the
+        // specification 0h or FFFFFFFFh) and the other LSP bits.
+        (lid::ANA, false) => q.ana_log(retain).encode(lsp & ana::LSP_RGO != 0),
         _ => return Reply::status(Status::INVALID_LOG_PAGE),
     };
     if offset > page.len() as u64 {
@@ -201,7 +209,8 @@ fn set_features(q: &mut Queue, sqe: &SubmissionEntry, _data: &[u8]) -> Reply {
             Reply::ok()
         }
         fid::ASYNC_EVENT_CONFIG if !ctrl.discovery => {
-            st.aen_config = value & AEN_NS_ATTR;
+            // Bits of notices this controller never sends are ignored.
+            st.aen_config = value & AEN_SUPPORTED;
             Reply::ok()
         }
         fid::VOLATILE_WRITE_CACHE if !ctrl.discovery => {

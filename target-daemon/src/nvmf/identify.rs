@@ -1,8 +1,10 @@
 //! The Identify data structures (NVMe Base 2.0, 5.17.2; NVMe over Fabrics
 //! 1.1 for the fabrics fields), 4,096 bytes each, little endian.
 
-use super::{namespace_ids, Namespace, Subsystem, ADMIN_IN_CAPSULE, IO_IN_CAPSULE, MAX_AERS};
-use crate::config::{NvmeTransport, MAX_NSID};
+use rdmablk_common::nvme::ana::AnaState;
+
+use super::{ana, namespace_ids, Namespace, Subsystem, ADMIN_IN_CAPSULE, IO_IN_CAPSULE, MAX_AERS};
+use crate::config::{NvmeTransport, MAX_NSID, MAX_VOLUMES};
 
 pub const IDENTIFY_SIZE: usize = 4096;
 
@@ -21,6 +23,27 @@ pub const VERSION: u32 = 0x0001_0300;
 
 /// OAES and AEN configuration bit: namespace attribute notices.
 pub const AEN_NS_ATTR: u32 = 1 << 8;
+/// OAES and AEN configuration bit: ANA change notices.
+pub const AEN_ANA_CHANGE: u32 = 1 << 11;
+/// The notices this controller sends (OAES), all a host may enable.
+pub const AEN_SUPPORTED: u32 = AEN_NS_ATTR | AEN_ANA_CHANGE;
+/// CMIC: the subsystem may have more than one port (bit 0) and more than
+/// one controller (bit 1: several gateways, several paths of a host), and
+/// reports ANA (bit 3). Without bit 1 a Linux host refuses a second
+/// controller of the subsystem, and builds no multipath device.
+pub const CMIC: u8 = 1 << 0 | 1 << 1 | 1 << 3;
+/// ANACAP: the states reported (optimized, non-optimized, inaccessible)
+/// and an ANA group id that does not change while the namespace is
+/// attached (bit 6).
+pub const ANACAP: u8 = 1 << 0 | 1 << 1 | 1 << 2 | 1 << 6;
+/// ANAGRPMAX: group ids are NSIDs ([`ana::group`]).
+pub const ANAGRPMAX: u32 = MAX_NSID;
+/// NANAGRPID and MNAN: one group per namespace, and at most as many
+/// namespaces as volumes served. A Linux host sizes its ANA log buffer as
+/// 16 + 32 × NANAGRPID + 4 × MNAN bytes (9,232 here), which must fit MDTS,
+/// and refuses a controller that reports ANA with MNAN 0 or above NN.
+pub const NANAGRPID: u32 = MAX_VOLUMES as u32;
+pub const MNAN: u32 = MAX_VOLUMES as u32;
 /// ONCS bits.
 const ONCS_DSM: u16 = 1 << 2;
 const ONCS_WRITE_ZEROES: u16 = 1 << 3;
@@ -56,13 +79,12 @@ pub fn controller(sub: &Subsystem, transport: NvmeTransport, cntlid: u16, discov
     put_str(&mut d[4..24], &sub.serial);
     put_str(&mut d[24..64], "rdmablk-target");
     put_str(&mut d[64..72], env!("CARGO_PKG_VERSION"));
-    // CMIC: more than one port and more than one controller may reach a namespace.
-    d[76] = if discovery { 0 } else { 0b011 };
+    d[76] = if discovery { 0 } else { CMIC };
     // MDTS: `max_io_size`, the same on every transport (`max_transfer`).
     d[77] = super::mdts(sub.max_transfer);
     put_u16(&mut d, 78, cntlid);
     put_u32(&mut d, 80, VERSION);
-    put_u32(&mut d, 92, if discovery { 0 } else { AEN_NS_ATTR });
+    put_u32(&mut d, 92, if discovery { 0 } else { AEN_SUPPORTED });
     // CNTRLTYPE: 1 I/O controller, 2 discovery controller.
     d[111] = if discovery { 2 } else { 1 };
     // ACL and AERL are 0-based.
@@ -72,6 +94,12 @@ pub fn controller(sub: &Subsystem, transport: NvmeTransport, cntlid: u16, discov
     d[262] = ERROR_LOG_ENTRIES as u8 - 1;
     // KAS: keep-alive granularity, 100 ms.
     put_u16(&mut d, 320, 1);
+    if !discovery {
+        d[342] = ana::TRANSITION_TIME_SECS;
+        d[343] = ANACAP;
+        put_u32(&mut d, 344, ANAGRPMAX);
+        put_u32(&mut d, 348, NANAGRPID);
+    }
     // MAXCMD: a fabrics host refuses a controller (the discovery one too)
     // that reports 0.
     put_u16(&mut d, 514, sub.cfg.nvme_queue_size as u16);
@@ -80,6 +108,7 @@ pub fn controller(sub: &Subsystem, transport: NvmeTransport, cntlid: u16, discov
         d[512] = 0x66;
         d[513] = 0x44;
         put_u32(&mut d, 516, MAX_NSID);
+        put_u32(&mut d, 540, MNAN);
         put_u16(&mut d, 520, ONCS_DSM | ONCS_WRITE_ZEROES);
         // VWC: a volatile write cache (Flush does fdatasync); bits 2:1 = 10,
         // Flush with the broadcast nsid is not supported.
@@ -121,17 +150,23 @@ pub fn namespace(target_nqn: &str, ns: Option<&Namespace>) -> Vec<u8> {
     let mut d = vec![0u8; IDENTIFY_SIZE];
     let Some(ns) = ns else { return d };
     let blocks = ns.volume.blocks();
+    let ana = ana::View::of(ns);
     put_u64(&mut d, 0, blocks);
     put_u64(&mut d, 8, blocks);
-    put_u64(&mut d, 16, blocks);
+    // NUSE: 0 while the namespace is inaccessible through this controller
+    // (as nvmet); its size stays, the same on every path.
+    put_u64(&mut d, 16, if ana.state == AnaState::Inaccessible { 0 } else { blocks });
     // NSFEAT bit 0: thin provisioning (a deallocated block takes no space
     // in a sparse file).
     d[24] = ns.volume.supports_discard() as u8;
     // NLBAF 0 (one format), FLBAS 0.
-    // NMIC: may be attached to more than one controller.
+    // NMIC: shared, may be attached to more than one controller (all of a
+    // host's paths); a Linux host puts only shared namespaces of several
+    // controllers under one multipath device.
     d[30] = 1;
     // DLFEAT: deallocated blocks read as zeroes (a punched hole does).
     d[33] = if ns.volume.supports_discard() { 0b001 } else { 0 };
+    put_u32(&mut d, 92, ana.group);
     // NSATTR: write protected.
     d[99] = ns.read_only as u8;
     let (nguid, _) = namespace_ids(target_nqn, &ns.volume.name);

@@ -6,7 +6,7 @@ use rdmablk_common::nvme::sqe::{io_opcode, DsmRange, SubmissionEntry, DSM_RANGE_
 
 use super::{Namespace, MAX_TRANSFER};
 pub use crate::backend::ByteRanges;
-use crate::backend::RangeOp;
+use crate::backend::{Access, RangeOp};
 use crate::error::{Error, ErrorKind, Result};
 
 /// What an I/O command does, once checked.
@@ -67,6 +67,24 @@ fn byte_range(ns: &Namespace, slba: u64, blocks: u64) -> Result<(u64, u64)> {
     Ok((slba << shift, blocks << shift))
 }
 
+/// Whether this gateway serves the namespace's volume now: not once it
+/// was fenced off (another gateway took it over), whatever the command
+/// (ANA Inaccessible: the host retries on another path). A standby serves:
+/// its backend takes the volume over at the command.
+fn reachable(ns: &Namespace) -> Result<()> {
+    check_access(ns.nsid, ns.volume.access())
+}
+
+fn check_access(nsid: u32, access: Access) -> Result<()> {
+    match access {
+        Access::Owner | Access::Standby => Ok(()),
+        Access::Fenced => Err(Error::new(
+            ErrorKind::NotOwner,
+            format!("namespace {nsid}: another gateway took its volume over and fenced this one off"),
+        )),
+    }
+}
+
 fn writable(ns: &Namespace) -> Result<()> {
     if ns.read_only {
         return Err(Error::new(ErrorKind::ReadOnly, format!("namespace {} is read-only for this host", ns.nsid)));
@@ -89,6 +107,7 @@ pub fn plan_within(sqe: &SubmissionEntry, nss: &[Namespace], sgl_len: u32, max_t
         return Err(Error::new(ErrorKind::InvalidOpcode, format!("I/O opcode {op:#04x}")));
     }
     let ns = find(nss, sqe.nsid)?.clone();
+    reachable(&ns)?;
     let no_data = |what: &str| -> Result<()> {
         if sgl_len != 0 {
             return Err(Error::new(ErrorKind::LengthMismatch, format!("{what} carries no data; the SGL names {sgl_len} bytes")));
@@ -248,6 +267,23 @@ mod tests {
         flush.nsid = 1;
         assert!(plan(&flush, &nss, 0).is_ok());
         assert_eq!(kind(plan(&flush, &nss, 512)), ErrorKind::LengthMismatch);
+    }
+
+    #[test]
+    fn a_fenced_volume_answers_ana_inaccessible_and_a_standby_serves() {
+        use rdmablk_common::nvme::status::{sct, Status};
+        assert!(check_access(1, Access::Owner).is_ok());
+        assert!(check_access(1, Access::Standby).is_ok(), "the backend takes the volume over at the command");
+        let e = check_access(3, Access::Fenced).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NotOwner);
+        assert!(e.context().contains("namespace 3"), "{e}");
+        let st = e.nvme_status(true);
+        assert_eq!(st, Status::ANA_INACCESSIBLE);
+        assert_eq!((st.sct, st.sc, st.dnr), (sct::PATH, 0x02, false), "path related, retried on another path");
+        // A volume only this target serves is its owner: every command is planned.
+        let nss = [ns(false)];
+        assert_eq!(nss[0].volume.access(), Access::Owner);
+        assert!(plan(&rw(io_opcode::WRITE, 0, 1), &nss, 512).is_ok());
     }
 
     #[test]

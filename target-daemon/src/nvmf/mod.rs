@@ -24,11 +24,15 @@
 //! - [`io_cmd`]: Read, Write, Flush, Write Zeroes, Dataset Management.
 //! - [`discovery`]: the discovery log page.
 //! - [`identify`]: the Identify data structures.
+//! - [`ana`]: Asymmetric Namespace Access: the state of each namespace
+//!   through this target (one of several gateways of a shared volume), the
+//!   ANA log and its change notices.
 //!
 //! Disk I/O goes through the reactor's executor ([`crate::engine::exec`]),
 //! shared with every other queue of every protocol on that reactor.
 
 pub mod admin_cmd;
+pub mod ana;
 pub mod auth_cmd;
 pub mod discovery;
 pub mod fabrics_cmd;

@@ -27,13 +27,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrayvec::ArrayVec;
+use rdmablk_common::nvme::ana::AnaLog;
 use rdmablk_common::nvme::cqe::CompletionEntry;
 use rdmablk_common::nvme::sqe::{admin_opcode, Sgl, SubmissionEntry};
 use rdmablk_common::nvme::status::Status;
 use rdmablk_common::protocol::Opcode;
 
 use super::io_cmd::{self, ByteRanges, IoPlan};
-use super::{admin_cmd, auth_cmd, fabrics_cmd, CloseReason, Controller, HostView, Namespace, NvmeStats, Subsystem, MAX_HEAP_DATA};
+use super::{admin_cmd, ana, auth_cmd, fabrics_cmd, CloseReason, Controller, HostView, Namespace, NvmeStats, Subsystem, MAX_HEAP_DATA};
 use crate::config::NvmeTransport;
 use crate::engine::exec::{self, Accounts, CmdId, Event, Executor, Owner, Request};
 use crate::backend::VolumeSet;
@@ -267,6 +268,10 @@ pub struct Queue {
     pub changed_nsids: Vec<u32>,
     pub aen_masked: bool,
     known: (u64, Vec<(u32, u64, bool)>),
+    /// Admin queue: the ANA state it last reported of each namespace, and
+    /// when it looks again (while it has a shared namespace).
+    ana: ana::Watch,
+    ana_due: Option<Instant>,
     pub keep_alive_due: Option<Instant>,
     /// The Connect must come by then (`target.handshake_timeout` after the
     /// queue was accepted).
@@ -315,6 +320,8 @@ impl Queue {
             changed_nsids: Vec::new(),
             aen_masked: false,
             known: (u64::MAX, Vec::new()),
+            ana: ana::Watch::default(),
+            ana_due: None,
             keep_alive_due: None,
             handshake_due: now + handshake_timeout,
             last_heard: now,
@@ -1020,6 +1027,9 @@ impl Queue {
             min(a.due);
         }
         if self.is_admin() {
+            if let Some(due) = self.ana_due {
+                min(due);
+            }
             if let Some(due) = self.keep_alive_due {
                 min(due);
             } else {
@@ -1131,6 +1141,7 @@ impl Queue {
             }
         }
         self.watch_namespaces();
+        self.watch_ana(now);
     }
 
     /// Any admin command restarts the keep-alive timer.
@@ -1169,18 +1180,56 @@ impl Queue {
         self.send_events();
     }
 
-    /// Completes a held AER for a pending namespace notice, if enabled.
-    pub fn send_events(&mut self) {
-        let Some(conn) = &self.conn else { return };
-        let enabled = conn.ctrl.state.lock().unwrap_or_else(|e| e.into_inner()).aen_config & super::identify::AEN_NS_ATTR != 0;
-        if !enabled || self.aen_masked || self.changed_nsids.is_empty() {
+    /// Compares the namespaces' ANA states with what the host was told
+    /// and raises an ANA change notice for a difference; looks again in
+    /// [`ana::POLL`] while a namespace's access may move.
+    fn watch_ana(&mut self, now: Instant) {
+        if !self.look_ana(now) {
             return;
         }
-        let Some(cid) = self.aers.pop() else { return };
-        self.aen_masked = true;
-        // Event type 2 (notice), information 0 (namespace attribute
-        // changed), log page 0x04 (changed namespace list).
-        self.answer_held(cid, Status::SUCCESS, 0x0004_0002);
+        let cntlid = self.conn.as_ref().map_or(0, |c| c.ctrl.id);
+        let states: Vec<String> = self.ana.log().groups.iter().map(|g| format!("{:?} {}", g.nsids, g.state.name())).collect();
+        tracing::info!("nvme controller {cntlid}: ANA states changed: {}", states.join(", "));
+        self.send_events();
+    }
+
+    /// The ANA log page as of now, for Get Log Page (`retain`: Retain
+    /// Asynchronous Event): a change the host reads here needs no notice.
+    pub fn ana_log(&mut self, retain: bool) -> AnaLog {
+        self.look_ana(self.now);
+        self.ana.read(retain);
+        self.ana.log()
+    }
+
+    /// Takes the namespaces' ANA states into the watch (true: a notice is
+    /// due) and sets when to look again.
+    fn look_ana(&mut self, now: Instant) -> bool {
+        let nss = self.namespaces();
+        let shared = nss.iter().any(ana::shared);
+        let views = ana::views(nss);
+        self.ana_due = shared.then(|| now + ana::POLL);
+        self.ana.update(views)
+    }
+
+    /// Completes held AERs for pending notices the host enabled: the
+    /// namespace attribute notice, then the ANA change notice.
+    pub fn send_events(&mut self) {
+        let Some(conn) = &self.conn else { return };
+        let enabled = conn.ctrl.state.lock().unwrap_or_else(|e| e.into_inner()).aen_config;
+        if enabled & super::identify::AEN_NS_ATTR != 0 && !self.aen_masked && !self.changed_nsids.is_empty() {
+            let Some(cid) = self.aers.pop() else { return };
+            self.aen_masked = true;
+            // Event type 2 (notice), information 0 (namespace attribute
+            // changed), log page 0x04 (changed namespace list).
+            self.answer_held(cid, Status::SUCCESS, 0x0004_0002);
+        }
+        if enabled & super::identify::AEN_ANA_CHANGE != 0 && self.ana.notice_due() {
+            let Some(cid) = self.aers.pop() else { return };
+            self.ana.notice_sent();
+            // Event type 2 (notice), information 3 (ANA change), log page
+            // 0x0c (asymmetric namespace access).
+            self.answer_held(cid, Status::SUCCESS, 0x000c_0302);
+        }
     }
 
     // ---------------------------------------------------------------- closing
@@ -2051,6 +2100,20 @@ mod tests {
         status(&run(q, c.to_entry(1), &d))
     }
 
+    /// Get Log Page `lid` of `bytes` bytes; `cdw10` adds LSP and RAE bits.
+    fn log_page(lid: u8, bytes: u32, cdw10: u32) -> SubmissionEntry {
+        let mut e = SubmissionEntry::new(admin_opcode::GET_LOG_PAGE, 11);
+        e.nsid = u32::MAX;
+        e.cdw[0] = lid as u32 | cdw10 | ((bytes / 4 - 1) & 0xffff) << 16;
+        e.cdw[1] = (bytes / 4 - 1) >> 16;
+        e.set_sgl(Sgl::Transport { length: bytes });
+        e
+    }
+
+    fn u32_at(d: &[u8], at: usize) -> u32 {
+        u32::from_le_bytes(d[at..at + 4].try_into().unwrap())
+    }
+
     #[test]
     fn controller_ids_come_from_the_configured_range_in_turn() {
         let sub = subsystem_with("nvme_cntlid_min = 100\nnvme_cntlid_max = 102", &["a"]);
@@ -2066,5 +2129,120 @@ mod tests {
         // A default range starts at 1.
         let (sub, _) = subsystem(&["a"]);
         assert_eq!(connect_as(&mut queue(&sub), &sub.nqn.clone(), HOST), (Status::SUCCESS, 1));
+    }
+
+    #[test]
+    fn identify_reports_ana_and_a_subsystem_of_several_controllers() {
+        use rdmablk_common::nvme::fabrics::DISCOVERY_NQN;
+        let (sub, _) = subsystem(&["a", "b"]);
+        let mut q = admin(&sub);
+        let c = data(&run(&mut q, identify(1, 0), &[]));
+        assert_eq!(c[76], 0b1011, "CMIC: multi-port, multi-controller, ANA reporting");
+        let oaes = u32_at(&c, 92);
+        assert_eq!(oaes & (1 << 8 | 1 << 11), 1 << 8 | 1 << 11, "OAES: namespace attribute and ANA change notices");
+        assert_eq!(c[342], 10, "ANATT");
+        assert_eq!(c[343], 0b0100_0111, "ANACAP: optimized, non-optimized, inaccessible; ANAGRPID fixed while attached");
+        let (anagrpmax, nanagrpid, nn, mnan) = (u32_at(&c, 344), u32_at(&c, 348), u32_at(&c, 516), u32_at(&c, 540));
+        assert_eq!((anagrpmax, nanagrpid, nn, mnan), (65535, 256, 65535, 256));
+        // What a Linux host checks: 0 < MNAN <= NN, NANAGRPID <= ANAGRPMAX, and
+        // its ANA log buffer (header, NANAGRPID descriptors, MNAN NSIDs) within MDTS.
+        assert!(mnan > 0 && mnan <= nn && nanagrpid <= anagrpmax);
+        assert!(16 + 32 * nanagrpid + 4 * mnan <= 4096 << c[77]);
+        let ns = data(&run(&mut q, identify(0, 2), &[]));
+        assert_eq!(ns[30], 1, "NMIC: shared");
+        assert_eq!(u32_at(&ns, 92), 2, "ANAGRPID: the NSID");
+        assert_eq!(ns[16..24], ns[0..8], "NUSE = NSZE while optimized");
+        // The discovery controller reports none of it.
+        let mut dq = queue(&sub);
+        assert_eq!(connect(&mut dq, DISCOVERY_NQN, 0).0, Status::SUCCESS);
+        let d = data(&run(&mut dq, identify(1, 0), &[]));
+        assert_eq!((d[76], u32_at(&d, 92), d[343], u32_at(&d, 540)), (0, 0, 0, 0));
+        assert_eq!(status(&run(&mut dq, log_page(0x0c, 4096, 0), &[])).0, Status::INVALID_LOG_PAGE);
+    }
+
+    #[test]
+    fn the_ana_log_lists_each_namespace_in_its_own_group_and_rgo_leaves_them_out() {
+        use rdmablk_common::nvme::ana::{AnaLog, AnaState};
+        let (sub, _) = subsystem(&["a", "b"]);
+        let mut q = admin(&sub);
+        // What a Linux host asks: 16 + 32 x NANAGRPID + 4 x MNAN bytes.
+        let page = data(&run(&mut q, log_page(0x0c, 9232, 0), &[]));
+        assert_eq!(page.len(), 9232);
+        let log = AnaLog::decode(&page).unwrap();
+        assert_eq!(log.change_count, 0);
+        let groups: Vec<_> = log.groups.iter().map(|g| (g.group, g.state, g.nsids.clone())).collect();
+        assert_eq!(groups, [(1, AnaState::Optimized, vec![1]), (2, AnaState::Optimized, vec![2])]);
+        assert!(page[16 + 2 * 36..].iter().all(|&b| b == 0), "zeroes after the last group");
+        // Return Groups Only (LSP bit 0, CDW10 bit 8): descriptors without NSIDs.
+        let page = data(&run(&mut q, log_page(0x0c, 4096, 1 << 8), &[]));
+        let log = AnaLog::decode(&page).unwrap();
+        assert_eq!(log.groups.iter().map(|g| (g.group, g.nsids.len())).collect::<Vec<_>>(), [(1, 0), (2, 0)]);
+        assert_eq!(u32_at(&page, 16 + 32), 2, "the second descriptor follows the first at once");
+        // A part of it at an offset (LPO), as a host may read a long page.
+        let mut at = log_page(0x0c, 32, 0);
+        at.cdw[2] = 16;
+        let part = data(&run(&mut q, at, &[]));
+        assert_eq!((u32_at(&part, 0), u32_at(&part, 4)), (1, 1), "group 1's descriptor");
+    }
+
+    #[test]
+    fn an_ana_change_raises_one_notice_masked_until_the_log_is_read() {
+        use rdmablk_common::nvme::ana::{AnaLog, AnaState};
+        let (sub, _) = subsystem(&["a", "b"]);
+        let mut q = admin(&sub);
+        let mut aec = SubmissionEntry::new(admin_opcode::SET_FEATURES, 6);
+        aec.cdw[0] = 0x0b;
+        // Bit 30 (no such notice here) is ignored.
+        aec.cdw[1] = 1 << 8 | 1 << 11 | 1 << 30;
+        assert_eq!(status(&run(&mut q, aec, &[])).0, Status::SUCCESS);
+        let mut get = SubmissionEntry::new(admin_opcode::GET_FEATURES, 6);
+        get.cdw[0] = 0x0b;
+        assert_eq!(status(&run(&mut q, get, &[])).1, 1 << 8 | 1 << 11, "only the notices this controller sends");
+        assert!(run(&mut q, SubmissionEntry::new(admin_opcode::ASYNC_EVENT_REQUEST, 7), &[]).is_empty(), "held");
+        q.tick(Instant::now());
+        assert!(q.actions.is_empty(), "nothing changed");
+        assert_eq!(q.ana_due, None, "no shared namespace: nothing to poll");
+        // Volume b is fenced off (what the RBD backend's Ownership does; no
+        // backend here has one, so the view is set as a look would find it).
+        let fenced = vec![
+            ana::View { nsid: 1, group: 1, state: AnaState::Optimized, generation: 0 },
+            ana::View { nsid: 2, group: 2, state: AnaState::Inaccessible, generation: 1 },
+        ];
+        assert!(q.ana.update(fenced));
+        q.send_events();
+        let actions = std::mem::take(&mut q.actions);
+        assert_eq!(status(&actions), (Status::SUCCESS, 0x000c_0302), "notice, ANA change, log page 0Ch");
+        // The next change waits for the log to be read: the volume is its
+        // owner again (the look below finds it so), and the new AER is held.
+        assert!(run(&mut q, SubmissionEntry::new(admin_opcode::ASYNC_EVENT_REQUEST, 8), &[]).is_empty());
+        q.tick(Instant::now());
+        assert!(q.actions.is_empty(), "masked");
+        // Read with RAE: still masked.
+        let page = data(&run(&mut q, log_page(0x0c, 4096, 1 << 15), &[]));
+        let log = AnaLog::decode(&page).unwrap();
+        assert_eq!(log.change_count, 2, "two changes: fenced, then owner again");
+        assert_eq!((log.groups[1].state, log.groups[1].change_count, log.groups[0].change_count), (AnaState::Optimized, 2, 0));
+        assert!(q.ana.update(vec![
+            ana::View { nsid: 1, group: 1, state: AnaState::NonOptimized, generation: 1 },
+            ana::View { nsid: 2, group: 2, state: AnaState::Optimized, generation: 0 },
+        ]));
+        q.send_events();
+        assert!(q.actions.is_empty(), "retained: still masked");
+        // Read without RAE: unmasked, and the change it showed needs no notice.
+        let log = AnaLog::decode(&data(&run(&mut q, log_page(0x0c, 4096, 0), &[]))).unwrap();
+        assert_eq!((log.change_count, log.groups[0].state), (4, AnaState::Optimized), "the look at the read found volume a its owner again");
+        q.tick(Instant::now());
+        assert!(q.actions.is_empty(), "nothing new since the read");
+        // A notice the host did not enable is not sent.
+        let mut aec = SubmissionEntry::new(admin_opcode::SET_FEATURES, 9);
+        aec.cdw[0] = 0x0b;
+        aec.cdw[1] = 1 << 8;
+        assert_eq!(status(&run(&mut q, aec, &[])).0, Status::SUCCESS);
+        assert!(q.ana.update(vec![
+            ana::View { nsid: 1, group: 1, state: AnaState::Inaccessible, generation: 1 },
+            ana::View { nsid: 2, group: 2, state: AnaState::Optimized, generation: 0 },
+        ]));
+        q.send_events();
+        assert!(q.actions.is_empty(), "ANA change notices are disabled");
     }
 }
