@@ -346,6 +346,9 @@ pub enum BackendKind {
     Memory,
     /// Reads return zeroes, writes are dropped: measures the fabric alone.
     Null,
+    /// A Ceph RBD image, through librbd; several gateways may serve it, one
+    /// at a time (the image's exclusive lock, fenced by Ceph's blocklist).
+    Rbd,
 }
 
 impl fmt::Display for BackendKind {
@@ -354,6 +357,7 @@ impl fmt::Display for BackendKind {
             BackendKind::File => "file",
             BackendKind::Memory => "memory",
             BackendKind::Null => "null",
+            BackendKind::Rbd => "rbd",
         })
     }
 }
@@ -426,6 +430,40 @@ pub struct VolumeConfig {
     /// NVMe namespace id, if given (default: the volume id, which is never
     /// reused while the target runs).
     pub nsid: Option<u32>,
+    /// Where the image is (`rbd` backend only).
+    pub rbd: Option<RbdConfig>,
+}
+
+/// An `rbd` volume's image and the Ceph identity the target uses for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RbdConfig {
+    pub pool: String,
+    /// RADOS namespace inside the pool ("" = the default namespace).
+    pub namespace: String,
+    pub image: String,
+    /// ceph.conf to read (`None`: librados' own search: $CEPH_CONF, /etc/ceph/ceph.conf, ...).
+    pub ceph_conf: Option<PathBuf>,
+    /// The cephx user without "client." (default "admin"). A gateway's user
+    /// needs `mon 'profile rbd' osd 'profile rbd'`: breaking a lock blocklists its owner.
+    pub client: String,
+    /// Keyring of that user (`None`: what ceph.conf says).
+    pub keyring: Option<PathBuf>,
+    /// Take the image's exclusive lock at start (the image's preferred
+    /// gateway), fencing whichever gateway held it; without, this gateway
+    /// is a standby that takes the image over at the first command a host
+    /// sends it.
+    pub lock_at_start: bool,
+}
+
+impl RbdConfig {
+    /// `pool/image` or `pool/namespace/image`, as the `rbd` tool writes it.
+    pub fn spec(&self) -> String {
+        if self.namespace.is_empty() {
+            format!("{}/{}", self.pool, self.image)
+        } else {
+            format!("{}/{}/{}", self.pool, self.namespace, self.image)
+        }
+    }
 }
 
 impl VolumeConfig {
@@ -443,6 +481,7 @@ impl VolumeConfig {
             && self.size == other.size
             && self.block_size == other.block_size
             && self.nsid == other.nsid
+            && self.rbd == other.rbd
     }
 }
 
@@ -612,6 +651,13 @@ struct RawVolume {
     allowed_hosts: Vec<String>,
     #[serde(default)]
     read_only_hosts: Vec<String>,
+    pool: Option<String>,
+    namespace: Option<String>,
+    image: Option<String>,
+    ceph_conf: Option<PathBuf>,
+    client: Option<String>,
+    keyring: Option<PathBuf>,
+    lock_at_start: Option<bool>,
 }
 
 /// A size as written: an integer or a string with a suffix. Parsed during
@@ -1102,8 +1148,9 @@ impl RawConfig {
         let mut paths = HashSet::new();
         let mut volumes = Vec::with_capacity(self.volume.len());
         let mut access = Vec::with_capacity(self.volume.len());
-        for (index, v) in self.volume.into_iter().enumerate() {
+        for (index, mut v) in self.volume.into_iter().enumerate() {
             let key = |k: &str| format!("volume[{index}].{k}");
+            let mut rbd_keys = v_rbd_keys(&mut v);
             cx.name(&key("name"), &v.name)?;
             for (list, ids) in [("allowed_hosts", &v.allowed_hosts), ("read_only_hosts", &v.read_only_hosts)] {
                 for (i, id) in ids.iter().enumerate() {
@@ -1172,7 +1219,11 @@ impl RawConfig {
                     Some(s)
                 }
             };
-            if size.is_none() && v.backend != BackendKind::File {
+            let rbd = validate_rbd(&cx, index, &mut rbd_keys)?;
+            if v.backend == BackendKind::Rbd && rbd.is_none() {
+                return Err(cx.err(&key("image"), "is required for backend \"rbd\" (with pool)"));
+            }
+            if size.is_none() && !matches!(v.backend, BackendKind::File | BackendKind::Rbd) {
                 return Err(cx.err(&key("size"), format!("is required for backend \"{}\"", v.backend)));
             }
             let nsid = match v.nsid {
@@ -1194,11 +1245,95 @@ impl RawConfig {
                 block_size,
                 read_only: v.read_only,
                 nsid,
+                rbd: if v.backend == BackendKind::Rbd { rbd } else { None },
             });
         }
 
         Ok(Config { source: source.to_owned(), target, volumes, hosts, access })
     }
+}
+
+/// A `[[volume]]`'s rbd keys, taken out of it.
+struct RbdKeys {
+    backend: BackendKind,
+    pool: Option<String>,
+    namespace: Option<String>,
+    image: Option<String>,
+    ceph_conf: Option<PathBuf>,
+    client: Option<String>,
+    keyring: Option<PathBuf>,
+    lock_at_start: Option<bool>,
+}
+
+fn v_rbd_keys(v: &mut RawVolume) -> RbdKeys {
+    RbdKeys {
+        backend: v.backend,
+        pool: v.pool.take(),
+        namespace: v.namespace.take(),
+        image: v.image.take(),
+        ceph_conf: v.ceph_conf.take(),
+        client: v.client.take(),
+        keyring: v.keyring.take(),
+        lock_at_start: v.lock_at_start.take(),
+    }
+}
+
+/// The rbd keys of volume `index`: required for backend "rbd", refused for the others.
+fn validate_rbd(cx: &Ctx<'_>, index: usize, k: &mut RbdKeys) -> Result<Option<RbdConfig>> {
+    let key = |k: &str| format!("volume[{index}].{k}");
+    if k.backend != BackendKind::Rbd {
+        let given = [
+            ("pool", k.pool.is_some()),
+            ("namespace", k.namespace.is_some()),
+            ("image", k.image.is_some()),
+            ("ceph_conf", k.ceph_conf.is_some()),
+            ("client", k.client.is_some()),
+            ("keyring", k.keyring.is_some()),
+            ("lock_at_start", k.lock_at_start.is_some()),
+        ];
+        if let Some((name, _)) = given.iter().find(|(_, g)| *g) {
+            return Err(cx.err(&key(name), format!("is used by backend \"rbd\" only, not \"{}\"; remove it", k.backend)));
+        }
+        return Ok(None);
+    }
+    // Ceph's own rules for pool and image names: no '/' or '@' (they
+    // separate pool, namespace, image and snapshot in a spec), not empty.
+    let name = |what: &str, v: Option<String>, required: bool| -> Result<Option<String>> {
+        match v {
+            None if required => Err(cx.err(&key(what), "is required for backend \"rbd\"")),
+            None => Ok(None),
+            Some(s) if s.is_empty() || s.contains(['/', '@', '\0']) => {
+                Err(cx.err(&key(what), format!("{s:?} is not a valid name (not empty, no '/', '@' or NUL)")))
+            }
+            Some(s) => Ok(Some(s)),
+        }
+    };
+    let pool = name("pool", k.pool.take(), true)?.expect("required");
+    let image = name("image", k.image.take(), true)?.expect("required");
+    let namespace = name("namespace", k.namespace.take(), false)?.unwrap_or_default();
+    let client = match k.client.take() {
+        None => "admin".to_owned(),
+        Some(c) if c.starts_with("client.") => {
+            return Err(cx.err(&key("client"), format!("{c:?}: give the user without \"client.\" (as `rbd --id` takes it)")))
+        }
+        Some(c) => name("client", Some(c), true)?.expect("given"),
+    };
+    for (what, p) in [("ceph_conf", &k.ceph_conf), ("keyring", &k.keyring)] {
+        if let Some(p) = p {
+            if p.as_os_str().is_empty() {
+                return Err(cx.err(&key(what), "must not be empty"));
+            }
+        }
+    }
+    Ok(Some(RbdConfig {
+        pool,
+        namespace,
+        image,
+        ceph_conf: k.ceph_conf.take(),
+        client,
+        keyring: k.keyring.take(),
+        lock_at_start: k.lock_at_start.unwrap_or(false),
+    }))
 }
 
 /// `[[host]] dhchap_*`: a key file needs the host's `nqn`; a controller

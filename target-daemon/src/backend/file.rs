@@ -417,6 +417,7 @@ mod tests {
             block_size,
             read_only,
             nsid: None,
+            rbd: None,
         }
     }
 

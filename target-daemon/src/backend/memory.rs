@@ -63,6 +63,7 @@ mod tests {
             block_size: None,
             read_only: false,
             nsid: None,
+            rbd: None,
         };
         let m = MemoryBackend::open("t.toml", &vc, 1 << 30).unwrap();
         assert_eq!(m.size(), 1 << 30);

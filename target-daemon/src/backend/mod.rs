@@ -19,6 +19,7 @@
 pub mod file;
 pub mod memory;
 pub mod ownership;
+pub mod rbd;
 
 use std::fmt;
 use std::os::fd::RawFd;
@@ -39,6 +40,7 @@ use crate::metrics::VolumeStats;
 pub use file::{FileBackend, FileKind};
 pub use memory::MemoryBackend;
 pub use ownership::{Access, Ownership};
+pub use rbd::RbdBackend;
 
 /// `fallocate` mode for DISCARD.
 pub const PUNCH_HOLE: i32 = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
@@ -56,6 +58,10 @@ pub enum RangeOp {
     BlkZeroout,
     /// Nothing to do (the `null` backend).
     Nothing,
+    /// librbd discard (the image's objects are trimmed or deleted).
+    RbdDiscard,
+    /// librbd write-zeroes.
+    RbdWriteZeroes,
 }
 
 /// A command's byte ranges `(offset, len)`. One range, which every Write
@@ -90,6 +96,8 @@ impl fmt::Display for RangeOp {
             RangeOp::BlkDiscard => f.write_str("BLKDISCARD"),
             RangeOp::BlkZeroout => f.write_str("BLKZEROOUT"),
             RangeOp::Nothing => f.write_str("no-op"),
+            RangeOp::RbdDiscard => f.write_str("rbd discard"),
+            RangeOp::RbdWriteZeroes => f.write_str("rbd write-zeroes"),
         }
     }
 }
@@ -104,6 +112,7 @@ pub enum Backend {
     File(FileBackend),
     Memory(MemoryBackend),
     Null,
+    Rbd(RbdBackend),
 }
 
 impl Backend {
@@ -112,7 +121,7 @@ impl Backend {
         match self {
             Backend::File(f) => Some(f.fd()),
             Backend::Memory(m) => Some(m.fd()),
-            Backend::Null => None,
+            Backend::Null | Backend::Rbd(_) => None,
         }
     }
 
@@ -120,6 +129,7 @@ impl Backend {
     pub fn writable(&self) -> bool {
         match self {
             Backend::File(f) => f.writable(),
+            Backend::Rbd(r) => r.writable(),
             Backend::Memory(_) | Backend::Null => true,
         }
     }
@@ -130,6 +140,7 @@ impl Backend {
             Backend::File(f) => f.discard(),
             Backend::Memory(_) => Some(RangeOp::Fallocate(PUNCH_HOLE)),
             Backend::Null => Some(RangeOp::Nothing),
+            Backend::Rbd(_) => Some(RangeOp::RbdDiscard),
         }
     }
 
@@ -140,18 +151,20 @@ impl Backend {
             // shmem has no ZERO_RANGE; a punched hole reads back as zeroes.
             Backend::Memory(_) => Some(RangeOp::Fallocate(PUNCH_HOLE)),
             Backend::Null => Some(RangeOp::Nothing),
+            Backend::Rbd(_) => Some(RangeOp::RbdWriteZeroes),
         }
     }
 
-    /// Whether FLUSH has anything to do (`file` only).
+    /// Whether FLUSH has anything to do (`file` and `rbd`).
     pub fn needs_flush(&self) -> bool {
-        matches!(self, Backend::File(_))
+        matches!(self, Backend::File(_) | Backend::Rbd(_))
     }
 
     /// Makes completed writes durable (fdatasync); a no-op for RAM and null.
     pub fn sync(&self) -> std::io::Result<()> {
         match self {
             Backend::File(f) => f.sync(),
+            Backend::Rbd(r) => r.flush(),
             Backend::Memory(_) | Backend::Null => Ok(()),
         }
     }
@@ -160,6 +173,7 @@ impl Backend {
     /// (`None`: only this target serves it, always as its owner).
     pub fn ownership(&self) -> Option<&Ownership> {
         match self {
+            Backend::Rbd(r) => Some(r.ownership()),
             Backend::File(_) | Backend::Memory(_) | Backend::Null => None,
         }
     }
@@ -170,6 +184,7 @@ impl Backend {
             Backend::File(_) => BackendKind::File,
             Backend::Memory(_) => BackendKind::Memory,
             Backend::Null => BackendKind::Null,
+            Backend::Rbd(_) => BackendKind::Rbd,
         }
     }
 
@@ -179,6 +194,7 @@ impl Backend {
             Backend::File(_) => "file",
             Backend::Memory(_) => "memory",
             Backend::Null => "null",
+            Backend::Rbd(_) => "rbd",
         }
     }
 }
@@ -352,6 +368,12 @@ impl Volume {
             Backend::File(f) => format!("backend=file path={} ({})", f.path().display(), f.kind()),
             Backend::Memory(_) => "backend=memory (RAM, lost when the target stops)".to_owned(),
             Backend::Null => "backend=null (reads return zeroes, writes are dropped)".to_owned(),
+            Backend::Rbd(r) => format!(
+                "backend=rbd image={} client.{} {}",
+                r.config().spec(),
+                r.config().client,
+                if r.config().lock_at_start { "(lock_at_start: owner)" } else { "(standby: takes the image over at the first command)" }
+            ),
         };
         let (discard, zeroes) = if self.read_only {
             ("read-only".to_owned(), "read-only".to_owned())
@@ -419,6 +441,32 @@ fn open_backend(source: &str, vc: &VolumeConfig, read_only: bool, iopoll: bool) 
             let (size, bs) = sized(vc)?;
             Ok((Backend::Null, size, bs))
         }
+        BackendKind::Rbd => {
+            let rc = vc.rbd.as_ref().ok_or_else(|| err("image", "is required for backend \"rbd\"".into()))?;
+            if iopoll {
+                return Err(err("backend", "\"rbd\" cannot be served on a polled ring (target.iopoll = true)".into()));
+            }
+            let (r, mut size) = RbdBackend::open(source, vc, rc, read_only)?;
+            let bs = vc.block_size.unwrap_or(DEFAULT_FILE_BLOCK_SIZE);
+            match vc.size {
+                Some(want) if want > size && read_only => {
+                    return Err(err("size", format!("the image is {}, smaller than size {}, and a read-only volume is not grown", ByteSize(size), ByteSize(want))))
+                }
+                Some(want) if want > size => {
+                    tracing::info!("{source}: {}: growing rbd image {} from {} to {}", vc.key("size"), rc.spec(), ByteSize(size), ByteSize(want));
+                    r.grow(want)?;
+                    size = want;
+                }
+                Some(want) if want < size => {
+                    return Err(err("size", format!("the image is {}, larger than size {} (images are not shrunk; remove size or raise it)", ByteSize(size), ByteSize(want))))
+                }
+                _ => {}
+            }
+            if size == 0 || size % bs as u64 != 0 {
+                return Err(err("image", format!("rbd image {} is {size} bytes, not a non-zero multiple of the block size {bs}", rc.spec())));
+            }
+            Ok((Backend::Rbd(r), size, bs))
+        }
     }
 }
 
@@ -464,6 +512,22 @@ pub fn check_volumes(config: &Config) -> Result<Vec<String>> {
                     line.push_str(&format!(" ({action})"));
                 }
                 lines.push(line);
+            }
+            BackendKind::Rbd => {
+                // Opened read-only: no lock is taken, nothing is grown.
+                let rc = vc.rbd.as_ref().ok_or_else(|| Error::new(ErrorKind::Config, format!("{}: required", vc.key("image"))))?;
+                let (_, size) = RbdBackend::open(&config.source, vc, rc, true)?;
+                let grow = match vc.size {
+                    Some(want) if want > size => format!(" (would grow to {})", ByteSize(want)),
+                    _ => String::new(),
+                };
+                lines.push(format!(
+                    "volume {}: backend=rbd image={} client.{} size={}{grow} {access}",
+                    vc.name,
+                    rc.spec(),
+                    rc.client,
+                    ByteSize(size)
+                ));
             }
             BackendKind::Memory | BackendKind::Null => {
                 let (size, bs) = sized(vc)?;

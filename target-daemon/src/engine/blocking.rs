@@ -32,6 +32,9 @@ pub enum JobKind {
     /// Test-only fault injection: wait until writes of this session are
     /// released (`crate::fault`); the write itself then goes to the ring.
     HoldWrite(rdmablk_common::protocol::SessionId),
+    /// A standby `rbd` gateway's operation: take the image over (fencing
+    /// its previous owner), then carry the operation out synchronously.
+    RbdTakeOverThen(crate::backend::rbd::RbdOp),
 }
 
 /// One blocking operation on a volume's backend.
@@ -61,9 +64,20 @@ fn run(job: &Job) -> i32 {
         crate::fault::wait_released(session);
         return 0;
     }
-    let Some(fd) = job.backend.uring_fd() else { return 0 };
+    if let (JobKind::RbdTakeOverThen(op), Backend::Rbd(r)) = (job.kind, &*job.backend) {
+        // SAFETY: the engine submitted `op` on a pool chunk the command
+        // owns until this job's result is reaped.
+        return unsafe { crate::backend::rbd::take_over_then(r, op) };
+    }
+    let Some(fd) = job.backend.uring_fd() else {
+        // Fdatasync of a volume without a descriptor (rbd): its own flush.
+        return match (job.kind, job.backend.sync()) {
+            (JobKind::Fdatasync, Err(e)) => -sys::errno_of(&e),
+            _ => 0,
+        };
+    };
     let r = match job.kind {
-        JobKind::HoldWrite(_) => unreachable!("handled above"),
+        JobKind::HoldWrite(_) | JobKind::RbdTakeOverThen(_) => unreachable!("handled above"),
         JobKind::Discard => sys::blk_discard(fd, job.offset, job.len),
         JobKind::ZeroOut => sys::blk_zeroout(fd, job.offset, job.len),
         JobKind::Fdatasync => job.backend.sync(),
@@ -183,6 +197,7 @@ mod tests {
             block_size: None,
             read_only: false,
             nsid: None,
+            rbd: None,
         };
         let backend = Arc::new(Backend::Memory(MemoryBackend::open("t", &vc, 1 << 20).unwrap()));
         let mut w = BlockingWorker::start(0).unwrap();

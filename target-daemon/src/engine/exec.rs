@@ -794,7 +794,17 @@ impl Executor {
         if res < 0 {
             let errno = -res;
             let unsupported = matches!(kind, U_FALLOC | U_BLKDEV) && matches!(errno, libc::EOPNOTSUPP | libc::ENOTTY);
-            let err = if unsupported { ErrorKind::NotSupported } else { ErrorKind::DeviceIo(errno) };
+            let shared = &self.vols.slots[cmd.vslot as usize].as_ref().expect("live volume slot").vol;
+            // An rbd gateway that another one fenced off (its client
+            // blocklisted): the host must go to the image's owner.
+            let fenced = errno == crate::backend::rbd::EBLOCKLISTED && shared.backend.ownership().is_some();
+            let err = if unsupported {
+                ErrorKind::NotSupported
+            } else if fenced {
+                ErrorKind::NotOwner
+            } else {
+                ErrorKind::DeviceIo(errno)
+            };
             let what = match kind {
                 U_READ => "read",
                 U_WRITE | U_HOLD => "write",
@@ -805,6 +815,8 @@ impl Executor {
             let vol = &self.vols.slots[cmd.vslot as usize].as_ref().expect("live volume slot").vol.name;
             if err == ErrorKind::NotSupported {
                 tracing::debug!("volume {vol}: {what} not supported");
+            } else if err == ErrorKind::NotOwner {
+                tracing::debug!("volume {vol}: {what} refused: this gateway was fenced off (answered NotOwner)");
             } else {
                 tracing::warn!("volume {vol}: {what} failed: {}", std::io::Error::from_raw_os_error(errno));
             }

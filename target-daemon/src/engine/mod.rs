@@ -40,7 +40,8 @@ pub mod pool;
 pub mod readahead;
 pub mod uring;
 
-use crate::backend::{Backend, RangeOp, Volume};
+use crate::backend::rbd::{RbdCompletions, RbdOp, EBLOCKLISTED};
+use crate::backend::{Access, Backend, RangeOp, Volume};
 use crate::engine::blocking::{BlockingWorker, Job, JobKind};
 use crate::error::Result;
 use crate::engine::pool::{ChunkId, Pool};
@@ -56,9 +57,11 @@ pub struct BlockEngine {
     uring: Uring,
     pool: Pool,
     blocking: Option<BlockingWorker>,
-    /// The blocking worker started and its descriptor was not yet handed
-    /// out ([`BlockEngine::started_worker_fd`]).
-    worker_fd_new: bool,
+    /// librbd's completions for this engine's `rbd` volumes, from the first.
+    rbd: Option<RbdCompletions>,
+    /// Descriptors of wake-up sources started since the caller last asked
+    /// ([`BlockEngine::started_worker_fd`]): the blocking worker's, librbd's.
+    new_wait_fds: Vec<RawFd>,
     /// Volume id to fixed-file slot, with the backend it was registered
     /// for (a reload may publish a new backend with another descriptor).
     /// Looked up by every disk operation; the target numbers its volumes,
@@ -84,7 +87,8 @@ impl BlockEngine {
             uring,
             pool,
             blocking: None,
-            worker_fd_new: false,
+            rbd: None,
+            new_wait_fds: Vec::new(),
             files: HashMap::default(),
             free_files: (0..opts.file_slots).rev().collect(),
             immediate: Vec::new(),
@@ -112,12 +116,15 @@ impl BlockEngine {
     /// The descriptors to wait on: the ring's eventfd, and the blocking
     /// worker's once it exists.
     pub fn wait_fds(&self) -> impl Iterator<Item = RawFd> + '_ {
-        self.uring.eventfd().into_iter().chain(self.blocking.as_ref().map(|b| b.fd()))
+        self.uring.eventfd().into_iter().chain(self.blocking.as_ref().map(|b| b.fd())).chain(self.rbd.as_ref().map(RbdCompletions::fd))
     }
 
     /// Operations not yet reported.
     pub fn inflight(&self) -> usize {
-        self.uring.inflight() + self.blocking.as_ref().map_or(0, |b| b.inflight()) + self.immediate.len()
+        self.uring.inflight()
+            + self.blocking.as_ref().map_or(0, |b| b.inflight())
+            + self.rbd.as_ref().map_or(0, RbdCompletions::inflight)
+            + self.immediate.len()
     }
 
     pub fn chunk_size(&self) -> usize {
@@ -192,6 +199,10 @@ impl BlockEngine {
 
     /// Reads `len` bytes at `offset` of `vol` into chunk `c`.
     pub fn read(&mut self, vol: &Volume, c: ChunkId, len: u32, offset: u64, tag: u64) -> Result<()> {
+        if matches!(*vol.backend, Backend::Rbd(_)) {
+            let buf = self.pool.bytes_mut(c)[..len as usize].as_mut_ptr();
+            return self.rbd_op(vol, RbdOp::Read { buf, len: len as usize, offset }, tag);
+        }
         match self.slot(vol)? {
             Some(file) => self.uring.read_fixed(&mut self.pool, file, c, 0, len, offset, tag),
             None => {
@@ -204,6 +215,12 @@ impl BlockEngine {
 
     /// Writes `len` bytes of chunk `c` at `offset` of `vol` (durably with `fua`).
     pub fn write(&mut self, vol: &Volume, c: ChunkId, len: u32, offset: u64, fua: bool, tag: u64) -> Result<()> {
+        if matches!(*vol.backend, Backend::Rbd(_)) {
+            // FUA needs nothing more: with librbd's cache off, a write is
+            // complete when the OSDs have committed it.
+            let buf = self.pool.bytes(c)[..len as usize].as_ptr();
+            return self.rbd_op(vol, RbdOp::Write { buf, len: len as usize, offset }, tag);
+        }
         match self.slot(vol)? {
             Some(file) => self.uring.write_fixed(&mut self.pool, file, c, 0, len, offset, fua && vol.backend.needs_flush(), tag),
             None => self.immediate.push((tag, len as i32)),
@@ -216,6 +233,9 @@ impl BlockEngine {
         if !vol.backend.needs_flush() {
             self.immediate.push((tag, 0));
             return Ok(());
+        }
+        if matches!(*vol.backend, Backend::Rbd(_)) {
+            return self.rbd_op(vol, RbdOp::Flush, tag);
         }
         match self.slot(vol)? {
             Some(file) if self.uring.features().fsync => self.uring.fsync(file, tag),
@@ -240,6 +260,8 @@ impl BlockEngine {
                 }
                 return Ok(());
             }
+            RangeOp::RbdDiscard => return self.rbd_op(vol, RbdOp::Discard { offset, len }, tag),
+            RangeOp::RbdWriteZeroes => return self.rbd_op(vol, RbdOp::WriteZeroes { offset, len }, tag),
             RangeOp::Fallocate(mode) => JobKind::Fallocate(mode),
             RangeOp::BlkDiscard => JobKind::Discard,
             RangeOp::BlkZeroout => JobKind::ZeroOut,
@@ -254,23 +276,49 @@ impl BlockEngine {
         self.submit_job(vol, JobKind::HoldWrite(session), 0, 0, tag)
     }
 
+    /// An operation on an `rbd` volume, by this gateway's access to it:
+    /// as owner, librbd aio (completed through [`RbdCompletions`]); as
+    /// standby, on the blocking worker after the takeover; fenced, failed
+    /// at once with `EBLOCKLISTED`, which the executor answers as NotOwner.
+    fn rbd_op(&mut self, vol: &Volume, op: RbdOp, tag: u64) -> Result<()> {
+        let Backend::Rbd(image) = &*vol.backend else { unreachable!("callers check the backend") };
+        match image.ownership().access() {
+            Access::Fenced => self.immediate.push((tag, -EBLOCKLISTED)),
+            Access::Standby => self.submit_job(vol, JobKind::RbdTakeOverThen(op), 0, 0, tag)?,
+            Access::Owner => {
+                if self.rbd.is_none() {
+                    let done = RbdCompletions::new()?;
+                    self.new_wait_fds.push(done.fd());
+                    self.rbd = Some(done);
+                }
+                let done = self.rbd.as_mut().expect("created above");
+                // SAFETY: a Read or Write names the command's pool chunk,
+                // which the executor holds until this tag is reaped, as for
+                // the ring's fixed-buffer operations.
+                if let Err(e) = unsafe { image.submit(op, done, tag) } {
+                    self.immediate.push((tag, e));
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn submit_job(&mut self, vol: &Volume, kind: JobKind, offset: u64, len: u64, tag: u64) -> Result<()> {
         if self.blocking.is_none() {
-            self.blocking = Some(BlockingWorker::start(self.worker_id)?);
-            self.worker_fd_new = true;
+            let worker = BlockingWorker::start(self.worker_id)?;
+            self.new_wait_fds.push(worker.fd());
+            self.blocking = Some(worker);
         }
         let job = Job { user_data: tag, kind, backend: Arc::clone(&vol.backend), offset, len };
         self.blocking.as_mut().expect("started above").submit(job);
         Ok(())
     }
 
-    /// The blocking worker's descriptor, once, after the worker started:
-    /// for a caller that watches [`BlockEngine::wait_fds`] in its own epoll set.
+    /// A wake-up descriptor started since the last call (the blocking
+    /// worker's, librbd's completions'), each once: for a caller that
+    /// watches [`BlockEngine::wait_fds`] in its own epoll set. Call until `None`.
     pub fn started_worker_fd(&mut self) -> Option<RawFd> {
-        if !std::mem::take(&mut self.worker_fd_new) {
-            return None;
-        }
-        self.blocking.as_ref().map(BlockingWorker::fd)
+        self.new_wait_fds.pop()
     }
 
     /// Hands everything queued to the kernel.
@@ -391,6 +439,9 @@ impl BlockEngine {
         if let Some(b) = self.blocking.as_ref() {
             b.clear_wake();
         }
+        if let Some(r) = self.rbd.as_ref() {
+            r.clear_wake();
+        }
     }
 
     /// Reports every finished operation to `f` once: its tag and bytes
@@ -406,6 +457,9 @@ impl BlockEngine {
         n += self.uring.reap(&mut self.pool, &mut f);
         if let Some(b) = self.blocking.as_mut() {
             n += b.reap(&mut f);
+        }
+        if let Some(r) = self.rbd.as_mut() {
+            n += r.reap(&mut f);
         }
         n
     }

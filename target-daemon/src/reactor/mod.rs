@@ -564,7 +564,7 @@ impl Reactor {
     /// After a turn that may have started the blocking worker: its results
     /// wake this reactor's epoll set.
     fn watch_worker(&mut self) {
-        if let Some(fd) = self.rt.exec.engine_mut().started_worker_fd() {
+        while let Some(fd) = self.rt.exec.engine_mut().started_worker_fd() {
             if let Err(e) = self.rt.epoll.add(fd, TOKEN_BLOCKING) {
                 tracing::error!("reactor {}: epoll_ctl: {e}", self.rt.id);
             }
