@@ -845,6 +845,20 @@ impl ControlThread {
         let mut next_id = self.next_volume_id;
         for vc in &config.volumes {
             let action = match current.by_name(&vc.name) {
+                // A gateway another one fenced off from an rbd image comes
+                // back under a new client (the old one is blocklisted), as a
+                // standby even with lock_at_start: taking the image back is
+                // for a host that comes to this gateway, not for a reload.
+                Some(old) if old.access() == crate::backend::Access::Fenced && old.config.same_except_read_only(vc) => {
+                    let mut standby = vc.clone();
+                    if let Some(r) = standby.rbd.as_mut() {
+                        r.lock_at_start = false;
+                    }
+                    let mut v = Volume::open(&config.source, &standby, VolumeId(next_id), reactors, iopoll)?;
+                    v.config = vc.clone();
+                    next_id += 1;
+                    Action::Replace(Arc::clone(old), v, "fenced off by another gateway: reopened as a standby; access".into())
+                }
                 Some(old) if old.config.same_except_read_only(vc) && old.read_only == vc.read_only => Action::Keep(Arc::clone(old)),
                 Some(old) if old.config.same_except_read_only(vc) => {
                     Action::ReadOnly(Arc::clone(old), old.with_read_only(&config.source, vc, iopoll)?)
