@@ -1456,6 +1456,38 @@ read_only = true
     }
 
     #[test]
+    fn an_rbd_volume_takes_its_image_and_ceph_identity_and_the_other_backends_refuse_those_keys() {
+        let vol = |body: &str| format!("[target]\nlisten=[\"tcp://h:1\"]\n[[volume]]\nname=\"r\"\n{body}\n");
+        let c = Config::parse(
+            &vol("backend=\"rbd\"\npool=\"rbd\"\nnamespace=\"ns1\"\nimage=\"img\"\nceph_conf=\"/etc/ceph/c.conf\"\nclient=\"gw\"\nkeyring=\"/k\"\nlock_at_start=true\nsize=\"1GiB\""),
+            "t",
+        )
+        .unwrap();
+        let r = c.volumes[0].rbd.as_ref().unwrap();
+        assert_eq!((r.spec().as_str(), r.client.as_str(), r.lock_at_start), ("rbd/ns1/img", "gw", true));
+        assert_eq!((r.ceph_conf.as_deref(), r.keyring.as_deref()), (Some(Path::new("/etc/ceph/c.conf")), Some(Path::new("/k"))));
+        assert_eq!(c.volumes[0].size, Some(1 << 30));
+        // Defaults: client.admin, the default namespace, standby, the image's own size.
+        let c = Config::parse(&vol("backend=\"rbd\"\npool=\"p\"\nimage=\"i\""), "t").unwrap();
+        let r = c.volumes[0].rbd.as_ref().unwrap();
+        assert_eq!((r.spec().as_str(), r.client.as_str(), r.lock_at_start, r.ceph_conf.is_none()), ("p/i", "admin", false, true));
+        assert_eq!(c.volumes[0].size, None);
+
+        let e = err(&vol("backend=\"rbd\"\npool=\"p\""));
+        assert!(e.contains("volume[0].image: is required for backend \"rbd\""), "{e}");
+        let e = err(&vol("backend=\"rbd\"\nimage=\"i\""));
+        assert!(e.contains("volume[0].pool: is required for backend \"rbd\""), "{e}");
+        let e = err(&vol("backend=\"rbd\"\npool=\"p\"\nimage=\"a/b\""));
+        assert!(e.contains("volume[0].image: \"a/b\" is not a valid name"), "{e}");
+        let e = err(&vol("backend=\"rbd\"\npool=\"p\"\nimage=\"i\"\nclient=\"client.gw\""));
+        assert!(e.contains("volume[0].client") && e.contains("without \"client.\""), "{e}");
+        let e = err(&vol("backend=\"file\"\npath=\"/x\"\nimage=\"i\""));
+        assert!(e.contains("volume[0].image: is used by backend \"rbd\" only, not \"file\"; remove it"), "{e}");
+        let e = err(&vol("backend=\"memory\"\nsize=4096\nlock_at_start=true"));
+        assert!(e.contains("volume[0].lock_at_start: is used by backend \"rbd\" only"), "{e}");
+    }
+
+    #[test]
     fn parses_everything() {
         let c = Config::parse(GOOD, "test.toml").unwrap();
         assert_eq!(c.target.name, "t1");
