@@ -9,6 +9,7 @@
 //! | `file`, block device | the same, on the device | fdatasync (cache flush) | RWF_DSYNC (FUA) | BLKDISCARD, when the device discards | BLKZEROOUT | survives power loss after FLUSH or FUA |
 //! | `memory` | io_uring on a memfd (RAM) | no-op | no-op | fallocate(PUNCH_HOLE) | fallocate(PUNCH_HOLE) (reads back zeroes) | none: kept while the target runs, lost when it stops |
 //! | `null` | reads return zeroes, writes are dropped (their data still crosses the fabric) | no-op | no-op | no-op | no-op | none: nothing is stored |
+//! | `rbd` | librbd aio on the pool chunk ([`rbd`]) | rbd flush | no-op (librbd's cache is off) | rbd discard | rbd write-zeroes | the Ceph cluster's; one owner among several gateways ([`ownership`]) |
 //!
 //! Only what really works is advertised (VolumeInfo flags): the file backend
 //! probes fallocate on a temporary file in the volume's directory, and a

@@ -273,6 +273,7 @@ impl RbdBackend {
             Access::Standby => {}
         }
         let spec = self.config.spec();
+        let start = std::time::Instant::now();
         for _attempt in 0..5 {
             let owners = self.lock_owners()?;
             for owner in &owners {
@@ -292,7 +293,8 @@ impl RbdBackend {
             match -r {
                 0 => {
                     self.shared.ownership.set(Access::Owner);
-                    tracing::info!(image = %spec, "rbd image {spec}: this gateway ({}) owns it now", self.client_addr);
+                    let took = start.elapsed();
+                    tracing::info!(image = %spec, "rbd image {spec}: this gateway ({}) owns it now (lock taken in {took:?})", self.client_addr);
                     return Ok(());
                 }
                 // Another gateway took it between the break and the acquire.
