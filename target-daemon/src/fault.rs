@@ -63,3 +63,22 @@ pub fn wait_released(session: SessionId) {
         std::thread::sleep(POLL);
     }
 }
+
+/// `RDMABLK_FAULT_RBD_NO_BLOCKLIST=1`: an `rbd` gateway that takes an image
+/// over breaks the old owner's lock without having Ceph blocklist it
+/// (`rbd_blocklist_on_break_lock = false`), as a gateway without fencing
+/// would. Only for the failover test's proof that it can see a stale write
+/// land (`tests/tests/rbd_failover.rs`); never in production.
+pub const RBD_NO_BLOCKLIST_ENV: &str = "RDMABLK_FAULT_RBD_NO_BLOCKLIST";
+
+/// Whether takeovers skip the blocklist ([`RBD_NO_BLOCKLIST_ENV`]).
+pub fn rbd_no_blocklist() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        let on = std::env::var_os(RBD_NO_BLOCKLIST_ENV).is_some_and(|v| v == "1");
+        if on {
+            tracing::warn!("fault injection on: rbd takeovers do not blocklist the previous owner ({RBD_NO_BLOCKLIST_ENV}); its held writes can land");
+        }
+        on
+    })
+}

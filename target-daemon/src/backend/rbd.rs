@@ -143,7 +143,7 @@ impl RbdBackend {
             // A gateway must never answer a read from a cache another
             // gateway's writes bypassed, nor hold acknowledged writes in one.
             ("rbd_cache", "false".into()),
-            ("rbd_blocklist_on_break_lock", "true".into()),
+            ("rbd_blocklist_on_break_lock", if crate::fault::rbd_no_blocklist() { "false" } else { "true" }.into()),
             ("client_mount_timeout", MON_TIMEOUT_SECS.into()),
             ("rados_mon_op_timeout", MON_TIMEOUT_SECS.into()),
         ];
