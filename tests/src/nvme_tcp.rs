@@ -664,10 +664,16 @@ impl NvmeTcpConn {
 
     /// Get Log Page `lid`, `len` bytes (a multiple of 4).
     pub fn get_log_page(&mut self, lid: u8, nsid: u32, len: usize) -> Result<Vec<u8>, Status> {
+        self.get_log_page_with(lid, nsid, len, 0, false)
+    }
+
+    /// Get Log Page with a log specific field `lsp` (CDW10 bits 14:8) and
+    /// Retain Asynchronous Event (`rae`, bit 15).
+    pub fn get_log_page_with(&mut self, lid: u8, nsid: u32, len: usize, lsp: u8, rae: bool) -> Result<Vec<u8>, Status> {
         let mut e = SubmissionEntry::new(admin_opcode::GET_LOG_PAGE, 0);
         e.nsid = nsid;
         let numd = (len / 4 - 1) as u32;
-        e.cdw[0] = lid as u32 | (numd & 0xffff) << 16;
+        e.cdw[0] = lid as u32 | ((lsp & 0x7f) as u32) << 8 | (rae as u32) << 15 | (numd & 0xffff) << 16;
         e.cdw[1] = numd >> 16;
         Ok(self.exec_ok(e, &[], &[], len)?.data)
     }
@@ -893,6 +899,17 @@ impl NvmeTcpConn {
 #[derive(Debug, Clone)]
 pub struct IdCtrl {
     pub cntlid: u16,
+    pub serial: String,
+    /// Multi-path I/O and namespace sharing (bit 1: several controllers,
+    /// bit 3: ANA reporting).
+    pub cmic: u8,
+    /// Asynchronous events supported (bit 8: namespace attribute, bit 11: ANA change).
+    pub oaes: u32,
+    pub anatt: u8,
+    pub anacap: u8,
+    pub anagrpmax: u32,
+    pub nanagrpid: u32,
+    pub mnan: u32,
     pub mdts: u8,
     pub nn: u32,
     pub sgls: u32,
@@ -915,6 +932,14 @@ impl IdCtrl {
         let end = nqn.iter().position(|&c| c == 0).unwrap_or(nqn.len());
         IdCtrl {
             cntlid: u16_at(78),
+            serial: String::from_utf8_lossy(&b[4..24]).trim_end().to_owned(),
+            cmic: b[76],
+            oaes: u32_at(92),
+            anatt: b[342],
+            anacap: b[343],
+            anagrpmax: u32_at(344),
+            nanagrpid: u32_at(348),
+            mnan: u32_at(540),
             mdts: b[77],
             nn: u32_at(516),
             sgls: u32_at(536),
@@ -932,6 +957,11 @@ impl IdCtrl {
 pub struct IdNs {
     pub nsze: u64,
     pub ncap: u64,
+    pub nuse: u64,
+    /// Bit 0: shared, may be attached to several controllers.
+    pub nmic: u8,
+    pub anagrpid: u32,
+    pub eui64: [u8; 8],
     pub nlbaf: u8,
     pub flbas: u8,
     pub nguid: [u8; 16],
@@ -948,6 +978,10 @@ impl IdNs {
         IdNs {
             nsze: u64_at(0),
             ncap: u64_at(8),
+            nuse: u64_at(16),
+            nmic: b[30],
+            anagrpid: u32::from_le_bytes(b[92..96].try_into().unwrap()),
+            eui64: b[120..128].try_into().unwrap(),
             nlbaf: b[25],
             flbas,
             nguid: b[104..120].try_into().unwrap(),

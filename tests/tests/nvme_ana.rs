@@ -1,0 +1,179 @@
+//! Several gateways of one volume (issue 54): two real `rdmablk-target`
+//! processes export the same backing file under the same subsystem NQN,
+//! with disjoint controller id ranges, and the test harness's NVMe/TCP host
+//! connects to both, as a Linux host with native multipath does (`nvme
+//! connect` to each, one subsystem, one namespace, two paths).
+//!
+//! - Identify Controller on each: the same subsystem NQN and serial,
+//!   several controllers and ANA reporting in CMIC, ANACAP, ANATT, the
+//!   ANA change notice in OAES, MNAN within NN (a Linux host refuses ANA
+//!   with MNAN 0), and controller ids in each gateway's range, distinct;
+//! - Identify Namespace and the namespace identification descriptors on
+//!   each: the same NGUID, UUID (and EUI-64, not reported) and size, NMIC
+//!   shared, the same ANA group (the NSID) on both;
+//! - the ANA log page on each: the namespace's group, optimized (a file
+//!   volume has one server, its owner), with its NSID, and without it with
+//!   Return Groups Only; the ANA change notice can be enabled;
+//! - data written through one path reads back through the other.
+//!
+//! What moves a volume's access (standby, fenced) is the RBD backend; the
+//! transitions, the ANA Inaccessible status and the ANA change notice are
+//! tested at unit level (`nvmf::ana`, `nvmf::queue`, `nvmf::io_cmd`).
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use rand::SeedableRng;
+use rdmablk_common::nvme::ana::{AnaLog, AnaState, LSP_RGO};
+use rdmablk_common::nvme::status::Status;
+use rdmablk_common::nvme::tcp::Digests;
+use rdmablk_system_tests::nvme_tcp::{parse_ns_descriptors, parse_ns_list, IdCtrl, IdNs, NvmeTcpConn};
+use rdmablk_system_tests::{file_bytes, file_volume, listen_host, random_bytes, sparse_file, TargetProcess};
+
+const MIB: u64 = 1 << 20;
+const VOL_SIZE: u64 = 16 * MIB;
+const BS: u32 = 4096;
+const SUBNQN: &str = "nqn.2026-12.io.rdmablk.test:nvme-ana";
+const HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:a4a4a4a4-4f89-11d3-9a0c-0305e82c3301";
+const NO_DIGESTS: Digests = Digests { header: false, data: false };
+const NSID: u32 = 7;
+/// LID of the Asymmetric Namespace Access log.
+const ANA_LOG: u8 = 0x0c;
+/// Feature: Asynchronous Event Configuration.
+const AEC: u8 = 0x0b;
+
+fn seed() -> u64 {
+    std::env::var("RDMABLK_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random)
+}
+
+/// A gateway: a daemon named `name` with an NVMe/TCP listener, the shared
+/// subsystem NQN, controller ids `cntlids`, exporting `file` as volume
+/// "shared" (NSID 7 on every gateway).
+fn gateway(dir: &Path, name: &str, cntlids: (u16, u16), file: &Path) -> (TargetProcess, SocketAddr) {
+    let host = listen_host();
+    let host = if host.contains(':') { format!("[{host}]") } else { host };
+    let config = format!(
+        "[target]\nname = \"{name}\"\nlisten = [\"nvme+tcp://{host}:0\"]\nnqn = \"{SUBNQN}\"\nnvme_cntlid_min = {}\nnvme_cntlid_max = {}\n{}nsid = {NSID}\n",
+        cntlids.0,
+        cntlids.1,
+        file_volume("shared", file, VOL_SIZE, false)
+    );
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, config).unwrap();
+    let target = TargetProcess::start_with_path(&path);
+    let addr = target.nvme_tcp_addr();
+    (target, addr)
+}
+
+/// Two gateways of one backing file, and the host's admin queue on each
+/// (with its controller id).
+struct TwoGateways {
+    _dir: tempfile::TempDir,
+    file: std::path::PathBuf,
+    _a: TargetProcess,
+    _b: TargetProcess,
+    addrs: [SocketAddr; 2],
+    admins: [(NvmeTcpConn, u16); 2],
+}
+
+fn two_gateways() -> TwoGateways {
+    let dir = tempfile::tempdir().unwrap();
+    let file = sparse_file(dir.path(), "shared.img", VOL_SIZE);
+    let (a, addr_a) = gateway(dir.path(), "gw-a", (1, 99), &file);
+    let (b, addr_b) = gateway(dir.path(), "gw-b", (100, 199), &file);
+    let admins = [addr_a, addr_b].map(|addr| {
+        let (mut admin, cntlid) = NvmeTcpConn::admin(addr, NO_DIGESTS, SUBNQN, HOSTNQN, 0);
+        admin.set_features(0x07, 0).expect("Set Features number of queues");
+        (admin, cntlid)
+    });
+    TwoGateways { _dir: dir, file, _a: a, _b: b, addrs: [addr_a, addr_b], admins }
+}
+
+#[test]
+fn two_gateways_are_two_controllers_of_one_subsystem_with_one_shared_namespace() {
+    let mut g = two_gateways();
+    let ctrls: Vec<IdCtrl> = g.admins.iter_mut().map(|(a, _)| IdCtrl::parse(&a.identify(1, 0).expect("Identify Controller"))).collect();
+    for (i, (c, (_, cntlid))) in ctrls.iter().zip(&g.admins).enumerate() {
+        let gw = ["gw-a", "gw-b"][i];
+        assert_eq!(c.subnqn, SUBNQN, "{gw}: SUBNQN");
+        assert_eq!(c.cntlid, *cntlid, "{gw}: Identify's CNTLID is the Connect's");
+        assert_eq!(c.cmic & 0b1010, 0b1010, "{gw}: CMIC {:#x}: several controllers (bit 1) and ANA reporting (bit 3)", c.cmic);
+        assert_eq!(c.anacap & 0b111, 0b111, "{gw}: ANACAP {:#x}: optimized, non-optimized, inaccessible", c.anacap);
+        assert!(c.anatt > 0, "{gw}: ANATT");
+        assert_ne!(c.oaes & 1 << 11, 0, "{gw}: OAES {:#x}: ANA change notices", c.oaes);
+        assert!(c.mnan > 0 && c.mnan <= c.nn, "{gw}: MNAN {} in 1..=NN {}", c.mnan, c.nn);
+        assert!(c.nanagrpid > 0 && c.nanagrpid <= c.anagrpmax, "{gw}: NANAGRPID {} ANAGRPMAX {}", c.nanagrpid, c.anagrpmax);
+        // A Linux host's ANA log buffer must fit MDTS.
+        let ana_log = 16 + 32 * c.nanagrpid as u64 + 4 * c.mnan as u64;
+        assert!(ana_log <= 4096 << c.mdts, "{gw}: ANA log of {ana_log} bytes above MDTS {}", c.mdts);
+    }
+    assert!((1..=99).contains(&ctrls[0].cntlid), "gw-a's controller id {} in its range", ctrls[0].cntlid);
+    assert!((100..=199).contains(&ctrls[1].cntlid), "gw-b's controller id {} in its range", ctrls[1].cntlid);
+    assert_eq!(ctrls[0].serial, ctrls[1].serial, "one subsystem, one serial number");
+
+    // One namespace: the same ids, size and ANA group through both.
+    let mut nss = Vec::new();
+    let mut descs = Vec::new();
+    for (admin, _) in &mut g.admins {
+        assert_eq!(parse_ns_list(&admin.identify(2, 0).expect("active namespaces")), [NSID]);
+        nss.push(IdNs::parse(&admin.identify(0, NSID).expect("Identify Namespace")));
+        descs.push(parse_ns_descriptors(&admin.identify(3, NSID).expect("namespace identification descriptors")));
+    }
+    assert_eq!(nss[0], nss[1], "Identify Namespace differs between the gateways");
+    assert_eq!(descs[0], descs[1], "the namespace identification descriptors differ between the gateways");
+    let ns = &nss[0];
+    assert_eq!(ns.nsze, VOL_SIZE / BS as u64);
+    assert_eq!(ns.nuse, ns.nsze, "NUSE while optimized");
+    assert_eq!(ns.nmic & 1, 1, "NMIC: shared");
+    assert_eq!(ns.anagrpid, NSID, "ANAGRPID: the NSID, on every gateway");
+    assert_ne!(ns.nguid, [0; 16], "an NGUID");
+    assert_eq!(ns.eui64, [0; 8], "no EUI-64 (no IEEE OUI to make one of)");
+    let kinds: Vec<(u8, usize)> = descs[0].iter().map(|(t, id)| (*t, id.len())).collect();
+    assert_eq!(&kinds[..2], &[(2, 16), (3, 16)], "NGUID and UUID descriptors");
+    assert_eq!(descs[0][0].1, ns.nguid, "the NGUID descriptor is Identify Namespace's");
+}
+
+#[test]
+fn each_gateway_reports_the_namespace_optimized_in_its_ana_log_and_data_crosses_between_paths() {
+    let mut g = two_gateways();
+    for (i, (admin, _)) in g.admins.iter_mut().enumerate() {
+        let gw = ["gw-a", "gw-b"][i];
+        let c = IdCtrl::parse(&admin.identify(1, 0).unwrap());
+        // The length a Linux host reads: header, NANAGRPID descriptors, MNAN NSIDs.
+        let len = 16 + 32 * c.nanagrpid as usize + 4 * c.mnan as usize;
+        let page = admin.get_log_page(ANA_LOG, u32::MAX, len).unwrap_or_else(|s| panic!("{gw}: ANA log: {s}"));
+        assert_eq!(page.len(), len);
+        let log = AnaLog::decode(&page).unwrap_or_else(|e| panic!("{gw}: ANA log: {e}"));
+        assert_eq!(log.groups.len(), 1, "{gw}: {log:?}");
+        let group = &log.groups[0];
+        assert_eq!((group.group, group.state, &group.nsids[..]), (NSID, AnaState::Optimized, &[NSID][..]), "{gw}: {log:?}");
+        assert_eq!(log.group_of(NSID).map(|g| g.group), Some(IdNs::parse(&admin.identify(0, NSID).unwrap()).anagrpid));
+        // Return Groups Only: the descriptor, no NSIDs; RAE and NSID 0 are accepted too.
+        let rgo = AnaLog::decode(&admin.get_log_page_with(ANA_LOG, 0, 4096, LSP_RGO, true).unwrap()).unwrap();
+        assert_eq!(rgo.groups.iter().map(|g| (g.group, g.state, g.nsids.len())).collect::<Vec<_>>(), [(NSID, AnaState::Optimized, 0)]);
+        assert_eq!(rgo.change_count, log.change_count, "{gw}: nothing changed between the two reads");
+        // The host enables namespace attribute and ANA change notices (as
+        // Linux does, with what OAES offers) and posts a request.
+        admin.set_features(AEC, c.oaes).unwrap_or_else(|s| panic!("{gw}: Set Features AEC: {s}"));
+        assert_eq!(admin.get_features(AEC).unwrap() as u32 & (1 << 8 | 1 << 11), 1 << 8 | 1 << 11, "{gw}: AEC");
+        let aer = admin.submit_aer();
+        // Nothing changes: no notice, and the admin queue goes on answering.
+        for _ in 0..2 {
+            admin.keep_alive().unwrap_or_else(|s| panic!("{gw}: Keep Alive with an AER outstanding: {s}"));
+        }
+        assert!(admin.stray.iter().all(|c| c.cid != aer), "{gw}: the AER completed without a change: {:?}", admin.stray);
+    }
+    // One I/O queue on each path; a write through one reads back through the other.
+    let mut qs: Vec<NvmeTcpConn> =
+        g.admins.iter().zip(g.addrs).map(|((_, cntlid), addr)| NvmeTcpConn::io(addr, NO_DIGESTS, *cntlid, 1, SUBNQN, HOSTNQN)).collect();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed());
+    for (from, to, slba) in [(0, 1, 16u64), (1, 0, 512)] {
+        let data = random_bytes(&mut rng, 256 << 10);
+        qs[from].write(NSID, slba, &data, true).unwrap_or_else(|s| panic!("write through gateway {from}: {s}"));
+        let back = qs[to].read(NSID, slba, (data.len() / BS as usize) as u32, BS).unwrap_or_else(|s| panic!("read through gateway {to}: {s}"));
+        assert!(back == data, "what gateway {from} wrote does not read back through gateway {to}");
+        assert!(file_bytes(&g.file, slba * BS as u64, data.len()) == data, "the backing file");
+    }
+    // An NSID the gateways do not export is no namespace of theirs.
+    assert_eq!(qs[0].read(NSID + 1, 0, 1, BS).unwrap_err(), Status::INVALID_NAMESPACE);
+}
