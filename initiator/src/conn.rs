@@ -277,6 +277,9 @@ pub(crate) struct ConnParams {
     pub(crate) wait_slice: Duration,
     /// How long to keep polling before sleeping (`ConnectOptions::busy_poll`).
     pub(crate) busy_poll: Duration,
+    /// The session has other gateways: a command answered `NotOwner` closes
+    /// the connection and is retried on another gateway instead of failing.
+    pub(crate) failover: bool,
 }
 
 /// Where the data descriptor sits in an encoded command capsule
@@ -1250,22 +1253,37 @@ pub(crate) enum PieceError {
     /// The request fails with this error.
     Fatal(Error),
     /// The connection must be replaced and the piece retried (the target
-    /// is shutting down).
+    /// is shutting down, or a gateway of several lost the volume).
     Retry(String),
 }
 
 /// The status check every data command's response goes through.
+/// `failover`: the session has other gateways ([`ConnParams::failover`]),
+/// so `NotOwner` retries there instead of failing the request.
 pub(crate) fn piece_status(
     op: Opcode,
     resp: &ResponseCapsule,
     volume: &str,
     offset: Option<u64>,
     length: Option<u64>,
+    failover: bool,
 ) -> Result<(), PieceError> {
     match resp.status {
         Status::Success => Ok(()),
         Status::ShuttingDown => Err(PieceError::Retry("the target is shutting down".into())),
+        Status::NotOwner if failover => Err(PieceError::Retry(status_error(op, resp, Some(volume), offset, length).to_string())),
         _ => Err(PieceError::Fatal(status_error(op, resp, Some(volume), offset, length))),
+    }
+}
+
+/// Why a response to a command without data (OPEN, FLUSH, LIST...) means
+/// the connection must be replaced and the command sent again: the target
+/// is shutting down, or (`failover`) a gateway of several lost the volume.
+pub(crate) fn retry_reason(op: Opcode, resp: &ResponseCapsule, volume: Option<&str>, failover: bool) -> Option<String> {
+    match resp.status {
+        Status::ShuttingDown => Some("the target is shutting down".into()),
+        Status::NotOwner if failover => Some(status_error(op, resp, volume, None, None).to_string()),
+        _ => None,
     }
 }
 

@@ -28,11 +28,24 @@
 //! follow each other with a backoff starting at `reconnect_delay`; when
 //! `ctrl_loss_timeout` has passed since the failure the session is lost for
 //! good.
+//!
+//! # Several gateways
+//! A volume may be served by several gateways ([`Targets`]), one at a time.
+//! The session connects to the first that answers, in list order; after a
+//! failure each round of attempts tries the gateways after the lost one
+//! first and the lost one last ([`rotation`]), with the backoff between
+//! rounds. Each gateway knows only its own sessions, so the reconnect fence
+//! names the session this initiator last had at the gateway it connects
+//! to ([`Gateway::session`]): a fresh CONNECT where it had none. A volume
+//! re-opened on another gateway must have the size and block size it was
+//! opened with, or the session ends. A command answered `NotOwner` (the
+//! gateway lost the volume to another) breaks the connection like a failure
+//! and is retried on the next gateway (`ConnParams::failover`).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, TryLockError, Weak};
 use std::time::{Duration, Instant};
 
 use rdmablk_common::fabric::{Access, Fabric, FabricErrorKind, FabricUrl, QpCaps};
@@ -45,9 +58,10 @@ use crate::buffer::Region;
 use crate::conn::{status_error, Alarm, Conn, ConnParams, KeepAliveTiming, Outcome, SendSlots, Stats, MAX_WAIT_SLICE};
 use crate::domain::Domain;
 use crate::duration::spaced_duration;
-use crate::error::{fmt_duration, Error, Result};
+use crate::error::{fmt_duration, Error, ErrorKind, Result};
 use crate::options::{ConnectOptions, NegotiatedLimits};
 use crate::queue::Queue;
+use crate::targets::{rotation, Targets};
 
 /// Receives posted beyond the requested queue depth.
 const RECV_MARGIN: usize = 4;
@@ -119,6 +133,9 @@ pub(crate) struct CtlState {
     failed_since: Option<Instant>,
     /// The last failure, for messages.
     reason: String,
+    /// Set when the session ended because another gateway serves one of its
+    /// volumes with another size: (volume, detail), the error requests get.
+    mismatch: Option<(String, String)>,
 }
 
 /// The control state and its condition variable. The monitor thread holds
@@ -215,6 +232,51 @@ fn pack(gen: u32, id: VolumeId) -> u64 {
     (u64::from(gen) << 32) | u64::from(id.0)
 }
 
+/// One of the session's gateways.
+pub(crate) struct Gateway {
+    pub(crate) url: FabricUrl,
+    /// The target name of its first CONNECT reply.
+    target_name: OnceLock<String>,
+    /// The latest session this initiator had at this gateway (0: none), which
+    /// a new session there replaces (the reconnect fence). Another gateway
+    /// knows nothing of it.
+    session: AtomicU64,
+}
+
+impl Gateway {
+    fn new(url: FabricUrl) -> Gateway {
+        Gateway { url, target_name: OnceLock::new(), session: AtomicU64::new(0) }
+    }
+
+    /// Connects a set of queue pairs to this gateway (see [`connect_set`]),
+    /// replacing this initiator's latest session here.
+    #[allow(clippy::too_many_arguments)]
+    fn connect_set(
+        &self,
+        domain: &Arc<Domain>,
+        options: &ConnectOptions,
+        params: ConnParams,
+        alarms: &[Arc<Alarm>],
+        stats: &[Arc<Stats>],
+        gen: u32,
+        deadline: Instant,
+    ) -> Result<ConnSet> {
+        // The session's memory is registered with the domain's fabric; the
+        // queue pairs to another gateway come from a fabric for its address.
+        let opened;
+        let fabric = if *domain.fabric().url() == self.url {
+            domain.fabric()
+        } else {
+            opened = Fabric::open(&self.url).map_err(|e| Error::fabric(format!("opening the fabric for {}", self.url), e))?;
+            &opened
+        };
+        let mut replaces = SessionId(self.session.load(Ordering::Acquire));
+        let set = connect_set(domain, fabric, options, params, alarms, stats, gen, deadline, &mut replaces);
+        self.session.store(replaces.0, Ordering::Release);
+        set
+    }
+}
+
 /// A volume open in the session and how many handles use it.
 pub(crate) struct VolumeSlot {
     pub(crate) entry: Arc<VolumeEntry>,
@@ -234,9 +296,13 @@ pub(crate) struct Shared {
     /// Queues with a connection in the current generation (a prefix).
     active: AtomicUsize,
     limits: Mutex<NegotiatedLimits>,
-    pub(crate) url: FabricUrl,
+    /// The gateways, as given.
+    pub(crate) targets: Targets,
+    /// The gateways' state, in the order of `targets`.
+    gateways: Box<[Gateway]>,
+    /// The gateway of the current connection set (index in `gateways`).
+    current: AtomicUsize,
     pub(crate) options: ConnectOptions,
-    pub(crate) target_name: String,
     /// Session-wide counters (reconnections, retries); the I/O counters
     /// are per queue ([`QueueSlot::stats`]).
     pub(crate) stats: Arc<Stats>,
@@ -250,11 +316,11 @@ pub(crate) struct Shared {
     pub(crate) session_watch: Mutex<Option<SessionWatch>>,
 }
 
-/// A callback given each new session id.
-pub(crate) type SessionWatch = Box<dyn Fn(SessionId) + Send>;
+/// A callback given each new session id and its gateway.
+pub(crate) type SessionWatch = Box<dyn Fn(SessionId, &FabricUrl) + Send>;
 
-/// Timing derived from the options.
-fn conn_params(options: &ConnectOptions) -> ConnParams {
+/// Timing derived from the options; `failover`: the session has several gateways.
+fn conn_params(options: &ConnectOptions, failover: bool) -> ConnParams {
     let keepalive = (!options.keepalive_timeout.is_zero())
         .then(|| KeepAliveTiming { idle: options.keepalive_timeout / 4, wait: options.keepalive_timeout / 2 });
     ConnParams {
@@ -264,6 +330,7 @@ fn conn_params(options: &ConnectOptions) -> ConnParams {
         keepalive,
         wait_slice: monitor_tick(options).unwrap_or(MAX_WAIT_SLICE).min(MAX_WAIT_SLICE),
         busy_poll: options.busy_poll,
+        failover,
     }
 }
 
@@ -291,20 +358,71 @@ struct ConnSet {
 }
 
 impl Shared {
-    /// Connects the first set of queue pairs and builds the session state.
-    /// `replaces`: a session of this host (of an earlier process) that the
-    /// new one replaces, fenced like a reconnection's (0: none).
-    pub(crate) fn connect(url: FabricUrl, options: ConnectOptions, mut replaces: SessionId) -> Result<Arc<Shared>> {
-        let ctx = |what: &str| format!("{what} for {url}");
-        let fabric = Fabric::open(&url).map_err(|e| Error::fabric(ctx("opening the fabric"), e))?;
-        let pd = fabric.alloc_pd().map_err(|e| Error::fabric(ctx("allocating a protection domain"), e))?;
-        let domain = Arc::new(Domain::new(pd, fabric, options.rkey_scoping));
+    /// Connects the first set of queue pairs, to the first gateway that
+    /// answers (each within `connect_timeout`), and builds the session state.
+    /// `replaces`: a session of this host (of an earlier process) at gateway
+    /// `replaced_at` that the new one replaces, fenced like a reconnection's
+    /// (0: none); named only if the session connects there.
+    pub(crate) fn connect(
+        targets: Targets,
+        options: ConnectOptions,
+        replaces: SessionId,
+        replaced_at: usize,
+    ) -> Result<Arc<Shared>> {
+        let gateways: Box<[Gateway]> = targets.urls().iter().map(|u| Gateway::new(u.clone())).collect();
+        if let Some(g) = gateways.get(replaced_at) {
+            g.session.store(replaces.0, Ordering::Relaxed);
+        }
         let stats = Arc::new(Stats::default());
         let queue_stats: Vec<Arc<Stats>> = (0..options.queues).map(|_| Arc::new(Stats::default())).collect();
-        let params = conn_params(&options);
+        let params = conn_params(&options, gateways.len() > 1);
         let alarms: Vec<Arc<Alarm>> = (0..options.queues).map(|_| Arc::new(Alarm::default())).collect();
-        let deadline = Instant::now() + options.connect_timeout;
-        let set = connect_set(&domain, &url, &options, params, &alarms, &queue_stats, 1, deadline, &mut replaces)?;
+        let mut domain: Option<Arc<Domain>> = None;
+        let mut failures: Vec<(String, Error)> = Vec::new();
+        let mut connected = None;
+        for (i, gw) in gateways.iter().enumerate() {
+            let url = &gw.url;
+            let ctx = |what: &str| format!("{what} for {url}");
+            if domain.is_none() {
+                // The session's memory is registered once, with the first
+                // gateway's fabric that opens, and stays valid on the others.
+                let opened = Fabric::open(url).map_err(|e| Error::fabric(ctx("opening the fabric"), e)).and_then(|fabric| {
+                    let pd = fabric.alloc_pd().map_err(|e| Error::fabric(ctx("allocating a protection domain"), e))?;
+                    Ok(Arc::new(Domain::new(pd, fabric, options.rkey_scoping)))
+                });
+                match opened {
+                    Ok(d) => domain = Some(d),
+                    Err(e) => {
+                        failures.push((url.to_string(), e));
+                        continue;
+                    }
+                }
+            }
+            let d = domain.as_ref().expect("set above");
+            let deadline = Instant::now() + options.connect_timeout;
+            match gw.connect_set(d, &options, params, &alarms, &queue_stats, 1, deadline) {
+                Ok(set) => {
+                    connected = Some((i, set));
+                    break;
+                }
+                Err(e) => {
+                    if gateways.len() > 1 {
+                        let n = gateways.len();
+                        tracing::warn!(target: RECONNECT_LOG, "{url}: gateway {} of {n} did not connect: {}", i + 1, e.one_line());
+                    }
+                    failures.push((url.to_string(), e));
+                }
+            }
+        }
+        let Some((current, set)) = connected else { return Err(Error::no_gateway(failures)) };
+        let domain = domain.expect("a connection set has a domain");
+        let url = &gateways[current].url;
+        let ctx = |what: &str| format!("{what} for {url}");
+        if current > 0 {
+            let n = gateways.len();
+            tracing::warn!(target: RECONNECT_LOG, "connected to {url}, gateway {} of {n}: the ones before it did not connect", current + 1);
+        }
+        let _ = gateways[current].target_name.set(set.reply.target_name.clone());
 
         let chunk = set.limits.max_io_size as usize;
         let per_queue = options.bounce_pool_size / options.queues;
@@ -333,6 +451,7 @@ impl Shared {
                 session_id: set.reply.session_id,
                 failed_since: None,
                 reason: String::new(),
+                mismatch: None,
             }),
             cv: Condvar::new(),
             fast: AtomicU8::new(Phase::Connected as u8),
@@ -345,9 +464,10 @@ impl Shared {
             volumes: Mutex::new(HashMap::new()),
             active: AtomicUsize::new(active),
             limits: Mutex::new(set.limits),
-            url,
+            targets,
+            gateways,
+            current: AtomicUsize::new(current),
             options,
-            target_name: set.reply.target_name,
             stats,
             uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
             next_home: AtomicUsize::new(0),
@@ -366,6 +486,16 @@ impl Shared {
 
     pub(crate) fn limits(&self) -> NegotiatedLimits {
         *lock(&self.limits)
+    }
+
+    /// The gateway of the current connection set.
+    pub(crate) fn current_url(&self) -> &FabricUrl {
+        &self.gateways[self.current.load(Ordering::Acquire)].url
+    }
+
+    /// The target name the current gateway gave at its first CONNECT.
+    pub(crate) fn target_name(&self) -> &str {
+        self.gateways[self.current.load(Ordering::Acquire)].target_name.get().map_or("", String::as_str)
     }
 
     /// Queues with a connection now.
@@ -425,13 +555,13 @@ impl Shared {
         let lost = self.options.ctrl_loss_timeout.is_zero();
         if lost {
             // Not the CLI's: its error says so, in one line.
-            tracing::warn!("{}: connection lost, not reconnecting (ctrl_loss_timeout is 0): {reason}", self.url);
+            tracing::warn!("{}: connection lost, not reconnecting (ctrl_loss_timeout is 0): {reason}", self.current_url());
             self.ctl.set_phase(&mut st, Phase::Lost);
         } else {
             tracing::warn!(
                 target: RECONNECT_LOG,
                 "{}: connection lost, reconnecting (up to {}): {reason}",
-                self.url,
+                self.current_url(),
                 spaced_duration(self.options.ctrl_loss_timeout)
             );
             self.ctl.set_phase(&mut st, Phase::Reconnecting);
@@ -453,6 +583,9 @@ impl Shared {
     }
 
     fn lost_error(&self, st: &CtlState) -> Error {
+        if let Some((name, detail)) = &st.mismatch {
+            return Error::VolumeChanged { name: name.clone(), detail: detail.clone() };
+        }
         if self.options.ctrl_loss_timeout.is_zero() {
             Error::Disconnected { reason: st.reason.clone() }
         } else {
@@ -643,53 +776,100 @@ impl Shared {
         // and the target retires that one (stops it and waits for its disk
         // I/O) before it answers, so nothing of it can land after what this
         // session re-issues. An attempt that created a session and failed
-        // later makes that session the one to replace.
-        let mut replaces = lock(&self.ctl.st).session_id;
+        // later makes that session the one to replace. Each gateway keeps
+        // its own (`Gateway::session`): another gateway's id means nothing
+        // there.
+        let n = self.gateways.len();
+        let lost_at = self.current.load(Ordering::Acquire);
+        // Each gateway's latest failure, for the final error (several gateways).
+        let mut failures: Vec<Option<String>> = vec![None; n];
+        failures[lost_at] = Some(reason.clone());
         let mut attempts = 0u32;
         loop {
-            let now = Instant::now();
-            if now >= deadline {
-                let mut st = lock(&self.ctl.st);
-                if st.phase == Phase::Reconnecting {
-                    tracing::error!(target: RECONNECT_LOG,
-                        "{}: target lost: no connection within ctrl_loss_timeout ({}), {attempts} attempts: {}",
-                        self.url, fmt_duration(self.options.ctrl_loss_timeout), st.reason);
-                    self.ctl.set_phase(&mut st, Phase::Lost);
-                    self.ctl.cv.notify_all();
-                }
-                drop(st);
-                // Nothing will use the connections of the lost session again.
-                self.drop_connections();
-                return;
-            }
-            if Arc::strong_count(self) == 1 {
-                return; // every handle is gone; dropping ends the session
-            }
-            attempts += 1;
-            let attempt_deadline = (now + self.options.connect_timeout).min(deadline);
-            match self.establish(failed_gen + 1, attempt_deadline, &mut replaces) {
-                Ok(true) => {
-                    Stats::add(&self.stats.reconnects, 1);
-                    tracing::info!(
-                        target: RECONNECT_LOG,
-                        "{}: reconnected at attempt {attempts}, {} after the loss",
-                        self.url,
-                        spaced_duration(since.elapsed())
-                    );
+            // A round: the gateways after the lost one, then the lost one.
+            let round: Vec<usize> = rotation(n, lost_at).collect();
+            for (k, &gw) in round.iter().enumerate() {
+                let now = Instant::now();
+                if now >= deadline {
+                    let mut st = lock(&self.ctl.st);
+                    if st.phase == Phase::Reconnecting {
+                        if n > 1 {
+                            st.reason = gateway_summary(&self.gateways, &failures);
+                        }
+                        tracing::error!(target: RECONNECT_LOG,
+                            "{}: target lost: no connection within ctrl_loss_timeout ({}), {attempts} attempts: {}",
+                            self.targets, fmt_duration(self.options.ctrl_loss_timeout), st.reason);
+                        self.ctl.set_phase(&mut st, Phase::Lost);
+                        self.ctl.cv.notify_all();
+                    }
+                    drop(st);
+                    // Nothing will use the connections of the lost session again.
+                    self.drop_connections();
                     return;
                 }
-                Ok(false) => return, // closed meanwhile
-                Err(e) => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    tracing::info!(
-                        target: RECONNECT_LOG,
-                        "{}: reconnection attempt {attempts} failed: {}; next in {}, {} left",
-                        self.url,
-                        e.one_line(),
-                        spaced_duration(delay.min(left)),
-                        spaced_duration(left)
-                    );
-                    lock(&self.ctl.st).reason = e.one_line();
+                if Arc::strong_count(self) == 1 {
+                    return; // every handle is gone; dropping ends the session
+                }
+                attempts += 1;
+                let url = &self.gateways[gw].url;
+                let attempt_deadline = (now + self.options.connect_timeout).min(deadline);
+                match self.establish(gw, lost_at, failed_gen + 1, attempt_deadline) {
+                    Ok(true) => {
+                        Stats::add(&self.stats.reconnects, 1);
+                        tracing::info!(
+                            target: RECONNECT_LOG,
+                            "{url}: reconnected at attempt {attempts}, {} after the loss",
+                            spaced_duration(since.elapsed())
+                        );
+                        if gw != lost_at {
+                            tracing::warn!(
+                                target: RECONNECT_LOG,
+                                "failover: from gateway {} to gateway {url} (attempt {attempts}, {} after the loss), because: {reason}",
+                                self.gateways[lost_at].url,
+                                spaced_duration(since.elapsed())
+                            );
+                        }
+                        return;
+                    }
+                    Ok(false) => return, // closed meanwhile
+                    Err(e) if e.kind() == ErrorKind::VolumeChanged => {
+                        // Another gateway serves one of the volumes otherwise:
+                        // not the same volume, and no use trying again.
+                        let mut st = lock(&self.ctl.st);
+                        if st.phase == Phase::Reconnecting {
+                            tracing::error!(target: RECONNECT_LOG, "{url}: the session ends: {}", e.one_line());
+                            if let Error::VolumeChanged { name, detail } = &e {
+                                st.mismatch = Some((name.clone(), detail.clone()));
+                            }
+                            st.reason = e.one_line();
+                            self.ctl.set_phase(&mut st, Phase::Lost);
+                            self.ctl.cv.notify_all();
+                        }
+                        drop(st);
+                        self.drop_connections();
+                        return;
+                    }
+                    Err(e) => {
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        match round.get(k + 1) {
+                            Some(&next) => tracing::info!(
+                                target: RECONNECT_LOG,
+                                "{url}: reconnection attempt {attempts} failed: {}; next: gateway {} now, {} left",
+                                e.one_line(),
+                                self.gateways[next].url,
+                                spaced_duration(left)
+                            ),
+                            None => tracing::info!(
+                                target: RECONNECT_LOG,
+                                "{url}: reconnection attempt {attempts} failed: {}; next in {}, {} left",
+                                e.one_line(),
+                                spaced_duration(delay.min(left)),
+                                spaced_duration(left)
+                            ),
+                        }
+                        failures[gw] = Some(e.one_line());
+                        lock(&self.ctl.st).reason = e.one_line();
+                    }
                 }
             }
             let wake = (Instant::now() + delay).min(deadline);
@@ -708,21 +888,23 @@ impl Shared {
         }
     }
 
-    /// Builds a new connection set of generation `gen`, re-opens the
-    /// session's volumes on it, installs it and declares the session
-    /// connected. `Ok(false)` if the session was closed meanwhile.
-    /// `replaces`: the session the new one replaces (the reconnect fence);
-    /// set to the new session as soon as the target created it.
-    fn establish(&self, gen: u32, deadline: Instant, replaces: &mut SessionId) -> Result<bool> {
+    /// Builds a new connection set of generation `gen` to gateway `gw`,
+    /// re-opens the session's volumes on it, installs it and declares the
+    /// session connected. `Ok(false)` if the session was closed meanwhile.
+    /// `lost_at`: the gateway of the lost connection set; on another one a
+    /// volume must have the size and block size it was opened with, or this
+    /// fails with [`Error::VolumeChanged`] (which ends the session).
+    fn establish(&self, gw: usize, lost_at: usize, gen: u32, deadline: Instant) -> Result<bool> {
         let alarms: Vec<Arc<Alarm>> = self.queues.iter().map(|s| Arc::clone(&s.alarm)).collect();
         let stats: Vec<Arc<Stats>> = self.queues.iter().map(|s| Arc::clone(&s.stats)).collect();
-        let set = connect_set(&self.domain, &self.url, &self.options, self.params, &alarms, &stats, gen, deadline, replaces)?;
+        let gateway = &self.gateways[gw];
+        let set = gateway.connect_set(&self.domain, &self.options, self.params, &alarms, &stats, gen, deadline)?;
         let ConnSet { mut conns, reply, limits } = set;
         // Before any request can reach the new session (its connections
         // are installed below), so a watcher's record never lags behind a
         // session that has writes in flight.
         if let Some(watch) = lock(&self.session_watch).as_ref() {
-            watch(reply.session_id);
+            watch(reply.session_id, &gateway.url);
         }
         let vols = lock(&self.volumes);
         for slot in vols.values() {
@@ -731,6 +913,24 @@ impl Shared {
             c.inline_len = e.name.len() as u32;
             let resp = conns[0].execute(&c, e.name.as_bytes(), remaining(deadline))?;
             match resp.capsule.status {
+                Status::Success if gw != lost_at => {
+                    let info = VolumeInfo::decode(resp.data()).map_err(|err| {
+                        Error::protocol(format!("the target's OPEN reply for {:?} is invalid: {err}", e.name))
+                    })?;
+                    if (info.size_bytes, info.block_size) != (e.info.size_bytes, e.info.block_size) {
+                        return Err(Error::VolumeChanged {
+                            name: e.name.clone(),
+                            detail: format!(
+                                "gateway {} serves volume {:?} with another size: {} bytes in {}-byte blocks, where it was \
+                                 opened with {} bytes in {}-byte blocks",
+                                gateway.url, e.name, info.size_bytes, info.block_size, e.info.size_bytes, e.info.block_size
+                            ),
+                        });
+                    }
+                    e.set_remote(gen, info.volume_id);
+                }
+                // Another gateway without the volume is not one of its gateways.
+                Status::UnknownVolume if gw != lost_at => return Err(Error::UnknownVolume { name: e.name.clone() }),
                 Status::Success => {
                     let info = VolumeInfo::decode(resp.data()).map_err(|err| {
                         Error::protocol(format!("the target's OPEN reply for {:?} is invalid: {err}", e.name))
@@ -776,6 +976,8 @@ impl Shared {
         }
         st.gen = gen;
         st.session_id = reply.session_id;
+        let _ = gateway.target_name.set(reply.target_name);
+        self.current.store(gw, Ordering::Release);
         self.ctl.set_phase(&mut st, Phase::Connected);
         st.failed_since = None;
         self.ctl.cv.notify_all();
@@ -794,6 +996,12 @@ impl Drop for Shared {
         }
         self.ctl.cv.notify_all();
     }
+}
+
+/// Each gateway and its latest failure, on one line: `url: failure; url: ...`.
+fn gateway_summary(gateways: &[Gateway], failures: &[Option<String>]) -> String {
+    let each = gateways.iter().zip(failures).map(|(g, f)| format!("{}: {}", g.url, f.as_deref().unwrap_or("not tried")));
+    each.collect::<Vec<_>>().join("; ")
 }
 
 /// The monitor thread: keep-alives on idle queues and reconnection. Holds
@@ -830,14 +1038,15 @@ fn remaining(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))
 }
 
-/// Connects the first queue pair (a new session, replacing `replaces`
-/// unless it is 0) and joins the others to it. A target that refuses joins
-/// (`UnknownSession`) leaves a smaller set. Once the target created the new
-/// session, `replaces` names it: a later attempt must replace that one.
+/// Connects the first queue pair to `fabric`'s URL (a new session,
+/// replacing `replaces` unless it is 0) and joins the others to it. A
+/// target that refuses joins (`UnknownSession`) leaves a smaller set. Once
+/// the target created the new session, `replaces` names it: a later attempt
+/// must replace that one.
 #[allow(clippy::too_many_arguments)]
 fn connect_set(
     domain: &Arc<Domain>,
-    url: &FabricUrl,
+    fabric: &Fabric,
     options: &ConnectOptions,
     params: ConnParams,
     alarms: &[Arc<Alarm>],
@@ -846,12 +1055,13 @@ fn connect_set(
     deadline: Instant,
     replaces: &mut SessionId,
 ) -> Result<ConnSet> {
+    let url = fabric.url();
     let join = Join::Create { replaces: *replaces };
-    let (first, reply, limits) = connect_queue(domain, url, options, params, join, &alarms[0], &stats[0], gen, deadline)?;
+    let (first, reply, limits) = connect_queue(domain, fabric, options, params, join, &alarms[0], &stats[0], gen, deadline)?;
     *replaces = reply.session_id;
     let mut conns = vec![first];
     for (i, alarm) in alarms.iter().enumerate().skip(1) {
-        match connect_queue(domain, url, options, params, Join::Session(reply.session_id), alarm, &stats[i], gen, deadline) {
+        match connect_queue(domain, fabric, options, params, Join::Session(reply.session_id), alarm, &stats[i], gen, deadline) {
             Ok((conn, r, _)) => {
                 if r.session_id != reply.session_id {
                     return Err(Error::protocol(format!(
@@ -892,11 +1102,11 @@ enum Join {
     Session(SessionId),
 }
 
-/// Creates, connects and negotiates one queue pair.
+/// Creates, connects and negotiates one queue pair to `fabric`'s URL.
 #[allow(clippy::too_many_arguments)]
 fn connect_queue(
     domain: &Arc<Domain>,
-    url: &FabricUrl,
+    fabric: &Fabric,
     options: &ConnectOptions,
     params: ConnParams,
     join: Join,
@@ -905,8 +1115,8 @@ fn connect_queue(
     gen: u32,
     deadline: Instant,
 ) -> Result<(Conn, ConnectReply, NegotiatedLimits)> {
+    let url = fabric.url();
     let ctx = |what: &str| format!("{what} for {url}");
-    let fabric = domain.fabric();
     let pd = domain.pd();
     let depth = options.queue_depth;
     let recv_count = depth as usize + RECV_MARGIN;

@@ -109,6 +109,10 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A volume with several gateways: none of them could be connected to.
+    /// Each gateway's URL with what went wrong there, in list order.
+    #[error("none of the {} gateways could be used: {}", .failures.len(), gateway_failures(.failures))]
+    NoGateway { failures: Vec<(String, Error)> },
 }
 
 /// The small, copyable classification of an [`Error`].
@@ -129,6 +133,7 @@ pub enum ErrorKind {
     Fabric,
     InvalidArgument,
     Io,
+    NoGateway,
 }
 
 impl Error {
@@ -150,6 +155,7 @@ impl Error {
             Error::Fabric { .. } => ErrorKind::Fabric,
             Error::InvalidArgument { .. } => ErrorKind::InvalidArgument,
             Error::Io { .. } => ErrorKind::Io,
+            Error::NoGateway { .. } => ErrorKind::NoGateway,
         }
     }
 
@@ -206,6 +212,20 @@ impl Error {
     pub(crate) fn version_mismatch(target: u32) -> Self {
         Error::VersionMismatch { target, ours: PROTOCOL_VERSION }
     }
+
+    /// What connecting to each of a volume's gateways ended with, in list
+    /// order: the error itself when there was only one.
+    pub(crate) fn no_gateway(mut failures: Vec<(String, Error)>) -> Self {
+        if failures.len() == 1 {
+            return failures.pop().expect("one failure").1;
+        }
+        Error::NoGateway { failures }
+    }
+}
+
+/// `url: what happened; url: what happened`.
+fn gateway_failures(failures: &[(String, Error)]) -> String {
+    failures.iter().map(|(url, e)| format!("{url}: {}", e.one_line())).collect::<Vec<_>>().join("; ")
 }
 
 impl From<Error> for std::io::Error {
@@ -218,7 +238,7 @@ impl From<Error> for std::io::Error {
             ErrorKind::UnknownVolume => K::NotFound,
             ErrorKind::Timeout => K::TimedOut,
             ErrorKind::Target if e.status() == Some(Status::OutOfBuffers) => K::ResourceBusy,
-            ErrorKind::Disconnected | ErrorKind::TargetLost => K::NotConnected,
+            ErrorKind::Disconnected | ErrorKind::TargetLost | ErrorKind::NoGateway => K::NotConnected,
             ErrorKind::Io => match &e {
                 Error::Io { source, .. } => source.kind(),
                 _ => K::Other,
@@ -373,6 +393,25 @@ mod tests {
         assert_eq!(io.kind(), std::io::ErrorKind::NotConnected);
         let io: std::io::Error = Error::Misaligned { op: Opcode::Read, offset: 1, length: 2, block_size: 512 }.into();
         assert_eq!(io.kind(), std::io::ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn no_gateway_names_each_gateway_and_what_it_said() {
+        let refused = || {
+            let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "Connection refused (os error 111)");
+            Error::fabric("connecting to tcp://a:1", FabricError::io("tcp://a:1", io))
+        };
+        let single = Error::no_gateway(vec![("tcp://a:1".into(), refused())]);
+        assert_eq!(single.kind(), ErrorKind::Fabric, "one gateway: its own error, as before");
+        let e = Error::no_gateway(vec![
+            ("tcp://a:1".into(), refused()),
+            ("tcp://b:2".into(), Error::Timeout { what: "connecting to tcp://b:2".into(), after: Duration::from_secs(1) }),
+        ]);
+        assert_eq!(e.kind(), ErrorKind::NoGateway);
+        let m = e.to_string();
+        assert!(m.starts_with("none of the 2 gateways could be used: tcp://a:1: connecting to tcp://a:1"), "{m}");
+        assert!(m.contains("Connection refused") && m.contains("; tcp://b:2: connecting to tcp://b:2 timed out after 1s"), "{m}");
+        assert_eq!(std::io::Error::from(e).kind(), std::io::ErrorKind::NotConnected);
     }
 
     #[test]

@@ -630,9 +630,10 @@ impl IoQueue {
                 Some(resp) => {
                     let f = self.inflight.swap_remove(i);
                     any = true;
-                    if self.complete_piece(f.piece, &resp, conn, shared) {
-                        // The target is shutting down: replace the connection.
-                        conn.fail("the target is shutting down");
+                    if let Some(reason) = self.complete_piece(f.piece, &resp, conn, shared) {
+                        // The target is shutting down, or a gateway of several
+                        // lost the volume: replace the connection.
+                        conn.fail(reason);
                         let gen = conn.gen;
                         let held = self.inflight.iter().filter(|f| f.gen == gen).count();
                         conn.async_held = conn.async_held.saturating_sub(held);
@@ -646,9 +647,9 @@ impl IoQueue {
         any
     }
 
-    /// Handles one piece's response; true if it must be sent again on a new
-    /// connection.
-    fn complete_piece(&mut self, piece: Piece, resp: &Response, conn: &Conn, shared: &Shared) -> bool {
+    /// Handles one piece's response; `Some(why)` if it must be sent again on
+    /// a new connection.
+    fn complete_piece(&mut self, piece: Piece, resp: &Response, conn: &Conn, shared: &Shared) -> Option<String> {
         let req = self.reqs[piece.req].as_mut().expect("a live request");
         let op = if req.emulated { Opcode::WriteZeroes } else { req.kind.opcode() };
         match resp.capsule.status {
@@ -660,7 +661,13 @@ impl IoQueue {
             Status::ShuttingDown if self.draining => {}
             Status::ShuttingDown => {
                 self.pending.push_front(piece);
-                return true;
+                return Some("the target is shutting down".into());
+            }
+            Status::NotOwner if conn.params.failover && !self.draining => {
+                let range = (op != Opcode::Flush).then_some((req.offset + piece.rel, piece.len));
+                let e = status_error(op, &resp.capsule, Some(&req.entry.name), range.map(|r| r.0), range.map(|r| r.1));
+                self.pending.push_front(piece);
+                return Some(e.to_string());
             }
             Status::TooLarge
                 if matches!(req.kind, Kind::Discard | Kind::WriteZeroes)
@@ -671,7 +678,7 @@ impl IoQueue {
                 // Idempotent: send it again in max-I/O-size pieces.
                 shared.small_zeroes.store(true, Ordering::Relaxed);
                 self.pending.push_front(piece);
-                return false;
+                return None;
             }
             _ => {
                 let (off, len) = (req.offset + piece.rel, piece.len);
@@ -682,11 +689,11 @@ impl IoQueue {
                     status_error(op, &resp.capsule, Some(&name), Some(off), Some(len))
                 };
                 self.fail_piece(piece, e);
-                return false;
+                return None;
             }
         }
         self.piece_done(piece.req);
-        false
+        None
     }
 
     /// Records a piece's failure: the request fails with the first error,

@@ -5,7 +5,8 @@
 //! The modules read bottom to top, each importing only those below it:
 //!
 //! 1. Plain values and resources: `options.rs` ([`ConnectOptions`],
-//!    [`NegotiatedLimits`]), `domain.rs` (the session's protection domain
+//!    [`NegotiatedLimits`]), `targets.rs` ([`Targets`], a volume's
+//!    gateways), `domain.rs` (the session's protection domain
 //!    and fabric), `buffer.rs` ([`IoBuffer`]), `duration.rs`, `error.rs`,
 //!    `device.rs` ([`BlockDevice`]).
 //! 2. The connection, one queue pair: `conn.rs` (capsules, command slots,
@@ -37,6 +38,7 @@ mod probe;
 mod queue;
 mod session;
 mod stream;
+mod targets;
 pub mod ublk;
 
 pub use buffer::IoBuffer;
@@ -46,6 +48,7 @@ pub use io_queue::{IoCompletion, IoQueue, IoRequest, IoWaker};
 pub use options::{default_host_id, ConnectOptions, NegotiatedLimits};
 pub use session::{IntoTargetUrl, Session, SessionStats, Volume};
 pub use stream::BlockStream;
+pub use targets::{IntoTargets, Targets, MAX_GATEWAYS};
 
 /// The wire types a caller meets in this API (volume info, statuses, ids).
 pub use rdmablk_common::auth::{generate_key_file, AuthKey, KeyError};

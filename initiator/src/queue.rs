@@ -16,7 +16,7 @@ use rdmablk_common::protocol::{
 };
 
 use crate::buffer::Region;
-use crate::conn::{piece_status, status_error, Conn, Outcome, PieceError, Response, Stats};
+use crate::conn::{piece_status, retry_reason, status_error, Conn, Outcome, PieceError, Response, Stats};
 use crate::device::{max_piece, split, WriteFlags};
 use crate::error::{Error, Result};
 
@@ -115,7 +115,7 @@ impl Queue {
             c
         };
         let status = |resp: &Response, rel: u64, plen: u64| {
-            piece_status(op, &resp.capsule, vol.name, Some(offset + rel), Some(plen))
+            piece_status(op, &resp.capsule, vol.name, Some(offset + rel), Some(plen), params.failover)
         };
         let timeout = params.io_timeout;
         let outcome = match data {
@@ -235,6 +235,7 @@ impl Queue {
         }
         let conn = self.conn();
         let max_io = u64::from(conn.params.max_io);
+        let failover = conn.params.failover;
         loop {
             let was_small = small.load(Ordering::Relaxed);
             let limit = if was_small { max_io } else { ZEROES_PIECE };
@@ -263,7 +264,7 @@ impl Queue {
                     if resp.capsule.status == Status::TooLarge && plen > max_io {
                         too_large = true;
                     }
-                    piece_status(op, &resp.capsule, vol.name, Some(offset + rel), Some(plen))?;
+                    piece_status(op, &resp.capsule, vol.name, Some(offset + rel), Some(plen), failover)?;
                     done[i] = true;
                     Ok(())
                 },
@@ -289,6 +290,7 @@ impl Queue {
         zero: &Region,
     ) -> Outcome {
         let conn = self.conn();
+        let failover = conn.params.failover;
         let bs = u64::from(vol.block_size);
         let piece = match max_piece(u64::from(conn.params.max_io).min(zero.len() as u64), vol.block_size) {
             Ok(p) => p,
@@ -312,7 +314,7 @@ impl Queue {
             },
             |i, _, resp| {
                 let (rel, plen) = pieces[i];
-                piece_status(Opcode::WriteZeroes, &resp.capsule, vol.name, Some(offset + rel), Some(plen))?;
+                piece_status(Opcode::WriteZeroes, &resp.capsule, vol.name, Some(offset + rel), Some(plen), failover)?;
                 done[i] = true;
                 Ok(())
             },
@@ -322,19 +324,22 @@ impl Queue {
     }
 
     /// A command without data (FLUSH, KEEP_ALIVE, OPEN, CLOSE...); returns
-    /// its response whatever the status, except that `ShuttingDown` retries.
+    /// its response whatever the status, except that `ShuttingDown` (and
+    /// `NotOwner` on a session with other gateways) retries.
     pub(crate) fn simple(&mut self, capsule: &CommandCapsule, inline: &[u8]) -> Outcome<Response> {
         let conn = self.conn();
         let mut out = None;
-        let timeout = conn.params.io_timeout;
+        let (timeout, failover) = (conn.params.io_timeout, conn.params.failover);
+        // OPEN names its volume inline.
+        let volume = (capsule.opcode == Opcode::OpenVolume).then(|| String::from_utf8_lossy(inline));
         let outcome = conn.pipeline(
             1,
             1,
             timeout,
             |_, _| Ok((*capsule, inline)),
             |_, _, resp| {
-                if resp.capsule.status == Status::ShuttingDown {
-                    return Err(PieceError::Retry("the target is shutting down".into()));
+                if let Some(reason) = retry_reason(capsule.opcode, &resp.capsule, volume.as_deref(), failover) {
+                    return Err(PieceError::Retry(reason));
                 }
                 out = Some(resp.clone());
                 Ok(())
@@ -397,15 +402,15 @@ impl Queue {
             c.descriptor = DataDescriptor { remote_addr: region.addr(), length: bytes as u32, rkey: region.rkey().0 };
             let conn = self.conn.as_mut().expect("an attempt runs on a queue with a connection");
             let mut resp = None;
-            let timeout = conn.params.io_timeout;
+            let (timeout, failover) = (conn.params.io_timeout, conn.params.failover);
             let outcome = conn.pipeline(
                 1,
                 1,
                 timeout,
                 |_, _| Ok((c, &[][..])),
                 |_, _, r| {
-                    if r.capsule.status == Status::ShuttingDown {
-                        return Err(PieceError::Retry("the target is shutting down".into()));
+                    if let Some(reason) = retry_reason(Opcode::ListVolumes, &r.capsule, None, failover) {
+                        return Err(PieceError::Retry(reason));
                     }
                     resp = Some(r.clone());
                     Ok(())

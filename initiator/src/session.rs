@@ -19,6 +19,7 @@ use crate::device::{check_request, BlockDevice, WriteFlags};
 use crate::error::{Error, Result};
 use crate::options::{ConnectOptions, NegotiatedLimits};
 use crate::queue::{Data, Queue, VolCtx};
+use crate::targets::{IntoTargets, Targets};
 
 /// Counters of a session, for tests and monitoring.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -103,6 +104,27 @@ impl IntoTargetUrl for &FabricUrl {
 /// has passed without a connection do queued and future requests fail, with
 /// [`Error::TargetLost`]. No call waits forever.
 ///
+/// # Several gateways
+/// A volume exported by several gateways (rdmablk-target processes sharing
+/// one RBD image, one of which owns it at a time) is reached through the
+/// list of their URLs, `"tcp://10.0.0.1:7420,tcp://10.0.0.2:7420"` (see
+/// [`Targets`]). The session connects to the first gateway that answers,
+/// in list order. When it loses its gateway (the connection breaks, a
+/// keep-alive or [`ConnectOptions::io_timeout`] is missed, or a command is
+/// answered `NotOwner`: that gateway lost the volume to another) it
+/// reconnects to the next gateway in the list, then the ones after it, and
+/// the lost one last, each round within `connect_timeout` per gateway and
+/// the backoff between rounds, until `ctrl_loss_timeout`, as above. A
+/// command answered `NotOwner` does not fail: it is re-issued on the new
+/// gateway like the rest. The new gateway gets a fresh session (the fence
+/// below names only a session this initiator had at that same gateway), and
+/// the volumes are re-opened there by name; one it serves with another size
+/// or block size ends the session with [`Error::VolumeChanged`]. When
+/// `ctrl_loss_timeout` passes, [`Error::TargetLost`] names each gateway
+/// and its last failure. Each failover logs one warning naming both
+/// gateways and the cause. With a single URL `NotOwner` fails the command,
+/// as any other status.
+///
 /// # Ordering across reconnections
 /// - An acknowledged write is never overwritten by an older one: the new
 ///   session names the one it replaces, and the target answers its CONNECT
@@ -128,10 +150,16 @@ impl Session {
     /// protocol version, [`Error::Target`] if it refuses (e.g. access denied),
     /// [`Error::Fabric`] if the connection cannot be made and
     /// [`Error::Timeout`] if it takes too long.
-    pub fn connect(url: impl IntoTargetUrl, options: ConnectOptions) -> Result<Session> {
-        let url = url.into_target_url()?;
+    ///
+    /// `url` may list several gateways of the same volumes
+    /// (`"tcp://a:7420,tcp://b:7420"`, see [`Targets`]): the session
+    /// connects to the first that answers, each within `connect_timeout`,
+    /// and fails with [`Error::NoGateway`], naming each and its error, if
+    /// none does.
+    pub fn connect(url: impl IntoTargets, options: ConnectOptions) -> Result<Session> {
+        let targets = url.into_targets()?;
         options.validate()?;
-        Ok(Session { shared: Shared::connect(url, options, SessionId(0))? })
+        Ok(Session { shared: Shared::connect(targets, options, SessionId(0), 0)? })
     }
 
     /// Like [`Session::connect`], for a process that takes over the work of
@@ -140,10 +168,32 @@ impl Session {
     /// (drops what had not reached the disk, waits for what had) before it
     /// answers, as at a reconnection (docs/PROTOCOL.md, "The reconnect
     /// fence"). An id the target no longer knows is nothing to wait for.
-    pub fn connect_replacing(url: impl IntoTargetUrl, options: ConnectOptions, replaced: SessionId) -> Result<Session> {
-        let url = url.into_target_url()?;
+    ///
+    /// With several gateways `replaced` is taken for a session at the first
+    /// one (a session id means something only to its gateway); see
+    /// [`Session::connect_replacing_at`].
+    pub fn connect_replacing(url: impl IntoTargets, options: ConnectOptions, replaced: SessionId) -> Result<Session> {
+        let targets = url.into_targets()?;
         options.validate()?;
-        Ok(Session { shared: Shared::connect(url, options, replaced)? })
+        Ok(Session { shared: Shared::connect(targets, options, replaced, 0)? })
+    }
+
+    /// [`Session::connect_replacing`] where `replaced` is a session at
+    /// `gateway`, one of `url`'s gateways (as [`Session::watch_session`]
+    /// reported it): it is named only if the session connects there, as
+    /// another gateway knows nothing of it.
+    pub fn connect_replacing_at(
+        url: impl IntoTargets,
+        options: ConnectOptions,
+        replaced: SessionId,
+        gateway: &FabricUrl,
+    ) -> Result<Session> {
+        let targets = url.into_targets()?;
+        options.validate()?;
+        let at = targets.position(gateway).ok_or_else(|| {
+            Error::invalid(format!("the replaced session's gateway {gateway} is not one of the gateways {targets}"))
+        })?;
+        Ok(Session { shared: Shared::connect(targets, options, replaced, at)? })
     }
 
     /// Calls `watch` with the id of every session a reconnection creates,
@@ -151,17 +201,30 @@ impl Session {
     /// session id (for a successor's [`Session::connect_replacing`]) keeps
     /// the record current with it. Replaces an earlier watch.
     pub fn watch_session_id(&self, watch: impl Fn(SessionId) + Send + 'static) {
+        self.watch_session(move |id, _| watch(id));
+    }
+
+    /// [`Session::watch_session_id`] with the gateway of each new session
+    /// (for [`Session::connect_replacing_at`]).
+    pub fn watch_session(&self, watch: impl Fn(SessionId, &FabricUrl) + Send + 'static) {
         *crate::connection_set::lock(&self.shared.session_watch) = Some(Box::new(watch));
     }
 
-    /// The target's name from the CONNECT reply.
+    /// The target's name from the CONNECT reply (of the current gateway's
+    /// first).
     pub fn target_name(&self) -> &str {
-        &self.shared.target_name
+        self.shared.target_name()
     }
 
-    /// The URL this session connected to.
+    /// The URL of the gateway serving the session now: the one it connected
+    /// to, or failed over to (with a single URL, that URL).
     pub fn url(&self) -> &FabricUrl {
-        &self.shared.url
+        self.shared.current_url()
+    }
+
+    /// Every gateway the session may use, as given.
+    pub fn targets(&self) -> &Targets {
+        &self.shared.targets
     }
 
     /// The host id sent at CONNECT.
@@ -377,8 +440,8 @@ impl Session {
 impl fmt::Debug for Session {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Session")
-            .field("url", &self.shared.url.to_string())
-            .field("target_name", &self.shared.target_name)
+            .field("url", &self.url().to_string())
+            .field("target_name", &self.target_name())
             .field("limits", &self.limits())
             .field("queues", &self.queue_count())
             .finish()
@@ -615,10 +678,10 @@ impl BlockDevice for Volume {
                 let mut c = CommandCapsule::new(Opcode::Flush, CommandId(0));
                 c.volume_id = vol.id;
                 match q.simple(&c, &[]) {
-                    Outcome::Done(r) => match piece_status(Opcode::Flush, &r.capsule, vol.name, None, None) {
+                    Outcome::Done(r) => match piece_status(Opcode::Flush, &r.capsule, vol.name, None, None, false) {
                         Ok(()) => Outcome::Done(()),
                         Err(PieceError::Fatal(e)) => Outcome::Failed(e),
-                        Err(PieceError::Retry(_)) => unreachable!("simple() retries ShuttingDown"),
+                        Err(PieceError::Retry(_)) => unreachable!("simple() retries ShuttingDown (and NotOwner with other gateways)"),
                     },
                     other => other.map(|_| ()),
                 }

@@ -12,7 +12,11 @@
 //! with its last connection. Failure injection: [`FakeTarget::restart`]
 //! (every connection dies, sessions are forgotten and volume ids change),
 //! [`FakeTarget::set_down`] (refuse new connections),
-//! [`FakeTarget::set_hang`] (stop processing anything, like SIGSTOP).
+//! [`FakeTarget::set_hang`] (stop processing anything, like SIGSTOP),
+//! [`FakeTarget::set_not_owner`] (a gateway fenced off from a shared
+//! volume: every volume command is answered `NotOwner`). Several fakes made
+//! with [`FakeTarget::start_sharing`] serve the same volumes, as gateways of
+//! shared storage do.
 //!
 //! To observe pipelining it answers in batches: it collects commands until
 //! none arrived for a couple of milliseconds, then answers them all, so
@@ -153,6 +157,8 @@ pub struct FakeShared {
     down: AtomicBool,
     /// Process nothing at all.
     hang: AtomicBool,
+    /// Answer every volume command NotOwner.
+    not_owner: AtomicBool,
     /// Added to every volume id (changes at restart).
     id_base: AtomicU32,
     next_conn: AtomicUsize,
@@ -172,10 +178,15 @@ pub struct FakeTarget {
 
 impl FakeTarget {
     pub fn start(config: FakeConfig, volumes: Vec<FakeVolume>) -> FakeTarget {
+        FakeTarget::start_sharing(config, Arc::new(Mutex::new(volumes)))
+    }
+
+    /// A fake serving `volumes`, which other fakes may serve too (pass
+    /// another fake's [`FakeTarget::volumes`]): gateways of shared storage.
+    pub fn start_sharing(config: FakeConfig, volumes: Arc<Mutex<Vec<FakeVolume>>>) -> FakeTarget {
         let fabric = Arc::new(Fabric::open(&FabricUrl::parse("tcp://127.0.0.1:0").unwrap()).expect("open fabric"));
         let listener = fabric.listen().expect("listen");
         let url = listener.local_url().to_string();
-        let volumes = Arc::new(Mutex::new(volumes));
         let observed = Arc::new(Mutex::new(Observed::default()));
         let shared = Arc::new(FakeShared {
             config,
@@ -186,6 +197,7 @@ impl FakeTarget {
             epoch: AtomicU64::new(0),
             down: AtomicBool::new(false),
             hang: AtomicBool::new(false),
+            not_owner: AtomicBool::new(false),
             id_base: AtomicU32::new(0),
             next_conn: AtomicUsize::new(0),
             live_conns: AtomicUsize::new(0),
@@ -250,6 +262,24 @@ impl FakeTarget {
     /// While hung, no connection processes anything (no answers, no acks).
     pub fn set_hang(&self, hang: bool) {
         self.shared.hang.store(hang, Ordering::SeqCst);
+    }
+
+    /// While set, every volume command (OPEN, CLOSE, I/O) is answered
+    /// `NotOwner` and does nothing: another gateway took the volume over.
+    pub fn set_not_owner(&self, not_owner: bool) {
+        self.shared.not_owner.store(not_owner, Ordering::SeqCst);
+    }
+
+    /// The `replaces` field of each CONNECT that created a session (session
+    /// id 0), in order: the reconnect fence's.
+    pub fn replaced_sessions(&self) -> Vec<SessionId> {
+        self.commands().iter().filter(|c| c.opcode == Opcode::Connect && c.session_id == SessionId(0)).map(|c| c.replaces).collect()
+    }
+
+    /// The sessions this fake created, in order (granted ids of new-session CONNECTs).
+    pub fn created_sessions(&self) -> Vec<SessionId> {
+        let o = self.observed.lock().unwrap();
+        o.connects.iter().filter(|(asked, _, _)| *asked == SessionId(0)).filter_map(|(_, granted, _)| *granted).collect()
     }
 
     /// Connections being served now.
@@ -534,6 +564,13 @@ impl<'a> FakeConn<'a> {
         self.post_recv(i);
         let ok = |result: u64| ResponseCapsule { result, ..ResponseCapsule::success(c.command_id) };
         let fail = |s: Status, detail: u32| ResponseCapsule::failure(c.command_id, s, detail);
+        let volume_command = !matches!(
+            c.opcode,
+            Opcode::Connect | Opcode::ListVolumes | Opcode::KeepAlive | Opcode::AuthNegotiate | Opcode::AuthReply
+        );
+        if volume_command && shared.not_owner.load(Ordering::SeqCst) {
+            return self.respond(i, fail(Status::NotOwner, 0), &[], None);
+        }
         match c.opcode {
             Opcode::Connect => {
                 if let Some(v) = self.config.version_mismatch {
