@@ -12,6 +12,13 @@
 //! connect_retry = "5s"              # until the target first answers
 //! ```
 //!
+//! A volume served by several gateways lists them all, in the order they
+//! are tried, as an array or in one comma-separated string:
+//!
+//! ```toml
+//! target = ["rdma://10.0.0.1:7420", "rdma://10.0.0.2:7420"]
+//! ```
+//!
 //! Unknown keys are errors, and every error names the file and the key, as
 //! with the target's configuration.
 
@@ -22,6 +29,7 @@ use serde::Deserialize;
 
 use crate::duration::{parse_ctrl_loss_timeout, parse_duration};
 use crate::error::{Error, Result};
+use crate::targets::Targets;
 
 /// Default wait between two attempts to reach the target at boot.
 pub const DEFAULT_CONNECT_RETRY: Duration = Duration::from_secs(5);
@@ -29,6 +37,8 @@ pub const DEFAULT_CONNECT_RETRY: Duration = Duration::from_secs(5);
 /// One attach file, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AttachFile {
+    /// The target URL, or the gateways' URLs comma-separated (an array in
+    /// the file becomes that list).
     pub target: String,
     pub volume: String,
     pub host_id: Option<String>,
@@ -41,10 +51,18 @@ pub struct AttachFile {
     pub connect_retry: Duration,
 }
 
+/// `target`: one string (a URL or a comma-separated list) or an array.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawTarget {
+    One(String),
+    List(Vec<String>),
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Raw {
-    target: Option<String>,
+    target: Option<RawTarget>,
     volume: Option<String>,
     host_id: Option<String>,
     key_file: Option<PathBuf>,
@@ -65,7 +83,11 @@ impl AttachFile {
     pub fn parse(text: &str, name: &str) -> Result<AttachFile> {
         let bad = |key: &str, why: String| Error::invalid(format!("{name}: {key}: {why}"));
         let raw: Raw = toml::from_str(text).map_err(|e| Error::invalid(format!("{name}: {}", e.to_string().trim_end())))?;
-        let target = raw.target.ok_or_else(|| bad("target", "missing (the target's URL, such as rdma://10.0.0.1:7420)".into()))?;
+        let target = match raw.target {
+            None => return Err(bad("target", "missing (the target's URL, such as rdma://10.0.0.1:7420)".into())),
+            Some(RawTarget::One(t)) => t,
+            Some(RawTarget::List(list)) => Targets::from_list(&list).map_err(|e| bad("target", e.to_string()))?.to_string(),
+        };
         let volume = raw.volume.filter(|v| !v.is_empty()).ok_or_else(|| bad("volume", "missing (the volume's name)".into()))?;
         if let Some(h) = &raw.host_id {
             if h.is_empty() {
@@ -119,6 +141,25 @@ mod tests {
     fn the_documented_example_parses() {
         let f = AttachFile::parse(include_str!("../../configs/attach.toml"), "configs/attach.toml").unwrap();
         assert_eq!((f.target.as_str(), f.volume.as_str()), ("rdma://192.0.2.10:7420", "vol0"));
+    }
+
+    #[test]
+    fn several_gateways_as_an_array_or_a_list() {
+        let a = AttachFile::parse("target = [\"tcp://a:1\", \"tcp://b:2\"]\nvolume = \"v\"\n", "a.toml").unwrap();
+        assert_eq!(a.target, "tcp://a:1,tcp://b:2");
+        assert_eq!(Targets::parse(&a.target).unwrap().len(), 2);
+        let l = AttachFile::parse("target = \"tcp://a:1,tcp://b:2\"\nvolume = \"v\"\n", "l.toml").unwrap();
+        assert_eq!(l.target, a.target);
+        for (text, want) in [
+            ("target = []\nvolume = \"v\"\n", "the list is empty"),
+            ("target = [\"tcp://a:1\", \"\"]\nvolume = \"v\"\n", "gateway 2 of 2 is empty"),
+            ("target = [\"tcp://a:1\", \"ftp://b:2\"]\nvolume = \"v\"\n", "gateway 2 of 2: \"ftp://b:2\": unknown scheme"),
+        ] {
+            let e = AttachFile::parse(text, "/etc/rdmablk/attach/x.toml").unwrap_err().to_string();
+            assert!(e.starts_with("/etc/rdmablk/attach/x.toml: target: ") && e.contains(want), "{text:?}: {e}");
+        }
+        let e = AttachFile::parse("target = 5\nvolume = \"v\"\n", "x.toml").unwrap_err().to_string();
+        assert!(e.contains("x.toml") && e.contains("target"), "{e}");
     }
 
     #[test]

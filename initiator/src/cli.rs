@@ -27,6 +27,11 @@
 //! library's reconnection); `--ctrl-loss-timeout` (or nvme-cli's spelling,
 //! `--ctrl_loss_tmo`) bounds how long the tool keeps trying (0 disables
 //! reconnection; without either, the library's default, 60 s).
+//!
+//! A volume that several gateways serve (one at a time) is given as the
+//! list of their URLs, `--target tcp://A:7420,tcp://B:7420`: the tool
+//! connects to the first that answers and fails over to the others, in
+//! list order, when its gateway is lost or answers `NotOwner`.
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -46,6 +51,7 @@ use crate::error::{Error, Result};
 use crate::io_queue::{IoCompletion, IoRequest};
 use crate::options::ConnectOptions;
 use crate::session::{IntoTargetUrl, Session, Volume};
+use crate::targets::Targets;
 
 pub use crate::duration::{parse_ctrl_loss_timeout, parse_duration, parse_duration_or_zero};
 
@@ -93,8 +99,9 @@ const EXIT_CODES: &str = "Exit status:\n  0  success\n  1  the command failed: o
     propagate_version = true
 )]
 pub struct Cli {
-    /// Target address, e.g. tcp://192.0.2.1:7420
-    #[arg(long, short = 't', value_name = "URL", global = true)]
+    /// Target address, e.g. tcp://192.0.2.1:7420; a volume served by several gateways: all their
+    /// URLs, comma-separated (tcp://A:4420,tcp://B:4420), tried in that order and failed over
+    #[arg(long, short = 't', value_name = "URL[,URL...]", global = true)]
     pub target: Option<String>,
     /// Host identifier sent to the target (default: this machine's host name)
     #[arg(long, value_name = "ID", global = true)]
@@ -342,11 +349,24 @@ fn connect_with(cli: &Cli, options: ConnectOptions) -> Result<Session> {
 }
 
 /// `e`, a failed connect to `target`, or the error naming what answered
-/// there when that is not an rdmablk target (an NVMe/TCP port, a web server).
+/// there when that is not an rdmablk target (an NVMe/TCP port, a web server);
+/// with several gateways, for each of them.
 fn explain(target: &str, e: Error) -> Error {
-    match target.into_target_url() {
-        Ok(url) => crate::probe::explain_connect_error(&url, e),
-        Err(_) => e,
+    match e {
+        Error::NoGateway { failures } => {
+            let failures = failures
+                .into_iter()
+                .map(|(url, e)| {
+                    let e = explain(&url, e);
+                    (url, e)
+                })
+                .collect();
+            Error::NoGateway { failures }
+        }
+        e => match target.into_target_url() {
+            Ok(url) => crate::probe::explain_connect_error(&url, e),
+            Err(_) => e,
+        },
     }
 }
 
@@ -401,11 +421,19 @@ fn run_attach(cli: &Cli, volume: Option<&str>, queues: u16, depth: u16, config: 
             (file.target, file.volume, opts, options, Some(file.connect_retry))
         }
     };
-    let url = target.as_str().into_target_url()?.to_string();
+    // One URL, or the gateways' list: what the records name.
+    let url = Targets::parse(&target)?.to_string();
     // After the file's checks: a host without ublk still hears what is wrong with it.
     crate::ublk::check_machine()?;
     let orphan =
         AttachRecord::orphans_in(std::path::Path::new(RECORD_DIR), &url, &volume, crate::ublk::pid_alive).into_iter().next();
+    // The gateway the dead process's session was at (a record of several gateways says).
+    let replaced_at = match orphan.as_ref().and_then(|r| r.gateway.as_deref()) {
+        Some(g) => Some(g.parse::<rdmablk_common::fabric::FabricUrl>().map_err(|e| {
+            Error::invalid(format!("the attach record of /dev/ublkb{}: gateway: {e}", orphan.as_ref().map_or(0, |r| r.dev_id)))
+        })?),
+        None => None,
+    };
     let replaced = match &orphan {
         None => SessionId(0),
         Some(r) => {
@@ -425,8 +453,8 @@ fn run_attach(cli: &Cli, volume: Option<&str>, queues: u16, depth: u16, config: 
         }
     };
     let session = match retry {
-        None => Session::connect_replacing(target.as_str(), options, replaced).map_err(|e| explain(&target, e))?,
-        Some(retry) => connect_until_answered(&target, &options, replaced, retry, &notifier)?,
+        None => connect_replacing(&target, options, replaced, replaced_at.as_ref()).map_err(|e| explain(&target, e))?,
+        Some(retry) => connect_until_answered(&target, &options, replaced, replaced_at.as_ref(), retry, &notifier)?,
     };
     let vol = session.open(&volume)?;
     // The path goes to standard output from the thread that starts the device.
@@ -446,10 +474,7 @@ fn load_attach_file(
     depth: u16,
 ) -> Result<(crate::attach_file::AttachFile, crate::ublk::AttachOptions, ConnectOptions)> {
     let file = crate::attach_file::AttachFile::load(path)?;
-    file.target
-        .as_str()
-        .into_target_url()
-        .map_err(|e| Error::invalid(format!("{}: target: {}", path.display(), e.one_line())))?;
+    Targets::parse(&file.target).map_err(|e| Error::invalid(format!("{}: target: {}", path.display(), e.one_line())))?;
     let opts = crate::ublk::AttachOptions {
         queues: file.queues.map_or(queues, |q| q as u16),
         depth: file.depth.map_or(depth, |d| d as u16),
@@ -487,28 +512,53 @@ fn check_attach_file(path: &std::path::Path, queues: u16, depth: u16, out: &mut 
     .map_err(|e| Error::io("writing the output", e))
 }
 
+/// [`Session::connect_replacing`], or with the replaced session's gateway
+/// when a record of several gateways names it.
+fn connect_replacing(
+    target: &str,
+    options: ConnectOptions,
+    replaced: SessionId,
+    replaced_at: Option<&rdmablk_common::fabric::FabricUrl>,
+) -> Result<Session> {
+    match replaced_at {
+        Some(gateway) => Session::connect_replacing_at(target, options, replaced, gateway),
+        None => Session::connect_replacing(target, options, replaced),
+    }
+}
+
+/// Whether a failed connect is worth trying again: nothing answered (with
+/// several gateways, at none of them).
+fn unanswered(e: &Error) -> bool {
+    use crate::ErrorKind as K;
+    match e {
+        Error::NoGateway { failures } => failures.iter().all(|(_, e)| unanswered(e)),
+        _ => matches!(e.kind(), K::Fabric | K::Timeout | K::Disconnected | K::TargetLost),
+    }
+}
+
 /// Connects, trying again every `retry` while the target cannot be reached
 /// at all (at boot the network or the target may not be up yet); any other
 /// failure (authentication, a refused CONNECT, a bad key file) is final.
+/// `replaced_at`: the gateway of `replaced`, when `target` lists several.
 pub fn connect_until_answered(
     target: &str,
     options: &ConnectOptions,
     replaced: SessionId,
+    replaced_at: Option<&rdmablk_common::fabric::FabricUrl>,
     retry: Duration,
     notifier: &rdmablk_common::notify::Notifier,
 ) -> Result<Session> {
-    use crate::ErrorKind as K;
     let mut attempts = 0u64;
     loop {
         // A port that answers as something else (NVMe/TCP, HTTP) is final.
-        match Session::connect_replacing(target, options.clone(), replaced).map_err(|e| explain(target, e)) {
+        match connect_replacing(target, options.clone(), replaced, replaced_at).map_err(|e| explain(target, e)) {
             Ok(s) => {
                 if attempts > 0 {
                     eprintln!("rdmablk: connected to {target} after {} failed attempts", attempts);
                 }
                 return Ok(s);
             }
-            Err(e) if matches!(e.kind(), K::Fabric | K::Timeout | K::Disconnected | K::TargetLost) => {
+            Err(e) if unanswered(&e) => {
                 attempts += 1;
                 let line = format!("waiting for the target {target}: {} (attempt {attempts}, next in {retry:?})", e.one_line());
                 eprintln!("rdmablk: {line}");
@@ -568,7 +618,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
         Command::Info { volume, output_format, json } => {
             let vol = session.open(volume)?;
             let limits = session.limits();
-            let info = serde_json::json!({
+            let mut info = serde_json::json!({
                 "name": vol.name(),
                 "id": vol.id().0,
                 "size": vol.size(),
@@ -581,6 +631,10 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 "max_io_size": limits.max_io_size,
                 "inline_data_size": limits.inline_data_size,
             });
+            if session.targets().len() > 1 {
+                // Which of the volume's gateways serves it now.
+                info["gateway"] = serde_json::json!(session.url().to_string());
+            }
             if *json || *output_format == OutputFormat::Json {
                 writeln!(out, "{info}").map_err(write_err)?;
             } else {
@@ -599,8 +653,9 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                     "queue_depth",
                     "max_io_size",
                     "inline_data_size",
+                    "gateway",
                 ] {
-                    let v = &map[key];
+                    let Some(v) = map.get(key) else { continue };
                     let text = match (key, v.as_u64()) {
                         ("size" | "max_io_size" | "inline_data_size", Some(n)) if n >= 1024 => {
                             format!("{} ({n} bytes)", human_bytes(n))

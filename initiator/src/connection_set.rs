@@ -406,10 +406,7 @@ impl Shared {
                     break;
                 }
                 Err(e) => {
-                    if gateways.len() > 1 {
-                        let n = gateways.len();
-                        tracing::warn!(target: RECONNECT_LOG, "{url}: gateway {} of {n} did not connect: {}", i + 1, e.one_line());
-                    }
+                    tracing::debug!("{url}: gateway {} of {} did not connect: {}", i + 1, gateways.len(), e.one_line());
                     failures.push((url.to_string(), e));
                 }
             }
@@ -419,8 +416,10 @@ impl Shared {
         let url = &gateways[current].url;
         let ctx = |what: &str| format!("{what} for {url}");
         if current > 0 {
+            // The error when none connects says all this; here, a warning.
+            let before: Vec<String> = failures.iter().map(|(u, e)| format!("{u}: {}", e.one_line())).collect();
             let n = gateways.len();
-            tracing::warn!(target: RECONNECT_LOG, "connected to {url}, gateway {} of {n}: the ones before it did not connect", current + 1);
+            tracing::warn!(target: RECONNECT_LOG, "connected to {url}, gateway {} of {n}; before it: {}", current + 1, before.join("; "));
         }
         let _ = gateways[current].target_name.set(set.reply.target_name.clone());
 

@@ -142,3 +142,64 @@ fn discard_and_write_zeroes_commands() {
     assert_eq!(out.status.code(), Some(1));
     assert!(one_error_line(&out).contains("beyond the end"));
 }
+
+#[test]
+fn several_gateways_on_the_command_line() {
+    let a = FakeTarget::start(FakeConfig { name: "gw-a".into(), ..FakeConfig::default() }, vec![FakeVolume::new("vol0", 1 << 20, 4096)]);
+    let b = FakeTarget::start_sharing(FakeConfig { name: "gw-b".into(), ..FakeConfig::default() }, a.volumes.clone());
+    let list = format!("{},{}", a.url, b.url);
+    let data = pattern(64 << 10, 5);
+    let out = rdmablk(&["--target", &list, "write", "vol0", "--offset", "0"], Some(&data));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = rdmablk(&["--target", &list, "info", "vol0", "-o", "json"], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((info["gateway"].as_str(), info["target_name"].as_str()), (Some(a.url.as_str()), Some("gw-a")));
+
+    // The first gateway is down: the second serves, and says so.
+    a.set_down(true);
+    let out = rdmablk(&["--target", &list, "--timeout", "2s", "read", "vol0", "--offset", "0", "--length", "64k"], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.stdout == data);
+    let out = rdmablk(&["--target", &list, "info", "vol0"], None);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains(&format!("gateway: {}", b.url)) && text.contains("target_name: gw-b"), "{text}");
+    // A single URL's info has no gateway line (as before).
+    let out = rdmablk(&["--target", &b.url, "info", "vol0"], None);
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("gateway"));
+
+    // Neither answers: one line naming both.
+    b.set_down(true);
+    let out = rdmablk(&["--target", &list, "--timeout", "2s", "list"], None);
+    assert_eq!(out.status.code(), Some(1));
+    let err = one_error_line(&out);
+    assert!(err.contains("none of the 2 gateways could be used") && err.contains(&a.url) && err.contains(&b.url), "{err}");
+
+    // A bad list: one line saying which entry.
+    let bad = format!("{},,{}", a.url, b.url);
+    let out = rdmablk(&["--target", &bad, "list"], None);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(one_error_line(&out).contains("gateway 2 of 3 is empty"));
+    let out = rdmablk(&["--target", &format!("{},nonsense", a.url), "list"], None);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(one_error_line(&out).contains("gateway 2 of 2: \"nonsense\": expected scheme://host:port"));
+
+    let out = rdmablk(&["--help"], None);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("tcp://A:4420,tcp://B:4420"));
+}
+
+#[test]
+fn an_attach_file_lists_several_gateways() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("db.toml");
+    std::fs::write(&path, "target = [\"tcp://10.0.0.1:7420\", \"tcp://10.0.0.2:7420\"]\nvolume = \"vol0\"\nhost_id = \"db1\"\n").unwrap();
+    let out = rdmablk(&["attach", "--check", "--config", path.to_str().unwrap()], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("ok: volume vol0 on tcp://10.0.0.1:7420,tcp://10.0.0.2:7420 as host db1"), "{text}");
+    std::fs::write(&path, "target = \"tcp://10.0.0.1:7420,,tcp://10.0.0.2:7420\"\nvolume = \"vol0\"\n").unwrap();
+    let out = rdmablk(&["attach", "--check", "--config", path.to_str().unwrap()], None);
+    assert_eq!(out.status.code(), Some(1));
+    let err = one_error_line(&out);
+    assert!(err.contains("db.toml: target: ") && err.contains("gateway 2 of 3 is empty"), "{err}");
+}

@@ -25,12 +25,17 @@ pub const RECORD_DIR: &str = "/run/rdmablk/ublk";
 pub struct AttachRecord {
     /// N in /dev/ublkbN.
     pub dev_id: u32,
-    /// The target URL, as the session printed it (`rdma://10.0.0.1:7420`).
+    /// The target URL, as the session printed it (`rdma://10.0.0.1:7420`),
+    /// or the list of the volume's gateways (`tcp://a:7420,tcp://b:7420`).
     pub target: String,
     pub volume: String,
     pub host_id: String,
     /// The session id, in hex (TOML integers are signed 64-bit).
     pub session: String,
+    /// With several gateways, the one `session` is at (a session id means
+    /// something only to its gateway); absent with one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<String>,
     /// The `rdmablk attach` that serves the device.
     pub pid: u32,
 }
@@ -48,6 +53,13 @@ impl AttachRecord {
 
     pub fn with_session(&self, id: SessionId) -> AttachRecord {
         AttachRecord { session: format!("{:#x}", id.0), ..self.clone() }
+    }
+
+    /// This record with session `id` at `gateway` (kept only when the
+    /// record lists several gateways).
+    pub fn with_session_at(&self, id: SessionId, gateway: &str) -> AttachRecord {
+        let several = self.target.contains(',');
+        AttachRecord { gateway: several.then(|| gateway.to_owned()), ..self.with_session(id) }
     }
 
     pub fn to_toml(&self) -> String {
@@ -117,6 +129,7 @@ mod tests {
             host_id: "db1".into(),
             session: "0x0".into(),
             pid,
+            gateway: None,
         }
         .with_session(SessionId(0xfedc_ba98_7654_3210))
     }
@@ -134,6 +147,20 @@ mod tests {
         assert!(e.contains("/run/x.toml") && e.contains("missing field"), "{e}");
         let bad = AttachRecord { session: "zz".into(), ..r };
         assert!(bad.session_id().unwrap_err().one_line().contains("bad session id"));
+    }
+
+    #[test]
+    fn a_record_of_several_gateways_names_the_sessions_gateway() {
+        let one = rec(3, "vol0", 42).with_session_at(SessionId(7), "rdma://10.0.0.1:7420");
+        assert_eq!(one.gateway, None, "one gateway: the record is as before");
+        assert!(!one.to_toml().contains("gateway"), "{}", one.to_toml());
+        let several = AttachRecord { target: "tcp://a:1,tcp://b:2".into(), ..rec(3, "vol0", 42) };
+        let r = several.with_session_at(SessionId(0x2a), "tcp://b:2");
+        assert_eq!((r.session.as_str(), r.gateway.as_deref()), ("0x2a", Some("tcp://b:2")));
+        let back = AttachRecord::parse(&r.to_toml(), Path::new("x.toml")).unwrap();
+        assert_eq!(back, r);
+        let old = "dev_id = 1\ntarget = \"tcp://a:1\"\nvolume = \"v\"\nhost_id = \"h\"\nsession = \"0x1\"\npid = 5\n";
+        assert_eq!(AttachRecord::parse(old, Path::new("x.toml")).unwrap().gateway, None, "a record without the key");
     }
 
     #[test]

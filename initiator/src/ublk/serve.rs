@@ -108,16 +108,19 @@ pub fn attach(
     let dev_id = ctrl.dev_info().dev_id;
     let record = AttachRecord {
         dev_id,
-        target: session.url().to_string(),
+        // The URL, or the list of the volume's gateways (what a restarted
+        // attach is given and looks for).
+        target: session.targets().to_string(),
         volume: info.name.clone(),
         host_id: session.host_id().to_string(),
         session: String::new(),
         pid: std::process::id(),
+        gateway: None,
     };
     let record_dir = Path::new(RECORD_DIR);
-    record.with_session(session.session_id()).save_in(record_dir)?;
-    session.watch_session_id(move |id| {
-        if let Err(e) = record.with_session(id).save_in(Path::new(RECORD_DIR)) {
+    record.with_session_at(session.session_id(), &session.url().to_string()).save_in(record_dir)?;
+    session.watch_session(move |id, gateway| {
+        if let Err(e) = record.with_session_at(id, &gateway.to_string()).save_in(Path::new(RECORD_DIR)) {
             tracing::error!("updating the attach record: {}", e.one_line());
         }
     });
