@@ -552,7 +552,11 @@ const DEFS: &[Def] = &[
     job("percentile_list", "clat percentiles, colon separated (default fio's 17 points)"),
     job("filename", "embedded target: serve this file (created at --size if missing; holes are written before jobs read it)"),
     job("backend", "embedded target: file|null|memory (default file; null and memory volumes default to 1G)"),
-    job("target", "URL of a running target (tcp://HOST:PORT); no embedded target"),
+    job(
+        "target",
+        "URL of a running target (tcp://HOST:PORT), or the URLs of a volume's gateways, comma-separated \
+         (tcp://A:4420,tcp://B:4420: tried in order; failing over needs ctrl_loss_tmo > 0); no embedded target",
+    ),
     job("volume", "volume to open on --target"),
     job("host_id", "host id sent to --target (default: this machine's host name)"),
     job("key_file", "pre-shared key file of the host id (rdmablk keygen): authenticate with --target"),
@@ -721,7 +725,12 @@ pub fn set_job_option(o: &mut JobOptions, key: &str, value: Option<&str>) -> Res
                 other => return Err(format!("backend: {other:?} is not one of file, null, memory")),
             })
         }
-        "target" => o.target = Some(need()?.to_owned()),
+        "target" => {
+            // One URL, or a volume's gateways (tried in order, failed over): checked here, so that a bad list is named.
+            let v = need()?;
+            rdmablk_initiator::Targets::parse(v).map_err(|e| bad(e.one_line()))?;
+            o.target = Some(v.to_owned());
+        }
         "volume" => o.volume = Some(need()?.to_owned()),
         "host_id" => o.host_id = Some(need()?.to_owned()),
         "key_file" => o.key_file = Some(need()?.to_owned()),
@@ -1007,6 +1016,19 @@ mod tests {
         assert!(e.contains("runtime"), "{e}");
         let e = parse_args(&args(&["--name=a", "--verify=md5"])).unwrap_err();
         assert!(e.contains("md5"), "{e}");
+    }
+
+    #[test]
+    fn target_takes_a_url_or_a_list_of_gateways() {
+        let j = jobs(&["--name=a", "--target=tcp://h:1", "--volume=v"]);
+        assert_eq!(j[0].target.as_deref(), Some("tcp://h:1"));
+        let j = jobs(&["--name=a", "--target=tcp://h:1,tcp://g:2", "--volume=v"]);
+        assert_eq!(j[0].target.as_deref(), Some("tcp://h:1,tcp://g:2"));
+        let e = parse_args(&args(&["--name=a", "--target=tcp://h:1,,tcp://g:2", "--volume=v"])).unwrap_err();
+        assert!(e.starts_with("target: ") && e.contains("gateway 2 of 3 is empty"), "{e}");
+        let e = parse_args(&args(&["--name=a", "--target=tcp://h:1,junk", "--volume=v"])).unwrap_err();
+        assert!(e.contains("gateway 2 of 2: \"junk\": expected scheme://host:port"), "{e}");
+        assert!(help().contains("tcp://A:4420,tcp://B:4420"));
     }
 
     #[test]
