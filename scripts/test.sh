@@ -6,9 +6,13 @@ cd "$(dirname "$0")/.."
 
 # The verbs provider (rdma://, default feature of rdmablk-common) builds
 # rdma-mummy-sys: cmake for its C part, libclang for bindgen; the unit check
-# needs systemd-analyze, the bench smoke's bench/qd1-legs.sh perf.
+# needs systemd-analyze, the bench smoke's bench/qd1-legs.sh perf. Volumes
+# on Ceph RBD: the tests' development cluster (scripts/ceph-dev-cluster.sh,
+# started on demand by tests/src/ceph.rs) runs ceph-mon and ceph-osd, and is
+# used with ceph-common's ceph, rbd and rados; librbd and librados headers.
 . scripts/lib/build-deps.sh
-install_build_deps systemd-analyze:systemd nbdinfo:libnbd-bin qemu-img:qemu-utils mkfs.ext4:e2fsprogs fio:fio perf:linux-perf
+install_build_deps systemd-analyze:systemd nbdinfo:libnbd-bin qemu-img:qemu-utils mkfs.ext4:e2fsprogs fio:fio perf:linux-perf \
+    ceph-mon:ceph-mon ceph-osd:ceph-osd rbd:ceph-common :librbd-dev :librados-dev
 if ! cargo nextest --version >/dev/null 2>&1; then
     echo "==> installing cargo-nextest"
     cargo install --locked cargo-nextest

@@ -4,13 +4,18 @@
 # install_build_deps [COMMAND:PACKAGE ...]
 #   Always checks the C compiler and the verbs provider's build
 #   dependencies (rdma-mummy-sys: cmake, clang, libclang-dev); each
-#   COMMAND:PACKAGE adds a package installed when COMMAND is missing.
+#   COMMAND:PACKAGE adds a package installed when COMMAND is missing, and
+#   :PACKAGE (no command: headers, libraries) one that dpkg does not list
+#   as installed.
 install_build_deps() {
     local need=() pair
-    for pair in cc:gcc cmake:cmake clang:clang "$@"; do
-        command -v "${pair%%:*}" >/dev/null || need+=("${pair#*:}")
+    for pair in cc:gcc cmake:cmake clang:clang :libclang-dev "$@"; do
+        if [ -n "${pair%%:*}" ]; then
+            command -v "${pair%%:*}" >/dev/null || need+=("${pair#*:}")
+        else
+            dpkg -s "${pair#:}" 2>/dev/null | grep -q '^Status: install ok installed' || need+=("${pair#:}")
+        fi
     done
-    dpkg -s libclang-dev 2>/dev/null | grep -q '^Status: install ok installed' || need+=(libclang-dev)
     if [ ${#need[@]} -gt 0 ]; then
         echo "==> installing ${need[*]}"
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
