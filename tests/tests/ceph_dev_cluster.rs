@@ -9,11 +9,14 @@
 //! - client.rdmablk (mon 'profile rbd') can blocklist a client instance, as
 //!   breaking a dead owner's exclusive lock does, and list the blocklist;
 //!   it cannot remove an entry (client.admin does);
+//! - client.rdmablk breaks the exclusive lock of a client that died while
+//!   writing an image, and that client is blocklisted by it;
 //! - clients get rbd_cache = false and rbd_blocklist_on_break_lock = true.
 //!
 //! The first of these in a run may start the cluster (about 10 s).
 
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use rand::SeedableRng;
 use rdmablk_system_tests::ceph::cluster;
@@ -155,6 +158,69 @@ fn client_rdmablk_blocklists_a_client_instance_and_admin_removes_it() {
     let out = c.ceph_admin(&["osd", "blocklist", "rm", &entry]);
     assert!(out.status.success(), "client.admin: osd blocklist rm {entry}: {}", stderr(&out));
     assert!(!listed("rdmablk"), "{entry} still listed after client.admin removed it");
+}
+
+/// A child process killed (SIGKILL) and reaped on drop.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn client_rdmablk_breaks_a_dead_clients_lock_and_blocklists_it() {
+    let c = cluster();
+    let name = c.unique_name("dev-cluster-lock");
+    c.create_image(&name, 64 * MIB);
+    let locks = || -> Vec<serde_json::Value> {
+        let out = c.rbd(&["lock", "ls", "--format", "json", &c.spec(&name)]);
+        assert!(out.status.success(), "rbd lock ls: {}", stderr(&out));
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("rbd lock ls json: {e}: {}", String::from_utf8_lossy(&out.stdout)))
+    };
+
+    // A writer as client.rdmablk takes the image's exclusive lock ...
+    let mut writer = Killed(
+        Command::new("rbd")
+            .arg("-c")
+            .arg(&c.conf)
+            .args(["--id", c.client, "bench", "--io-type", "write", "--io-total", "64G", &c.spec(&name)])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn rbd bench"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let lock = loop {
+        if let Some(lock) = locks().pop() {
+            break lock;
+        }
+        assert!(writer.0.try_wait().unwrap().is_none(), "rbd bench on {name} ended before it took the lock");
+        assert!(Instant::now() < deadline, "rbd bench took no lock on {name} within 30 s");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    // ... and dies holding it.
+    drop(writer);
+    let field = |key: &str| lock[key].as_str().unwrap_or_else(|| panic!("no {key} in lock {lock}")).to_owned();
+    let (id, locker, address) = (field("id"), field("locker"), field("address"));
+    assert_eq!(locks().len(), 1, "the dead writer's lock is gone before anyone broke it");
+
+    // Breaking the lock blocklists the dead owner (rbd_blocklist_on_break_lock), with client.rdmablk's own caps.
+    let out = c.rbd(&["lock", "rm", &c.spec(&name), &id, &locker]);
+    assert!(out.status.success(), "client.rdmablk: rbd lock rm {name} {id} {locker}: {}", stderr(&out));
+    assert!(locks().is_empty(), "the lock of {locker} on {name} is still there after rbd lock rm");
+    let out = c.ceph(&["osd", "blocklist", "ls"]);
+    assert!(out.status.success(), "osd blocklist ls: {}", stderr(&out));
+    let blocklisted = String::from_utf8_lossy(&out.stdout).lines().any(|l| l.split_whitespace().next() == Some(address.as_str()));
+    assert!(blocklisted, "{locker} at {address} is not blocklisted after its lock was broken");
+
+    // Its watch went with the blocklisting: the image can be removed.
+    c.remove_image(&name);
+    let out = c.ceph_admin(&["osd", "blocklist", "rm", &address]);
+    assert!(out.status.success(), "client.admin: osd blocklist rm {address}: {}", stderr(&out));
 }
 
 #[test]
