@@ -815,15 +815,17 @@ impl Shared {
                 match self.establish(gw, lost_at, failed_gen + 1, attempt_deadline) {
                     Ok(true) => {
                         Stats::add(&self.stats.reconnects, 1);
-                        tracing::info!(
-                            target: RECONNECT_LOG,
-                            "{url}: reconnected at attempt {attempts}, {} after the loss",
-                            spaced_duration(since.elapsed())
-                        );
-                        if gw != lost_at {
+                        if gw == lost_at {
+                            tracing::info!(
+                                target: RECONNECT_LOG,
+                                "{url}: reconnected at attempt {attempts}, {} after the loss",
+                                spaced_duration(since.elapsed())
+                            );
+                        } else {
+                            // One line per failover: both gateways and the cause.
                             tracing::warn!(
                                 target: RECONNECT_LOG,
-                                "failover: from gateway {} to gateway {url} (attempt {attempts}, {} after the loss), because: {reason}",
+                                "failover from gateway {} to gateway {url} (reconnected at attempt {attempts}, {} after the loss): {reason}",
                                 self.gateways[lost_at].url,
                                 spaced_duration(since.elapsed())
                             );

@@ -203,3 +203,40 @@ fn an_attach_file_lists_several_gateways() {
     let err = one_error_line(&out);
     assert!(err.contains("db.toml: target: ") && err.contains("gateway 2 of 3 is empty"), "{err}");
 }
+
+#[test]
+fn a_write_fails_over_when_its_gateway_answers_not_owner_and_says_so() {
+    let a = FakeTarget::start(FakeConfig::default(), vec![FakeVolume::new("vol0", 16 << 20, 4096)]);
+    let b = FakeTarget::start_sharing(FakeConfig::default(), a.volumes.clone());
+    let list = format!("{},{}", a.url, b.url);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rdmablk"))
+        .args(["--target", &list, "write", "vol0", "--offset", "0"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .env_remove("RDMABLK_LOG")
+        .env_remove("RUST_LOG")
+        .spawn()
+        .expect("spawn rdmablk");
+    let mut input = child.stdin.take().unwrap();
+    // The first 8 MiB chunk goes to the first gateway...
+    let data = pattern(16 << 20, 4);
+    input.write_all(&data[..8 << 20]).unwrap();
+    let t0 = std::time::Instant::now();
+    while !a.commands().iter().any(|c| c.opcode == rdmablk_common::protocol::Opcode::Write) {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10), "the first chunk never reached the first gateway");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // ...which then loses the volume to the second: the rest goes there.
+    a.set_not_owner(true);
+    input.write_all(&data[8 << 20..]).unwrap();
+    drop(input);
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{err}");
+    assert!(out.status.success(), "{err}");
+    assert!(a.volume_data(0) == data, "the shared volume holds other bytes");
+    let line = err.lines().find(|l| l.contains("failover")).unwrap_or_else(|| panic!("no failover line: {err}"));
+    assert!(line.contains(&format!("from gateway {} to gateway {}", a.url, b.url)) && line.contains("(NotOwner)"), "{line}");
+    assert_eq!(err.matches("failover").count(), 1, "one line per failover: {err}");
+}
