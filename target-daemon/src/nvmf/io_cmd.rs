@@ -212,6 +212,7 @@ mod tests {
             block_size: Some(512),
             read_only: false,
             nsid: None,
+            rbd: None,
         };
         let volume = Arc::new(Volume::open("test", &vc, VolumeId(1), 1, false).unwrap());
         Namespace { nsid: 1, volume, read_only, index: 0, generation: 1 }
