@@ -122,8 +122,14 @@ fn get_log_page(q: &mut Queue, sqe: &SubmissionEntry, discovery: bool) -> Reply 
         }
         (lid::COMMAND_EFFECTS, false) => command_effects_log(),
         // Whatever the NSID (a Linux host sends FFFFFFFFh, the
-        // specification 0h or FFFFFFFFh) and the other LSP bits.
-        (lid::ANA, false) => q.ana_log(retain).encode(lsp & ana::LSP_RGO != 0),
+        // specification 0h or FFFFFFFFh) and the other LSP bits; as long as
+        // hosts compute it (identify::ANA_LOG_SIZE), zero-padded.
+        (lid::ANA, false) => {
+            let mut page = q.ana_log(retain).encode(lsp & ana::LSP_RGO != 0);
+            debug_assert!(page.len() <= identify::ANA_LOG_SIZE, "{} namespaces' ANA log", q.namespaces().len());
+            page.resize(page.len().max(identify::ANA_LOG_SIZE), 0);
+            page
+        }
         _ => return Reply::status(Status::INVALID_LOG_PAGE),
     };
     if offset > page.len() as u64 {

@@ -44,6 +44,11 @@ pub const ANAGRPMAX: u32 = MAX_NSID;
 /// and refuses a controller that reports ANA with MNAN 0 or above NN.
 pub const NANAGRPID: u32 = MAX_VOLUMES as u32;
 pub const MNAN: u32 = MAX_VOLUMES as u32;
+/// The ANA log page's size as hosts compute it from those (header,
+/// NANAGRPID descriptors, MNAN NSIDs): the page is zero-padded to it, so
+/// that a host reading it in pieces (libnvme: 4 KiB at a time, LPO
+/// 0, 4096, 8192) finds every offset below it valid.
+pub const ANA_LOG_SIZE: usize = 16 + 32 * NANAGRPID as usize + 4 * MNAN as usize;
 /// ONCS bits.
 const ONCS_DSM: u16 = 1 << 2;
 const ONCS_WRITE_ZEROES: u16 = 1 << 3;

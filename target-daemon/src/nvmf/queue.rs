@@ -2183,6 +2183,21 @@ mod tests {
         at.cdw[2] = 16;
         let part = data(&run(&mut q, at, &[]));
         assert_eq!((u32_at(&part, 0), u32_at(&part, 4)), (1, 1), "group 1's descriptor");
+        // In 4 KiB pieces up to the size a host computes (libnvme, nvme-cli's
+        // ana-log), Retain Asynchronous Event on all but the last: every
+        // offset below that size is valid.
+        let mut whole = Vec::new();
+        for (offset, rae) in [(0u32, true), (4096, true), (8192, false)] {
+            let mut piece = log_page(0x0c, 4096, if rae { 1 << 15 } else { 0 });
+            piece.cdw[2] = offset;
+            whole.extend(data(&run(&mut q, piece, &[])));
+        }
+        let log = AnaLog::decode(&whole).unwrap();
+        assert_eq!(log.groups.iter().map(|g| (g.group, g.nsids.clone())).collect::<Vec<_>>(), [(1, vec![1]), (2, vec![2])]);
+        assert!(whole[16 + 2 * 36..].iter().all(|&b| b == 0));
+        let mut past = log_page(0x0c, 4096, 0);
+        past.cdw[2] = 9232 + 4;
+        assert_eq!(status(&run(&mut q, past, &[])).0, Status::INVALID_FIELD, "an offset past the page");
     }
 
     #[test]
