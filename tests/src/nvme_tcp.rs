@@ -697,6 +697,28 @@ impl NvmeTcpConn {
         self.exec_ok(SubmissionEntry::new(admin_opcode::KEEP_ALIVE, 0), &[], &[], 0).map(|_| ())
     }
 
+    /// Waits up to `within` for the completion of command `cid` sent
+    /// earlier (an AER): from the strays, else from the connection (other
+    /// completions that come meanwhile go to the strays).
+    pub fn wait_completion(&mut self, cid: u16, within: Duration) -> Result<CompletionEntry, ConnError> {
+        if let Some(i) = self.stray.iter().position(|c| c.cid == cid) {
+            return Ok(self.stray.remove(i).expect("found"));
+        }
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ConnError::Timeout);
+            }
+            match self.recv_pdu_within(left)? {
+                (Pdu::CapsuleResp(c), _) if c.cid == cid => return Ok(c),
+                (Pdu::CapsuleResp(c), _) => self.stray.push_back(c),
+                (Pdu::C2HTermReq(term), data) => return Err(ConnError::Terminated { term, data }),
+                (other, _) => return Err(ConnError::Protocol(format!("{other:?} while waiting for the completion of command {cid}"))),
+            }
+        }
+    }
+
     /// Sends an Asynchronous Event Request (it stays outstanding); returns its id.
     pub fn submit_aer(&mut self) -> u16 {
         let mut e = SubmissionEntry::new(admin_opcode::ASYNC_EVENT_REQUEST, 0);

@@ -16,18 +16,31 @@
 //!   Return Groups Only; the ANA change notice can be enabled;
 //! - data written through one path reads back through the other.
 //!
-//! What moves a volume's access (standby, fenced) is the RBD backend; the
-//! transitions, the ANA Inaccessible status and the ANA change notice are
-//! tested at unit level (`nvmf::ana`, `nvmf::queue`, `nvmf::io_cmd`).
+//!
+//! And with a volume whose access moves, an RBD image of the development
+//! Ceph cluster (`rdmablk_system_tests::ceph`), exported by a gateway that
+//! takes its lock at start and a standby:
+//!
+//! - the owner reports the namespace optimized, the standby non-optimized;
+//! - a write through the standby is served (it takes the image over): the
+//!   standby raises an ANA change notice (notice, ANA change, log 0Ch) and
+//!   its log says optimized;
+//! - the old owner, fenced by Ceph, answers its next I/O ANA Inaccessible
+//!   (path related, no DNR: a host retries on the other path), raises the
+//!   notice, and its log says inaccessible (Identify Namespace's NUSE 0);
+//!   every I/O after that is answered the same at once;
+//! - what the standby wrote reads back through it.
 
 use std::net::SocketAddr;
 use std::path::Path;
+use std::time::Duration;
 
 use rand::SeedableRng;
 use rdmablk_common::nvme::ana::{AnaLog, AnaState, LSP_RGO};
-use rdmablk_common::nvme::status::Status;
+use rdmablk_common::nvme::status::{sct, Status};
 use rdmablk_common::nvme::tcp::Digests;
 use rdmablk_system_tests::nvme_tcp::{parse_ns_descriptors, parse_ns_list, IdCtrl, IdNs, NvmeTcpConn};
+use rdmablk_system_tests::ceph::cluster;
 use rdmablk_system_tests::{file_bytes, file_volume, listen_host, random_bytes, sparse_file, TargetProcess};
 
 const MIB: u64 = 1 << 20;
@@ -176,4 +189,116 @@ fn each_gateway_reports_the_namespace_optimized_in_its_ana_log_and_data_crosses_
     }
     // An NSID the gateways do not export is no namespace of theirs.
     assert_eq!(qs[0].read(NSID + 1, 0, 1, BS).unwrap_err(), Status::INVALID_NAMESPACE);
+}
+
+/// An RBD gateway: `name`, controller ids `cntlids`, image `image` of the
+/// development cluster as volume "shared" (NSID 7), its lock taken at start
+/// or not (a standby).
+fn rbd_gateway(dir: &Path, name: &str, cntlids: (u16, u16), image: &str, lock_at_start: bool) -> (TargetProcess, SocketAddr) {
+    let c = cluster();
+    let host = listen_host();
+    let host = if host.contains(':') { format!("[{host}]") } else { host };
+    let config = format!(
+        "[target]\nname = \"{name}\"\nlisten = [\"nvme+tcp://{host}:0\"]\nnqn = \"{SUBNQN}\"\nnvme_cntlid_min = {}\nnvme_cntlid_max = {}\n\
+         [[volume]]\nname = \"shared\"\nbackend = \"rbd\"\npool = \"{}\"\nimage = \"{image}\"\nceph_conf = \"{}\"\nclient = \"{}\"\n\
+         lock_at_start = {lock_at_start}\nnsid = {NSID}\nallow_any_host = true\n",
+        cntlids.0,
+        cntlids.1,
+        c.pool,
+        c.conf.display(),
+        c.client
+    );
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, config).unwrap();
+    let target = TargetProcess::start_with_path(&path);
+    let addr = target.nvme_tcp_addr();
+    (target, addr)
+}
+
+/// The state of the namespace in `admin`'s ANA log, and the log's change count.
+fn ana_state(admin: &mut NvmeTcpConn, gw: &str) -> (AnaState, u64) {
+    let page = admin.get_log_page(ANA_LOG, u32::MAX, 4096).unwrap_or_else(|s| panic!("{gw}: ANA log: {s}"));
+    let log = AnaLog::decode(&page).unwrap_or_else(|e| panic!("{gw}: ANA log: {e}"));
+    let g = log.group_of(NSID).unwrap_or_else(|| panic!("{gw}: no group lists namespace {NSID}: {log:?}"));
+    assert_eq!(g.group, NSID, "{gw}: {log:?}");
+    (g.state, log.change_count)
+}
+
+/// Waits for the ANA change notice on `aer` (an AER of `admin`).
+fn ana_notice(admin: &mut NvmeTcpConn, aer: u16, gw: &str) {
+    let c = admin.wait_completion(aer, Duration::from_secs(10)).unwrap_or_else(|e| panic!("{gw}: no ANA change notice in 10 s: {e}"));
+    assert_eq!(c.status, Status::SUCCESS, "{gw}: the AER");
+    assert_eq!(c.result, 0x000c_0302, "{gw}: AER result {:#x}: notice (2), ANA change (03h), log page 0Ch", c.result);
+}
+
+#[test]
+fn an_rbd_volume_taken_over_by_the_standby_is_optimized_there_and_inaccessible_on_the_fenced_owner() {
+    let c = cluster();
+    let image = c.unique_name("nvme-ana");
+    c.create_image(&image, VOL_SIZE);
+    let dir = tempfile::tempdir().unwrap();
+    let (mut a, addr_a) = rbd_gateway(dir.path(), "gw-a", (1, 99), &image, true);
+    let (mut b, addr_b) = rbd_gateway(dir.path(), "gw-b", (100, 199), &image, false);
+    let mut gws: Vec<(NvmeTcpConn, u16)> = [addr_a, addr_b].map(|addr| NvmeTcpConn::admin(addr, NO_DIGESTS, SUBNQN, HOSTNQN, 0)).into();
+    let mut aers = Vec::new();
+    for (i, (admin, _)) in gws.iter_mut().enumerate() {
+        let gw = ["gw-a", "gw-b"][i];
+        admin.set_features(0x07, 0).unwrap_or_else(|s| panic!("{gw}: Set Features number of queues: {s}"));
+        admin.set_features(AEC, 1 << 8 | 1 << 11).unwrap_or_else(|s| panic!("{gw}: Set Features AEC: {s}"));
+        aers.push(admin.submit_aer());
+    }
+    let (state_a, _) = ana_state(&mut gws[0].0, "gw-a");
+    let (state_b, count_b) = ana_state(&mut gws[1].0, "gw-b");
+    assert_eq!((state_a, state_b), (AnaState::Optimized, AnaState::NonOptimized), "the owner and the standby");
+    let ids: Vec<IdNs> = gws.iter_mut().map(|(a, _)| IdNs::parse(&a.identify(0, NSID).unwrap())).collect();
+    assert_eq!(ids[0], ids[1], "one namespace through both gateways");
+
+    // A write through the standby: served, and the standby is the owner.
+    let mut q_a = NvmeTcpConn::io(addr_a, NO_DIGESTS, gws[0].1, 1, SUBNQN, HOSTNQN);
+    let mut q_b = NvmeTcpConn::io(addr_b, NO_DIGESTS, gws[1].1, 1, SUBNQN, HOSTNQN);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed());
+    let data = random_bytes(&mut rng, 64 << 10);
+    q_b.write(NSID, 32, &data, true).unwrap_or_else(|s| panic!("a write through the standby: {s}"));
+    ana_notice(&mut gws[1].0, aers[1], "gw-b");
+    let (state_b, after_b) = ana_state(&mut gws[1].0, "gw-b");
+    assert_eq!(state_b, AnaState::Optimized, "gw-b after taking the image over");
+    assert!(after_b > count_b, "gw-b's ANA log change count moved ({count_b} to {after_b})");
+
+    // The old owner was fenced by Ceph: its next I/O tells it, and it answers
+    // ANA Inaccessible, which a multipath host retries on the other path.
+    let st = q_a.read(NSID, 32, 16, BS).expect_err("a read through the fenced gateway");
+    assert_eq!(st, Status::ANA_INACCESSIBLE, "gw-a's read after the takeover");
+    assert_eq!((st.sct, st.sc, st.dnr), (sct::PATH, 0x02, false));
+    ana_notice(&mut gws[0].0, aers[0], "gw-a");
+    assert_eq!(ana_state(&mut gws[0].0, "gw-a").0, AnaState::Inaccessible, "gw-a fenced");
+    let ns_a = IdNs::parse(&gws[0].0.identify(0, NSID).unwrap());
+    assert_eq!((ns_a.nsze, ns_a.nuse), (ids[0].nsze, 0), "gw-a: NSZE stays, NUSE 0 while inaccessible");
+    for (what, st) in [
+        ("write", q_a.write(NSID, 0, &data[..4096], false).unwrap_err()),
+        ("flush", q_a.flush(NSID).unwrap_err()),
+        ("read", q_a.read(NSID, 0, 1, BS).unwrap_err()),
+    ] {
+        assert_eq!(st, Status::ANA_INACCESSIBLE, "gw-a's {what} once fenced");
+    }
+    // The standby (now owner) serves what it wrote.
+    let back = q_b.read(NSID, 32, (data.len() / BS as usize) as u32, BS).unwrap_or_else(|s| panic!("a read through gw-b: {s}"));
+    assert!(back == data, "what gw-b wrote does not read back through it");
+    // No further notice on gw-b: the host read its log.
+    let aer = gws[1].0.submit_aer();
+    gws[1].0.keep_alive().unwrap();
+    std::thread::sleep(Duration::from_millis(1200));
+    gws[1].0.keep_alive().unwrap();
+    assert!(gws[1].0.stray.iter().all(|c| c.cid != aer), "gw-b sent another notice without a change: {:?}", gws[1].0.stray);
+    drop((q_a, q_b, gws));
+    // The gateways close the image; a fenced one's watch may outlive it for
+    // a while (Ceph's watch timeout): then the image stays, a few KiB of the
+    // development cluster's memory.
+    for t in [&mut a, &mut b] {
+        t.signal(libc::SIGTERM);
+        t.wait_exit(Duration::from_secs(30));
+    }
+    let rm = c.rbd(&["rm", "--no-progress", &c.spec(&image)]);
+    if !rm.status.success() {
+        eprintln!("{image} left in the development cluster: {}", String::from_utf8_lossy(&rm.stderr).trim());
+    }
 }
