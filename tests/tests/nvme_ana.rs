@@ -61,12 +61,13 @@ fn seed() -> u64 {
 
 /// A gateway: a daemon named `name` with an NVMe/TCP listener, the shared
 /// subsystem NQN, controller ids `cntlids`, exporting `file` as volume
-/// "shared" (NSID 7 on every gateway).
+/// "shared" (NSID 7 on every gateway). Without readahead: a target's
+/// chunks read ahead do not see another target's writes to the file.
 fn gateway(dir: &Path, name: &str, cntlids: (u16, u16), file: &Path) -> (TargetProcess, SocketAddr) {
     let host = listen_host();
     let host = if host.contains(':') { format!("[{host}]") } else { host };
     let config = format!(
-        "[target]\nname = \"{name}\"\nlisten = [\"nvme+tcp://{host}:0\"]\nnqn = \"{SUBNQN}\"\nnvme_cntlid_min = {}\nnvme_cntlid_max = {}\n{}nsid = {NSID}\n",
+        "[target]\nname = \"{name}\"\nlisten = [\"nvme+tcp://{host}:0\"]\nnqn = \"{SUBNQN}\"\nnvme_cntlid_min = {}\nnvme_cntlid_max = {}\nreadahead = 0\n{}nsid = {NSID}\n",
         cntlids.0,
         cntlids.1,
         file_volume("shared", file, VOL_SIZE, false)
@@ -180,7 +181,13 @@ fn each_gateway_reports_the_namespace_optimized_in_its_ana_log_and_data_crosses_
     let mut qs: Vec<NvmeTcpConn> =
         g.admins.iter().zip(g.addrs).map(|((_, cntlid), addr)| NvmeTcpConn::io(addr, NO_DIGESTS, *cntlid, 1, SUBNQN, HOSTNQN)).collect();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed());
-    for (from, to, slba) in [(0, 1, 16u64), (1, 0, 512)] {
+    // A sequential stream through gateway A first, as a file system's reads
+    // are: with readahead on, A would hold chunks beyond it that B's write
+    // below does not invalidate (the gateways run without it).
+    for slba in (0..1024u64).step_by(32) {
+        qs[0].read(NSID, slba, 32, BS).unwrap_or_else(|s| panic!("sequential read at {slba} through gateway 0: {s}"));
+    }
+    for (from, to, slba) in [(0, 1, 16u64), (1, 0, 1536)] {
         let data = random_bytes(&mut rng, 256 << 10);
         qs[from].write(NSID, slba, &data, true).unwrap_or_else(|s| panic!("write through gateway {from}: {s}"));
         let back = qs[to].read(NSID, slba, (data.len() / BS as usize) as u32, BS).unwrap_or_else(|s| panic!("read through gateway {to}: {s}"));
