@@ -92,6 +92,12 @@
 #                             gives 1024-entry queues, nvme-cli's `nvme write` / `nvme
 #                             read` of 4 MiB and 1 MiB in one command each read back
 #                             identical (nvme-of.sh)
+#   nvme-tcp-multipath        two gateways of one volume (issue 54): two rdmablk-target
+#                             processes, one backing file, one subsystem NQN, disjoint
+#                             nvme_cntlid ranges; the host's native multipath has one
+#                             head disk with two optimized paths (ANA group 1); fio's
+#                             verify stays clean while gateway A is SIGKILLed, and A's
+#                             path comes back optimized when it restarts (nvme-of.sh)
 #   nvme-tcp-restart          the target SIGKILLed and restarted under a mounted ext4
 #                             with fio writing: the host reconnects, fio's verify and
 #                             e2fsck -fn are clean
@@ -970,6 +976,7 @@ if [[ -n $NVME_TCP_SH ]]; then
     step nvme-tcp-fs --timeout 600 bash "$SELF" nvme_tcp_fs || rc=1
     step nvme-tcp-sighup --timeout 300 bash "$SELF" nvme_tcp_sighup || rc=1
     step nvme-tcp-large-io --timeout 300 bash "$SELF" nvme_tcp_large_io || rc=1
+    step nvme-tcp-multipath --timeout 300 bash "$SELF" nvme_tcp_multipath || rc=1
     step nvme-tcp-restart --timeout 600 bash "$SELF" nvme_tcp_restart || rc=1
     step nvme-tcp-auth --timeout 300 bash "$SELF" nvme_tcp_auth || rc=1
     # The measurements take about 15 s per fio run under TCG (10 s of I/O),

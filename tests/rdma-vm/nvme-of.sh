@@ -56,6 +56,19 @@
 #                      (nvme connect fails, the target logs the host NQN);
 #                      bidirectional with --dhchap-ctrl-secret, 1 MiB read back
 #   nvme-rdma-auth     the same over NVMe/RDMA
+#   nvme-tcp-multipath two gateways of one volume (issue 54): two
+#                      rdmablk-target processes export one backing file under
+#                      one subsystem NQN, on SIP:4420 and SIP:4422, with
+#                      disjoint nvme_cntlid ranges; `nvme connect` to each; the
+#                      host's native multipath has one subsystem with two
+#                      controllers (ids in their ranges), one head disk, two
+#                      paths, each ana_state optimized in ANA group 1, and
+#                      no complaint (duplicate cntlid, MNAN, ANA log size, ids
+#                      that differ); 8 MiB read back through the head; with
+#                      iopolicy round-robin, fio (crc32c verify) writes through
+#                      the head while gateway A is SIGKILLed: fio ends clean on
+#                      gateway B's path; A restarted, its controller reconnects
+#                      and its path is optimized again; disconnect of both
 #
 # The ports are fixed (a restarted target must be where the host reconnects):
 # rdmablk-target's NVMe/TCP on SIP:4420, nvmet-tcp on SIP:4421. The host
@@ -81,6 +94,7 @@ nvme_rdma_vs_nvmet() { NVME_TRANSPORT=rdma nvme_vs_nvmet; }
 nvme_tcp_auth() { NVME_TRANSPORT=tcp nvme_auth; }
 nvme_rdma_auth() { NVME_TRANSPORT=rdma nvme_auth; }
 nvme_tcp_large_io() { NVME_TRANSPORT=tcp nvme_large_io; }
+nvme_tcp_multipath() { NVME_TRANSPORT=tcp nvme_multipath; }
 nvme_rdma_large_io() { NVME_TRANSPORT=rdma nvme_large_io; }
 
 # The kernel's messages since nvme_dmesg_mark (for each step's log).
@@ -516,6 +530,210 @@ nvme_large_io() {
     [[ $rc -eq 0 ]] || exit 1
     nvme_disconnect "$NQN"
     nvme_step_end "nvme-$t-large-io" || exit 1
+}
+
+# ---------------------------------------------------------- nvme-tcp-multipath
+# The subsystem (nvme-subsysN) whose NQN is NQN.
+nvme_subsys_of() { # NQN
+    local s
+    for s in /sys/class/nvme-subsystem/nvme-subsys*; do
+        [[ $(cat "$s/subsysnqn" 2>/dev/null) == "$1" ]] && { echo "${s##*/}"; return 0; }
+    done
+    return 1
+}
+
+# The path devices (nvmeXcZnY) of head disk DEV (/dev/nvmeXnY).
+nvme_paths_of() { # DEV
+    local head=${1#/dev/} p
+    for p in /sys/block/"${head%n*}"c*n"${head##*n}"; do
+        [[ -e $p ]] && echo "${p##*/}"
+    done
+    return 0
+}
+
+# The controller (nvmeN) of path device PATH (nvmeXcZnY).
+nvme_ctrl_of_path() { # PATH
+    local c
+    for c in "/sys/block/$1/device" "/sys/block/$1/device/device"; do
+        [[ -r $c/cntlid ]] && { basename "$(readlink -f "$c")"; return 0; }
+    done
+    return 1
+}
+
+# Writes DIR/target.toml of a gateway: tcp://SIP:0 and nvme+tcp://SIP:PORT,
+# the shared NQN, controller ids MIN..=MAX, volume "shared" (nsid 1) on IMG.
+nvme_gateway_conf() { # DIR NAME PORT MIN MAX IMG
+    mkdir -p "$1"
+    cat >"$1/target.toml" <<CONF
+[target]
+name = "$2"
+listen = ["$NVME_TRANSPORT://$SIP:0", "nvme+$NVME_TRANSPORT://$SIP:$3"]
+nqn = "$NQN"
+reactors = 2
+nvme_cntlid_min = $4
+nvme_cntlid_max = $5
+# A target's readahead does not see another target's writes to the file.
+readahead = 0
+
+[[volume]]
+name = "shared"
+backend = "file"
+path = "$6"
+size = "64MiB"
+nsid = 1
+allow_any_host = true
+CONF
+}
+
+nvme_multipath_cleanup() {
+    local rc=$?
+    set +e
+    [[ -z ${FPID:-} ]] || kill "$FPID" 2>/dev/null
+    nvme disconnect -n "$NQN" >/dev/null 2>&1
+    [[ -z ${TPID_A:-} ]] || kill "$TPID_A" 2>/dev/null
+    [[ -z ${TPID_B:-} ]] || kill "$TPID_B" 2>/dev/null
+    echo "--- kernel messages during the step"; nvme_dmesg_since
+    if [[ $rc -ne 0 ]]; then
+        echo "--- gateway A's log"; cat "$NVME_DIR/a/target.log" 2>/dev/null
+        echo "--- gateway B's log"; cat "$NVME_DIR/b/target.log" 2>/dev/null
+    fi
+}
+
+# Every path of DEV: its controller, cntlid, address, state, ANA state and group.
+nvme_show_paths() { # DEV
+    local p c
+    for p in $(nvme_paths_of "$1"); do
+        c=$(nvme_ctrl_of_path "$p") || c=?
+        echo "  $p: $c cntlid $(cat "/sys/class/nvme/$c/cntlid" 2>/dev/null) $(cat "/sys/class/nvme/$c/address" 2>/dev/null)," \
+            "state $(cat "/sys/class/nvme/$c/state" 2>/dev/null), ana_state $(cat "/sys/block/$p/ana_state"), ana_grpid $(cat "/sys/block/$p/ana_grpid")"
+    done
+}
+
+nvme_multipath() {
+    set -euo pipefail
+    local t=$NVME_TRANSPORT port_b=4422
+    nvme_dmesg_mark
+    modprobe "nvme-$t"
+    local mp; mp=$(cat /sys/module/nvme_core/parameters/multipath 2>/dev/null || echo "?")
+    [[ $mp == Y ]] || { echo "native NVMe multipath is off (nvme_core.multipath=$mp)"; exit 1; }
+    rm -rf "$NVME_DIR"; mkdir -p "$NVME_DIR"
+    NQN=nqn.2014-08.io.rdmablk.ci:multipath FPID= TPID= TPID_A= TPID_B=
+    local img=$NVME_DIR/shared.img
+    truncate -s 64M "$img"
+    nvme_gateway_conf "$NVME_DIR/a" gw-a "$NVME_PORT" 1 99 "$img"
+    nvme_gateway_conf "$NVME_DIR/b" gw-b "$port_b" 100 199 "$img"
+    cat "$NVME_DIR/a/target.toml"
+    trap nvme_multipath_cleanup EXIT
+    NVME_DIR=$NVME_DIR/a nvme_start_target; TPID_A=$TPID
+    NVME_DIR=$NVME_DIR/b NVME_PORT=$port_b nvme_start_target; TPID_B=$TPID
+    TPID=
+    nvme_connect "$NQN" "$NVME_PORT" 1 --reconnect-delay=1
+    local ctrl_a=$CTRL dev=$DEV
+    nvme_connect "$NQN" "$port_b" 1 --reconnect-delay=1
+    local ctrl_b=$CTRL
+    [[ $DEV == "$dev" ]] || { echo "FAIL: gateway B's namespace is $DEV, gateway A's $dev: two namespaces, not two paths of one"; exit 1; }
+    nvme list-subsys || true
+    local subsys; subsys=$(nvme_subsys_of "$NQN") || { echo "FAIL: no subsystem of $NQN"; exit 1; }
+    local ctrls; ctrls=$(find "/sys/class/nvme-subsystem/$subsys/" -maxdepth 1 -regex '.*/nvme[0-9]+' | wc -l)
+    [[ $ctrls == 2 ]] || { echo "FAIL: $subsys has $ctrls controllers, expected 2"; ls -l "/sys/class/nvme-subsystem/$subsys/"; exit 1; }
+    local id_a id_b
+    id_a=$(cat "/sys/class/nvme/$ctrl_a/cntlid"); id_b=$(cat "/sys/class/nvme/$ctrl_b/cntlid")
+    echo "$subsys: $ctrl_a (gateway A, cntlid $id_a) and $ctrl_b (gateway B, cntlid $id_b); head $dev"
+    ((id_a >= 1 && id_a <= 99 && id_b >= 100 && id_b <= 199)) || { echo "FAIL: controller ids $id_a and $id_b outside the gateways' ranges"; exit 1; }
+    # The host reads the ANA log at connect; a path is live once its state is known.
+    local paths=() p ok=0
+    for _ in $(seq 1 100); do
+        mapfile -t paths < <(nvme_paths_of "$dev")
+        ok=1
+        ((${#paths[@]} == 2)) || ok=0
+        for p in "${paths[@]}"; do [[ $(cat "/sys/block/$p/ana_state" 2>/dev/null) == optimized ]] || ok=0; done
+        ((ok)) && break
+        sleep 0.1
+    done
+    nvme_show_paths "$dev"
+    ((ok)) || { echo "FAIL: expected two paths of $dev, each optimized"; exit 1; }
+    for p in "${paths[@]}"; do
+        [[ $(cat "/sys/block/$p/ana_grpid") == 1 ]] || { echo "FAIL: $p is in ANA group $(cat "/sys/block/$p/ana_grpid"), expected 1 (the NSID)"; exit 1; }
+    done
+    # nvme-cli reads the ANA log as libnvme does, in 4 KiB pieces.
+    local c
+    for c in "$ctrl_a" "$ctrl_b"; do
+        nvme ana-log "/dev/$c" -o json >"$NVME_DIR/ana-$c.json" || { echo "FAIL: nvme ana-log /dev/$c"; cat "$NVME_DIR/ana-$c.json"; exit 1; }
+        /usr/bin/python3 - "$NVME_DIR/ana-$c.json" "$c" <<'PY' || { echo "FAIL: $c's ANA log has not one group, 1, optimized"; exit 1; }
+import json, sys
+log = json.load(open(sys.argv[1]))
+def groups(x):
+    if isinstance(x, dict):
+        if "grpid" in x:
+            yield x
+        for v in x.values():
+            yield from groups(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from groups(v)
+gs = list(groups(log))
+print(f"{sys.argv[2]}: ANA log {json.dumps(log)}")
+ok = [g for g in gs if int(g["grpid"]) == 1 and str(g.get("state", "")).strip() == "optimized"]
+sys.exit(0 if len(gs) == 1 and ok else 1)
+PY
+    done
+    nvme id-ctrl "/dev/$ctrl_b" | grep -E '^(cntlid|cmic|oaes|anatt|anacap|anagrpmax|nanagrpid|mnan|subnqn) ' || true
+    nvme id-ns "$dev" | grep -E '^(nmic|anagrpid|nguid|eui64) ' || true
+    local bad
+    bad=$(nvme_dmesg_since | grep -Ei "duplicate cntlid|invalid mnan|ana log page size|disabling ana|ids don't match|duplicate unshared|does not support multiple controllers|duplicate ids" || true)
+    [[ -z $bad ]] || { echo "FAIL: the host complained:"; echo "$bad"; exit 1; }
+    # Data through the head, checked in the backing file both gateways serve.
+    head -c $((8 << 20)) /dev/urandom >"$NVME_DIR/ref"
+    dd if="$NVME_DIR/ref" of="$dev" bs=1M oflag=direct status=none
+    cmp "$NVME_DIR/ref" <(dd if="$dev" bs=1M count=8 iflag=direct status=none) || { echo "FAIL: 8 MiB read back through $dev differ"; exit 1; }
+    cmp "$NVME_DIR/ref" <(head -c $((8 << 20)) "$img") || { echo "FAIL: the backing file differs"; exit 1; }
+    echo "8 MiB written and read back through $dev, in the backing file"
+    # Failover: both paths in use (round-robin), gateway A killed mid-write.
+    echo round-robin >"/sys/class/nvme-subsystem/$subsys/iopolicy"
+    local job=(--name=mp --filename="$dev" --offset=16M --size=32M --rw=randwrite --bsrange=4k-64k --direct=1
+        --ioengine=io_uring --iodepth=16 --verify=crc32c --verify_fatal=1 --verify_state_save=0 --randrepeat=1)
+    local written; written=$(sectors_written "$dev")
+    fio "${job[@]}" --do_verify=1 --output="$NVME_DIR/fio.out" &
+    FPID=$!
+    wait_written "$dev" "$written" $((8 << 20)) "$FPID" \
+        || { cat "$NVME_DIR/fio.out"; echo "fio ended (or wrote too little in 120 s) before gateway A was killed"; exit 1; }
+    kill -KILL "$TPID_A"; wait "$TPID_A" || true
+    TPID_A=
+    echo "gateway A killed at $(date +%T.%N) while fio writes"
+    local rc=0
+    wait "$FPID" || rc=$?
+    FPID=
+    cat "$NVME_DIR/fio.out"
+    cp "$NVME_DIR/fio.out" "$RES/nvme-$t-multipath-fio.out" 2>/dev/null || true
+    [[ $rc -eq 0 ]] || { echo "FAIL: fio failed when gateway A went ($rc)"; exit 1; }
+    grep -q 'read: IOPS=' "$NVME_DIR/fio.out" || { echo "FAIL: fio shows no verify (read) phase"; exit 1; }
+    if grep -qi 'verify.*fail\|bad magic\|bad header' "$NVME_DIR/fio.out"; then echo "FAIL: fio reported a verify failure"; exit 1; fi
+    echo "fio ended clean on gateway B's path; $ctrl_a is $(cat "/sys/class/nvme/$ctrl_a/state")"
+    nvme_show_paths "$dev"
+    # Gateway A back: its controller reconnects and its path is optimized again.
+    NVME_DIR=$NVME_DIR/a nvme_start_target; TPID_A=$TPID
+    TPID=
+    local live=0 pa=
+    for p in $(nvme_paths_of "$dev"); do [[ $(nvme_ctrl_of_path "$p") == "$ctrl_a" ]] && pa=$p; done
+    [[ -n $pa ]] || { echo "FAIL: no path of $dev through $ctrl_a"; nvme_show_paths "$dev"; exit 1; }
+    for _ in $(seq 1 300); do
+        [[ $(cat "/sys/class/nvme/$ctrl_a/state") == live && $(cat "/sys/block/$pa/ana_state") == optimized ]] && { live=1; break; }
+        sleep 0.1
+    done
+    nvme_show_paths "$dev"
+    ((live)) || { echo "FAIL: $ctrl_a not live with its path optimized 30 s after gateway A restarted"; exit 1; }
+    cmp "$NVME_DIR/ref" <(dd if="$dev" bs=1M count=8 iflag=direct status=none) || { echo "FAIL: 8 MiB read back after the failover differ"; exit 1; }
+    nvme disconnect -n "$NQN" | tee "$NVME_DIR/disconnect.out"
+    grep -q "disconnected 2 controller" "$NVME_DIR/disconnect.out" || { echo "FAIL: nvme disconnect did not disconnect two controllers"; exit 1; }
+    trap - EXIT
+    local end=0 g
+    nvme_show_dmesg || end=1
+    for g in a b; do
+        if [[ $g == a ]]; then TPID=$TPID_A; else TPID=$TPID_B; fi
+        NVME_DIR=$NVME_DIR/$g nvme_stop_target "nvme-$t-multipath-$g" || end=1
+    done
+    rm -rf "$NVME_DIR"
+    return $end
 }
 
 # ---------------------------------------------------- nvme-tcp-auth, nvme-rdma-auth
