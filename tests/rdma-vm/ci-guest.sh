@@ -104,6 +104,17 @@
 #   nvme-tcp-auth             in-band authentication (DH-HMAC-CHAP) with nvme-cli's
 #                             --dhchap-secret: ext4 round trip; a wrong secret refused;
 #                             bidirectional with --dhchap-ctrl-secret (nvme-of.sh)
+#   nvme-rbd-multipath-failover
+#                             a dev Ceph cluster in the guest; two rdmablk-target
+#                             gateways of one RBD image (A owner, B standby) under one
+#                             NQN; the host's native multipath over both, ext4 on the
+#                             head; cycles of: fio (crc32c verify) writing, the owner
+#                             SIGSTOPped, the host failing over to the standby, which
+#                             takes the image over (the frozen one blocklisted); an
+#                             overwrite; SIGCONT: its held writes refused, its path
+#                             inaccessible, the overwrite verifies; SIGHUP reopens it
+#                             as the standby. e2fsck -fn clean (nvme-rbd-failover.sh;
+#                             SKIPPED without ceph-mon, ceph-osd, ceph, rbd)
 #   nvme-tcp-vs-nvmet         rdmablk-target's NVMe/TCP against the kernel's nvmet-tcp,
 #                             same host and boot: IOPS, latency, CPU per I/O
 #                             ($RES/nvme-tcp-vs-nvmet.md; figures only)
@@ -869,6 +880,11 @@ done
 if [[ -n $NVME_TCP_SH ]]; then
     # shellcheck source=nvme-of.sh
     source "$NVME_TCP_SH"
+    # The fenced failover of an RBD volume (nvme_rbd_failover), beside it.
+    if [[ -r $(dirname "$NVME_TCP_SH")/nvme-rbd-failover.sh ]]; then
+        # shellcheck source=nvme-rbd-failover.sh
+        source "$(dirname "$NVME_TCP_SH")/nvme-rbd-failover.sh"
+    fi
 fi
 
 # ------------------------------------------------------------------ steps
@@ -979,6 +995,17 @@ if [[ -n $NVME_TCP_SH ]]; then
     step nvme-tcp-multipath --timeout 300 bash "$SELF" nvme_tcp_multipath || rc=1
     step nvme-tcp-restart --timeout 600 bash "$SELF" nvme_tcp_restart || rc=1
     step nvme-tcp-auth --timeout 300 bash "$SELF" nvme_tcp_auth || rc=1
+    # Two gateways of one Ceph RBD image (a dev cluster in the guest), the
+    # kernel host's native multipath across them, the owner frozen under
+    # fio and fenced, cycle after cycle within a budget of 180 s
+    # (nvme-rbd-failover.sh). About 4 to 5 minutes under TCG.
+    if ! declare -F nvme_rbd_failover >/dev/null; then
+        step nvme-rbd-multipath-failover --timeout 30 bash -c "echo 'nvme-rbd-failover.sh not found beside $NVME_TCP_SH'; exit 1" || rc=1
+    elif command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null && command -v ceph >/dev/null && command -v rbd >/dev/null; then
+        step nvme-rbd-multipath-failover --timeout 480 bash "$SELF" nvme_rbd_failover || rc=1
+    else
+        skip nvme-rbd-multipath-failover "ceph-mon, ceph-osd, ceph or rbd is not installed on the host (apt-get install ceph-mon ceph-osd ceph-common)"
+    fi
     # The measurements take about 15 s per fio run under TCG (10 s of I/O),
     # two runs per case and round, plus about a minute of setup: the limit
     # follows RDMABLK_NVME_VS_ROUNDS and RDMABLK_NVME_VS_CASES (at least
