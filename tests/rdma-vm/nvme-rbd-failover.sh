@@ -6,7 +6,7 @@
 #
 #   - A one-node Ceph cluster in the guest (scripts/ceph-dev-cluster.sh in
 #     $WORK/ceph, the scratch ext4 on a RAM disk; memstore OSD of at most
-#     1 GiB; 35 to 75 s under TCG), an image rbd/failover of 256 MiB.
+#     1 GiB; 30 to 75 s under TCG), an image rbd/failover of 256 MiB.
 #   - Two gateways, two rdmablk-target processes A and B, export it as
 #     volume "shared", NSID 1, under one subsystem NQN on SIP:4430 (A) and
 #     SIP:4431 (B) (nvme+tcp://), controller ids
