@@ -165,8 +165,11 @@ impl Backend {
     pub fn sync(&self) -> std::io::Result<()> {
         match self {
             Backend::File(f) => f.sync(),
-            Backend::Rbd(r) => r.flush(),
-            Backend::Memory(_) | Backend::Null => Ok(()),
+            // Only an owner has writes of its own to flush: a standby wrote
+            // nothing, and a fenced gateway's client is refused by the OSDs
+            // (its held writes must never land).
+            Backend::Rbd(r) if r.ownership().access() == Access::Owner => r.flush(),
+            Backend::Rbd(_) | Backend::Memory(_) | Backend::Null => Ok(()),
         }
     }
 
