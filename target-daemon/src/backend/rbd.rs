@@ -338,6 +338,12 @@ impl RbdBackend {
     pub fn flush(&self) -> std::io::Result<()> {
         // SAFETY: open image.
         let r = unsafe { sys::rbd_flush(self.handles.image) };
+        if r == -EBLOCKLISTED {
+            // Another gateway took the image over: nothing of this one's may
+            // land any more, so there is nothing left to make durable.
+            self.fence();
+            return Ok(());
+        }
         if r < 0 {
             return Err(std::io::Error::from_raw_os_error(-r));
         }
