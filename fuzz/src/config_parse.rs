@@ -150,7 +150,15 @@ pub fn check_invariants(c: &Config) {
                 assert!(v.path.as_os_str().is_empty(), "volume[{i}]: {} backend with a path", v.backend);
                 assert!(v.size.is_some(), "volume[{i}]: {} backend without a size", v.backend);
             }
+            BackendKind::Rbd => {
+                assert!(v.path.as_os_str().is_empty(), "volume[{i}]: rbd backend with a path");
+                let r = v.rbd.as_ref().unwrap_or_else(|| panic!("volume[{i}]: rbd backend without its image"));
+                for name in [&r.pool, &r.image, &r.client] {
+                    assert!(!name.is_empty() && !name.contains(['/', '@', '\0']), "volume[{i}]: rbd name {name:?}");
+                }
+            }
         }
+        assert_eq!(v.rbd.is_some(), v.backend == BackendKind::Rbd, "volume[{i}]: rbd keys on backend {}", v.backend);
         assert!(!(t.iopoll && v.backend == BackendKind::Memory), "volume[{i}]: memory backend on a polled ring");
         if let Some(bs) = v.block_size {
             assert!((512..=65536).contains(&bs) && bs.is_power_of_two(), "volume[{i}].block_size = {bs}");
