@@ -177,6 +177,12 @@ fn run(rounds: usize, env: &[(&str, &str)]) -> (usize, Vec<String>) {
             let e = e.expect_err("a read through the old owner after the takeover");
             assert!(e.to_string().contains("NotOwner"), "the old owner answered: {e}");
         }
+        // The log line is written before the refusal is sent, but reaches
+        // the test through the pipe reader's thread: wait for it a little.
+        let t1 = Instant::now();
+        while fences(old) == before && t1.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let was_fenced = fences(old) > before;
         eprintln!("round {r}: {} stale or torn blocks, old owner held operations: {held}, fenced: {was_fenced}, {:?}", problems.len(), t0.elapsed());
         held_rounds += usize::from(held);
