@@ -5,6 +5,7 @@
 //! Soft-RoCE VM stage runs prebuilt binaries). Build them first:
 //! `cargo build --workspace --bins`.
 
+pub mod backing;
 pub mod ceph;
 pub mod nvme_tcp;
 pub mod raw;

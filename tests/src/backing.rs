@@ -1,0 +1,115 @@
+//! The store behind a test volume: a sparse file, or an image of the dev
+//! Ceph cluster (`backend = "rbd"`, issue 54). The data-path, crash and
+//! hostile suites run once on each, so that an RBD volume is held to what a
+//! file volume is: same commands, same checks of what the store holds.
+
+use std::path::{Path, PathBuf};
+
+use crate::ceph::cluster;
+
+/// Which store a suite runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackingKind {
+    File,
+    Rbd,
+}
+
+/// One volume's store; an rbd image is removed when this is dropped, if no
+/// gateway has it open any more.
+#[derive(Debug)]
+pub enum Backing {
+    File { path: PathBuf },
+    Rbd { image: String },
+}
+
+impl Backing {
+    /// A store of `size` bytes, all zeroes: a sparse file `name` in `dir`,
+    /// or a new image of the dev cluster named after `name`.
+    pub fn new(kind: BackingKind, dir: &Path, name: &str, size: u64) -> Backing {
+        match kind {
+            BackingKind::File => Backing::File { path: crate::sparse_file(dir, name, size) },
+            BackingKind::Rbd => {
+                let c = cluster();
+                let image = c.unique_name(&name.replace(['.', '_'], "-"));
+                c.create_image(&image, size);
+                Backing::Rbd { image }
+            }
+        }
+    }
+
+    pub fn kind(&self) -> BackingKind {
+        match self {
+            Backing::File { .. } => BackingKind::File,
+            Backing::Rbd { .. } => BackingKind::Rbd,
+        }
+    }
+
+    /// The `[[volume]]` block exporting this store as `name` to any host.
+    /// An rbd volume locks its image at start: the only gateway is its
+    /// owner, as a file volume's target is (a crash test's restarted
+    /// target breaks the lock its killed predecessor left behind).
+    pub fn volume(&self, name: &str, size: u64, read_only: bool) -> String {
+        match self {
+            Backing::File { path } => crate::file_volume(name, path, size, read_only),
+            Backing::Rbd { image } => {
+                let c = cluster();
+                format!(
+                    "[[volume]]\nname = \"{name}\"\nbackend = \"rbd\"\npool = \"{}\"\nimage = \"{image}\"\nceph_conf = \"{}\"\nclient = \"{}\"\nlock_at_start = true\nsize = {size}\nread_only = {read_only}\nallow_any_host = true\n",
+                    c.pool,
+                    c.conf.display(),
+                    c.client
+                )
+            }
+        }
+    }
+
+    /// Everything the store holds now, as another reader of it sees it: the
+    /// file's bytes, or the image read by `rbd export`.
+    pub fn contents(&self) -> Vec<u8> {
+        match self {
+            Backing::File { path } => std::fs::read(path).expect("read the backing file"),
+            Backing::Rbd { image } => {
+                let dir = tempfile::tempdir().expect("tempdir");
+                let file = dir.path().join("export");
+                cluster().export_image(image, &file);
+                std::fs::read(&file).expect("read the exported image")
+            }
+        }
+    }
+
+    /// Writes `bytes` at `offset` of the store, behind the target's back
+    /// (as the test's own setup, before a target opens it).
+    pub fn write_at(&self, bytes: &[u8], offset: u64) {
+        match self {
+            Backing::File { path } => {
+                use std::os::unix::fs::FileExt;
+                let f = std::fs::OpenOptions::new().write(true).open(path).expect("open the backing file");
+                f.write_all_at(bytes, offset).expect("write the backing file");
+            }
+            Backing::Rbd { image } => {
+                // `rbd import` wants a whole image: export, patch, and
+                // replace (the image is small and closed at this point).
+                let mut all = self.contents();
+                all[offset as usize..offset as usize + bytes.len()].copy_from_slice(bytes);
+                let dir = tempfile::tempdir().expect("tempdir");
+                let file = dir.path().join("patched");
+                std::fs::write(&file, &all).expect("write the patched image file");
+                let c = cluster();
+                c.remove_image(image);
+                c.import_image(&file, image);
+            }
+        }
+    }
+}
+
+impl Drop for Backing {
+    fn drop(&mut self) {
+        if let Backing::Rbd { image } = self {
+            // Best effort: a killed gateway's watch keeps the image busy
+            // for Ceph's watch timeout (30 s); the dev cluster's memstore
+            // forgets whatever is left when it stops.
+            let c = cluster();
+            let _ = c.rbd(&["rm", "--no-progress", &c.spec(image)]);
+        }
+    }
+}
