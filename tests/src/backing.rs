@@ -77,6 +77,19 @@ impl Backing {
         }
     }
 
+    /// `len` bytes at `offset` of what the store holds now, as
+    /// [`Backing::contents`] sees it (an rbd image is exported whole).
+    pub fn bytes_at(&self, offset: u64, len: usize) -> Vec<u8> {
+        match self {
+            Backing::File { path } => crate::file_bytes(path, offset, len),
+            Backing::Rbd { .. } => {
+                let all = self.contents();
+                assert!(offset as usize + len <= all.len(), "{offset}+{len} is past the image's end ({} bytes)", all.len());
+                all[offset as usize..offset as usize + len].to_vec()
+            }
+        }
+    }
+
     /// Writes `bytes` at `offset` of the store, behind the target's back
     /// (as the test's own setup, before a target opens it).
     pub fn write_at(&self, bytes: &[u8], offset: u64) {
