@@ -1,5 +1,9 @@
 //! Every kind of bad command gets its own status from the real daemon, and
 //! no bad command changes a byte of any volume.
+//!
+//! Each test runs twice: on file volumes, and on RBD volumes, images of the
+//! dev Ceph cluster (issue 54), whose bytes are checked as Ceph holds them
+//! (`rbd export`).
 
 use std::time::Duration;
 
@@ -9,35 +13,54 @@ use rdmablk_common::protocol::{
 };
 use rdmablk_system_tests::raw::io_command as io;
 use rdmablk_system_tests::raw::RawQueue;
-use rdmablk_system_tests::{file_digest, file_volume, sparse_file, target_section, TargetProcess};
+use rdmablk_system_tests::backing::{Backing, BackingKind};
+use rdmablk_system_tests::{bytes_digest, target_section, TargetProcess};
 
 const MIB: u64 = 1 << 20;
 
 struct Fixture {
     target: TargetProcess,
-    files: Vec<std::path::PathBuf>,
+    /// The stores of "rw", "ro" and "other".
+    stores: Vec<Backing>,
     _dir: tempfile::TempDir,
 }
 
-fn fixture() -> Fixture {
+fn fixture(kind: BackingKind) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
-    let rw = sparse_file(dir.path(), "rw.img", 16 * MIB);
-    let ro = sparse_file(dir.path(), "ro.img", 16 * MIB);
-    let other = sparse_file(dir.path(), "other.img", 16 * MIB);
-    // Recognisable contents, so "untouched" means something.
-    for (i, f) in [&rw, &ro, &other].iter().enumerate() {
-        let pattern: Vec<u8> = (0..16 * MIB).map(|x| (x as u8).wrapping_mul(31).wrapping_add(i as u8)).collect();
-        std::fs::write(f, pattern).unwrap();
-    }
+    let stores: Vec<Backing> = ["rw.img", "ro.img", "other.img"]
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let store = Backing::new(kind, dir.path(), name, 16 * MIB);
+            // Recognisable contents, so "untouched" means something.
+            let pattern: Vec<u8> = (0..16 * MIB).map(|x| (x as u8).wrapping_mul(31).wrapping_add(i as u8)).collect();
+            store.write_at(&pattern, 0);
+            store
+        })
+        .collect();
     let config = format!(
         "{}\n{}\n{}\n{}",
         target_section(),
-        file_volume("rw", &rw, 16 * MIB, false),
-        file_volume("ro", &ro, 16 * MIB, true),
-        file_volume("other", &other, 16 * MIB, false)
+        stores[0].volume("rw", 16 * MIB, false),
+        stores[1].volume("ro", 16 * MIB, true),
+        stores[2].volume("other", 16 * MIB, false)
     );
     let target = TargetProcess::start(&config);
-    Fixture { target, files: vec![rw, ro, other], _dir: dir }
+    Fixture { target, stores, _dir: dir }
+}
+
+/// A digest of what `store` holds (the file, or the image as Ceph has it).
+fn digest(store: &Backing) -> u64 {
+    bytes_digest(&store.contents())
+}
+
+/// Stops the target with SIGTERM and expects a clean exit (an rbd volume
+/// closes its image, so that removing it need not wait out a killed
+/// gateway's watch).
+fn stop(fx: &mut Fixture) {
+    fx.target.signal(libc::SIGTERM);
+    let code = fx.target.wait_exit(Duration::from_secs(20));
+    assert_eq!(code, Some(0), "the target's exit on SIGTERM; log:\n{}", fx.target.log().join("\n"));
 }
 
 fn list(q: &mut RawQueue) -> Vec<VolumeInfo> {
@@ -55,8 +78,17 @@ fn status_of(q: &mut RawQueue, c: CommandCapsule, inline: &[u8]) -> Status {
 
 #[test]
 fn each_bad_command_gets_its_own_status_and_volumes_stay_untouched() {
-    let fx = fixture();
-    let before: Vec<u64> = fx.files.iter().map(|f| file_digest(f)).collect();
+    each_bad_command(BackingKind::File);
+}
+
+#[test]
+fn each_bad_command_gets_its_own_status_and_volumes_stay_untouched_on_rbd() {
+    each_bad_command(BackingKind::Rbd);
+}
+
+fn each_bad_command(kind: BackingKind) {
+    let mut fx = fixture(kind);
+    let before: Vec<u64> = fx.stores.iter().map(digest).collect();
     let url = fx.target.url.clone();
 
     // Before CONNECT.
@@ -164,16 +196,28 @@ fn each_bad_command_gets_its_own_status_and_volumes_stay_untouched() {
     assert_eq!(status_of(&mut q, keep, &[]), Status::Success);
     let d = q.descriptor(0, bs);
     assert_eq!(status_of(&mut q, io(Opcode::Read, rw.volume_id, 1, 1, d), &[]), Status::Success);
-    assert_eq!(&q.data()[..bs as usize], &rdmablk_system_tests::file_bytes(&fx.files[0], bs as u64, bs as usize)[..]);
+    assert_eq!(&q.data()[..bs as usize], &fx.stores[0].contents()[bs as usize..2 * bs as usize]);
 
-    let after: Vec<u64> = fx.files.iter().map(|f| file_digest(f)).collect();
+    let after: Vec<u64> = fx.stores.iter().map(digest).collect();
     assert_eq!(before, after, "a rejected command changed a volume");
+    stop(&mut fx);
+    let after: Vec<u64> = fx.stores.iter().map(digest).collect();
+    assert_eq!(before, after, "a volume changed by the target's exit");
 }
 
 #[test]
 fn a_wrong_rkey_drops_only_that_connection_and_writes_nothing() {
-    let fx = fixture();
-    let before = file_digest(&fx.files[0]);
+    a_wrong_rkey(BackingKind::File);
+}
+
+#[test]
+fn a_wrong_rkey_drops_only_that_connection_and_writes_nothing_on_rbd() {
+    a_wrong_rkey(BackingKind::Rbd);
+}
+
+fn a_wrong_rkey(kind: BackingKind) {
+    let mut fx = fixture(kind);
+    let before = digest(&fx.stores[0]);
     let (mut good, _) = RawQueue::connected(&fx.target.url, 1 << 20);
     let good_vol = good.open_volume("rw").unwrap();
 
@@ -190,5 +234,7 @@ fn a_wrong_rkey_drops_only_that_connection_and_writes_nothing() {
     // The other session is unaffected.
     let d = good.descriptor(0, 4096);
     assert_eq!(status_of(&mut good, io(Opcode::Read, good_vol.volume_id, 0, 1, d), &[]), Status::Success);
-    assert_eq!(file_digest(&fx.files[0]), before);
+    assert_eq!(digest(&fx.stores[0]), before);
+    stop(&mut fx);
+    assert_eq!(digest(&fx.stores[0]), before, "the volume changed by the target's exit");
 }
