@@ -63,6 +63,15 @@ impl Backing {
         }
     }
 
+    /// [`Backing::volume`] with its hosts' access given by `access` (lines
+    /// such as `allowed_hosts = ["alpha"]`, or nothing: no host may open it)
+    /// instead of `allow_any_host = true`.
+    pub fn volume_with_access(&self, name: &str, size: u64, read_only: bool, access: &str) -> String {
+        let block = self.volume(name, size, read_only);
+        let head = block.strip_suffix("allow_any_host = true\n").expect("a [[volume]] block ends with its access line");
+        format!("{head}{access}\n")
+    }
+
     /// Everything the store holds now, as another reader of it sees it: the
     /// file's bytes, or the image read by `rbd export`.
     pub fn contents(&self) -> Vec<u8> {
