@@ -4,6 +4,10 @@
 //! Target: hosts "alpha" and "beta" with their own key files; volume
 //! "secret" for alpha only, volume "shared" read-write for alpha and
 //! read-only for beta.
+//!
+//! The tests of what the grants let into a volume's store run twice: on file
+//! volumes, and on RBD volumes, images of the dev Ceph cluster (issue 54),
+//! whose bytes are checked as Ceph holds them (`rbd export`).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -15,7 +19,8 @@ use rdmablk_common::protocol::{
 };
 use rdmablk_initiator::{BlockDevice, ConnectOptions, ErrorKind, Session};
 use rdmablk_system_tests::raw::{RawQueue, RawTarget};
-use rdmablk_system_tests::{file_digest, sparse_file, target_section, TargetProcess};
+use rdmablk_system_tests::backing::{Backing, BackingKind};
+use rdmablk_system_tests::{bytes_digest, sparse_file, target_section, TargetProcess};
 
 const MIB: u64 = 1 << 20;
 
@@ -24,8 +29,8 @@ struct Fixture {
     _dir: tempfile::TempDir,
     alpha_key: PathBuf,
     beta_key: PathBuf,
-    secret: PathBuf,
-    shared: PathBuf,
+    secret: Backing,
+    shared: Backing,
 }
 
 fn volume(name: &str, path: &Path, grants: &str) -> String {
@@ -37,33 +42,51 @@ fn host(id: &str, key: &Path) -> String {
 }
 
 fn config(f: &Fixture, secret_grants: &str) -> String {
-    config_of([&f.alpha_key, &f.beta_key, &f.secret, &f.shared], secret_grants)
+    config_of([&f.alpha_key, &f.beta_key], [&f.secret, &f.shared], secret_grants)
 }
 
-fn config_of([alpha_key, beta_key, secret, shared]: [&Path; 4], secret_grants: &str) -> String {
+fn config_of([alpha_key, beta_key]: [&Path; 2], [secret, shared]: [&Backing; 2], secret_grants: &str) -> String {
     format!(
         "{}\n{}\n{}\n{}\n{}",
         target_section(),
         host("alpha", alpha_key),
         host("beta", beta_key),
-        volume("secret", secret, secret_grants),
-        volume("shared", shared, "allowed_hosts = [\"alpha\"]\nread_only_hosts = [\"beta\"]"),
+        secret.volume_with_access("secret", 4 * MIB, false, secret_grants),
+        shared.volume_with_access("shared", 4 * MIB, false, "allowed_hosts = [\"alpha\"]\nread_only_hosts = [\"beta\"]"),
     )
 }
 
+/// A digest of what `store` holds (the file, or the image as Ceph has it).
+fn digest(store: &Backing) -> u64 {
+    bytes_digest(&store.contents())
+}
+
+/// Stops the target with SIGTERM and expects a clean exit (an rbd volume
+/// closes its image, so that removing it need not wait out a killed
+/// gateway's watch).
+fn stop(f: &mut Fixture) {
+    f.target.signal(libc::SIGTERM);
+    let code = f.target.wait_exit(Duration::from_secs(20));
+    assert_eq!(code, Some(0), "the target's exit on SIGTERM; log:\n{}", f.target.log().join("\n"));
+}
+
 fn fixture() -> Fixture {
+    fixture_on(BackingKind::File)
+}
+
+fn fixture_on(kind: BackingKind) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let alpha_key = dir.path().join("alpha.key");
     let beta_key = dir.path().join("beta.key");
     generate_key_file(&alpha_key).unwrap();
     generate_key_file(&beta_key).unwrap();
-    let secret = sparse_file(dir.path(), "secret.img", 4 * MIB);
-    let shared = sparse_file(dir.path(), "shared.img", 4 * MIB);
-    for (i, f) in [&secret, &shared].iter().enumerate() {
+    let secret = Backing::new(kind, dir.path(), "secret.img", 4 * MIB);
+    let shared = Backing::new(kind, dir.path(), "shared.img", 4 * MIB);
+    for (i, store) in [&secret, &shared].iter().enumerate() {
         let pattern: Vec<u8> = (0..4 * MIB).map(|x| (x as u8).wrapping_mul(13).wrapping_add(i as u8)).collect();
-        std::fs::write(f, pattern).unwrap();
+        store.write_at(&pattern, 0);
     }
-    let target = TargetProcess::start(&config_of([&alpha_key, &beta_key, &secret, &shared], "allowed_hosts = [\"alpha\"]"));
+    let target = TargetProcess::start(&config_of([&alpha_key, &beta_key], [&secret, &shared], "allowed_hosts = [\"alpha\"]"));
     Fixture { target, _dir: dir, alpha_key, beta_key, secret, shared }
 }
 
@@ -118,8 +141,17 @@ fn raw_write(q: &mut RawQueue, vol: VolumeId, blocks: u32, bs: u32) -> Status {
 
 #[test]
 fn an_unauthorized_host_neither_sees_nor_opens_the_volume_and_is_logged() {
-    let f = fixture();
-    let before = file_digest(&f.secret);
+    an_unauthorized_host(BackingKind::File);
+}
+
+#[test]
+fn an_unauthorized_host_neither_sees_nor_opens_the_volume_and_is_logged_on_rbd() {
+    an_unauthorized_host(BackingKind::Rbd);
+}
+
+fn an_unauthorized_host(kind: BackingKind) {
+    let mut f = fixture_on(kind);
+    let before = digest(&f.secret);
     let mut beta = raw_as(&f.target.url, "beta", &f.beta_key);
     let (total, infos) = raw_list(&mut beta);
     assert_eq!(total, 1, "beta sees only the volume it may use");
@@ -143,13 +175,24 @@ fn an_unauthorized_host_neither_sees_nor_opens_the_volume_and_is_logged() {
     assert_eq!(names, vec!["shared"]);
     let e = s.open("secret").err().unwrap();
     assert_eq!(e.status(), Some(Status::AccessDenied), "{e}");
-    assert_eq!(file_digest(&f.secret), before);
+    assert_eq!(digest(&f.secret), before);
+    stop(&mut f);
+    assert_eq!(digest(&f.secret), before, "the volume changed by the target's exit");
 }
 
 #[test]
 fn a_read_only_grant_refuses_writes_and_leaves_the_file_unchanged() {
-    let f = fixture();
-    let before = file_digest(&f.shared);
+    a_read_only_grant(BackingKind::File);
+}
+
+#[test]
+fn a_read_only_grant_refuses_writes_and_leaves_the_file_unchanged_on_rbd() {
+    a_read_only_grant(BackingKind::Rbd);
+}
+
+fn a_read_only_grant(kind: BackingKind) {
+    let mut f = fixture_on(kind);
+    let before = digest(&f.shared);
     let mut beta = raw_as(&f.target.url, "beta", &f.beta_key);
     let info = beta.open_volume("shared").unwrap();
     assert!(info.read_only(), "OPEN reports the read-only grant");
@@ -170,7 +213,7 @@ fn a_read_only_grant_refuses_writes_and_leaves_the_file_unchanged() {
     c.block_count = BlockCount(1);
     c.descriptor = beta.descriptor(0, info.block_size);
     assert_eq!(beta.command(c, b"").unwrap().capsule.status, Status::Success);
-    assert_eq!(file_digest(&f.shared), before, "refused writes change nothing");
+    assert_eq!(digest(&f.shared), before, "refused writes change nothing");
     let line = f.target.wait_for_log("refused: host=beta", Duration::from_secs(10));
     assert!(line.contains("read-only grant") && line.contains("peer="), "{line}");
 
@@ -179,13 +222,18 @@ fn a_read_only_grant_refuses_writes_and_leaves_the_file_unchanged() {
     let a = alpha.open_volume("shared").unwrap();
     assert!(!a.read_only());
     assert_eq!(raw_write(&mut alpha, a.volume_id, 1, a.block_size), Status::Success);
-    assert_ne!(file_digest(&f.shared), before);
+    let written = f.shared.contents();
+    assert!(written[..a.block_size as usize].iter().all(|&b| b == 0xee), "alpha's write is in the store");
+    assert_ne!(bytes_digest(&written), before);
 
     // The library reports the volume read-only.
     let s = Session::connect(f.target.url.as_str(), options("beta", Some(&f.beta_key))).unwrap();
     let v = s.open("shared").unwrap();
     assert!(v.read_only());
     assert!(v.write_at(&[0u8; 4096], 0).is_err());
+    drop((v, s));
+    stop(&mut f);
+    assert!(f.shared.contents() == written, "the store after the target's exit holds alpha's write and nothing of beta's");
 }
 
 #[test]
