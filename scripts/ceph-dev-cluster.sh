@@ -254,6 +254,12 @@ start)
         say "already running"
     else
         stop_daemons
+        # Another cluster (the tests' one in /tmp/rdmablk-ceph-dev uses the
+        # default port) or any other process on the monitor's port: say so
+        # now, not as a monitor that "did not start".
+        if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then
+            die "127.0.0.1:$PORT is in use (another dev cluster? scripts/ceph-dev-cluster.sh status DIR); set CEPH_DEV_MON_PORT to another port"
+        fi
         start_fresh
     fi
     wait_usable

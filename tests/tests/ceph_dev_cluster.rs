@@ -240,3 +240,25 @@ fn clients_read_no_cache_and_blocklist_on_lock_break() {
     assert_eq!(lookup("rbd_blocklist_on_break_lock"), "true");
     assert_eq!(lookup("keyring"), c.dir.join("ceph.client.rdmablk.keyring").to_str().unwrap());
 }
+
+/// A second cluster on a monitor port another process holds (the tests'
+/// cluster is on the default one) fails at once, naming the port and the
+/// variable that moves it, instead of a monitor that "did not start".
+#[test]
+fn a_start_on_a_taken_monitor_port_names_the_port_and_how_to_move_it() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let dir = tempfile::tempdir().unwrap();
+    let t0 = Instant::now();
+    let out = Command::new("bash")
+        .arg(rdmablk_system_tests::ceph::script())
+        .args(["start", dir.path().to_str().unwrap()])
+        .env("CEPH_DEV_MON_PORT", port.to_string())
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert!(!out.status.success(), "a start on a taken port succeeded: {err}");
+    assert!(err.contains(&format!("127.0.0.1:{port} is in use")) && err.contains("CEPH_DEV_MON_PORT"), "unclear error: {err}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "took {:?} to fail", t0.elapsed());
+    assert!(!dir.path().join("mon.a").exists(), "a monitor was created anyway");
+}
