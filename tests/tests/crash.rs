@@ -1,22 +1,30 @@
-//! Crash durability against the real daemon on a real file volume.
+//! Crash durability against the real daemon on a real store. Each test runs
+//! twice: on a file volume (the test's own name) and on an RBD image of the
+//! dev Ceph cluster (its `_on_rbd` twin, issue 54).
 //!
 //! 1. `sigkill_during_fua_and_flushed_writes_keeps_every_acknowledged_write`:
 //!    two queue pairs write (half FUA, half plain, with a FLUSH now and then;
 //!    QD 8 each through `IoQueue`, plus a thread of inline one-block writes)
 //!    while the daemon is SIGKILLed at a random moment, over and over
-//!    (`RDMABLK_CRASH_ITERATIONS`, default 24). Every block written carries a
+//!    (`RDMABLK_CRASH_ITERATIONS`, default 24, on either store: a round on
+//!    rbd takes about 1 s, twice a file's). Every block written carries a
 //!    header (magic, block number, write sequence number, checksum) and bytes
 //!    derived from them, so a read tells exactly which write it came from.
 //!    The initiator side tracks, per block, every write issued and whether it
 //!    was acknowledged and whether it is durable (FUA acknowledged, or
 //!    acknowledged before a FLUSH that was acknowledged). After each kill the
-//!    daemon is restarted on the same file and every block is read back:
+//!    daemon is restarted on the same store and every block is read back
+//!    (on rbd the restarted daemon's `lock_at_start` breaks the exclusive
+//!    lock the killed one left, blocklisting its client: the test checks it
+//!    did), and what the restarted daemon reads is what the store holds
+//!    ([`Backing::contents`]: the file, or the image by `rbd export`):
 //!    - it holds the last durable write or a later issued one, never older
 //!      (docs/PROTOCOL.md: FUA, FLUSH);
 //!    - it holds the last acknowledged write or a later issued one: only the
 //!      process died, not the machine, and "an acknowledged write is in the
 //!      file" (ARCHITECTURE.md, "Volumes and backends") — this is what a
-//!      target acknowledging before its O_DIRECT write completed would break;
+//!      target acknowledging before its O_DIRECT write (or its librbd write,
+//!      cache off: on the OSDs) completed would break;
 //!    - it is either zeroes (never written) or exactly one complete issued
 //!      write of this block: no foreign, stale-garbage or torn block.
 //!
@@ -38,9 +46,9 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{Rng, RngCore, SeedableRng};
 use rdmablk_initiator::{BlockDevice, ConnectOptions, IoBuffer, IoCompletion, IoRequest, Session, Volume};
+use rdmablk_system_tests::backing::{Backing, BackingKind};
 use rdmablk_system_tests::{
-    bin, file_volume, free_port, open_fds, rss_bytes, sample, sample_sum, scrape, sparse_file, target_section,
-    target_section_at, wait_until, TargetProcess,
+    bin, free_port, open_fds, rss_bytes, sample, sample_sum, scrape, target_section, target_section_at, wait_until, TargetProcess,
 };
 
 const BS: usize = 4096;
@@ -54,6 +62,13 @@ fn seed() -> u64 {
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// Stops the target with SIGTERM and expects a clean exit, so that an rbd
+/// image is closed (its watch gone) when its `Backing` removes it.
+fn stop(mut target: TargetProcess) {
+    target.signal(libc::SIGTERM);
+    assert_eq!(target.wait_exit(Duration::from_secs(20)), Some(0), "the target's exit on SIGTERM; log:\n{}", target.log().join("\n"));
 }
 
 // ---------------------------------------------------------------------------
@@ -289,7 +304,7 @@ impl Tracker {
         if idx < last_acked {
             return Err(format!(
                 "block {b} holds write seq {seq}, older than the acknowledged write seq {}: an acknowledged write \
-                 is not in the file after a process crash; history {:?}",
+                 is not in the store after a process crash; history {:?}",
                 h.writes[last_acked].seq, h.writes
             ));
         }
@@ -423,19 +438,27 @@ fn crash_options() -> ConnectOptions {
 
 #[test]
 fn sigkill_during_fua_and_flushed_writes_keeps_every_acknowledged_write() {
-    let iterations: usize = env_or("RDMABLK_CRASH_ITERATIONS", 24);
+    sigkill_during_writes_keeps_every_acknowledged_write(BackingKind::File, env_or("RDMABLK_CRASH_ITERATIONS", 24));
+}
+
+#[test]
+fn sigkill_during_fua_and_flushed_writes_keeps_every_acknowledged_write_on_rbd() {
+    sigkill_during_writes_keeps_every_acknowledged_write(BackingKind::Rbd, env_or("RDMABLK_CRASH_ITERATIONS", 24));
+}
+
+fn sigkill_during_writes_keeps_every_acknowledged_write(kind: BackingKind, iterations: usize) {
     let mut rng = StdRng::seed_from_u64(seed());
     let volume_blocks = 512usize; // 2 MiB: writes often hit blocks written before
     let size = (volume_blocks * BS) as u64;
     let dir = tempfile::tempdir().unwrap();
-    let image = sparse_file(dir.path(), "crash.img", size);
+    let store = Backing::new(kind, dir.path(), "crash.img", size);
     let config = dir.path().join("target.toml");
     std::fs::write(
         &config,
         format!(
             "{}reactors = 2\nchunk_size = \"16KiB\"\nmax_io_size = \"64KiB\"\n{}",
             target_section_at(free_port()),
-            file_volume("crash", &image, size, false)
+            store.volume("crash", size, false)
         ),
     )
     .unwrap();
@@ -481,10 +504,19 @@ fn sigkill_during_fua_and_flushed_writes_keeps_every_acknowledged_write() {
         drop(session);
 
         target = TargetProcess::start_with_path(&config);
+        if kind == BackingKind::Rbd {
+            // The killed daemon's lock was left behind; the new one broke it.
+            target.wait_for_log("took the exclusive lock from", Duration::from_secs(10));
+        }
         let session = Session::connect(target.url.as_str(), crash_options()).expect("reconnect after the restart");
         let vol = session.open("crash").expect("open after the restart");
         let mut all = vec![0u8; size as usize];
         vol.read_at(&mut all, 0).expect("read the volume back");
+        let held = store.contents();
+        assert!(held.len() == all.len(), "iteration {iteration}: the {kind:?} store holds {} bytes, not {size}", held.len());
+        if let Some(b) = (0..volume_blocks).find(|&b| held[b * BS..(b + 1) * BS] != all[b * BS..(b + 1) * BS]) {
+            panic!("iteration {iteration}: block {b}: the restarted daemon read other bytes than the {kind:?} store holds");
+        }
         let mut t = tracker.lock().unwrap();
         let mut violations: Vec<String> = Vec::new();
         let mut landed_unacknowledged = 0;
@@ -524,6 +556,7 @@ fn sigkill_during_fua_and_flushed_writes_keeps_every_acknowledged_write() {
     assert!(totals.fua_acked > 0 && totals.flushes_acked > 0 && totals.made_durable_by_flush > 0, "{totals:?}");
     assert!(inline_writes > 0, "no write went inline");
     target.assert_no_panic();
+    stop(target);
 }
 
 // ---------------------------------------------------------------------------
@@ -648,16 +681,25 @@ fn settled_fds(pid: u32) -> usize {
 
 #[test]
 fn sigkill_of_an_initiator_mid_load_frees_its_session() {
+    sigkill_of_an_initiator_mid_load_frees_its_session_on(BackingKind::File);
+}
+
+#[test]
+fn sigkill_of_an_initiator_mid_load_frees_its_session_on_rbd() {
+    sigkill_of_an_initiator_mid_load_frees_its_session_on(BackingKind::Rbd);
+}
+
+fn sigkill_of_an_initiator_mid_load_frees_its_session_on(kind: BackingKind) {
     let mut rng = StdRng::seed_from_u64(seed());
     let size = 64 * MIB;
     let dir = tempfile::tempdir().unwrap();
-    let image = sparse_file(dir.path(), "v.img", size);
+    let store = Backing::new(kind, dir.path(), "v.img", size);
     // 4 MiB of pool per reactor: 64 writes of 256 KiB in flight exhaust it,
     // so commands also wait for chunks when the initiator dies.
     let config = format!(
         "{}reactors = 2\nbuffer_pool = \"4MiB\"\nmetrics = \"127.0.0.1:0\"\n{}",
         target_section(),
-        file_volume("v", &image, size, false)
+        store.volume("v", size, false)
     );
     let target = TargetProcess::start(&config);
     let addr = target.metrics_addr();
@@ -725,4 +767,5 @@ fn sigkill_of_an_initiator_mid_load_frees_its_session() {
     let log = target.log();
     let disconnects = log.iter().filter(|l| l.contains("session disconnected")).count();
     assert!(disconnects >= rounds, "{disconnects} disconnect lines for {rounds} killed initiators");
+    stop(target);
 }
