@@ -91,11 +91,7 @@ impl Backing {
     pub fn bytes_at(&self, offset: u64, len: usize) -> Vec<u8> {
         match self {
             Backing::File { path } => crate::file_bytes(path, offset, len),
-            Backing::Rbd { .. } => {
-                let all = self.contents();
-                assert!(offset as usize + len <= all.len(), "{offset}+{len} is past the image's end ({} bytes)", all.len());
-                all[offset as usize..offset as usize + len].to_vec()
-            }
+            Backing::Rbd { image } => rbd_bytes_at(image, offset, len),
         }
     }
 
@@ -134,4 +130,58 @@ impl Drop for Backing {
             let _ = c.rbd(&["rm", "--no-progress", &c.spec(image)]);
         }
     }
+}
+
+/// Image `image`'s object name prefix and object size, from `rbd info`
+/// once per image (neither changes in an image's life).
+fn rbd_layout(image: &str) -> (String, u64) {
+    static LAYOUTS: std::sync::Mutex<Vec<(String, String, u64)>> = std::sync::Mutex::new(Vec::new());
+    let mut known = LAYOUTS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, prefix, size)) = known.iter().find(|(name, _, _)| name == image) {
+        return (prefix.clone(), *size);
+    }
+    let c = cluster();
+    let info = String::from_utf8_lossy(&c.rbd(&["info", "--format", "json", &c.spec(image)]).stdout).into_owned();
+    let field = |key: &str| -> String {
+        let rest = info.split_once(&format!("\"{key}\":")).map(|(_, r)| r).unwrap_or_else(|| panic!("no {key} in rbd info: {info}"));
+        rest.trim_start_matches('"').chars().take_while(|ch| ch.is_ascii_alphanumeric() || *ch == '_' || *ch == '.').collect()
+    };
+    let prefix = field("block_name_prefix");
+    let object_size: u64 = field("object_size").parse().unwrap_or_else(|_| panic!("no object_size in rbd info: {info}"));
+    known.push((image.to_string(), prefix.clone(), object_size));
+    (prefix, object_size)
+}
+
+/// A range of image `image` as the OSDs hold it, read object by object
+/// with `rados get` (an image of 64 MiB exports in about 0.3 s; the one or
+/// two 4 MiB objects of a range read in a few ms). An object that does not
+/// exist was never written (zeroes), and one shorter than the object size
+/// ends in zeroes.
+fn rbd_bytes_at(image: &str, offset: u64, len: usize) -> Vec<u8> {
+    let c = cluster();
+    let (prefix, object_size) = rbd_layout(image);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut out = vec![0u8; len];
+    let end = offset + len as u64;
+    let mut pos = offset;
+    while pos < end {
+        let (objno, within) = (pos / object_size, pos % object_size);
+        let take = (object_size - within).min(end - pos) as usize;
+        let file = dir.path().join(format!("{objno}"));
+        let name = format!("{prefix}.{objno:016x}");
+        let got = c.rados(&["-p", c.pool, "get", &name, file.to_str().expect("utf-8 path")]);
+        if got.status.success() {
+            let object = std::fs::read(&file).expect("read the object's file");
+            let have = object.len().saturating_sub(within as usize).min(take);
+            let at = (pos - offset) as usize;
+            if have > 0 {
+                out[at..at + have].copy_from_slice(&object[within as usize..within as usize + have]);
+            }
+        } else {
+            let err = String::from_utf8_lossy(&got.stderr);
+            assert!(err.contains("(2) No such file or directory"), "rados get {name} failed ({}): {err}", got.status);
+        }
+        pos += take as u64;
+    }
+    out
 }
