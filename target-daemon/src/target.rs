@@ -840,6 +840,11 @@ impl ControlThread {
             }
         }
         let current = self.registry.volumes();
+        // An rbd owner another gateway took over while it held nothing has
+        // not been told: ask Ceph, so that it is reopened as a standby below.
+        for v in &current.volumes {
+            v.confirm_access();
+        }
         // Open what is new first, without the admin lock: this may touch disks.
         let mut actions = Vec::with_capacity(config.volumes.len());
         let mut next_id = self.next_volume_id;

@@ -236,3 +236,43 @@ fn without_the_blocklist_a_frozen_gateways_held_writes_land_stale() {
     }
     panic!("no stale block in {} rounds without the blocklist", rounds());
 }
+
+/// An owner that was taken over while frozen with nothing in flight has
+/// not met the blocklist when resumed: a reload must still find it fenced
+/// off (asking Ceph, not its own memory) and reopen the image as a
+/// standby, which then takes it back at a host's first command.
+#[test]
+fn a_reload_finds_a_quietly_taken_over_owner_and_reopens_it_as_a_standby() {
+    let c = cluster();
+    let image = c.unique_name("quiet");
+    c.create_image(&image, IMAGE);
+    let mut a = TargetProcess::start(&gateway_config(&image, true));
+    let mut b = TargetProcess::start(&gateway_config(&image, false));
+    let write = |t: &TargetProcess, version: u64| {
+        let s = Session::connect(t.url.clone(), options()).expect("connect");
+        s.open("shared").expect("open").write_at(&block_bytes(7, version), 7 * BLOCK as u64)
+    };
+    write(&a, 1).expect("a write through the owner");
+    // b takes the image over at its first command while a is frozen: a
+    // misses the OSD map that blocklists it, and is resumed with nothing
+    // in flight and reloaded at once.
+    a.signal(libc::SIGSTOP);
+    write(&b, 2).expect("a write through the standby, which takes the image over");
+    a.signal(libc::SIGCONT);
+    a.signal(libc::SIGHUP);
+    a.wait_for_log("reopened as a standby", Duration::from_secs(20));
+    // a serves again, after taking the image back from b.
+    write(&a, 3).expect("a write through the reopened gateway");
+    // b, taken over quietly in its turn, finds out at its reload too.
+    b.signal(libc::SIGHUP);
+    b.wait_for_log("reopened as a standby", Duration::from_secs(20));
+    let s = Session::connect(a.url.clone(), options()).expect("connect");
+    let mut buf = vec![0u8; BLOCK];
+    s.open("shared").expect("open").read_at(&mut buf, 7 * BLOCK as u64).expect("read");
+    assert!(buf == block_bytes(7, 3), "a read back something other than its last write");
+    for t in [&mut a, &mut b] {
+        t.signal(libc::SIGTERM);
+        assert_eq!(t.wait_exit(Duration::from_secs(20)), Some(0), "a gateway's exit");
+    }
+    c.remove_image(&image);
+}

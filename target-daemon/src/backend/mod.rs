@@ -325,6 +325,15 @@ impl Volume {
         self.backend.ownership().map_or(Access::Owner, Ownership::access)
     }
 
+    /// Checks with the store that [`Volume::access`] still holds (an rbd
+    /// owner may have been taken over unawares; see
+    /// [`rbd::RbdBackend::confirm_ownership`]). Blocks: reload only.
+    pub fn confirm_access(&self) {
+        if let Backend::Rbd(r) = &*self.backend {
+            r.confirm_ownership();
+        }
+    }
+
     /// Changes of [`Volume::access`] so far (0 for a volume not shared).
     pub fn access_generation(&self) -> u64 {
         self.backend.ownership().map_or(0, Ownership::generation)

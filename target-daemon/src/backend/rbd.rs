@@ -350,6 +350,27 @@ impl RbdBackend {
         Ok(())
     }
 
+    /// Asks Ceph whether this gateway, believing itself the owner, still
+    /// holds the image's lock, and marks the image fenced when it does not.
+    /// An owner taken over while it held no operation (a frozen gateway
+    /// resumed with nothing in flight) learns it no other way before its
+    /// next command. One round trip to Ceph: on a reload, never a reactor.
+    pub fn confirm_ownership(&self) {
+        if self.shared.ownership.access() != Access::Owner {
+            return;
+        }
+        let mut is_owner: c_int = 0;
+        // SAFETY: open image; `is_owner` is an int that librbd writes.
+        let r = unsafe { sys::rbd_is_exclusive_lock_owner(self.handles.image, &mut is_owner) };
+        if r == -EBLOCKLISTED || (r == 0 && is_owner == 0) {
+            // Blocklisted, or the lock released behind its back (EROFS on
+            // the next write): either way not the owner any more.
+            self.fence();
+        } else if r < 0 {
+            tracing::warn!(image = %self.config.spec(), "rbd image {}: cannot tell whether this gateway still owns it: {}", self.config.spec(), std::io::Error::from_raw_os_error(-r));
+        }
+    }
+
     /// Marks the image fenced (an operation came back `EBLOCKLISTED`).
     fn fence(&self) {
         self.shared.fence();
