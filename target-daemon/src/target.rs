@@ -861,6 +861,8 @@ impl ControlThread {
                     }
                     let mut v = Volume::open(&config.source, &standby, VolumeId(next_id), reactors, iopoll)?;
                     v.config = vc.clone();
+                    // The same namespace to NVMe hosts: a path of theirs, not a new disk.
+                    v.nsid = old.nsid;
                     next_id += 1;
                     Action::Replace(Arc::clone(old), v, "fenced off by another gateway: reopened as a standby; access".into())
                 }

@@ -202,18 +202,31 @@ fn each_gateway_reports_the_namespace_optimized_in_its_ana_log_and_data_crosses_
 /// development cluster as volume "shared" (NSID 7), its lock taken at start
 /// or not (a standby).
 fn rbd_gateway(dir: &Path, name: &str, cntlids: (u16, u16), image: &str, lock_at_start: bool) -> (TargetProcess, SocketAddr) {
+    rbd_gateway_nsid(dir, name, cntlids, image, lock_at_start, Some(NSID))
+}
+
+/// [`rbd_gateway`] with `nsid = ` set or left to its default (the volume id).
+fn rbd_gateway_nsid(
+    dir: &Path,
+    name: &str,
+    cntlids: (u16, u16),
+    image: &str,
+    lock_at_start: bool,
+    nsid: Option<u32>,
+) -> (TargetProcess, SocketAddr) {
     let c = cluster();
     let host = listen_host();
     let host = if host.contains(':') { format!("[{host}]") } else { host };
     let config = format!(
         "[target]\nname = \"{name}\"\nlisten = [\"nvme+tcp://{host}:0\"]\nnqn = \"{SUBNQN}\"\nnvme_cntlid_min = {}\nnvme_cntlid_max = {}\n\
          [[volume]]\nname = \"shared\"\nbackend = \"rbd\"\npool = \"{}\"\nimage = \"{image}\"\nceph_conf = \"{}\"\nclient = \"{}\"\n\
-         lock_at_start = {lock_at_start}\nnsid = {NSID}\nallow_any_host = true\n",
+         lock_at_start = {lock_at_start}\n{}allow_any_host = true\n",
         cntlids.0,
         cntlids.1,
         c.pool,
         c.conf.display(),
-        c.client
+        c.client,
+        nsid.map(|n| format!("nsid = {n}\n")).unwrap_or_default()
     );
     let path = dir.join(format!("{name}.toml"));
     std::fs::write(&path, config).unwrap();
@@ -308,4 +321,37 @@ fn an_rbd_volume_taken_over_by_the_standby_is_optimized_there_and_inaccessible_o
     if !rm.status.success() {
         eprintln!("{image} left in the development cluster: {}", String::from_utf8_lossy(&rm.stderr).trim());
     }
+}
+
+/// A fenced gateway reopened by a reload keeps the namespace's id when the
+/// config leaves `nsid` to its default (the volume id, which the reopened
+/// volume does not keep): a host's path must not see its namespace vanish
+/// and another appear.
+#[test]
+fn a_fenced_rbd_gateway_reopened_by_a_reload_keeps_its_default_namespace_id() {
+    let c = cluster();
+    let image = c.unique_name("nvme-nsid");
+    c.create_image(&image, VOL_SIZE);
+    let dir = tempfile::tempdir().unwrap();
+    let (mut a, addr_a) = rbd_gateway_nsid(dir.path(), "gw-a", (1, 99), &image, true, None);
+    let (mut b, addr_b) = rbd_gateway_nsid(dir.path(), "gw-b", (100, 199), &image, false, None);
+    let active = |addr: SocketAddr, gw: &str| {
+        let (mut admin, _) = NvmeTcpConn::admin(addr, NO_DIGESTS, SUBNQN, HOSTNQN, 0);
+        parse_ns_list(&admin.identify(2, 0).unwrap_or_else(|s| panic!("{gw}: active namespace list: {s}")))
+    };
+    let before = active(addr_a, "gw-a");
+    assert_eq!(before, active(addr_b, "gw-b"), "the gateways' namespace ids");
+    // b takes the image over; a, idle, learns it at its reload.
+    let (admin_b, cntlid_b) = NvmeTcpConn::admin(addr_b, NO_DIGESTS, SUBNQN, HOSTNQN, 0);
+    let mut q_b = NvmeTcpConn::io(addr_b, NO_DIGESTS, cntlid_b, 1, SUBNQN, HOSTNQN);
+    q_b.write(before[0], 0, &[7u8; 4096], true).unwrap_or_else(|s| panic!("a write through gw-b: {s}"));
+    a.signal(libc::SIGHUP);
+    a.wait_for_log("reopened as a standby", Duration::from_secs(20));
+    assert_eq!(active(addr_a, "gw-a after its reload"), before, "the reopened gateway's namespace ids");
+    drop((q_b, admin_b));
+    for t in [&mut a, &mut b] {
+        t.signal(libc::SIGTERM);
+        assert_eq!(t.wait_exit(Duration::from_secs(30)), Some(0), "a gateway's exit");
+    }
+    c.remove_image(&image);
 }

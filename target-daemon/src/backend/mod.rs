@@ -258,6 +258,9 @@ impl WriteEpochs {
 pub struct Volume {
     /// Wire id, stable while the target runs and never reused for another volume.
     pub id: VolumeId,
+    /// NVMe namespace id: `nsid =`, or the id it was first opened with (a
+    /// gateway's image reopened after a fence keeps it, under a new id).
+    pub nsid: u32,
     pub name: String,
     /// The configuration it was opened from (compared on reload).
     pub config: VolumeConfig,
@@ -278,6 +281,7 @@ impl Volume {
         let (backend, size, block_size) = open_backend(source, vc, vc.read_only, iopoll)?;
         let v = Volume {
             id,
+            nsid: vc.nsid.unwrap_or(id.0),
             name: vc.name.clone(),
             config: vc.clone(),
             read_only: vc.read_only,
@@ -308,6 +312,7 @@ impl Volume {
         };
         Ok(Volume {
             id: self.id,
+            nsid: self.nsid,
             name: self.name.clone(),
             config: vc.clone(),
             read_only: vc.read_only,

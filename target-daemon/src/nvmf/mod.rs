@@ -357,9 +357,10 @@ impl HostView {
     }
 }
 
-/// The namespace id of a volume: `nsid =`, or its volume id (never reused).
+/// The namespace id of a volume: `nsid =`, or its first volume id (never
+/// reused; see [`Volume::nsid`]).
 pub fn nsid_of(vol: &Volume) -> u32 {
-    vol.config.nsid.unwrap_or(vol.id.0)
+    vol.nsid
 }
 
 /// The namespaces `host` sees in `set`, by ascending nsid. A volume whose
