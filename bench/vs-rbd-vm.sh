@@ -19,7 +19,9 @@
 # round runs every case on both back to back, the order swapped every
 # other round. Printed: a markdown table, case | fio rbd IOPS · mean lat |
 # kernel NVMe/TCP → rdmablk-target (rbd) IOPS · mean lat | ratio (median
-# of the rounds' ratios, and each round's).
+# of the rounds' ratios, and each round's); and a second one of the guest's
+# CPU in each system's runs (busy share of both vCPUs, CPU µs per I/O) and
+# rdmablk-target's own CPU µs per I/O.
 #
 # Cases: randread-4k-qd1 randwrite-4k-qd1 randread-4k-qd32
 # randwrite-4k-qd32 read-128k-qd16 write-128k-qd16.

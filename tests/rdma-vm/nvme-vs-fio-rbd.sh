@@ -4,8 +4,8 @@
 # errors), not in the CI stage's default step list: it runs only when
 # RDMABLK_CI_STEPS names it, as bench/vs-rbd-vm.sh does. Sourced by
 # ci-guest.sh after nvme-of.sh, whose helpers it uses (nvme_connect,
-# nvme_dmesg_mark, nvme_dmesg_since, nvme_show_dmesg), as it does WORK,
-# SIP, BIN and RES of ci-guest.sh.
+# nvme_dmesg_mark, nvme_dmesg_since, nvme_show_dmesg, busy_ticks,
+# proc_ticks), as it does WORK, SIP, BIN and RES of ci-guest.sh.
 #
 #   - The dev Ceph cluster in the guest (scripts/ceph-dev-cluster.sh in
 #     $WORK/ceph, on the scratch ext4; memstore of at most 1 GiB), an image
@@ -34,8 +34,11 @@
 #   - $RES/nvme-tcp-vs-fio-rbd.md: per case, each system's IOPS and mean
 #     (total) latency, medians over the rounds, and the IOPS ratio rdmablk
 #     / fio-rbd of each round (the two runs of a round are adjacent in
-#     time) and their median. $RES/nvme-tcp-vs-fio-rbd/ keeps every run's
-#     fio JSON.
+#     time) and their median. A second table: the guest's CPU during each
+#     run (all CPUs' busy ticks from /proc/stat over fio's process, as a
+#     share of both vCPUs and per I/O) and rdmablk-target's own CPU per
+#     I/O: whether a run was CPU-bound, and what the extra hop costs.
+#     $RES/nvme-tcp-vs-fio-rbd/ keeps every run's fio JSON and CPU sample.
 #   - RDMABLK_RBD_VS_TARGET: the rdmablk-target to run (default
 #     $BIN/rdmablk-target; bench/vs-rbd-vm.sh gives a release build).
 #
@@ -128,10 +131,15 @@ rbdvs_run() { # NAME SYS ROUND
     else
         engine=(--ioengine=rbd --clientname=rdmablk --pool=rbd --rbdname="$RBDVS_IMAGE")
     fi
-    local rc=0
+    local rc=0 b0 b1 w0 w1 p0=0 p1=0
+    [[ $sys != rdmablk ]] || p0=$(proc_ticks "$TPID")
+    b0=$(busy_ticks); w0=$(date +%s.%N)
     fio --name="$name" "${engine[@]}" --rw="$RW" --bs="$BS" --iodepth="$QD" --size=${RBDVS_SIZE_MIB}M \
         --runtime="$RUNTIME" --ramp_time="$RAMP" --time_based --randrepeat=0 \
         --output-format=json --output="$base.json" 2>"$base.err" || rc=$?
+    b1=$(busy_ticks); w1=$(date +%s.%N)
+    [[ $sys != rdmablk ]] || p1=$(proc_ticks "$TPID")
+    echo "busy $((b1 - b0)) proc $((p1 - p0)) wall $w0 $w1 hz $(getconf CLK_TCK) cpus $(nproc)" >"$base.cpu"
     if [[ $sys == rdmablk ]]; then
         nvme disconnect -n "$RBDVS_NQN" >"$base.disconnect" 2>&1 || rc=1
         grep -q "disconnected 1 controller" "$base.disconnect" || { cat "$base.disconnect"; echo "FAIL: nvme disconnect"; rc=1; }
@@ -239,7 +247,12 @@ def load(case, s, k):
     text = open(f"{out}/{case}.{s}.{k}.json").read()
     j = json.loads(text[text.index("{"):])["jobs"][0]
     d = j["write"] if j["write"]["total_ios"] > j["read"]["total_ios"] else j["read"]
-    return {"iops": d["iops"], "lat": d["lat_ns"]["mean"] / 1000}
+    c = open(f"{out}/{case}.{s}.{k}.cpu").read().split()
+    busy, proc, wall, hz, cpus = int(c[1]), int(c[3]), float(c[6]) - float(c[5]), int(c[8]), int(c[10])
+    # Rates over fio's whole process (start, ramp, run): per I/O at the run's IOPS.
+    return {"iops": d["iops"], "lat": d["lat_ns"]["mean"] / 1000,
+            "util": busy / hz / wall / cpus * 100, "cpu_us": busy / hz / wall / d["iops"] * 1e6,
+            "proc_us": proc / hz / wall / d["iops"] * 1e6}
 med = statistics.median
 print(f"## Kernel NVMe/TCP host → rdmablk-target (rbd) vs fio's rbd engine (kernel {kver}, qemu TCG, 2 vCPUs)")
 print()
@@ -262,6 +275,19 @@ for c in cases:
     print(f"| {c} | {cell(f)} | {cell(r)} | **{med(each):.2f}** ({' '.join(f'{x:.2f}' for x in each)}) |")
 print()
 print("Within 10% of the bound: ratio >= 0.90.")
+print()
+print("The guest's CPU during the runs (medians of the rounds): all "
+      "CPUs' busy time from /proc/stat over fio's process (start and ramp included) as a share of all vCPUs, "
+      "and per I/O at the run's IOPS (everything: fio, the kernel, the monitor and OSD, rdmablk-target); "
+      "rdmablk-target's own utime+stime per I/O.")
+print()
+print("| case | fio rbd: guest CPU busy · µs per I/O | rdmablk: guest CPU busy · µs per I/O | rdmablk-target's own µs per I/O |")
+print("|---|---:|---:|---:|")
+for c in cases:
+    f = [load(c, "fio-rbd", k) for k in range(1, rounds + 1)]
+    r = [load(c, "rdmablk", k) for k in range(1, rounds + 1)]
+    cell = lambda xs: f"{med(x['util'] for x in xs):.0f}% · {med(x['cpu_us'] for x in xs):,.0f}"
+    print(f"| {c} | {cell(f)} | {cell(r)} | {med(x['proc_us'] for x in r):,.0f} |")
 PY
     cat "$RES/nvme-tcp-vs-fio-rbd.md"
     trap - EXIT
