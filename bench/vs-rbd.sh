@@ -73,7 +73,7 @@ for c in "${ALL_CASES[@]}"; do
     if [ ${#ONLY[@]} -eq 0 ] || [[ " ${ONLY[*]} " == *" ${c%% *} "* ]]; then CASES+=("$c"); fi
 done
 
-install_missing fio:fio python3:python3
+install_missing fio:fio python3:python3 /usr/bin/time:time
 fio --enghelp 2>/dev/null | grep -qw rbd || { echo "vs-rbd.sh: this fio has no rbd engine (Debian's fio has it)" >&2; exit 1; }
 if [ "$BUILD" = 1 ]; then
     log "building the release binaries"
@@ -151,15 +151,17 @@ run() { # NAME -- COMMAND...
 fio_rbd() { # NAME JOB...
     local name=$1; shift
     log "[$rep/$REPEAT] $name: fio rbd engine (librbd in fio)"
-    run "$name.fio.$rep" -- fio "$@" --ioengine=rbd --clientname=rdmablk --pool=rbd --rbdname="$IMAGE" \
-        --lat_percentiles=1 "${COMMON[@]}"
+    # fio's own usr/sys_cpu count its job thread only, not librbd's
+    # threads: time(1) takes the whole process's CPU.
+    run "$name.fio.$rep" -- /usr/bin/time -f "%U %S" -o "$WORK/$name.fio.$rep.time" fio "$@" --ioengine=rbd \
+        --clientname=rdmablk --pool=rbd --rbdname="$IMAGE" --lat_percentiles=1 "${COMMON[@]}"
 }
 rdmablk() { # NAME JOB...
     local name=$1; shift
     log "[$rep/$REPEAT] $name: rdmablk-bench -> rdmablk-target -> librbd"
     start_target
-    run "$name.rdmablk.$rep" -- "$BIN_DIR/rdmablk-bench" "$@" --target="tcp://127.0.0.1:$PORT" --volume=vol0 \
-        --target_pid="$TPID" "${COMMON[@]}"
+    run "$name.rdmablk.$rep" -- /usr/bin/time -f "%U %S" -o "$WORK/$name.rdmablk.$rep.time" "$BIN_DIR/rdmablk-bench" "$@" \
+        --target="tcp://127.0.0.1:$PORT" --volume=vol0 --target_pid="$TPID" "${COMMON[@]}"
     stop_target
 }
 for rep in $(seq 1 "$REPEAT"); do
@@ -191,11 +193,13 @@ def load(name):
             "p50_us": lat["percentile"]["50.000000"] / 1000.0,
             "p99_us": lat["percentile"]["99.000000"] / 1000.0,
             "client_cpu_pct": j["usr_cpu"] + j["sys_cpu"],
-            "target_cpu_s": float(open(f"{work}/{name}.cpu").read())}
+            "target_cpu_s": float(open(f"{work}/{name}.cpu").read()),
+            # The client's whole process, every thread (time(1)).
+            "client_cpu_s": sum(map(float, open(f"{work}/{name}.time").read().split()[-2:]))}
 
 rows = []
 print()
-print("| case | fio rbd (librbd in fio) IOPS · p50 µs | rdmablk-bench → rdmablk-target IOPS · p50 µs | rdmablk ÷ fio rbd (per repeat) | target CPU µs per I/O |")
+print("| case | fio rbd (librbd in fio) IOPS · p50 µs | rdmablk-bench → rdmablk-target IOPS · p50 µs | rdmablk ÷ fio rbd (per repeat) | CPU µs per I/O: fio rbd / bench + target |")
 print("|---|---:|---:|---:|---:|")
 for case in cases:
     fio = [load(f"{case}.fio.{r}") for r in range(1, repeat + 1)]
@@ -205,9 +209,11 @@ for case in cases:
     per = " ".join(f"{b['iops'] / f['iops']:.2f}" for f, b in zip(fio, rb))
     # The target's CPU over the whole command, ramp included, over the
     # I/Os of ramp and run at the run's rate (set-up cost is not spread).
-    cpu_per_io = statistics.median(b["target_cpu_s"] * 1e6 / (b["iops"] * (runtime + ramp)) for b in rb)
+    per_io = lambda runs, f: statistics.median(f(x) * 1e6 / (x["iops"] * (runtime + ramp)) for x in runs)
+    fio_cpu = per_io(fio, lambda x: x["client_cpu_s"])
+    bench_cpu, target_cpu = per_io(rb, lambda x: x["client_cpu_s"]), per_io(rb, lambda x: x["target_cpu_s"])
     fmt = lambda runs: f"{med(runs, 'iops'):,.0f} · {med(runs, 'p50_us'):,.0f}"
-    print(f"| {case} | {fmt(fio)} | {fmt(rb)} | **{ratio:.2f}** ({per}) | {cpu_per_io:,.0f} |")
+    print(f"| {case} | {fmt(fio)} | {fmt(rb)} | **{ratio:.2f}** ({per}) | {fio_cpu:,.0f} / {bench_cpu:,.0f} + {target_cpu:,.0f} |")
     rows.append({"case": case, "fio_rbd": fio, "rdmablk": rb, "ratio_median": ratio})
 print()
 print(f"medians of {repeat} interleaved runs of {runtime:g} s; within 10%: ratio >= 0.90")
