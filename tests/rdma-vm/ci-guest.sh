@@ -1014,7 +1014,11 @@ if [[ -n $NVME_TCP_SH ]]; then
     if ! declare -F nvme_rbd_failover >/dev/null; then
         step nvme-rbd-multipath-failover --timeout 30 bash -c "echo 'nvme-rbd-failover.sh not found beside $NVME_TCP_SH'; exit 1" || rc=1
     elif command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null && command -v ceph >/dev/null && command -v rbd >/dev/null; then
-        step nvme-rbd-multipath-failover --timeout 480 bash "$SELF" nvme_rbd_failover || rc=1
+        # The cycles' budget plus 300 s for the cluster, the gateways and
+        # the host's setup (480 s at the default budget).
+        rbd_budget=${RDMABLK_RBD_FAILOVER_BUDGET:-180}
+        [[ $rbd_budget =~ ^[0-9]+$ ]] || rbd_budget=180
+        step nvme-rbd-multipath-failover --timeout $((rbd_budget + 300)) bash "$SELF" nvme_rbd_failover || rc=1
     else
         skip nvme-rbd-multipath-failover "ceph-mon, ceph-osd, ceph or rbd is not installed on the host (apt-get install ceph-mon ceph-osd ceph-common)"
     fi
