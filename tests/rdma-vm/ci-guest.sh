@@ -1009,15 +1009,16 @@ if [[ -n $NVME_TCP_SH ]]; then
     step nvme-tcp-auth --timeout 300 bash "$SELF" nvme_tcp_auth || rc=1
     # Two gateways of one Ceph RBD image (a dev cluster in the guest), the
     # kernel host's native multipath across them, the owner frozen under
-    # fio and fenced, cycle after cycle within a budget of 180 s
-    # (nvme-rbd-failover.sh). About 4 to 5 minutes under TCG.
+    # fio and fenced, cycle after cycle within a budget of 420 s
+    # (nvme-rbd-failover.sh): the 20 cycles at about 16 s each, 7 to 8
+    # minutes in all under TCG.
     if ! declare -F nvme_rbd_failover >/dev/null; then
         step nvme-rbd-multipath-failover --timeout 30 bash -c "echo 'nvme-rbd-failover.sh not found beside $NVME_TCP_SH'; exit 1" || rc=1
     elif command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null && command -v ceph >/dev/null && command -v rbd >/dev/null; then
         # The cycles' budget plus 300 s for the cluster, the gateways and
-        # the host's setup (480 s at the default budget).
-        rbd_budget=${RDMABLK_RBD_FAILOVER_BUDGET:-180}
-        [[ $rbd_budget =~ ^[0-9]+$ ]] || rbd_budget=180
+        # the host's setup (720 s at the default budget).
+        rbd_budget=${RDMABLK_RBD_FAILOVER_BUDGET:-420}
+        [[ $rbd_budget =~ ^[0-9]+$ ]] || rbd_budget=420
         step nvme-rbd-multipath-failover --timeout $((rbd_budget + 300)) bash "$SELF" nvme_rbd_failover || rc=1
     else
         skip nvme-rbd-multipath-failover "ceph-mon, ceph-osd, ceph or rbd is not installed on the host (apt-get install ceph-mon ceph-osd ceph-common)"
