@@ -259,6 +259,10 @@ nvme_rbd_failover() {
     tstep=$(rbdfo_now)
     t0=$tstep
     rm -rf "$CEPH_DIR"
+    # Its own monitor port: the system tests run in this guest before it
+    # (data_path's and bad_commands' rbd twins) leave their cluster on
+    # the default port, 13300, for reuse.
+    export CEPH_DEV_MON_PORT=13500
     CEPH_DEV_OSD_BYTES=$((1 << 30)) bash "$RBDFO_CDC" start "$CEPH_DIR"
     echo "TIMING ceph cluster started in $(rbdfo_since "$t0") s"
     local rbd=(rbd -c "$CEPH_DIR/ceph.conf" --id rdmablk)

@@ -190,6 +190,10 @@ nvme_tcp_vs_fio_rbd() {
     local t0
     t0=$(date +%s)
     rm -rf "$CEPH_DIR"
+    # Its own monitor port: the system tests run in this guest before it
+    # (data_path's and bad_commands' rbd twins) leave their cluster on
+    # the default port, 13300, for reuse.
+    export CEPH_DEV_MON_PORT=13600
     CEPH_DEV_OSD_BYTES=$((1 << 30)) bash "$RBDVS_CDC" start "$CEPH_DIR"
     echo "TIMING ceph cluster started in $(($(date +%s) - t0)) s"
     export CEPH_CONF=$CEPH_DIR/ceph.conf
