@@ -962,11 +962,15 @@ counters >"$RES/counters.after"
 step rxe-link-used --timeout 30 bash "$SELF" link_used || rc=1
 step target-cli-rdma --timeout 300 bash "$SELF" cli || rc=1
 sys=(env RDMABLK_TEST_SCHEME=rdma RDMABLK_TEST_HOST="$SIP" RDMABLK_BIN_DIR="$BIN")
+# The _on_rbd twins (issue 54) run in the host stage: what they add is the
+# rbd store, whose path through the engine does not depend on the fabric,
+# and here each would pay a Ceph cluster in the guest under TCG (data_path's
+# took 6 minutes, bad_commands' 2, near the stage's time limit).
 step data-path-rdma --timeout 900 "${sys[@]}" "$RDMABLK_DATA_PATH" --test-threads=1 \
-    --skip read_only_volume_refuses_writes_with_its_status || rc=1
+    --skip read_only_volume_refuses_writes_with_its_status --skip _on_rbd || rc=1
 step read-only-rejection-rdma --timeout 300 "${sys[@]}" "$RDMABLK_DATA_PATH" --test-threads=1 \
     --exact read_only_volume_refuses_writes_with_its_status || rc=1
-step bad-commands-rdma --timeout 600 "${sys[@]}" "$RDMABLK_BAD_COMMANDS" --test-threads=1 || rc=1
+step bad-commands-rdma --timeout 600 "${sys[@]}" "$RDMABLK_BAD_COMMANDS" --test-threads=1 --skip _on_rbd || rc=1
 # The write outside the command lands in the same registered buffer, which
 # rxe's window check lets through (see rxe_defects above).
 step malicious-target-rdma --timeout 300 "${sys[@]}" "$RDMABLK_SCOPING" --test-threads=1 \
