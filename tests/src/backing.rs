@@ -51,15 +51,10 @@ impl Backing {
     pub fn volume(&self, name: &str, size: u64, read_only: bool) -> String {
         match self {
             Backing::File { path } => crate::file_volume(name, path, size, read_only),
-            Backing::Rbd { image } => {
-                let c = cluster();
-                format!(
-                    "[[volume]]\nname = \"{name}\"\nbackend = \"rbd\"\npool = \"{}\"\nimage = \"{image}\"\nceph_conf = \"{}\"\nclient = \"{}\"\nlock_at_start = true\nsize = {size}\nread_only = {read_only}\nallow_any_host = true\n",
-                    c.pool,
-                    c.conf.display(),
-                    c.client
-                )
-            }
+            Backing::Rbd { image } => format!(
+                "{}size = {size}\nread_only = {read_only}\nallow_any_host = true\n",
+                cluster().volume_block(name, image, true)
+            ),
         }
     }
 
@@ -140,14 +135,9 @@ fn rbd_layout(image: &str) -> (String, u64) {
     if let Some((_, prefix, size)) = known.iter().find(|(name, _, _)| name == image) {
         return (prefix.clone(), *size);
     }
-    let c = cluster();
-    let info = String::from_utf8_lossy(&c.rbd(&["info", "--format", "json", &c.spec(image)]).stdout).into_owned();
-    let field = |key: &str| -> String {
-        let rest = info.split_once(&format!("\"{key}\":")).map(|(_, r)| r).unwrap_or_else(|| panic!("no {key} in rbd info: {info}"));
-        rest.trim_start_matches('"').chars().take_while(|ch| ch.is_ascii_alphanumeric() || *ch == '_' || *ch == '.').collect()
-    };
-    let prefix = field("block_name_prefix");
-    let object_size: u64 = field("object_size").parse().unwrap_or_else(|_| panic!("no object_size in rbd info: {info}"));
+    let fields = cluster().image_info(image, &["block_name_prefix", "object_size"]);
+    let prefix = fields[0].clone();
+    let object_size: u64 = fields[1].parse().unwrap_or_else(|_| panic!("rbd info {image}: object_size {:?} is no number", fields[1]));
     known.push((image.to_string(), prefix.clone(), object_size));
     (prefix, object_size)
 }

@@ -161,6 +161,18 @@ impl DevCluster {
         format!("{}/{name}", self.pool)
     }
 
+    /// The start of a `[[volume]]` block exporting image `image` of the pool
+    /// as volume `name`, as a gateway (client.rdmablk) of this cluster; the
+    /// caller adds its size, nsid and access lines.
+    pub fn volume_block(&self, name: &str, image: &str, lock_at_start: bool) -> String {
+        format!(
+            "[[volume]]\nname = \"{name}\"\nbackend = \"rbd\"\npool = \"{}\"\nimage = \"{image}\"\nceph_conf = \"{}\"\nclient = \"{}\"\nlock_at_start = {lock_at_start}\n",
+            self.pool,
+            self.conf.display(),
+            self.client
+        )
+    }
+
     /// A name no other test process of this run (nor an earlier run) uses:
     /// `prefix-PID-N`, N counting within this process.
     pub fn unique_name(&self, prefix: &str) -> String {
@@ -193,14 +205,24 @@ impl DevCluster {
 
     /// The image's size in bytes, from `rbd info --format json`.
     pub fn image_size(&self, name: &str) -> u64 {
+        let size = &self.image_info(name, &["size"])[0];
+        size.parse().unwrap_or_else(|_| panic!("rbd info {}: size {size:?} is no number", self.spec(name)))
+    }
+
+    /// Fields `keys` of `rbd info --format json` of image `name` (numbers
+    /// and plain strings), in order; panics if rbd fails or a key is missing.
+    pub fn image_info(&self, name: &str, keys: &[&str]) -> Vec<String> {
         let out = expect_ok(
             &format!("rbd info {}", self.spec(name)),
             self.rbd(&["info", "--format", "json", &self.spec(name)]),
         );
         // {"name":"x","id":"...","size":1048576,...}: no JSON parser in this crate's dependencies.
-        let rest = out.split_once("\"size\":").map(|(_, r)| r).unwrap_or_else(|| panic!("no size in rbd info: {out}"));
-        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-        digits.parse().unwrap_or_else(|_| panic!("no size in rbd info: {out}"))
+        keys.iter()
+            .map(|key| {
+                let rest = out.split_once(&format!("\"{key}\":")).map(|(_, r)| r).unwrap_or_else(|| panic!("no {key} in rbd info: {out}"));
+                rest.trim_start_matches('"').chars().take_while(|ch| ch.is_ascii_alphanumeric() || *ch == '_' || *ch == '.').collect()
+            })
+            .collect()
     }
 
     /// Creates image `name` from `file`, its contents and size (`rbd import`; the image must not exist).

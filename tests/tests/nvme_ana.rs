@@ -219,13 +219,10 @@ fn rbd_gateway_nsid(
     let host = if host.contains(':') { format!("[{host}]") } else { host };
     let config = format!(
         "[target]\nname = \"{name}\"\nlisten = [\"nvme+tcp://{host}:0\"]\nnqn = \"{SUBNQN}\"\nnvme_cntlid_min = {}\nnvme_cntlid_max = {}\n\
-         [[volume]]\nname = \"shared\"\nbackend = \"rbd\"\npool = \"{}\"\nimage = \"{image}\"\nceph_conf = \"{}\"\nclient = \"{}\"\n\
-         lock_at_start = {lock_at_start}\n{}allow_any_host = true\n",
+         {}{}allow_any_host = true\n",
         cntlids.0,
         cntlids.1,
-        c.pool,
-        c.conf.display(),
-        c.client,
+        c.volume_block("shared", image, lock_at_start),
         nsid.map(|n| format!("nsid = {n}\n")).unwrap_or_default()
     );
     let path = dir.join(format!("{name}.toml"));

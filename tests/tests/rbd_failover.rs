@@ -49,14 +49,7 @@ fn options() -> ConnectOptions {
 }
 
 fn gateway_config(image: &str, lock_at_start: bool) -> String {
-    let c = cluster();
-    format!(
-        "{}reactors = 1\n[[volume]]\nname = \"shared\"\nbackend = \"rbd\"\npool = \"{}\"\nimage = \"{image}\"\nceph_conf = \"{}\"\nclient = \"{}\"\nlock_at_start = {lock_at_start}\nallow_any_host = true\n",
-        target_section(),
-        c.pool,
-        c.conf.display(),
-        c.client
-    )
+    format!("{}reactors = 1\n{}allow_any_host = true\n", target_section(), cluster().volume_block("shared", image, lock_at_start))
 }
 
 /// A block's bytes: block number, version, and a filler that depends on both.
