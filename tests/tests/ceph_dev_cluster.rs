@@ -93,7 +93,11 @@ fn fio_rbd_engine_writes_and_verifies_as_client_rdmablk() {
     let c = cluster();
     let name = c.unique_name("dev-cluster-fio");
     c.create_image(&name, 16 * MIB);
+    // fio saves its verify state in its working directory: a temporary one,
+    // not the source tree.
+    let work = tempfile::tempdir().unwrap();
     let out = Command::new("fio")
+        .current_dir(work.path())
         .env("CEPH_CONF", &c.conf)
         .args([
             "--name=dev-cluster",
