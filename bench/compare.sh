@@ -77,11 +77,13 @@
 #                   polled target and nbdkit null are not started); target 5
 #                   is the only one judged. A few minutes with --runtime 10
 #   --guest-halt-poll NS
-#                   in a KVM guest with the haltpoll cpuidle driver: let an
-#                   idle vCPU poll up to NS ns before it halts (the kernel's
-#                   default is 200000; some hosts boot guests with 0) for the
-#                   run, and restore the old value after. Applies to every
-#                   system measured; the header reports the value in force.
+#                   in a KVM guest whose haltpoll cpuidle governor is in
+#                   force (booted with cpuidle_haltpoll.force=1; refused
+#                   otherwise): let an idle vCPU poll up to NS ns before it
+#                   halts (the kernel's default is 200000; some hosts boot
+#                   guests with 0) for the run, and restore the old value
+#                   after. Applies to every system measured; the header
+#                   reports the idle polling in force.
 #
 # BIN=DIR takes rdmablk-bench, rdmablk-target, tcp-ceiling and rdmablk (the
 # CLI, for rdmablk nbd) from DIR (relative to the repository) instead of
@@ -106,7 +108,6 @@ REPEAT=1
 ONLY=()
 ONLY_NBD=0
 HALT_POLL_SET=""
-HALT_POLL_PARAM=/sys/module/haltpoll/parameters/guest_halt_poll_ns
 while [ $# -gt 0 ]; do
     case "$1" in
         --json) JSON_OUT=$(realpath -m "$2"); shift 2 ;;
@@ -193,17 +194,17 @@ trap cleanup EXIT
 # How a halted vCPU is woken costs a VM exit and a host wake-up; it is the
 # largest cost of every sleeping row on such a machine (docs/perf-log/what-moved-the-numbers.md).
 if [ -n "$HALT_POLL_SET" ]; then
-    [ -w "$HALT_POLL_PARAM" ] || { echo "compare.sh: --guest-halt-poll needs the haltpoll cpuidle driver and root ($HALT_POLL_PARAM)" >&2; exit 1; }
+    # The parameter exists whenever the governor is built in, and does
+    # nothing unless it is the one in force: refuse rather than report a
+    # setting that did not apply.
+    haltpoll_in_force || { echo "compare.sh: --guest-halt-poll needs the haltpoll cpuidle governor in force, and it is not: $(idle_polling); a KVM guest gets it by booting with cpuidle_haltpoll.force=1" >&2; exit 1; }
+    [ -w "$HALT_POLL_PARAM" ] || { echo "compare.sh: --guest-halt-poll needs root to write $HALT_POLL_PARAM" >&2; exit 1; }
     HALT_POLL_OLD=$(cat "$HALT_POLL_PARAM")
     echo "$HALT_POLL_SET" >"$HALT_POLL_PARAM"
 fi
-if [ -r "$HALT_POLL_PARAM" ]; then
-    HALT_POLL="guest_halt_poll_ns = $(cat "$HALT_POLL_PARAM")"
-    # Not `$(test && echo)`: under `set -e` its failure would end the script.
-    if [ -n "$HALT_POLL_SET" ]; then HALT_POLL+=" (set for this run; was $HALT_POLL_OLD)"; fi
-else
-    HALT_POLL="no haltpoll cpuidle driver"
-fi
+HALT_POLL=$(idle_polling)
+# Not `$(test && echo)`: under `set -e` its failure would end the script.
+if [ -n "$HALT_POLL_SET" ]; then HALT_POLL+=" (set for this run; was $HALT_POLL_OLD)"; fi
 
 # --- the file ------------------------------------------------------------------
 SIZE_BYTES=$(size_bytes "$SIZE")

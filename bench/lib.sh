@@ -1,4 +1,4 @@
-# Helpers shared by the bench scripts (compare.sh, ceiling.sh, per-io.sh, instr-per-io.sh, qd1-legs.sh, placement.sh); source it.
+# Helpers shared by the bench scripts (compare.sh, ceiling.sh, per-io.sh, instr-per-io.sh, qd1-legs.sh, placement.sh, vs-rbd.sh); source it.
 
 # A free TCP port on 127.0.0.1.
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -222,4 +222,29 @@ memory_cgroup() { # NAME BYTES
         return 0
     fi
     echo "$cg"
+}
+
+# How an idle vCPU waits, which prices every wake-up of a sleeping end
+# (docs/perf-log/what-moved-the-numbers.md#the-halted-vcpu). The haltpoll
+# governor polls guest_halt_poll_ns before it halts; under any other
+# governor, or with no cpuidle driver at all (a guest booted without
+# cpuidle_haltpoll.force=1 on a kernel with no other idle driver: an idle
+# vCPU halts at once), that parameter exists and does nothing.
+HALT_POLL_PARAM=/sys/module/haltpoll/parameters/guest_halt_poll_ns
+haltpoll_in_force() {
+    [ "$(cat /sys/devices/system/cpu/cpuidle/current_driver 2>/dev/null || echo none)" != none ] &&
+        [ "$(cat /sys/devices/system/cpu/cpuidle/current_governor 2>/dev/null)" = haltpoll ] && [ -r "$HALT_POLL_PARAM" ]
+}
+# One line for a run's header: what idle polling was in force.
+idle_polling() {
+    local driver governor
+    driver=$(cat /sys/devices/system/cpu/cpuidle/current_driver 2>/dev/null || echo none)
+    governor=$(cat /sys/devices/system/cpu/cpuidle/current_governor 2>/dev/null || echo none)
+    if haltpoll_in_force; then
+        echo "guest_halt_poll_ns = $(cat "$HALT_POLL_PARAM")"
+    elif [ "$driver" = none ]; then
+        echo "no idle polling (no cpuidle driver: an idle vCPU halts at once)"
+    else
+        echo "no guest halt polling (cpuidle driver $driver, governor $governor)"
+    fi
 }
