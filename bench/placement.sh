@@ -43,7 +43,7 @@ if [ -z "$PLACE_SERVER_CPU" ]; then
 fi
 IRQ=$PLACE_SERVER_CPU
 OTHERS=$PLACE_CLIENT_CPUS
-echo "==> the disk's interrupts: CPU $IRQ; the client's CPUs when split: $OTHERS; guest_halt_poll_ns: $(cat /sys/module/haltpoll/parameters/guest_halt_poll_ns 2>/dev/null || echo -)" >&2
+echo "==> the disk's interrupts: CPU $IRQ; the client's CPUs when split: $OTHERS; idle: $(idle_polling)" >&2
 
 WORK=$(mktemp -d)
 TPID=""

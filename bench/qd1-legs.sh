@@ -183,7 +183,7 @@ run_bound() {
     echo "bound $p50 $place $legs_out"
 }
 
-echo "# qd1-legs: volume $VOLUME, disk interrupts on CPU ${IRQ_CPU:-?}, guest_halt_poll_ns $(cat /sys/module/haltpoll/parameters/guest_halt_poll_ns 2>/dev/null || echo -)" >&2
+echo "# qd1-legs: volume $VOLUME, disk interrupts on CPU ${IRQ_CPU:-?}, $(idle_polling)" >&2
 for i in $(seq 1 "$ROUNDS"); do
     run_rdmablk
     run_bound
