@@ -271,9 +271,9 @@ print("TCG-emulated: compare the ratios within this table, not the absolute figu
 print()
 print("| case | fio rbd IOPS · mean lat µs | kernel NVMe/TCP → rdmablk-target (rbd) IOPS · mean lat µs | ratio rdmablk ÷ fio rbd: median (per round) |")
 print("|---|---:|---:|---:|")
-for c in cases:
-    f = [load(c, "fio-rbd", k) for k in range(1, rounds + 1)]
-    r = [load(c, "rdmablk", k) for k in range(1, rounds + 1)]
+# Every run of every case, read once for both tables: (fio rbd's, rdmablk's).
+runs = {c: tuple([load(c, s, k) for k in range(1, rounds + 1)] for s in ("fio-rbd", "rdmablk")) for c in cases}
+for c, (f, r) in runs.items():
     each = [b["iops"] / a["iops"] for a, b in zip(f, r)]
     cell = lambda xs: f"{med(x['iops'] for x in xs):,.0f} · {med(x['lat'] for x in xs):,.0f}"
     print(f"| {c} | {cell(f)} | {cell(r)} | **{med(each):.2f}** ({' '.join(f'{x:.2f}' for x in each)}) |")
@@ -287,9 +287,7 @@ print("The guest's CPU during the runs (medians of the rounds): all "
 print()
 print("| case | fio rbd: guest CPU busy · µs per I/O | rdmablk: guest CPU busy · µs per I/O | rdmablk-target's own µs per I/O |")
 print("|---|---:|---:|---:|")
-for c in cases:
-    f = [load(c, "fio-rbd", k) for k in range(1, rounds + 1)]
-    r = [load(c, "rdmablk", k) for k in range(1, rounds + 1)]
+for c, (f, r) in runs.items():
     cell = lambda xs: f"{med(x['util'] for x in xs):.0f}% · {med(x['cpu_us'] for x in xs):,.0f}"
     print(f"| {c} | {cell(f)} | {cell(r)} | {med(x['proc_us'] for x in r):,.0f} |")
 PY
