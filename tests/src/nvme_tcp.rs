@@ -519,6 +519,19 @@ impl NvmeTcpConn {
                         return Err(ConnError::Protocol(format!("C2HData for no outstanding command: {d:?}")));
                     };
                     let st = &mut states[i];
+                    // Linux's host (drivers/nvme/host/tcp.c) copies C2HData
+                    // into the request in arrival order and never reads
+                    // DATAO: data sent out of order lands at the wrong place
+                    // there, so this host refuses it.
+                    if d.offset as usize != st.received {
+                        return Err(ConnError::Protocol(format!(
+                            "C2HData at {}+{} for command {} after {} bytes of its data: not in order",
+                            d.offset,
+                            bytes.len(),
+                            st.cid,
+                            st.received
+                        )));
+                    }
                     let end = d.offset as usize + bytes.len();
                     if end > st.data.len() {
                         return Err(ConnError::Protocol(format!(
