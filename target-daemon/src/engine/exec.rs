@@ -26,7 +26,9 @@
 //!   the command's id is free afterwards.
 //!
 //! Ordering: a write's data is on the disk (durable with `fua`) when its
-//! `Done(Ok)` comes; a read's last piece comes with `last`. Commands are
+//! `Done(Ok)` comes; a read's pieces come in offset order, whichever the
+//! disk (or readahead) finished first, and the last with `last`: NVMe/TCP
+//! must send C2HData in order (Linux's host places it in arrival order). Commands are
 //! independent of one another, as on a disk. An owner that loses interest
 //! (its connection failed) calls [`Executor::abandon`]: what has not
 //! reached the disk is dropped, what has runs to completion, and `Done`
@@ -39,6 +41,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use arrayvec::ArrayVec;
 use rdmablk_common::protocol::SessionId;
 
 use super::pool::{ChunkId, PoolAccount};
@@ -223,6 +226,11 @@ struct Cmd {
     next: u32,
     /// Bytes finished (read from the disk; written to it).
     done: u32,
+    /// A read's bytes handed to the owner ([`Event::Read`]), in order.
+    emitted: u32,
+    /// A read's pieces finished ahead of an earlier one, held (still in
+    /// flight) until the pieces before them were handed out.
+    early: ArrayVec<ChunkId, { CHUNK_WINDOW as usize }>,
     /// Chunks or operations in flight: on the disk, on the blocking
     /// worker, or lent to the owner (a read's piece being sent, a write's
     /// being fetched, a buffer).
@@ -619,6 +627,8 @@ impl Executor {
             hold_key,
             next: 0,
             done: 0,
+            emitted: 0,
+            early: ArrayVec::new(),
             inflight: 0,
             error: None,
             abandoned: false,
@@ -1081,12 +1091,33 @@ impl Executor {
     }
 
     /// A read's chunk holds its piece (or, for the null backend, stands for
-    /// zeroes): the owner sends it. Stays counted in flight until `sent`.
+    /// zeroes): the owner sends it, once every piece before it went (a
+    /// piece finished early waits in `early`). Stays counted in flight
+    /// until `sent`.
     fn read_chunk_done(&mut self, ci: u32, chunk: ChunkId) {
+        let ChunkUse { off, len, .. } = self.chunk_use[chunk.0 as usize];
+        let cmd = self.cmd(ci);
+        cmd.done += len;
+        if off != cmd.emitted {
+            // At most CHUNK_WINDOW pieces are in flight, this one among them.
+            cmd.early.push(chunk);
+            return;
+        }
+        self.emit_read(ci, chunk);
+        loop {
+            let cmd = self.cmds[ci as usize].as_ref().expect("live command");
+            let Some(i) = cmd.early.iter().position(|c| self.chunk_use[c.0 as usize].off == cmd.emitted) else { break };
+            let next = self.cmd(ci).early.swap_remove(i);
+            self.emit_read(ci, next);
+        }
+    }
+
+    /// Hands a read's next piece in order to its owner.
+    fn emit_read(&mut self, ci: u32, chunk: ChunkId) {
         let use_ = self.chunk_use[chunk.0 as usize];
         let cmd = self.cmd(ci);
-        cmd.done += use_.len;
-        let last = cmd.done == cmd.len;
+        cmd.emitted += use_.len;
+        let last = cmd.emitted == cmd.len;
         if last {
             self.record_io(ci, true);
         }
@@ -1130,7 +1161,13 @@ impl Executor {
     fn progress(&mut self, ci: u32) {
         let Some(cmd) = self.cmds.get(ci as usize).and_then(|c| c.as_ref()) else { return };
         if cmd.error.is_some() || cmd.abandoned {
-            if cmd.in_waitq {
+            // The pieces held for an earlier one that failed (or whose
+            // owner left) are never sent.
+            while let Some(c) = self.cmd(ci).early.pop() {
+                self.cmd(ci).inflight -= 1;
+                self.engine.pool_mut().release(c);
+            }
+            if self.cmd(ci).in_waitq {
                 self.waitq.retain(|&x| x != ci);
                 self.cmd(ci).in_waitq = false;
             }
@@ -1462,6 +1499,104 @@ mod tests {
         assert_eq!(seen, len);
         events(&mut exec, 1);
         assert!(matches!(exec.pop_event(), Some((_, id, Event::Done { result: Ok(()), .. })) if id == r));
+    }
+
+    /// An executor with readahead (4 MiB) over a file volume of `size`
+    /// bytes of random content; returns the content too.
+    fn executor_on_file(dir: &std::path::Path, size: usize) -> (Executor, u16, Vec<u8>) {
+        use rand::RngCore;
+        let mut content = vec![0u8; size];
+        rand::rngs::OsRng.fill_bytes(&mut content);
+        let path = dir.join("vol.img");
+        std::fs::write(&path, &content).unwrap();
+        let text = format!(
+            "[target]\nlisten = [\"tcp://127.0.0.1:0\"]\n[[volume]]\nname = \"f\"\nbackend = \"file\"\npath = \"{}\"\nsize = {size}\nallow_any_host = true\n",
+            path.display()
+        );
+        let config = Config::parse(&text, "test").unwrap();
+        let set = VolumeSet::new(1, open_volumes(&config).unwrap()).with_access(Arc::new(AccessPolicy::load(&config).unwrap()));
+        let opts = super::super::uring::UringOptions { entries: 64, file_slots: 64, ..Default::default() };
+        let engine = BlockEngine::new(super::super::pool::Pool::new(64 << 17, 1 << 17), opts, 0).unwrap();
+        let settings = Settings {
+            id: 0,
+            volume_slots: 64,
+            pool_share: u32::MAX,
+            host_pool_share: u32::MAX,
+            chunk_wait_timeout: Duration::from_secs(5),
+            readahead: 4 << 20,
+        };
+        let exec = Executor::new(engine, settings, Arc::new(Publication::new(set)), Arc::new(ReactorStats::default()));
+        let slot = exec.slot_of_index(0).unwrap();
+        (exec, slot, content)
+    }
+
+    /// Reads `len` at `offset` to its Done, giving each piece back; returns
+    /// the pieces' (offset, bytes) as they came.
+    fn read_all(exec: &mut Executor, vslot: u16, offset: u64, len: u32) -> Vec<(u32, Vec<u8>)> {
+        let r = exec.submit(Owner { transport: 1, tag: 2 }, request(Op::Read, vslot, offset, len)).unwrap();
+        let mut pieces = Vec::new();
+        loop {
+            events(exec, 1);
+            match exec.pop_event() {
+                Some((_, id, Event::Read { chunk, off, len, .. })) if id == r => {
+                    pieces.push((off, exec.bytes(chunk)[..len as usize].to_vec()));
+                    exec.sent(chunk);
+                }
+                Some((_, id, Event::Done { result: Ok(()), .. })) if id == r => return pieces,
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    /// Three reads of a chunk from 0 make a sequential stream; returns once
+    /// the chunks read ahead of it (from 3 chunks on) are in.
+    fn stream_with_chunks_read_ahead(exec: &mut Executor, vslot: u16) {
+        for k in 0..3u64 {
+            read_all(exec, vslot, k << 17, 1 << 17);
+        }
+        assert!(exec.readahead.counters.issued > 0, "the stream read nothing ahead");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while exec.vols.slots[vslot as usize].as_ref().expect("live volume slot").inflight > 0 {
+            assert!(Instant::now() < deadline, "reads ahead still in flight after 10 s");
+            exec.engine_mut().submit().unwrap();
+            exec.reap();
+        }
+    }
+
+    #[test]
+    fn a_reads_pieces_come_in_order_when_a_later_one_was_read_ahead() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut exec, vslot, content) = executor_on_file(dir.path(), 4 << 20);
+        stream_with_chunks_read_ahead(&mut exec, vslot);
+        let hits = exec.readahead.counters.hits;
+        // Piece 0 (2.5 to 3.5 chunks) is read from the disk; piece 1 (3.5
+        // to 3.625) comes from the chunk read ahead at 3, at once.
+        let (offset, len) = (5 << 16, (1 << 17) + (16 << 10));
+        let pieces = read_all(&mut exec, vslot, offset, len);
+        assert_eq!(exec.readahead.counters.hits, hits + 1, "the second piece was not served from readahead");
+        let offsets: Vec<u32> = pieces.iter().map(|p| p.0).collect();
+        assert_eq!(offsets, [0, 1 << 17], "the pieces' order");
+        let got: Vec<u8> = pieces.into_iter().flat_map(|p| p.1).collect();
+        assert!(got == content[offset as usize..][..len as usize], "the read's bytes");
+    }
+
+    #[test]
+    fn an_abandoned_read_gives_back_a_piece_held_for_an_earlier_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut exec, vslot, _) = executor_on_file(dir.path(), 4 << 20);
+        stream_with_chunks_read_ahead(&mut exec, vslot);
+        let hits = exec.readahead.counters.hits;
+        let r = exec.submit(Owner { transport: 1, tag: 4 }, request(Op::Read, vslot, 5 << 16, (1 << 17) + (16 << 10))).unwrap();
+        // Piece 1 is in, held for piece 0, which is at the disk.
+        assert_eq!(exec.readahead.counters.hits, hits + 1);
+        assert!(exec.pop_event().is_none(), "a piece handed out before the one ahead of it");
+        exec.abandon(r);
+        events(&mut exec, 1);
+        assert!(matches!(exec.pop_event(), Some((_, id, Event::Done { result: Err(ErrorKind::ShuttingDown), .. })) if id == r));
+        assert_eq!(exec.live(), 0);
+        // Both pieces' chunks are back: every chunk is free or readahead's.
+        let pool = exec.engine().pool();
+        assert_eq!(pool.free_count() + exec.readahead.held(), pool.capacity());
     }
 
     #[test]
