@@ -1088,7 +1088,7 @@ mod tests {
             assert_eq!((e.opcode, e.nsid, e.slba(), e.block_count()), (io_opcode::READ, 3, 10, 2));
             assert_eq!(e.sgl().unwrap(), Sgl::Transport { length: 8192 });
             let payload: Vec<u8> = (0..8192u32).map(|i| i as u8).collect();
-            for (off, last) in [(4096usize, false), (0, true)] {
+            for (off, last) in [(0usize, false), (4096, true)] {
                 let d = DataPdu { cccid: e.cid, ttag: 0, offset: off as u32, length: 4096, last, success: false };
                 peer.send_pdu(&Pdu::C2HData(d), &payload[off..off + 4096]);
             }
@@ -1096,6 +1096,22 @@ mod tests {
         });
         let back = c.read(3, 10, 2, 4096).unwrap();
         assert!(back.iter().enumerate().all(|(i, &b)| b == i as u8));
+    }
+
+    #[test]
+    fn c2h_data_out_of_order_is_a_protocol_violation() {
+        let mut c = with_peer(Digests { header: false, data: false }, |peer| {
+            let (pdu, _) = peer.recv_pdu().unwrap();
+            let Pdu::CapsuleCmd(e) = pdu else { panic!("{pdu:?}") };
+            // The second half first: Linux's host would copy it to the start.
+            let d = DataPdu { cccid: e.cid, ttag: 0, offset: 4096, length: 4096, last: false, success: false };
+            peer.send_pdu(&Pdu::C2HData(d), &[1u8; 4096]);
+        });
+        let e = rw_entry(io_opcode::READ, 1, 0, 2, false);
+        match c.execute_raw(Cmd::new(e, &[], &[], 8192).sqe, &[], &[], 8192) {
+            Err(ConnError::Protocol(m)) => assert!(m.contains("at 4096+4096") && m.contains("after 0 bytes") && m.contains("not in order"), "{m}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
