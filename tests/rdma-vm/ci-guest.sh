@@ -143,6 +143,9 @@
 # the variable RDMABLK_NVME_RDMA_TESTS, ...) is shown SKIPPED unless its -e is
 # given. Without --script (tests/rdma-vm/ci.sh -e 'RDMABLK_CI_STEPS=nvme-rdma-*')
 # ci-build.sh builds everything and gives every executable.
+# RDMABLK_CI_REPEAT=N (with RDMABLK_CI_STEPS) runs each named step up to N
+# times and stops at its first failure, whose files ($WORK) are left as the
+# step left them: a hunt for a rare failure.
 set -u
 SELF=$(readlink -f "$0")
 SIP=${RDMAVM_SERVER_IP:-10.77.0.1}
@@ -931,12 +934,19 @@ if [[ -n ${RDMABLK_CI_STEPS:-} ]]; then
                 return 0
             fi
         done
-        _ci_step "$@"
+        local round repeat=${RDMABLK_CI_REPEAT:-1}
+        [[ $1 != scratch-fs ]] || repeat=1
+        for ((round = 1; round <= repeat; round++)); do
+            if ! _ci_step "$@"; then
+                [[ $repeat -eq 1 ]] || echo "RDMABLK_CI_REPEAT: $1 failed in round $round of $repeat"
+                return 1
+            fi
+        done
     }
     skip() { _ci_selected "$1" || return 0; _ci_skip "$@"; }
     : "${RDMABLK_CONFORMANCE:=}" "${RDMABLK_DATA_PATH:=}" "${RDMABLK_BAD_COMMANDS:=}" "${RDMABLK_SCOPING:=}"
     : "${RDMABLK_FENCE:=}" "${RDMABLK_COMMAND_SLOTS:=}" "${RDMABLK_CAPACITY:=}" "${RDMABLK_NVME_RDMA_TESTS:=}"
-    echo "RDMABLK_CI_STEPS: only scratch-fs $RDMABLK_CI_STEPS"
+    echo "RDMABLK_CI_STEPS: only scratch-fs $RDMABLK_CI_STEPS${RDMABLK_CI_REPEAT:+, each up to $RDMABLK_CI_REPEAT times}"
 fi
 step scratch-fs --timeout 120 bash "$SELF" scratch_fs || rc=1
 counters >"$RES/counters.before"
