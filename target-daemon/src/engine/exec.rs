@@ -374,6 +374,12 @@ impl Executor {
     /// chunks of `chunk`. For tests and harnesses that drive a front end's
     /// queue directly.
     pub fn standalone(publication: Arc<Publication>, pool: usize, chunk: usize) -> Result<Executor> {
+        Executor::standalone_with_readahead(publication, pool, chunk, 0)
+    }
+
+    /// [`Executor::standalone`] reading up to `readahead` bytes ahead of
+    /// sequential streams of file volumes.
+    pub fn standalone_with_readahead(publication: Arc<Publication>, pool: usize, chunk: usize, readahead: u64) -> Result<Executor> {
         let opts = super::uring::UringOptions { entries: 64, file_slots: 64, ..Default::default() };
         let engine = BlockEngine::new(super::pool::Pool::new(pool, chunk), opts, 0)?;
         let settings = Settings {
@@ -382,7 +388,7 @@ impl Executor {
             pool_share: u32::MAX,
             host_pool_share: u32::MAX,
             chunk_wait_timeout: Duration::from_secs(5),
-            readahead: 0,
+            readahead,
         };
         Ok(Executor::new(engine, settings, publication, Arc::new(ReactorStats::default())))
     }
@@ -1515,17 +1521,7 @@ mod tests {
         );
         let config = Config::parse(&text, "test").unwrap();
         let set = VolumeSet::new(1, open_volumes(&config).unwrap()).with_access(Arc::new(AccessPolicy::load(&config).unwrap()));
-        let opts = super::super::uring::UringOptions { entries: 64, file_slots: 64, ..Default::default() };
-        let engine = BlockEngine::new(super::super::pool::Pool::new(64 << 17, 1 << 17), opts, 0).unwrap();
-        let settings = Settings {
-            id: 0,
-            volume_slots: 64,
-            pool_share: u32::MAX,
-            host_pool_share: u32::MAX,
-            chunk_wait_timeout: Duration::from_secs(5),
-            readahead: 4 << 20,
-        };
-        let exec = Executor::new(engine, settings, Arc::new(Publication::new(set)), Arc::new(ReactorStats::default()));
+        let exec = Executor::standalone_with_readahead(Arc::new(Publication::new(set)), 64 << 17, 1 << 17, 4 << 20).unwrap();
         let slot = exec.slot_of_index(0).unwrap();
         (exec, slot, content)
     }
