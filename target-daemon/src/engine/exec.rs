@@ -28,8 +28,8 @@
 //! Ordering: a write's data is on the disk (durable with `fua`) when its
 //! `Done(Ok)` comes; a read's pieces come in offset order, whichever the
 //! disk (or readahead) finished first, and the last with `last`: NVMe/TCP
-//! must send C2HData in order (Linux's host places it in arrival order). Commands are
-//! independent of one another, as on a disk. An owner that loses interest
+//! must send C2HData in order (Linux's host places it in arrival order).
+//! Commands are independent of one another, as on a disk. An owner that loses interest
 //! (its connection failed) calls [`Executor::abandon`]: what has not
 //! reached the disk is dropped, what has runs to completion, and `Done`
 //! says whether any of it reached the disk.
@@ -1544,6 +1544,11 @@ mod tests {
         }
     }
 
+    /// A read of 144 KiB at 2.5 chunks, after `stream_with_chunks_read_ahead`:
+    /// piece 0 (2.5 to 3.5 chunks) is read from the disk, piece 1 (3.5 to
+    /// 3.625) comes from the chunk read ahead at 3, at once.
+    const SPLIT_READ: (u64, u32) = (5 << 16, (1 << 17) + (16 << 10));
+
     /// Three reads of a chunk from 0 make a sequential stream; returns once
     /// the chunks read ahead of it (from 3 chunks on) are in.
     fn stream_with_chunks_read_ahead(exec: &mut Executor, vslot: u16) {
@@ -1565,9 +1570,7 @@ mod tests {
         let (mut exec, vslot, content) = executor_on_file(dir.path(), 4 << 20);
         stream_with_chunks_read_ahead(&mut exec, vslot);
         let hits = exec.readahead.counters.hits;
-        // Piece 0 (2.5 to 3.5 chunks) is read from the disk; piece 1 (3.5
-        // to 3.625) comes from the chunk read ahead at 3, at once.
-        let (offset, len) = (5 << 16, (1 << 17) + (16 << 10));
+        let (offset, len) = SPLIT_READ;
         let pieces = read_all(&mut exec, vslot, offset, len);
         assert_eq!(exec.readahead.counters.hits, hits + 1, "the second piece was not served from readahead");
         let offsets: Vec<u32> = pieces.iter().map(|p| p.0).collect();
@@ -1582,7 +1585,7 @@ mod tests {
         let (mut exec, vslot, _) = executor_on_file(dir.path(), 4 << 20);
         stream_with_chunks_read_ahead(&mut exec, vslot);
         let hits = exec.readahead.counters.hits;
-        let r = exec.submit(Owner { transport: 1, tag: 4 }, request(Op::Read, vslot, 5 << 16, (1 << 17) + (16 << 10))).unwrap();
+        let r = exec.submit(Owner { transport: 1, tag: 4 }, request(Op::Read, vslot, SPLIT_READ.0, SPLIT_READ.1)).unwrap();
         // Piece 1 is in, held for piece 0, which is at the disk.
         assert_eq!(exec.readahead.counters.hits, hits + 1);
         assert!(exec.pop_event().is_none(), "a piece handed out before the one ahead of it");
